@@ -1,0 +1,413 @@
+//! Wire types of the HTTP API, shared by the server (which documents them
+//! in OpenAPI), the agent and the CLI, so the three cannot drift apart.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::catalog::Vendor;
+use crate::id::{GpuId, InstanceId, KeyId, NodeId, TenantId};
+use crate::instance::{BillingClass, InstanceState};
+use crate::node::NodeState;
+use crate::tenant::Role;
+
+/// One page of a list. Pass `next_cursor` back as `cursor` for the next
+/// page; it is absent on the last page.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Page<T> {
+    /// The items of this page, oldest first.
+    pub items: Vec<T>,
+    /// Cursor of the next page, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// The error body of every non-2xx answer.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// What went wrong.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    /// Machine-readable code, e.g. `invalid_field`, `not_found`,
+    /// `quota_exceeded`, `conflict`, `rate_limited`.
+    pub code: String,
+    /// One human sentence.
+    pub message: String,
+    /// Structured context, e.g. `{"field": "gpus"}`.
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub details: serde_json::Value,
+}
+
+/// A tenant.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Tenant {
+    /// Id.
+    pub id: TenantId,
+    /// Unique DNS-label name.
+    pub name: String,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+}
+
+/// Create a tenant (operators only).
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTenant {
+    /// Unique DNS-label name.
+    pub name: String,
+}
+
+/// An API key's public description; the secret is never shown again.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ApiKey {
+    /// Id.
+    pub id: KeyId,
+    /// Owning tenant.
+    pub tenant_id: TenantId,
+    /// What it may do.
+    pub role: Role,
+    /// Free-form label.
+    pub name: String,
+    /// The first characters of the secret, to recognise it.
+    pub prefix: String,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+    /// Set once revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+/// Create an API key.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateApiKey {
+    /// Tenant the key acts for; default: the caller's tenant. Only
+    /// operators may name another tenant.
+    #[serde(default)]
+    pub tenant_id: Option<TenantId>,
+    /// Role of the new key.
+    pub role: Role,
+    /// Label (default: empty).
+    #[serde(default)]
+    pub name: String,
+}
+
+/// A freshly created key: the only time the secret is shown.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CreatedApiKey {
+    /// The key's description.
+    pub key: ApiKey,
+    /// The bearer secret. Store it now: only its hash is kept.
+    pub secret: String,
+}
+
+/// A tenant's quota and what it uses now.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct QuotaView {
+    /// Tenant.
+    pub tenant_id: TenantId,
+    /// Limits.
+    pub quota: crate::quota::Quota,
+    /// GPUs held by live instances.
+    pub usage: crate::quota::Usage,
+}
+
+/// A catalog model with the pool's capacity.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct GpuTypeView {
+    /// The catalog entry.
+    #[serde(flatten)]
+    pub model: crate::catalog::GpuModel,
+    /// GPUs of this model on ready nodes.
+    pub total: u32,
+    /// Of those, not held by any instance.
+    pub free: u32,
+}
+
+/// One GPU of a node.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Gpu {
+    /// Id.
+    pub id: GpuId,
+    /// Index on the node (what `CUDA_VISIBLE_DEVICES` names).
+    pub index: u32,
+    /// Catalog model.
+    pub model: String,
+    /// Device UUID (`GPU-…`), simulated ones included.
+    pub uuid: String,
+    /// Memory in MiB.
+    pub memory_mib: u64,
+    /// Instance holding it, if any (hidden from other tenants).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<InstanceId>,
+}
+
+/// A node.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Node {
+    /// Id.
+    pub id: NodeId,
+    /// Name, unique, usually the hostname.
+    pub name: String,
+    /// Region.
+    pub region: String,
+    /// Node pool.
+    pub pool: String,
+    /// Liveness.
+    pub state: NodeState,
+    /// Out of scheduling.
+    pub cordoned: bool,
+    /// GPUs are simulated (no real device behind them).
+    pub simulated: bool,
+    /// CPU capacity in milli-cores.
+    pub cpu_milli: u64,
+    /// Memory capacity in MiB.
+    pub memory_mb: u64,
+    /// Last heartbeat.
+    pub last_heartbeat_at: DateTime<Utc>,
+    /// Registration time.
+    pub created_at: DateTime<Utc>,
+    /// Its GPUs.
+    pub gpus: Vec<Gpu>,
+}
+
+/// One lifecycle transition.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct InstanceEvent {
+    /// State entered.
+    pub state: InstanceState,
+    /// Why.
+    pub reason: String,
+    /// When.
+    pub at: DateTime<Utc>,
+}
+
+/// An instance.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Instance {
+    /// Id.
+    pub id: InstanceId,
+    /// Owner.
+    pub tenant_id: TenantId,
+    /// Display name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Current state.
+    pub state: InstanceState,
+    /// Why it is in that state (for `pending`: why it is not placed).
+    pub state_reason: String,
+    /// GPUs asked for.
+    pub gpus: u32,
+    /// Acceptable models (empty: any).
+    pub gpu_types: Vec<String>,
+    /// CPU in milli-cores.
+    pub cpu_milli: u32,
+    /// Memory in MiB.
+    pub memory_mb: u64,
+    /// Program and arguments.
+    pub command: Vec<String>,
+    /// Extra environment.
+    pub env: BTreeMap<String, String>,
+    /// Working directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// Billing class.
+    pub billing_class: BillingClass,
+    /// Node it runs on, once scheduled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<NodeId>,
+    /// Model it got, once scheduled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_model: Option<String>,
+    /// GPUs it holds (or held), once scheduled.
+    pub gpu_ids: Vec<GpuId>,
+    /// Exit status, once exited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// A stop was requested.
+    pub stop_requested: bool,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+    /// When it started running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<DateTime<Utc>>,
+    /// When it reached a final state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<DateTime<Utc>>,
+    /// Every transition, oldest first.
+    pub events: Vec<InstanceEvent>,
+}
+
+/// Which output a log line came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum LogStream {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// One line of an instance's output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct LogLine {
+    /// Position in the instance's log, from 0, without gaps.
+    pub seq: u64,
+    /// Source.
+    pub stream: LogStream,
+    /// When the agent read it.
+    pub at: DateTime<Utc>,
+    /// The text, without the newline.
+    pub line: String,
+}
+
+// ---- Agent protocol -------------------------------------------------------
+
+/// A GPU the agent found (or simulates).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveredGpu {
+    /// Index on the node.
+    pub index: u32,
+    /// Catalog model.
+    pub model: String,
+    /// Device UUID.
+    pub uuid: String,
+    /// Memory in MiB.
+    pub memory_mib: u64,
+    /// Vendor.
+    pub vendor: Vendor,
+}
+
+/// Sent by an agent when it starts, and again when the server forgot it.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterNode {
+    /// Node name, unique in the deployment; re-registering the same name
+    /// re-attaches to the same node.
+    pub name: String,
+    /// Region (default `local`).
+    #[serde(default)]
+    pub region: Option<String>,
+    /// Node pool (default `default`).
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// CPU capacity in milli-cores.
+    pub cpu_milli: u64,
+    /// Memory capacity in MiB.
+    pub memory_mb: u64,
+    /// GPUs are simulated.
+    pub simulated: bool,
+    /// The GPUs.
+    pub gpus: Vec<DiscoveredGpu>,
+    /// Agent version.
+    #[serde(default)]
+    pub agent_version: String,
+}
+
+/// The server's answer to a registration.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Registered {
+    /// The node's id.
+    pub node_id: NodeId,
+    /// How often to sync, at least.
+    pub heartbeat_interval_ms: u64,
+}
+
+/// What the agent observed of one instance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(tag = "phase", rename_all = "snake_case")]
+pub enum ObservedPhase {
+    /// The process is being spawned.
+    Starting,
+    /// The process runs.
+    Running {
+        /// Its process id.
+        pid: u32,
+    },
+    /// The process exited (`signal` set when a signal ended it).
+    Exited {
+        /// Exit status (128 + signal when killed by one).
+        code: i32,
+        /// The stop was requested by the server.
+        stopped: bool,
+    },
+    /// The process could not be started.
+    FailedToStart {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// One instance as the agent sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ObservedInstance {
+    /// Instance.
+    pub instance_id: InstanceId,
+    /// Its phase.
+    #[serde(flatten)]
+    pub phase: ObservedPhase,
+    /// When the agent saw this phase begin.
+    pub at: DateTime<Utc>,
+}
+
+/// An agent's periodic report; the answer is its desired work.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SyncRequest {
+    /// Every instance the agent knows of that the server last assigned,
+    /// and finished ones until the server stops assigning them.
+    pub observed: Vec<ObservedInstance>,
+    /// Long-poll: how long the server may hold the answer when nothing
+    /// changed (capped at 30 s; 0 answers at once).
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+/// Work the server wants on a node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Assignment {
+    /// Instance.
+    pub instance_id: InstanceId,
+    /// Program and arguments.
+    pub command: Vec<String>,
+    /// Extra environment (device variables are added by the agent).
+    pub env: BTreeMap<String, String>,
+    /// Working directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// Node-local GPU indices it owns.
+    pub gpu_indices: Vec<u32>,
+    /// Their UUIDs, in the same order.
+    pub gpu_uuids: Vec<String>,
+    /// The server wants it stopped (SIGTERM, grace, SIGKILL).
+    pub stop: bool,
+    /// Grace between SIGTERM and SIGKILL, in milliseconds.
+    pub stop_grace_ms: u64,
+}
+
+/// The server's answer to a sync.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SyncResponse {
+    /// Every instance the node should run or stop. An instance absent
+    /// here that the agent still runs is orphaned and gets stopped.
+    pub assignments: Vec<Assignment>,
+    /// The node is unknown (e.g. the database was reset): register again.
+    #[serde(default)]
+    pub reregister: bool,
+}
+
+/// Log lines pushed by an agent.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LogBatch {
+    /// The lines, `seq` consecutive; lines the server already has are
+    /// ignored, so a batch may be resent safely.
+    pub lines: Vec<LogLine>,
+}

@@ -1,0 +1,127 @@
+//! Prefixed, sortable identifiers (`ten_01J…`). The prefix names the kind so
+//! an id pasted in the wrong place is caught at the edge, and the ULID body
+//! sorts by creation time, which gives keyset pagination for free.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::error::FieldError;
+
+macro_rules! prefixed_id {
+    ($(#[$doc:meta])* $name:ident, $prefix:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, utoipa::ToSchema)]
+        #[schema(value_type = String, example = json!(concat!($prefix, "01jd3x7k2q9v8m4n6p5r0s1t2w")))]
+        pub struct $name(String);
+
+        impl $name {
+            /// The prefix every id of this kind starts with.
+            pub const PREFIX: &'static str = $prefix;
+
+            /// A new id whose ULID body encodes `now_ms` and `random`.
+            /// Callers pass time and randomness so this stays pure.
+            pub fn generate(now_ms: u64, random: u128) -> Self {
+                let ulid = ulid::Ulid::from_parts(now_ms, random);
+                Self(format!("{}{}", $prefix, ulid.to_string().to_lowercase()))
+            }
+
+            /// Parses and validates an id; `field` names the value in errors.
+            pub fn parse(s: &str, field: &str) -> Result<Self, FieldError> {
+                let body = s.strip_prefix($prefix).ok_or_else(|| {
+                    FieldError::new(field, format!("must be an id starting with `{}`", $prefix))
+                })?;
+                ulid::Ulid::from_string(body)
+                    .map_err(|_| FieldError::new(field, format!("`{s}` is not a valid id")))?;
+                Ok(Self(s.to_ascii_lowercase()))
+            }
+
+            /// The id as stored and sent.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+
+            /// Wraps a value read back from the store, which only ever holds
+            /// ids this type produced.
+            pub fn from_trusted(s: String) -> Self {
+                Self(s)
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = FieldError;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Self::parse(s, "id")
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(&self.0)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let s = String::deserialize(d)?;
+                Self::parse(&s, "id").map_err(|e| serde::de::Error::custom(e.message))
+            }
+        }
+    };
+}
+
+prefixed_id!(
+    /// A tenant: the unit of isolation, quota and billing.
+    TenantId, "ten_");
+prefixed_id!(
+    /// An API key (the public half; the secret is never stored).
+    KeyId, "key_");
+prefixed_id!(
+    /// A node: one machine running a Flotilla agent.
+    NodeId, "node_");
+prefixed_id!(
+    /// One physical GPU on a node.
+    GpuId, "gpu_");
+prefixed_id!(
+    /// An instance: GPUs rented by a tenant, running one command.
+    InstanceId, "inst_");
+prefixed_id!(
+    /// A node pool: a group of alike nodes in a region.
+    PoolId, "pool_");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip_and_sort_by_time() {
+        let a = InstanceId::generate(1_000, 7);
+        let b = InstanceId::generate(2_000, 1);
+        assert!(a.as_str().starts_with("inst_"));
+        assert!(a < b, "later ids sort after earlier ones");
+        assert_eq!(InstanceId::parse(a.as_str(), "id").unwrap(), a);
+    }
+
+    #[test]
+    fn wrong_prefix_and_garbage_name_the_field() {
+        let t = TenantId::generate(1, 1);
+        let e = InstanceId::parse(t.as_str(), "instance_id").unwrap_err();
+        assert_eq!(e.field, "instance_id");
+        assert!(e.message.contains("inst_"));
+        let e = InstanceId::parse("inst_notaulid", "instance_id").unwrap_err();
+        assert!(e.message.contains("not a valid id"));
+    }
+}

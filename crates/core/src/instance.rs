@@ -1,0 +1,346 @@
+//! Instances: N whole GPUs of a model rented by a tenant, running one
+//! command. This module holds the lifecycle rules and the validation of a
+//! create request; the server records, the agent executes.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::catalog::Catalog;
+use crate::error::FieldError;
+
+/// Where an instance is in its life. Every change is recorded with a
+/// timestamp and a reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum InstanceState {
+    /// Recorded, waiting for GPUs; the reason says why it is not placed.
+    Pending,
+    /// GPUs on a node are reserved; the node's agent has not started it.
+    Scheduled,
+    /// The agent is starting the command.
+    Starting,
+    /// The command runs.
+    Running,
+    /// The command exited with status 0.
+    Succeeded,
+    /// The command exited non-zero, could not start, or was killed.
+    Failed,
+    /// Stopped on request.
+    Stopped,
+    /// The node stopped answering; if its agent returns and the command
+    /// still runs, the instance goes back to `running`.
+    Lost,
+}
+
+impl InstanceState {
+    /// Every state, in lifecycle order.
+    pub const ALL: [InstanceState; 8] = [
+        Self::Pending,
+        Self::Scheduled,
+        Self::Starting,
+        Self::Running,
+        Self::Succeeded,
+        Self::Failed,
+        Self::Stopped,
+        Self::Lost,
+    ];
+
+    /// Stable lowercase name, as stored and sent.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Scheduled => "scheduled",
+            Self::Starting => "starting",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Stopped => "stopped",
+            Self::Lost => "lost",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+
+    /// Final states: nothing runs and no GPU is held.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Stopped)
+    }
+
+    /// States in which the instance holds GPUs.
+    pub fn holds_gpus(self) -> bool {
+        matches!(self, Self::Scheduled | Self::Starting | Self::Running)
+    }
+
+    /// Whether the lifecycle allows going from `self` to `next`.
+    pub fn can_transition_to(self, next: Self) -> bool {
+        use InstanceState::*;
+        match (self, next) {
+            (Pending, Scheduled | Stopped | Failed) => true,
+            (Scheduled, Starting | Running | Succeeded | Failed | Stopped | Lost) => true,
+            (Starting, Running | Succeeded | Failed | Stopped | Lost) => true,
+            (Running, Succeeded | Failed | Stopped | Lost) => true,
+            // An agent that returns may report the command still running, or
+            // its exit while the node was away.
+            (Lost, Running | Succeeded | Failed | Stopped) => true,
+            _ => false,
+        }
+    }
+}
+
+/// How the instance is to be billed; recorded now, priced by billing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum BillingClass {
+    /// Pay per second at the on-demand price.
+    #[default]
+    OnDemand,
+    /// Cheaper, may be preempted.
+    Spot,
+    /// Drawn from a reserved commitment.
+    Reserved,
+}
+
+impl BillingClass {
+    /// Stable lowercase name, as stored and sent.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::OnDemand => "on_demand",
+            Self::Spot => "spot",
+            Self::Reserved => "reserved",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        [Self::OnDemand, Self::Spot, Self::Reserved]
+            .into_iter()
+            .find(|b| b.as_str() == s)
+    }
+}
+
+/// Largest GPU count one instance may ask for (one node).
+pub const MAX_GPUS_PER_INSTANCE: u32 = 64;
+/// Largest number of command words.
+pub const MAX_COMMAND_WORDS: usize = 1024;
+/// Largest number of environment variables.
+pub const MAX_ENV_VARS: usize = 256;
+
+/// Variables the agent sets itself; a user may not override them, or the
+/// instance could see GPUs it does not own.
+pub const RESERVED_ENV: [&str; 3] = [
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+];
+
+/// What a tenant asks for when creating an instance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateInstance {
+    /// Optional DNS-label name, unique only for display.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Whole GPUs, all of one model, on one node (1–64).
+    pub gpus: u32,
+    /// Acceptable GPU models (any of them); empty or absent: any model.
+    #[serde(default)]
+    pub gpu_types: Vec<String>,
+    /// CPU in thousandths of a core (default 1000).
+    #[serde(default)]
+    pub cpu_milli: Option<u32>,
+    /// Memory in MiB (default 1024).
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    /// Program and arguments, run without a shell.
+    pub command: Vec<String>,
+    /// Extra environment variables.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory on the node (absolute path); default: the
+    /// agent's per-instance directory.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// Billing class (default `on_demand`).
+    #[serde(default)]
+    pub billing_class: BillingClass,
+}
+
+/// A create request after validation: names resolved, defaults applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InstanceSpec {
+    /// Display name.
+    pub name: Option<String>,
+    /// GPU count.
+    pub gpus: u32,
+    /// Canonical catalog names; empty: any.
+    pub gpu_types: Vec<String>,
+    /// CPU in milli-cores.
+    pub cpu_milli: u32,
+    /// Memory in MiB.
+    pub memory_mb: u64,
+    /// Program and arguments.
+    pub command: Vec<String>,
+    /// Environment.
+    pub env: BTreeMap<String, String>,
+    /// Working directory.
+    pub workdir: Option<String>,
+    /// Billing class.
+    pub billing_class: BillingClass,
+}
+
+fn valid_env_name(k: &str) -> bool {
+    let mut chars = k.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+impl CreateInstance {
+    /// Validates against the catalog and fills in defaults. Every error
+    /// names the JSON path of the value at fault.
+    pub fn validate(self, catalog: &Catalog) -> Result<InstanceSpec, FieldError> {
+        if let Some(name) = &self.name {
+            crate::tenant::validate_name(name, "name")?;
+        }
+        if self.gpus == 0 || self.gpus > MAX_GPUS_PER_INSTANCE {
+            return Err(FieldError::new(
+                "gpus",
+                format!("must be between 1 and {MAX_GPUS_PER_INSTANCE}, got {}", self.gpus),
+            ));
+        }
+        let mut gpu_types = Vec::with_capacity(self.gpu_types.len());
+        for (i, t) in self.gpu_types.iter().enumerate() {
+            let name = catalog.resolve(t, &format!("gpu_types[{i}]"))?;
+            if !gpu_types.contains(&name) {
+                gpu_types.push(name);
+            }
+        }
+        let cpu_milli = self.cpu_milli.unwrap_or(1000);
+        if cpu_milli == 0 || cpu_milli > 1_024_000 {
+            return Err(FieldError::new("cpu_milli", "must be between 1 and 1024000"));
+        }
+        let memory_mb = self.memory_mb.unwrap_or(1024);
+        if memory_mb == 0 || memory_mb > 64 * 1024 * 1024 {
+            return Err(FieldError::new("memory_mb", "must be between 1 and 67108864"));
+        }
+        if self.command.is_empty() || self.command[0].trim().is_empty() {
+            return Err(FieldError::new("command", "must name a program to run"));
+        }
+        if self.command.len() > MAX_COMMAND_WORDS {
+            return Err(FieldError::new(
+                "command",
+                format!("at most {MAX_COMMAND_WORDS} words"),
+            ));
+        }
+        if let Some(i) = self.command.iter().position(|w| w.contains('\0')) {
+            return Err(FieldError::new(format!("command[{i}]"), "must not contain NUL"));
+        }
+        if self.env.len() > MAX_ENV_VARS {
+            return Err(FieldError::new("env", format!("at most {MAX_ENV_VARS} variables")));
+        }
+        for (k, v) in &self.env {
+            if !valid_env_name(k) {
+                return Err(FieldError::new(
+                    format!("env.{k}"),
+                    "variable names are letters, digits and '_', not starting with a digit",
+                ));
+            }
+            if RESERVED_ENV.contains(&k.as_str()) {
+                return Err(FieldError::new(
+                    format!("env.{k}"),
+                    "is set by flotilla to the instance's GPUs and cannot be overridden",
+                ));
+            }
+            if v.contains('\0') {
+                return Err(FieldError::new(format!("env.{k}"), "must not contain NUL"));
+            }
+        }
+        if let Some(w) = &self.workdir {
+            if !w.starts_with('/') || w.contains('\0') {
+                return Err(FieldError::new("workdir", "must be an absolute path"));
+            }
+        }
+        Ok(InstanceSpec {
+            name: self.name,
+            gpus: self.gpus,
+            gpu_types,
+            cpu_milli,
+            memory_mb,
+            command: self.command,
+            env: self.env,
+            workdir: self.workdir,
+            billing_class: self.billing_class,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> CreateInstance {
+        CreateInstance {
+            name: None,
+            gpus: 2,
+            gpu_types: vec!["h100".into()],
+            cpu_milli: None,
+            memory_mb: None,
+            command: vec!["true".into()],
+            env: BTreeMap::new(),
+            workdir: None,
+            billing_class: BillingClass::OnDemand,
+        }
+    }
+
+    #[test]
+    fn valid_request_gets_defaults_and_canonical_names() {
+        let s = req().validate(&Catalog::default()).unwrap();
+        assert_eq!(s.gpu_types, vec!["H100".to_string()]);
+        assert_eq!((s.cpu_milli, s.memory_mb), (1000, 1024));
+    }
+
+    #[test]
+    fn each_bad_value_names_its_field() {
+        let c = Catalog::default();
+        let cases: Vec<(CreateInstance, &str)> = vec![
+            (CreateInstance { gpus: 0, ..req() }, "gpus"),
+            (CreateInstance { gpus: 65, ..req() }, "gpus"),
+            (CreateInstance { gpu_types: vec!["H100".into(), "X1".into()], ..req() }, "gpu_types[1]"),
+            (CreateInstance { command: vec![], ..req() }, "command"),
+            (CreateInstance { cpu_milli: Some(0), ..req() }, "cpu_milli"),
+            (CreateInstance { memory_mb: Some(0), ..req() }, "memory_mb"),
+            (CreateInstance { workdir: Some("rel".into()), ..req() }, "workdir"),
+            (CreateInstance { name: Some("Bad Name".into()), ..req() }, "name"),
+            (
+                CreateInstance {
+                    env: [("CUDA_VISIBLE_DEVICES".to_string(), "0".to_string())].into(),
+                    ..req()
+                },
+                "env.CUDA_VISIBLE_DEVICES",
+            ),
+            (CreateInstance { env: [("1X".to_string(), "v".to_string())].into(), ..req() }, "env.1X"),
+        ];
+        for (r, field) in cases {
+            assert_eq!(r.validate(&c).unwrap_err().field, field);
+        }
+    }
+
+    #[test]
+    fn lifecycle_rules() {
+        use InstanceState::*;
+        assert!(Pending.can_transition_to(Scheduled));
+        assert!(Running.can_transition_to(Lost));
+        assert!(Lost.can_transition_to(Running));
+        assert!(!Succeeded.can_transition_to(Running));
+        assert!(!Pending.can_transition_to(Running));
+        for s in InstanceState::ALL {
+            assert_eq!(InstanceState::parse(s.as_str()), Some(s));
+            if s.is_terminal() {
+                assert!(InstanceState::ALL.iter().all(|n| !s.can_transition_to(*n)));
+            }
+        }
+    }
+}

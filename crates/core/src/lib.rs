@@ -1,0 +1,20 @@
+//! Flotilla's domain: identifiers, the GPU catalog, tenants and roles, quotas,
+//! nodes, instances and their lifecycle, first-fit placement and the wire
+//! types shared by the server, the agent and the CLI.
+//!
+//! This crate must never do I/O: no network, no disk, no threads and no
+//! reading of the wall clock. Decision code takes `now` as an argument so the
+//! live server and the simulator can call the same functions.
+
+pub mod api;
+pub mod catalog;
+pub mod clock;
+pub mod error;
+pub mod id;
+pub mod instance;
+pub mod node;
+pub mod placement;
+pub mod quota;
+pub mod tenant;
+
+pub use error::{FieldError, QuotaExceeded};
