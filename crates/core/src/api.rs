@@ -411,3 +411,12 @@ pub struct LogBatch {
     /// ignored, so a batch may be resent safely.
     pub lines: Vec<LogLine>,
 }
+
+/// Who the caller is (`GET /v1/me`).
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Me {
+    /// The key used.
+    pub key: ApiKey,
+    /// Its tenant.
+    pub tenant: Tenant,
+}

@@ -1,1 +1,213 @@
-//! placeholder
+//! Flotilla's persistence: one schema and one set of queries that run on
+//! SQLite (the embedded default: a file, WAL, foreign keys on) and on
+//! PostgreSQL (selected by a `postgres://` URL), through sqlx's `Any`
+//! driver. A repository module per aggregate.
+//!
+//! Every function takes `now` from the caller: the store never reads the
+//! clock, so what it records is what the decision code decided. Database
+//! errors are mapped to [`StoreError`] here, never leaked as SQL codes.
+
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
+use sqlx::{AnyPool, Executor};
+
+pub mod idempotency;
+pub mod instances;
+pub mod keys;
+pub mod logs;
+pub mod nodes;
+pub mod tenants;
+
+/// Errors of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The row does not exist (or is not visible to the caller).
+    #[error("{0} not found")]
+    NotFound(&'static str),
+    /// A unique value is taken.
+    #[error("{0} already exists")]
+    AlreadyExists(String),
+    /// The row is not in a state that allows the change.
+    #[error("{0}")]
+    Conflict(String),
+    /// A quota would be exceeded.
+    #[error(transparent)]
+    Quota(#[from] flotilla_core::QuotaExceeded),
+    /// The database URL is not usable.
+    #[error("invalid database url: {0}")]
+    BadUrl(String),
+    /// Stored data does not decode (a bug or a manual edit).
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[source] sqlx::Error),
+    /// Migrations failed.
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        if let sqlx::Error::Database(db) = &e {
+            if db.kind() == sqlx::error::ErrorKind::UniqueViolation {
+                return StoreError::AlreadyExists(db.message().to_string());
+            }
+        }
+        if matches!(e, sqlx::Error::RowNotFound) {
+            return StoreError::NotFound("row");
+        }
+        StoreError::Database(e)
+    }
+}
+
+/// Result of store calls.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Which database a store talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Embedded SQLite file.
+    Sqlite,
+    /// PostgreSQL server.
+    Postgres,
+}
+
+/// A connection pool plus the backend it talks to. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+/// A page request: items after `after` (an id), at most `limit`.
+#[derive(Debug, Clone, Default)]
+pub struct PageReq {
+    /// Exclusive lower bound on the id.
+    pub after: Option<String>,
+    /// Most items to return.
+    pub limit: u32,
+}
+
+impl PageReq {
+    /// Items after `after`, at most `limit` (clamped to 1..=1000).
+    pub fn new(after: Option<String>, limit: u32) -> Self {
+        Self {
+            after,
+            limit: limit.clamp(1, 1000),
+        }
+    }
+
+    pub(crate) fn after_or_empty(&self) -> &str {
+        self.after.as_deref().unwrap_or("")
+    }
+
+    /// Fetch one more than asked, to learn whether a next page exists.
+    pub(crate) fn fetch(&self) -> i64 {
+        i64::from(self.limit) + 1
+    }
+}
+
+/// One page of results; `next` is the cursor of the following page.
+#[derive(Debug, Clone)]
+pub struct PageOf<T> {
+    /// The items.
+    pub items: Vec<T>,
+    /// Cursor for the next page, if there is one.
+    pub next: Option<String>,
+}
+
+impl<T> PageOf<T> {
+    pub(crate) fn from_overfetch(mut items: Vec<T>, req: &PageReq, id: impl Fn(&T) -> String) -> Self {
+        let next = if items.len() > req.limit as usize {
+            items.truncate(req.limit as usize);
+            items.last().map(id)
+        } else {
+            None
+        };
+        Self { items, next }
+    }
+}
+
+impl Store {
+    /// Connects to `url` (`sqlite://PATH?mode=rwc` or `postgres://…`) and
+    /// applies the embedded migrations.
+    pub async fn connect(url: &str) -> Result<Self> {
+        sqlx::any::install_default_drivers();
+        let backend = if url.starts_with("sqlite:") {
+            Backend::Sqlite
+        } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+            Backend::Postgres
+        } else {
+            return Err(StoreError::BadUrl(format!(
+                "`{url}`: expected sqlite://PATH or postgres://…"
+            )));
+        };
+        let opts = AnyConnectOptions::from_str(url).map_err(|e| StoreError::BadUrl(e.to_string()))?;
+        let pool = AnyPoolOptions::new()
+            .max_connections(match backend {
+                // SQLite has one writer; a few readers beside it is plenty.
+                Backend::Sqlite => 4,
+                Backend::Postgres => 16,
+            })
+            .after_connect(move |conn, _meta| {
+                Box::pin(async move {
+                    if backend == Backend::Sqlite {
+                        // WAL lets readers proceed while one writer commits;
+                        // the busy timeout queues writers instead of failing.
+                        conn.execute("PRAGMA journal_mode = WAL").await?;
+                        conn.execute("PRAGMA foreign_keys = ON").await?;
+                        conn.execute("PRAGMA busy_timeout = 10000").await?;
+                        conn.execute("PRAGMA synchronous = NORMAL").await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with(opts)
+            .await?;
+        sqlx::migrate!("./migrations").run(&pool).await?;
+        tracing::debug!(?backend, "store ready");
+        Ok(Self { pool, backend })
+    }
+
+    /// The backend in use.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The pool, for the repository modules.
+    pub(crate) fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// Closes every connection (waits for checked-out ones).
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// A cheap query proving the database answers.
+    pub async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+}
+
+/// UTC milliseconds as stored.
+pub(crate) fn ms(t: DateTime<Utc>) -> i64 {
+    t.timestamp_millis()
+}
+
+/// Stored milliseconds back to UTC time.
+pub(crate) fn at(ms: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(ms).unwrap_or_default()
+}
+
+pub(crate) fn json<T: serde::de::DeserializeOwned>(s: &str, what: &str) -> Result<T> {
+    serde_json::from_str(s).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
+}
+
+pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_else(|_| "null".into())
+}

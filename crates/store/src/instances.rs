@@ -1,0 +1,554 @@
+//! Instances, their lifecycle events and their GPU allocations.
+//!
+//! Every state change goes through [`transition`]: a conditional UPDATE on
+//! the expected current state plus an event row, in one transaction, so a
+//! change is recorded exactly once even when two loops race.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use flotilla_core::api::{Assignment, Instance, InstanceEvent, ObservedInstance, ObservedPhase};
+use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
+use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
+use flotilla_core::placement::Placement;
+use flotilla_core::quota::Quota;
+use sqlx::any::AnyRow;
+use sqlx::{Any, Row, Transaction};
+
+use crate::{at, json, ms, to_json, PageOf, PageReq, Result, Store, StoreError};
+
+/// Grace between SIGTERM and SIGKILL when an instance is stopped.
+pub const STOP_GRACE_MS: u64 = 10_000;
+
+fn state_of(s: &str) -> Result<InstanceState> {
+    InstanceState::parse(s).ok_or_else(|| StoreError::Corrupt(format!("instance state `{s}`")))
+}
+
+fn instance(row: &AnyRow) -> Result<Instance> {
+    let billing: String = row.try_get("billing_class")?;
+    let node: Option<String> = row.try_get("node_id")?;
+    let exit: Option<i64> = row.try_get("exit_code")?;
+    let started: Option<i64> = row.try_get("started_at")?;
+    let finished: Option<i64> = row.try_get("finished_at")?;
+    let gpu_ids: Vec<String> = json(&row.try_get::<String, _>("gpu_ids")?, "gpu_ids")?;
+    Ok(Instance {
+        id: InstanceId::from_trusted(row.try_get("id")?),
+        tenant_id: TenantId::from_trusted(row.try_get("tenant_id")?),
+        name: row.try_get("name")?,
+        state: state_of(&row.try_get::<String, _>("state")?)?,
+        state_reason: row.try_get("state_reason")?,
+        gpus: row.try_get::<i64, _>("gpus")?.clamp(0, u32::MAX as i64) as u32,
+        gpu_types: json(&row.try_get::<String, _>("gpu_types")?, "gpu_types")?,
+        cpu_milli: row.try_get::<i64, _>("cpu_milli")?.clamp(0, u32::MAX as i64) as u32,
+        memory_mb: row.try_get::<i64, _>("memory_mb")?.max(0) as u64,
+        command: json(&row.try_get::<String, _>("command")?, "command")?,
+        env: json(&row.try_get::<String, _>("env")?, "env")?,
+        workdir: row.try_get("workdir")?,
+        billing_class: BillingClass::parse(&billing)
+            .ok_or_else(|| StoreError::Corrupt(format!("billing class `{billing}`")))?,
+        node_id: node.map(NodeId::from_trusted),
+        gpu_model: row.try_get("gpu_model")?,
+        gpu_ids: gpu_ids.into_iter().map(GpuId::from_trusted).collect(),
+        exit_code: exit.map(|c| c.clamp(i32::MIN as i64, i32::MAX as i64) as i32),
+        stop_requested: row.try_get::<i64, _>("stop_requested")? != 0,
+        created_at: at(row.try_get("created_at")?),
+        started_at: started.map(at),
+        finished_at: finished.map(at),
+        events: Vec::new(),
+    })
+}
+
+async fn add_event(
+    tx: &mut Transaction<'static, Any>,
+    id: &InstanceId,
+    state: InstanceState,
+    reason: &str,
+    now: DateTime<Utc>,
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO instance_events (instance_id, seq, state, reason, at) \
+         SELECT $1, COALESCE(MAX(seq), -1) + 1, $2, $3, $4 FROM instance_events WHERE instance_id = $1",
+    )
+    .bind(id.as_str())
+    .bind(state.as_str())
+    .bind(reason)
+    .bind(ms(now))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Moves `id` from `from` to `to` inside `tx`. Returns false (and changes
+/// nothing) when the instance is no longer in `from`. Entering a final or
+/// lost state releases the instance's GPUs.
+async fn transition(
+    tx: &mut Transaction<'static, Any>,
+    id: &InstanceId,
+    from: InstanceState,
+    to: InstanceState,
+    reason: &str,
+    exit_code: Option<i32>,
+    now: DateTime<Utc>,
+) -> Result<bool> {
+    debug_assert!(from.can_transition_to(to), "{from:?} -> {to:?}");
+    let finished = to.is_terminal().then(|| ms(now));
+    let n = sqlx::query(
+        "UPDATE instances SET state = $1, state_reason = $2, updated_at = $3, \
+         exit_code = COALESCE($4, exit_code), \
+         started_at = CASE WHEN $1 = 'running' AND started_at IS NULL THEN $3 ELSE started_at END, \
+         finished_at = COALESCE($5, finished_at) \
+         WHERE id = $6 AND state = $7",
+    )
+    .bind(to.as_str())
+    .bind(reason)
+    .bind(ms(now))
+    .bind(exit_code.map(i64::from))
+    .bind(finished)
+    .bind(id.as_str())
+    .bind(from.as_str())
+    .execute(&mut **tx)
+    .await?
+    .rows_affected();
+    if n == 0 {
+        return Ok(false);
+    }
+    if !to.holds_gpus() {
+        sqlx::query("UPDATE gpus SET instance_id = NULL WHERE instance_id = $1")
+            .bind(id.as_str())
+            .execute(&mut **tx)
+            .await?;
+    }
+    add_event(tx, id, to, reason, now).await?;
+    Ok(true)
+}
+
+/// What the scheduler needs of a pending instance.
+#[derive(Debug, Clone)]
+pub struct PendingInstance {
+    /// Id.
+    pub id: InstanceId,
+    /// Owner.
+    pub tenant_id: TenantId,
+    /// GPU count.
+    pub gpus: u32,
+    /// Allowed models (empty: any).
+    pub gpu_types: Vec<String>,
+    /// CPU.
+    pub cpu_milli: u32,
+    /// Memory.
+    pub memory_mb: u64,
+    /// Current pending reason.
+    pub state_reason: String,
+}
+
+/// Outcome of applying one observation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Applied {
+    /// A transition was recorded.
+    Changed,
+    /// Nothing to record.
+    Unchanged,
+    /// The instance is unknown or not on this node: the agent must drop it.
+    Foreign,
+}
+
+impl Store {
+    /// Admits and records a new instance in `pending`. The tenant row is
+    /// updated first, which serialises concurrent creates of one tenant
+    /// (a row lock on PostgreSQL, the write lock on SQLite), so the quota
+    /// check cannot be raced past.
+    pub async fn create_instance(
+        &self,
+        id: &InstanceId,
+        tenant: &TenantId,
+        spec: &InstanceSpec,
+        now: DateTime<Utc>,
+    ) -> Result<Instance> {
+        let mut tx = self.pool().begin().await?;
+        let locked = sqlx::query("UPDATE tenants SET updated_at = $1 WHERE id = $2")
+            .bind(ms(now))
+            .bind(tenant.as_str())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if locked == 0 {
+            return Err(StoreError::NotFound("tenant"));
+        }
+        let q = sqlx::query("SELECT quota_gpus_total, quota_gpus_per_model FROM tenants WHERE id = $1")
+            .bind(tenant.as_str())
+            .fetch_one(&mut *tx)
+            .await?;
+        let quota = Quota {
+            gpus_total: q.try_get::<Option<i64>, _>("quota_gpus_total")?.map(|v| v.clamp(0, u32::MAX as i64) as u32),
+            gpus_per_model: json(&q.try_get::<String, _>("quota_gpus_per_model")?, "quota")?,
+        };
+        let committed = crate::tenants::committed_in(&mut *tx, tenant).await?;
+        quota.admit(&committed, &spec.gpu_types, spec.gpus)?;
+        let reason = "waiting for placement";
+        sqlx::query(
+            "INSERT INTO instances (id, tenant_id, name, state, state_reason, gpus, gpu_types, cpu_milli, memory_mb, \
+             command, env, workdir, billing_class, created_at, updated_at) \
+             VALUES ($1, $2, $3, 'pending', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $13)",
+        )
+        .bind(id.as_str())
+        .bind(tenant.as_str())
+        .bind(spec.name.clone())
+        .bind(reason)
+        .bind(i64::from(spec.gpus))
+        .bind(to_json(&spec.gpu_types))
+        .bind(i64::from(spec.cpu_milli))
+        .bind(spec.memory_mb as i64)
+        .bind(to_json(&spec.command))
+        .bind(to_json(&spec.env))
+        .bind(spec.workdir.clone())
+        .bind(spec.billing_class.as_str())
+        .bind(ms(now))
+        .execute(&mut *tx)
+        .await?;
+        add_event(&mut tx, id, InstanceState::Pending, reason, now).await?;
+        tx.commit().await?;
+        self.instance(id).await
+    }
+
+    /// One instance with its events.
+    pub async fn instance(&self, id: &InstanceId) -> Result<Instance> {
+        let row = sqlx::query("SELECT * FROM instances WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound("instance"))?;
+        let mut inst = instance(&row)?;
+        inst.events = self.events(std::slice::from_ref(&inst.id)).await?.remove(&inst.id).unwrap_or_default();
+        Ok(inst)
+    }
+
+    async fn events(&self, ids: &[InstanceId]) -> Result<BTreeMap<InstanceId, Vec<InstanceEvent>>> {
+        let mut out: BTreeMap<InstanceId, Vec<InstanceEvent>> = BTreeMap::new();
+        let (Some(lo), Some(hi)) = (ids.first(), ids.last()) else {
+            return Ok(out);
+        };
+        let rows = sqlx::query(
+            "SELECT * FROM instance_events WHERE instance_id >= $1 AND instance_id <= $2 ORDER BY instance_id, seq",
+        )
+        .bind(lo.as_str())
+        .bind(hi.as_str())
+        .fetch_all(self.pool())
+        .await?;
+        for r in &rows {
+            let id = InstanceId::from_trusted(r.try_get("instance_id")?);
+            if !ids.contains(&id) {
+                continue;
+            }
+            out.entry(id).or_default().push(InstanceEvent {
+                state: state_of(&r.try_get::<String, _>("state")?)?,
+                reason: r.try_get("reason")?,
+                at: at(r.try_get("at")?),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Instances by id, optionally of one tenant and in one state.
+    pub async fn list_instances(
+        &self,
+        only: Option<&TenantId>,
+        state: Option<InstanceState>,
+        page: &PageReq,
+    ) -> Result<PageOf<Instance>> {
+        let rows = sqlx::query(
+            "SELECT * FROM instances WHERE id > $1 AND ($2 = '' OR tenant_id = $2) AND ($3 = '' OR state = $3) \
+             ORDER BY id LIMIT $4",
+        )
+        .bind(page.after_or_empty())
+        .bind(only.map(|t| t.as_str()).unwrap_or(""))
+        .bind(state.map(|s| s.as_str()).unwrap_or(""))
+        .bind(page.fetch())
+        .fetch_all(self.pool())
+        .await?;
+        let items = rows.iter().map(instance).collect::<Result<Vec<_>>>()?;
+        let mut page = PageOf::from_overfetch(items, page, |i| i.id.to_string());
+        let ids: Vec<InstanceId> = page.items.iter().map(|i| i.id.clone()).collect();
+        let mut events = self.events(&ids).await?;
+        for i in &mut page.items {
+            i.events = events.remove(&i.id).unwrap_or_default();
+        }
+        Ok(page)
+    }
+
+    /// Pending instances, oldest first.
+    pub async fn pending_instances(&self, limit: u32) -> Result<Vec<PendingInstance>> {
+        let rows = sqlx::query("SELECT * FROM instances WHERE state = 'pending' ORDER BY id LIMIT $1")
+            .bind(i64::from(limit))
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let i = instance(r)?;
+                Ok(PendingInstance {
+                    id: i.id,
+                    tenant_id: i.tenant_id,
+                    gpus: i.gpus,
+                    gpu_types: i.gpu_types,
+                    cpu_milli: i.cpu_milli,
+                    memory_mb: i.memory_mb,
+                    state_reason: i.state_reason,
+                })
+            })
+            .collect()
+    }
+
+    /// Updates the reason a pending instance is not placed.
+    pub async fn set_pending_reason(&self, id: &InstanceId, reason: &str, now: DateTime<Utc>) -> Result<()> {
+        sqlx::query("UPDATE instances SET state_reason = $1, updated_at = $2 WHERE id = $3 AND state = 'pending'")
+            .bind(reason)
+            .bind(ms(now))
+            .bind(id.as_str())
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
+    /// Commits a placement: takes each GPU only if it is still free, moves
+    /// the instance to `scheduled`. `Conflict` (and no change) when a GPU
+    /// was taken meanwhile or the instance left `pending`.
+    pub async fn schedule_instance(&self, id: &InstanceId, plan: &Placement, now: DateTime<Utc>) -> Result<()> {
+        let mut tx = self.pool().begin().await?;
+        for g in &plan.gpus {
+            let n = sqlx::query("UPDATE gpus SET instance_id = $1 WHERE id = $2 AND instance_id IS NULL")
+                .bind(id.as_str())
+                .bind(g.as_str())
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if n != 1 {
+                return Err(StoreError::Conflict(format!("gpu {g} is no longer free")));
+            }
+        }
+        let reason = format!("placed on {} ({}x{})", plan.node, plan.gpus.len(), plan.model);
+        let ids: Vec<&str> = plan.gpus.iter().map(|g| g.as_str()).collect();
+        sqlx::query("UPDATE instances SET node_id = $1, gpu_model = $2, gpu_ids = $3 WHERE id = $4 AND state = 'pending'")
+            .bind(plan.node.as_str())
+            .bind(&plan.model)
+            .bind(to_json(&ids))
+            .bind(id.as_str())
+            .execute(&mut *tx)
+            .await?;
+        if !transition(&mut tx, id, InstanceState::Pending, InstanceState::Scheduled, &reason, None, now).await? {
+            return Err(StoreError::Conflict(format!("instance {id} is no longer pending")));
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Asks for an instance to stop. Not yet placed: stopped at once. On a
+    /// node: flagged, and the agent stops it. Lost: stopped at once (its
+    /// node is gone). Final: `Conflict`.
+    pub async fn request_stop(&self, id: &InstanceId, now: DateTime<Utc>) -> Result<Instance> {
+        let inst = self.instance(id).await?;
+        let mut tx = self.pool().begin().await?;
+        match inst.state {
+            s if s.is_terminal() => {
+                return Err(StoreError::Conflict(format!("instance {id} already {}", s.as_str())));
+            }
+            InstanceState::Pending | InstanceState::Lost => {
+                transition(&mut tx, id, inst.state, InstanceState::Stopped, "stopped on request", None, now).await?;
+            }
+            _ => {
+                sqlx::query("UPDATE instances SET stop_requested = 1, updated_at = $1 WHERE id = $2")
+                    .bind(ms(now))
+                    .bind(id.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+        }
+        tx.commit().await?;
+        self.instance(id).await
+    }
+
+    /// Applies what an agent observed of one instance on `node`.
+    pub async fn apply_observed(&self, node: &NodeId, obs: &ObservedInstance, now: DateTime<Utc>) -> Result<Applied> {
+        use InstanceState::*;
+        let row = sqlx::query("SELECT state, node_id, stop_requested, gpu_ids FROM instances WHERE id = $1")
+            .bind(obs.instance_id.as_str())
+            .fetch_optional(self.pool())
+            .await?;
+        let Some(row) = row else { return Ok(Applied::Foreign) };
+        let on: Option<String> = row.try_get("node_id")?;
+        if on.as_deref() != Some(node.as_str()) {
+            return Ok(Applied::Foreign);
+        }
+        let state = state_of(&row.try_get::<String, _>("state")?)?;
+        let stop_requested = row.try_get::<i64, _>("stop_requested")? != 0;
+        let id = &obs.instance_id;
+        let mut tx = self.pool().begin().await?;
+        let changed = match (&obs.phase, state) {
+            (_, s) if s.is_terminal() => false,
+            (ObservedPhase::Starting, Scheduled) => {
+                transition(&mut tx, id, Scheduled, Starting, "agent is starting the command", None, now).await?
+            }
+            (ObservedPhase::Running { pid }, Scheduled | Starting) => {
+                let reason = format!("running as pid {pid}");
+                if state == Scheduled {
+                    transition(&mut tx, id, Scheduled, Starting, "agent is starting the command", None, now).await?;
+                }
+                transition(&mut tx, id, Starting, Running, &reason, None, now).await?
+            }
+            (ObservedPhase::Running { .. }, Lost) => {
+                // The agent came back and the command survived: take the
+                // GPUs back, unless someone else holds them now.
+                let gpu_ids: Vec<String> = json(&row.try_get::<String, _>("gpu_ids")?, "gpu_ids")?;
+                let mut ok = true;
+                for g in &gpu_ids {
+                    let n = sqlx::query("UPDATE gpus SET instance_id = $1 WHERE id = $2 AND instance_id IS NULL")
+                        .bind(id.as_str())
+                        .bind(g)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected();
+                    ok &= n == 1;
+                }
+                if ok {
+                    transition(&mut tx, id, Lost, Running, "node re-attached; command still running", None, now)
+                        .await?
+                } else {
+                    tx.rollback().await?;
+                    return Ok(Applied::Foreign);
+                }
+            }
+            (ObservedPhase::Exited { code, stopped }, from @ (Scheduled | Starting | Running | Lost)) => {
+                let (to, reason) = if *stopped || stop_requested {
+                    (Stopped, format!("stopped (exit code {code})"))
+                } else if *code == 0 {
+                    (Succeeded, "exit code 0".to_string())
+                } else {
+                    (Failed, format!("exit code {code}"))
+                };
+                if from == Scheduled && to != Stopped {
+                    transition(&mut tx, id, Scheduled, Starting, "agent is starting the command", None, now).await?;
+                    transition(&mut tx, id, Starting, Running, "running", None, now).await?;
+                    transition(&mut tx, id, Running, to, &reason, Some(*code), now).await?
+                } else {
+                    transition(&mut tx, id, from, to, &reason, Some(*code), now).await?
+                }
+            }
+            (ObservedPhase::FailedToStart { reason }, from @ (Scheduled | Starting | Lost)) => {
+                transition(&mut tx, id, from, Failed, &format!("failed to start: {reason}"), None, now).await?
+            }
+            _ => false,
+        };
+        tx.commit().await?;
+        Ok(if changed { Applied::Changed } else { Applied::Unchanged })
+    }
+
+    /// What `node` should run or stop now.
+    pub async fn assignments(&self, node: &NodeId) -> Result<Vec<Assignment>> {
+        let rows = sqlx::query(
+            "SELECT * FROM instances WHERE node_id = $1 AND state IN ('scheduled', 'starting', 'running') ORDER BY id",
+        )
+        .bind(node.as_str())
+        .fetch_all(self.pool())
+        .await?;
+        let gpu_rows = sqlx::query("SELECT id, idx, uuid FROM gpus WHERE node_id = $1")
+            .bind(node.as_str())
+            .fetch_all(self.pool())
+            .await?;
+        let mut gpus: BTreeMap<String, (u32, String)> = BTreeMap::new();
+        for r in &gpu_rows {
+            let idx: i64 = r.try_get("idx")?;
+            gpus.insert(r.try_get("id")?, (idx.clamp(0, u32::MAX as i64) as u32, r.try_get("uuid")?));
+        }
+        rows.iter()
+            .map(|r| {
+                let i = instance(r)?;
+                let mut held: Vec<(u32, String)> = i
+                    .gpu_ids
+                    .iter()
+                    .filter_map(|g| gpus.get(g.as_str()).cloned())
+                    .collect();
+                held.sort();
+                Ok(Assignment {
+                    instance_id: i.id,
+                    command: i.command,
+                    env: i.env,
+                    workdir: i.workdir,
+                    gpu_indices: held.iter().map(|(idx, _)| *idx).collect(),
+                    gpu_uuids: held.into_iter().map(|(_, u)| u).collect(),
+                    stop: i.stop_requested,
+                    stop_grace_ms: STOP_GRACE_MS,
+                })
+            })
+            .collect()
+    }
+
+    /// The node stopped answering: every instance it holds becomes `lost`
+    /// and releases its GPUs. Returns the instances changed.
+    pub async fn mark_node_lost(&self, node: &NodeId, now: DateTime<Utc>) -> Result<Vec<InstanceId>> {
+        let rows = sqlx::query(
+            "SELECT id, state FROM instances WHERE node_id = $1 AND state IN ('scheduled', 'starting', 'running')",
+        )
+        .bind(node.as_str())
+        .fetch_all(self.pool())
+        .await?;
+        let mut lost = Vec::new();
+        for r in &rows {
+            let id = InstanceId::from_trusted(r.try_get("id")?);
+            let from = state_of(&r.try_get::<String, _>("state")?)?;
+            let mut tx = self.pool().begin().await?;
+            if transition(&mut tx, &id, from, InstanceState::Lost, "node unreachable: heartbeats stopped", None, now)
+                .await?
+            {
+                lost.push(id);
+            }
+            tx.commit().await?;
+        }
+        Ok(lost)
+    }
+
+    /// Lost instances on `node` the returning agent did not report: they
+    /// are gone for good.
+    pub async fn fail_unreported_lost(
+        &self,
+        node: &NodeId,
+        reported: &[InstanceId],
+        now: DateTime<Utc>,
+    ) -> Result<u64> {
+        let rows = sqlx::query("SELECT id FROM instances WHERE node_id = $1 AND state = 'lost'")
+            .bind(node.as_str())
+            .fetch_all(self.pool())
+            .await?;
+        let mut n = 0;
+        for r in &rows {
+            let id = InstanceId::from_trusted(r.try_get("id")?);
+            if reported.contains(&id) {
+                continue;
+            }
+            let mut tx = self.pool().begin().await?;
+            if transition(
+                &mut tx,
+                &id,
+                InstanceState::Lost,
+                InstanceState::Failed,
+                "node returned without this instance",
+                None,
+                now,
+            )
+            .await?
+            {
+                n += 1;
+            }
+            tx.commit().await?;
+        }
+        Ok(n)
+    }
+
+    /// Instances holding GPUs on one node (for shutdown and tests).
+    pub async fn instances_on(&self, node: &NodeId) -> Result<Vec<InstanceId>> {
+        let rows = sqlx::query(
+            "SELECT id FROM instances WHERE node_id = $1 AND state IN ('scheduled', 'starting', 'running')",
+        )
+        .bind(node.as_str())
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(|r| Ok(InstanceId::from_trusted(r.try_get("id")?))).collect()
+    }
+}

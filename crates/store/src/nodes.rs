@@ -1,0 +1,328 @@
+//! Nodes and their GPUs.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use flotilla_core::api::{DiscoveredGpu, Gpu, Node, RegisterNode};
+use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
+use flotilla_core::node::NodeState;
+use flotilla_core::placement::{GpuSlot, NodeSnapshot};
+use sqlx::any::AnyRow;
+use sqlx::Row;
+
+use crate::{at, ms, PageOf, PageReq, Result, Store, StoreError};
+
+fn gpu(row: &AnyRow) -> Result<(NodeId, Gpu)> {
+    let idx: i64 = row.try_get("idx")?;
+    let inst: Option<String> = row.try_get("instance_id")?;
+    Ok((
+        NodeId::from_trusted(row.try_get("node_id")?),
+        Gpu {
+            id: GpuId::from_trusted(row.try_get("id")?),
+            index: idx.clamp(0, u32::MAX as i64) as u32,
+            model: row.try_get("model")?,
+            uuid: row.try_get("uuid")?,
+            memory_mib: row.try_get::<i64, _>("memory_mib")?.max(0) as u64,
+            instance_id: inst.map(InstanceId::from_trusted),
+        },
+    ))
+}
+
+fn node(row: &AnyRow) -> Result<Node> {
+    let state: String = row.try_get("state")?;
+    Ok(Node {
+        id: NodeId::from_trusted(row.try_get("id")?),
+        name: row.try_get("name")?,
+        region: row.try_get("region")?,
+        pool: row.try_get("pool")?,
+        state: NodeState::parse(&state).ok_or_else(|| StoreError::Corrupt(format!("node state `{state}`")))?,
+        cordoned: row.try_get::<i64, _>("cordoned")? != 0,
+        simulated: row.try_get::<i64, _>("simulated")? != 0,
+        cpu_milli: row.try_get::<i64, _>("cpu_milli")?.max(0) as u64,
+        memory_mb: row.try_get::<i64, _>("memory_mb")?.max(0) as u64,
+        last_heartbeat_at: at(row.try_get("last_heartbeat_at")?),
+        created_at: at(row.try_get("created_at")?),
+        gpus: Vec::new(),
+    })
+}
+
+/// The node a registration created or re-attached to.
+#[derive(Debug, Clone)]
+pub struct RegisteredNode {
+    /// Its id.
+    pub id: NodeId,
+    /// Whether the name was new.
+    pub created: bool,
+}
+
+impl Store {
+    /// Registers a node by name, or re-attaches to the node of that name:
+    /// updates its facts, marks it ready and reconciles its GPUs by index
+    /// (a GPU that vanished is removed only when no instance holds it).
+    /// `new_ids` supplies ids for rows that must be created.
+    pub async fn register_node(
+        &self,
+        owner: &TenantId,
+        req: &RegisterNode,
+        mut new_ids: impl FnMut() -> (NodeId, Vec<GpuId>),
+        now: DateTime<Utc>,
+    ) -> Result<RegisteredNode> {
+        let mut tx = self.pool().begin().await?;
+        let existing = sqlx::query("SELECT id, owner_tenant_id FROM nodes WHERE name = $1")
+            .bind(&req.name)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let region = req.region.clone().unwrap_or_else(|| "local".into());
+        let pool = req.pool.clone().unwrap_or_else(|| "default".into());
+        let (ids, created) = match existing {
+            Some(row) => {
+                let id = NodeId::from_trusted(row.try_get("id")?);
+                let node_owner: String = row.try_get("owner_tenant_id")?;
+                if node_owner != owner.as_str() {
+                    return Err(StoreError::Conflict(format!(
+                        "node name `{}` is registered by another tenant",
+                        req.name
+                    )));
+                }
+                sqlx::query(
+                    "UPDATE nodes SET region = $1, pool = $2, state = 'ready', simulated = $3, cpu_milli = $4, \
+                     memory_mb = $5, agent_version = $6, last_heartbeat_at = $7 WHERE id = $8",
+                )
+                .bind(&region)
+                .bind(&pool)
+                .bind(i64::from(req.simulated))
+                .bind(req.cpu_milli as i64)
+                .bind(req.memory_mb as i64)
+                .bind(&req.agent_version)
+                .bind(ms(now))
+                .bind(id.as_str())
+                .execute(&mut *tx)
+                .await?;
+                let (_, gpu_ids) = new_ids();
+                ((id, gpu_ids), false)
+            }
+            None => {
+                let (id, gpu_ids) = new_ids();
+                sqlx::query(
+                    "INSERT INTO nodes (id, name, owner_tenant_id, region, pool, state, simulated, cpu_milli, \
+                     memory_mb, agent_version, last_heartbeat_at, created_at) \
+                     VALUES ($1, $2, $3, $4, $5, 'ready', $6, $7, $8, $9, $10, $10)",
+                )
+                .bind(id.as_str())
+                .bind(&req.name)
+                .bind(owner.as_str())
+                .bind(&region)
+                .bind(&pool)
+                .bind(i64::from(req.simulated))
+                .bind(req.cpu_milli as i64)
+                .bind(req.memory_mb as i64)
+                .bind(&req.agent_version)
+                .bind(ms(now))
+                .execute(&mut *tx)
+                .await?;
+                ((id, gpu_ids), true)
+            }
+        };
+        let (id, mut fresh_gpu_ids) = ids;
+        let rows = sqlx::query("SELECT * FROM gpus WHERE node_id = $1")
+            .bind(id.as_str())
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut have: BTreeMap<u32, Gpu> = BTreeMap::new();
+        for r in &rows {
+            let (_, g) = gpu(r)?;
+            have.insert(g.index, g);
+        }
+        let wanted: BTreeMap<u32, &DiscoveredGpu> = req.gpus.iter().map(|g| (g.index, g)).collect();
+        for (idx, g) in &have {
+            if !wanted.contains_key(idx) && g.instance_id.is_none() {
+                sqlx::query("DELETE FROM gpus WHERE id = $1")
+                    .bind(g.id.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+        }
+        for (idx, d) in wanted {
+            if let Some(g) = have.get(&idx) {
+                sqlx::query("UPDATE gpus SET model = $1, uuid = $2, memory_mib = $3 WHERE id = $4")
+                    .bind(&d.model)
+                    .bind(&d.uuid)
+                    .bind(d.memory_mib as i64)
+                    .bind(g.id.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+            } else {
+                let gid = fresh_gpu_ids
+                    .pop()
+                    .ok_or_else(|| StoreError::Conflict("not enough gpu ids supplied".into()))?;
+                sqlx::query(
+                    "INSERT INTO gpus (id, node_id, idx, model, uuid, memory_mib) VALUES ($1, $2, $3, $4, $5, $6)",
+                )
+                .bind(gid.as_str())
+                .bind(id.as_str())
+                .bind(i64::from(idx))
+                .bind(&d.model)
+                .bind(&d.uuid)
+                .bind(d.memory_mib as i64)
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(RegisteredNode { id, created })
+    }
+
+    /// Records a heartbeat. Returns the node's owner, or `NotFound`.
+    pub async fn heartbeat(&self, id: &NodeId, now: DateTime<Utc>) -> Result<TenantId> {
+        let row = sqlx::query("SELECT owner_tenant_id, state FROM nodes WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound("node"))?;
+        sqlx::query("UPDATE nodes SET last_heartbeat_at = $1 WHERE id = $2")
+            .bind(ms(now))
+            .bind(id.as_str())
+            .execute(self.pool())
+            .await?;
+        Ok(TenantId::from_trusted(row.try_get("owner_tenant_id")?))
+    }
+
+    /// Node state, for the sync handler.
+    pub async fn node_state(&self, id: &NodeId) -> Result<NodeState> {
+        let row = sqlx::query("SELECT state FROM nodes WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound("node"))?;
+        let s: String = row.try_get("state")?;
+        NodeState::parse(&s).ok_or_else(|| StoreError::Corrupt(format!("node state `{s}`")))
+    }
+
+    /// Marks a node ready again (its agent synced).
+    pub async fn mark_node_ready(&self, id: &NodeId, now: DateTime<Utc>) -> Result<()> {
+        sqlx::query("UPDATE nodes SET state = 'ready', last_heartbeat_at = $1 WHERE id = $2")
+            .bind(ms(now))
+            .bind(id.as_str())
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
+    /// Ready nodes whose last heartbeat is older than `cutoff`.
+    pub async fn stale_nodes(&self, cutoff: DateTime<Utc>) -> Result<Vec<NodeId>> {
+        let rows = sqlx::query("SELECT id FROM nodes WHERE state = 'ready' AND last_heartbeat_at < $1")
+            .bind(ms(cutoff))
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter()
+            .map(|r| Ok(NodeId::from_trusted(r.try_get("id")?)))
+            .collect()
+    }
+
+    /// Sets a node unreachable if it is still stale; true when changed.
+    pub async fn mark_node_unreachable(&self, id: &NodeId, cutoff: DateTime<Utc>) -> Result<bool> {
+        let n = sqlx::query(
+            "UPDATE nodes SET state = 'unreachable' WHERE id = $1 AND state = 'ready' AND last_heartbeat_at < $2",
+        )
+        .bind(id.as_str())
+        .bind(ms(cutoff))
+        .execute(self.pool())
+        .await?
+        .rows_affected();
+        Ok(n > 0)
+    }
+
+    /// One node with its GPUs.
+    pub async fn node(&self, id: &NodeId) -> Result<Node> {
+        let row = sqlx::query("SELECT * FROM nodes WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound("node"))?;
+        let mut n = node(&row)?;
+        n.gpus = self.gpus_of(std::slice::from_ref(&n.id)).await?.remove(&n.id).unwrap_or_default();
+        Ok(n)
+    }
+
+    async fn gpus_of(&self, nodes: &[NodeId]) -> Result<BTreeMap<NodeId, Vec<Gpu>>> {
+        let mut out: BTreeMap<NodeId, Vec<Gpu>> = BTreeMap::new();
+        if nodes.is_empty() {
+            return Ok(out);
+        }
+        let (lo, hi) = (nodes[0].as_str(), nodes[nodes.len() - 1].as_str());
+        let rows = sqlx::query("SELECT * FROM gpus WHERE node_id >= $1 AND node_id <= $2 ORDER BY node_id, idx")
+            .bind(lo)
+            .bind(hi)
+            .fetch_all(self.pool())
+            .await?;
+        for r in &rows {
+            let (nid, g) = gpu(r)?;
+            out.entry(nid).or_default().push(g);
+        }
+        Ok(out)
+    }
+
+    /// Nodes with their GPUs, by id.
+    pub async fn list_nodes(&self, page: &PageReq) -> Result<PageOf<Node>> {
+        let rows = sqlx::query("SELECT * FROM nodes WHERE id > $1 ORDER BY id LIMIT $2")
+            .bind(page.after_or_empty())
+            .bind(page.fetch())
+            .fetch_all(self.pool())
+            .await?;
+        let nodes = rows.iter().map(node).collect::<Result<Vec<_>>>()?;
+        let mut page = PageOf::from_overfetch(nodes, page, |n| n.id.to_string());
+        let ids: Vec<NodeId> = page.items.iter().map(|n| n.id.clone()).collect();
+        let mut gpus = self.gpus_of(&ids).await?;
+        for n in &mut page.items {
+            n.gpus = gpus.remove(&n.id).unwrap_or_default();
+        }
+        Ok(page)
+    }
+
+    /// Every node as placement sees it: free GPUs, and CPU and memory not
+    /// reserved by instances holding GPUs there.
+    pub async fn placement_snapshot(&self) -> Result<Vec<NodeSnapshot>> {
+        let nodes = sqlx::query("SELECT * FROM nodes ORDER BY id")
+            .fetch_all(self.pool())
+            .await?;
+        let reserved = sqlx::query(
+            "SELECT node_id, CAST(SUM(cpu_milli) AS BIGINT) AS cpu, CAST(SUM(memory_mb) AS BIGINT) AS mem \
+             FROM instances WHERE state IN ('scheduled', 'starting', 'running') AND node_id IS NOT NULL \
+             GROUP BY node_id",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        let mut used: BTreeMap<String, (i64, i64)> = BTreeMap::new();
+        for r in &reserved {
+            used.insert(r.try_get("node_id")?, (r.try_get("cpu")?, r.try_get("mem")?));
+        }
+        let gpu_rows = sqlx::query("SELECT * FROM gpus ORDER BY node_id, idx")
+            .fetch_all(self.pool())
+            .await?;
+        let mut gpus: BTreeMap<NodeId, Vec<GpuSlot>> = BTreeMap::new();
+        for r in &gpu_rows {
+            let (nid, g) = gpu(r)?;
+            gpus.entry(nid).or_default().push(GpuSlot {
+                id: g.id,
+                index: g.index,
+                model: g.model,
+                free: g.instance_id.is_none(),
+            });
+        }
+        nodes
+            .iter()
+            .map(|r| {
+                let n = node(r)?;
+                let (cpu, mem) = used.get(n.id.as_str()).copied().unwrap_or((0, 0));
+                Ok(NodeSnapshot {
+                    ready: n.state == NodeState::Ready,
+                    cordoned: n.cordoned,
+                    cpu_milli_free: n.cpu_milli.saturating_sub(cpu.max(0) as u64),
+                    memory_mb_free: n.memory_mb.saturating_sub(mem.max(0) as u64),
+                    gpus: gpus.remove(&n.id).unwrap_or_default(),
+                    id: n.id,
+                })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,179 @@
+//! Tenants and their quotas.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use flotilla_core::api::Tenant;
+use flotilla_core::id::TenantId;
+use flotilla_core::quota::{Quota, Usage};
+use sqlx::any::AnyRow;
+use sqlx::Row;
+
+use crate::{at, json, ms, to_json, PageOf, PageReq, Result, Store, StoreError};
+
+fn tenant(row: &AnyRow) -> Result<Tenant> {
+    Ok(Tenant {
+        id: TenantId::from_trusted(row.try_get("id")?),
+        name: row.try_get("name")?,
+        created_at: at(row.try_get("created_at")?),
+    })
+}
+
+fn quota(row: &AnyRow) -> Result<Quota> {
+    let total: Option<i64> = row.try_get("quota_gpus_total")?;
+    let per: String = row.try_get("quota_gpus_per_model")?;
+    Ok(Quota {
+        gpus_total: total.map(|t| t.clamp(0, u32::MAX as i64) as u32),
+        gpus_per_model: json(&per, "tenant quota")?,
+    })
+}
+
+/// GPUs held by a tenant's live instances. Usable inside a transaction.
+pub(crate) async fn usage_in<'c, E>(exec: E, tenant: &TenantId) -> Result<Usage>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Any>,
+{
+    let rows = sqlx::query(
+        "SELECT gpu_model, CAST(SUM(gpus) AS BIGINT) AS n FROM instances \
+         WHERE tenant_id = $1 AND state IN ('scheduled', 'starting', 'running') \
+         GROUP BY gpu_model",
+    )
+    .bind(tenant.as_str())
+    .fetch_all(exec)
+    .await?;
+    let mut usage = Usage::default();
+    for r in rows {
+        let model: Option<String> = r.try_get("gpu_model")?;
+        let n: i64 = r.try_get("n")?;
+        let n = n.clamp(0, u32::MAX as i64) as u32;
+        usage.gpus_total += n;
+        if let Some(m) = model {
+            *usage.gpus_per_model.entry(m).or_default() += n;
+        }
+    }
+    Ok(usage)
+}
+
+/// Also counts GPUs that pending instances will need, so admission at
+/// create time cannot be raced past by a burst of requests.
+pub(crate) async fn committed_in<'c, E>(exec: E, tenant: &TenantId) -> Result<Usage>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Any>,
+{
+    let rows = sqlx::query(
+        "SELECT gpu_model, gpu_types, gpus FROM instances \
+         WHERE tenant_id = $1 AND state IN ('pending', 'scheduled', 'starting', 'running')",
+    )
+    .bind(tenant.as_str())
+    .fetch_all(exec)
+    .await?;
+    let mut usage = Usage::default();
+    for r in rows {
+        let n: i64 = r.try_get("gpus")?;
+        let n = n.clamp(0, u32::MAX as i64) as u32;
+        usage.gpus_total += n;
+        let model: Option<String> = r.try_get("gpu_model")?;
+        let model = match model {
+            Some(m) => Some(m),
+            None => {
+                // A pending request pinned to exactly one model will take it.
+                let types: Vec<String> = json(&r.try_get::<String, _>("gpu_types")?, "gpu_types")?;
+                (types.len() == 1).then(|| types[0].clone())
+            }
+        };
+        if let Some(m) = model {
+            *usage.gpus_per_model.entry(m).or_default() += n;
+        }
+    }
+    Ok(usage)
+}
+
+impl Store {
+    /// Creates a tenant; `AlreadyExists` when the name is taken.
+    pub async fn create_tenant(&self, id: &TenantId, name: &str, now: DateTime<Utc>) -> Result<Tenant> {
+        sqlx::query(
+            "INSERT INTO tenants (id, name, created_at, updated_at) VALUES ($1, $2, $3, $3)",
+        )
+        .bind(id.as_str())
+        .bind(name)
+        .bind(ms(now))
+        .execute(self.pool())
+        .await
+        .map_err(|e| match StoreError::from(e) {
+            StoreError::AlreadyExists(_) => StoreError::AlreadyExists(format!("tenant `{name}`")),
+            other => other,
+        })?;
+        Ok(Tenant {
+            id: id.clone(),
+            name: name.to_string(),
+            created_at: crate::at(ms(now)),
+        })
+    }
+
+    /// A tenant by id.
+    pub async fn tenant(&self, id: &TenantId) -> Result<Tenant> {
+        let row = sqlx::query("SELECT * FROM tenants WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound("tenant"))?;
+        tenant(&row)
+    }
+
+    /// A tenant by name.
+    pub async fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>> {
+        let row = sqlx::query("SELECT * FROM tenants WHERE name = $1")
+            .bind(name)
+            .fetch_optional(self.pool())
+            .await?;
+        row.as_ref().map(tenant).transpose()
+    }
+
+    /// Tenants by id; `only` restricts to one tenant (non-operators).
+    pub async fn list_tenants(&self, only: Option<&TenantId>, page: &PageReq) -> Result<PageOf<Tenant>> {
+        let rows = sqlx::query(
+            "SELECT * FROM tenants WHERE id > $1 AND ($2 = '' OR id = $2) ORDER BY id LIMIT $3",
+        )
+        .bind(page.after_or_empty())
+        .bind(only.map(|t| t.as_str()).unwrap_or(""))
+        .bind(page.fetch())
+        .fetch_all(self.pool())
+        .await?;
+        let items = rows.iter().map(tenant).collect::<Result<Vec<_>>>()?;
+        Ok(PageOf::from_overfetch(items, page, |t| t.id.to_string()))
+    }
+
+    /// A tenant's quota.
+    pub async fn quota(&self, id: &TenantId) -> Result<Quota> {
+        let row = sqlx::query("SELECT quota_gpus_total, quota_gpus_per_model FROM tenants WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound("tenant"))?;
+        quota(&row)
+    }
+
+    /// Replaces a tenant's quota.
+    pub async fn set_quota(&self, id: &TenantId, q: &Quota, now: DateTime<Utc>) -> Result<()> {
+        let per: BTreeMap<&String, &u32> = q.gpus_per_model.iter().collect();
+        let n = sqlx::query(
+            "UPDATE tenants SET quota_gpus_total = $1, quota_gpus_per_model = $2, updated_at = $3 WHERE id = $4",
+        )
+        .bind(q.gpus_total.map(i64::from))
+        .bind(to_json(&per))
+        .bind(ms(now))
+        .bind(id.as_str())
+        .execute(self.pool())
+        .await?
+        .rows_affected();
+        if n == 0 {
+            return Err(StoreError::NotFound("tenant"));
+        }
+        Ok(())
+    }
+
+    /// GPUs a tenant's live instances hold.
+    pub async fn usage(&self, id: &TenantId) -> Result<Usage> {
+        usage_in(self.pool(), id).await
+    }
+}
