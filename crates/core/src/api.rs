@@ -155,6 +155,8 @@ pub struct Node {
     pub id: NodeId,
     /// Name, unique, usually the hostname.
     pub name: String,
+    /// Tenant (provider) that registered it.
+    pub owner_tenant_id: TenantId,
     /// Region.
     pub region: String,
     /// Node pool.

@@ -1,1 +1,247 @@
-//! placeholder
+//! Flotilla's control plane: the `/v1` REST API (axum, OpenAPI by
+//! utoipa), API-key auth with roles and tenant scoping, quotas, the agent
+//! protocol, and the reconcile loops that place instances and watch nodes.
+//!
+//! The server records desired state and observed state in the store; the
+//! decisions themselves (validation, quotas, placement) are the pure
+//! functions of `flotilla-core`, called with the wall clock.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::DefaultBodyLimit;
+use axum::http::{header, HeaderName, StatusCode};
+use axum::response::{Html, IntoResponse};
+use axum::routing::get;
+use axum::{middleware, Json, Router};
+use flotilla_core::id::{KeyId, TenantId};
+use flotilla_core::tenant::Role;
+use flotilla_store::keys::NewKey;
+pub use flotilla_store::Store;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
+
+pub mod auth;
+pub mod error;
+pub mod extract;
+pub mod idempotency;
+pub mod reconcile;
+pub mod routes;
+pub mod state;
+
+use crate::state::{AppState, SystemClock};
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Time without a sync after which a node is unreachable and its
+    /// instances lost.
+    pub heartbeat_timeout: Duration,
+    /// Sustained requests per second per API key (bursts of twice that).
+    pub rate_limit_per_second: u32,
+    /// Longest pause of the reconcile loop when nothing signals a change.
+    pub reconcile_tick: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_timeout: Duration::from_secs(15),
+            rate_limit_per_second: 100,
+            reconcile_tick: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What bootstrap created or found.
+#[derive(Debug, Clone)]
+pub struct BootstrapOutcome {
+    /// The operator key's secret; only when this call created it.
+    pub operator_key: Option<String>,
+    /// The local agent's token (kept in `data_dir/agent.token`, mode 0600).
+    pub agent_token: String,
+}
+
+/// Opens (creating a SQLite file when needed) and migrates the store.
+pub async fn open_store(database_url: &str) -> anyhow::Result<Store> {
+    if let Some(path) = database_url.strip_prefix("sqlite://") {
+        let file = path.split('?').next().unwrap_or(path);
+        if let Some(dir) = Path::new(file).parent() {
+            if !dir.as_os_str().is_empty() {
+                std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            }
+        }
+    }
+    Store::connect(database_url)
+        .await
+        .with_context(|| format!("cannot open the database at {}", redact(database_url)))
+}
+
+/// The URL without its password, for messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.find('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{}:***{}", &url[..s + 3], user, &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    f.write_all(contents.as_bytes())?;
+    Ok(())
+}
+
+async fn mint_key(store: &Store, tenant: &TenantId, role: Role, name: &str) -> anyhow::Result<String> {
+    let minted = auth::mint_secret();
+    let now = chrono::Utc::now();
+    store
+        .create_key(
+            &NewKey {
+                id: KeyId::generate(now.timestamp_millis().max(0) as u64, rand::random()),
+                tenant_id: tenant.clone(),
+                role,
+                name: name.into(),
+                prefix: minted.prefix,
+                secret_hash: minted.hash,
+            },
+            now,
+        )
+        .await?;
+    Ok(minted.secret)
+}
+
+/// First start: creates the `default` tenant and an operator key (returned
+/// once), and a provider key for the local agent, kept in
+/// `data_dir/agent.token`. Later starts return the same agent token.
+pub async fn bootstrap(store: &Store, data_dir: &Path) -> anyhow::Result<BootstrapOutcome> {
+    let now = chrono::Utc::now();
+    let tenant = match store.tenant_by_name("default").await? {
+        Some(t) => t.id,
+        None => {
+            let id = TenantId::generate(now.timestamp_millis().max(0) as u64, rand::random());
+            store.create_tenant(&id, "default", now).await?;
+            id
+        }
+    };
+    let operator_key = if store.has_operator_key().await? {
+        None
+    } else {
+        Some(mint_key(store, &tenant, Role::Operator, "bootstrap operator").await?)
+    };
+    let token_file = data_dir.join("agent.token");
+    let existing = std::fs::read_to_string(&token_file).ok().map(|s| s.trim().to_string());
+    let agent_token = match existing {
+        Some(t) if store.key_by_hash(&auth::hash_secret(&t)).await?.is_some() => t,
+        _ => {
+            let t = mint_key(store, &tenant, Role::Provider, "local agent").await?;
+            write_private(&token_file, &t)?;
+            t
+        }
+    };
+    Ok(BootstrapOutcome {
+        operator_key,
+        agent_token,
+    })
+}
+
+/// The whole HTTP application for `state`.
+pub fn app(state: AppState) -> Router {
+    let (api, doc) = routes::api().split_for_parts();
+    let doc_json = Arc::new(doc);
+    let docs_html = Arc::new(routes::docs::render(&doc_json));
+    let request_id = HeaderName::from_static("x-request-id");
+    api.route(
+        "/v1/openapi.json",
+        get({
+            let d = doc_json.clone();
+            move || async move { Json((*d).clone()) }
+        }),
+    )
+    .route(
+        "/v1/docs",
+        get({
+            let h = docs_html.clone();
+            move || async move { Html((*h).clone()) }
+        }),
+    )
+    .route("/healthz", get(health))
+    .fallback(|| async { error::ApiError::not_found("route") })
+    .method_not_allowed_fallback(|| async {
+        error::ApiError {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            code: "method_not_allowed",
+            message: "method not allowed on this route".into(),
+            details: serde_json::json!({}),
+            retry_after: None,
+        }
+    })
+    .layer(middleware::from_fn_with_state(state.clone(), idempotency::layer))
+    .layer(DefaultBodyLimit::max(extract::BODY_LIMIT))
+    .with_state(state)
+    .layer(PropagateRequestIdLayer::new(request_id.clone()))
+    .layer(
+        TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<_>| {
+            let id = req
+                .headers()
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("-");
+            tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = %id)
+        }),
+    )
+    .layer(SetRequestIdLayer::new(request_id, MakeRequestUuid))
+}
+
+async fn health(axum::extract::State(st): axum::extract::State<AppState>) -> impl IntoResponse {
+    match st.store().ping().await {
+        Ok(()) => (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain")], "ok"),
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, [(header::CONTENT_TYPE, "text/plain")], "database unavailable"),
+    }
+}
+
+/// Serves the API on `listener`, with the reconcile loops, until
+/// `shutdown` resolves; then stops taking requests, ends long-polls and
+/// log streams, and returns.
+pub async fn serve(
+    store: Store,
+    config: ServerConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let tick = config.reconcile_tick;
+    let state = AppState::new(store.clone(), config, Arc::new(SystemClock), stop_rx);
+    let loops = tokio::spawn(reconcile::run(state.clone(), tick));
+    let addr = listener.local_addr().ok();
+    tracing::info!(addr = ?addr, "serving the api");
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        })
+        .await
+        .context("http server failed")?;
+    let _ = loops.await;
+    store.close().await;
+    tracing::info!("server stopped");
+    Ok(())
+}

@@ -41,6 +41,9 @@ pub enum StoreError {
     /// Stored data does not decode (a bug or a manual edit).
     #[error("corrupt row: {0}")]
     Corrupt(String),
+    /// The database cannot be reached now; a retry may succeed.
+    #[error("database unavailable: {0}")]
+    Unavailable(#[source] sqlx::Error),
     /// The database failed.
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
@@ -55,6 +58,9 @@ impl From<sqlx::Error> for StoreError {
             if db.kind() == sqlx::error::ErrorKind::UniqueViolation {
                 return StoreError::AlreadyExists(db.message().to_string());
             }
+        }
+        if matches!(e, sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_)) {
+            return StoreError::Unavailable(e);
         }
         if matches!(e, sqlx::Error::RowNotFound) {
             return StoreError::NotFound("row");

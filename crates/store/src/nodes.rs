@@ -33,6 +33,7 @@ fn node(row: &AnyRow) -> Result<Node> {
     Ok(Node {
         id: NodeId::from_trusted(row.try_get("id")?),
         name: row.try_get("name")?,
+        owner_tenant_id: TenantId::from_trusted(row.try_get("owner_tenant_id")?),
         region: row.try_get("region")?,
         pool: row.try_get("pool")?,
         state: NodeState::parse(&state).ok_or_else(|| StoreError::Corrupt(format!("node state `{state}`")))?,

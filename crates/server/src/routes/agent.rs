@@ -1,0 +1,191 @@
+//! The agent protocol: register, sync (heartbeat + observed state in,
+//! desired assignments out, long-polled) and log upload.
+
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+use flotilla_core::api::{Assignment, LogBatch, ObservedInstance, ObservedPhase, RegisterNode, Registered, SyncRequest, SyncResponse};
+use flotilla_core::id::{GpuId, InstanceId, NodeId};
+use flotilla_core::node::NodeState;
+use flotilla_core::tenant::{validate_name, Role};
+use flotilla_core::FieldError;
+use flotilla_store::instances::Applied;
+use flotilla_store::StoreError;
+
+use super::path_id;
+use crate::auth::Caller;
+use crate::error::{ApiError, ApiResult};
+use crate::extract::ApiJson;
+use crate::state::AppState;
+
+const AGENT_ROLES: [Role; 1] = [Role::Provider];
+/// Longest a sync may be held.
+const MAX_WAIT: Duration = Duration::from_secs(30);
+
+/// Registers a node, or re-attaches to the node of the same name.
+#[utoipa::path(post, path = "/v1/agent/register", tag = "agent", request_body = RegisterNode,
+    responses((status = 200, body = Registered), (status = 403, body = flotilla_core::api::ErrorBody), (status = 409, body = flotilla_core::api::ErrorBody)))]
+pub async fn register(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiJson(req): ApiJson<RegisterNode>,
+) -> ApiResult<Json<Registered>> {
+    caller.require(&AGENT_ROLES, "register nodes")?;
+    if req.name.is_empty() || req.name.len() > 253 || !req.name.chars().all(|c| c.is_ascii_alphanumeric() || "-._".contains(c)) {
+        return Err(FieldError::new("name", "must be 1-253 letters, digits, '-', '.' or '_'").into());
+    }
+    for (label, value) in [("region", &req.region), ("pool", &req.pool)] {
+        if let Some(v) = value {
+            validate_name(v, label)?;
+        }
+    }
+    if req.gpus.len() > 64 {
+        return Err(FieldError::new("gpus", "at most 64 GPUs per node").into());
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for (i, g) in req.gpus.iter().enumerate() {
+        st.catalog().resolve(&g.model, &format!("gpus[{i}].model"))?;
+        if !seen.insert(g.index) {
+            return Err(FieldError::new(format!("gpus[{i}].index"), "duplicate GPU index").into());
+        }
+    }
+    let mut req = req;
+    for g in &mut req.gpus {
+        g.model = st.catalog().resolve(&g.model, "gpus")?;
+    }
+    let count = req.gpus.len();
+    let ids = || {
+        let (t, r) = st.ids();
+        (
+            NodeId::generate(t, r),
+            (0..count).map(|i| GpuId::generate(t, r.wrapping_add(i as u128 + 1))).collect(),
+        )
+    };
+    let node = st.store().register_node(&caller.tenant_id, &req, ids, st.now()).await?;
+    tracing::info!(node = %node.id, name = %req.name, gpus = count, created = node.created, "node registered");
+    st.notify_change();
+    Ok(Json(Registered {
+        node_id: node.id,
+        heartbeat_interval_ms: heartbeat_interval(&st).as_millis() as u64,
+    }))
+}
+
+fn heartbeat_interval(st: &AppState) -> Duration {
+    (st.config().heartbeat_timeout / 3).max(Duration::from_millis(200))
+}
+
+async fn own_node(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<NodeId> {
+    let id = path_id(raw, "node_id", NodeId::parse)?;
+    let node = st.store().node(&id).await?;
+    if !caller.sees(&node.owner_tenant_id) {
+        return Err(ApiError::not_found("node"));
+    }
+    caller.require(&AGENT_ROLES, "sync nodes")?;
+    Ok(id)
+}
+
+/// Whether the agent has something to do now: new work, a stop, or an
+/// instance to forget.
+fn needs_action(assignments: &[Assignment], observed: &[ObservedInstance]) -> bool {
+    let known = |id: &InstanceId| observed.iter().find(|o| &o.instance_id == id);
+    assignments.iter().any(|a| match known(&a.instance_id) {
+        None => true,
+        Some(o) => a.stop && !matches!(o.phase, ObservedPhase::Exited { .. }),
+    }) || observed
+        .iter()
+        .any(|o| !assignments.iter().any(|a| a.instance_id == o.instance_id))
+}
+
+/// Heartbeat and reconcile: the agent reports what it runs, the server
+/// records the transitions and answers with what the node should run. When
+/// nothing is to be done the answer is held up to `wait_ms` (long-poll).
+#[utoipa::path(post, path = "/v1/agent/nodes/{node_id}/sync", tag = "agent", request_body = SyncRequest,
+    params(("node_id" = String, Path, description = "node id (node_…)")),
+    responses((status = 200, body = SyncResponse), (status = 404, body = flotilla_core::api::ErrorBody)))]
+pub async fn sync(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(req): ApiJson<SyncRequest>,
+) -> ApiResult<Json<SyncResponse>> {
+    let id = match own_node(&st, &caller, &raw).await {
+        Err(e) if e.status == StatusCode::NOT_FOUND && caller.role != Role::TenantAdmin && caller.role != Role::TenantMember => {
+            // A node the database forgot (e.g. a reset): let the agent
+            // register again instead of failing forever.
+            if let Ok(id) = NodeId::parse(&raw, "node_id") {
+                if matches!(st.store().node(&id).await, Err(StoreError::NotFound(_))) {
+                    return Ok(Json(SyncResponse { assignments: vec![], reregister: true }));
+                }
+            }
+            return Err(e);
+        }
+        other => other?,
+    };
+    let now = st.now();
+    st.store().heartbeat(&id, now).await?;
+    let was_unreachable = st.store().node_state(&id).await? == NodeState::Unreachable;
+    let mut changed = false;
+    for obs in &req.observed {
+        changed |= st.store().apply_observed(&id, obs, now).await? == Applied::Changed;
+    }
+    if was_unreachable {
+        let reported: Vec<InstanceId> = req
+            .observed
+            .iter()
+            .filter(|o| matches!(o.phase, ObservedPhase::Running { .. }))
+            .map(|o| o.instance_id.clone())
+            .collect();
+        st.store().fail_unreported_lost(&id, &reported, now).await?;
+        st.store().mark_node_ready(&id, now).await?;
+        tracing::info!(node = %id, reattached = reported.len(), "node is back");
+        changed = true;
+    }
+    if changed {
+        st.notify_change();
+    }
+    let wait = Duration::from_millis(req.wait_ms).min(MAX_WAIT).min(heartbeat_interval(&st));
+    let mut changes = st.subscribe();
+    changes.borrow_and_update();
+    let mut assignments = st.store().assignments(&id).await?;
+    if !needs_action(&assignments, &req.observed) && !wait.is_zero() {
+        let mut shutdown = st.shutdown_signal();
+        tokio::select! {
+            _ = changes.changed() => {}
+            _ = shutdown.changed() => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
+        assignments = st.store().assignments(&id).await?;
+    }
+    Ok(Json(SyncResponse { assignments, reregister: false }))
+}
+
+/// Appends an instance's output. Lines the server has (same seq) are
+/// ignored, so an agent may resend a batch after a failure.
+#[utoipa::path(post, path = "/v1/agent/instances/{instance_id}/logs", tag = "agent", request_body = LogBatch,
+    params(("instance_id" = String, Path, description = "instance id (inst_…)")),
+    responses((status = 204, description = "stored"), (status = 404, body = flotilla_core::api::ErrorBody)))]
+pub async fn push_logs(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(batch): ApiJson<LogBatch>,
+) -> ApiResult<StatusCode> {
+    let id = path_id(&raw, "instance_id", InstanceId::parse)?;
+    let inst = st.store().instance(&id).await?;
+    let node = match &inst.node_id {
+        Some(n) => st.store().node(n).await?,
+        None => return Err(ApiError::not_found("instance")),
+    };
+    if !caller.sees(&node.owner_tenant_id) {
+        return Err(ApiError::not_found("instance"));
+    }
+    caller.require(&AGENT_ROLES, "push logs")?;
+    if batch.lines.len() > 10_000 {
+        return Err(FieldError::new("lines", "at most 10000 lines per batch").into());
+    }
+    st.store().append_logs(&id, &batch.lines).await?;
+    st.notify_change();
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,102 @@
+//! The `/v1` API. Routes are registered through utoipa-axum's
+//! `OpenApiRouter`, so a route cannot exist without its OpenAPI entry.
+
+use axum::Json;
+use flotilla_core::api::Page;
+use flotilla_core::FieldError;
+use flotilla_store::{PageOf, PageReq};
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::error::ApiError;
+use crate::extract::Pagination;
+use crate::state::AppState;
+
+pub mod agent;
+pub mod catalog;
+pub mod docs;
+pub mod instances;
+pub mod keys;
+pub mod nodes;
+pub mod tenants;
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Flotilla API",
+        description = "Rent GPUs, run work on them, and operate the pool. Every request carries \
+                       `Authorization: Bearer <api key>`. Errors share one body: \
+                       `{\"error\": {\"code\", \"message\", \"details\"}}`; 422 and 400 name the \
+                       field in `details.field`; another tenant's resources are 404; lists \
+                       take `limit` and `cursor`; every POST honours `Idempotency-Key`."
+    ),
+    modifiers(&BearerAuth),
+    security(("bearer" = [])),
+    tags(
+        (name = "tenants", description = "Tenants and quotas"),
+        (name = "keys", description = "API keys"),
+        (name = "catalog", description = "GPU models and free capacity"),
+        (name = "nodes", description = "Machines offering GPUs"),
+        (name = "instances", description = "GPU instances: rent, run, stop, logs"),
+        (name = "agent", description = "Protocol of the node agent"),
+        (name = "meta", description = "Identity and health"),
+    )
+)]
+struct ApiDoc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// Every documented route, and the document describing them.
+pub fn api() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(tenants::me))
+        .routes(routes!(tenants::list_tenants, tenants::create_tenant))
+        .routes(routes!(tenants::get_tenant))
+        .routes(routes!(tenants::get_quota, tenants::set_quota))
+        .routes(routes!(keys::list_keys, keys::create_key))
+        .routes(routes!(keys::revoke_key))
+        .routes(routes!(catalog::list_gpu_types))
+        .routes(routes!(nodes::list_nodes))
+        .routes(routes!(nodes::get_node))
+        .routes(routes!(instances::list_instances, instances::create_instance))
+        .routes(routes!(instances::get_instance))
+        .routes(routes!(instances::stop_instance))
+        .routes(routes!(instances::instance_logs))
+        .routes(routes!(agent::register))
+        .routes(routes!(agent::sync))
+        .routes(routes!(agent::push_logs))
+}
+
+/// A store page as an API page.
+pub(crate) fn page<T>(p: PageOf<T>) -> Json<Page<T>> {
+    Json(Page {
+        items: p.items,
+        next_cursor: p.next,
+    })
+}
+
+/// The store's page request for `?limit&cursor`.
+pub(crate) fn page_req(p: &Pagination) -> PageReq {
+    PageReq::new(p.cursor.clone(), p.limit)
+}
+
+/// A path id, parsed or a 400 naming the parameter.
+pub(crate) fn path_id<T>(
+    raw: &str,
+    field: &str,
+    parse: impl Fn(&str, &str) -> Result<T, FieldError>,
+) -> Result<T, ApiError> {
+    parse(raw, field).map_err(|e| ApiError::bad_request(field, e.message))
+}
