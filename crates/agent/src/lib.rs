@@ -1,1 +1,695 @@
-//! placeholder
+//! The Flotilla node agent: discovers this node's GPUs (NVML or simulated),
+//! registers with the control plane, and runs a reconcile loop over the
+//! long-poll sync: it reports every instance it knows, starts what the
+//! server assigns, stops what the server wants stopped or no longer lists,
+//! and ships the instances' output.
+//!
+//! The agent must never restart a process on its own: an instance id it has
+//! seen once is never spawned again by this agent process, and losing the
+//! server only pauses reporting, never the work. It must never report an
+//! instance as exited before the server accepted all of its log lines.
+//!
+//! Modules: [`discovery`] (what the node offers), [`runtime`] (process
+//! supervision and log capture), [`client`] (HTTP to the server); this file
+//! holds the configuration and the loops that tie them together.
+
+pub mod client;
+pub mod discovery;
+pub mod runtime;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use chrono::{DateTime, Utc};
+use flotilla_core::api::{
+    Assignment, ObservedInstance, ObservedPhase, RegisterNode, Registered, SyncRequest,
+};
+use flotilla_core::catalog::{Catalog, Vendor};
+use flotilla_core::id::InstanceId;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+pub use discovery::{discover, nvml_available, DiscoveryError};
+
+use client::{Client, ClientError};
+use runtime::{Process, SpawnSpec, Wakers};
+
+/// First retry delay after a failed server call.
+const BACKOFF_MIN: Duration = Duration::from_millis(250);
+/// Longest retry delay.
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// How often pending log lines are shipped.
+const LOG_TICK: Duration = Duration::from_millis(200);
+/// Batches shipped for one instance per round, so a chatty instance cannot
+/// starve the others.
+const MAX_BATCHES_PER_ROUND: usize = 20;
+/// Grace given to an orphan (running here, unknown to the server).
+const ORPHAN_GRACE: Duration = Duration::from_secs(10);
+/// Longest grace given to an instance when the agent shuts down.
+const SHUTDOWN_GRACE_MAX: Duration = Duration::from_secs(10);
+/// Time allowed for each best-effort step of the shutdown (log flush,
+/// final report).
+const SHUTDOWN_STEP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long an exited instance waits for its output to be accepted while
+/// the server answers syncs but refuses the lines, before its exit is
+/// reported anyway: a broken log endpoint must not hold GPUs forever.
+const LOG_FLUSH_DEADLINE: Duration = Duration::from_secs(60);
+/// Least time between two syncs unless something changed here, so a server
+/// that answers at once cannot spin the loop.
+const MIN_SYNC_SPACING: Duration = Duration::from_millis(200);
+
+/// How the agent runs.
+#[derive(Clone)]
+pub struct AgentConfig {
+    /// The server, e.g. `http://127.0.0.1:7420` (no trailing `/v1`).
+    pub server_url: String,
+    /// Bearer API key (provider or operator role).
+    pub token: String,
+    /// Node name; re-registering the same name re-attaches to the same node.
+    pub name: String,
+    /// Region (server default: `local`).
+    pub region: Option<String>,
+    /// Node pool (server default: `default`).
+    pub pool: Option<String>,
+    /// Simulated inventory, e.g. `4xH100,2xL40S`; `None` discovers with NVML.
+    pub simulate_gpus: Option<String>,
+    /// Per-instance default working dirs go under `work_dir/instances/<id>`.
+    pub work_dir: PathBuf,
+    /// Long-poll wait to ask for, in milliseconds.
+    pub sync_wait_ms: u64,
+}
+
+impl std::fmt::Debug for AgentConfig {
+    /// Like a derived `Debug`, but never prints the key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentConfig")
+            .field("server_url", &self.server_url)
+            .field("token", &"<redacted>")
+            .field("name", &self.name)
+            .field("region", &self.region)
+            .field("pool", &self.pool)
+            .field("simulate_gpus", &self.simulate_gpus)
+            .field("work_dir", &self.work_dir)
+            .field("sync_wait_ms", &self.sync_wait_ms)
+            .finish()
+    }
+}
+
+impl AgentConfig {
+    /// A configuration with no region or pool (server defaults), NVML
+    /// discovery and a 10 s long-poll.
+    pub fn new(
+        server_url: impl Into<String>,
+        token: impl Into<String>,
+        name: impl Into<String>,
+        work_dir: impl Into<PathBuf>,
+    ) -> Self {
+        Self {
+            server_url: server_url.into(),
+            token: token.into(),
+            name: name.into(),
+            region: None,
+            pool: None,
+            simulate_gpus: None,
+            work_dir: work_dir.into(),
+            sync_wait_ms: 10_000,
+        }
+    }
+}
+
+/// Runs the agent until `shutdown` resolves; then stops all running
+/// instances (SIGTERM, grace, SIGKILL), flushes their logs, reports their
+/// exits to the server (best effort, short timeout), and returns.
+///
+/// Fails early when discovery fails or the server refuses the first
+/// registration for good (bad key, invalid node); an unreachable server is
+/// waited for.
+pub async fn run(
+    config: AgentConfig,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let simulate = config.simulate_gpus.clone();
+    let name = config.name.clone();
+    let gpus = tokio::task::spawn_blocking(move || {
+        discover(simulate.as_deref(), &name, &Catalog::default())
+    })
+    .await
+    .context("gpu discovery task failed")??;
+    tracing::info!(
+        node = %config.name,
+        gpus = gpus.len(),
+        simulated = config.simulate_gpus.is_some(),
+        "gpus discovered"
+    );
+    let vendors = gpus.iter().map(|g| (g.index, g.vendor)).collect();
+    let registration = RegisterNode {
+        name: config.name.clone(),
+        region: config.region.clone(),
+        pool: config.pool.clone(),
+        cpu_milli: discovery::host_cpu_milli(),
+        memory_mb: discovery::host_memory_mib(),
+        simulated: config.simulate_gpus.is_some(),
+        gpus,
+        agent_version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    let client = Client::new(&config.server_url, &config.token)?;
+    let shared = Arc::new(Shared::default());
+    let mut agent = Agent {
+        config,
+        client: client.clone(),
+        registration,
+        vendors,
+        shared: shared.clone(),
+        node: None,
+        seen: HashSet::new(),
+    };
+
+    tokio::pin!(shutdown);
+    tokio::select! {
+        registered = agent.register(true) => agent.node = Some(registered?),
+        () = &mut shutdown => return Ok(()),
+    }
+    let shipper = tokio::spawn(ship_logs_forever(shared, client));
+    tokio::select! {
+        () = agent.sync_forever() => {}
+        () = &mut shutdown => {}
+    }
+    tracing::info!("agent shutting down");
+    shipper.abort();
+    agent.shutdown().await;
+    tracing::info!("agent stopped");
+    Ok(())
+}
+
+/// What runs (or ran) for one instance.
+enum Work {
+    Process(Process),
+    FailedToStart { reason: String, at: DateTime<Utc> },
+}
+
+/// One instance the agent knows.
+struct Tracked {
+    work: Work,
+    /// The server asked for the stop.
+    server_stop: bool,
+    /// Grace between SIGTERM and SIGKILL the server asked for.
+    grace: Duration,
+    /// The server no longer lists it: stopped, not reported, forgotten once
+    /// it ended.
+    orphaned: bool,
+    /// Since when it exited with output still unshipped while syncs
+    /// succeed; reset whenever the server is unreachable.
+    flush_waiting_since: Option<Instant>,
+    /// Its exit is reported although output is still unshipped (see
+    /// [`LOG_FLUSH_DEADLINE`]).
+    flush_given_up: bool,
+}
+
+impl Tracked {
+    fn process(&self) -> Option<&Process> {
+        match &self.work {
+            Work::Process(p) => Some(p),
+            Work::FailedToStart { .. } => None,
+        }
+    }
+
+    fn running(&self) -> bool {
+        self.process().is_some_and(|p| p.exit().is_none())
+    }
+
+    /// The phase to report. An exited process stays `Running` until the
+    /// server accepted all its output, so that clients following the logs
+    /// see every line before the instance turns final.
+    fn observed(&self, instance_id: &InstanceId) -> ObservedInstance {
+        let (phase, at) = match &self.work {
+            Work::FailedToStart { reason, at } => (
+                ObservedPhase::FailedToStart {
+                    reason: reason.clone(),
+                },
+                *at,
+            ),
+            Work::Process(p) => match p.exit() {
+                Some(exit) if p.logs().pending() == 0 || self.flush_given_up => (
+                    ObservedPhase::Exited {
+                        code: exit.code,
+                        stopped: self.server_stop && exit.stop_requested,
+                    },
+                    exit.at,
+                ),
+                _ => (ObservedPhase::Running { pid: p.pid() }, p.started_at()),
+            },
+        };
+        ObservedInstance {
+            instance_id: instance_id.clone(),
+            phase,
+            at,
+        }
+    }
+}
+
+/// State shared by the sync loop and the log shipper.
+#[derive(Default)]
+struct Shared {
+    instances: Mutex<BTreeMap<InstanceId, Tracked>>,
+    wakers: Wakers,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<InstanceId, Tracked>> {
+        // No critical section panics half-way, so a poisoned map is intact.
+        self.instances.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Every process whose output may still need shipping.
+    fn processes(&self) -> Vec<(InstanceId, Process)> {
+        self.lock()
+            .iter()
+            .filter_map(|(id, t)| t.process().map(|p| (id.clone(), p.clone())))
+            .collect()
+    }
+}
+
+struct Agent {
+    config: AgentConfig,
+    client: Client,
+    registration: RegisterNode,
+    vendors: HashMap<u32, Vendor>,
+    shared: Arc<Shared>,
+    node: Option<Registered>,
+    /// Every instance id ever started (or tried) by this process.
+    seen: HashSet<InstanceId>,
+}
+
+impl Agent {
+    /// Registers, retrying while the server is unreachable. On the first
+    /// registration a refusal (bad key, invalid node) is returned at once;
+    /// later ones retry forever since running work depends on getting back
+    /// in touch.
+    async fn register(&self, initial: bool) -> anyhow::Result<Registered> {
+        let mut backoff = Backoff::new("register");
+        loop {
+            match self.client.register(&self.registration).await {
+                Ok(registered) => {
+                    backoff.succeeded();
+                    tracing::info!(
+                        node = %self.registration.name,
+                        node_id = %registered.node_id,
+                        heartbeat_interval_ms = registered.heartbeat_interval_ms,
+                        "registered with the server"
+                    );
+                    return Ok(registered);
+                }
+                Err(error) if initial && (!error.is_retryable() || error.is_auth()) => {
+                    return Err(error).context("the server refused to register this node");
+                }
+                Err(error) => tokio::time::sleep(backoff.failed(&error)).await,
+            }
+        }
+    }
+
+    /// The reconcile loop; returns only when cancelled.
+    async fn sync_forever(&mut self) {
+        let mut backoff = Backoff::new("sync");
+        loop {
+            let Some(node) = self.node.clone() else {
+                // Retrying forever: the error arm cannot be reached.
+                if let Ok(registered) = self.register(false).await {
+                    self.node = Some(registered);
+                }
+                continue;
+            };
+            let changed = &self.shared.wakers.changed;
+            // What the request below reports covers every change so far.
+            consume_permit(changed).await;
+            let req = SyncRequest {
+                observed: self.observed(),
+                wait_ms: self.config.sync_wait_ms.min(node.heartbeat_interval_ms),
+            };
+            let sent = Instant::now();
+            let result = tokio::select! {
+                result = self.client.sync(&node.node_id, &req) => result,
+                () = changed.notified() => {
+                    tracing::debug!("local change, resending sync");
+                    continue;
+                }
+            };
+            match result {
+                Ok(resp) if resp.reregister => {
+                    backoff.succeeded();
+                    tracing::info!(node_id = %node.node_id, "server asks to register again");
+                    self.node = None;
+                }
+                Ok(resp) => {
+                    backoff.succeeded();
+                    self.apply(resp.assignments);
+                    let elapsed = sent.elapsed();
+                    if elapsed < MIN_SYNC_SPACING {
+                        tokio::select! {
+                            () = tokio::time::sleep(MIN_SYNC_SPACING - elapsed) => {}
+                            () = self.shared.wakers.changed.notified() => {}
+                        }
+                    }
+                }
+                Err(error) if error.is_not_found() => {
+                    tracing::info!(node_id = %node.node_id, "server does not know this node, registering again");
+                    self.node = None;
+                }
+                Err(error) => {
+                    for t in self.shared.lock().values_mut() {
+                        t.flush_waiting_since = None;
+                    }
+                    tokio::time::sleep(backoff.failed(&error)).await;
+                }
+            }
+        }
+    }
+
+    /// Every instance to report (orphans excluded).
+    fn observed(&self) -> Vec<ObservedInstance> {
+        self.shared
+            .lock()
+            .iter()
+            .filter(|(_, t)| !t.orphaned)
+            .map(|(id, t)| t.observed(id))
+            .collect()
+    }
+
+    /// Applies the server's desired work.
+    fn apply(&mut self, assignments: Vec<Assignment>) {
+        let listed: HashSet<InstanceId> =
+            assignments.iter().map(|a| a.instance_id.clone()).collect();
+        let mut to_start = Vec::new();
+        {
+            let mut instances = self.shared.lock();
+            for a in assignments {
+                match instances.get_mut(&a.instance_id) {
+                    Some(t) => {
+                        if t.orphaned {
+                            continue;
+                        }
+                        t.grace = Duration::from_millis(a.stop_grace_ms);
+                        if a.stop && !t.server_stop {
+                            t.server_stop = true;
+                            if let Some(p) = t.process().filter(|p| p.exit().is_none()) {
+                                tracing::info!(instance_id = %a.instance_id, grace_ms = a.stop_grace_ms, "server asks to stop instance");
+                                p.stop(t.grace);
+                            }
+                        }
+                    }
+                    None if self.seen.contains(&a.instance_id) => {
+                        tracing::debug!(instance_id = %a.instance_id, "ignoring assignment of an instance this agent already ran");
+                    }
+                    None if a.stop => {
+                        tracing::debug!(instance_id = %a.instance_id, "ignoring stop of an instance this agent never ran");
+                    }
+                    None => to_start.push(a),
+                }
+            }
+            for (id, t) in instances.iter_mut() {
+                let unshipped = t
+                    .process()
+                    .filter(|p| p.exit().is_some())
+                    .map_or(0, |p| p.logs().pending());
+                if unshipped == 0 || t.flush_given_up {
+                    continue;
+                }
+                let since = *t.flush_waiting_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= LOG_FLUSH_DEADLINE {
+                    tracing::warn!(instance_id = %id, unshipped, "server keeps refusing log lines, reporting the exit anyway");
+                    t.flush_given_up = true;
+                }
+            }
+            instances.retain(|id, t| {
+                if listed.contains(id) && !t.orphaned {
+                    return true;
+                }
+                match t.process().filter(|p| p.exit().is_none()).cloned() {
+                    Some(p) => {
+                        if !t.orphaned {
+                            tracing::warn!(instance_id = %id, pid = p.pid(), "server no longer lists running instance, stopping orphan");
+                            t.orphaned = true;
+                            p.stop(ORPHAN_GRACE);
+                        }
+                        true
+                    }
+                    // Finished (or an orphan that ended): forget it.
+                    _ => false,
+                }
+            });
+        }
+        for a in to_start {
+            self.start(a);
+        }
+    }
+
+    /// Starts an assignment; a spawn error becomes `FailedToStart`.
+    fn start(&mut self, a: Assignment) {
+        self.seen.insert(a.instance_id.clone());
+        let default_dir = self
+            .config
+            .work_dir
+            .join("instances")
+            .join(a.instance_id.as_str());
+        // An absolute workdir replaces the default; a relative one lands
+        // inside it.
+        let workdir = match &a.workdir {
+            Some(dir) => default_dir.join(dir),
+            None => default_dir,
+        };
+        let mut vendors = Vec::new();
+        for index in &a.gpu_indices {
+            match self.vendors.get(index) {
+                Some(v) => vendors.push(*v),
+                None => {
+                    tracing::warn!(instance_id = %a.instance_id, index, "assignment names a gpu index this node does not have")
+                }
+            }
+        }
+        let spec = SpawnSpec {
+            instance_id: a.instance_id.clone(),
+            command: a.command,
+            env: a.env,
+            workdir,
+            gpu_indices: a.gpu_indices,
+            gpu_uuids: a.gpu_uuids,
+            vendors,
+        };
+        let work = match runtime::spawn(&spec, self.shared.wakers.clone()) {
+            Ok(p) => Work::Process(p),
+            Err(error) => {
+                tracing::warn!(instance_id = %a.instance_id, %error, "instance failed to start");
+                Work::FailedToStart {
+                    reason: error.to_string(),
+                    at: Utc::now(),
+                }
+            }
+        };
+        self.shared.lock().insert(
+            a.instance_id,
+            Tracked {
+                work,
+                server_stop: false,
+                grace: Duration::from_millis(a.stop_grace_ms),
+                orphaned: false,
+                flush_waiting_since: None,
+                flush_given_up: false,
+            },
+        );
+        self.shared.wakers.changed.notify_one();
+    }
+
+    /// Stops everything, flushes logs and reports the exits, each step
+    /// bounded in time.
+    async fn shutdown(&mut self) {
+        let running: Vec<(InstanceId, Process, Duration)> = self
+            .shared
+            .lock()
+            .iter()
+            .filter(|(_, t)| t.running())
+            .filter_map(|(id, t)| t.process().map(|p| (id.clone(), p.clone(), t.grace)))
+            .collect();
+        if !running.is_empty() {
+            tracing::info!(count = running.len(), "stopping running instances");
+        }
+        for (_, p, grace) in &running {
+            p.stop((*grace).min(SHUTDOWN_GRACE_MAX));
+        }
+        let all_exited = async {
+            for (_, p, _) in &running {
+                p.wait().await;
+            }
+        };
+        let limit = SHUTDOWN_GRACE_MAX + SHUTDOWN_STEP_TIMEOUT + Duration::from_secs(1);
+        if tokio::time::timeout(limit, all_exited).await.is_err() {
+            tracing::warn!("some instances did not exit in time");
+        }
+
+        let flush = async {
+            let mut backoff = Backoff::new("final log upload");
+            while let Err(error) = ship_pending(&self.shared, &self.client).await {
+                tokio::time::sleep(backoff.failed(&error)).await;
+            }
+        };
+        if tokio::time::timeout(SHUTDOWN_STEP_TIMEOUT, flush)
+            .await
+            .is_err()
+        {
+            tracing::warn!("could not ship all log lines before shutdown");
+        }
+
+        let Some(node) = self.node.clone() else {
+            return;
+        };
+        let req = SyncRequest {
+            observed: self.observed(),
+            wait_ms: 0,
+        };
+        match tokio::time::timeout(SHUTDOWN_STEP_TIMEOUT, self.client.sync(&node.node_id, &req))
+            .await
+        {
+            Ok(Ok(_)) => tracing::info!(instances = req.observed.len(), "final state reported"),
+            Ok(Err(error)) => tracing::warn!(%error, "could not report final state"),
+            Err(_) => tracing::warn!("timed out reporting final state"),
+        }
+    }
+}
+
+/// Ships pending output of every instance every [`LOG_TICK`], or sooner
+/// when a buffer fills up; retries with backoff while the server is away.
+async fn ship_logs_forever(shared: Arc<Shared>, client: Client) {
+    let mut backoff = Backoff::new("log upload");
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(LOG_TICK) => {}
+            () = shared.wakers.logs.notified() => {}
+        }
+        match ship_pending(&shared, &client).await {
+            Ok(()) => backoff.succeeded(),
+            Err(error) => tokio::time::sleep(backoff.failed(&error)).await,
+        }
+    }
+}
+
+/// Ships what is pending now. Stops at the first retryable failure; lines
+/// the server refuses for good (e.g. an instance it does not know) are
+/// dropped with a warning, since resending them cannot succeed.
+async fn ship_pending(shared: &Shared, client: &Client) -> Result<(), ClientError> {
+    for (id, p) in shared.processes() {
+        let mut shipped = false;
+        for _ in 0..MAX_BATCHES_PER_ROUND {
+            let batch = p.logs().peek(runtime::SHIP_BATCH_LINES);
+            let Some(last) = batch.last().map(|l| l.seq) else {
+                break;
+            };
+            let count = batch.len();
+            match client.push_logs(&id, batch).await {
+                Ok(()) => {}
+                Err(error) if !error.is_retryable() => {
+                    tracing::warn!(instance_id = %id, lines = count, %error, "server refused log lines, dropping them");
+                }
+                Err(error) => return Err(error),
+            }
+            p.logs().ack(last);
+            shipped = true;
+        }
+        if shipped && p.exit().is_some() && p.logs().pending() == 0 {
+            // Its exit may now be reported.
+            shared.wakers.changed.notify_one();
+        }
+    }
+    Ok(())
+}
+
+/// Consumes a stored wake-up permit, if any, without waiting.
+async fn consume_permit(notify: &Notify) {
+    tokio::select! {
+        biased;
+        () = notify.notified() => {}
+        () = std::future::ready(()) => {}
+    }
+}
+
+/// Retry delays (250 ms doubling to 5 s) and log throttling for one kind of
+/// server call: the first failure and every 20th warn, the rest are debug.
+struct Backoff {
+    what: &'static str,
+    next: Duration,
+    failures: u32,
+}
+
+impl Backoff {
+    fn new(what: &'static str) -> Self {
+        Self {
+            what,
+            next: BACKOFF_MIN,
+            failures: 0,
+        }
+    }
+
+    /// Records a failure; returns how long to wait before retrying.
+    fn failed(&mut self, error: &ClientError) -> Duration {
+        let delay = self.next;
+        self.next = (self.next * 2).min(BACKOFF_MAX);
+        self.failures += 1;
+        let retry_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        if self.failures == 1 || self.failures % 20 == 0 {
+            tracing::warn!(call = self.what, failures = self.failures, retry_ms, %error, "server call failed, retrying");
+        } else {
+            tracing::debug!(call = self.what, failures = self.failures, retry_ms, %error, "server call failed, retrying");
+        }
+        delay
+    }
+
+    fn succeeded(&mut self) {
+        if self.failures > 0 {
+            tracing::info!(
+                call = self.what,
+                failures = self.failures,
+                "server reachable again"
+            );
+        }
+        self.next = BACKOFF_MIN;
+        self.failures = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err() -> ClientError {
+        ClientError::Status {
+            status: reqwest::StatusCode::SERVICE_UNAVAILABLE,
+            code: String::new(),
+            message: String::new(),
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_to_five_seconds_and_resets() {
+        let mut b = Backoff::new("test");
+        let delays: Vec<u64> = (0..7)
+            .map(|_| b.failed(&err()).as_millis() as u64)
+            .collect();
+        assert_eq!(delays, vec![250, 500, 1000, 2000, 4000, 5000, 5000]);
+        b.succeeded();
+        assert_eq!(b.failed(&err()), BACKOFF_MIN);
+    }
+
+    #[test]
+    fn config_defaults() {
+        let c = AgentConfig::new("http://127.0.0.1:7420", "tok", "n1", "/tmp/w");
+        assert_eq!(c.sync_wait_ms, 10_000);
+        assert!(c.simulate_gpus.is_none() && c.region.is_none() && c.pool.is_none());
+        assert_eq!(c.work_dir, PathBuf::from("/tmp/w"));
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("tok\"") && shown.contains("<redacted>"),
+            "{shown}"
+        );
+    }
+}

@@ -31,6 +31,11 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
 
 /// Parses `bytes` as `T`; errors carry the JSON path of the bad value.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    // Every body of this API is an object; serde would also read a struct
+    // from an array, which only yields confusing errors.
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::bad_request("body", "must be a JSON object"));
+    }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     let result: Result<T, _> = serde_path_to_error::deserialize(de);
     result.map_err(|e| {
@@ -49,6 +54,8 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
                         let name = rest.split('`').next().unwrap_or_default();
                         if p == "." || p.is_empty() {
                             name.to_string()
+                        } else if p == name || p.ends_with(&format!(".{name}")) {
+                            p.to_string()
                         } else {
                             format!("{p}.{name}")
                         }
