@@ -1,1 +1,337 @@
-fn main() {}
+//! `flotilla`: the one binary of Flotilla. It runs the platform (`up`,
+//! `server`, `agent`) and is its command-line client (`run`, `ps`, `logs`,
+//! `gpus`, `nodes`, `tenants`, `keys`, `quota`, …).
+//!
+//! This file holds the command-line grammar, dispatch and exit codes. Every
+//! error ends the process with one line on stderr, `error: …`, and exit
+//! code 1; `flotilla run` exits with the instance's own exit code. The CLI
+//! holds no platform logic: it talks to the API like any other client.
+
+mod client;
+mod commands;
+mod config;
+mod follow;
+mod local;
+mod output;
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use flotilla_core::tenant::Role;
+
+use crate::commands::{Ctx, Limit, PsArgs, RunArgs};
+use crate::local::{AgentArgs, ServerArgs, UpArgs};
+
+/// Flotilla: a GPU cloud on your own machines.
+#[derive(Debug, Parser)]
+#[command(name = "flotilla", version, propagate_version = true)]
+struct Cli {
+    /// API server URL (default: the saved credentials', else
+    /// http://127.0.0.1:7420).
+    #[arg(long, global = true, env = "FLOTILLA_SERVER", value_name = "URL")]
+    server: Option<String>,
+    /// API key (default: the saved credentials').
+    #[arg(
+        long,
+        global = true,
+        env = "FLOTILLA_API_KEY",
+        hide_env_values = true,
+        value_name = "KEY"
+    )]
+    api_key: Option<String>,
+    /// Print the API's JSON answer instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the control plane and a local agent in this process.
+    Up(UpArgs),
+    /// Run the control plane only.
+    Server(ServerArgs),
+    /// Run a node agent that offers this machine's GPUs to a server.
+    Agent(AgentArgs),
+    /// Check an API key against a server and save both.
+    Login,
+    /// List GPU models with the pool's total and free capacity.
+    Gpus,
+    /// List nodes and their GPUs.
+    Nodes,
+    /// Rent GPUs and run a command on them, following its output.
+    Run(RunArgs),
+    /// List instances.
+    Ps(PsArgs),
+    /// Print an instance's output.
+    Logs {
+        /// Instance id.
+        id: String,
+        /// Keep printing until the instance ends.
+        #[arg(long, short = 'f')]
+        follow: bool,
+    },
+    /// Stop an instance.
+    Stop {
+        /// Instance id.
+        id: String,
+    },
+    /// List tenants, or create one.
+    Tenants {
+        #[command(subcommand)]
+        command: Option<TenantsCommand>,
+    },
+    /// List API keys, create or revoke one.
+    Keys {
+        #[command(subcommand)]
+        command: Option<KeysCommand>,
+    },
+    /// Show a tenant's GPU quota and use, or change it.
+    Quota {
+        /// Tenant id or name (default: your own).
+        #[arg(long)]
+        tenant: Option<String>,
+        #[command(subcommand)]
+        command: Option<QuotaCommand>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum TenantsCommand {
+    /// List tenants.
+    List,
+    /// Create a tenant.
+    Create {
+        /// Name: lowercase letters, digits and `-`.
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum KeysCommand {
+    /// List API keys.
+    List,
+    /// Create an API key; its secret is printed once.
+    Create {
+        /// Role of the new key: operator, tenant_admin, tenant_member,
+        /// provider.
+        #[arg(long, value_parser = commands::parse_role)]
+        role: Role,
+        /// Tenant id or name the key acts for (default: your own).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Label.
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// Revoke an API key.
+    Revoke {
+        /// Key id.
+        id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum QuotaCommand {
+    /// Change limits; the others stay as they are.
+    Set {
+        /// Tenant id or name (default: your own).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Most GPUs at once, or `none` for no limit.
+        #[arg(long, value_parser = commands::parse_limit, value_name = "N|none")]
+        gpus_total: Option<Limit>,
+        /// Most GPUs of one model, or `MODEL=none` to drop that limit
+        /// (repeatable).
+        #[arg(long = "gpu", value_parser = commands::parse_model_limit, value_name = "MODEL=N")]
+        gpu: Vec<(String, Limit)>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(&anyhow::anyhow!("cannot start the async runtime: {e}")),
+    };
+    let result = runtime.block_on(dispatch(cli));
+    // Don't let a task stuck in a blocking call hold the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
+        Ok(code) => code,
+        Err(e) => fail(&e),
+    }
+}
+
+/// Prints the error chain on one line and returns exit code 1.
+fn fail(e: &anyhow::Error) -> ExitCode {
+    eprintln!("error: {}", error_line(e));
+    ExitCode::FAILURE
+}
+
+/// The anyhow chain joined with ": ", on one line, without repeating a
+/// cause whose text its context already contains.
+fn error_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let text = output::one_line(&cause.to_string());
+        if parts.last().is_some_and(|p| p.contains(&text)) || text.is_empty() {
+            continue;
+        }
+        parts.push(text);
+    }
+    parts.join(": ")
+}
+
+async fn dispatch(cli: Cli) -> Result<ExitCode> {
+    let Cli {
+        server,
+        api_key,
+        json,
+        command,
+    } = cli;
+    match command {
+        Command::Up(args) => return local::up(args).await,
+        Command::Server(args) => return local::server(args).await,
+        Command::Agent(args) => return local::agent(server, args).await,
+        Command::Login => return commands::login(server, api_key).await,
+        _ => {}
+    }
+    if std::env::var_os("RUST_LOG").is_some() {
+        local::init_logging();
+    }
+    let creds = config::resolve(server.as_deref(), api_key.as_deref())?;
+    let ctx = Ctx {
+        client: client::Client::new(&creds.server, &creds.api_key)?,
+        json,
+    };
+    match command {
+        Command::Gpus => commands::gpus(&ctx).await,
+        Command::Nodes => commands::nodes(&ctx).await,
+        Command::Run(args) => commands::run(&ctx, args).await,
+        Command::Ps(args) => commands::ps(&ctx, args).await,
+        Command::Logs { id, follow } => commands::logs(&ctx, &id, follow).await,
+        Command::Stop { id } => commands::stop(&ctx, &id).await,
+        Command::Tenants { command } => match command {
+            None | Some(TenantsCommand::List) => commands::tenants_list(&ctx).await,
+            Some(TenantsCommand::Create { name }) => commands::tenants_create(&ctx, name).await,
+        },
+        Command::Keys { command } => match command {
+            None | Some(KeysCommand::List) => commands::keys_list(&ctx).await,
+            Some(KeysCommand::Create { role, tenant, name }) => {
+                commands::keys_create(&ctx, role, tenant, name).await
+            }
+            Some(KeysCommand::Revoke { id }) => commands::keys_revoke(&ctx, &id).await,
+        },
+        Command::Quota { tenant, command } => match command {
+            None => commands::quota_show(&ctx, tenant).await,
+            Some(QuotaCommand::Set {
+                tenant: set_tenant,
+                gpus_total,
+                gpu,
+            }) => commands::quota_set(&ctx, set_tenant.or(tenant), gpus_total, gpu).await,
+        },
+        Command::Up(_) | Command::Server(_) | Command::Agent(_) | Command::Login => {
+            unreachable!("handled above")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_grammar_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("flotilla").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn run_takes_the_command_after_its_flags() {
+        let cli = parse(&[
+            "run",
+            "--gpus",
+            "2",
+            "--gpu-type",
+            "H100,A100-80GB",
+            "-e",
+            "A=1",
+            "--json",
+            "--",
+            "python",
+            "-c",
+            "print(1)",
+        ])
+        .unwrap();
+        assert!(cli.json);
+        let Command::Run(r) = cli.command else {
+            panic!("not run")
+        };
+        assert_eq!(r.gpus, 2);
+        assert_eq!(r.gpu_types, ["H100", "A100-80GB"]);
+        assert_eq!(r.env, [("A".to_string(), "1".to_string())]);
+        assert_eq!(r.command, ["python", "-c", "print(1)"]);
+
+        // Without `--`, flags after the program belong to the program.
+        let cli = parse(&["run", "nvidia-smi", "-L", "--gpus", "3"]).unwrap();
+        let Command::Run(r) = cli.command else {
+            panic!("not run")
+        };
+        assert_eq!((r.gpus, r.command.len()), (1, 4));
+    }
+
+    #[test]
+    fn bad_flag_values_are_usage_errors() {
+        let e = parse(&["run", "--env", "NOEQUALS", "--", "true"]).unwrap_err();
+        assert!(e.to_string().contains("expected K=V"), "{e}");
+        let e = parse(&["quota", "set", "--gpu", "H100"]).unwrap_err();
+        assert!(e.to_string().contains("expected MODEL=N"), "{e}");
+        assert!(parse(&["run"]).is_err(), "a command is required");
+        assert!(parse(&["keys", "create", "--role", "boss"]).is_err());
+        assert!(parse(&["ps", "--state", "done"]).is_err());
+    }
+
+    #[test]
+    fn subcommands_with_optional_actions() {
+        let cli = parse(&["quota", "set", "--gpus-total", "none", "--gpu", "H100=2"]).unwrap();
+        let Command::Quota {
+            command: Some(QuotaCommand::Set {
+                gpus_total, gpu, ..
+            }),
+            ..
+        } = cli.command
+        else {
+            panic!("not quota set")
+        };
+        assert_eq!(gpus_total, Some(Limit::Unlimited));
+        assert_eq!(gpu, [("H100".to_string(), Limit::Max(2))]);
+        assert!(matches!(
+            parse(&["tenants"]).unwrap().command,
+            Command::Tenants { command: None }
+        ));
+        assert!(matches!(
+            parse(&["keys", "revoke", "key_x"]).unwrap().command,
+            Command::Keys {
+                command: Some(KeysCommand::Revoke { .. })
+            }
+        ));
+    }
+
+    #[test]
+    fn error_lines_join_the_chain_once() {
+        let e = anyhow::anyhow!("connection refused").context("opening the database");
+        assert_eq!(error_line(&e), "opening the database: connection refused");
+        let e = anyhow::anyhow!("boom\nsecond line");
+        assert_eq!(error_line(&e), "boom second line");
+    }
+}

@@ -541,6 +541,27 @@ impl Store {
         Ok(n)
     }
 
+    /// A node's agent registered afresh: it lost track of the commands it
+    /// had started, so instances past `scheduled` there fail. Scheduled
+    /// ones stay; the new agent starts them.
+    pub async fn fail_started_on(&self, node: &NodeId, now: DateTime<Utc>) -> Result<u64> {
+        let rows = sqlx::query("SELECT id, state FROM instances WHERE node_id = $1 AND state IN ('starting', 'running')")
+            .bind(node.as_str())
+            .fetch_all(self.pool())
+            .await?;
+        let mut n = 0;
+        for r in &rows {
+            let id = InstanceId::from_trusted(r.try_get("id")?);
+            let from = state_of(&r.try_get::<String, _>("state")?)?;
+            let mut tx = self.pool().begin().await?;
+            if transition(&mut tx, &id, from, InstanceState::Failed, "node agent restarted and lost track of the command", None, now).await? {
+                n += 1;
+            }
+            tx.commit().await?;
+        }
+        Ok(n)
+    }
+
     /// Instances holding GPUs on one node (for shutdown and tests).
     pub async fn instances_on(&self, node: &NodeId) -> Result<Vec<InstanceId>> {
         let rows = sqlx::query(

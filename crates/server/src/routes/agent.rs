@@ -64,6 +64,12 @@ pub async fn register(
         )
     };
     let node = st.store().register_node(&caller.tenant_id, &req, ids, st.now()).await?;
+    if !node.created {
+        let failed = st.store().fail_started_on(&node.id, st.now()).await?;
+        if failed > 0 {
+            tracing::warn!(node = %node.id, failed, "agent re-registered; instances it had started are failed");
+        }
+    }
     tracing::info!(node = %node.id, name = %req.name, gpus = count, created = node.created, "node registered");
     st.notify_change();
     Ok(Json(Registered {

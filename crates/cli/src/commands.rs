@@ -1,0 +1,676 @@
+//! The client commands: each calls the API through [`Client`] and prints
+//! either a table (people) or the raw JSON answer (`--json`, lists as one
+//! array of every item). Status messages go to stderr so stdout stays
+//! parseable.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::ExitCode;
+
+use anyhow::{anyhow, bail, Result};
+use chrono::Utc;
+use flotilla_core::api::{
+    ApiKey, CreateApiKey, CreateTenant, CreatedApiKey, GpuTypeView, Instance, Me, Node, QuotaView,
+    Tenant,
+};
+use flotilla_core::catalog::Catalog;
+use flotilla_core::id::{InstanceId, KeyId, TenantId};
+use flotilla_core::instance::{BillingClass, CreateInstance, InstanceState};
+use flotilla_core::tenant::Role;
+use serde_json::Value;
+
+use crate::client::{decode, Client};
+use crate::config::{self, Credentials};
+use crate::follow::{self, FollowOptions, Followed};
+use crate::local::Signals;
+use crate::output::{self, age, one_line, print_json, print_table, table};
+
+/// Everything a client command needs.
+pub struct Ctx {
+    /// The API.
+    pub client: Client,
+    /// Print raw JSON instead of tables.
+    pub json: bool,
+}
+
+fn decode_all<T: serde::de::DeserializeOwned>(items: Vec<Value>) -> Result<Vec<T>> {
+    items.into_iter().map(decode).collect()
+}
+
+/// Validates an id argument locally: a typo is caught before it becomes
+/// part of a URL path.
+fn instance_id(s: &str) -> Result<InstanceId> {
+    InstanceId::parse(s.trim(), "instance id").map_err(|e| anyhow!("{e}"))
+}
+
+/// `flotilla login`.
+pub async fn login(server: Option<String>, api_key: Option<String>) -> Result<ExitCode> {
+    let server = config::normalize_server(server.as_deref().unwrap_or(config::DEFAULT_SERVER));
+    let api_key = api_key
+        .map(|k| k.trim().to_string())
+        .filter(|k| !k.is_empty())
+        .ok_or_else(|| anyhow!("login needs --api-key KEY (or FLOTILLA_API_KEY)"))?;
+    let client = Client::new(&server, &api_key)?;
+    let me: Me = decode(client.me().await?)?;
+    let path = config::credentials_path()?;
+    config::save(
+        &path,
+        &Credentials {
+            server: server.clone(),
+            api_key,
+        },
+    )?;
+    println!(
+        "logged in to {server} as {} of tenant {}",
+        me.key.role.as_str(),
+        me.tenant.name
+    );
+    eprintln!("credentials saved to {}", path.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla gpus`.
+pub async fn gpus(ctx: &Ctx) -> Result<ExitCode> {
+    let raw = ctx.client.list("/v1/gpu-types", &[], None).await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut t = table([
+        "MODEL", "VENDOR", "MEMORY", "MIG", "PERF", "PRICE/H", "TOTAL", "FREE",
+    ]);
+    for g in decode_all::<GpuTypeView>(raw)? {
+        let vendor = serde_json::to_value(g.model.vendor)?;
+        t.add_row([
+            g.model.name.clone(),
+            vendor.as_str().unwrap_or("-").to_string(),
+            format!("{} GiB", g.model.memory_gib),
+            if g.model.mig_profiles.is_empty() {
+                "-".into()
+            } else {
+                "yes".into()
+            },
+            format!("{:.2}x", g.model.relative_performance),
+            format!("${}", g.model.list_price_per_hour),
+            g.total.to_string(),
+            g.free.to_string(),
+        ]);
+    }
+    print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla nodes`.
+pub async fn nodes(ctx: &Ctx) -> Result<ExitCode> {
+    let raw = ctx.client.list("/v1/nodes", &[], None).await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = Utc::now();
+    let mut t = table(["ID", "NAME", "REGION", "POOL", "STATE", "GPUS", "HEARTBEAT"]);
+    for n in decode_all::<Node>(raw)? {
+        t.add_row([
+            n.id.to_string(),
+            n.name.clone(),
+            n.region.clone(),
+            n.pool.clone(),
+            output::node_state(&n),
+            output::node_gpus(&n),
+            age(now, n.last_heartbeat_at),
+        ]);
+    }
+    print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Billing classes as typed on the command line.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum Billing {
+    /// Pay per second at the on-demand price.
+    #[value(alias = "on_demand")]
+    OnDemand,
+    /// Cheaper, may be preempted.
+    Spot,
+    /// Drawn from a reserved commitment.
+    Reserved,
+}
+
+impl From<Billing> for BillingClass {
+    fn from(b: Billing) -> Self {
+        match b {
+            Billing::OnDemand => BillingClass::OnDemand,
+            Billing::Spot => BillingClass::Spot,
+            Billing::Reserved => BillingClass::Reserved,
+        }
+    }
+}
+
+/// `flotilla run` options.
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// Whole GPUs, all of one model, on one node.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub gpus: u32,
+    /// Acceptable GPU models, comma-separated (default: any).
+    #[arg(long = "gpu-type", value_delimiter = ',', value_name = "MODEL[,MODEL]")]
+    pub gpu_types: Vec<String>,
+    /// CPU in thousandths of a core (default 1000).
+    #[arg(long, value_name = "MILLI")]
+    pub cpu: Option<u32>,
+    /// Memory in MiB (default 1024).
+    #[arg(long, value_name = "MB")]
+    pub memory: Option<u64>,
+    /// Environment variable for the command (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
+    pub env: Vec<(String, String)>,
+    /// Working directory on the node (absolute).
+    #[arg(long, value_name = "DIR")]
+    pub workdir: Option<String>,
+    /// Display name (a DNS label).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Billing class.
+    #[arg(long, value_enum, default_value = "on-demand")]
+    pub billing: Billing,
+    /// Print the instance id and return instead of following it.
+    #[arg(long, short = 'd')]
+    pub detach: bool,
+    /// The program and its arguments (after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    pub command: Vec<String>,
+}
+
+/// Parses `--env K=V`.
+pub fn parse_env(s: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.to_string())),
+        Some(_) => Err(format!(
+            "expected K=V with a variable name before `=`, got `{s}`"
+        )),
+        None => Err(format!("expected K=V, got `{s}`")),
+    }
+}
+
+/// `flotilla run`.
+pub async fn run(ctx: &Ctx, args: RunArgs) -> Result<ExitCode> {
+    let req = CreateInstance {
+        name: args.name,
+        gpus: args.gpus,
+        gpu_types: args
+            .gpu_types
+            .into_iter()
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty())
+            .collect(),
+        cpu_milli: args.cpu,
+        memory_mb: args.memory,
+        command: args.command,
+        env: args.env.into_iter().collect(),
+        workdir: args.workdir,
+        billing_class: args.billing.into(),
+    };
+    // Take over Ctrl-C before the instance exists, so an interrupt right
+    // after the create still stops it.
+    let signals = if args.detach {
+        None
+    } else {
+        Some(Signals::new()?)
+    };
+    let raw = ctx.client.post("/v1/instances", &req).await?;
+    let inst: Instance = decode(raw.clone())?;
+    eprintln!("instance {} created", inst.id);
+    if args.detach {
+        if ctx.json {
+            print_json(&raw)?;
+        } else {
+            println!("{}", inst.id);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let opts = FollowOptions {
+        progress: true,
+        json: false,
+        signals,
+    };
+    match follow::follow(&ctx.client, inst, 0, opts).await? {
+        Followed::Final(inst) => {
+            eprintln!(
+                "{}",
+                output::state_line(&inst, inst.state, &inst.state_reason)
+            );
+            Ok(ExitCode::from(follow::exit_code_for(&inst)))
+        }
+        Followed::Abandoned => Ok(ExitCode::from(130)),
+    }
+}
+
+/// `flotilla ps` options.
+#[derive(Debug, clap::Args)]
+pub struct PsArgs {
+    /// Include finished instances (succeeded, failed, stopped).
+    #[arg(long, short = 'a')]
+    pub all: bool,
+    /// Only instances in this state.
+    #[arg(long, value_parser = parse_state)]
+    pub state: Option<InstanceState>,
+    /// Show at most this many.
+    #[arg(long)]
+    pub limit: Option<usize>,
+}
+
+fn parse_state(s: &str) -> std::result::Result<InstanceState, String> {
+    InstanceState::parse(&s.trim().to_ascii_lowercase()).ok_or_else(|| {
+        let all: Vec<&str> = InstanceState::ALL.iter().map(|s| s.as_str()).collect();
+        format!("unknown state `{s}`; one of: {}", all.join(", "))
+    })
+}
+
+/// `flotilla ps`.
+pub async fn ps(ctx: &Ctx, args: PsArgs) -> Result<ExitCode> {
+    let mut query = Vec::new();
+    if let Some(s) = args.state {
+        query.push(("state", s.as_str().to_string()));
+    }
+    // Finished instances are hidden unless asked for by --all or --state.
+    let hide_final = !args.all && args.state.is_none();
+    let server_limit = if hide_final { None } else { args.limit };
+    let raw = ctx
+        .client
+        .list("/v1/instances", &query, server_limit)
+        .await?;
+    let mut shown = Vec::new();
+    for v in raw {
+        let inst: Instance = decode(v.clone())?;
+        if hide_final && inst.state.is_terminal() {
+            continue;
+        }
+        shown.push((v, inst));
+    }
+    if let Some(l) = args.limit {
+        shown.truncate(l);
+    }
+    if ctx.json {
+        print_json(&shown.into_iter().map(|(v, _)| v).collect::<Vec<_>>())?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = Utc::now();
+    let mut t = table(["ID", "NAME", "STATE", "GPUS", "NODE", "AGE", "REASON"]);
+    for (_, i) in shown {
+        t.add_row([
+            i.id.to_string(),
+            i.name.clone().unwrap_or_else(|| "-".into()),
+            i.state.as_str().to_string(),
+            output::instance_gpus(&i),
+            i.node_id.as_ref().map_or("-".into(), |n| n.to_string()),
+            age(now, i.created_at),
+            one_line(&i.state_reason),
+        ]);
+    }
+    print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla logs`.
+pub async fn logs(ctx: &Ctx, id: &str, follow_it: bool) -> Result<ExitCode> {
+    let id = instance_id(id)?;
+    if follow_it {
+        let inst: Instance = decode(ctx.client.instance(id.as_str()).await?)?;
+        let opts = FollowOptions {
+            progress: false,
+            json: ctx.json,
+            signals: None,
+        };
+        follow::follow(&ctx.client, inst, 0, opts).await?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let lines = ctx.client.logs_all(id.as_str(), 0).await?;
+    if ctx.json {
+        print_json(&lines)?;
+    } else {
+        for l in &lines {
+            follow::write_line(l, false)?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla stop`.
+pub async fn stop(ctx: &Ctx, id: &str) -> Result<ExitCode> {
+    let id = instance_id(id)?;
+    let raw = ctx.client.stop_instance(id.as_str()).await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let inst: Instance = decode(raw)?;
+    if inst.state.is_terminal() {
+        println!("{} {}", inst.id, inst.state.as_str());
+    } else {
+        println!("{} {} (stopping)", inst.id, inst.state.as_str());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla tenants`.
+pub async fn tenants_list(ctx: &Ctx) -> Result<ExitCode> {
+    let raw = ctx.client.list("/v1/tenants", &[], None).await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = Utc::now();
+    let mut t = table(["ID", "NAME", "AGE"]);
+    for tn in decode_all::<Tenant>(raw)? {
+        t.add_row([tn.id.to_string(), tn.name.clone(), age(now, tn.created_at)]);
+    }
+    print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla tenants create`.
+pub async fn tenants_create(ctx: &Ctx, name: String) -> Result<ExitCode> {
+    let raw = ctx
+        .client
+        .post("/v1/tenants", &CreateTenant { name })
+        .await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let tn: Tenant = decode(raw)?;
+    println!("tenant {} created: {}", tn.name, tn.id);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A tenant given by id (`ten_…`) or by name; `None` is the caller's own.
+async fn resolve_tenant(client: &Client, given: Option<&str>) -> Result<TenantId> {
+    let Some(given) = given.map(str::trim) else {
+        let me: Me = decode(client.me().await?)?;
+        return Ok(me.tenant.id);
+    };
+    if given.starts_with(TenantId::PREFIX) {
+        return TenantId::parse(given, "--tenant").map_err(|e| anyhow!("{e}"));
+    }
+    let tenants: Vec<Tenant> = decode_all(client.list("/v1/tenants", &[], None).await?)?;
+    tenants
+        .into_iter()
+        .find(|t| t.name == given)
+        .map(|t| t.id)
+        .ok_or_else(|| anyhow!("no tenant named `{given}`"))
+}
+
+/// `flotilla keys`.
+pub async fn keys_list(ctx: &Ctx) -> Result<ExitCode> {
+    let raw = ctx.client.list("/v1/keys", &[], None).await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = Utc::now();
+    let mut t = table(["ID", "NAME", "ROLE", "TENANT", "PREFIX", "AGE", "STATUS"]);
+    for k in decode_all::<ApiKey>(raw)? {
+        let status = match k.revoked_at {
+            Some(at) => format!("revoked {} ago", age(now, at)),
+            None => "active".into(),
+        };
+        t.add_row([
+            k.id.to_string(),
+            if k.name.is_empty() {
+                "-".into()
+            } else {
+                k.name.clone()
+            },
+            k.role.as_str().to_string(),
+            k.tenant_id.to_string(),
+            k.prefix.clone(),
+            age(now, k.created_at),
+            status,
+        ]);
+    }
+    print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Parses a role name.
+pub fn parse_role(s: &str) -> std::result::Result<Role, String> {
+    Role::parse(s.trim()).ok_or_else(|| {
+        format!("unknown role `{s}`; one of: operator, tenant_admin, tenant_member, provider")
+    })
+}
+
+/// `flotilla keys create`.
+pub async fn keys_create(
+    ctx: &Ctx,
+    role: Role,
+    tenant: Option<String>,
+    name: Option<String>,
+) -> Result<ExitCode> {
+    let tenant_id = match tenant {
+        Some(t) => Some(resolve_tenant(&ctx.client, Some(&t)).await?),
+        None => None,
+    };
+    let req = CreateApiKey {
+        tenant_id,
+        role,
+        name: name.unwrap_or_default(),
+    };
+    let raw = ctx.client.post("/v1/keys", &req).await?;
+    eprintln!("warning: the secret is shown only this once; store it now");
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let created: CreatedApiKey = decode(raw)?;
+    eprintln!(
+        "key {} created: {} of tenant {}",
+        created.key.id,
+        created.key.role.as_str(),
+        created.key.tenant_id
+    );
+    println!("{}", created.secret);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla keys revoke`.
+pub async fn keys_revoke(ctx: &Ctx, id: &str) -> Result<ExitCode> {
+    let id = KeyId::parse(id.trim(), "key id").map_err(|e| anyhow!("{e}"))?;
+    ctx.client.delete(&format!("/v1/keys/{id}")).await?;
+    if ctx.json {
+        print_json(&serde_json::json!({ "id": id, "revoked": true }))?;
+    } else {
+        println!("key {id} revoked");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A limit given on the command line: a number, or `none` for unlimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// At most this many GPUs.
+    Max(u32),
+    /// No limit.
+    Unlimited,
+}
+
+impl Limit {
+    fn as_option(self) -> Option<u32> {
+        match self {
+            Limit::Max(n) => Some(n),
+            Limit::Unlimited => None,
+        }
+    }
+}
+
+/// Parses `N` or `none`.
+pub fn parse_limit(s: &str) -> std::result::Result<Limit, String> {
+    let s = s.trim();
+    if s.eq_ignore_ascii_case("none") {
+        return Ok(Limit::Unlimited);
+    }
+    s.parse::<u32>()
+        .map(Limit::Max)
+        .map_err(|_| format!("expected a whole number of GPUs or `none`, got `{s}`"))
+}
+
+/// Parses `--gpu MODEL=N` (`MODEL=none` removes the model's limit).
+pub fn parse_model_limit(s: &str) -> std::result::Result<(String, Limit), String> {
+    let Some((model, n)) = s.split_once('=') else {
+        return Err(format!("expected MODEL=N, got `{s}`"));
+    };
+    let model = model.trim();
+    if model.is_empty() {
+        return Err(format!(
+            "expected MODEL=N with a model before `=`, got `{s}`"
+        ));
+    }
+    Ok((model.to_string(), parse_limit(n)?))
+}
+
+/// `flotilla quota`.
+pub async fn quota_show(ctx: &Ctx, tenant: Option<String>) -> Result<ExitCode> {
+    let tenant_id = resolve_tenant(&ctx.client, tenant.as_deref()).await?;
+    let raw = ctx
+        .client
+        .get(&format!("/v1/tenants/{tenant_id}/quota"), &[])
+        .await?;
+    print_quota(ctx, raw)
+}
+
+fn print_quota(ctx: &Ctx, raw: Value) -> Result<ExitCode> {
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let view: QuotaView = decode(raw)?;
+    let fmt = |l: Option<u32>| l.map_or("unlimited".to_string(), |n| n.to_string());
+    println!("tenant {}", view.tenant_id);
+    let mut t = table(["QUOTA", "LIMIT", "IN USE"]);
+    t.add_row([
+        "gpus_total".to_string(),
+        fmt(view.quota.gpus_total),
+        view.usage.gpus_total.to_string(),
+    ]);
+    let models: BTreeSet<&String> = view
+        .quota
+        .gpus_per_model
+        .keys()
+        .chain(view.usage.gpus_per_model.keys())
+        .collect();
+    for m in models {
+        t.add_row([
+            m.clone(),
+            fmt(view.quota.gpus_per_model.get(m).copied()),
+            view.usage
+                .gpus_per_model
+                .get(m)
+                .copied()
+                .unwrap_or(0)
+                .to_string(),
+        ]);
+    }
+    print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla quota set`.
+pub async fn quota_set(
+    ctx: &Ctx,
+    tenant: Option<String>,
+    gpus_total: Option<Limit>,
+    per_model: Vec<(String, Limit)>,
+) -> Result<ExitCode> {
+    if gpus_total.is_none() && per_model.is_empty() {
+        bail!("nothing to change: pass --gpus-total N|none or --gpu MODEL=N");
+    }
+    let tenant_id = resolve_tenant(&ctx.client, tenant.as_deref()).await?;
+    let path = format!("/v1/tenants/{tenant_id}/quota");
+    let view: QuotaView = decode(ctx.client.get(&path, &[]).await?)?;
+    let mut quota = view.quota;
+    if let Some(l) = gpus_total {
+        quota.gpus_total = l.as_option();
+    }
+    let catalog = Catalog::default();
+    let mut per: BTreeMap<String, u32> = quota.gpus_per_model;
+    for (model, limit) in per_model {
+        // Canonical spelling where the shipped catalog knows the model; the
+        // server judges any other name.
+        let model = catalog.resolve(&model, "gpu").unwrap_or(model);
+        match limit {
+            Limit::Max(n) => {
+                per.insert(model, n);
+            }
+            Limit::Unlimited => {
+                per.remove(&model);
+            }
+        }
+    }
+    quota.gpus_per_model = per;
+    let raw = ctx.client.put(&path, &quota).await?;
+    print_quota(ctx, raw)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_flags_need_a_name_and_an_equals_sign() {
+        assert_eq!(parse_env("A=b=c").unwrap(), ("A".into(), "b=c".into()));
+        assert_eq!(
+            parse_env("EMPTY=").unwrap(),
+            ("EMPTY".into(), String::new())
+        );
+        assert_eq!(
+            parse_env("NOVALUE").unwrap_err(),
+            "expected K=V, got `NOVALUE`"
+        );
+        assert!(parse_env("=v").unwrap_err().contains("variable name"));
+    }
+
+    #[test]
+    fn gpu_limits_parse_numbers_and_none() {
+        assert_eq!(
+            parse_model_limit("H100=4").unwrap(),
+            ("H100".into(), Limit::Max(4))
+        );
+        assert_eq!(
+            parse_model_limit("l40s=none").unwrap(),
+            ("l40s".into(), Limit::Unlimited)
+        );
+        assert_eq!(
+            parse_model_limit("H100").unwrap_err(),
+            "expected MODEL=N, got `H100`"
+        );
+        assert!(parse_model_limit("=3")
+            .unwrap_err()
+            .contains("model before"));
+        assert_eq!(
+            parse_model_limit("H100=-1").unwrap_err(),
+            "expected a whole number of GPUs or `none`, got `-1`"
+        );
+        assert!(parse_model_limit("H100=lots").is_err());
+        assert_eq!(parse_limit("None").unwrap(), Limit::Unlimited);
+    }
+
+    #[test]
+    fn states_and_roles_parse_with_helpful_errors() {
+        assert_eq!(parse_state("Running").unwrap(), InstanceState::Running);
+        assert!(parse_state("done")
+            .unwrap_err()
+            .contains("pending, scheduled"));
+        assert_eq!(parse_role("tenant_member").unwrap(), Role::TenantMember);
+        assert!(parse_role("admin").unwrap_err().contains("tenant_admin"));
+    }
+
+    #[test]
+    fn ids_are_checked_before_they_reach_a_url() {
+        assert!(instance_id("inst_01jd3x7k2q9v8m4n6p5r0s1t2w").is_ok());
+        let e = instance_id("../keys").unwrap_err().to_string();
+        assert!(e.contains("inst_"), "{e}");
+    }
+}

@@ -1,0 +1,523 @@
+//! The long-running processes: `flotilla up` (control plane and a local
+//! agent in one process), `flotilla server` and `flotilla agent`.
+//!
+//! This module wires the library crates together and owns process concerns
+//! only: data directory, listener, signals, logging, and the order of a
+//! graceful shutdown (agent first, so it can stop running work and report
+//! it while the server still listens; then the server). It holds no
+//! control-plane logic of its own.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use flotilla_core::catalog::Catalog;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::config::{self, Credentials};
+
+/// GPUs `flotilla up` simulates on a machine without an NVIDIA driver.
+pub const DEFAULT_SIMULATED_GPUS: &str = "4xH100,2xL40S";
+/// Where `up` and `server` listen by default.
+pub const DEFAULT_BIND: &str = "127.0.0.1:7420";
+/// How long the agent may take to stop its work on shutdown.
+const AGENT_STOP_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the server may take to drain on shutdown.
+const SERVER_STOP_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Options shared by `up` and `server`.
+#[derive(Debug, Args)]
+pub struct ServerArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = DEFAULT_BIND, value_name = "ADDR")]
+    pub bind: String,
+    /// Database URL (`sqlite://PATH?mode=rwc` or `postgres://…`); default:
+    /// SQLite in the data directory.
+    #[arg(
+        long,
+        env = "FLOTILLA_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
+    pub database_url: Option<String>,
+    /// Directory for the database, the agent token and the local agent's
+    /// work; default: the platform data directory + `flotilla`.
+    #[arg(long, env = "FLOTILLA_DATA_DIR", value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+}
+
+/// Options of `up` beyond the server's.
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    /// Server options.
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// Simulated GPUs for the local node, e.g. `4xH100,2xL40S`; default:
+    /// real GPUs through NVML, or that inventory when no driver is found.
+    #[arg(long, value_name = "SPEC")]
+    pub simulate_gpus: Option<String>,
+    /// Name of the local node; default: the hostname.
+    #[arg(long, value_name = "NAME")]
+    pub node_name: Option<String>,
+}
+
+/// Options of `agent`.
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// Agent token (from the server's data directory, `agent.token`).
+    #[arg(long, env = "FLOTILLA_AGENT_TOKEN", hide_env_values = true)]
+    pub token: String,
+    /// Node name; default: the hostname.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Region of the node (default `local`).
+    #[arg(long)]
+    pub region: Option<String>,
+    /// Node pool (default `default`).
+    #[arg(long)]
+    pub pool: Option<String>,
+    /// Simulated GPUs, e.g. `4xH100,2xL40S`; default: real GPUs via NVML.
+    #[arg(long, value_name = "SPEC")]
+    pub simulate_gpus: Option<String>,
+    /// Directory for the instances' working directories and logs;
+    /// default: the platform data directory + `flotilla/agent`.
+    #[arg(long, value_name = "DIR")]
+    pub work_dir: Option<PathBuf>,
+}
+
+/// Installs the stderr logger: `RUST_LOG` when set, else `info` for the
+/// flotilla crates and `warn` for everything else.
+pub fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        EnvFilter::new(
+            "warn,flotilla=info,flotilla_cli=info,flotilla_server=info,\
+             flotilla_agent=info,flotilla_store=info,flotilla_core=info",
+        )
+    });
+    // A second install (tests) keeps the first.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// SIGINT and SIGTERM, awaitable more than once (a second Ctrl-C during a
+/// graceful shutdown forces the exit).
+pub struct Signals {
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Takes over SIGINT and SIGTERM for the rest of the process.
+    pub fn new() -> Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Self {
+                int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+                term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            })
+        }
+        #[cfg(not(unix))]
+        {
+            Ok(Self {})
+        }
+    }
+
+    /// Waits for the next SIGINT or SIGTERM.
+    pub async fn recv(&mut self) {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.int.recv() => {}
+                _ = self.term.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+fn data_dir(flag: Option<PathBuf>) -> Result<PathBuf> {
+    let env = std::env::var_os("FLOTILLA_DATA_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from);
+    let dir = match flag.or(env) {
+        Some(d) => d,
+        None => dirs::data_dir()
+            .map(|d| d.join("flotilla"))
+            .ok_or_else(|| anyhow!("cannot find a data directory: pass --data-dir"))?,
+    };
+    std::path::absolute(&dir).with_context(|| format!("resolving {}", dir.display()))
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "local".to_string())
+}
+
+fn check_simulated(spec: &str) -> Result<()> {
+    flotilla_core::node::parse_simulated_gpus(spec, &Catalog::default())
+        .map(drop)
+        .map_err(|e| anyhow!("--simulate-gpus: {}", e.message))
+}
+
+/// Binds the API listener and derives the URL clients and the local agent
+/// use (a wildcard address is reached through loopback).
+async fn bind(addr: &str) -> Result<(TcpListener, String)> {
+    let listener = TcpListener::bind(addr).await.map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AddrInUse {
+            let host = addr.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+            anyhow!("{addr} is in use: pass --bind {host}:PORT")
+        } else {
+            anyhow!("cannot listen on {addr}: {e}")
+        }
+    })?;
+    let local = listener
+        .local_addr()
+        .with_context(|| format!("reading the address of {addr}"))?;
+    Ok((listener, url_for(local)))
+}
+
+fn url_for(addr: SocketAddr) -> String {
+    let ip = match addr.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+        ip => ip,
+    };
+    format!("http://{}", SocketAddr::new(ip, addr.port()))
+}
+
+/// The control plane, started: the serve task and its shutdown switch.
+struct RunningServer {
+    url: String,
+    data_dir: PathBuf,
+    task: JoinHandle<Result<()>>,
+    stop: oneshot::Sender<()>,
+    operator_key: Option<String>,
+    agent_token: String,
+}
+
+async fn start_server(args: ServerArgs) -> Result<RunningServer> {
+    let data_dir = data_dir(args.data_dir)?;
+    config::create_private_dir(&data_dir)?;
+    let database_url = args
+        .database_url
+        .unwrap_or_else(|| default_database_url(&data_dir));
+    // Bind before bootstrap: a first start that fails on a taken port must
+    // not mint an operator key that is then never shown.
+    let (listener, url) = bind(&args.bind).await?;
+    let store = flotilla_server::open_store(&database_url)
+        .await
+        .map_err(|e| anyhow!("opening the database: {e:#}"))?;
+    let boot = flotilla_server::bootstrap(&store, &data_dir)
+        .await
+        .map_err(|e| anyhow!("initialising the database: {e:#}"))?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(flotilla_server::serve(
+        store,
+        flotilla_server::ServerConfig::default(),
+        listener,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    tracing::info!(%url, data_dir = %data_dir.display(), "server listening");
+    Ok(RunningServer {
+        url,
+        data_dir,
+        task,
+        stop,
+        operator_key: boot.operator_key,
+        agent_token: boot.agent_token,
+    })
+}
+
+/// Saves and shows the operator key of a first start, or says where the
+/// saved credentials are.
+fn announce_credentials(server: &RunningServer) {
+    let path = config::credentials_path();
+    match (&server.operator_key, path) {
+        (Some(key), Ok(path)) => {
+            let creds = Credentials {
+                server: server.url.clone(),
+                api_key: key.clone(),
+            };
+            match config::save(&path, &creds) {
+                Ok(()) => println!(
+                    "operator API key (shown once, saved to {}):\n  {key}",
+                    path.display()
+                ),
+                Err(e) => {
+                    println!("operator API key (shown once; could not save it: {e:#}):\n  {key}")
+                }
+            }
+        }
+        (Some(key), Err(e)) => {
+            println!("operator API key (shown once; could not save it: {e:#}):\n  {key}")
+        }
+        (None, Ok(path)) if path.exists() => println!("credentials: {}", path.display()),
+        (None, _) => println!(
+            "credentials: none saved; use `flotilla login --server {} --api-key KEY`",
+            server.url
+        ),
+    }
+}
+
+fn announce_urls(url: &str) {
+    println!("API:      {url}");
+    println!("docs:     {url}/v1/docs");
+    println!("OpenAPI:  {url}/v1/openapi.json");
+}
+
+/// Awaits a task's end within `limit`, turning panics and timeouts into
+/// errors named after `what`.
+async fn join_within(what: &str, task: &mut JoinHandle<Result<()>>, limit: Duration) -> Result<()> {
+    match tokio::time::timeout(limit, &mut *task).await {
+        Ok(Ok(r)) => r.map_err(|e| anyhow!("{what}: {e:#}")),
+        Ok(Err(e)) if e.is_panic() => Err(anyhow!("{what} crashed")),
+        Ok(Err(_)) => Err(anyhow!("{what} was cancelled")),
+        Err(_) => {
+            task.abort();
+            Err(anyhow!("{what} did not stop within {}s", limit.as_secs()))
+        }
+    }
+}
+
+fn task_ended(
+    what: &str,
+    r: std::result::Result<Result<()>, tokio::task::JoinError>,
+) -> anyhow::Error {
+    match r {
+        Ok(Ok(())) => anyhow!("{what} stopped unexpectedly"),
+        Ok(Err(e)) => anyhow!("{what}: {e:#}"),
+        Err(e) if e.is_panic() => anyhow!("{what} crashed"),
+        Err(_) => anyhow!("{what} was cancelled"),
+    }
+}
+
+/// `flotilla up`.
+pub async fn up(args: UpArgs) -> Result<ExitCode> {
+    init_logging();
+    if let Some(spec) = &args.simulate_gpus {
+        check_simulated(spec)?;
+    }
+    let mut signals = Signals::new()?;
+    let mut server = start_server(args.server).await?;
+
+    let simulate = match args.simulate_gpus {
+        Some(spec) => Some(spec),
+        None => {
+            let nvml = tokio::task::spawn_blocking(flotilla_agent::nvml_available)
+                .await
+                .unwrap_or(false);
+            if nvml {
+                None
+            } else {
+                println!("no NVIDIA driver found: simulating {DEFAULT_SIMULATED_GPUS}");
+                Some(DEFAULT_SIMULATED_GPUS.to_string())
+            }
+        }
+    };
+    let node_name = args.node_name.unwrap_or_else(hostname);
+    let mut agent_config = flotilla_agent::AgentConfig::new(
+        server.url.clone(),
+        server.agent_token.clone(),
+        node_name.clone(),
+        server.data_dir.join("agent"),
+    );
+    agent_config.simulate_gpus = simulate.clone();
+    let (agent_stop, agent_stopped) = oneshot::channel::<()>();
+    let mut agent = tokio::spawn(flotilla_agent::run(agent_config, async move {
+        let _ = agent_stopped.await;
+    }));
+
+    println!("flotilla is up");
+    announce_urls(&server.url);
+    match &simulate {
+        Some(spec) => println!("node:     {node_name} (simulated {spec})"),
+        None => println!("node:     {node_name}"),
+    }
+    println!("data:     {}", server.data_dir.display());
+    announce_credentials(&server);
+    println!("try:      flotilla run --gpus 1 -- nvidia-smi");
+    println!("press Ctrl-C to stop");
+
+    let failure = tokio::select! {
+        _ = signals.recv() => None,
+        r = &mut server.task => {
+            // The agent cannot report anywhere now; stop it anyway.
+            let _ = agent_stop.send(());
+            let _ = join_within("agent", &mut agent, AGENT_STOP_TIMEOUT).await;
+            return Err(task_ended("server", r));
+        }
+        r = &mut agent => Some(task_ended("agent", r)),
+    };
+
+    eprintln!("stopping: the agent stops its work first, then the server");
+    let shutdown = async {
+        let agent_result = if failure.is_none() {
+            let _ = agent_stop.send(());
+            join_within("agent", &mut agent, AGENT_STOP_TIMEOUT).await
+        } else {
+            Ok(())
+        };
+        let _ = server.stop.send(());
+        let server_result = join_within("server", &mut server.task, SERVER_STOP_TIMEOUT).await;
+        (agent_result, server_result)
+    };
+    let (agent_result, server_result) = tokio::select! {
+        r = shutdown => r,
+        _ = signals.recv() => {
+            eprintln!("forced exit");
+            return Ok(ExitCode::from(130));
+        }
+    };
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    agent_result?;
+    server_result?;
+    println!("stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla server`.
+pub async fn server(args: ServerArgs) -> Result<ExitCode> {
+    init_logging();
+    let mut signals = Signals::new()?;
+    let mut server = start_server(args).await?;
+    println!("flotilla server is up");
+    announce_urls(&server.url);
+    println!("data:     {}", server.data_dir.display());
+    announce_credentials(&server);
+    println!(
+        "agents:   flotilla agent --server {} --token \"$(cat {})\"",
+        server.url,
+        server.data_dir.join("agent.token").display()
+    );
+    println!("press Ctrl-C to stop");
+
+    tokio::select! {
+        _ = signals.recv() => {}
+        r = &mut server.task => return Err(task_ended("server", r)),
+    }
+    let _ = server.stop.send(());
+    tokio::select! {
+        r = join_within("server", &mut server.task, SERVER_STOP_TIMEOUT) => r?,
+        _ = signals.recv() => {
+            eprintln!("forced exit");
+            return Ok(ExitCode::from(130));
+        }
+    }
+    println!("stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla agent`.
+pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCode> {
+    init_logging();
+    if let Some(spec) = &args.simulate_gpus {
+        check_simulated(spec)?;
+    }
+    if args.token.trim().is_empty() {
+        bail!("--token is empty: pass the server's agent token");
+    }
+    let server_url = server_url
+        .map(|s| config::normalize_server(&s))
+        .unwrap_or_else(|| config::DEFAULT_SERVER.to_string());
+    let work_dir = match args.work_dir {
+        Some(w) => w,
+        None => data_dir(None)?.join("agent"),
+    };
+    let name = args.name.unwrap_or_else(hostname);
+    let mut signals = Signals::new()?;
+    let mut cfg = flotilla_agent::AgentConfig::new(
+        server_url.clone(),
+        args.token.trim().to_string(),
+        name.clone(),
+        work_dir,
+    );
+    cfg.region = args.region;
+    cfg.pool = args.pool;
+    cfg.simulate_gpus = args.simulate_gpus;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let mut task = tokio::spawn(flotilla_agent::run(cfg, async move {
+        let _ = stopped.await;
+    }));
+    eprintln!("agent {name} reporting to {server_url}; press Ctrl-C to stop");
+    tokio::select! {
+        _ = signals.recv() => {}
+        r = &mut task => return Err(task_ended("agent", r)),
+    }
+    let _ = stop.send(());
+    tokio::select! {
+        r = join_within("agent", &mut task, AGENT_STOP_TIMEOUT) => r?,
+        _ = signals.recv() => {
+            eprintln!("forced exit");
+            return Ok(ExitCode::from(130));
+        }
+    }
+    eprintln!("stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The default database URL for a data directory.
+pub fn default_database_url(data_dir: &Path) -> String {
+    format!(
+        "sqlite://{}?mode=rwc",
+        data_dir.join("flotilla.db").display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wildcard_binds_are_reached_through_loopback() {
+        assert_eq!(
+            url_for("0.0.0.0:7420".parse().unwrap()),
+            "http://127.0.0.1:7420"
+        );
+        assert_eq!(url_for("[::]:80".parse().unwrap()), "http://[::1]:80");
+        assert_eq!(url_for("10.0.0.5:9".parse().unwrap()), "http://10.0.0.5:9");
+    }
+
+    #[test]
+    fn default_database_is_sqlite_in_the_data_dir() {
+        assert_eq!(
+            default_database_url(Path::new("/var/lib/flotilla")),
+            "sqlite:///var/lib/flotilla/flotilla.db?mode=rwc"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_taken_port_names_the_flag_to_use() {
+        let (held, _) = bind("127.0.0.1:0").await.unwrap();
+        let addr = held.local_addr().unwrap().to_string();
+        let e = bind(&addr).await.unwrap_err().to_string();
+        assert_eq!(e, format!("{addr} is in use: pass --bind 127.0.0.1:PORT"));
+    }
+
+    #[test]
+    fn bad_simulated_inventories_are_caught_early() {
+        assert!(check_simulated("4xH100,2xL40S").is_ok());
+        let e = check_simulated("4xZ9").unwrap_err().to_string();
+        assert!(e.starts_with("--simulate-gpus: unknown GPU model"), "{e}");
+    }
+}

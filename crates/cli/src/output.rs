@@ -1,0 +1,154 @@
+//! Human output: borderless tables, relative ages and the one-line
+//! renderings of GPUs, nodes and instance states that several commands
+//! share. Machine output (`--json`) bypasses this module.
+
+use std::io::Write;
+
+use chrono::{DateTime, Utc};
+use comfy_table::{presets, ContentArrangement, Table};
+use flotilla_core::api::{Instance, Node};
+use flotilla_core::instance::InstanceState;
+
+/// A borderless table with the given header.
+pub fn table<const N: usize>(header: [&str; N]) -> Table {
+    let mut t = Table::new();
+    t.load_preset(presets::NOTHING)
+        .set_content_arrangement(ContentArrangement::Disabled)
+        .set_header(header);
+    // No padding on the left and two spaces between columns, like `kubectl`.
+    for col in t.column_iter_mut() {
+        col.set_padding((0, 2));
+    }
+    t
+}
+
+/// Prints a table to stdout, trimming the padding comfy-table leaves at
+/// the ends of lines.
+pub fn print_table(t: &Table) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    for line in t.lines() {
+        writeln!(out, "{}", line.trim_end())?;
+    }
+    out.flush()
+}
+
+/// Prints any serialisable value as pretty JSON on stdout.
+pub fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, value)?;
+    writeln!(out)?;
+    out.flush()?;
+    Ok(())
+}
+
+/// A relative age such as `12s`, `5m`, `3h` or `4d`. Times in the future
+/// (clock skew between machines) count as `0s`.
+pub fn age(now: DateTime<Utc>, then: DateTime<Utc>) -> String {
+    let secs = (now - then).num_seconds().max(0);
+    match secs {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m", s / 60),
+        s if s < 86_400 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
+    }
+}
+
+/// `2xH100` once placed; before, the request: `2xH100|A100-80GB` or `2xany`.
+pub fn instance_gpus(inst: &Instance) -> String {
+    let model = match &inst.gpu_model {
+        Some(m) => m.clone(),
+        None if inst.gpu_types.is_empty() => "any".to_string(),
+        None => inst.gpu_types.join("|"),
+    };
+    format!("{}x{model}", inst.gpus)
+}
+
+/// A node's GPUs by model, in first-seen order: `4xH100 (2 free)`, models
+/// separated by `, `; `-` for a node without GPUs.
+pub fn node_gpus(node: &Node) -> String {
+    let mut models: Vec<(&str, u32, u32)> = Vec::new();
+    for g in &node.gpus {
+        let free = u32::from(g.instance_id.is_none());
+        match models.iter_mut().find(|(m, _, _)| *m == g.model) {
+            Some(entry) => {
+                entry.1 += 1;
+                entry.2 += free;
+            }
+            None => models.push((&g.model, 1, free)),
+        }
+    }
+    if models.is_empty() {
+        return "-".to_string();
+    }
+    models
+        .iter()
+        .map(|(m, n, free)| format!("{n}x{m} ({free} free)"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A node's state column: `ready`, `unreachable`, plus `,cordoned` and
+/// `,simulated` flags.
+pub fn node_state(node: &Node) -> String {
+    let mut s = node.state.as_str().to_string();
+    if node.cordoned {
+        s.push_str(",cordoned");
+    }
+    if node.simulated {
+        s.push_str(",simulated");
+    }
+    s
+}
+
+/// The progress line `flotilla run` prints when an instance enters `state`.
+pub fn state_line(inst: &Instance, state: InstanceState, reason: &str) -> String {
+    let node = inst.node_id.as_ref().map(|n| n.as_str()).unwrap_or("?");
+    let with_reason = |s: &str| {
+        if reason.is_empty() {
+            s.to_string()
+        } else {
+            format!("{s}: {reason}")
+        }
+    };
+    match state {
+        InstanceState::Scheduled => format!("scheduled on {node} ({})", instance_gpus(inst)),
+        InstanceState::Starting => format!("starting on {node}"),
+        InstanceState::Running => format!("running on {node}"),
+        InstanceState::Failed => match inst.exit_code {
+            Some(code) => format!("{} (exit code {code})", with_reason("failed")),
+            None => with_reason("failed"),
+        },
+        other => with_reason(other.as_str()),
+    }
+}
+
+/// Keeps a cell on one line: a reason with a newline would break the table.
+pub fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    #[test]
+    fn ages_use_the_largest_whole_unit() {
+        let now = Utc.with_ymd_and_hms(2025, 1, 2, 12, 0, 0).unwrap();
+        let ago = |s: i64| age(now, now - chrono::Duration::seconds(s));
+        assert_eq!(ago(0), "0s");
+        assert_eq!(ago(12), "12s");
+        assert_eq!(ago(59), "59s");
+        assert_eq!(ago(60), "1m");
+        assert_eq!(ago(5 * 60 + 59), "5m");
+        assert_eq!(ago(3600), "1h");
+        assert_eq!(ago(3 * 3600 + 1800), "3h");
+        assert_eq!(ago(86_400 * 4 + 7), "4d");
+        assert_eq!(ago(-30), "0s", "future times are clock skew");
+    }
+
+    #[test]
+    fn one_line_collapses_whitespace() {
+        assert_eq!(one_line(" a\n b\tc "), "a b c");
+    }
+}
