@@ -505,12 +505,17 @@ impl Agent {
     /// Stops everything, flushes logs and reports the exits, each step
     /// bounded in time.
     async fn shutdown(&mut self) {
+        // Work ended by the agent's own shutdown is a stop, not a failure:
+        // it is reported like a stop the server asked for.
         let running: Vec<(InstanceId, Process, Duration)> = self
             .shared
             .lock()
-            .iter()
+            .iter_mut()
             .filter(|(_, t)| t.running())
-            .filter_map(|(id, t)| t.process().map(|p| (id.clone(), p.clone(), t.grace)))
+            .filter_map(|(id, t)| {
+                t.server_stop = true;
+                t.process().map(|p| (id.clone(), p.clone(), t.grace))
+            })
             .collect();
         if !running.is_empty() {
             tracing::info!(count = running.len(), "stopping running instances");

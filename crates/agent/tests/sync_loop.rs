@@ -420,7 +420,7 @@ async fn agent_reconciles_against_the_server() {
     .await;
     assert_eq!(pid_of(&mock.latest(&d_id).unwrap()), Some(d_pid));
 
-    // Shutdown stops D and reports its exit.
+    // Shutdown stops D and reports it as stopped (not failed).
     stop_tx.send(()).unwrap();
     tokio::time::timeout(Duration::from_secs(20), agent)
         .await
@@ -432,7 +432,7 @@ async fn agent_reconciles_against_the_server() {
         mock.latest(&d_id).unwrap().phase,
         ObservedPhase::Exited {
             code: 143,
-            stopped: false
+            stopped: true
         }
     );
     server.abort();

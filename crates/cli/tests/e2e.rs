@@ -10,7 +10,11 @@ use serde_json::Value;
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// A child process killed (SIGKILL) when dropped.
@@ -66,14 +70,21 @@ impl Env {
     fn server(&self) -> Proc {
         let child = self
             .cmd()
-            .args(["server", "--bind", &format!("127.0.0.1:{}", self.port), "--data-dir"])
+            .args([
+                "server",
+                "--bind",
+                &format!("127.0.0.1:{}", self.port),
+                "--data-dir",
+            ])
             .arg(self.data())
             .stdout(self.log("server"))
             .stderr(self.log("server"))
             .spawn()
             .unwrap();
         wait_until("the server answers", Duration::from_secs(30), || {
-            http("GET", &format!("{}/healthz", self.url()), None, None).map(|(s, _)| s == 200).unwrap_or(false)
+            http("GET", &format!("{}/healthz", self.url()), None, None)
+                .map(|(s, _)| s == 200)
+                .unwrap_or(false)
         });
         Proc(child)
     }
@@ -82,7 +93,15 @@ impl Env {
         let token = std::fs::read_to_string(self.data().join("agent.token")).unwrap();
         Proc(
             self.cmd()
-                .args(["agent", "--server", &self.url(), "--token", token.trim(), "--name", name])
+                .args([
+                    "agent",
+                    "--server",
+                    &self.url(),
+                    "--token",
+                    token.trim(),
+                    "--name",
+                    name,
+                ])
                 .args(["--simulate-gpus", "4xH100", "--work-dir"])
                 .arg(self.dir.path().join("agent"))
                 .stdout(self.log("agent"))
@@ -105,13 +124,24 @@ impl Env {
         let mut all = vec!["--json"];
         all.extend_from_slice(args);
         let out = self.cli(key, &all);
-        assert!(out.status.success(), "flotilla {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("flotilla {args:?}: {e}: {}", String::from_utf8_lossy(&out.stdout)))
+        assert!(
+            out.status.success(),
+            "flotilla {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "flotilla {args:?}: {e}: {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        })
     }
 
     fn operator_key(&self) -> String {
-        let creds: Value =
-            serde_json::from_slice(&std::fs::read(self.dir.path().join("config/credentials.json")).unwrap()).unwrap();
+        let creds: Value = serde_json::from_slice(
+            &std::fs::read(self.dir.path().join("config/credentials.json")).unwrap(),
+        )
+        .unwrap();
         creds["api_key"].as_str().unwrap().to_string()
     }
 
@@ -132,12 +162,16 @@ impl Env {
         let op = self.operator_key();
         let t = self.cli_json(Some(&op), &["tenants", "create", name]);
         let id = t["id"].as_str().unwrap().to_string();
-        let k = self.cli_json(Some(&op), &["keys", "create", "--role", "tenant_admin", "--tenant", &id]);
+        let k = self.cli_json(
+            Some(&op),
+            &["keys", "create", "--role", "tenant_admin", "--tenant", &id],
+        );
         (id, k["secret"].as_str().unwrap().to_string())
     }
 
     fn get(&self, key: &str, path: &str) -> Value {
-        let (status, body) = http("GET", &format!("{}{path}", self.url()), Some(key), None).unwrap();
+        let (status, body) =
+            http("GET", &format!("{}{path}", self.url()), Some(key), None).unwrap();
         assert_eq!(status, 200, "GET {path}: {body}");
         body
     }
@@ -145,14 +179,21 @@ impl Env {
 
 /// Minimal blocking HTTP/1.1 client over std, so the test drives the API
 /// independently of the CLI under test.
-fn http(method: &str, url: &str, key: Option<&str>, body: Option<&str>) -> std::io::Result<(u16, Value)> {
+fn http(
+    method: &str,
+    url: &str,
+    key: Option<&str>,
+    body: Option<&str>,
+) -> std::io::Result<(u16, Value)> {
     use std::io::{Read, Write};
     let rest = url.strip_prefix("http://").unwrap();
     let (host, path) = rest.split_at(rest.find('/').unwrap());
     let mut s = std::net::TcpStream::connect(host)?;
     s.set_read_timeout(Some(Duration::from_secs(20)))?;
     let body = body.unwrap_or("");
-    let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+    let auth = key
+        .map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
     write!(
         s,
         "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -161,14 +202,24 @@ fn http(method: &str, url: &str, key: Option<&str>, body: Option<&str>) -> std::
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)?;
     let text = String::from_utf8_lossy(&raw);
-    let status: u16 = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let status: u16 = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     let (head, payload) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let payload = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    let payload = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         dechunk(payload)
     } else {
         payload.to_string()
     };
-    Ok((status, serde_json::from_str(&payload).unwrap_or(Value::String(payload))))
+    Ok((
+        status,
+        serde_json::from_str(&payload).unwrap_or(Value::String(payload)),
+    ))
 }
 
 fn dechunk(mut s: &str) -> String {
@@ -179,7 +230,7 @@ fn dechunk(mut s: &str) -> String {
             break;
         }
         out.push_str(&rest[..n]);
-        s = &rest[n..].trim_start_matches("\r\n");
+        s = rest[n..].trim_start_matches("\r\n");
     }
     out
 }
@@ -197,12 +248,21 @@ fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
 
 fn free_h100(env: &Env, key: &str) -> u64 {
     let types = env.get(key, "/v1/gpu-types");
-    types["items"].as_array().unwrap().iter().find(|t| t["name"] == "H100").unwrap()["free"].as_u64().unwrap()
+    types["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "H100")
+        .unwrap()["free"]
+        .as_u64()
+        .unwrap()
 }
 
 fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default().contains(") Z ")
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
 }
 
 #[test]
@@ -211,7 +271,9 @@ fn run_prints_its_two_gpus_and_frees_them() {
     let _server = env.server();
     let _agent = env.agent("e2e-node");
     let (_tenant, key) = env.tenant("acme");
-    wait_until("4 free H100s", Duration::from_secs(30), || free_h100(&env, &key) == 4);
+    wait_until("4 free H100s", Duration::from_secs(30), || {
+        free_h100(&env, &key) == 4
+    });
 
     // Watch the states from the side while `flotilla run` runs.
     let watcher = {
@@ -221,7 +283,9 @@ fn run_prints_its_two_gpus_and_frees_them() {
             let mut seen: Vec<String> = Vec::new();
             let start = Instant::now();
             while start.elapsed() < Duration::from_secs(60) {
-                if let Ok((200, body)) = http("GET", &format!("{url}/v1/instances"), Some(&key), None) {
+                if let Ok((200, body)) =
+                    http("GET", &format!("{url}/v1/instances"), Some(&key), None)
+                {
                     if let Some(i) = body["items"].as_array().and_then(|a| a.first()) {
                         let s = i["state"].as_str().unwrap_or("").to_string();
                         if seen.last() != Some(&s) {
@@ -239,42 +303,89 @@ fn run_prints_its_two_gpus_and_frees_them() {
     };
     let out = env.cli(
         Some(&key),
-        &["run", "--gpus", "2", "--gpu-type", "H100", "--", "sh", "-c", "echo \"gpus=$CUDA_VISIBLE_DEVICES\"; sleep 1.5; echo done"],
+        &[
+            "run",
+            "--gpus",
+            "2",
+            "--gpu-type",
+            "H100",
+            "--",
+            "sh",
+            "-c",
+            "echo \"gpus=$CUDA_VISIBLE_DEVICES\"; sleep 1.5; echo done",
+        ],
     );
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     if !out.status.success() {
         env.dump_logs();
     }
-    assert!(out.status.success(), "run failed: {stderr}\nstdout: {stdout}");
-    let line = stdout.lines().find(|l| l.starts_with("gpus=")).unwrap_or_else(|| panic!("no gpus line in {stdout:?}"));
+    assert!(
+        out.status.success(),
+        "run failed: {stderr}\nstdout: {stdout}"
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("gpus="))
+        .unwrap_or_else(|| panic!("no gpus line in {stdout:?}"));
     let ids: Vec<&str> = line.trim_start_matches("gpus=").split(',').collect();
     assert_eq!(ids.len(), 2, "exactly two GPU ids: {line}");
     assert_ne!(ids[0], ids[1], "distinct GPU ids: {line}");
-    assert!(stdout.lines().any(|l| l == "done"), "whole log streamed: {stdout:?}");
+    assert!(
+        stdout.lines().any(|l| l == "done"),
+        "whole log streamed: {stdout:?}"
+    );
 
     let seen = watcher.join().unwrap();
     let pos = |s: &str| seen.iter().position(|x| x == s);
     assert!(pos("running").is_some(), "running observed: {seen:?}");
-    assert!(pos("running") < pos("succeeded"), "running then succeeded: {seen:?}");
+    assert!(
+        pos("running") < pos("succeeded"),
+        "running then succeeded: {seen:?}"
+    );
 
     let inst = &env.get(&key, "/v1/instances")["items"][0];
     assert_eq!(inst["state"], "succeeded");
     assert_eq!(inst["exit_code"], 0);
-    let events: Vec<&str> = inst["events"].as_array().unwrap().iter().map(|e| e["state"].as_str().unwrap()).collect();
-    assert_eq!(events, ["pending", "scheduled", "starting", "running", "succeeded"]);
-    let logs = env.get(&key, &format!("/v1/instances/{}/logs", inst["id"].as_str().unwrap()));
-    assert!(logs["items"].as_array().unwrap().iter().any(|l| l["line"].as_str().unwrap().starts_with("gpus=")));
-    wait_until("the GPUs free again", Duration::from_secs(10), || free_h100(&env, &key) == 4);
+    let events: Vec<&str> = inst["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        events,
+        ["pending", "scheduled", "starting", "running", "succeeded"]
+    );
+    let logs = env.get(
+        &key,
+        &format!("/v1/instances/{}/logs", inst["id"].as_str().unwrap()),
+    );
+    assert!(logs["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|l| l["line"].as_str().unwrap().starts_with("gpus=")));
+    wait_until("the GPUs free again", Duration::from_secs(10), || {
+        free_h100(&env, &key) == 4
+    });
 
     // A failing command's exit code comes back through `run`.
     let out = env.cli(Some(&key), &["run", "--", "sh", "-c", "exit 7"]);
-    assert_eq!(out.status.code(), Some(7), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // Errors are one line, no backtrace.
     let out = env.cli(Some(&key), &["run", "--gpus", "0", "--", "true"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("gpus") && !err.contains("backtrace") && !err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("gpus") && !err.contains("backtrace") && !err.contains("panicked"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -283,10 +394,21 @@ fn kill_9_server_keeps_everything_and_the_agent_reattaches() {
     let mut server = env.server();
     let _agent = env.agent("crash-node");
     let (tenant, key) = env.tenant("durable");
-    wait_until("4 free H100s", Duration::from_secs(30), || free_h100(&env, &key) == 4);
+    wait_until("4 free H100s", Duration::from_secs(30), || {
+        free_h100(&env, &key) == 4
+    });
     let created = env.cli_json(
         Some(&key),
-        &["run", "--detach", "--gpus", "2", "--", "sh", "-c", "echo up; sleep 600"],
+        &[
+            "run",
+            "--detach",
+            "--gpus",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "echo up; sleep 600",
+        ],
     );
     let id = created["id"].as_str().unwrap().to_string();
     let mut pid = 0u32;
@@ -296,7 +418,10 @@ fn kill_9_server_keeps_everything_and_the_agent_reattaches() {
             return false;
         }
         let reason = i["state_reason"].as_str().unwrap_or("");
-        pid = reason.trim_start_matches("running as pid ").parse().unwrap_or(0);
+        pid = reason
+            .trim_start_matches("running as pid ")
+            .parse()
+            .unwrap_or(0);
         pid > 0
     });
     assert!(pid_alive(pid));
@@ -311,27 +436,47 @@ fn kill_9_server_keeps_everything_and_the_agent_reattaches() {
     let _server2 = env.server();
 
     // Everything the store acknowledged is there.
-    assert_eq!(env.get(&env.operator_key(), "/v1/keys")["items"], keys_before["items"]);
-    assert_eq!(env.get(&key, &format!("/v1/tenants/{tenant}"))["name"], "durable");
+    assert_eq!(
+        env.get(&env.operator_key(), "/v1/keys")["items"],
+        keys_before["items"]
+    );
+    assert_eq!(
+        env.get(&key, &format!("/v1/tenants/{tenant}"))["name"],
+        "durable"
+    );
     // The agent re-attaches: still running, same process, no restart.
+    let ts = |v: &Value| chrono::DateTime::parse_from_rfc3339(v.as_str().unwrap_or("")).ok();
+    let last_event = ts(&before["events"].as_array().unwrap().last().unwrap()["at"]).unwrap();
+    let killed_at = chrono::Utc::now();
     wait_until("the agent syncs again", Duration::from_secs(30), || {
         let nodes = env.get(&env.operator_key(), "/v1/nodes");
-        let hb = nodes["items"][0]["last_heartbeat_at"].as_str().unwrap_or("").to_string();
-        hb > before["events"].as_array().unwrap().last().unwrap()["at"].as_str().unwrap().to_string()
-            && nodes["items"][0]["state"] == "ready"
+        let node = &nodes["items"][0];
+        ts(&node["last_heartbeat_at"]).is_some_and(|hb| hb > last_event && hb > killed_at)
+            && node["state"] == "ready"
     });
     std::thread::sleep(Duration::from_secs(1));
     let after = env.get(&key, &format!("/v1/instances/{id}"));
     assert_eq!(after["state"], "running", "{after}");
-    assert_eq!(after["events"], before["events"], "no transition recorded: the work never stopped");
+    assert_eq!(
+        after["events"], before["events"],
+        "no transition recorded: the work never stopped"
+    );
     assert!(pid_alive(pid), "same process still running");
     assert_eq!(free_h100(&env, &key), 2);
 
     // And it can still be stopped through the restarted server.
     let out = env.cli(Some(&key), &["stop", &id]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    wait_until("stopped", Duration::from_secs(30), || env.get(&key, &format!("/v1/instances/{id}"))["state"] == "stopped");
-    wait_until("the process is gone", Duration::from_secs(10), || !pid_alive(pid));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_until("stopped", Duration::from_secs(30), || {
+        env.get(&key, &format!("/v1/instances/{id}"))["state"] == "stopped"
+    });
+    wait_until("the process is gone", Duration::from_secs(10), || {
+        !pid_alive(pid)
+    });
     let logs = env.get(&key, &format!("/v1/instances/{id}/logs"));
     assert_eq!(logs["items"][0]["line"], "up");
 }

@@ -71,7 +71,9 @@ impl Default for Catalog {
     /// prices are typical on-demand market rates, a starting point only.
     fn default() -> Self {
         use Vendor::*;
-        let a100_80 = ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"];
+        let a100_80 = [
+            "1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb",
+        ];
         Self {
             models: vec![
                 model("T4", Nvidia, 16, &[], 0.21, "0.35"),
@@ -92,7 +94,9 @@ impl Default for Catalog {
                     "H200",
                     Nvidia,
                     141,
-                    &["1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
+                    &[
+                        "1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb",
+                    ],
                     3.17,
                     "3.79",
                 ),
@@ -100,7 +104,9 @@ impl Default for Catalog {
                     "B200",
                     Nvidia,
                     180,
-                    &["1g.23gb", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb"],
+                    &[
+                        "1g.23gb", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb",
+                    ],
                     7.21,
                     "5.99",
                 ),
@@ -167,7 +173,16 @@ mod tests {
     fn default_catalog_has_the_promised_models() {
         let c = Catalog::default();
         for name in [
-            "T4", "A10", "L4", "L40S", "A100-40GB", "A100-80GB", "H100", "H200", "B200", "MI300X",
+            "T4",
+            "A10",
+            "L4",
+            "L40S",
+            "A100-40GB",
+            "A100-80GB",
+            "H100",
+            "H200",
+            "B200",
+            "MI300X",
         ] {
             assert!(c.get(name).is_some(), "{name} missing");
         }

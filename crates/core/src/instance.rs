@@ -208,7 +208,10 @@ impl CreateInstance {
         if self.gpus == 0 || self.gpus > MAX_GPUS_PER_INSTANCE {
             return Err(FieldError::new(
                 "gpus",
-                format!("must be between 1 and {MAX_GPUS_PER_INSTANCE}, got {}", self.gpus),
+                format!(
+                    "must be between 1 and {MAX_GPUS_PER_INSTANCE}, got {}",
+                    self.gpus
+                ),
             ));
         }
         let mut gpu_types = Vec::with_capacity(self.gpu_types.len());
@@ -220,11 +223,17 @@ impl CreateInstance {
         }
         let cpu_milli = self.cpu_milli.unwrap_or(1000);
         if cpu_milli == 0 || cpu_milli > 1_024_000 {
-            return Err(FieldError::new("cpu_milli", "must be between 1 and 1024000"));
+            return Err(FieldError::new(
+                "cpu_milli",
+                "must be between 1 and 1024000",
+            ));
         }
         let memory_mb = self.memory_mb.unwrap_or(1024);
         if memory_mb == 0 || memory_mb > 64 * 1024 * 1024 {
-            return Err(FieldError::new("memory_mb", "must be between 1 and 67108864"));
+            return Err(FieldError::new(
+                "memory_mb",
+                "must be between 1 and 67108864",
+            ));
         }
         if self.command.is_empty() || self.command[0].trim().is_empty() {
             return Err(FieldError::new("command", "must name a program to run"));
@@ -236,10 +245,16 @@ impl CreateInstance {
             ));
         }
         if let Some(i) = self.command.iter().position(|w| w.contains('\0')) {
-            return Err(FieldError::new(format!("command[{i}]"), "must not contain NUL"));
+            return Err(FieldError::new(
+                format!("command[{i}]"),
+                "must not contain NUL",
+            ));
         }
         if self.env.len() > MAX_ENV_VARS {
-            return Err(FieldError::new("env", format!("at most {MAX_ENV_VARS} variables")));
+            return Err(FieldError::new(
+                "env",
+                format!("at most {MAX_ENV_VARS} variables"),
+            ));
         }
         for (k, v) in &self.env {
             if !valid_env_name(k) {
@@ -308,12 +323,48 @@ mod tests {
         let cases: Vec<(CreateInstance, &str)> = vec![
             (CreateInstance { gpus: 0, ..req() }, "gpus"),
             (CreateInstance { gpus: 65, ..req() }, "gpus"),
-            (CreateInstance { gpu_types: vec!["H100".into(), "X1".into()], ..req() }, "gpu_types[1]"),
-            (CreateInstance { command: vec![], ..req() }, "command"),
-            (CreateInstance { cpu_milli: Some(0), ..req() }, "cpu_milli"),
-            (CreateInstance { memory_mb: Some(0), ..req() }, "memory_mb"),
-            (CreateInstance { workdir: Some("rel".into()), ..req() }, "workdir"),
-            (CreateInstance { name: Some("Bad Name".into()), ..req() }, "name"),
+            (
+                CreateInstance {
+                    gpu_types: vec!["H100".into(), "X1".into()],
+                    ..req()
+                },
+                "gpu_types[1]",
+            ),
+            (
+                CreateInstance {
+                    command: vec![],
+                    ..req()
+                },
+                "command",
+            ),
+            (
+                CreateInstance {
+                    cpu_milli: Some(0),
+                    ..req()
+                },
+                "cpu_milli",
+            ),
+            (
+                CreateInstance {
+                    memory_mb: Some(0),
+                    ..req()
+                },
+                "memory_mb",
+            ),
+            (
+                CreateInstance {
+                    workdir: Some("rel".into()),
+                    ..req()
+                },
+                "workdir",
+            ),
+            (
+                CreateInstance {
+                    name: Some("Bad Name".into()),
+                    ..req()
+                },
+                "name",
+            ),
             (
                 CreateInstance {
                     env: [("CUDA_VISIBLE_DEVICES".to_string(), "0".to_string())].into(),
@@ -321,7 +372,13 @@ mod tests {
                 },
                 "env.CUDA_VISIBLE_DEVICES",
             ),
-            (CreateInstance { env: [("1X".to_string(), "v".to_string())].into(), ..req() }, "env.1X"),
+            (
+                CreateInstance {
+                    env: [("1X".to_string(), "v".to_string())].into(),
+                    ..req()
+                },
+                "env.1X",
+            ),
         ];
         for (r, field) in cases {
             assert_eq!(r.validate(&c).unwrap_err().field, field);

@@ -111,7 +111,8 @@ pub fn first_fit(
     model_allowed: impl Fn(&str) -> bool,
 ) -> Result<Placement, Unplaceable> {
     let mut reasons: BTreeMap<&'static str, usize> = BTreeMap::new();
-    let allowed = |m: &str| (req.models.is_empty() || req.models.iter().any(|a| a == m)) && model_allowed(m);
+    let allowed =
+        |m: &str| (req.models.is_empty() || req.models.iter().any(|a| a == m)) && model_allowed(m);
     for node in nodes {
         let verdict = check_node(node, req, &allowed);
         match verdict {
@@ -221,9 +222,15 @@ mod tests {
         ];
         let p = first_fit(&nodes, &req(2, &["H100"]), |_| true).unwrap();
         assert_eq!(p.node, nodes[2].id);
-        assert_eq!(p.gpus, vec![nodes[2].gpus[0].id.clone(), nodes[2].gpus[1].id.clone()]);
+        assert_eq!(
+            p.gpus,
+            vec![nodes[2].gpus[0].id.clone(), nodes[2].gpus[1].id.clone()]
+        );
         let p = first_fit(&nodes, &req(2, &[]), |_| true).unwrap();
-        assert_eq!((p.node.clone(), p.model.as_str()), (nodes[1].id.clone(), "L40S"));
+        assert_eq!(
+            (p.node.clone(), p.model.as_str()),
+            (nodes[1].id.clone(), "L40S")
+        );
     }
 
     #[test]

@@ -89,10 +89,16 @@ mod tests {
 
     #[test]
     fn total_limit_names_quota_limit_and_use() {
-        let q = Quota { gpus_total: Some(4), ..Default::default() };
+        let q = Quota {
+            gpus_total: Some(4),
+            ..Default::default()
+        };
         assert!(q.admit(&usage(2, &[]), &[], 2).is_ok());
         let e = q.admit(&usage(3, &[]), &[], 2).unwrap_err();
-        assert_eq!((e.quota.as_str(), e.limit, e.in_use, e.requested), ("gpus_total", 4, 3, 2));
+        assert_eq!(
+            (e.quota.as_str(), e.limit, e.in_use, e.requested),
+            ("gpus_total", 4, 3, 2)
+        );
         assert!(e.to_string().contains("limit 4"));
     }
 

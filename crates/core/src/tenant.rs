@@ -77,7 +77,12 @@ mod tests {
 
     #[test]
     fn roles_round_trip_and_grant_rules() {
-        for r in [Role::Operator, Role::TenantAdmin, Role::TenantMember, Role::Provider] {
+        for r in [
+            Role::Operator,
+            Role::TenantAdmin,
+            Role::TenantMember,
+            Role::Provider,
+        ] {
             assert_eq!(Role::parse(r.as_str()), Some(r));
         }
         assert!(Role::TenantAdmin.may_grant(Role::TenantMember));

@@ -92,13 +92,18 @@ impl Caller {
 pub fn bearer(parts: &Parts) -> Option<&str> {
     let v = parts.headers.get(AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = v.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then_some(token.trim())
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
 }
 
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
         let secret = bearer(parts).ok_or_else(|| {
             ApiError::unauthenticated("missing `Authorization: Bearer <api key>` header")
         })?;

@@ -41,7 +41,11 @@ impl ApiError {
     pub fn field(e: FieldError) -> Self {
         Self {
             details: json!({ "field": e.field }),
-            ..Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", e.to_string())
+            ..Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_field",
+                e.to_string(),
+            )
         }
     }
 
@@ -50,7 +54,11 @@ impl ApiError {
         let message = message.into();
         Self {
             details: json!({ "field": field }),
-            ..Self::new(StatusCode::BAD_REQUEST, "bad_request", format!("{field}: {message}"))
+            ..Self::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!("{field}: {message}"),
+            )
         }
     }
 
@@ -66,7 +74,11 @@ impl ApiError {
 
     /// 404; also what another tenant's resources look like.
     pub fn not_found(what: &str) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "not_found", format!("{what} not found"))
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("{what} not found"),
+        )
     }
 
     /// 409: the resource's state forbids the change.
@@ -101,7 +113,11 @@ impl ApiError {
     /// 500; the cause is logged, not shown.
     pub fn internal(cause: impl std::fmt::Display) -> Self {
         tracing::error!(error = %cause, "internal error");
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error; see the server log")
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "internal error; see the server log",
+        )
     }
 
     /// 503 while shutting down or when the database is unavailable.
@@ -140,7 +156,6 @@ impl From<StoreError> for ApiError {
         }
     }
 }
-
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {

@@ -99,12 +99,23 @@ impl<S: Send + Sync> FromRequestParts<S> for Pagination {
             None => 100,
             Some(s) => match s.parse::<u32>() {
                 Ok(n) if (1..=1000).contains(&n) => n,
-                _ => return Err(ApiError::bad_request("limit", "must be a whole number from 1 to 1000")),
+                _ => {
+                    return Err(ApiError::bad_request(
+                        "limit",
+                        "must be a whole number from 1 to 1000",
+                    ))
+                }
             },
         };
         if let Some(c) = &raw.cursor {
-            if c.is_empty() || c.len() > 64 || !c.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_') {
-                return Err(ApiError::bad_request("cursor", "is not a cursor returned by this API"));
+            if c.is_empty()
+                || c.len() > 64
+                || !c.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_')
+            {
+                return Err(ApiError::bad_request(
+                    "cursor",
+                    "is not a cursor returned by this API",
+                ));
             }
         }
         Ok(Self {
@@ -132,17 +143,35 @@ mod tests {
 
     fn field_of(body: &str) -> (u16, String) {
         let e = parse_json::<CreateInstance>(body.as_bytes()).unwrap_err();
-        (e.status.as_u16(), e.details["field"].as_str().unwrap_or("").to_string())
+        (
+            e.status.as_u16(),
+            e.details["field"].as_str().unwrap_or("").to_string(),
+        )
     }
 
     #[test]
     fn json_errors_name_the_field() {
         assert_eq!(field_of("{"), (400, "body".into()));
-        assert_eq!(field_of(r#"{"gpus": "two", "command": ["x"]}"#), (422, "gpus".into()));
-        assert_eq!(field_of(r#"{"gpus": -1, "command": ["x"]}"#), (422, "gpus".into()));
-        assert_eq!(field_of(r#"{"gpus": 1, "command": ["x"], "colour": 1}"#), (422, "colour".into()));
+        assert_eq!(
+            field_of(r#"{"gpus": "two", "command": ["x"]}"#),
+            (422, "gpus".into())
+        );
+        assert_eq!(
+            field_of(r#"{"gpus": -1, "command": ["x"]}"#),
+            (422, "gpus".into())
+        );
+        assert_eq!(
+            field_of(r#"{"gpus": 1, "command": ["x"], "colour": 1}"#),
+            (422, "colour".into())
+        );
         assert_eq!(field_of(r#"{"command": ["x"]}"#), (422, "gpus".into()));
-        assert_eq!(field_of(r#"{"gpus": 1, "command": [1]}"#), (422, "command[0]".into()));
-        assert_eq!(field_of(r#"{"gpus": 1, "command": ["x"], "env": {"A": 1}}"#), (422, "env.A".into()));
+        assert_eq!(
+            field_of(r#"{"gpus": 1, "command": [1]}"#),
+            (422, "command[0]".into())
+        );
+        assert_eq!(
+            field_of(r#"{"gpus": 1, "command": ["x"], "env": {"A": 1}}"#),
+            (422, "env.A".into())
+        );
     }
 }

@@ -33,7 +33,11 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
     let key = match key.to_str() {
         Ok(k) if !k.is_empty() && k.len() <= 255 => k.to_string(),
         _ => {
-            return ApiError::bad_request("Idempotency-Key", "must be 1-255 visible ASCII characters").into_response();
+            return ApiError::bad_request(
+                "Idempotency-Key",
+                "must be 1-255 visible ASCII characters",
+            )
+            .into_response();
         }
     };
     // Scope by the caller's credential: one tenant's keys never collide
@@ -56,11 +60,17 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
     h.update([0]);
     h.update(&bytes);
     let hash = hex::encode(h.finalize());
-    match st.store().claim_idempotency_key(&scope, &key, &hash, st.now()).await {
+    match st
+        .store()
+        .claim_idempotency_key(&scope, &key, &hash, st.now())
+        .await
+    {
         Err(e) => return ApiError::from(e).into_response(),
         Ok(Claim::InFlight) => {
-            return ApiError::conflict("a request with this Idempotency-Key is still being handled; retry later")
-                .into_response();
+            return ApiError::conflict(
+                "a request with this Idempotency-Key is still being handled; retry later",
+            )
+            .into_response();
         }
         Ok(Claim::Mismatch) => {
             return ApiError::field(flotilla_core::FieldError::new(
@@ -76,12 +86,15 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
                 body,
             )
                 .into_response();
-            resp.headers_mut().insert(REPLAYED, HeaderValue::from_static("true"));
+            resp.headers_mut()
+                .insert(REPLAYED, HeaderValue::from_static("true"));
             return resp;
         }
         Ok(Claim::New) => {}
     }
-    let resp = next.run(Request::from_parts(parts, Body::from(bytes))).await;
+    let resp = next
+        .run(Request::from_parts(parts, Body::from(bytes)))
+        .await;
     if !resp.status().is_success() {
         if let Err(e) = st.store().release_idempotency_key(&scope, &key).await {
             tracing::warn!(error = %e, "could not release idempotency key");
@@ -94,7 +107,11 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
         Err(e) => return ApiError::internal(e).into_response(),
     };
     let text = String::from_utf8_lossy(&body).into_owned();
-    if let Err(e) = st.store().complete_idempotency_key(&scope, &key, parts.status.as_u16(), &text).await {
+    if let Err(e) = st
+        .store()
+        .complete_idempotency_key(&scope, &key, parts.status.as_u16(), &text)
+        .await
+    {
         tracing::warn!(error = %e, "could not store idempotent answer");
     }
     Response::from_parts(parts, Body::from(body))

@@ -70,7 +70,8 @@ pub async fn open_store(database_url: &str) -> anyhow::Result<Store> {
         let file = path.split('?').next().unwrap_or(path);
         if let Some(dir) = Path::new(file).parent() {
             if !dir.as_os_str().is_empty() {
-                std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("cannot create {}", dir.display()))?;
             }
         }
     }
@@ -110,7 +111,12 @@ fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn mint_key(store: &Store, tenant: &TenantId, role: Role, name: &str) -> anyhow::Result<String> {
+async fn mint_key(
+    store: &Store,
+    tenant: &TenantId,
+    role: Role,
+    name: &str,
+) -> anyhow::Result<String> {
     let minted = auth::mint_secret();
     let now = chrono::Utc::now();
     store
@@ -148,7 +154,9 @@ pub async fn bootstrap(store: &Store, data_dir: &Path) -> anyhow::Result<Bootstr
         Some(mint_key(store, &tenant, Role::Operator, "bootstrap operator").await?)
     };
     let token_file = data_dir.join("agent.token");
-    let existing = std::fs::read_to_string(&token_file).ok().map(|s| s.trim().to_string());
+    let existing = std::fs::read_to_string(&token_file)
+        .ok()
+        .map(|s| s.trim().to_string());
     let agent_token = match existing {
         Some(t) if store.key_by_hash(&auth::hash_secret(&t)).await?.is_some() => t,
         _ => {
@@ -214,7 +222,11 @@ pub fn app(state: AppState) -> Router {
 async fn health(axum::extract::State(st): axum::extract::State<AppState>) -> impl IntoResponse {
     match st.store().ping().await {
         Ok(()) => (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain")], "ok"),
-        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, [(header::CONTENT_TYPE, "text/plain")], "database unavailable"),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::CONTENT_TYPE, "text/plain")],
+            "database unavailable",
+        ),
     }
 }
 

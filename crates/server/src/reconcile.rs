@@ -81,7 +81,8 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
 /// the chance to sync before they are declared gone.
 pub async fn liveness_pass(st: &AppState) -> Result<usize, StoreError> {
     let now = st.now();
-    let timeout = ChronoDuration::from_std(st.config().heartbeat_timeout).unwrap_or(ChronoDuration::seconds(15));
+    let timeout = ChronoDuration::from_std(st.config().heartbeat_timeout)
+        .unwrap_or(ChronoDuration::seconds(15));
     if now - st.started_at() < timeout {
         return Ok(0);
     }
@@ -119,7 +120,11 @@ pub async fn run(st: AppState, tick: Duration) {
         let now = st.now();
         if now - last_housekeeping > ChronoDuration::hours(1) {
             last_housekeeping = now;
-            match st.store().expire_idempotency_keys(now - ChronoDuration::hours(24)).await {
+            match st
+                .store()
+                .expire_idempotency_keys(now - ChronoDuration::hours(24))
+                .await
+            {
                 Ok(n) if n > 0 => tracing::info!(expired = n, "idempotency keys expired"),
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "could not expire idempotency keys"),

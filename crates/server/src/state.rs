@@ -42,9 +42,15 @@ pub struct AppState(Arc<Inner>);
 
 impl AppState {
     /// Builds the state. `shutdown` turns true when the server stops.
-    pub fn new(store: Store, config: ServerConfig, clock: Arc<dyn Clock>, shutdown: watch::Receiver<bool>) -> Self {
+    pub fn new(
+        store: Store,
+        config: ServerConfig,
+        clock: Arc<dyn Clock>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
         let per_s = NonZeroU32::new(config.rate_limit_per_second.max(1)).unwrap_or(NonZeroU32::MIN);
-        let burst = NonZeroU32::new(config.rate_limit_per_second.saturating_mul(2).max(1)).unwrap_or(NonZeroU32::MIN);
+        let burst = NonZeroU32::new(config.rate_limit_per_second.saturating_mul(2).max(1))
+            .unwrap_or(NonZeroU32::MIN);
         let started_at = clock.now();
         Self(Arc::new(Inner {
             store,
@@ -111,6 +117,9 @@ impl AppState {
 
     /// New ids: time from the injected clock, randomness from the OS.
     pub fn ids(&self) -> (u64, u128) {
-        (self.now().timestamp_millis().max(0) as u64, rand::random::<u128>())
+        (
+            self.now().timestamp_millis().max(0) as u64,
+            rand::random::<u128>(),
+        )
     }
 }

@@ -64,10 +64,18 @@ struct Resp {
 
 impl Server {
     async fn call(&self, key: &str, method: Method, path: &str, body: Option<Value>) -> Resp {
-        self.raw(key, method, path, body.map(|b| b.to_string()), &[]).await
+        self.raw(key, method, path, body.map(|b| b.to_string()), &[])
+            .await
     }
 
-    async fn raw(&self, key: &str, method: Method, path: &str, body: Option<String>, headers: &[(&str, &str)]) -> Resp {
+    async fn raw(
+        &self,
+        key: &str,
+        method: Method,
+        path: &str,
+        body: Option<String>,
+        headers: &[(&str, &str)],
+    ) -> Resp {
         let mut req = reqwest::Client::new()
             .request(method, format!("{}{path}", self.url))
             .bearer_auth(key);
@@ -90,22 +98,44 @@ impl Server {
 
     async fn ok(&self, key: &str, method: Method, path: &str, body: Option<Value>) -> Value {
         let r = self.call(key, method.clone(), path, body).await;
-        assert!(r.status.is_success(), "{method} {path}: {} {}", r.status, r.body);
+        assert!(
+            r.status.is_success(),
+            "{method} {path}: {} {}",
+            r.status,
+            r.body
+        );
         r.body
     }
 
     /// A tenant with an admin and a member key.
     async fn tenant(&self, name: &str) -> (String, String, String) {
-        let t = self.ok(&self.operator, Method::POST, "/v1/tenants", Some(json!({"name": name}))).await;
+        let t = self
+            .ok(
+                &self.operator,
+                Method::POST,
+                "/v1/tenants",
+                Some(json!({"name": name})),
+            )
+            .await;
         let id = t["id"].as_str().unwrap().to_string();
         let admin = self
-            .ok(&self.operator, Method::POST, "/v1/keys", Some(json!({"tenant_id": id, "role": "tenant_admin"})))
+            .ok(
+                &self.operator,
+                Method::POST,
+                "/v1/keys",
+                Some(json!({"tenant_id": id, "role": "tenant_admin"})),
+            )
             .await["secret"]
             .as_str()
             .unwrap()
             .to_string();
         let member = self
-            .ok(&admin, Method::POST, "/v1/keys", Some(json!({"role": "tenant_member", "name": "ci"})))
+            .ok(
+                &admin,
+                Method::POST,
+                "/v1/keys",
+                Some(json!({"role": "tenant_member", "name": "ci"})),
+            )
             .await["secret"]
             .as_str()
             .unwrap()
@@ -114,8 +144,13 @@ impl Server {
     }
 
     async fn provider(&self, tenant: &str) -> String {
-        self.ok(&self.operator, Method::POST, "/v1/keys", Some(json!({"tenant_id": tenant, "role": "provider"})))
-            .await["secret"]
+        self.ok(
+            &self.operator,
+            Method::POST,
+            "/v1/keys",
+            Some(json!({"tenant_id": tenant, "role": "provider"})),
+        )
+        .await["secret"]
             .as_str()
             .unwrap()
             .to_string()
@@ -145,8 +180,13 @@ impl Server {
             gpus: list,
             agent_version: "test".into(),
         };
-        self.ok(key, Method::POST, "/v1/agent/register", Some(serde_json::to_value(req).unwrap()))
-            .await["node_id"]
+        self.ok(
+            key,
+            Method::POST,
+            "/v1/agent/register",
+            Some(serde_json::to_value(req).unwrap()),
+        )
+        .await["node_id"]
             .as_str()
             .unwrap()
             .to_string()
@@ -161,7 +201,13 @@ impl Server {
         for k in self.store.list_keys(None, &page).await.unwrap().items {
             out += &format!("{k:?}\n");
         }
-        for i in self.store.list_instances(None, None, &page).await.unwrap().items {
+        for i in self
+            .store
+            .list_instances(None, None, &page)
+            .await
+            .unwrap()
+            .items
+        {
             out += &format!("{i:?}\n");
         }
         for n in self.store.list_nodes(&page).await.unwrap().items {
@@ -190,50 +236,276 @@ async fn bad_input_is_a_4xx_naming_the_field_and_changes_nothing() {
     let s = start(fast()).await;
     let (tenant, admin, member) = s.tenant("acme").await;
     let before = s.store_snapshot().await;
-    let huge = format!(r#"{{"gpus": 1, "command": ["echo", "{}"]}}"#, "x".repeat(2 * 1024 * 1024));
+    let huge = format!(
+        r#"{{"gpus": 1, "command": ["echo", "{}"]}}"#,
+        "x".repeat(2 * 1024 * 1024)
+    );
     let quota_path = format!("/v1/tenants/{tenant}/quota");
     let cases: Vec<(&str, Method, String, Option<String>, &str)> = vec![
-        ("malformed json", Method::POST, "/v1/instances".into(), Some("{\"gpus\": 1,".into()), "body"),
-        ("not json at all", Method::POST, "/v1/instances".into(), Some("gpus=1".into()), "body"),
-        ("wrong type", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": "two", "command": ["x"]}"#.into()), "gpus"),
-        ("zero gpus", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": 0, "command": ["x"]}"#.into()), "gpus"),
-        ("negative gpus", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": -2, "command": ["x"]}"#.into()), "gpus"),
-        ("too many gpus", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": 100000, "command": ["x"]}"#.into()), "gpus"),
-        ("fractional gpus", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": 1.5, "command": ["x"]}"#.into()), "gpus"),
-        ("unknown model", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": 1, "gpu_types": ["H100", "Z9000"], "command": ["x"]}"#.into()), "gpu_types[1]"),
-        ("unknown field", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": 1, "command": ["x"], "gpu_typ": ["H100"]}"#.into()), "gpu_typ"),
-        ("missing command", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": 1}"#.into()), "command"),
-        ("empty command", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": 1, "command": []}"#.into()), "command"),
-        ("reserved env", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": 1, "command": ["x"], "env": {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}}"#.into()), "env.CUDA_VISIBLE_DEVICES"),
-        ("bad billing class", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": 1, "command": ["x"], "billing_class": "free"}"#.into()), "billing_class"),
-        ("relative workdir", Method::POST, "/v1/instances".into(), Some(r#"{"gpus": 1, "command": ["x"], "workdir": "tmp"}"#.into()), "workdir"),
-        ("oversized body", Method::POST, "/v1/instances".into(), Some(huge), "body"),
-        ("array instead of object", Method::POST, "/v1/instances".into(), Some("[1, 2]".into()), "body"),
-        ("bad instance id", Method::GET, "/v1/instances/inst_nope".into(), None, "instance_id"),
-        ("id of the wrong kind", Method::GET, format!("/v1/instances/{tenant}"), None, "instance_id"),
-        ("bad stop id", Method::POST, "/v1/instances/banana/stop".into(), None, "instance_id"),
-        ("bad logs id", Method::GET, "/v1/instances/12/logs".into(), None, "instance_id"),
-        ("bad tenant id", Method::GET, "/v1/tenants/x/quota".into(), None, "tenant_id"),
-        ("bad key id", Method::DELETE, "/v1/keys/ten_x".into(), None, "key_id"),
-        ("bad node id", Method::GET, "/v1/nodes/node_!".into(), None, "node_id"),
-        ("bad limit", Method::GET, "/v1/instances?limit=0".into(), None, "limit"),
-        ("limit not a number", Method::GET, "/v1/instances?limit=lots".into(), None, "limit"),
-        ("bad cursor", Method::GET, "/v1/instances?cursor=%27%20OR%201%3D1".into(), None, "cursor"),
-        ("bad state filter", Method::GET, "/v1/instances?state=sleeping".into(), None, "state"),
-        ("bad tenant name", Method::POST, "/v1/tenants".into(), Some(r#"{"name": "Not A Label"}"#.into()), "name"),
-        ("bad role", Method::POST, "/v1/keys".into(), Some(r#"{"role": "god"}"#.into()), "role"),
-        ("bad quota type", Method::PUT, quota_path.clone(), Some(r#"{"gpus_total": "many"}"#.into()), "gpus_total"),
-        ("bad quota model", Method::PUT, quota_path.clone(), Some(r#"{"gpus_per_model": {"Z9000": 1}}"#.into()), "gpus_per_model.Z9000"),
-        ("negative quota", Method::PUT, quota_path.clone(), Some(r#"{"gpus_total": -1}"#.into()), "gpus_total"),
-        ("bad idempotency key", Method::POST, "/v1/tenants".into(), Some(r#"{"name": "x"}"#.into()), "Idempotency-Key"),
+        (
+            "malformed json",
+            Method::POST,
+            "/v1/instances".into(),
+            Some("{\"gpus\": 1,".into()),
+            "body",
+        ),
+        (
+            "not json at all",
+            Method::POST,
+            "/v1/instances".into(),
+            Some("gpus=1".into()),
+            "body",
+        ),
+        (
+            "wrong type",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": "two", "command": ["x"]}"#.into()),
+            "gpus",
+        ),
+        (
+            "zero gpus",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 0, "command": ["x"]}"#.into()),
+            "gpus",
+        ),
+        (
+            "negative gpus",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": -2, "command": ["x"]}"#.into()),
+            "gpus",
+        ),
+        (
+            "too many gpus",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 100000, "command": ["x"]}"#.into()),
+            "gpus",
+        ),
+        (
+            "fractional gpus",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1.5, "command": ["x"]}"#.into()),
+            "gpus",
+        ),
+        (
+            "unknown model",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1, "gpu_types": ["H100", "Z9000"], "command": ["x"]}"#.into()),
+            "gpu_types[1]",
+        ),
+        (
+            "unknown field",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1, "command": ["x"], "gpu_typ": ["H100"]}"#.into()),
+            "gpu_typ",
+        ),
+        (
+            "missing command",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1}"#.into()),
+            "command",
+        ),
+        (
+            "empty command",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1, "command": []}"#.into()),
+            "command",
+        ),
+        (
+            "reserved env",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(
+                r#"{"gpus": 1, "command": ["x"], "env": {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}}"#
+                    .into(),
+            ),
+            "env.CUDA_VISIBLE_DEVICES",
+        ),
+        (
+            "bad billing class",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1, "command": ["x"], "billing_class": "free"}"#.into()),
+            "billing_class",
+        ),
+        (
+            "relative workdir",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1, "command": ["x"], "workdir": "tmp"}"#.into()),
+            "workdir",
+        ),
+        (
+            "oversized body",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(huge),
+            "body",
+        ),
+        (
+            "array instead of object",
+            Method::POST,
+            "/v1/instances".into(),
+            Some("[1, 2]".into()),
+            "body",
+        ),
+        (
+            "bad instance id",
+            Method::GET,
+            "/v1/instances/inst_nope".into(),
+            None,
+            "instance_id",
+        ),
+        (
+            "id of the wrong kind",
+            Method::GET,
+            format!("/v1/instances/{tenant}"),
+            None,
+            "instance_id",
+        ),
+        (
+            "bad stop id",
+            Method::POST,
+            "/v1/instances/banana/stop".into(),
+            None,
+            "instance_id",
+        ),
+        (
+            "bad logs id",
+            Method::GET,
+            "/v1/instances/12/logs".into(),
+            None,
+            "instance_id",
+        ),
+        (
+            "bad tenant id",
+            Method::GET,
+            "/v1/tenants/x/quota".into(),
+            None,
+            "tenant_id",
+        ),
+        (
+            "bad key id",
+            Method::DELETE,
+            "/v1/keys/ten_x".into(),
+            None,
+            "key_id",
+        ),
+        (
+            "bad node id",
+            Method::GET,
+            "/v1/nodes/node_!".into(),
+            None,
+            "node_id",
+        ),
+        (
+            "bad limit",
+            Method::GET,
+            "/v1/instances?limit=0".into(),
+            None,
+            "limit",
+        ),
+        (
+            "limit not a number",
+            Method::GET,
+            "/v1/instances?limit=lots".into(),
+            None,
+            "limit",
+        ),
+        (
+            "bad cursor",
+            Method::GET,
+            "/v1/instances?cursor=%27%20OR%201%3D1".into(),
+            None,
+            "cursor",
+        ),
+        (
+            "bad state filter",
+            Method::GET,
+            "/v1/instances?state=sleeping".into(),
+            None,
+            "state",
+        ),
+        (
+            "bad tenant name",
+            Method::POST,
+            "/v1/tenants".into(),
+            Some(r#"{"name": "Not A Label"}"#.into()),
+            "name",
+        ),
+        (
+            "bad role",
+            Method::POST,
+            "/v1/keys".into(),
+            Some(r#"{"role": "god"}"#.into()),
+            "role",
+        ),
+        (
+            "bad quota type",
+            Method::PUT,
+            quota_path.clone(),
+            Some(r#"{"gpus_total": "many"}"#.into()),
+            "gpus_total",
+        ),
+        (
+            "bad quota model",
+            Method::PUT,
+            quota_path.clone(),
+            Some(r#"{"gpus_per_model": {"Z9000": 1}}"#.into()),
+            "gpus_per_model.Z9000",
+        ),
+        (
+            "negative quota",
+            Method::PUT,
+            quota_path.clone(),
+            Some(r#"{"gpus_total": -1}"#.into()),
+            "gpus_total",
+        ),
+        (
+            "bad idempotency key",
+            Method::POST,
+            "/v1/tenants".into(),
+            Some(r#"{"name": "x"}"#.into()),
+            "Idempotency-Key",
+        ),
     ];
     for (what, method, path, body, field) in cases {
-        let key = if path.starts_with("/v1/tenants") && method != Method::GET || path.contains("/quota") { &s.operator } else { &member };
-        let headers: &[(&str, &str)] = if field == "Idempotency-Key" { &[("idempotency-key", "")] } else { &[] };
+        let key = if path.starts_with("/v1/tenants") && method != Method::GET
+            || path.contains("/quota")
+        {
+            &s.operator
+        } else {
+            &member
+        };
+        let headers: &[(&str, &str)] = if field == "Idempotency-Key" {
+            &[("idempotency-key", "")]
+        } else {
+            &[]
+        };
         let r = s.raw(key, method.clone(), &path, body, headers).await;
-        assert!(r.status.is_client_error(), "{what}: expected 4xx, got {} {}", r.status, r.body);
-        assert_eq!(r.body["error"]["details"]["field"], field, "{what}: {}", r.body);
-        assert!(!r.body["error"]["message"].as_str().unwrap_or("").is_empty(), "{what}: message");
+        assert!(
+            r.status.is_client_error(),
+            "{what}: expected 4xx, got {} {}",
+            r.status,
+            r.body
+        );
+        assert_eq!(
+            r.body["error"]["details"]["field"], field,
+            "{what}: {}",
+            r.body
+        );
+        assert!(
+            !r.body["error"]["message"].as_str().unwrap_or("").is_empty(),
+            "{what}: message"
+        );
         assert!(r.headers.contains_key("x-request-id"), "{what}: request id");
     }
     // Unauthenticated and unknown routes are JSON errors too.
@@ -262,18 +534,38 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
     let a_provider = s.provider(&a).await;
     let node = s.node(&a_provider, "a-node", &[("H100", 2)]).await;
     let inst = s
-        .ok(&a_member, Method::POST, "/v1/instances", Some(json!({"gpus": 1, "command": ["sleep", "1"]})))
+        .ok(
+            &a_member,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 1, "command": ["sleep", "1"]})),
+        )
         .await["id"]
         .as_str()
         .unwrap()
         .to_string();
-    let key_id = s.ok(&a_admin, Method::GET, "/v1/keys", None).await["items"][0]["id"].as_str().unwrap().to_string();
+    let key_id = s.ok(&a_admin, Method::GET, "/v1/keys", None).await["items"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     wait_for("placement", || async {
-        s.ok(&a_member, Method::GET, &format!("/v1/instances/{inst}"), None).await["state"] == "scheduled"
+        s.ok(
+            &a_member,
+            Method::GET,
+            &format!("/v1/instances/{inst}"),
+            None,
+        )
+        .await["state"]
+            == "scheduled"
     })
     .await;
-    let ids: HashMap<&str, String> =
-        [("tenant_id", a.clone()), ("instance_id", inst.clone()), ("node_id", node.clone()), ("key_id", key_id)].into();
+    let ids: HashMap<&str, String> = [
+        ("tenant_id", a.clone()),
+        ("instance_id", inst.clone()),
+        ("node_id", node.clone()),
+        ("key_id", key_id),
+    ]
+    .into();
 
     let doc = s.ok(&b_admin, Method::GET, "/v1/openapi.json", None).await;
     let paths = doc["paths"].as_object().unwrap();
@@ -292,10 +584,18 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
                 _ => None,
             };
             let url = fill(path, &ids);
-            assert!(!url.contains('{'), "route {path} has a parameter this test does not know: add it");
+            assert!(
+                !url.contains('{'),
+                "route {path} has a parameter this test does not know: add it"
+            );
             for key in [&b_admin, &b_member, &b_provider] {
                 let r = s.call(key, m.clone(), &url, body.clone()).await;
-                assert_eq!(r.status, StatusCode::NOT_FOUND, "{method} {path} with tenant B's key: {}", r.body);
+                assert_eq!(
+                    r.status,
+                    StatusCode::NOT_FOUND,
+                    "{method} {path} with tenant B's key: {}",
+                    r.body
+                );
                 assert_eq!(r.body["error"]["code"], "not_found");
             }
             checked += 1;
@@ -307,22 +607,69 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
         let body = s.ok(&b_admin, Method::GET, path, None).await;
         let text = body.to_string();
         assert!(!text.contains(&a), "{path} leaks tenant A: {text}");
-        assert!(!text.contains(&inst) && !text.contains(&node), "{path} leaks A's resources");
+        assert!(
+            !text.contains(&inst) && !text.contains(&node),
+            "{path} leaks A's resources"
+        );
     }
     // A's resources are all still there for A.
-    assert_eq!(s.ok(&a_member, Method::GET, &format!("/v1/instances/{inst}"), None).await["id"], inst.as_str());
+    assert_eq!(
+        s.ok(
+            &a_member,
+            Method::GET,
+            &format!("/v1/instances/{inst}"),
+            None
+        )
+        .await["id"],
+        inst.as_str()
+    );
 
     // Roles: members cannot mint keys or change quotas; admins cannot
     // change quotas; nobody but operators creates tenants.
     let forbidden: Vec<(&String, Method, String, Value)> = vec![
-        (&a_member, Method::POST, "/v1/keys".into(), json!({"role": "tenant_member"})),
+        (
+            &a_member,
+            Method::POST,
+            "/v1/keys".into(),
+            json!({"role": "tenant_member"}),
+        ),
         (&a_member, Method::GET, "/v1/keys".into(), Value::Null),
-        (&a_member, Method::PUT, format!("/v1/tenants/{a}/quota"), json!({"gpus_total": 99})),
-        (&a_admin, Method::PUT, format!("/v1/tenants/{a}/quota"), json!({"gpus_total": 99})),
-        (&a_admin, Method::POST, "/v1/keys".into(), json!({"role": "operator"})),
-        (&a_admin, Method::POST, "/v1/tenants".into(), json!({"name": "sneaky"})),
-        (&a_member, Method::POST, "/v1/agent/register".into(), json!({"name": "n", "cpu_milli": 1, "memory_mb": 1, "simulated": true, "gpus": []})),
-        (&a_provider, Method::POST, "/v1/instances".into(), json!({"gpus": 1, "command": ["x"]})),
+        (
+            &a_member,
+            Method::PUT,
+            format!("/v1/tenants/{a}/quota"),
+            json!({"gpus_total": 99}),
+        ),
+        (
+            &a_admin,
+            Method::PUT,
+            format!("/v1/tenants/{a}/quota"),
+            json!({"gpus_total": 99}),
+        ),
+        (
+            &a_admin,
+            Method::POST,
+            "/v1/keys".into(),
+            json!({"role": "operator"}),
+        ),
+        (
+            &a_admin,
+            Method::POST,
+            "/v1/tenants".into(),
+            json!({"name": "sneaky"}),
+        ),
+        (
+            &a_member,
+            Method::POST,
+            "/v1/agent/register".into(),
+            json!({"name": "n", "cpu_milli": 1, "memory_mb": 1, "simulated": true, "gpus": []}),
+        ),
+        (
+            &a_provider,
+            Method::POST,
+            "/v1/instances".into(),
+            json!({"gpus": 1, "command": ["x"]}),
+        ),
     ];
     for (key, m, path, body) in forbidden {
         let body = (!body.is_null()).then_some(body);
@@ -330,22 +677,60 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
         assert_eq!(r.status, StatusCode::FORBIDDEN, "{m} {path}: {}", r.body);
         assert_eq!(r.body["error"]["code"], "forbidden");
     }
-    assert_eq!(s.ok(&s.operator, Method::GET, &format!("/v1/tenants/{a}/quota"), None).await["quota"]["gpus_total"], Value::Null);
+    assert_eq!(
+        s.ok(
+            &s.operator,
+            Method::GET,
+            &format!("/v1/tenants/{a}/quota"),
+            None
+        )
+        .await["quota"]["gpus_total"],
+        Value::Null
+    );
 }
 
 #[tokio::test]
 async fn quota_refusal_names_quota_limit_and_use() {
     let s = start(fast()).await;
     let (t, _admin, member) = s.tenant("q").await;
-    s.ok(&s.operator, Method::PUT, &format!("/v1/tenants/{t}/quota"), Some(json!({"gpus_total": 3, "gpus_per_model": {"h100": 2}}))).await;
-    s.ok(&member, Method::POST, "/v1/instances", Some(json!({"gpus": 2, "gpu_types": ["H100"], "command": ["x"]}))).await;
-    let r = s.call(&member, Method::POST, "/v1/instances", Some(json!({"gpus": 1, "gpu_types": ["H100"], "command": ["x"]}))).await;
+    s.ok(
+        &s.operator,
+        Method::PUT,
+        &format!("/v1/tenants/{t}/quota"),
+        Some(json!({"gpus_total": 3, "gpus_per_model": {"h100": 2}})),
+    )
+    .await;
+    s.ok(
+        &member,
+        Method::POST,
+        "/v1/instances",
+        Some(json!({"gpus": 2, "gpu_types": ["H100"], "command": ["x"]})),
+    )
+    .await;
+    let r = s
+        .call(
+            &member,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 1, "gpu_types": ["H100"], "command": ["x"]})),
+        )
+        .await;
     assert_eq!(r.status, StatusCode::FORBIDDEN);
     assert_eq!(r.body["error"]["code"], "quota_exceeded");
     let msg = r.body["error"]["message"].as_str().unwrap();
-    assert!(msg.contains("gpus_per_model.H100") && msg.contains("limit 2") && msg.contains("in use 2"), "{msg}");
+    assert!(
+        msg.contains("gpus_per_model.H100") && msg.contains("limit 2") && msg.contains("in use 2"),
+        "{msg}"
+    );
     assert_eq!(r.body["error"]["details"]["limit"], 2);
-    let r = s.call(&member, Method::POST, "/v1/instances", Some(json!({"gpus": 2, "command": ["x"]}))).await;
+    let r = s
+        .call(
+            &member,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 2, "command": ["x"]})),
+        )
+        .await;
     assert_eq!(r.body["error"]["details"]["quota"], "gpus_total");
 }
 
@@ -355,28 +740,76 @@ async fn idempotency_key_replays_and_refuses_reuse() {
     let (_t, _admin, member) = s.tenant("idem").await;
     let body = r#"{"gpus": 1, "command": ["echo", "hi"]}"#;
     let h = [("idempotency-key", "retry-1")];
-    let first = s.raw(&member, Method::POST, "/v1/instances", Some(body.into()), &h).await;
+    let first = s
+        .raw(
+            &member,
+            Method::POST,
+            "/v1/instances",
+            Some(body.into()),
+            &h,
+        )
+        .await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let again = s.raw(&member, Method::POST, "/v1/instances", Some(body.into()), &h).await;
+    let again = s
+        .raw(
+            &member,
+            Method::POST,
+            "/v1/instances",
+            Some(body.into()),
+            &h,
+        )
+        .await;
     assert_eq!(again.status, StatusCode::CREATED);
     assert_eq!(again.body["id"], first.body["id"], "same instance returned");
     assert_eq!(again.headers.get("idempotent-replayed").unwrap(), "true");
-    let other = s.raw(&member, Method::POST, "/v1/instances", Some(r#"{"gpus": 2, "command": ["x"]}"#.into()), &h).await;
+    let other = s
+        .raw(
+            &member,
+            Method::POST,
+            "/v1/instances",
+            Some(r#"{"gpus": 2, "command": ["x"]}"#.into()),
+            &h,
+        )
+        .await;
     assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(other.body["error"]["details"]["field"], "Idempotency-Key");
     let list = s.ok(&member, Method::GET, "/v1/instances", None).await;
-    assert_eq!(list["items"].as_array().unwrap().len(), 1, "only one instance created");
+    assert_eq!(
+        list["items"].as_array().unwrap().len(),
+        1,
+        "only one instance created"
+    );
     // Failed requests are not remembered: a corrected retry succeeds.
     let h2 = [("idempotency-key", "retry-2")];
-    let bad = s.raw(&member, Method::POST, "/v1/instances", Some(r#"{"gpus": 0, "command": ["x"]}"#.into()), &h2).await;
+    let bad = s
+        .raw(
+            &member,
+            Method::POST,
+            "/v1/instances",
+            Some(r#"{"gpus": 0, "command": ["x"]}"#.into()),
+            &h2,
+        )
+        .await;
     assert_eq!(bad.status, StatusCode::UNPROCESSABLE_ENTITY);
-    let bad_again = s.raw(&member, Method::POST, "/v1/instances", Some(r#"{"gpus": 0, "command": ["x"]}"#.into()), &h2).await;
+    let bad_again = s
+        .raw(
+            &member,
+            Method::POST,
+            "/v1/instances",
+            Some(r#"{"gpus": 0, "command": ["x"]}"#.into()),
+            &h2,
+        )
+        .await;
     assert_eq!(bad_again.status, StatusCode::UNPROCESSABLE_ENTITY);
 }
 
 #[tokio::test]
 async fn rate_limit_answers_429_with_retry_after() {
-    let s = start(ServerConfig { rate_limit_per_second: 2, ..fast() }).await;
+    let s = start(ServerConfig {
+        rate_limit_per_second: 2,
+        ..fast()
+    })
+    .await;
     let mut limited = None;
     for _ in 0..20 {
         let r = s.call(&s.operator, Method::GET, "/v1/me", None).await;
@@ -388,7 +821,14 @@ async fn rate_limit_answers_429_with_retry_after() {
     }
     let r = limited.expect("never rate limited");
     assert_eq!(r.body["error"]["code"], "rate_limited");
-    let after: u64 = r.headers.get("retry-after").unwrap().to_str().unwrap().parse().unwrap();
+    let after: u64 = r
+        .headers
+        .get("retry-after")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(after >= 1);
 }
 
@@ -398,24 +838,56 @@ async fn lists_paginate_and_docs_are_served() {
     let (_t, _admin, member) = s.tenant("pages").await;
     let mut made = Vec::new();
     for _ in 0..7 {
-        made.push(s.ok(&member, Method::POST, "/v1/instances", Some(json!({"gpus": 1, "command": ["x"]}))).await["id"].clone());
+        made.push(
+            s.ok(
+                &member,
+                Method::POST,
+                "/v1/instances",
+                Some(json!({"gpus": 1, "command": ["x"]})),
+            )
+            .await["id"]
+                .clone(),
+        );
     }
     let mut seen = Vec::new();
     let mut path = "/v1/instances?limit=3".to_string();
     loop {
         let page = s.ok(&member, Method::GET, &path, None).await;
-        seen.extend(page["items"].as_array().unwrap().iter().map(|i| i["id"].clone()));
+        seen.extend(
+            page["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|i| i["id"].clone()),
+        );
         match page["next_cursor"].as_str() {
             Some(c) => path = format!("/v1/instances?limit=3&cursor={c}"),
             None => break,
         }
     }
     assert_eq!(seen, made);
-    let types = s.ok(&member, Method::GET, "/v1/gpu-types?limit=4", None).await;
+    let types = s
+        .ok(&member, Method::GET, "/v1/gpu-types?limit=4", None)
+        .await;
     assert_eq!(types["items"].as_array().unwrap().len(), 4);
-    let rest = s.ok(&member, Method::GET, &format!("/v1/gpu-types?cursor={}", types["next_cursor"].as_str().unwrap()), None).await;
+    let rest = s
+        .ok(
+            &member,
+            Method::GET,
+            &format!(
+                "/v1/gpu-types?cursor={}",
+                types["next_cursor"].as_str().unwrap()
+            ),
+            None,
+        )
+        .await;
     assert_eq!(rest["items"].as_array().unwrap().len(), 6);
-    let docs = reqwest::get(format!("{}/v1/docs", s.url)).await.unwrap().text().await.unwrap();
+    let docs = reqwest::get(format!("{}/v1/docs", s.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(docs.contains("/v1/instances/{instance_id}/logs") && docs.contains("Flotilla API"));
     let health = reqwest::get(format!("{}/healthz", s.url)).await.unwrap();
     assert_eq!(health.status(), StatusCode::OK);
@@ -426,9 +898,12 @@ async fn lists_paginate_and_docs_are_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_requests_never_share_a_gpu() {
     let s = Arc::new(start(fast()).await);
-    let provider = s.provider(&s.ok(&s.operator, Method::GET, "/v1/me", None).await["tenant"]["id"].as_str().unwrap().to_string()).await;
+    let me = s.ok(&s.operator, Method::GET, "/v1/me", None).await;
+    let provider = s.provider(me["tenant"]["id"].as_str().unwrap()).await;
     let n1 = s.node(&provider, "big-1", &[("H100", 8)]).await;
-    let n2 = s.node(&provider, "big-2", &[("H100", 4), ("L40S", 4)]).await;
+    let n2 = s
+        .node(&provider, "big-2", &[("H100", 4), ("L40S", 4)])
+        .await;
     let mut members = Vec::new();
     for i in 0..4 {
         members.push(s.tenant(&format!("stress-{i}")).await.2);
@@ -439,9 +914,18 @@ async fn concurrent_requests_never_share_a_gpu() {
         let key = members[i % members.len()].clone();
         tasks.push(tokio::spawn(async move {
             let gpus = 1 + (i % 3);
-            let types = if i % 4 == 0 { json!(["L40S", "H100"]) } else { json!([]) };
-            s.ok(&key, Method::POST, "/v1/instances", Some(json!({"gpus": gpus, "gpu_types": types, "command": ["x"]})))
-                .await["id"]
+            let types = if i % 4 == 0 {
+                json!(["L40S", "H100"])
+            } else {
+                json!([])
+            };
+            s.ok(
+                &key,
+                Method::POST,
+                "/v1/instances",
+                Some(json!({"gpus": gpus, "gpu_types": types, "command": ["x"]})),
+            )
+            .await["id"]
                 .as_str()
                 .unwrap()
                 .to_string()
@@ -466,7 +950,13 @@ async fn concurrent_requests_never_share_a_gpu() {
         }
         let mut holder: HashMap<String, String> = HashMap::new();
         let mut live = 0;
-        for i in s.store.list_instances(None, None, &page).await.unwrap().items {
+        for i in s
+            .store
+            .list_instances(None, None, &page)
+            .await
+            .unwrap()
+            .items
+        {
             if !i.state.holds_gpus() {
                 continue;
             }
@@ -479,7 +969,11 @@ async fn concurrent_requests_never_share_a_gpu() {
             }
         }
         for (gpu, inst) in &table {
-            assert_eq!(holder.get(gpu), Some(inst), "gpu table and instances agree on {gpu}");
+            assert_eq!(
+                holder.get(gpu),
+                Some(inst),
+                "gpu table and instances agree on {gpu}"
+            );
         }
         (live, holder.len())
     };
@@ -495,7 +989,12 @@ async fn concurrent_requests_never_share_a_gpu() {
         assert!(held <= 16, "more GPUs held than exist");
         for node in [&n1, &n2] {
             let sync = s
-                .ok(&provider, Method::POST, &format!("/v1/agent/nodes/{node}/sync"), Some(json!({"observed": [], "wait_ms": 0})))
+                .ok(
+                    &provider,
+                    Method::POST,
+                    &format!("/v1/agent/nodes/{node}/sync"),
+                    Some(json!({"observed": [], "wait_ms": 0})),
+                )
                 .await;
             let observed: Vec<ObservedInstance> = sync["assignments"]
                 .as_array()
@@ -503,25 +1002,43 @@ async fn concurrent_requests_never_share_a_gpu() {
                 .iter()
                 .map(|a| ObservedInstance {
                     instance_id: serde_json::from_value(a["instance_id"].clone()).unwrap(),
-                    phase: ObservedPhase::Exited { code: 0, stopped: false },
+                    phase: ObservedPhase::Exited {
+                        code: 0,
+                        stopped: false,
+                    },
                     at: chrono::Utc::now(),
                 })
                 .collect();
             for o in &observed {
                 finished.insert(o.instance_id.to_string());
             }
-            s.ok(&provider, Method::POST, &format!("/v1/agent/nodes/{node}/sync"), Some(json!({"observed": observed, "wait_ms": 0})))
-                .await;
+            s.ok(
+                &provider,
+                Method::POST,
+                &format!("/v1/agent/nodes/{node}/sync"),
+                Some(json!({"observed": observed, "wait_ms": 0})),
+            )
+            .await;
         }
         if finished.len() == ids.len() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(finished.len(), ids.len(), "every request was eventually placed");
+    assert_eq!(
+        finished.len(),
+        ids.len(),
+        "every request was eventually placed"
+    );
     let states: BTreeMap<String, usize> = {
         let mut m = BTreeMap::new();
-        for i in s.store.list_instances(None, None, &flotilla_store::PageReq::new(None, 1000)).await.unwrap().items {
+        for i in s
+            .store
+            .list_instances(None, None, &flotilla_store::PageReq::new(None, 1000))
+            .await
+            .unwrap()
+            .items
+        {
             *m.entry(i.state.as_str().to_string()).or_default() += 1;
         }
         m

@@ -74,7 +74,13 @@ impl Store {
     }
 
     /// Records the answer of a claimed key.
-    pub async fn complete_idempotency_key(&self, scope: &str, key: &str, status: u16, body: &str) -> Result<()> {
+    pub async fn complete_idempotency_key(
+        &self,
+        scope: &str,
+        key: &str,
+        status: u16,
+        body: &str,
+    ) -> Result<()> {
         sqlx::query("UPDATE idempotency_keys SET status = $1, response = $2 WHERE scope = $3 AND idem_key = $4")
             .bind(i64::from(status))
             .bind(body)
@@ -97,10 +103,12 @@ impl Store {
 
     /// Drops keys older than `before` (kept 24 h by the server).
     pub async fn expire_idempotency_keys(&self, before: DateTime<Utc>) -> Result<u64> {
-        Ok(sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
-            .bind(ms(before))
-            .execute(self.pool())
-            .await?
-            .rows_affected())
+        Ok(
+            sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
+                .bind(ms(before))
+                .execute(self.pool())
+                .await?
+                .rows_affected(),
+        )
     }
 }

@@ -39,7 +39,9 @@ fn instance(row: &AnyRow) -> Result<Instance> {
         state_reason: row.try_get("state_reason")?,
         gpus: row.try_get::<i64, _>("gpus")?.clamp(0, u32::MAX as i64) as u32,
         gpu_types: json(&row.try_get::<String, _>("gpu_types")?, "gpu_types")?,
-        cpu_milli: row.try_get::<i64, _>("cpu_milli")?.clamp(0, u32::MAX as i64) as u32,
+        cpu_milli: row
+            .try_get::<i64, _>("cpu_milli")?
+            .clamp(0, u32::MAX as i64) as u32,
         memory_mb: row.try_get::<i64, _>("memory_mb")?.max(0) as u64,
         command: json(&row.try_get::<String, _>("command")?, "command")?,
         env: json(&row.try_get::<String, _>("env")?, "env")?,
@@ -174,12 +176,15 @@ impl Store {
         if locked == 0 {
             return Err(StoreError::NotFound("tenant"));
         }
-        let q = sqlx::query("SELECT quota_gpus_total, quota_gpus_per_model FROM tenants WHERE id = $1")
-            .bind(tenant.as_str())
-            .fetch_one(&mut *tx)
-            .await?;
+        let q =
+            sqlx::query("SELECT quota_gpus_total, quota_gpus_per_model FROM tenants WHERE id = $1")
+                .bind(tenant.as_str())
+                .fetch_one(&mut *tx)
+                .await?;
         let quota = Quota {
-            gpus_total: q.try_get::<Option<i64>, _>("quota_gpus_total")?.map(|v| v.clamp(0, u32::MAX as i64) as u32),
+            gpus_total: q
+                .try_get::<Option<i64>, _>("quota_gpus_total")?
+                .map(|v| v.clamp(0, u32::MAX as i64) as u32),
             gpus_per_model: json(&q.try_get::<String, _>("quota_gpus_per_model")?, "quota")?,
         };
         let committed = crate::tenants::committed_in(&mut *tx, tenant).await?;
@@ -218,7 +223,11 @@ impl Store {
             .await?
             .ok_or(StoreError::NotFound("instance"))?;
         let mut inst = instance(&row)?;
-        inst.events = self.events(std::slice::from_ref(&inst.id)).await?.remove(&inst.id).unwrap_or_default();
+        inst.events = self
+            .events(std::slice::from_ref(&inst.id))
+            .await?
+            .remove(&inst.id)
+            .unwrap_or_default();
         Ok(inst)
     }
 
@@ -277,10 +286,11 @@ impl Store {
 
     /// Pending instances, oldest first.
     pub async fn pending_instances(&self, limit: u32) -> Result<Vec<PendingInstance>> {
-        let rows = sqlx::query("SELECT * FROM instances WHERE state = 'pending' ORDER BY id LIMIT $1")
-            .bind(i64::from(limit))
-            .fetch_all(self.pool())
-            .await?;
+        let rows =
+            sqlx::query("SELECT * FROM instances WHERE state = 'pending' ORDER BY id LIMIT $1")
+                .bind(i64::from(limit))
+                .fetch_all(self.pool())
+                .await?;
         rows.iter()
             .map(|r| {
                 let i = instance(r)?;
@@ -298,7 +308,12 @@ impl Store {
     }
 
     /// Updates the reason a pending instance is not placed.
-    pub async fn set_pending_reason(&self, id: &InstanceId, reason: &str, now: DateTime<Utc>) -> Result<()> {
+    pub async fn set_pending_reason(
+        &self,
+        id: &InstanceId,
+        reason: &str,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
         sqlx::query("UPDATE instances SET state_reason = $1, updated_at = $2 WHERE id = $3 AND state = 'pending'")
             .bind(reason)
             .bind(ms(now))
@@ -311,20 +326,32 @@ impl Store {
     /// Commits a placement: takes each GPU only if it is still free, moves
     /// the instance to `scheduled`. `Conflict` (and no change) when a GPU
     /// was taken meanwhile or the instance left `pending`.
-    pub async fn schedule_instance(&self, id: &InstanceId, plan: &Placement, now: DateTime<Utc>) -> Result<()> {
+    pub async fn schedule_instance(
+        &self,
+        id: &InstanceId,
+        plan: &Placement,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
         let mut tx = self.pool().begin().await?;
         for g in &plan.gpus {
-            let n = sqlx::query("UPDATE gpus SET instance_id = $1 WHERE id = $2 AND instance_id IS NULL")
-                .bind(id.as_str())
-                .bind(g.as_str())
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
+            let n = sqlx::query(
+                "UPDATE gpus SET instance_id = $1 WHERE id = $2 AND instance_id IS NULL",
+            )
+            .bind(id.as_str())
+            .bind(g.as_str())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
             if n != 1 {
                 return Err(StoreError::Conflict(format!("gpu {g} is no longer free")));
             }
         }
-        let reason = format!("placed on {} ({}x{})", plan.node, plan.gpus.len(), plan.model);
+        let reason = format!(
+            "placed on {} ({}x{})",
+            plan.node,
+            plan.gpus.len(),
+            plan.model
+        );
         let ids: Vec<&str> = plan.gpus.iter().map(|g| g.as_str()).collect();
         sqlx::query("UPDATE instances SET node_id = $1, gpu_model = $2, gpu_ids = $3 WHERE id = $4 AND state = 'pending'")
             .bind(plan.node.as_str())
@@ -333,8 +360,20 @@ impl Store {
             .bind(id.as_str())
             .execute(&mut *tx)
             .await?;
-        if !transition(&mut tx, id, InstanceState::Pending, InstanceState::Scheduled, &reason, None, now).await? {
-            return Err(StoreError::Conflict(format!("instance {id} is no longer pending")));
+        if !transition(
+            &mut tx,
+            id,
+            InstanceState::Pending,
+            InstanceState::Scheduled,
+            &reason,
+            None,
+            now,
+        )
+        .await?
+        {
+            return Err(StoreError::Conflict(format!(
+                "instance {id} is no longer pending"
+            )));
         }
         tx.commit().await?;
         Ok(())
@@ -348,17 +387,31 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         match inst.state {
             s if s.is_terminal() => {
-                return Err(StoreError::Conflict(format!("instance {id} already {}", s.as_str())));
+                return Err(StoreError::Conflict(format!(
+                    "instance {id} already {}",
+                    s.as_str()
+                )));
             }
             InstanceState::Pending | InstanceState::Lost => {
-                transition(&mut tx, id, inst.state, InstanceState::Stopped, "stopped on request", None, now).await?;
+                transition(
+                    &mut tx,
+                    id,
+                    inst.state,
+                    InstanceState::Stopped,
+                    "stopped on request",
+                    None,
+                    now,
+                )
+                .await?;
             }
             _ => {
-                sqlx::query("UPDATE instances SET stop_requested = 1, updated_at = $1 WHERE id = $2")
-                    .bind(ms(now))
-                    .bind(id.as_str())
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::query(
+                    "UPDATE instances SET stop_requested = 1, updated_at = $1 WHERE id = $2",
+                )
+                .bind(ms(now))
+                .bind(id.as_str())
+                .execute(&mut *tx)
+                .await?;
             }
         }
         tx.commit().await?;
@@ -366,13 +419,22 @@ impl Store {
     }
 
     /// Applies what an agent observed of one instance on `node`.
-    pub async fn apply_observed(&self, node: &NodeId, obs: &ObservedInstance, now: DateTime<Utc>) -> Result<Applied> {
+    pub async fn apply_observed(
+        &self,
+        node: &NodeId,
+        obs: &ObservedInstance,
+        now: DateTime<Utc>,
+    ) -> Result<Applied> {
         use InstanceState::*;
-        let row = sqlx::query("SELECT state, node_id, stop_requested, gpu_ids FROM instances WHERE id = $1")
-            .bind(obs.instance_id.as_str())
-            .fetch_optional(self.pool())
-            .await?;
-        let Some(row) = row else { return Ok(Applied::Foreign) };
+        let row = sqlx::query(
+            "SELECT state, node_id, stop_requested, gpu_ids FROM instances WHERE id = $1",
+        )
+        .bind(obs.instance_id.as_str())
+        .fetch_optional(self.pool())
+        .await?;
+        let Some(row) = row else {
+            return Ok(Applied::Foreign);
+        };
         let on: Option<String> = row.try_get("node_id")?;
         if on.as_deref() != Some(node.as_str()) {
             return Ok(Applied::Foreign);
@@ -384,12 +446,30 @@ impl Store {
         let changed = match (&obs.phase, state) {
             (_, s) if s.is_terminal() => false,
             (ObservedPhase::Starting, Scheduled) => {
-                transition(&mut tx, id, Scheduled, Starting, "agent is starting the command", None, now).await?
+                transition(
+                    &mut tx,
+                    id,
+                    Scheduled,
+                    Starting,
+                    "agent is starting the command",
+                    None,
+                    now,
+                )
+                .await?
             }
             (ObservedPhase::Running { pid }, Scheduled | Starting) => {
                 let reason = format!("running as pid {pid}");
                 if state == Scheduled {
-                    transition(&mut tx, id, Scheduled, Starting, "agent is starting the command", None, now).await?;
+                    transition(
+                        &mut tx,
+                        id,
+                        Scheduled,
+                        Starting,
+                        "agent is starting the command",
+                        None,
+                        now,
+                    )
+                    .await?;
                 }
                 transition(&mut tx, id, Starting, Running, &reason, None, now).await?
             }
@@ -399,23 +479,36 @@ impl Store {
                 let gpu_ids: Vec<String> = json(&row.try_get::<String, _>("gpu_ids")?, "gpu_ids")?;
                 let mut ok = true;
                 for g in &gpu_ids {
-                    let n = sqlx::query("UPDATE gpus SET instance_id = $1 WHERE id = $2 AND instance_id IS NULL")
-                        .bind(id.as_str())
-                        .bind(g)
-                        .execute(&mut *tx)
-                        .await?
-                        .rows_affected();
+                    let n = sqlx::query(
+                        "UPDATE gpus SET instance_id = $1 WHERE id = $2 AND instance_id IS NULL",
+                    )
+                    .bind(id.as_str())
+                    .bind(g)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
                     ok &= n == 1;
                 }
                 if ok {
-                    transition(&mut tx, id, Lost, Running, "node re-attached; command still running", None, now)
-                        .await?
+                    transition(
+                        &mut tx,
+                        id,
+                        Lost,
+                        Running,
+                        "node re-attached; command still running",
+                        None,
+                        now,
+                    )
+                    .await?
                 } else {
                     tx.rollback().await?;
                     return Ok(Applied::Foreign);
                 }
             }
-            (ObservedPhase::Exited { code, stopped }, from @ (Scheduled | Starting | Running | Lost)) => {
+            (
+                ObservedPhase::Exited { code, stopped },
+                from @ (Scheduled | Starting | Running | Lost),
+            ) => {
                 let (to, reason) = if *stopped || stop_requested {
                     (Stopped, format!("stopped (exit code {code})"))
                 } else if *code == 0 {
@@ -424,7 +517,16 @@ impl Store {
                     (Failed, format!("exit code {code}"))
                 };
                 if from == Scheduled && to != Stopped {
-                    transition(&mut tx, id, Scheduled, Starting, "agent is starting the command", None, now).await?;
+                    transition(
+                        &mut tx,
+                        id,
+                        Scheduled,
+                        Starting,
+                        "agent is starting the command",
+                        None,
+                        now,
+                    )
+                    .await?;
                     transition(&mut tx, id, Starting, Running, "running", None, now).await?;
                     transition(&mut tx, id, Running, to, &reason, Some(*code), now).await?
                 } else {
@@ -432,12 +534,25 @@ impl Store {
                 }
             }
             (ObservedPhase::FailedToStart { reason }, from @ (Scheduled | Starting | Lost)) => {
-                transition(&mut tx, id, from, Failed, &format!("failed to start: {reason}"), None, now).await?
+                transition(
+                    &mut tx,
+                    id,
+                    from,
+                    Failed,
+                    &format!("failed to start: {reason}"),
+                    None,
+                    now,
+                )
+                .await?
             }
             _ => false,
         };
         tx.commit().await?;
-        Ok(if changed { Applied::Changed } else { Applied::Unchanged })
+        Ok(if changed {
+            Applied::Changed
+        } else {
+            Applied::Unchanged
+        })
     }
 
     /// What `node` should run or stop now.
@@ -455,7 +570,10 @@ impl Store {
         let mut gpus: BTreeMap<String, (u32, String)> = BTreeMap::new();
         for r in &gpu_rows {
             let idx: i64 = r.try_get("idx")?;
-            gpus.insert(r.try_get("id")?, (idx.clamp(0, u32::MAX as i64) as u32, r.try_get("uuid")?));
+            gpus.insert(
+                r.try_get("id")?,
+                (idx.clamp(0, u32::MAX as i64) as u32, r.try_get("uuid")?),
+            );
         }
         rows.iter()
             .map(|r| {
@@ -482,7 +600,11 @@ impl Store {
 
     /// The node stopped answering: every instance it holds becomes `lost`
     /// and releases its GPUs. Returns the instances changed.
-    pub async fn mark_node_lost(&self, node: &NodeId, now: DateTime<Utc>) -> Result<Vec<InstanceId>> {
+    pub async fn mark_node_lost(
+        &self,
+        node: &NodeId,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<InstanceId>> {
         let rows = sqlx::query(
             "SELECT id, state FROM instances WHERE node_id = $1 AND state IN ('scheduled', 'starting', 'running')",
         )
@@ -494,8 +616,16 @@ impl Store {
             let id = InstanceId::from_trusted(r.try_get("id")?);
             let from = state_of(&r.try_get::<String, _>("state")?)?;
             let mut tx = self.pool().begin().await?;
-            if transition(&mut tx, &id, from, InstanceState::Lost, "node unreachable: heartbeats stopped", None, now)
-                .await?
+            if transition(
+                &mut tx,
+                &id,
+                from,
+                InstanceState::Lost,
+                "node unreachable: heartbeats stopped",
+                None,
+                now,
+            )
+            .await?
             {
                 lost.push(id);
             }
@@ -554,7 +684,17 @@ impl Store {
             let id = InstanceId::from_trusted(r.try_get("id")?);
             let from = state_of(&r.try_get::<String, _>("state")?)?;
             let mut tx = self.pool().begin().await?;
-            if transition(&mut tx, &id, from, InstanceState::Failed, "node agent restarted and lost track of the command", None, now).await? {
+            if transition(
+                &mut tx,
+                &id,
+                from,
+                InstanceState::Failed,
+                "node agent restarted and lost track of the command",
+                None,
+                now,
+            )
+            .await?
+            {
                 n += 1;
             }
             tx.commit().await?;
@@ -570,6 +710,8 @@ impl Store {
         .bind(node.as_str())
         .fetch_all(self.pool())
         .await?;
-        rows.iter().map(|r| Ok(InstanceId::from_trusted(r.try_get("id")?))).collect()
+        rows.iter()
+            .map(|r| Ok(InstanceId::from_trusted(r.try_get("id")?)))
+            .collect()
     }
 }

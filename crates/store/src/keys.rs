@@ -73,15 +73,20 @@ impl Store {
 
     /// The live (not revoked) key whose secret hashes to `hash`.
     pub async fn key_by_hash(&self, hash: &str) -> Result<Option<ApiKey>> {
-        let row = sqlx::query("SELECT * FROM api_keys WHERE secret_hash = $1 AND revoked_at IS NULL")
-            .bind(hash)
-            .fetch_optional(self.pool())
-            .await?;
+        let row =
+            sqlx::query("SELECT * FROM api_keys WHERE secret_hash = $1 AND revoked_at IS NULL")
+                .bind(hash)
+                .fetch_optional(self.pool())
+                .await?;
         row.as_ref().map(key).transpose()
     }
 
     /// Keys, optionally of one tenant.
-    pub async fn list_keys(&self, only: Option<&TenantId>, page: &PageReq) -> Result<PageOf<ApiKey>> {
+    pub async fn list_keys(
+        &self,
+        only: Option<&TenantId>,
+        page: &PageReq,
+    ) -> Result<PageOf<ApiKey>> {
         let rows = sqlx::query(
             "SELECT * FROM api_keys WHERE id > $1 AND ($2 = '' OR tenant_id = $2) ORDER BY id LIMIT $3",
         )

@@ -59,7 +59,10 @@ impl From<sqlx::Error> for StoreError {
                 return StoreError::AlreadyExists(db.message().to_string());
             }
         }
-        if matches!(e, sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_)) {
+        if matches!(
+            e,
+            sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_)
+        ) {
             return StoreError::Unavailable(e);
         }
         if matches!(e, sqlx::Error::RowNotFound) {
@@ -126,7 +129,11 @@ pub struct PageOf<T> {
 }
 
 impl<T> PageOf<T> {
-    pub(crate) fn from_overfetch(mut items: Vec<T>, req: &PageReq, id: impl Fn(&T) -> String) -> Self {
+    pub(crate) fn from_overfetch(
+        mut items: Vec<T>,
+        req: &PageReq,
+        id: impl Fn(&T) -> String,
+    ) -> Self {
         let next = if items.len() > req.limit as usize {
             items.truncate(req.limit as usize);
             items.last().map(id)
@@ -151,7 +158,8 @@ impl Store {
                 "`{url}`: expected sqlite://PATH or postgres://…"
             )));
         };
-        let opts = AnyConnectOptions::from_str(url).map_err(|e| StoreError::BadUrl(e.to_string()))?;
+        let opts =
+            AnyConnectOptions::from_str(url).map_err(|e| StoreError::BadUrl(e.to_string()))?;
         let pool = AnyPoolOptions::new()
             .max_connections(match backend {
                 // SQLite has one writer; a few readers beside it is plenty.

@@ -15,13 +15,22 @@ impl Store {
     pub async fn append_logs(&self, id: &InstanceId, lines: &[LogLine]) -> Result<()> {
         let mut tx = self.pool().begin().await?;
         for chunk in lines.chunks(CHUNK) {
-            let mut sql = String::from("INSERT INTO instance_logs (instance_id, seq, stream, at, line) VALUES ");
+            let mut sql = String::from(
+                "INSERT INTO instance_logs (instance_id, seq, stream, at, line) VALUES ",
+            );
             for i in 0..chunk.len() {
                 let b = i * 5;
                 if i > 0 {
                     sql.push(',');
                 }
-                sql.push_str(&format!("(${}, ${}, ${}, ${}, ${})", b + 1, b + 2, b + 3, b + 4, b + 5));
+                sql.push_str(&format!(
+                    "(${}, ${}, ${}, ${}, ${})",
+                    b + 1,
+                    b + 2,
+                    b + 3,
+                    b + 4,
+                    b + 5
+                ));
             }
             sql.push_str(" ON CONFLICT (instance_id, seq) DO NOTHING");
             let mut q = sqlx::query(&sql);

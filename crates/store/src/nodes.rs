@@ -36,7 +36,8 @@ fn node(row: &AnyRow) -> Result<Node> {
         owner_tenant_id: TenantId::from_trusted(row.try_get("owner_tenant_id")?),
         region: row.try_get("region")?,
         pool: row.try_get("pool")?,
-        state: NodeState::parse(&state).ok_or_else(|| StoreError::Corrupt(format!("node state `{state}`")))?,
+        state: NodeState::parse(&state)
+            .ok_or_else(|| StoreError::Corrupt(format!("node state `{state}`")))?,
         cordoned: row.try_get::<i64, _>("cordoned")? != 0,
         simulated: row.try_get::<i64, _>("simulated")? != 0,
         cpu_milli: row.try_get::<i64, _>("cpu_milli")?.max(0) as u64,
@@ -211,10 +212,11 @@ impl Store {
 
     /// Ready nodes whose last heartbeat is older than `cutoff`.
     pub async fn stale_nodes(&self, cutoff: DateTime<Utc>) -> Result<Vec<NodeId>> {
-        let rows = sqlx::query("SELECT id FROM nodes WHERE state = 'ready' AND last_heartbeat_at < $1")
-            .bind(ms(cutoff))
-            .fetch_all(self.pool())
-            .await?;
+        let rows =
+            sqlx::query("SELECT id FROM nodes WHERE state = 'ready' AND last_heartbeat_at < $1")
+                .bind(ms(cutoff))
+                .fetch_all(self.pool())
+                .await?;
         rows.iter()
             .map(|r| Ok(NodeId::from_trusted(r.try_get("id")?)))
             .collect()
@@ -241,7 +243,11 @@ impl Store {
             .await?
             .ok_or(StoreError::NotFound("node"))?;
         let mut n = node(&row)?;
-        n.gpus = self.gpus_of(std::slice::from_ref(&n.id)).await?.remove(&n.id).unwrap_or_default();
+        n.gpus = self
+            .gpus_of(std::slice::from_ref(&n.id))
+            .await?
+            .remove(&n.id)
+            .unwrap_or_default();
         Ok(n)
     }
 
@@ -251,11 +257,13 @@ impl Store {
             return Ok(out);
         }
         let (lo, hi) = (nodes[0].as_str(), nodes[nodes.len() - 1].as_str());
-        let rows = sqlx::query("SELECT * FROM gpus WHERE node_id >= $1 AND node_id <= $2 ORDER BY node_id, idx")
-            .bind(lo)
-            .bind(hi)
-            .fetch_all(self.pool())
-            .await?;
+        let rows = sqlx::query(
+            "SELECT * FROM gpus WHERE node_id >= $1 AND node_id <= $2 ORDER BY node_id, idx",
+        )
+        .bind(lo)
+        .bind(hi)
+        .fetch_all(self.pool())
+        .await?;
         for r in &rows {
             let (nid, g) = gpu(r)?;
             out.entry(nid).or_default().push(g);
@@ -295,7 +303,10 @@ impl Store {
         .await?;
         let mut used: BTreeMap<String, (i64, i64)> = BTreeMap::new();
         for r in &reserved {
-            used.insert(r.try_get("node_id")?, (r.try_get("cpu")?, r.try_get("mem")?));
+            used.insert(
+                r.try_get("node_id")?,
+                (r.try_get("cpu")?, r.try_get("mem")?),
+            );
         }
         let gpu_rows = sqlx::query("SELECT * FROM gpus ORDER BY node_id, idx")
             .fetch_all(self.pool())

@@ -90,7 +90,12 @@ where
 
 impl Store {
     /// Creates a tenant; `AlreadyExists` when the name is taken.
-    pub async fn create_tenant(&self, id: &TenantId, name: &str, now: DateTime<Utc>) -> Result<Tenant> {
+    pub async fn create_tenant(
+        &self,
+        id: &TenantId,
+        name: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Tenant> {
         sqlx::query(
             "INSERT INTO tenants (id, name, created_at, updated_at) VALUES ($1, $2, $3, $3)",
         )
@@ -130,7 +135,11 @@ impl Store {
     }
 
     /// Tenants by id; `only` restricts to one tenant (non-operators).
-    pub async fn list_tenants(&self, only: Option<&TenantId>, page: &PageReq) -> Result<PageOf<Tenant>> {
+    pub async fn list_tenants(
+        &self,
+        only: Option<&TenantId>,
+        page: &PageReq,
+    ) -> Result<PageOf<Tenant>> {
         let rows = sqlx::query(
             "SELECT * FROM tenants WHERE id > $1 AND ($2 = '' OR id = $2) ORDER BY id LIMIT $3",
         )
@@ -145,11 +154,12 @@ impl Store {
 
     /// A tenant's quota.
     pub async fn quota(&self, id: &TenantId) -> Result<Quota> {
-        let row = sqlx::query("SELECT quota_gpus_total, quota_gpus_per_model FROM tenants WHERE id = $1")
-            .bind(id.as_str())
-            .fetch_optional(self.pool())
-            .await?
-            .ok_or(StoreError::NotFound("tenant"))?;
+        let row =
+            sqlx::query("SELECT quota_gpus_total, quota_gpus_per_model FROM tenants WHERE id = $1")
+                .bind(id.as_str())
+                .fetch_optional(self.pool())
+                .await?
+                .ok_or(StoreError::NotFound("tenant"))?;
         quota(&row)
     }
 

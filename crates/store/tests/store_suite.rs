@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Duration, Utc};
-use flotilla_core::api::{DiscoveredGpu, LogLine, LogStream, ObservedInstance, ObservedPhase, RegisterNode};
+use flotilla_core::api::{
+    DiscoveredGpu, LogLine, LogStream, ObservedInstance, ObservedPhase, RegisterNode,
+};
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{GpuId, InstanceId, KeyId, NodeId, TenantId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
@@ -50,11 +52,18 @@ async fn postgres() -> Option<Fixture> {
         return None;
     };
     use sqlx::Connection;
-    let name = format!("flotilla_t_{}_{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+    let name = format!(
+        "flotilla_t_{}_{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
     let mut admin = sqlx::PgConnection::connect(&base)
         .await
         .expect("FLOTILLA_TEST_DATABASE_URL is set but PostgreSQL does not answer");
-    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut admin).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
     let url = match base.rfind('/') {
         Some(i) if base[..i].contains('@') || base[..i].ends_with(|c: char| c.is_ascii_digit()) => {
             let (head, tail) = base.split_at(i);
@@ -141,7 +150,12 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: &[(&str, u32)]) -> 
     s.register_node(
         owner,
         &req,
-        || (NodeId::generate(1, rnd()), (0..count).map(|_| GpuId::generate(1, rnd())).collect()),
+        || {
+            (
+                NodeId::generate(1, rnd()),
+                (0..count).map(|_| GpuId::generate(1, rnd())).collect(),
+            )
+        },
         t0(),
     )
     .await
@@ -174,11 +188,16 @@ fn observed(id: &InstanceId, phase: ObservedPhase) -> ObservedInstance {
 
 async fn tenants_and_quotas(s: &Store) {
     let a = tenant(s, "acme").await;
-    let dup = s.create_tenant(&TenantId::generate(2, rnd()), "acme", t0()).await;
+    let dup = s
+        .create_tenant(&TenantId::generate(2, rnd()), "acme", t0())
+        .await;
     assert!(matches!(dup, Err(StoreError::AlreadyExists(m)) if m.contains("acme")));
     assert_eq!(s.tenant(&a).await.unwrap().name, "acme");
     assert_eq!(s.tenant_by_name("acme").await.unwrap().unwrap().id, a);
-    assert!(matches!(s.tenant(&TenantId::generate(9, 9)).await, Err(StoreError::NotFound(_))));
+    assert!(matches!(
+        s.tenant(&TenantId::generate(9, 9)).await,
+        Err(StoreError::NotFound(_))
+    ));
     assert_eq!(s.quota(&a).await.unwrap(), Quota::default());
     let q = Quota {
         gpus_total: Some(8),
@@ -219,7 +238,10 @@ async fn pagination_walks_every_item_once(s: &Store) {
     let mut seen = Vec::new();
     let mut cursor = None;
     loop {
-        let page = s.list_tenants(None, &PageReq::new(cursor, 3)).await.unwrap();
+        let page = s
+            .list_tenants(None, &PageReq::new(cursor, 3))
+            .await
+            .unwrap();
         assert!(page.items.len() <= 3);
         seen.extend(page.items.iter().map(|t| t.id.clone()));
         match page.next {
@@ -228,7 +250,10 @@ async fn pagination_walks_every_item_once(s: &Store) {
         }
     }
     assert_eq!(seen, made);
-    let only = s.list_tenants(Some(&made[2]), &PageReq::new(None, 100)).await.unwrap();
+    let only = s
+        .list_tenants(Some(&made[2]), &PageReq::new(None, 100))
+        .await
+        .unwrap();
     assert_eq!(only.items.len(), 1);
 }
 
@@ -241,7 +266,14 @@ async fn node_registration_is_idempotent_by_name(s: &Store) {
     assert_eq!(n.gpus.len(), 4);
     let ids: Vec<_> = n.gpus.iter().map(|g| g.id.clone()).collect();
     node(s, &p, "gpu-box-1", &[("H100", 4)]).await;
-    let again: Vec<_> = s.node(&n1).await.unwrap().gpus.iter().map(|g| g.id.clone()).collect();
+    let again: Vec<_> = s
+        .node(&n1)
+        .await
+        .unwrap()
+        .gpus
+        .iter()
+        .map(|g| g.id.clone())
+        .collect();
     assert_eq!(ids, again, "GPU ids survive re-registration");
     let other = tenant(s, "other").await;
     let stolen = s
@@ -262,14 +294,24 @@ async fn node_registration_is_idempotent_by_name(s: &Store) {
         )
         .await;
     assert!(matches!(stolen, Err(StoreError::Conflict(_))));
-    assert_eq!(s.list_nodes(&PageReq::new(None, 10)).await.unwrap().items.len(), 1);
+    assert_eq!(
+        s.list_nodes(&PageReq::new(None, 10))
+            .await
+            .unwrap()
+            .items
+            .len(),
+        1
+    );
 }
 
 async fn instance_lifecycle_and_gpu_release(s: &Store) {
     let t = tenant(s, "life").await;
     let n = node(s, &t, "n1", &[("H100", 4)]).await;
     let id = InstanceId::generate(1, rnd());
-    let inst = s.create_instance(&id, &t, &spec(2, &["H100"]), t0()).await.unwrap();
+    let inst = s
+        .create_instance(&id, &t, &spec(2, &["H100"]), t0())
+        .await
+        .unwrap();
     assert_eq!(inst.state, InstanceState::Pending);
     assert_eq!(inst.billing_class, BillingClass::Spot);
     assert_eq!(inst.env.get("A").map(String::as_str), Some("1"));
@@ -279,12 +321,36 @@ async fn instance_lifecycle_and_gpu_release(s: &Store) {
     assert_eq!(a[0].gpu_indices, vec![0, 1]);
     assert_eq!(s.usage(&t).await.unwrap().gpus_total, 2);
     let later = t0() + Duration::seconds(5);
-    assert_eq!(s.apply_observed(&n, &observed(&id, ObservedPhase::Running { pid: 42 }), later).await.unwrap(), Applied::Changed);
-    assert_eq!(s.apply_observed(&n, &observed(&id, ObservedPhase::Running { pid: 42 }), later).await.unwrap(), Applied::Unchanged);
+    assert_eq!(
+        s.apply_observed(
+            &n,
+            &observed(&id, ObservedPhase::Running { pid: 42 }),
+            later
+        )
+        .await
+        .unwrap(),
+        Applied::Changed
+    );
+    assert_eq!(
+        s.apply_observed(
+            &n,
+            &observed(&id, ObservedPhase::Running { pid: 42 }),
+            later
+        )
+        .await
+        .unwrap(),
+        Applied::Unchanged
+    );
     let i = s.instance(&id).await.unwrap();
     assert_eq!(i.state, InstanceState::Running);
     assert_eq!(i.started_at, Some(later));
-    let done = observed(&id, ObservedPhase::Exited { code: 0, stopped: false });
+    let done = observed(
+        &id,
+        ObservedPhase::Exited {
+            code: 0,
+            stopped: false,
+        },
+    );
     s.apply_observed(&n, &done, later).await.unwrap();
     let i = s.instance(&id).await.unwrap();
     assert_eq!(i.state, InstanceState::Succeeded);
@@ -292,33 +358,85 @@ async fn instance_lifecycle_and_gpu_release(s: &Store) {
     let states: Vec<_> = i.events.iter().map(|e| e.state).collect();
     assert_eq!(
         states,
-        vec![InstanceState::Pending, InstanceState::Scheduled, InstanceState::Starting, InstanceState::Running, InstanceState::Succeeded]
+        vec![
+            InstanceState::Pending,
+            InstanceState::Scheduled,
+            InstanceState::Starting,
+            InstanceState::Running,
+            InstanceState::Succeeded
+        ]
     );
-    assert!(s.node(&n).await.unwrap().gpus.iter().all(|g| g.instance_id.is_none()), "GPUs free again");
+    assert!(
+        s.node(&n)
+            .await
+            .unwrap()
+            .gpus
+            .iter()
+            .all(|g| g.instance_id.is_none()),
+        "GPUs free again"
+    );
     assert!(s.assignments(&n).await.unwrap().is_empty());
-    assert!(matches!(s.request_stop(&id, later).await, Err(StoreError::Conflict(_))));
+    assert!(matches!(
+        s.request_stop(&id, later).await,
+        Err(StoreError::Conflict(_))
+    ));
     // An instance on another node is foreign to this one.
     let other = node(s, &t, "n2", &[("L4", 1)]).await;
-    assert_eq!(s.apply_observed(&other, &done, later).await.unwrap(), Applied::Foreign);
+    assert_eq!(
+        s.apply_observed(&other, &done, later).await.unwrap(),
+        Applied::Foreign
+    );
 
     // Stop: pending stops at once; placed ones are flagged for the agent.
     let p = InstanceId::generate(2, rnd());
-    s.create_instance(&p, &t, &spec(1, &["B200"]), t0()).await.unwrap();
-    assert_eq!(s.request_stop(&p, t0()).await.unwrap().state, InstanceState::Stopped);
+    s.create_instance(&p, &t, &spec(1, &["B200"]), t0())
+        .await
+        .unwrap();
+    assert_eq!(
+        s.request_stop(&p, t0()).await.unwrap().state,
+        InstanceState::Stopped
+    );
     let r = InstanceId::generate(3, rnd());
-    s.create_instance(&r, &t, &spec(1, &["H100"]), t0()).await.unwrap();
+    s.create_instance(&r, &t, &spec(1, &["H100"]), t0())
+        .await
+        .unwrap();
     place(s, &r, t0()).await.unwrap();
     let flagged = s.request_stop(&r, t0()).await.unwrap();
     assert!(flagged.stop_requested);
     assert!(s.assignments(&n).await.unwrap()[0].stop);
-    s.apply_observed(&n, &observed(&r, ObservedPhase::Exited { code: 143, stopped: true }), t0()).await.unwrap();
+    s.apply_observed(
+        &n,
+        &observed(
+            &r,
+            ObservedPhase::Exited {
+                code: 143,
+                stopped: true,
+            },
+        ),
+        t0(),
+    )
+    .await
+    .unwrap();
     assert_eq!(s.instance(&r).await.unwrap().state, InstanceState::Stopped);
 
     let f = InstanceId::generate(4, rnd());
-    s.create_instance(&f, &t, &spec(1, &[]), t0()).await.unwrap();
+    s.create_instance(&f, &t, &spec(1, &[]), t0())
+        .await
+        .unwrap();
     place(s, &f, t0()).await.unwrap();
-    let failed = observed(&f, ObservedPhase::FailedToStart { reason: "no such program".into() });
-    s.apply_observed(&s.instance(&f).await.unwrap().node_id.unwrap(), &failed, t0()).await.unwrap();
+    let failed = observed(
+        &f,
+        ObservedPhase::FailedToStart {
+            reason: "no such program".into(),
+        },
+    );
+    s.apply_observed(
+        &s.instance(&f).await.unwrap().node_id.unwrap(),
+        &failed,
+        t0(),
+    )
+    .await
+    .unwrap();
     let fi = s.instance(&f).await.unwrap();
     assert_eq!(fi.state, InstanceState::Failed);
     assert!(fi.state_reason.contains("no such program"));
@@ -330,7 +448,9 @@ async fn gpus_are_never_allocated_twice_under_races(s: &Store) {
     let mut ids = Vec::new();
     for i in 0..24 {
         let id = InstanceId::generate(i, rnd());
-        s.create_instance(&id, &t, &spec(1, &["H100"]), t0()).await.unwrap();
+        s.create_instance(&id, &t, &spec(1, &["H100"]), t0())
+            .await
+            .unwrap();
         ids.push(id);
     }
     // Every task computes its plan from the same stale snapshot, so most
@@ -349,7 +469,12 @@ async fn gpus_are_never_allocated_twice_under_races(s: &Store) {
                 g.index = k as u32;
             }
             tokio::spawn(async move {
-                let req = PlacementRequest { gpus: 1, models: vec![], cpu_milli: 1, memory_mb: 1 };
+                let req = PlacementRequest {
+                    gpus: 1,
+                    models: vec![],
+                    cpu_milli: 1,
+                    memory_mb: 1,
+                };
                 let plan = first_fit(&snap, &req, |_| true).unwrap();
                 s.schedule_instance(&id, &plan, t0()).await
             })
@@ -365,7 +490,11 @@ async fn gpus_are_never_allocated_twice_under_races(s: &Store) {
     }
     assert_eq!(won, 8, "exactly one winner per GPU");
     let node = s.node(&n).await.unwrap();
-    let holders: std::collections::HashSet<_> = node.gpus.iter().filter_map(|g| g.instance_id.clone()).collect();
+    let holders: std::collections::HashSet<_> = node
+        .gpus
+        .iter()
+        .filter_map(|g| g.instance_id.clone())
+        .collect();
     assert_eq!(holders.len(), 8, "eight distinct holders");
     let mut scheduled = 0;
     let mut all_gpu_ids = std::collections::HashSet::new();
@@ -386,19 +515,54 @@ async fn gpus_are_never_allocated_twice_under_races(s: &Store) {
 
 async fn quota_is_enforced_at_create(s: &Store) {
     let t = tenant(s, "quota").await;
-    s.set_quota(&t, &Quota { gpus_total: Some(3), gpus_per_model: BTreeMap::from([("H100".into(), 2)]) }, t0())
+    s.set_quota(
+        &t,
+        &Quota {
+            gpus_total: Some(3),
+            gpus_per_model: BTreeMap::from([("H100".into(), 2)]),
+        },
+        t0(),
+    )
+    .await
+    .unwrap();
+    s.create_instance(
+        &InstanceId::generate(1, rnd()),
+        &t,
+        &spec(2, &["H100"]),
+        t0(),
+    )
+    .await
+    .unwrap();
+    let e = s
+        .create_instance(
+            &InstanceId::generate(1, rnd()),
+            &t,
+            &spec(1, &["H100"]),
+            t0(),
+        )
         .await
-        .unwrap();
-    s.create_instance(&InstanceId::generate(1, rnd()), &t, &spec(2, &["H100"]), t0()).await.unwrap();
-    let e = s.create_instance(&InstanceId::generate(1, rnd()), &t, &spec(1, &["H100"]), t0()).await.unwrap_err();
+        .unwrap_err();
     match e {
-        StoreError::Quota(q) => assert_eq!((q.quota.as_str(), q.limit, q.in_use), ("gpus_per_model.H100", 2, 2)),
+        StoreError::Quota(q) => assert_eq!(
+            (q.quota.as_str(), q.limit, q.in_use),
+            ("gpus_per_model.H100", 2, 2)
+        ),
         other => panic!("expected quota error, got {other}"),
     }
-    let e = s.create_instance(&InstanceId::generate(1, rnd()), &t, &spec(2, &["L4"]), t0()).await.unwrap_err();
+    let e = s
+        .create_instance(&InstanceId::generate(1, rnd()), &t, &spec(2, &["L4"]), t0())
+        .await
+        .unwrap_err();
     assert!(matches!(e, StoreError::Quota(q) if q.quota == "gpus_total" && q.limit == 3));
-    s.create_instance(&InstanceId::generate(1, rnd()), &t, &spec(1, &["L4"]), t0()).await.unwrap();
-    let n = s.list_instances(Some(&t), None, &PageReq::new(None, 100)).await.unwrap().items.len();
+    s.create_instance(&InstanceId::generate(1, rnd()), &t, &spec(1, &["L4"]), t0())
+        .await
+        .unwrap();
+    let n = s
+        .list_instances(Some(&t), None, &PageReq::new(None, 100))
+        .await
+        .unwrap()
+        .items
+        .len();
     assert_eq!(n, 2, "refused requests leave nothing behind");
 }
 
@@ -408,36 +572,79 @@ async fn lost_instances_reattach_or_fail(s: &Store) {
     let keep = InstanceId::generate(1, rnd());
     let gone = InstanceId::generate(2, rnd());
     for id in [&keep, &gone] {
-        s.create_instance(id, &t, &spec(1, &["L40S"]), t0()).await.unwrap();
+        s.create_instance(id, &t, &spec(1, &["L40S"]), t0())
+            .await
+            .unwrap();
         place(s, id, t0()).await.unwrap();
-        s.apply_observed(&n, &observed(id, ObservedPhase::Running { pid: 7 }), t0()).await.unwrap();
+        s.apply_observed(&n, &observed(id, ObservedPhase::Running { pid: 7 }), t0())
+            .await
+            .unwrap();
     }
     let later = t0() + Duration::seconds(60);
     assert_eq!(s.stale_nodes(later).await.unwrap(), vec![n.clone()]);
     assert!(s.mark_node_unreachable(&n, later).await.unwrap());
     assert_eq!(s.mark_node_lost(&n, later).await.unwrap().len(), 2);
-    assert!(s.node(&n).await.unwrap().gpus.iter().all(|g| g.instance_id.is_none()));
-    assert!(!s.placement_snapshot().await.unwrap()[0].ready, "unreachable nodes take no work");
+    assert!(s
+        .node(&n)
+        .await
+        .unwrap()
+        .gpus
+        .iter()
+        .all(|g| g.instance_id.is_none()));
+    assert!(
+        !s.placement_snapshot().await.unwrap()[0].ready,
+        "unreachable nodes take no work"
+    );
     // The agent returns and reports only `keep`.
     s.mark_node_ready(&n, later).await.unwrap();
-    s.apply_observed(&n, &observed(&keep, ObservedPhase::Running { pid: 7 }), later).await.unwrap();
-    assert_eq!(s.fail_unreported_lost(&n, std::slice::from_ref(&keep), later).await.unwrap(), 1);
+    s.apply_observed(
+        &n,
+        &observed(&keep, ObservedPhase::Running { pid: 7 }),
+        later,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        s.fail_unreported_lost(&n, std::slice::from_ref(&keep), later)
+            .await
+            .unwrap(),
+        1
+    );
     let k = s.instance(&keep).await.unwrap();
     assert_eq!(k.state, InstanceState::Running);
-    assert_eq!(k.events.last().unwrap().reason, "node re-attached; command still running");
-    assert_eq!(s.instance(&gone).await.unwrap().state, InstanceState::Failed);
-    let held: Vec<_> = s.node(&n).await.unwrap().gpus.into_iter().filter_map(|g| g.instance_id).collect();
+    assert_eq!(
+        k.events.last().unwrap().reason,
+        "node re-attached; command still running"
+    );
+    assert_eq!(
+        s.instance(&gone).await.unwrap().state,
+        InstanceState::Failed
+    );
+    let held: Vec<_> = s
+        .node(&n)
+        .await
+        .unwrap()
+        .gpus
+        .into_iter()
+        .filter_map(|g| g.instance_id)
+        .collect();
     assert_eq!(held, vec![keep.clone()]);
 }
 
 async fn logs_are_deduplicated_by_seq(s: &Store) {
     let t = tenant(s, "logs").await;
     let id = InstanceId::generate(1, rnd());
-    s.create_instance(&id, &t, &spec(1, &[]), t0()).await.unwrap();
+    s.create_instance(&id, &t, &spec(1, &[]), t0())
+        .await
+        .unwrap();
     let lines: Vec<LogLine> = (0..1200)
         .map(|i| LogLine {
             seq: i,
-            stream: if i % 2 == 0 { LogStream::Stdout } else { LogStream::Stderr },
+            stream: if i % 2 == 0 {
+                LogStream::Stdout
+            } else {
+                LogStream::Stderr
+            },
             at: t0(),
             line: format!("line {i} with 'quotes' and ünïcode"),
         })
@@ -451,16 +658,54 @@ async fn logs_are_deduplicated_by_seq(s: &Store) {
 }
 
 async fn idempotency_keys_replay_and_detect_mismatch(s: &Store) {
-    assert_eq!(s.claim_idempotency_key("k1", "abc", "h", t0()).await.unwrap(), Claim::New);
-    assert_eq!(s.claim_idempotency_key("k1", "abc", "h", t0()).await.unwrap(), Claim::InFlight);
-    s.complete_idempotency_key("k1", "abc", 201, "{}").await.unwrap();
     assert_eq!(
-        s.claim_idempotency_key("k1", "abc", "h", t0()).await.unwrap(),
-        Claim::Done { status: 201, body: "{}".into() }
+        s.claim_idempotency_key("k1", "abc", "h", t0())
+            .await
+            .unwrap(),
+        Claim::New
     );
-    assert_eq!(s.claim_idempotency_key("k1", "abc", "other", t0()).await.unwrap(), Claim::Mismatch);
-    assert_eq!(s.claim_idempotency_key("k2", "abc", "h", t0()).await.unwrap(), Claim::New, "scoped per caller");
+    assert_eq!(
+        s.claim_idempotency_key("k1", "abc", "h", t0())
+            .await
+            .unwrap(),
+        Claim::InFlight
+    );
+    s.complete_idempotency_key("k1", "abc", 201, "{}")
+        .await
+        .unwrap();
+    assert_eq!(
+        s.claim_idempotency_key("k1", "abc", "h", t0())
+            .await
+            .unwrap(),
+        Claim::Done {
+            status: 201,
+            body: "{}".into()
+        }
+    );
+    assert_eq!(
+        s.claim_idempotency_key("k1", "abc", "other", t0())
+            .await
+            .unwrap(),
+        Claim::Mismatch
+    );
+    assert_eq!(
+        s.claim_idempotency_key("k2", "abc", "h", t0())
+            .await
+            .unwrap(),
+        Claim::New,
+        "scoped per caller"
+    );
     s.release_idempotency_key("k2", "abc").await.unwrap();
-    assert_eq!(s.claim_idempotency_key("k2", "abc", "h", t0()).await.unwrap(), Claim::New);
-    assert_eq!(s.expire_idempotency_keys(t0() + Duration::hours(25)).await.unwrap(), 2);
+    assert_eq!(
+        s.claim_idempotency_key("k2", "abc", "h", t0())
+            .await
+            .unwrap(),
+        Claim::New
+    );
+    assert_eq!(
+        s.expire_idempotency_keys(t0() + Duration::hours(25))
+            .await
+            .unwrap(),
+        2
+    );
 }

@@ -6,7 +6,10 @@ use std::time::Duration;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
-use flotilla_core::api::{Assignment, LogBatch, ObservedInstance, ObservedPhase, RegisterNode, Registered, SyncRequest, SyncResponse};
+use flotilla_core::api::{
+    Assignment, LogBatch, ObservedInstance, ObservedPhase, RegisterNode, Registered, SyncRequest,
+    SyncResponse,
+};
 use flotilla_core::id::{GpuId, InstanceId, NodeId};
 use flotilla_core::node::NodeState;
 use flotilla_core::tenant::{validate_name, Role};
@@ -33,8 +36,16 @@ pub async fn register(
     ApiJson(req): ApiJson<RegisterNode>,
 ) -> ApiResult<Json<Registered>> {
     caller.require(&AGENT_ROLES, "register nodes")?;
-    if req.name.is_empty() || req.name.len() > 253 || !req.name.chars().all(|c| c.is_ascii_alphanumeric() || "-._".contains(c)) {
-        return Err(FieldError::new("name", "must be 1-253 letters, digits, '-', '.' or '_'").into());
+    if req.name.is_empty()
+        || req.name.len() > 253
+        || !req
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
+    {
+        return Err(
+            FieldError::new("name", "must be 1-253 letters, digits, '-', '.' or '_'").into(),
+        );
     }
     for (label, value) in [("region", &req.region), ("pool", &req.pool)] {
         if let Some(v) = value {
@@ -46,7 +57,8 @@ pub async fn register(
     }
     let mut seen = std::collections::BTreeSet::new();
     for (i, g) in req.gpus.iter().enumerate() {
-        st.catalog().resolve(&g.model, &format!("gpus[{i}].model"))?;
+        st.catalog()
+            .resolve(&g.model, &format!("gpus[{i}].model"))?;
         if !seen.insert(g.index) {
             return Err(FieldError::new(format!("gpus[{i}].index"), "duplicate GPU index").into());
         }
@@ -60,10 +72,15 @@ pub async fn register(
         let (t, r) = st.ids();
         (
             NodeId::generate(t, r),
-            (0..count).map(|i| GpuId::generate(t, r.wrapping_add(i as u128 + 1))).collect(),
+            (0..count)
+                .map(|i| GpuId::generate(t, r.wrapping_add(i as u128 + 1)))
+                .collect(),
         )
     };
-    let node = st.store().register_node(&caller.tenant_id, &req, ids, st.now()).await?;
+    let node = st
+        .store()
+        .register_node(&caller.tenant_id, &req, ids, st.now())
+        .await?;
     if !node.created {
         let failed = st.store().fail_started_on(&node.id, st.now()).await?;
         if failed > 0 {
@@ -117,12 +134,19 @@ pub async fn sync(
     ApiJson(req): ApiJson<SyncRequest>,
 ) -> ApiResult<Json<SyncResponse>> {
     let id = match own_node(&st, &caller, &raw).await {
-        Err(e) if e.status == StatusCode::NOT_FOUND && caller.role != Role::TenantAdmin && caller.role != Role::TenantMember => {
+        Err(e)
+            if e.status == StatusCode::NOT_FOUND
+                && caller.role != Role::TenantAdmin
+                && caller.role != Role::TenantMember =>
+        {
             // A node the database forgot (e.g. a reset): let the agent
             // register again instead of failing forever.
             if let Ok(id) = NodeId::parse(&raw, "node_id") {
                 if matches!(st.store().node(&id).await, Err(StoreError::NotFound(_))) {
-                    return Ok(Json(SyncResponse { assignments: vec![], reregister: true }));
+                    return Ok(Json(SyncResponse {
+                        assignments: vec![],
+                        reregister: true,
+                    }));
                 }
             }
             return Err(e);
@@ -151,7 +175,9 @@ pub async fn sync(
     if changed {
         st.notify_change();
     }
-    let wait = Duration::from_millis(req.wait_ms).min(MAX_WAIT).min(heartbeat_interval(&st));
+    let wait = Duration::from_millis(req.wait_ms)
+        .min(MAX_WAIT)
+        .min(heartbeat_interval(&st));
     let mut changes = st.subscribe();
     changes.borrow_and_update();
     let mut assignments = st.store().assignments(&id).await?;
@@ -164,7 +190,10 @@ pub async fn sync(
         }
         assignments = st.store().assignments(&id).await?;
     }
-    Ok(Json(SyncResponse { assignments, reregister: false }))
+    Ok(Json(SyncResponse {
+        assignments,
+        reregister: false,
+    }))
 }
 
 /// Appends an instance's output. Lines the server has (same seq) are

@@ -14,7 +14,11 @@ use crate::state::AppState;
 #[utoipa::path(get, path = "/v1/gpu-types", tag = "catalog",
     params(("limit" = Option<u32>, Query, description = "page size, 1-1000"), ("cursor" = Option<String>, Query, description = "from next_cursor")),
     responses((status = 200, body = Page<GpuTypeView>)))]
-pub async fn list_gpu_types(State(st): State<AppState>, _caller: Caller, p: Pagination) -> ApiResult<Json<Page<GpuTypeView>>> {
+pub async fn list_gpu_types(
+    State(st): State<AppState>,
+    _caller: Caller,
+    p: Pagination,
+) -> ApiResult<Json<Page<GpuTypeView>>> {
     let snapshot = st.store().placement_snapshot().await?;
     let models = st.catalog().models();
     let start = match &p.cursor {
@@ -23,7 +27,9 @@ pub async fn list_gpu_types(State(st): State<AppState>, _caller: Caller, p: Pagi
             models
                 .iter()
                 .position(|m| m.name.replace('-', "_") == *c)
-                .ok_or_else(|| ApiError::bad_request("cursor", "is not a cursor returned by this API"))?
+                .ok_or_else(|| {
+                    ApiError::bad_request("cursor", "is not a cursor returned by this API")
+                })?
                 + 1
         }
     };
@@ -32,13 +38,21 @@ pub async fn list_gpu_types(State(st): State<AppState>, _caller: Caller, p: Pagi
         .skip(start)
         .take(p.limit as usize)
         .map(|m| {
-            let gpus = snapshot.iter().filter(|n| n.ready).flat_map(|n| &n.gpus).filter(|g| g.model == m.name);
+            let gpus = snapshot
+                .iter()
+                .filter(|n| n.ready)
+                .flat_map(|n| &n.gpus)
+                .filter(|g| g.model == m.name);
             let (mut total, mut free) = (0, 0);
             for g in gpus {
                 total += 1;
                 free += u32::from(g.free);
             }
-            GpuTypeView { model: m.clone(), total, free }
+            GpuTypeView {
+                model: m.clone(),
+                total,
+                free,
+            }
         })
         .collect();
     items.shrink_to_fit();

@@ -7,7 +7,9 @@ use utoipa::openapi::path::{HttpMethod, Operation};
 use utoipa::openapi::OpenApi;
 
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 fn operations(doc: &OpenApi) -> Vec<(String, &'static str, &Operation)> {
@@ -46,12 +48,21 @@ pub fn render(doc: &OpenApi) -> String {
     html.push_str("<p>Machine-readable: <a href=\"/v1/openapi.json\">/v1/openapi.json</a>.</p>");
     let mut ops = operations(doc);
     ops.sort_by(|a, b| {
-        let tag = |o: &Operation| o.tags.as_ref().and_then(|t| t.first().cloned()).unwrap_or_default();
+        let tag = |o: &Operation| {
+            o.tags
+                .as_ref()
+                .and_then(|t| t.first().cloned())
+                .unwrap_or_default()
+        };
         (tag(a.2), &a.0).cmp(&(tag(b.2), &b.0))
     });
     let mut current = String::new();
     for (path, method, op) in ops {
-        let tag = op.tags.as_ref().and_then(|t| t.first().cloned()).unwrap_or_default();
+        let tag = op
+            .tags
+            .as_ref()
+            .and_then(|t| t.first().cloned())
+            .unwrap_or_default();
         if tag != current {
             let _ = write!(html, "<h2>{}</h2>", esc(&tag));
             current = tag;
@@ -71,7 +82,11 @@ pub fn render(doc: &OpenApi) -> String {
         let _ = write!(
             html,
             "<div><small>responses: {}</small></div></div>",
-            esc(&codes.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(", "))
+            esc(&codes
+                .iter()
+                .map(|c| c.as_str())
+                .collect::<Vec<_>>()
+                .join(", "))
         );
     }
     html.push_str("</body></html>");

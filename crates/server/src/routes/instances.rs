@@ -43,7 +43,11 @@ pub async fn list_instances(
             ApiError::bad_request("state", format!("unknown state `{s}`; one of pending, scheduled, starting, running, succeeded, failed, stopped, lost"))
         })?),
     };
-    Ok(page(st.store().list_instances(caller.scope(), state, &page_req(&p)).await?))
+    Ok(page(
+        st.store()
+            .list_instances(caller.scope(), state, &page_req(&p))
+            .await?,
+    ))
 }
 
 /// Rents GPUs and runs a command on them. The instance starts `pending`;
@@ -61,7 +65,10 @@ pub async fn create_instance(
     let spec = req.validate(st.catalog())?;
     let (t, r) = st.ids();
     let id = InstanceId::generate(t, r);
-    let inst = st.store().create_instance(&id, &caller.tenant_id, &spec, st.now()).await?;
+    let inst = st
+        .store()
+        .create_instance(&id, &caller.tenant_id, &spec, st.now())
+        .await?;
     tracing::info!(instance = %inst.id, tenant = %inst.tenant_id, gpus = inst.gpus, "instance created");
     st.notify_change();
     Ok((StatusCode::CREATED, Json(inst)))
@@ -80,7 +87,11 @@ async fn visible(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<Instanc
 #[utoipa::path(get, path = "/v1/instances/{instance_id}", tag = "instances",
     params(("instance_id" = String, Path, description = "instance id (inst_…)")),
     responses((status = 200, body = Instance), (status = 404, body = flotilla_core::api::ErrorBody)))]
-pub async fn get_instance(State(st): State<AppState>, caller: Caller, Path(raw): Path<String>) -> ApiResult<Json<Instance>> {
+pub async fn get_instance(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Json<Instance>> {
     Ok(Json(visible(&st, &caller, &raw).await?))
 }
 
@@ -90,7 +101,11 @@ pub async fn get_instance(State(st): State<AppState>, caller: Caller, Path(raw):
     params(("instance_id" = String, Path, description = "instance id (inst_…)"),
            ("Idempotency-Key" = Option<String>, Header, description = "replays the first answer for a retried request")),
     responses((status = 200, body = Instance), (status = 404, body = flotilla_core::api::ErrorBody), (status = 409, body = flotilla_core::api::ErrorBody)))]
-pub async fn stop_instance(State(st): State<AppState>, caller: Caller, Path(raw): Path<String>) -> ApiResult<Json<Instance>> {
+pub async fn stop_instance(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Json<Instance>> {
     let inst = visible(&st, &caller, &raw).await?;
     caller.require(&WORK_ROLES, "stop instances")?;
     let inst = st.store().request_stop(&inst.id, st.now()).await?;
@@ -144,7 +159,11 @@ pub async fn instance_logs(
         let next_cursor = (lines.len() == p.limit as usize)
             .then(|| lines.last().map(|l| (l.seq + 1).to_string()))
             .flatten();
-        return Ok(Json(Page { items: lines, next_cursor }).into_response());
+        return Ok(Json(Page {
+            items: lines,
+            next_cursor,
+        })
+        .into_response());
     }
     let stream = futures::stream::unfold(
         Follow {
@@ -156,11 +175,11 @@ pub async fn instance_logs(
         },
         Follow::step,
     );
-    Ok(Response::builder()
+    Response::builder()
         .header(header::CONTENT_TYPE, "application/x-ndjson")
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(stream))
-        .map_err(ApiError::internal)?)
+        .map_err(ApiError::internal)
 }
 
 /// State of one log follower.
@@ -177,7 +196,10 @@ impl Follow {
         if self.done {
             return None;
         }
-        let changes = self.changes.get_or_insert_with(|| self.st.subscribe()).clone();
+        let changes = self
+            .changes
+            .get_or_insert_with(|| self.st.subscribe())
+            .clone();
         let mut changes = changes;
         let mut shutdown = self.st.shutdown_signal();
         loop {

@@ -18,9 +18,15 @@ use crate::state::AppState;
 #[utoipa::path(get, path = "/v1/keys", tag = "keys",
     params(("limit" = Option<u32>, Query, description = "page size, 1-1000"), ("cursor" = Option<String>, Query, description = "from next_cursor")),
     responses((status = 200, body = Page<ApiKey>), (status = 403, body = flotilla_core::api::ErrorBody)))]
-pub async fn list_keys(State(st): State<AppState>, caller: Caller, p: Pagination) -> ApiResult<Json<Page<ApiKey>>> {
+pub async fn list_keys(
+    State(st): State<AppState>,
+    caller: Caller,
+    p: Pagination,
+) -> ApiResult<Json<Page<ApiKey>>> {
     caller.require(&[Role::TenantAdmin], "list keys")?;
-    Ok(page(st.store().list_keys(caller.scope(), &page_req(&p)).await?))
+    Ok(page(
+        st.store().list_keys(caller.scope(), &page_req(&p)).await?,
+    ))
 }
 
 /// Mints a key. The secret is in this answer only.
@@ -33,7 +39,10 @@ pub async fn create_key(
     ApiJson(req): ApiJson<CreateApiKey>,
 ) -> ApiResult<(StatusCode, Json<CreatedApiKey>)> {
     caller.require(&[Role::TenantAdmin], "create keys")?;
-    let tenant = req.tenant_id.clone().unwrap_or_else(|| caller.tenant_id.clone());
+    let tenant = req
+        .tenant_id
+        .clone()
+        .unwrap_or_else(|| caller.tenant_id.clone());
     if !caller.sees(&tenant) {
         return Err(ApiError::not_found("tenant"));
     }
@@ -65,14 +74,24 @@ pub async fn create_key(
         )
         .await?;
     tracing::info!(key = %key.id, tenant = %key.tenant_id, role = key.role.as_str(), "key created");
-    Ok((StatusCode::CREATED, Json(CreatedApiKey { key, secret: minted.secret })))
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedApiKey {
+            key,
+            secret: minted.secret,
+        }),
+    ))
 }
 
 /// Revokes a key; it stops working at once.
 #[utoipa::path(delete, path = "/v1/keys/{key_id}", tag = "keys",
     params(("key_id" = String, Path, description = "key id (key_…)")),
     responses((status = 200, body = ApiKey), (status = 403, body = flotilla_core::api::ErrorBody), (status = 404, body = flotilla_core::api::ErrorBody)))]
-pub async fn revoke_key(State(st): State<AppState>, caller: Caller, Path(raw): Path<String>) -> ApiResult<Json<ApiKey>> {
+pub async fn revoke_key(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Json<ApiKey>> {
     let id = path_id(&raw, "key_id", KeyId::parse)?;
     let key = st.store().key(&id).await?;
     if !caller.sees(&key.tenant_id) {
@@ -80,7 +99,11 @@ pub async fn revoke_key(State(st): State<AppState>, caller: Caller, Path(raw): P
     }
     caller.require(&[Role::TenantAdmin], "revoke keys")?;
     if !caller.role.may_grant(key.role) {
-        return Err(ApiError::forbidden(format!("a {} key may not revoke {} keys", caller.role.as_str(), key.role.as_str())));
+        return Err(ApiError::forbidden(format!(
+            "a {} key may not revoke {} keys",
+            caller.role.as_str(),
+            key.role.as_str()
+        )));
     }
     let key = st.store().revoke_key(&id, st.now()).await?;
     tracing::info!(key = %key.id, "key revoked");

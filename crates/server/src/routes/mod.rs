@@ -70,7 +70,10 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(catalog::list_gpu_types))
         .routes(routes!(nodes::list_nodes))
         .routes(routes!(nodes::get_node))
-        .routes(routes!(instances::list_instances, instances::create_instance))
+        .routes(routes!(
+            instances::list_instances,
+            instances::create_instance
+        ))
         .routes(routes!(instances::get_instance))
         .routes(routes!(instances::stop_instance))
         .routes(routes!(instances::instance_logs))

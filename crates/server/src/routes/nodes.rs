@@ -15,10 +15,18 @@ use crate::state::AppState;
 #[utoipa::path(get, path = "/v1/nodes", tag = "nodes",
     params(("limit" = Option<u32>, Query, description = "page size, 1-1000"), ("cursor" = Option<String>, Query, description = "from next_cursor")),
     responses((status = 200, body = Page<Node>)))]
-pub async fn list_nodes(State(st): State<AppState>, caller: Caller, p: Pagination) -> ApiResult<Json<Page<Node>>> {
+pub async fn list_nodes(
+    State(st): State<AppState>,
+    caller: Caller,
+    p: Pagination,
+) -> ApiResult<Json<Page<Node>>> {
     let page = st.store().list_nodes(&page_req(&p)).await?;
     Ok(Json(Page {
-        items: page.items.into_iter().filter(|n| caller.sees(&n.owner_tenant_id)).collect(),
+        items: page
+            .items
+            .into_iter()
+            .filter(|n| caller.sees(&n.owner_tenant_id))
+            .collect(),
         next_cursor: page.next,
     }))
 }
@@ -27,7 +35,11 @@ pub async fn list_nodes(State(st): State<AppState>, caller: Caller, p: Paginatio
 #[utoipa::path(get, path = "/v1/nodes/{node_id}", tag = "nodes",
     params(("node_id" = String, Path, description = "node id (node_…)")),
     responses((status = 200, body = Node), (status = 404, body = flotilla_core::api::ErrorBody)))]
-pub async fn get_node(State(st): State<AppState>, caller: Caller, Path(raw): Path<String>) -> ApiResult<Json<Node>> {
+pub async fn get_node(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Json<Node>> {
     let id = path_id(&raw, "node_id", NodeId::parse)?;
     let node = st.store().node(&id).await?;
     if !caller.sees(&node.owner_tenant_id) {

@@ -29,8 +29,16 @@ pub async fn me(State(st): State<AppState>, caller: Caller) -> ApiResult<Json<Me
 #[utoipa::path(get, path = "/v1/tenants", tag = "tenants",
     params(("limit" = Option<u32>, Query, description = "page size, 1-1000"), ("cursor" = Option<String>, Query, description = "from next_cursor")),
     responses((status = 200, body = Page<Tenant>)))]
-pub async fn list_tenants(State(st): State<AppState>, caller: Caller, p: Pagination) -> ApiResult<Json<Page<Tenant>>> {
-    Ok(page(st.store().list_tenants(caller.scope(), &page_req(&p)).await?))
+pub async fn list_tenants(
+    State(st): State<AppState>,
+    caller: Caller,
+    p: Pagination,
+) -> ApiResult<Json<Page<Tenant>>> {
+    Ok(page(
+        st.store()
+            .list_tenants(caller.scope(), &page_req(&p))
+            .await?,
+    ))
 }
 
 /// Creates a tenant (operators only).
@@ -45,7 +53,10 @@ pub async fn create_tenant(
     caller.require(&[], "create tenants")?;
     validate_name(&req.name, "name")?;
     let (t, r) = st.ids();
-    let tenant = st.store().create_tenant(&TenantId::generate(t, r), &req.name, st.now()).await?;
+    let tenant = st
+        .store()
+        .create_tenant(&TenantId::generate(t, r), &req.name, st.now())
+        .await?;
     tracing::info!(tenant = %tenant.id, name = %tenant.name, "tenant created");
     Ok((StatusCode::CREATED, Json(tenant)))
 }
@@ -63,7 +74,11 @@ async fn visible_tenant(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<
 #[utoipa::path(get, path = "/v1/tenants/{tenant_id}", tag = "tenants",
     params(("tenant_id" = String, Path, description = "tenant id (ten_…)")),
     responses((status = 200, body = Tenant), (status = 404, body = flotilla_core::api::ErrorBody)))]
-pub async fn get_tenant(State(st): State<AppState>, caller: Caller, Path(raw): Path<String>) -> ApiResult<Json<Tenant>> {
+pub async fn get_tenant(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Json<Tenant>> {
     let id = visible_tenant(&st, &caller, &raw).await?;
     Ok(Json(st.store().tenant(&id).await?))
 }
@@ -72,7 +87,11 @@ pub async fn get_tenant(State(st): State<AppState>, caller: Caller, Path(raw): P
 #[utoipa::path(get, path = "/v1/tenants/{tenant_id}/quota", tag = "tenants",
     params(("tenant_id" = String, Path, description = "tenant id (ten_…)")),
     responses((status = 200, body = QuotaView), (status = 404, body = flotilla_core::api::ErrorBody)))]
-pub async fn get_quota(State(st): State<AppState>, caller: Caller, Path(raw): Path<String>) -> ApiResult<Json<QuotaView>> {
+pub async fn get_quota(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Json<QuotaView>> {
     let id = visible_tenant(&st, &caller, &raw).await?;
     quota_view(&st, id).await
 }
@@ -102,7 +121,9 @@ pub async fn set_quota(
         gpus_per_model: Default::default(),
     };
     for (model, n) in req.gpus_per_model {
-        let canonical = st.catalog().resolve(&model, &format!("gpus_per_model.{model}"))?;
+        let canonical = st
+            .catalog()
+            .resolve(&model, &format!("gpus_per_model.{model}"))?;
         q.gpus_per_model.insert(canonical, n);
     }
     if q.gpus_total == Some(u32::MAX) {
