@@ -124,6 +124,47 @@ async fn transition(
     Ok(true)
 }
 
+/// Takes each GPU for `id` only if no instance holds it. Returns the first
+/// GPU that was taken already; the caller rolls the transaction back.
+async fn claim_gpus(
+    tx: &mut Transaction<'static, Any>,
+    id: &InstanceId,
+    gpus: &[&str],
+) -> Result<Option<String>> {
+    for g in gpus {
+        let n =
+            sqlx::query("UPDATE gpus SET instance_id = $1 WHERE id = $2 AND instance_id IS NULL")
+                .bind(id.as_str())
+                .bind(*g)
+                .execute(&mut **tx)
+                .await?
+                .rows_affected();
+        if n != 1 {
+            return Ok(Some(g.to_string()));
+        }
+    }
+    Ok(None)
+}
+
+/// Scheduled → starting: the agent picked the instance up.
+async fn mark_starting(
+    tx: &mut Transaction<'static, Any>,
+    id: &InstanceId,
+    now: DateTime<Utc>,
+) -> Result<bool> {
+    use InstanceState::*;
+    transition(
+        tx,
+        id,
+        Scheduled,
+        Starting,
+        "agent is starting the command",
+        None,
+        now,
+    )
+    .await
+}
+
 /// What the scheduler needs of a pending instance.
 #[derive(Debug, Clone)]
 pub struct PendingInstance {
@@ -333,18 +374,9 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<()> {
         let mut tx = self.pool().begin().await?;
-        for g in &plan.gpus {
-            let n = sqlx::query(
-                "UPDATE gpus SET instance_id = $1 WHERE id = $2 AND instance_id IS NULL",
-            )
-            .bind(id.as_str())
-            .bind(g.as_str())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if n != 1 {
-                return Err(StoreError::Conflict(format!("gpu {g} is no longer free")));
-            }
+        let ids: Vec<&str> = plan.gpus.iter().map(|g| g.as_str()).collect();
+        if let Some(g) = claim_gpus(&mut tx, id, &ids).await? {
+            return Err(StoreError::Conflict(format!("gpu {g} is no longer free")));
         }
         let reason = format!(
             "placed on {} ({}x{})",
@@ -352,7 +384,6 @@ impl Store {
             plan.gpus.len(),
             plan.model
         );
-        let ids: Vec<&str> = plan.gpus.iter().map(|g| g.as_str()).collect();
         sqlx::query("UPDATE instances SET node_id = $1, gpu_model = $2, gpu_ids = $3 WHERE id = $4 AND state = 'pending'")
             .bind(plan.node.as_str())
             .bind(&plan.model)
@@ -445,31 +476,11 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         let changed = match (&obs.phase, state) {
             (_, s) if s.is_terminal() => false,
-            (ObservedPhase::Starting, Scheduled) => {
-                transition(
-                    &mut tx,
-                    id,
-                    Scheduled,
-                    Starting,
-                    "agent is starting the command",
-                    None,
-                    now,
-                )
-                .await?
-            }
+            (ObservedPhase::Starting, Scheduled) => mark_starting(&mut tx, id, now).await?,
             (ObservedPhase::Running { pid }, Scheduled | Starting) => {
                 let reason = format!("running as pid {pid}");
                 if state == Scheduled {
-                    transition(
-                        &mut tx,
-                        id,
-                        Scheduled,
-                        Starting,
-                        "agent is starting the command",
-                        None,
-                        now,
-                    )
-                    .await?;
+                    mark_starting(&mut tx, id, now).await?;
                 }
                 transition(&mut tx, id, Starting, Running, &reason, None, now).await?
             }
@@ -477,18 +488,8 @@ impl Store {
                 // The agent came back and the command survived: take the
                 // GPUs back, unless someone else holds them now.
                 let gpu_ids: Vec<String> = json(&row.try_get::<String, _>("gpu_ids")?, "gpu_ids")?;
-                let mut ok = true;
-                for g in &gpu_ids {
-                    let n = sqlx::query(
-                        "UPDATE gpus SET instance_id = $1 WHERE id = $2 AND instance_id IS NULL",
-                    )
-                    .bind(id.as_str())
-                    .bind(g)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
-                    ok &= n == 1;
-                }
+                let gpu_ids: Vec<&str> = gpu_ids.iter().map(String::as_str).collect();
+                let ok = claim_gpus(&mut tx, id, &gpu_ids).await?.is_none();
                 if ok {
                     transition(
                         &mut tx,
@@ -517,16 +518,7 @@ impl Store {
                     (Failed, format!("exit code {code}"))
                 };
                 if from == Scheduled && to != Stopped {
-                    transition(
-                        &mut tx,
-                        id,
-                        Scheduled,
-                        Starting,
-                        "agent is starting the command",
-                        None,
-                        now,
-                    )
-                    .await?;
+                    mark_starting(&mut tx, id, now).await?;
                     transition(&mut tx, id, Starting, Running, "running", None, now).await?;
                     transition(&mut tx, id, Running, to, &reason, Some(*code), now).await?
                 } else {
@@ -598,6 +590,38 @@ impl Store {
             .collect()
     }
 
+    /// Moves every instance on `node` that is in one of `from` to `to`,
+    /// each in its own transaction, skipping those in `except`. Returns the
+    /// instances changed.
+    async fn move_all_on(
+        &self,
+        node: &NodeId,
+        from: &[InstanceState],
+        except: &[InstanceId],
+        to: InstanceState,
+        reason: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<InstanceId>> {
+        let rows = sqlx::query("SELECT id, state FROM instances WHERE node_id = $1 ORDER BY id")
+            .bind(node.as_str())
+            .fetch_all(self.pool())
+            .await?;
+        let mut moved = Vec::new();
+        for r in &rows {
+            let id = InstanceId::from_trusted(r.try_get("id")?);
+            let state = state_of(&r.try_get::<String, _>("state")?)?;
+            if !from.contains(&state) || except.contains(&id) {
+                continue;
+            }
+            let mut tx = self.pool().begin().await?;
+            if transition(&mut tx, &id, state, to, reason, None, now).await? {
+                moved.push(id);
+            }
+            tx.commit().await?;
+        }
+        Ok(moved)
+    }
+
     /// The node stopped answering: every instance it holds becomes `lost`
     /// and releases its GPUs. Returns the instances changed.
     pub async fn mark_node_lost(
@@ -605,33 +629,17 @@ impl Store {
         node: &NodeId,
         now: DateTime<Utc>,
     ) -> Result<Vec<InstanceId>> {
-        let rows = sqlx::query(
-            "SELECT id, state FROM instances WHERE node_id = $1 AND state IN ('scheduled', 'starting', 'running')",
+        use InstanceState::*;
+        let reason = "node unreachable: heartbeats stopped";
+        self.move_all_on(
+            node,
+            &[Scheduled, Starting, Running],
+            &[],
+            Lost,
+            reason,
+            now,
         )
-        .bind(node.as_str())
-        .fetch_all(self.pool())
-        .await?;
-        let mut lost = Vec::new();
-        for r in &rows {
-            let id = InstanceId::from_trusted(r.try_get("id")?);
-            let from = state_of(&r.try_get::<String, _>("state")?)?;
-            let mut tx = self.pool().begin().await?;
-            if transition(
-                &mut tx,
-                &id,
-                from,
-                InstanceState::Lost,
-                "node unreachable: heartbeats stopped",
-                None,
-                now,
-            )
-            .await?
-            {
-                lost.push(id);
-            }
-            tx.commit().await?;
-        }
-        Ok(lost)
+        .await
     }
 
     /// Lost instances on `node` the returning agent did not report: they
@@ -642,64 +650,24 @@ impl Store {
         reported: &[InstanceId],
         now: DateTime<Utc>,
     ) -> Result<u64> {
-        let rows = sqlx::query("SELECT id FROM instances WHERE node_id = $1 AND state = 'lost'")
-            .bind(node.as_str())
-            .fetch_all(self.pool())
+        use InstanceState::*;
+        let reason = "node returned without this instance";
+        let failed = self
+            .move_all_on(node, &[Lost], reported, Failed, reason, now)
             .await?;
-        let mut n = 0;
-        for r in &rows {
-            let id = InstanceId::from_trusted(r.try_get("id")?);
-            if reported.contains(&id) {
-                continue;
-            }
-            let mut tx = self.pool().begin().await?;
-            if transition(
-                &mut tx,
-                &id,
-                InstanceState::Lost,
-                InstanceState::Failed,
-                "node returned without this instance",
-                None,
-                now,
-            )
-            .await?
-            {
-                n += 1;
-            }
-            tx.commit().await?;
-        }
-        Ok(n)
+        Ok(failed.len() as u64)
     }
 
     /// A node's agent registered afresh: it lost track of the commands it
     /// had started, so instances past `scheduled` there fail. Scheduled
     /// ones stay; the new agent starts them.
     pub async fn fail_started_on(&self, node: &NodeId, now: DateTime<Utc>) -> Result<u64> {
-        let rows = sqlx::query("SELECT id, state FROM instances WHERE node_id = $1 AND state IN ('starting', 'running')")
-            .bind(node.as_str())
-            .fetch_all(self.pool())
+        use InstanceState::*;
+        let reason = "node agent restarted and lost track of the command";
+        let failed = self
+            .move_all_on(node, &[Starting, Running], &[], Failed, reason, now)
             .await?;
-        let mut n = 0;
-        for r in &rows {
-            let id = InstanceId::from_trusted(r.try_get("id")?);
-            let from = state_of(&r.try_get::<String, _>("state")?)?;
-            let mut tx = self.pool().begin().await?;
-            if transition(
-                &mut tx,
-                &id,
-                from,
-                InstanceState::Failed,
-                "node agent restarted and lost track of the command",
-                None,
-                now,
-            )
-            .await?
-            {
-                n += 1;
-            }
-            tx.commit().await?;
-        }
-        Ok(n)
+        Ok(failed.len() as u64)
     }
 
     /// Instances holding GPUs on one node (for shutdown and tests).
