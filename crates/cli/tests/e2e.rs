@@ -30,6 +30,8 @@ impl Drop for Proc {
 struct Env {
     dir: tempfile::TempDir,
     port: u16,
+    /// `None`: the default SQLite file in the data directory.
+    database_url: Option<String>,
 }
 
 impl Env {
@@ -37,6 +39,7 @@ impl Env {
         Self {
             dir: tempfile::tempdir().unwrap(),
             port: free_port(),
+            database_url: None,
         }
     }
 
@@ -267,7 +270,43 @@ fn pid_alive(pid: u32) -> bool {
 
 #[test]
 fn run_prints_its_two_gpus_and_frees_them() {
-    let env = Env::new();
+    run_scenario(Env::new());
+}
+
+/// The same scenario with the server on PostgreSQL: operators move the
+/// same binary there with `--database-url`.
+#[test]
+fn run_on_postgres() {
+    let Ok(base) = std::env::var("FLOTILLA_TEST_DATABASE_URL") else {
+        eprintln!("skipping: FLOTILLA_TEST_DATABASE_URL is not set");
+        return;
+    };
+    let mut env = Env::new();
+    let name = format!("flotilla_t_e2e_{}", std::process::id());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        use sqlx::Connection;
+        let mut admin = sqlx::PgConnection::connect(&base)
+            .await
+            .expect("PostgreSQL answers");
+        sqlx::query(&format!("DROP DATABASE IF EXISTS {name}"))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+    });
+    let (head, _) = base.rsplit_once('/').unwrap();
+    env.database_url = Some(format!("{head}/{name}"));
+    run_scenario(env);
+}
+
+fn run_scenario(env: Env) {
     let _server = env.server();
     let _agent = env.agent("e2e-node");
     let (_tenant, key) = env.tenant("acme");
@@ -479,4 +518,142 @@ fn kill_9_server_keeps_everything_and_the_agent_reattaches() {
     });
     let logs = env.get(&key, &format!("/v1/instances/{id}/logs"));
     assert_eq!(logs["items"][0]["line"], "up");
+}
+
+fn send_signal(child: &Child, sig: nix::sys::signal::Signal) {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, sig).unwrap();
+}
+
+fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "process did not exit within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `flotilla up` as the README tells a newcomer: it prints where to go and
+/// the key once, the CLI finds the key by itself, and Ctrl-C stops the
+/// running work and records it before exiting.
+#[test]
+fn up_quick_start_and_ctrl_c() {
+    let env = Env::new();
+    let bind = format!("127.0.0.1:{}", env.port);
+    let start_up = || {
+        let child = env
+            .cmd()
+            .args(["up", "--bind", &bind])
+            .stdout(Stdio::piped())
+            .stderr(env.log("up"))
+            .spawn()
+            .unwrap();
+        wait_until("up answers", Duration::from_secs(30), || {
+            http("GET", &format!("{}/healthz", env.url()), None, None)
+                .map(|(s, _)| s == 200)
+                .unwrap_or(false)
+        });
+        Proc(child)
+    };
+    let mut up = start_up();
+    let creds = env.dir.path().join("config/credentials.json");
+    wait_until("credentials saved", Duration::from_secs(10), || {
+        creds.exists()
+    });
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&creds).unwrap().permissions().mode() & 0o777,
+        0o600,
+        "key file private"
+    );
+    let key = env.operator_key();
+
+    // The quick start, with no key or server given: the CLI finds both.
+    let quick = |args: &[&str]| {
+        let out = env.cmd().args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "flotilla {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    wait_until("the local node", Duration::from_secs(30), || {
+        quick(&["nodes"]).contains("ready")
+    });
+    let gpus = quick(&["gpus"]);
+    let h100: Vec<&str> = gpus
+        .lines()
+        .find(|l| l.starts_with("H100"))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        h100[h100.len() - 2..],
+        ["4", "4"],
+        "4 simulated H100s, all free: {gpus}"
+    );
+    let out = quick(&[
+        "run",
+        "--gpus",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo \"my GPUs: $CUDA_VISIBLE_DEVICES\"",
+    ]);
+    assert_eq!(out.trim(), "my GPUs: 0,1");
+    let id = quick(&["run", "--detach", "--gpus", "1", "--", "sleep", "300"])
+        .trim()
+        .to_string();
+    assert!(id.starts_with("inst_"), "{id}");
+    wait_until("running", Duration::from_secs(30), || {
+        env.get(&key, &format!("/v1/instances/{id}"))["state"] == "running"
+    });
+    assert!(quick(&["ps"]).contains(&id));
+
+    // Ctrl-C: the work is stopped and recorded, then everything exits.
+    send_signal(&up.0, nix::sys::signal::Signal::SIGINT);
+    let status = wait_exit(&mut up.0, Duration::from_secs(30));
+    assert!(status.success(), "up exits cleanly: {status:?}");
+    let mut printed = String::new();
+    use std::io::Read;
+    up.0.stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut printed)
+        .unwrap();
+    assert!(
+        printed.contains(&format!("API:      {}", env.url())),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("/v1/docs") && printed.contains(&key),
+        "URLs and the key once: {printed}"
+    );
+
+    // A second start keeps the data and prints no new key.
+    let mut up2 = start_up();
+    let inst = env.get(&key, &format!("/v1/instances/{id}"));
+    assert_eq!(inst["state"], "stopped", "{inst}");
+    assert_eq!(inst["exit_code"], 143);
+    send_signal(&up2.0, nix::sys::signal::Signal::SIGINT);
+    assert!(wait_exit(&mut up2.0, Duration::from_secs(30)).success());
+    let mut printed = String::new();
+    up2.0
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut printed)
+        .unwrap();
+    assert!(
+        !printed.contains("flt_"),
+        "the key is shown only once: {printed}"
+    );
 }
