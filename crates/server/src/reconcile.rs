@@ -120,6 +120,7 @@ pub async fn run(st: AppState, tick: Duration) {
         let now = st.now();
         if now - last_housekeeping > ChronoDuration::hours(1) {
             last_housekeeping = now;
+            st.prune_rate_limits();
             match st
                 .store()
                 .expire_idempotency_keys(now - ChronoDuration::hours(24))

@@ -100,6 +100,13 @@ impl AppState {
         }
     }
 
+    /// Forgets rate-limit state of keys that have been idle long enough to
+    /// be back at a full burst, so the limiter does not grow forever.
+    pub fn prune_rate_limits(&self) {
+        self.0.limiter.retain_recent();
+        self.0.limiter.shrink_to_fit();
+    }
+
     /// Signals that instances, assignments or logs changed.
     pub fn notify_change(&self) {
         self.0.changes.send_modify(|n| *n = n.wrapping_add(1));
