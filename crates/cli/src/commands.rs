@@ -22,7 +22,7 @@ use crate::client::{decode, Client};
 use crate::config::{self, Credentials};
 use crate::follow::{self, FollowOptions, Followed};
 use crate::local::Signals;
-use crate::output::{self, age, one_line, print_json, print_table, table};
+use crate::output::{self, age, one_line, outln, print_json, print_table, table};
 
 /// Everything a client command needs.
 pub struct Ctx {
@@ -59,11 +59,11 @@ pub async fn login(server: Option<String>, api_key: Option<String>) -> Result<Ex
             api_key,
         },
     )?;
-    println!(
+    outln!(
         "logged in to {server} as {} of tenant {}",
         me.key.role.as_str(),
         me.tenant.name
-    );
+    )?;
     eprintln!("credentials saved to {}", path.display());
     Ok(ExitCode::SUCCESS)
 }
@@ -228,7 +228,7 @@ pub async fn run(ctx: &Ctx, args: RunArgs) -> Result<ExitCode> {
         if ctx.json {
             print_json(&raw)?;
         } else {
-            println!("{}", inst.id);
+            outln!("{}", inst.id)?;
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -349,9 +349,9 @@ pub async fn stop(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     }
     let inst: Instance = decode(raw)?;
     if inst.state.is_terminal() {
-        println!("{} {}", inst.id, inst.state.as_str());
+        outln!("{} {}", inst.id, inst.state.as_str())?;
     } else {
-        println!("{} {} (stopping)", inst.id, inst.state.as_str());
+        outln!("{} {} (stopping)", inst.id, inst.state.as_str())?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -383,7 +383,7 @@ pub async fn tenants_create(ctx: &Ctx, name: String) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let tn: Tenant = decode(raw)?;
-    println!("tenant {} created: {}", tn.name, tn.id);
+    outln!("tenant {} created: {}", tn.name, tn.id)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -472,7 +472,7 @@ pub async fn keys_create(
         created.key.role.as_str(),
         created.key.tenant_id
     );
-    println!("{}", created.secret);
+    outln!("{}", created.secret)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -483,7 +483,7 @@ pub async fn keys_revoke(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     if ctx.json {
         print_json(&serde_json::json!({ "id": id, "revoked": true }))?;
     } else {
-        println!("key {id} revoked");
+        outln!("key {id} revoked")?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -548,7 +548,7 @@ fn print_quota(ctx: &Ctx, raw: Value) -> Result<ExitCode> {
     }
     let view: QuotaView = decode(raw)?;
     let fmt = |l: Option<u32>| l.map_or("unlimited".to_string(), |n| n.to_string());
-    println!("tenant {}", view.tenant_id);
+    outln!("tenant {}", view.tenant_id)?;
     let mut t = table(["QUOTA", "LIMIT", "IN USE"]);
     t.add_row([
         "gpus_total".to_string(),

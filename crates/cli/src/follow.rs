@@ -24,8 +24,9 @@ const POLL_INTERVAL: Duration = Duration::from_millis(500);
 /// Once the state is final, how long the stream may take to end by itself
 /// before the rest of the log is read page by page.
 const FINAL_GRACE: Duration = Duration::from_secs(3);
-/// How long the server may stay unreachable before giving up.
-const GIVE_UP_AFTER: Duration = Duration::from_secs(180);
+/// How long the server may stay unreachable before giving up: long enough
+/// for a restart, short enough not to hang on a server that is gone.
+const GIVE_UP_AFTER: Duration = Duration::from_secs(60);
 /// Longest wait between reconnects.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
@@ -80,7 +81,7 @@ pub fn write_line(line: &LogLine, json: bool) -> Result<()> {
             }
         }
     };
-    res.map_err(|e| anyhow!("writing the instance's output: {e}"))
+    res.map_err(|e| anyhow::Error::new(e).context("writing the instance's output"))
 }
 
 /// Watches the instance's state: prints each new transition (and changes
@@ -148,18 +149,24 @@ enum Event {
 }
 
 /// Reads the next line, (re)connecting first when there is no stream.
+/// A successful reconnect clears `failing_since`.
 async fn next_line(
     client: &Client,
     id: &str,
     since: u64,
     stream: &mut Option<LogFollow>,
     delay: Duration,
+    failing_since: &mut Option<Instant>,
+    progress: bool,
 ) -> Result<Option<LogLine>> {
     if stream.is_none() {
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
         *stream = Some(client.follow_logs(id, since).await?);
+        if failing_since.take().is_some() && progress {
+            eprintln!("reconnected");
+        }
     }
     match stream.as_mut() {
         Some(s) => s.next().await,
@@ -218,11 +225,12 @@ pub async fn follow(
                 Err(_) => { final_known = true; continue; }
             },
             _ = maybe_sleep_until(grace_until) => Event::GraceOver,
-            r = next_line(client, &id, next_seq, &mut stream, delay) => Event::Line(r),
+            r = next_line(client, &id, next_seq, &mut stream, delay, &mut failing_since, opts.progress) => {
+                Event::Line(r)
+            }
         };
         match event {
             Event::Line(Ok(Some(line))) => {
-                failing_since = None;
                 delay = Duration::ZERO;
                 if line.seq >= next_seq {
                     next_seq = line.seq + 1;
@@ -233,7 +241,6 @@ pub async fn follow(
                 // The server ended the stream: normally because the
                 // instance is final. Check; otherwise reopen shortly.
                 stream = None;
-                failing_since = None;
                 match client.instance(&id).await.and_then(decode::<Instance>) {
                     Ok(inst) if inst.state.is_terminal() || inst.state == InstanceState::Lost => {
                         break inst;
@@ -245,6 +252,9 @@ pub async fn follow(
                 stream = None;
                 if !client::is_transient(&e) {
                     return Err(e);
+                }
+                if failing_since.is_none() && opts.progress {
+                    eprintln!("lost the connection to the server ({e:#}); reconnecting");
                 }
                 let since = *failing_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > GIVE_UP_AFTER {
@@ -283,8 +293,15 @@ pub async fn follow(
     };
     drop(stream);
     // Whatever the stream did not deliver (it ended early, or never came).
-    for line in client.logs_all(&id, next_seq).await? {
-        write_line(&line, opts.json)?;
+    // The outcome is known by now, so a server that went away meanwhile
+    // (`flotilla up` shutting down) costs a warning, not the exit code.
+    match client.logs_all(&id, next_seq).await {
+        Ok(lines) => {
+            for line in lines {
+                write_line(&line, opts.json)?;
+            }
+        }
+        Err(e) => eprintln!("warning: could not read the rest of the log: {e:#}"),
     }
     Ok(Followed::Final(Box::new(final_instance)))
 }

@@ -20,6 +20,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::config::{self, Credentials};
+use crate::output::say;
 
 /// GPUs `flotilla up` simulates on a machine without an NVIDIA driver.
 pub const DEFAULT_SIMULATED_GPUS: &str = "4xH100,2xL40S";
@@ -27,6 +28,8 @@ pub const DEFAULT_SIMULATED_GPUS: &str = "4xH100,2xL40S";
 pub const DEFAULT_BIND: &str = "127.0.0.1:7420";
 /// How long the agent may take to stop its work on shutdown.
 const AGENT_STOP_TIMEOUT: Duration = Duration::from_secs(60);
+/// Pause between the agent's final report and the server's shutdown.
+const FOLLOWER_GRACE: Duration = Duration::from_millis(1200);
 /// How long the server may take to drain on shutdown.
 const SERVER_STOP_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -49,6 +52,23 @@ pub struct ServerArgs {
     /// work; default: the platform data directory + `flotilla`.
     #[arg(long, env = "FLOTILLA_DATA_DIR", value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
+    /// Seconds without a sync after which a node is unreachable and its
+    /// instances lost.
+    #[arg(long, default_value_t = 15, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub heartbeat_timeout: u64,
+    /// Requests per second allowed per API key (bursts of twice that).
+    #[arg(long, default_value_t = 100, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub rate_limit: u32,
+}
+
+impl ServerArgs {
+    fn config(&self) -> flotilla_server::ServerConfig {
+        flotilla_server::ServerConfig {
+            heartbeat_timeout: std::time::Duration::from_secs(self.heartbeat_timeout),
+            rate_limit_per_second: self.rate_limit,
+            ..Default::default()
+        }
+    }
 }
 
 /// Options of `up` beyond the server's.
@@ -104,6 +124,7 @@ pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 
@@ -213,6 +234,7 @@ struct RunningServer {
 }
 
 async fn start_server(args: ServerArgs) -> Result<RunningServer> {
+    let server_config = args.config();
     let data_dir = data_dir(args.data_dir)?;
     config::create_private_dir(&data_dir)?;
     let database_url = args
@@ -230,7 +252,7 @@ async fn start_server(args: ServerArgs) -> Result<RunningServer> {
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(flotilla_server::serve(
         store,
-        flotilla_server::ServerConfig::default(),
+        server_config,
         listener,
         async move {
             let _ = stopped.await;
@@ -258,20 +280,20 @@ fn announce_credentials(server: &RunningServer) {
                 api_key: key.clone(),
             };
             match config::save(&path, &creds) {
-                Ok(()) => println!(
+                Ok(()) => say!(
                     "operator API key (shown once, saved to {}):\n  {key}",
                     path.display()
                 ),
                 Err(e) => {
-                    println!("operator API key (shown once; could not save it: {e:#}):\n  {key}")
+                    say!("operator API key (shown once; could not save it: {e:#}):\n  {key}")
                 }
             }
         }
         (Some(key), Err(e)) => {
-            println!("operator API key (shown once; could not save it: {e:#}):\n  {key}")
+            say!("operator API key (shown once; could not save it: {e:#}):\n  {key}")
         }
-        (None, Ok(path)) if path.exists() => println!("credentials: {}", path.display()),
-        (None, _) => println!(
+        (None, Ok(path)) if path.exists() => say!("credentials: {}", path.display()),
+        (None, _) => say!(
             "credentials: none saved; use `flotilla login --server {} --api-key KEY`",
             server.url
         ),
@@ -279,9 +301,9 @@ fn announce_credentials(server: &RunningServer) {
 }
 
 fn announce_urls(url: &str) {
-    println!("API:      {url}");
-    println!("docs:     {url}/v1/docs");
-    println!("OpenAPI:  {url}/v1/openapi.json");
+    say!("API:      {url}");
+    say!("docs:     {url}/v1/docs");
+    say!("OpenAPI:  {url}/v1/openapi.json");
 }
 
 /// Awaits a task's end within `limit`, turning panics and timeouts into
@@ -328,7 +350,7 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
             if nvml {
                 None
             } else {
-                println!("no NVIDIA driver found: simulating {DEFAULT_SIMULATED_GPUS}");
+                say!("no NVIDIA driver found: simulating {DEFAULT_SIMULATED_GPUS}");
                 Some(DEFAULT_SIMULATED_GPUS.to_string())
             }
         }
@@ -346,16 +368,16 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
         let _ = agent_stopped.await;
     }));
 
-    println!("flotilla is up");
+    say!("flotilla is up");
     announce_urls(&server.url);
     match &simulate {
-        Some(spec) => println!("node:     {node_name} (simulated {spec})"),
-        None => println!("node:     {node_name}"),
+        Some(spec) => say!("node:     {node_name} (simulated {spec})"),
+        None => say!("node:     {node_name}"),
     }
-    println!("data:     {}", server.data_dir.display());
+    say!("data:     {}", server.data_dir.display());
     announce_credentials(&server);
-    println!("try:      flotilla run --gpus 1 -- nvidia-smi");
-    println!("press Ctrl-C to stop");
+    say!("try:      flotilla run --gpus 1 -- nvidia-smi");
+    say!("press Ctrl-C to stop");
 
     let failure = tokio::select! {
         _ = signals.recv() => None,
@@ -376,6 +398,10 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
         } else {
             Ok(())
         };
+        // The agent has just reported how its work ended; give clients
+        // following that work (`flotilla run` polls every 500 ms) a moment
+        // to read it before the API goes away.
+        tokio::time::sleep(FOLLOWER_GRACE).await;
         let _ = server.stop.send(());
         let server_result = join_within("server", &mut server.task, SERVER_STOP_TIMEOUT).await;
         (agent_result, server_result)
@@ -392,7 +418,7 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
     }
     agent_result?;
     server_result?;
-    println!("stopped");
+    say!("stopped");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -401,16 +427,16 @@ pub async fn server(args: ServerArgs) -> Result<ExitCode> {
     init_logging();
     let mut signals = Signals::new()?;
     let mut server = start_server(args).await?;
-    println!("flotilla server is up");
+    say!("flotilla server is up");
     announce_urls(&server.url);
-    println!("data:     {}", server.data_dir.display());
+    say!("data:     {}", server.data_dir.display());
     announce_credentials(&server);
-    println!(
+    say!(
         "agents:   flotilla agent --server {} --token \"$(cat {})\"",
         server.url,
         server.data_dir.join("agent.token").display()
     );
-    println!("press Ctrl-C to stop");
+    say!("press Ctrl-C to stop");
 
     tokio::select! {
         _ = signals.recv() => {}
@@ -424,7 +450,7 @@ pub async fn server(args: ServerArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(130));
         }
     }
-    println!("stopped");
+    say!("stopped");
     Ok(ExitCode::SUCCESS)
 }
 

@@ -168,8 +168,12 @@ fn main() -> ExitCode {
     }
 }
 
-/// Prints the error chain on one line and returns exit code 1.
+/// Prints the error chain on one line and returns exit code 1; a reader
+/// that closed our stdout gets the shell's SIGPIPE status (141) silently.
 fn fail(e: &anyhow::Error) -> ExitCode {
+    if output::is_broken_pipe(e) {
+        return ExitCode::from(141);
+    }
     eprintln!("error: {}", error_line(e));
     ExitCode::FAILURE
 }

@@ -9,6 +9,46 @@ use comfy_table::{presets, ContentArrangement, Table};
 use flotilla_core::api::{Instance, Node};
 use flotilla_core::instance::InstanceState;
 
+/// `println!` that returns the error of a closed stdout (`flotilla ps |
+/// head`) instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::output::write_out(format_args!($($arg)*))
+    };
+}
+pub(crate) use outln;
+
+/// `println!` for the long-running processes: a closed stdout (`flotilla up
+/// | grep -m1 flt_`) must not take the server down, so errors are dropped.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let _ = $crate::output::write_out(format_args!($($arg)*));
+    }};
+}
+pub(crate) use say;
+
+/// Writes one line to stdout and flushes it.
+pub fn write_out(args: std::fmt::Arguments<'_>) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(args)?;
+    out.write_all(b"\n")?;
+    out.flush()
+}
+
+/// Whether an error is a write to a closed pipe: the reader went away,
+/// which is no reason for an error message.
+pub fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .map(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            .or_else(|| {
+                c.downcast_ref::<serde_json::Error>()
+                    .map(|j| j.io_error_kind() == Some(std::io::ErrorKind::BrokenPipe))
+            })
+            .unwrap_or(false)
+    })
+}
+
 /// A borderless table with the given header.
 pub fn table<const N: usize>(header: [&str; N]) -> Table {
     let mut t = Table::new();
@@ -103,9 +143,13 @@ pub fn node_state(node: &Node) -> String {
 /// The progress line `flotilla run` prints when an instance enters `state`.
 pub fn state_line(inst: &Instance, state: InstanceState, reason: &str) -> String {
     let node = inst.node_id.as_ref().map(|n| n.as_str()).unwrap_or("?");
+    let reason = one_line(reason);
+    // Reasons often repeat the state ("stopped (exit code 143)").
     let with_reason = |s: &str| {
         if reason.is_empty() {
             s.to_string()
+        } else if reason.starts_with(s) {
+            reason.clone()
         } else {
             format!("{s}: {reason}")
         }
@@ -115,8 +159,10 @@ pub fn state_line(inst: &Instance, state: InstanceState, reason: &str) -> String
         InstanceState::Starting => format!("starting on {node}"),
         InstanceState::Running => format!("running on {node}"),
         InstanceState::Failed => match inst.exit_code {
-            Some(code) => format!("{} (exit code {code})", with_reason("failed")),
-            None => with_reason("failed"),
+            Some(code) if !reason.contains(&code.to_string()) => {
+                format!("{} (exit code {code})", with_reason("failed"))
+            }
+            _ => with_reason("failed"),
         },
         other => with_reason(other.as_str()),
     }

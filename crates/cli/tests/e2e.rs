@@ -32,6 +32,8 @@ struct Env {
     port: u16,
     /// `None`: the default SQLite file in the data directory.
     database_url: Option<String>,
+    /// Server's heartbeat timeout in seconds.
+    heartbeat_timeout: u64,
 }
 
 impl Env {
@@ -40,6 +42,7 @@ impl Env {
             dir: tempfile::tempdir().unwrap(),
             port: free_port(),
             database_url: None,
+            heartbeat_timeout: 15,
         }
     }
 
@@ -656,4 +659,87 @@ fn up_quick_start_and_ctrl_c() {
         !printed.contains("flt_"),
         "the key is shown only once: {printed}"
     );
+}
+
+/// A node whose agent stops answering: the node turns unreachable and its
+/// instance lost; when the agent answers again the instance is running
+/// again, the same process, never restarted.
+#[test]
+fn silent_node_is_unreachable_then_reattaches() {
+    let mut env = Env::new();
+    env.heartbeat_timeout = 3;
+    let _server = env.server();
+    let agent = env.agent("flaky-node");
+    let (_tenant, key) = env.tenant("partition");
+    wait_until("4 free H100s", Duration::from_secs(30), || {
+        free_h100(&env, &key) == 4
+    });
+    let created = env.cli_json(
+        Some(&key),
+        &["run", "--detach", "--gpus", "1", "--", "sleep", "600"],
+    );
+    let id = created["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/instances/{id}");
+    wait_until("running", Duration::from_secs(30), || {
+        env.get(&key, &path)["state"] == "running"
+    });
+    let reason = env.get(&key, &path)["state_reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let pid: u32 = reason
+        .trim_start_matches("running as pid ")
+        .parse()
+        .unwrap();
+
+    // Freeze the agent: no syncs, but its child keeps running.
+    send_signal(&agent.0, nix::sys::signal::Signal::SIGSTOP);
+    wait_until("lost", Duration::from_secs(30), || {
+        env.get(&key, &path)["state"] == "lost"
+    });
+    let op = env.operator_key();
+    assert_eq!(
+        env.get(&op, "/v1/nodes")["items"][0]["state"],
+        "unreachable"
+    );
+    assert_eq!(
+        free_h100(&env, &key),
+        0,
+        "an unreachable node offers nothing"
+    );
+    assert!(pid_alive(pid));
+
+    send_signal(&agent.0, nix::sys::signal::Signal::SIGCONT);
+    wait_until("running again", Duration::from_secs(30), || {
+        env.get(&key, &path)["state"] == "running"
+    });
+    let inst = env.get(&key, &path);
+    let events: Vec<&str> = inst["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        events,
+        [
+            "pending",
+            "scheduled",
+            "starting",
+            "running",
+            "lost",
+            "running"
+        ]
+    );
+    assert_eq!(
+        inst["state_reason"],
+        "node re-attached; command still running"
+    );
+    assert!(pid_alive(pid), "the same process, never restarted");
+    assert_eq!(env.get(&op, "/v1/nodes")["items"][0]["state"], "ready");
+    assert_eq!(free_h100(&env, &key), 3);
+    assert!(env.cli(Some(&key), &["stop", &id]).status.success());
+    wait_until("stopped", Duration::from_secs(30), || {
+        env.get(&key, &path)["state"] == "stopped"
+    });
 }
