@@ -101,6 +101,13 @@ prefixed_id!(
 prefixed_id!(
     /// A node pool: a group of alike nodes in a region.
     PoolId, "pool_");
+prefixed_id!(
+    /// An invoice: one tenant's bill for one period, derived from the ledger.
+    InvoiceId, "inv_");
+prefixed_id!(
+    /// A provider: an owner of nodes who offers their GPUs and is paid for
+    /// the usage they carry.
+    ProviderId, "prov_");
 
 #[cfg(test)]
 mod tests {

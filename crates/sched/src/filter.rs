@@ -1,0 +1,173 @@
+//! Feasibility: can a node host a request at all? Checks run cheapest first
+//! and the first failing one is the node's reason, so an unschedulable
+//! request comes back with counts a person can act on ("0/1213 nodes fit:
+//! 812 too little free GPU share, 390 GPU model not allowed, 11 cordoned").
+
+use std::fmt;
+
+use crate::request::Request;
+use crate::snapshot::NodeState;
+
+/// Why a node cannot host a request. Named so that metrics and the
+/// `explain` command can count them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    Cordoned,
+    NoGpus,
+    ModelNotAllowed,
+    TooFewGpus,
+    TooLittleCpu,
+    TooLittleMemory,
+    TooLittleGpuShare,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 7] = [
+        Reason::Cordoned,
+        Reason::NoGpus,
+        Reason::ModelNotAllowed,
+        Reason::TooFewGpus,
+        Reason::TooLittleCpu,
+        Reason::TooLittleMemory,
+        Reason::TooLittleGpuShare,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Reason::Cordoned => "cordoned",
+            Reason::NoGpus => "no GPUs",
+            Reason::ModelNotAllowed => "GPU model not allowed",
+            Reason::TooFewGpus => "too few GPUs",
+            Reason::TooLittleCpu => "too little free CPU",
+            Reason::TooLittleMemory => "too little free memory",
+            Reason::TooLittleGpuShare => "too little free GPU share",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Whether `state` can host `req`, and if not the first reason why.
+pub fn check(state: &NodeState, req: &Request) -> Result<(), Reason> {
+    if state.cordoned {
+        return Err(Reason::Cordoned);
+    }
+    let count = usize::from(req.gpu.gpu_count());
+    if count > 0 {
+        if state.model.is_none() || state.gpu_count() == 0 {
+            return Err(Reason::NoGpus);
+        }
+        if !req.models.allows(state.model) {
+            return Err(Reason::ModelNotAllowed);
+        }
+        if state.gpu_count() < count {
+            return Err(Reason::TooFewGpus);
+        }
+    }
+    if state.cpu_free < req.cpu_milli {
+        return Err(Reason::TooLittleCpu);
+    }
+    if state.mem_free < req.mem_mib {
+        return Err(Reason::TooLittleMemory);
+    }
+    if count > 0 && state.gpus_with_at_least(req.gpu.per_gpu_milli()) < count {
+        return Err(Reason::TooLittleGpuShare);
+    }
+    Ok(())
+}
+
+/// Why a request fits nowhere: how many nodes failed for each reason.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Explanation {
+    pub nodes: usize,
+    counts: [usize; Reason::ALL.len()],
+}
+
+impl Explanation {
+    pub fn add(&mut self, reason: Reason, nodes: usize) {
+        self.counts[reason.index()] += nodes;
+        self.nodes += nodes;
+    }
+
+    pub fn count(&self, reason: Reason) -> usize {
+        self.counts[reason.index()]
+    }
+
+    /// Reasons with a non-zero count, most frequent first.
+    pub fn reasons(&self) -> Vec<(Reason, usize)> {
+        let mut v: Vec<_> = Reason::ALL
+            .iter()
+            .map(|&r| (r, self.count(r)))
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.index().cmp(&b.0.index())));
+        v
+    }
+}
+
+impl fmt::Display for Explanation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "0/{} nodes fit", self.nodes)?;
+        for (i, (r, n)) in self.reasons().into_iter().enumerate() {
+            let sep = if i == 0 { ": " } else { ", " };
+            write!(f, "{sep}{n} {}", r.label())?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::{GpuDemand, ModelSet};
+
+    fn state(model: u8, gpus: &[u16]) -> NodeState {
+        NodeState {
+            model: Some(model),
+            cordoned: false,
+            cpu_free: 4000,
+            mem_free: 100,
+            gpu_free: gpus.to_vec(),
+            tags: 0,
+        }
+    }
+
+    #[test]
+    fn reasons_in_order() {
+        let share = Request::new(GpuDemand::Share { milli: 500 }, 1000, 10);
+        assert_eq!(check(&state(0, &[1000, 200]), &share), Ok(()));
+        assert_eq!(
+            check(&state(0, &[400, 200]), &share),
+            Err(Reason::TooLittleGpuShare)
+        );
+        let mut s = state(0, &[1000]);
+        s.cordoned = true;
+        assert_eq!(check(&s, &share), Err(Reason::Cordoned));
+        let only1 = share.with_models(ModelSet::of([1]));
+        assert_eq!(
+            check(&state(0, &[1000]), &only1),
+            Err(Reason::ModelNotAllowed)
+        );
+        let four = Request::new(GpuDemand::Whole { count: 4 }, 0, 0);
+        assert_eq!(
+            check(&state(0, &[1000, 1000]), &four),
+            Err(Reason::TooFewGpus)
+        );
+        let cpu = Request::new(GpuDemand::None, 5000, 0);
+        assert_eq!(check(&state(0, &[]), &cpu), Err(Reason::TooLittleCpu));
+    }
+
+    #[test]
+    fn explanation_reads_like_the_issue() {
+        let mut e = Explanation::default();
+        e.add(Reason::Cordoned, 11);
+        e.add(Reason::TooLittleGpuShare, 812);
+        e.add(Reason::ModelNotAllowed, 390);
+        assert_eq!(
+            e.to_string(),
+            "0/1213 nodes fit: 812 too little free GPU share, 390 GPU model not allowed, 11 cordoned"
+        );
+    }
+}

@@ -1,0 +1,261 @@
+//! The fragmentation measure of the ATC'23 paper *Beware of Fragmentation*.
+//!
+//! Fragmentation is relative to a *target workload*: the distribution of
+//! request shapes the cluster expects. For one node and one shape, the node's
+//! free GPU share counts as fragment when the shape cannot use it: all of it
+//! when the shape cannot run on the node at all (model not allowed, too few
+//! GPUs with enough free share, too little CPU), otherwise the GPUs whose free
+//! share is below what the shape needs per GPU. A node's fragmentation is the
+//! popularity-weighted sum over shapes; the cluster's is the sum over nodes.
+//! FGD places each request where this grows least.
+//!
+//! As in the paper's simulator (`typicalPodsConfig` of its experiments:
+//! `isInvolvedCpuPods: true`, `podPopularityThreshold: 95`,
+//! `podIncreaseStep: 1`), the target workload keeps the most popular shapes,
+//! keyed by (CPU, GPU count, milli per GPU, allowed models), until they cover
+//! 95% of *all* requests, CPU-only ones included. A CPU-only shape counts
+//! every idle GPU as fragment. That adds the same amount to every candidate's
+//! change, but it is not neutral for FGD: it lowers the GPU shapes' weights,
+//! moves the coverage cut, and shifts where FGD's integer sigmoid score
+//! rounds (measured: FGD 94.9% -> 95.2% allocated on the default trace,
+//! paper 95.4%). [`TargetWorkload::gpu_only`] drops them, for Flotilla's
+//! policy and for reporting fragmentation as GPU work that could have run.
+
+use std::collections::HashMap;
+
+use crate::request::{ModelSet, Request};
+use crate::snapshot::{ModelId, NodeState};
+
+/// One request shape of the target workload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shape {
+    pub cpu_milli: u32,
+    pub gpus: u16,
+    pub per_gpu_milli: u16,
+    pub models: ModelSet,
+    /// Popularity, 0..=1; the shapes of a workload sum to 1.
+    pub weight: f64,
+}
+
+/// The expected mix of requests that fragmentation is measured against.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TargetWorkload {
+    pub shapes: Vec<Shape>,
+}
+
+impl TargetWorkload {
+    /// Coverage the paper's experiments use for the typical-shape list.
+    pub const DEFAULT_COVERAGE: f64 = 0.95;
+
+    /// Builds the target workload from observed requests, keeping the most
+    /// popular shapes until they cover `coverage` of all requests, CPU-only
+    /// ones included, as the paper's experiments do.
+    pub fn from_requests<'a>(reqs: impl IntoIterator<Item = &'a Request>, coverage: f64) -> Self {
+        Self::build(reqs, coverage, true)
+    }
+
+    /// Like [`TargetWorkload::from_requests`] but over GPU requests only.
+    pub fn from_gpu_requests<'a>(
+        reqs: impl IntoIterator<Item = &'a Request>,
+        coverage: f64,
+    ) -> Self {
+        Self::build(reqs, coverage, false)
+    }
+
+    fn build<'a>(
+        reqs: impl IntoIterator<Item = &'a Request>,
+        coverage: f64,
+        cpu_only: bool,
+    ) -> Self {
+        let mut counts: HashMap<(u32, u16, u16, ModelSet), u64> = HashMap::new();
+        let mut total = 0u64;
+        for r in reqs {
+            if r.gpu.gpu_count() == 0 && !cpu_only {
+                continue;
+            }
+            let models = if r.gpu.gpu_count() == 0 {
+                ModelSet::Any
+            } else {
+                r.models
+            };
+            *counts
+                .entry((
+                    r.cpu_milli,
+                    r.gpu.gpu_count(),
+                    r.gpu.per_gpu_milli(),
+                    models,
+                ))
+                .or_default() += 1;
+            total += 1;
+        }
+        if total == 0 {
+            return TargetWorkload::default();
+        }
+        let mut list: Vec<_> = counts.into_iter().collect();
+        // Most popular first; equal counts in descending (CPU, milli per GPU,
+        // GPU count, models) as the simulator sorts them, which only matters
+        // for the shape cut at the coverage boundary.
+        list.sort_by(|a, b| {
+            b.1.cmp(&a.1)
+                .then(b.0 .0.cmp(&a.0 .0))
+                .then(b.0 .2.cmp(&a.0 .2))
+                .then(b.0 .1.cmp(&a.0 .1))
+                .then(model_key(b.0 .3).cmp(&model_key(a.0 .3)))
+        });
+        let need = coverage.clamp(0.0, 1.0) * total as f64;
+        let mut kept = Vec::new();
+        let mut covered = 0u64;
+        for (key, n) in list {
+            if covered as f64 >= need && !kept.is_empty() {
+                break;
+            }
+            covered += n;
+            kept.push((key, n));
+        }
+        let shapes = kept
+            .into_iter()
+            .map(|((cpu_milli, gpus, per_gpu_milli, models), n)| Shape {
+                cpu_milli,
+                gpus,
+                per_gpu_milli,
+                models,
+                weight: n as f64 / covered as f64,
+            })
+            .collect();
+        TargetWorkload { shapes }
+    }
+
+    /// The same mix without CPU-only shapes, weights renormalised to sum 1.
+    pub fn gpu_only(&self) -> TargetWorkload {
+        let shapes: Vec<Shape> = self.shapes.iter().filter(|s| s.gpus > 0).cloned().collect();
+        let total: f64 = shapes.iter().map(|s| s.weight).sum();
+        if total <= 0.0 {
+            return TargetWorkload::default();
+        }
+        TargetWorkload {
+            shapes: shapes
+                .into_iter()
+                .map(|s| Shape {
+                    weight: s.weight / total,
+                    ..s
+                })
+                .collect(),
+        }
+    }
+
+    /// The fragmentation of one node in milli-GPU (0..=its free GPU share).
+    pub fn node_frag(&self, state: &NodeState) -> f64 {
+        node_frag_parts(self, state.model, state.cpu_free, &state.gpu_free)
+    }
+}
+
+fn model_key(m: ModelSet) -> (u8, u64) {
+    match m {
+        ModelSet::Any => (0, 0),
+        ModelSet::Only(mask) => (1, mask),
+    }
+}
+
+/// [`TargetWorkload::node_frag`] on loose parts, so scorers can evaluate a
+/// hypothetical state without building a [`NodeState`].
+pub fn node_frag_parts(
+    wl: &TargetWorkload,
+    model: Option<ModelId>,
+    cpu_free: u32,
+    gpu_free: &[u16],
+) -> f64 {
+    let total: u32 = gpu_free.iter().map(|&f| u32::from(f)).sum();
+    if total == 0 {
+        return 0.0;
+    }
+    let mut frag = 0.0;
+    for s in &wl.shapes {
+        let unusable = if s.gpus == 0 || !s.models.allows(model) || cpu_free < s.cpu_milli {
+            total
+        } else {
+            let mut fit = 0usize;
+            let mut small = 0u32;
+            for &f in gpu_free {
+                if f >= s.per_gpu_milli {
+                    fit += 1;
+                } else {
+                    small += u32::from(f);
+                }
+            }
+            if fit >= usize::from(s.gpus) {
+                small
+            } else {
+                total
+            }
+        };
+        frag += s.weight * f64::from(unusable);
+    }
+    frag
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::GpuDemand;
+
+    fn state(gpus: &[u16]) -> NodeState {
+        NodeState {
+            model: Some(0),
+            cordoned: false,
+            cpu_free: 10_000,
+            mem_free: 0,
+            gpu_free: gpus.to_vec(),
+            tags: 0,
+        }
+    }
+
+    #[test]
+    fn workload_keeps_popular_shapes_cpu_only_included() {
+        let half = Request::new(GpuDemand::Share { milli: 500 }, 0, 0);
+        let one = Request::new(GpuDemand::Whole { count: 1 }, 0, 0);
+        let cpu = Request::new(GpuDemand::None, 1000, 0);
+        let reqs = vec![half, half, half, one, cpu, cpu];
+        // As the simulator: all six requests count; half 3/6, cpu 2/6, one 1/6.
+        let wl = TargetWorkload::from_requests(&reqs, 1.0);
+        assert_eq!(wl.shapes.len(), 3);
+        assert!((wl.shapes[0].weight - 0.5).abs() < 1e-12);
+        assert_eq!(wl.shapes[1].gpus, 0);
+        // 80% of 6 = 4.8 requests: half (3) + cpu (2) cover it.
+        assert_eq!(TargetWorkload::from_requests(&reqs, 0.8).shapes.len(), 2);
+        // GPU requests only: half 3/4, one 1/4; 70% of 4 needs only half.
+        let g = TargetWorkload::from_gpu_requests(&reqs, 1.0);
+        assert_eq!(g.shapes.len(), 2);
+        assert!((g.shapes[0].weight - 0.75).abs() < 1e-12);
+        assert_eq!(
+            TargetWorkload::from_gpu_requests(&reqs, 0.7).shapes.len(),
+            1
+        );
+        // gpu_only() of the full mix is the GPU-only mix.
+        assert_eq!(wl.gpu_only(), g);
+    }
+
+    #[test]
+    fn cpu_only_shapes_count_every_idle_gpu() {
+        // 50% CPU-only, 50% half-GPU. [1000, 300]: the half shape wastes 300,
+        // the CPU-only one all 1300: 0.5*300 + 0.5*1300 = 800.
+        let half = Request::new(GpuDemand::Share { milli: 500 }, 0, 0);
+        let cpu = Request::new(GpuDemand::None, 1000, 0);
+        let wl = TargetWorkload::from_requests(&[half, cpu], 1.0);
+        assert!((wl.node_frag(&state(&[1000, 300])) - 800.0).abs() < 1e-9);
+        assert!((wl.gpu_only().node_frag(&state(&[1000, 300])) - 300.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn frag_by_hand() {
+        // Shapes: 50% half-GPU, 50% one whole GPU.
+        let half = Request::new(GpuDemand::Share { milli: 500 }, 0, 0);
+        let one = Request::new(GpuDemand::Whole { count: 1 }, 0, 0);
+        let wl = TargetWorkload::from_requests(&[half, one], 1.0);
+        // [1000, 300]: half can use the full GPU, the 300 is fragment (300);
+        // one whole GPU also fits, the 300 is fragment (300). 0.5*300+0.5*300.
+        assert!((wl.node_frag(&state(&[1000, 300])) - 300.0).abs() < 1e-9);
+        // [600, 300]: half fits on 600 (frag 300); whole does not (frag 900).
+        assert!((wl.node_frag(&state(&[600, 300])) - 600.0).abs() < 1e-9);
+        assert_eq!(wl.node_frag(&state(&[0, 0])), 0.0);
+    }
+}

@@ -1,0 +1,503 @@
+//! The cluster as the placement engine sees it: nodes with a GPU model, the
+//! free share of every GPU in milli-GPU, free CPU and memory, a cordoned flag.
+//!
+//! Nodes are grouped into equivalence classes by [`NodeState`]: two nodes in
+//! the same state are interchangeable for every filter and scorer, so the
+//! engine scores a class once and picks a member. This is the "index free
+//! capacity by bucket" that keeps a decision sub-linear in the node count.
+
+use std::collections::{BTreeSet, HashMap};
+
+use crate::request::{GpuDemand, Request};
+use crate::select::Placement;
+use crate::{Error, MILLI};
+
+/// Index of a GPU model in a [`ModelTable`].
+pub type ModelId = u8;
+
+/// Interned GPU model names. At most 64, so allowed-model sets are a `u64`.
+#[derive(Debug, Clone, Default)]
+pub struct ModelTable {
+    names: Vec<String>,
+}
+
+impl ModelTable {
+    pub const MAX: usize = 64;
+
+    /// The id of `name`, adding it if new.
+    pub fn intern(&mut self, name: &str) -> Result<ModelId, Error> {
+        if let Some(id) = self.get(name) {
+            return Ok(id);
+        }
+        if self.names.len() >= Self::MAX {
+            return Err(Error::TooManyModels { max: Self::MAX });
+        }
+        self.names.push(name.to_owned());
+        // Cannot truncate: len < 64 was checked above.
+        Ok((self.names.len() - 1) as ModelId)
+    }
+
+    pub fn get(&self, name: &str) -> Option<ModelId> {
+        self.names
+            .iter()
+            .position(|n| n == name)
+            .map(|i| i as ModelId)
+    }
+
+    pub fn name(&self, id: ModelId) -> Option<&str> {
+        self.names.get(usize::from(id)).map(String::as_str)
+    }
+
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+}
+
+/// A node's capacity as registered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeSpec {
+    /// `None` for a node without GPUs.
+    pub model: Option<ModelId>,
+    pub gpus: u16,
+    pub cpu_milli: u32,
+    pub mem_mib: u64,
+}
+
+/// Everything about a node that a filter or scorer may look at. It is also
+/// the key of the node's equivalence class, which is why the GPU shares are
+/// kept sorted (largest free first) rather than by device index.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct NodeState {
+    pub model: Option<ModelId>,
+    pub cordoned: bool,
+    pub cpu_free: u32,
+    pub mem_free: u64,
+    /// Free milli-GPU of every GPU, sorted in descending order.
+    pub gpu_free: Vec<u16>,
+    /// GPU-clustering tags of the work on the node ([`GpuDemand::tag`]).
+    pub tags: u32,
+}
+
+impl NodeState {
+    pub fn gpu_count(&self) -> usize {
+        self.gpu_free.len()
+    }
+
+    /// GPUs with nothing allocated.
+    pub fn full_gpus(&self) -> usize {
+        // Sorted descending: the fully free GPUs lead.
+        self.gpu_free.iter().take_while(|&&f| f == MILLI).count()
+    }
+
+    pub fn gpu_free_total(&self) -> u32 {
+        self.gpu_free.iter().map(|&f| u32::from(f)).sum()
+    }
+
+    /// GPUs with at least `milli` free.
+    pub fn gpus_with_at_least(&self, milli: u16) -> usize {
+        self.gpu_free.iter().take_while(|&&f| f >= milli).count()
+    }
+
+    /// The state after placing `req`, taking the GPU whose free share is
+    /// `share_from` for a share (whole GPUs always come from fully free
+    /// ones). `None` if it does not fit; CPU and memory are not checked
+    /// beyond saturating, the filter does that.
+    pub fn after(&self, req: &Request, share_from: Option<u16>) -> Option<NodeState> {
+        let mut next = self.clone();
+        next.cpu_free = next.cpu_free.checked_sub(req.cpu_milli)?;
+        next.mem_free = next.mem_free.checked_sub(req.mem_mib)?;
+        match req.gpu {
+            GpuDemand::None => {}
+            GpuDemand::Whole { count } => {
+                let count = usize::from(count);
+                if next.full_gpus() < count {
+                    return None;
+                }
+                for f in next.gpu_free.iter_mut().take(count) {
+                    *f = 0;
+                }
+            }
+            GpuDemand::Share { milli } => {
+                let from = share_from?;
+                if from < milli {
+                    return None;
+                }
+                let slot = next.gpu_free.iter().position(|&f| f == from)?;
+                next.gpu_free[slot] = from - milli;
+            }
+        }
+        next.tags |= req.gpu.tag();
+        next.gpu_free.sort_unstable_by(|a, b| b.cmp(a));
+        Some(next)
+    }
+}
+
+/// One node: its spec and its current free capacity by device index.
+#[derive(Debug, Clone)]
+pub struct Node {
+    pub spec: NodeSpec,
+    pub cordoned: bool,
+    pub cpu_free: u32,
+    pub mem_free: u64,
+    /// Free milli-GPU per device index, each in 0..=1000.
+    pub gpu_free: Vec<u16>,
+    pub tags: u32,
+    class: u32,
+}
+
+impl Node {
+    fn state(&self) -> NodeState {
+        let mut gpu_free = self.gpu_free.clone();
+        gpu_free.sort_unstable_by(|a, b| b.cmp(a));
+        NodeState {
+            model: self.spec.model,
+            cordoned: self.cordoned,
+            cpu_free: self.cpu_free,
+            mem_free: self.mem_free,
+            gpu_free,
+            tags: self.tags,
+        }
+    }
+}
+
+/// An equivalence class of nodes in the same [`NodeState`].
+#[derive(Debug, Clone)]
+pub struct Class {
+    pub state: NodeState,
+    /// Ordered, so the lowest-index member (the simulator's and the
+    /// deterministic tie-break) is at hand in O(log n).
+    pub members: BTreeSet<u32>,
+}
+
+/// The cluster snapshot. Mutated only through [`Cluster::commit`] (and
+/// [`Cluster::set_cordoned`]), which keeps the class index consistent.
+#[derive(Debug)]
+pub struct Cluster {
+    models: ModelTable,
+    nodes: Vec<Node>,
+    classes: Vec<Class>,
+    class_of: HashMap<NodeState, u32>,
+    /// Ids of classes with at least one member, in no particular order.
+    active: Vec<u32>,
+    active_pos: Vec<u32>,
+    /// Node indices per GPU model: the node type index.
+    by_model: Vec<Vec<u32>>,
+    gpu_capacity_milli: u64,
+    gpu_free_milli: u64,
+    uid: u64,
+}
+
+/// Class ids are only meaningful within one cluster; an engine's score cache
+/// is keyed by them, so every cluster (and every clone) gets its own uid.
+/// Deterministic per process, which is all the engine needs.
+fn next_uid() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Clone for Cluster {
+    fn clone(&self) -> Self {
+        Cluster {
+            models: self.models.clone(),
+            nodes: self.nodes.clone(),
+            classes: self.classes.clone(),
+            class_of: self.class_of.clone(),
+            active: self.active.clone(),
+            active_pos: self.active_pos.clone(),
+            by_model: self.by_model.clone(),
+            gpu_capacity_milli: self.gpu_capacity_milli,
+            gpu_free_milli: self.gpu_free_milli,
+            uid: next_uid(),
+        }
+    }
+}
+
+const NOT_ACTIVE: u32 = u32::MAX;
+
+impl Cluster {
+    pub fn new(models: ModelTable) -> Self {
+        let by_model = vec![Vec::new(); models.len()];
+        Cluster {
+            models,
+            nodes: Vec::new(),
+            classes: Vec::new(),
+            class_of: HashMap::new(),
+            active: Vec::new(),
+            active_pos: Vec::new(),
+            by_model,
+            gpu_capacity_milli: 0,
+            gpu_free_milli: 0,
+            uid: next_uid(),
+        }
+    }
+
+    pub fn models(&self) -> &ModelTable {
+        &self.models
+    }
+
+    pub(crate) fn uid(&self) -> u64 {
+        self.uid
+    }
+
+    /// Adds an empty node and returns its index.
+    pub fn add_node(&mut self, spec: NodeSpec) -> Result<u32, Error> {
+        if let Some(m) = spec.model {
+            if usize::from(m) >= self.models.len() {
+                return Err(Error::InvalidRequest(
+                    "node names a model outside the table",
+                ));
+            }
+        }
+        let idx =
+            u32::try_from(self.nodes.len()).map_err(|_| Error::InvalidRequest("too many nodes"))?;
+        let gpus = if spec.model.is_some() { spec.gpus } else { 0 };
+        let node = Node {
+            cordoned: false,
+            cpu_free: spec.cpu_milli,
+            mem_free: spec.mem_mib,
+            gpu_free: vec![MILLI; usize::from(gpus)],
+            tags: 0,
+            class: 0,
+            spec,
+        };
+        let cap = u64::from(gpus) * u64::from(MILLI);
+        self.gpu_capacity_milli += cap;
+        self.gpu_free_milli += cap;
+        if let Some(m) = node.spec.model {
+            self.by_model[usize::from(m)].push(idx);
+        }
+        let state = node.state();
+        self.nodes.push(node);
+        self.join_class(idx, state);
+        Ok(idx)
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    pub fn node(&self, idx: u32) -> Option<&Node> {
+        self.nodes.get(idx as usize)
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// Nodes with GPUs of `model`.
+    pub fn nodes_of_model(&self, model: ModelId) -> &[u32] {
+        self.by_model
+            .get(usize::from(model))
+            .map_or(&[], Vec::as_slice)
+    }
+
+    pub fn gpu_capacity_milli(&self) -> u64 {
+        self.gpu_capacity_milli
+    }
+
+    pub fn gpu_allocated_milli(&self) -> u64 {
+        self.gpu_capacity_milli - self.gpu_free_milli
+    }
+
+    /// The non-empty equivalence classes: `(class id, class)`.
+    pub fn active_classes(&self) -> impl Iterator<Item = (u32, &Class)> + '_ {
+        self.active
+            .iter()
+            .map(move |&c| (c, &self.classes[c as usize]))
+    }
+
+    pub fn class(&self, id: u32) -> &Class {
+        &self.classes[id as usize]
+    }
+
+    /// The state of one node (its class key).
+    pub fn state_of(&self, idx: u32) -> Option<&NodeState> {
+        self.node(idx)
+            .map(|n| &self.classes[n.class as usize].state)
+    }
+
+    pub fn set_cordoned(&mut self, idx: u32, cordoned: bool) -> Result<(), Error> {
+        let node = self
+            .nodes
+            .get_mut(idx as usize)
+            .ok_or(Error::UnknownNode(idx))?;
+        node.cordoned = cordoned;
+        self.reclassify(idx);
+        Ok(())
+    }
+
+    /// Applies a placement made for `req`, checking it does not overdraw
+    /// anything. On error nothing changes.
+    pub fn commit(&mut self, req: &Request, placement: &Placement) -> Result<(), Error> {
+        let node_idx = placement.node;
+        let node = self
+            .nodes
+            .get_mut(node_idx as usize)
+            .ok_or(Error::UnknownNode(node_idx))?;
+        let over = |what| Error::Overcommit {
+            node: node_idx,
+            what,
+        };
+        if node.cpu_free < req.cpu_milli {
+            return Err(over("cpu"));
+        }
+        if node.mem_free < req.mem_mib {
+            return Err(over("memory"));
+        }
+        if placement.gpus.len() != usize::from(req.gpu.gpu_count()) {
+            return Err(over("wrong number of gpus"));
+        }
+        let per_gpu = req.gpu.per_gpu_milli();
+        for (i, &g) in placement.gpus.iter().enumerate() {
+            let free = *node
+                .gpu_free
+                .get(usize::from(g))
+                .ok_or(over("no such gpu"))?;
+            if free < per_gpu {
+                return Err(over("gpu share"));
+            }
+            if placement.gpus[..i].contains(&g) {
+                return Err(over("gpu named twice"));
+            }
+        }
+        node.cpu_free -= req.cpu_milli;
+        node.mem_free -= req.mem_mib;
+        for &g in &placement.gpus {
+            node.gpu_free[usize::from(g)] -= per_gpu;
+        }
+        node.tags |= req.gpu.tag();
+        self.gpu_free_milli -= u64::from(req.gpu.total_milli());
+        self.reclassify(node_idx);
+        Ok(())
+    }
+
+    fn reclassify(&mut self, idx: u32) {
+        self.leave_class(idx);
+        let state = self.nodes[idx as usize].state();
+        self.join_class(idx, state);
+    }
+
+    fn join_class(&mut self, idx: u32, state: NodeState) {
+        let next_id = self.classes.len() as u32;
+        let id = *self.class_of.entry(state.clone()).or_insert(next_id);
+        if id == next_id {
+            self.classes.push(Class {
+                state,
+                members: BTreeSet::new(),
+            });
+            self.active_pos.push(NOT_ACTIVE);
+        }
+        self.nodes[idx as usize].class = id;
+        self.classes[id as usize].members.insert(idx);
+        if self.active_pos[id as usize] == NOT_ACTIVE {
+            self.active_pos[id as usize] = self.active.len() as u32;
+            self.active.push(id);
+        }
+    }
+
+    fn leave_class(&mut self, idx: u32) {
+        let id = self.nodes[idx as usize].class;
+        let class = &mut self.classes[id as usize];
+        class.members.remove(&idx);
+        if class.members.is_empty() {
+            let apos = self.active_pos[id as usize];
+            self.active.swap_remove(apos as usize);
+            if let Some(&moved) = self.active.get(apos as usize) {
+                self.active_pos[moved as usize] = apos;
+            }
+            self.active_pos[id as usize] = NOT_ACTIVE;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster() -> Cluster {
+        let mut models = ModelTable::default();
+        let a = models.intern("A").unwrap();
+        let mut c = Cluster::new(models);
+        for _ in 0..3 {
+            c.add_node(NodeSpec {
+                model: Some(a),
+                gpus: 2,
+                cpu_milli: 8000,
+                mem_mib: 1024,
+            })
+            .unwrap();
+        }
+        c
+    }
+
+    #[test]
+    fn identical_nodes_share_a_class_until_one_changes() {
+        let mut c = cluster();
+        assert_eq!(c.active_classes().count(), 1);
+        let req = Request::new(GpuDemand::Share { milli: 300 }, 1000, 0);
+        c.commit(
+            &req,
+            &Placement {
+                node: 1,
+                gpus: vec![1],
+            },
+        )
+        .unwrap();
+        assert_eq!(c.active_classes().count(), 2);
+        assert_eq!(c.state_of(1).unwrap().gpu_free, vec![1000, 700]);
+        assert_eq!(c.gpu_allocated_milli(), 300);
+        let sizes: usize = c.active_classes().map(|(_, k)| k.members.len()).sum();
+        assert_eq!(sizes, 3);
+    }
+
+    #[test]
+    fn commit_refuses_overdraw() {
+        let mut c = cluster();
+        let req = Request::new(GpuDemand::Share { milli: 700 }, 0, 0);
+        c.commit(
+            &req,
+            &Placement {
+                node: 0,
+                gpus: vec![0],
+            },
+        )
+        .unwrap();
+        assert!(c
+            .commit(
+                &req,
+                &Placement {
+                    node: 0,
+                    gpus: vec![0]
+                }
+            )
+            .is_err());
+        let two = Request::new(GpuDemand::Whole { count: 2 }, 0, 0);
+        assert!(c
+            .commit(
+                &two,
+                &Placement {
+                    node: 1,
+                    gpus: vec![0, 0]
+                }
+            )
+            .is_err());
+        assert!(c
+            .commit(
+                &two,
+                &Placement {
+                    node: 9,
+                    gpus: vec![0, 1]
+                }
+            )
+            .is_err());
+    }
+}
