@@ -195,6 +195,24 @@ pub fn device_env(
     env
 }
 
+/// Variables of the agent's own environment a workload may see: enough to
+/// find programs and pick a locale, nothing that could carry a credential.
+const INHERITED_ENV: [&str; 5] = ["PATH", "LANG", "LC_ALL", "TZ", "USER"];
+
+/// The base environment of a workload: the allow-listed variables of the
+/// agent's environment, and `HOME` set to the instance's working directory.
+fn base_env(workdir: &std::path::Path) -> Vec<(String, std::ffi::OsString)> {
+    let mut env: Vec<(String, std::ffi::OsString)> = INHERITED_ENV
+        .iter()
+        .filter_map(|k| std::env::var_os(k).map(|v| (k.to_string(), v)))
+        .collect();
+    if !env.iter().any(|(k, _)| k == "PATH") {
+        env.push(("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into()));
+    }
+    env.push(("HOME".into(), workdir.as_os_str().to_owned()));
+    env
+}
+
 /// Spawns `spec` in its own process group and starts supervising it.
 /// Must be called inside a tokio runtime.
 pub fn spawn(spec: &SpawnSpec, wakers: Wakers) -> Result<Process, SpawnError> {
@@ -205,6 +223,11 @@ pub fn spawn(spec: &SpawnSpec, wakers: Wakers) -> Result<Process, SpawnError> {
     })?;
     let mut cmd = tokio::process::Command::new(program);
     cmd.args(args)
+        // A workload must not inherit the agent's environment: it may hold
+        // the agent token or an operator's API key. It gets a minimal base,
+        // its own variables, then the device variables.
+        .env_clear()
+        .envs(base_env(&spec.workdir))
         .envs(&spec.env)
         .envs(device_env(
             &spec.instance_id,
@@ -594,6 +617,29 @@ mod tests {
             ]
         );
         assert_eq!(p.exit(), Some(exit));
+    }
+
+    /// cargo sets CARGO_MANIFEST_DIR in the test's own environment: a
+    /// stand-in for the agent token or an operator key that the agent's
+    /// environment may hold and a workload must never see.
+    #[tokio::test]
+    async fn workloads_do_not_inherit_the_agents_environment() {
+        assert!(std::env::var_os("CARGO_MANIFEST_DIR").is_some());
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(
+            dir.path(),
+            &["sh", "-c", "echo \"${CARGO_MANIFEST_DIR-absent} $HOME\"; command -v sh >/dev/null && echo path-ok"],
+        );
+        let p = spawn(&s, Wakers::default()).unwrap();
+        assert_eq!(p.wait().await.code, 0);
+        let lines: Vec<String> = p.logs().peek(10).into_iter().map(|l| l.line).collect();
+        assert_eq!(
+            lines,
+            vec![
+                format!("absent {}", s.workdir.display()),
+                "path-ok".to_string()
+            ]
+        );
     }
 
     #[tokio::test]
