@@ -59,6 +59,20 @@ pub struct ServerArgs {
     /// Requests per second allowed per API key (bursts of twice that).
     #[arg(long, default_value_t = 100, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub rate_limit: u32,
+    /// Placement policy: flotilla (default), fgd, bestfit, dotprod,
+    /// gpupacking, gpuclustering or random.
+    #[arg(long, default_value = "flotilla", value_name = "POLICY", value_parser = parse_policy)]
+    pub placement_policy: flotilla_sched::Policy,
+}
+
+fn parse_policy(s: &str) -> Result<flotilla_sched::Policy, String> {
+    flotilla_server::placement::parse_policy(s).ok_or_else(|| {
+        let names: Vec<String> = flotilla_sched::Policy::ALL
+            .iter()
+            .map(|p| p.name().to_lowercase())
+            .collect();
+        format!("unknown policy `{s}`; one of {}", names.join(", "))
+    })
 }
 
 impl ServerArgs {
@@ -66,6 +80,7 @@ impl ServerArgs {
         flotilla_server::ServerConfig {
             heartbeat_timeout: std::time::Duration::from_secs(self.heartbeat_timeout),
             rate_limit_per_second: self.rate_limit,
+            placement_policy: self.placement_policy,
             ..Default::default()
         }
     }

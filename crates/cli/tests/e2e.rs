@@ -611,7 +611,17 @@ fn up_quick_start_and_ctrl_c() {
         "-c",
         "echo \"my GPUs: $CUDA_VISIBLE_DEVICES\"",
     ]);
-    assert_eq!(out.trim(), "my GPUs: 0,1");
+    let ids: Vec<u32> = out
+        .trim()
+        .trim_start_matches("my GPUs: ")
+        .split(',')
+        .map(|i| i.parse().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 2, "{out}");
+    assert!(
+        ids[0] != ids[1] && ids.iter().all(|&i| i < 6),
+        "two distinct GPUs of the 6: {out}"
+    );
     let id = quick(&["run", "--detach", "--gpus", "1", "--", "sleep", "300"])
         .trim()
         .to_string();

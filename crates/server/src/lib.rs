@@ -27,6 +27,7 @@ pub mod auth;
 pub mod error;
 pub mod extract;
 pub mod idempotency;
+pub mod placement;
 pub mod reconcile;
 pub mod routes;
 pub mod state;
@@ -43,6 +44,8 @@ pub struct ServerConfig {
     pub rate_limit_per_second: u32,
     /// Longest pause of the reconcile loop when nothing signals a change.
     pub reconcile_tick: Duration,
+    /// The placement policy (`flotilla-sched`); Flotilla's own by default.
+    pub placement_policy: flotilla_sched::Policy,
 }
 
 impl Default for ServerConfig {
@@ -51,6 +54,7 @@ impl Default for ServerConfig {
             heartbeat_timeout: Duration::from_secs(15),
             rate_limit_per_second: 100,
             reconcile_tick: Duration::from_secs(1),
+            placement_policy: flotilla_sched::Policy::Flotilla,
         }
     }
 }

@@ -1,17 +1,18 @@
 //! The control loops: placement of pending instances and node liveness.
-//! Each pass reads the store, decides with pure code from `flotilla-core`,
-//! and commits through the store's conditional writes, so a pass may be
-//! cut at any line and rerun.
+//! Each pass reads the store, decides with pure code (`flotilla-sched`'s
+//! engine, `flotilla-core`'s quotas), and commits through the store's
+//! conditional writes, so a pass may be cut at any line and rerun.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::Duration as ChronoDuration;
 use flotilla_core::id::TenantId;
-use flotilla_core::placement::{first_fit, PlacementRequest};
+use flotilla_core::placement::PlacementRequest;
 use flotilla_core::quota::{Quota, Usage};
 use flotilla_store::StoreError;
 
+use crate::placement::PassPlanner;
 use crate::state::AppState;
 
 /// Places what it can of the pending instances, oldest first. Returns
@@ -22,23 +23,36 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
         return Ok(0);
     }
     let mut snapshot = st.store().placement_snapshot().await?;
+    let requests: Vec<PlacementRequest> = pending
+        .iter()
+        .map(|p| PlacementRequest {
+            gpus: p.gpus,
+            models: p.gpu_types.clone(),
+            cpu_milli: u64::from(p.cpu_milli),
+            memory_mb: p.memory_mb,
+        })
+        .collect();
+    // Seeded from the clock so ties spread over time, yet a pass replayed
+    // with the same inputs and time decides the same.
+    let seed = st.now().timestamp_millis() as u64;
+    let mut planner = PassPlanner::new(
+        st.config().placement_policy,
+        st.catalog(),
+        &snapshot,
+        &requests,
+        seed,
+    );
     let mut quotas: BTreeMap<TenantId, (Quota, Usage)> = BTreeMap::new();
     let mut placed = 0;
-    for p in pending {
+    for (p, req) in pending.into_iter().zip(requests) {
         if !quotas.contains_key(&p.tenant_id) {
             let q = st.store().quota(&p.tenant_id).await?;
             let u = st.store().usage(&p.tenant_id).await?;
             quotas.insert(p.tenant_id.clone(), (q, u));
         }
         let (quota, usage) = &quotas[&p.tenant_id];
-        let req = PlacementRequest {
-            gpus: p.gpus,
-            models: p.gpu_types.clone(),
-            cpu_milli: u64::from(p.cpu_milli),
-            memory_mb: p.memory_mb,
-        };
         let now = st.now();
-        match first_fit(&snapshot, &req, |m| quota.model_fits(usage, m, p.gpus)) {
+        match planner.place(&snapshot, &req, |m| quota.model_fits(usage, m, p.gpus)) {
             Ok(plan) => match st.store().schedule_instance(&p.id, &plan, now).await {
                 Ok(()) => {
                     tracing::info!(instance = %p.id, node = %plan.node, gpus = plan.gpus.len(), "instance scheduled");
@@ -51,6 +65,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             g.free = false;
                         }
                     }
+                    planner.committed(&snapshot, &req, &plan);
                     if let Some((_, u)) = quotas.get_mut(&p.tenant_id) {
                         u.gpus_total += p.gpus;
                         *u.gpus_per_model.entry(plan.model.clone()).or_default() += p.gpus;
@@ -59,6 +74,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 Err(StoreError::Conflict(why)) => {
                     tracing::debug!(instance = %p.id, why, "placement lost a race; retrying next pass");
                     snapshot = st.store().placement_snapshot().await?;
+                    planner.rebuild(&snapshot);
                 }
                 Err(e) => return Err(e),
             },

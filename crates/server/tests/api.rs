@@ -53,6 +53,7 @@ fn fast() -> ServerConfig {
         heartbeat_timeout: Duration::from_secs(30),
         rate_limit_per_second: 10_000,
         reconcile_tick: Duration::from_millis(100),
+        ..ServerConfig::default()
     }
 }
 

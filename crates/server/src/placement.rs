@@ -1,0 +1,339 @@
+//! The server's side of placement: it turns the store's view of the pool
+//! into a `flotilla-sched` cluster, asks the placement engine, and maps the
+//! answer back to node and GPU ids. The decision is the pure engine's, the
+//! same code the benchmark and (later) the simulator run.
+//!
+//! The engine models one GPU model per node. A node with several models
+//! (a simulated `4xH100,2xL40S`, or a mixed box) becomes one engine node per
+//! model, each seeing the node's whole free CPU and memory; after a
+//! placement on such a node the cluster is rebuilt, so CPU and memory are
+//! never promised twice.
+
+use std::collections::{BTreeMap, HashSet};
+
+use flotilla_core::catalog::Catalog;
+use flotilla_core::id::{GpuId, NodeId};
+use flotilla_core::placement::{first_fit, NodeSnapshot, Placement, PlacementRequest};
+use flotilla_sched::{
+    Cluster, Decision, Engine, GpuDemand, ModelSet, ModelTable, NodeSpec, Policy, Request,
+    TargetWorkload,
+};
+use rand_chacha::rand_core::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+/// Parses a policy name as `flotilla server --placement-policy` takes it.
+pub fn parse_policy(name: &str) -> Option<Policy> {
+    Policy::ALL
+        .into_iter()
+        .find(|p| p.name().eq_ignore_ascii_case(name))
+}
+
+/// One engine node: a real node's GPUs of one model.
+#[derive(Debug, Clone)]
+struct Slot {
+    node: NodeId,
+    model: String,
+    /// GPU ids by the engine's device index.
+    gpus: Vec<GpuId>,
+}
+
+/// Plans one pass of the scheduler over a snapshot.
+pub struct PassPlanner {
+    policy: Policy,
+    models: ModelTable,
+    workload: TargetWorkload,
+    cluster: Cluster,
+    slots: Vec<Slot>,
+    mixed: HashSet<NodeId>,
+    engine: Engine,
+    rng: ChaCha8Rng,
+}
+
+impl std::fmt::Debug for PassPlanner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PassPlanner")
+            .field("policy", &self.policy.name())
+            .field("slots", &self.slots.len())
+            .finish()
+    }
+}
+
+fn sched_request(req: &PlacementRequest, models: ModelSet) -> Request {
+    let count = u16::try_from(req.gpus).unwrap_or(u16::MAX);
+    Request::new(
+        GpuDemand::whole(count),
+        u32::try_from(req.cpu_milli).unwrap_or(u32::MAX),
+        req.memory_mb,
+    )
+    .with_models(models)
+}
+
+impl PassPlanner {
+    /// A planner for `snapshot`. `expected` are the requests of this pass:
+    /// fragmentation-aware policies measure against their mix.
+    pub fn new(
+        policy: Policy,
+        catalog: &Catalog,
+        snapshot: &[NodeSnapshot],
+        expected: &[PlacementRequest],
+        seed: u64,
+    ) -> Self {
+        let mut models = ModelTable::default();
+        for m in catalog.models() {
+            // The catalog is far below the engine's 64-model limit.
+            let _ = models.intern(&m.name);
+        }
+        let shapes: Vec<Request> = expected
+            .iter()
+            .map(|r| sched_request(r, ModelSet::Any))
+            .collect();
+        let workload =
+            TargetWorkload::from_gpu_requests(shapes.iter(), TargetWorkload::DEFAULT_COVERAGE);
+        let engine = Engine::new(policy.scorer(&workload));
+        let mut planner = Self {
+            policy,
+            cluster: Cluster::new(models.clone()),
+            models,
+            workload,
+            slots: Vec::new(),
+            mixed: HashSet::new(),
+            engine,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+        };
+        planner.rebuild(snapshot);
+        planner
+    }
+
+    /// Rebuilds the engine's cluster from `snapshot` (after a race, or a
+    /// placement on a node with several models).
+    pub fn rebuild(&mut self, snapshot: &[NodeSnapshot]) {
+        let mut cluster = Cluster::new(self.models.clone());
+        let mut slots = Vec::new();
+        self.mixed.clear();
+        for n in snapshot.iter().filter(|n| n.ready) {
+            let mut by_model: BTreeMap<&str, Vec<&flotilla_core::placement::GpuSlot>> =
+                BTreeMap::new();
+            for g in &n.gpus {
+                by_model.entry(g.model.as_str()).or_default().push(g);
+            }
+            if by_model.len() > 1 {
+                self.mixed.insert(n.id.clone());
+            }
+            for (model, mut gpus) in by_model {
+                let Some(mid) = self.models.get(model) else {
+                    continue;
+                };
+                gpus.sort_by_key(|g| g.index);
+                let spec = NodeSpec {
+                    model: Some(mid),
+                    gpus: u16::try_from(gpus.len()).unwrap_or(u16::MAX),
+                    cpu_milli: u32::try_from(n.cpu_milli_free).unwrap_or(u32::MAX),
+                    mem_mib: n.memory_mb_free,
+                };
+                let Ok(idx) = cluster.add_node(spec) else {
+                    continue;
+                };
+                if n.cordoned {
+                    let _ = cluster.set_cordoned(idx, true);
+                }
+                let one = Request::new(GpuDemand::whole(1), 0, 0);
+                for (d, g) in gpus.iter().enumerate() {
+                    if !g.free {
+                        let taken = flotilla_sched::Placement {
+                            node: idx,
+                            gpus: vec![u16::try_from(d).unwrap_or(u16::MAX)],
+                        };
+                        let _ = cluster.commit(&one, &taken);
+                    }
+                }
+                slots.push(Slot {
+                    node: n.id.clone(),
+                    model: model.to_string(),
+                    gpus: gpus.iter().map(|g| g.id.clone()).collect(),
+                });
+            }
+        }
+        self.cluster = cluster;
+        self.slots = slots;
+        // A new cluster invalidates the engine's score cache by itself.
+        self.engine = Engine::new(self.policy.scorer(&self.workload));
+    }
+
+    /// Where `req` goes, or why it fits nowhere. `model_allowed` folds in
+    /// quotas. The explanation counts real nodes (engine nodes are per
+    /// model), so it is taken from core's per-node feasibility check.
+    pub fn place(
+        &mut self,
+        snapshot: &[NodeSnapshot],
+        req: &PlacementRequest,
+        model_allowed: impl Fn(&str) -> bool,
+    ) -> Result<Placement, String> {
+        let allowed = ModelSet::of(
+            self.slots
+                .iter()
+                .map(|s| s.model.as_str())
+                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
+                .filter(|m| model_allowed(m))
+                .filter_map(|m| self.models.get(m)),
+        );
+        let sreq = sched_request(req, allowed);
+        match self.engine.decide(&self.cluster, &sreq, &mut self.rng) {
+            Decision::Placed(p) => {
+                let slot = self
+                    .slots
+                    .get(p.node as usize)
+                    .ok_or_else(|| "internal: engine named an unknown node".to_string())?;
+                let gpus = p
+                    .gpus
+                    .iter()
+                    .map(|&d| slot.gpus.get(usize::from(d)).cloned())
+                    .collect::<Option<Vec<GpuId>>>()
+                    .ok_or_else(|| "internal: engine named an unknown gpu".to_string())?;
+                Ok(Placement {
+                    node: slot.node.clone(),
+                    model: slot.model.clone(),
+                    gpus,
+                })
+            }
+            Decision::Unschedulable(why) => match first_fit(snapshot, req, model_allowed) {
+                Err(per_node) => Err(per_node.to_string()),
+                Ok(_) => Err(format!("0/{} node slots fit: {why}", self.slots.len())),
+            },
+        }
+    }
+
+    /// Records a committed placement so the rest of the pass sees it.
+    /// `snapshot` must already reflect it.
+    pub fn committed(
+        &mut self,
+        snapshot: &[NodeSnapshot],
+        req: &PlacementRequest,
+        plan: &Placement,
+    ) {
+        if self.mixed.contains(&plan.node) {
+            return self.rebuild(snapshot);
+        }
+        let found = self.slots.iter().enumerate().find_map(|(i, s)| {
+            (s.node == plan.node).then(|| {
+                let devs: Option<Vec<u16>> = plan
+                    .gpus
+                    .iter()
+                    .map(|g| {
+                        s.gpus
+                            .iter()
+                            .position(|x| x == g)
+                            .and_then(|d| u16::try_from(d).ok())
+                    })
+                    .collect();
+                (i, devs)
+            })
+        });
+        let ok = match found {
+            Some((i, Some(devs))) => {
+                let p = flotilla_sched::Placement {
+                    node: u32::try_from(i).unwrap_or(u32::MAX),
+                    gpus: devs,
+                };
+                self.cluster
+                    .commit(&sched_request(req, ModelSet::Any), &p)
+                    .is_ok()
+            }
+            _ => false,
+        };
+        if !ok {
+            self.rebuild(snapshot);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_core::placement::GpuSlot;
+
+    fn node(n: u64, ready: bool, gpus: &[(&str, bool)]) -> NodeSnapshot {
+        NodeSnapshot {
+            id: NodeId::generate(n, u128::from(n)),
+            ready,
+            cordoned: false,
+            cpu_milli_free: 64_000,
+            memory_mb_free: 512_000,
+            gpus: gpus
+                .iter()
+                .enumerate()
+                .map(|(i, (m, free))| GpuSlot {
+                    id: GpuId::generate(n, (u128::from(n) << 8) | i as u128),
+                    index: i as u32,
+                    model: m.to_string(),
+                    free: *free,
+                })
+                .collect(),
+        }
+    }
+
+    fn req(gpus: u32, models: &[&str]) -> PlacementRequest {
+        PlacementRequest {
+            gpus,
+            models: models.iter().map(|s| s.to_string()).collect(),
+            cpu_milli: 1000,
+            memory_mb: 1024,
+        }
+    }
+
+    #[test]
+    fn mixed_nodes_map_back_to_the_right_gpus_and_never_overlap() {
+        let mut snap = vec![node(
+            1,
+            true,
+            &[
+                ("H100", true),
+                ("L40S", true),
+                ("H100", true),
+                ("L40S", false),
+            ],
+        )];
+        let cat = Catalog::default();
+        let mut p = PassPlanner::new(Policy::Flotilla, &cat, &snap, &[req(1, &[])], 7);
+        let a = p.place(&snap, &req(2, &["H100"]), |_| true).unwrap();
+        assert_eq!(a.model, "H100");
+        assert_eq!(
+            a.gpus,
+            vec![snap[0].gpus[0].id.clone(), snap[0].gpus[2].id.clone()]
+        );
+        for g in snap[0].gpus.iter_mut().filter(|g| a.gpus.contains(&g.id)) {
+            g.free = false;
+        }
+        p.committed(&snap, &req(2, &["H100"]), &a);
+        let b = p.place(&snap, &req(1, &[]), |_| true).unwrap();
+        assert_eq!(
+            (b.model.as_str(), b.gpus.clone()),
+            ("L40S", vec![snap[0].gpus[1].id.clone()])
+        );
+        let e = p.place(&snap, &req(1, &["H100"]), |_| true).unwrap_err();
+        assert!(e.contains("too few free GPUs"), "{e}");
+    }
+
+    #[test]
+    fn unreachable_nodes_and_quota_blocked_models_are_skipped() {
+        let snap = vec![
+            node(1, false, &[("H100", true)]),
+            node(2, true, &[("H100", true)]),
+            node(3, true, &[("L4", true)]),
+        ];
+        let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 1);
+        let a = p.place(&snap, &req(1, &[]), |m| m != "H100").unwrap();
+        assert_eq!(a.node, snap[2].id);
+        let e = p
+            .place(&snap, &req(1, &["H100"]), |m| m != "H100")
+            .unwrap_err();
+        assert_eq!(e, "0/3 nodes fit: 2 GPU model not allowed, 1 unreachable");
+    }
+
+    #[test]
+    fn every_policy_name_parses() {
+        for policy in Policy::ALL {
+            assert_eq!(parse_policy(&policy.name().to_lowercase()), Some(policy));
+        }
+        assert_eq!(parse_policy("nope"), None);
+    }
+}
