@@ -356,6 +356,72 @@ pub async fn stop(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `flotilla explain ID`.
+pub async fn explain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
+    let id = instance_id(id)?;
+    let raw = ctx.client.get(&format!("/v1/instances/{id}"), &[]).await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let inst: Instance = decode(raw)?;
+    for line in explanation(&inst) {
+        outln!("{line}")?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The lines `flotilla explain` prints.
+fn explanation(inst: &Instance) -> Vec<String> {
+    let models = if inst.gpu_types.is_empty() {
+        "any model".to_string()
+    } else {
+        inst.gpu_types.join(" or ")
+    };
+    let mut out = vec![
+        format!(
+            "{} is {}: {}",
+            inst.id,
+            inst.state.as_str(),
+            inst.state_reason
+        ),
+        format!(
+            "asked for: {} GPU(s) of {models}, {} milli-CPU, {} MiB, billed {}",
+            inst.gpus,
+            inst.cpu_milli,
+            inst.memory_mb,
+            inst.billing_class.as_str()
+        ),
+    ];
+    match (&inst.node_id, &inst.gpu_model) {
+        (Some(node), Some(model)) => {
+            let gpus: Vec<&str> = inst.gpu_ids.iter().map(|g| g.as_str()).collect();
+            out.push(format!(
+                "placed on: {node}, {}x{model}: {}",
+                gpus.len(),
+                gpus.join(", ")
+            ));
+        }
+        _ if inst.state == flotilla_core::instance::InstanceState::Pending => {
+            out.push("placed on: nowhere yet; the reason above says what no node offers".into());
+        }
+        _ => {}
+    }
+    if let Some(code) = inst.exit_code {
+        out.push(format!("exit code: {code}"));
+    }
+    out.push("history:".into());
+    for e in &inst.events {
+        out.push(format!(
+            "  {}  {:<9}  {}",
+            e.at.format("%Y-%m-%d %H:%M:%S%.3fZ"),
+            e.state.as_str(),
+            e.reason
+        ));
+    }
+    out
+}
+
 /// `flotilla tenants`.
 pub async fn tenants_list(ctx: &Ctx) -> Result<ExitCode> {
     let raw = ctx.client.list("/v1/tenants", &[], None).await?;
@@ -672,5 +738,33 @@ mod tests {
         assert!(instance_id("inst_01jd3x7k2q9v8m4n6p5r0s1t2w").is_ok());
         let e = instance_id("../keys").unwrap_err().to_string();
         assert!(e.contains("inst_"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod explain_tests {
+    use super::*;
+
+    #[test]
+    fn explanation_says_why_and_where() {
+        let raw = serde_json::json!({
+            "id": "inst_01jd3x7k2q9v8m4n6p5r0s1t2w", "tenant_id": "ten_01jd3x7k2q9v8m4n6p5r0s1t2w",
+            "state": "pending", "state_reason": "waiting for GPUs: 0/2 nodes fit: 2 too few free GPUs",
+            "gpus": 4, "gpu_types": ["H100", "H200"], "cpu_milli": 1000, "memory_mb": 1024,
+            "command": ["x"], "env": {}, "billing_class": "spot", "gpu_ids": [], "stop_requested": false,
+            "created_at": "2026-11-29T10:00:00Z",
+            "events": [{"state": "pending", "reason": "waiting for placement", "at": "2026-11-29T10:00:00Z"}]
+        });
+        let inst: Instance = serde_json::from_value(raw).unwrap();
+        let lines = explanation(&inst);
+        assert!(
+            lines[0].ends_with("is pending: waiting for GPUs: 0/2 nodes fit: 2 too few free GPUs")
+        );
+        assert!(lines[1].contains("4 GPU(s) of H100 or H200") && lines[1].contains("billed spot"));
+        assert!(lines[2].starts_with("placed on: nowhere yet"));
+        assert_eq!(
+            lines.last().unwrap(),
+            "  2026-11-29 10:00:00.000Z  pending    waiting for placement"
+        );
     }
 }

@@ -78,6 +78,12 @@ enum Command {
         /// Instance id.
         id: String,
     },
+    /// Say why an instance is where it is: what it asked for, why it is
+    /// pending or where it was placed, and every transition with its reason.
+    Explain {
+        /// Instance id.
+        id: String,
+    },
     /// List tenants, or create one.
     Tenants {
         #[command(subcommand)]
@@ -221,6 +227,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Ps(args) => commands::ps(&ctx, args).await,
         Command::Logs { id, follow } => commands::logs(&ctx, &id, follow).await,
         Command::Stop { id } => commands::stop(&ctx, &id).await,
+        Command::Explain { id } => commands::explain(&ctx, &id).await,
         Command::Tenants { command } => match command {
             None | Some(TenantsCommand::List) => commands::tenants_list(&ctx).await,
             Some(TenantsCommand::Create { name }) => commands::tenants_create(&ctx, name).await,

@@ -1,0 +1,502 @@
+//! Flotilla's own policy, first version: cold-start-aware and
+//! trace-agnostic (nothing in it is fitted to a particular trace; it will be
+//! tuned against the simulator later).
+//!
+//! The baselines react to load they can already see; on GPUs a replica
+//! started now serves only after the cold start `H` (provision + pull +
+//! load, often a minute or more), so reacting is always `H` late. The rule:
+//!
+//! 1. **Forecast over the cold-start horizon.** Arrivals are counted from
+//!    the monotone request counter. A Holt (level + trend) exponentially
+//!    weighted estimate of the rate, extrapolated `H` ahead, anticipates
+//!    ramps; the peak rate of the recent window (in buckets one SLO long:
+//!    a burst shorter than the SLO can wait in the queue, a longer one
+//!    cannot) makes the estimate robust to noise and keeps capacity through
+//!    a recent peak — it also acts as the scale-down stabiliser. The
+//!    planning rate is `max(level + max(trend, 0) × H, peak)`, the trend
+//!    term capped at doubling within one horizon so one noisy burst cannot
+//!    order a fleet.
+//! 2. **Headroom from Little's law.** A replica completes `μ` requests per
+//!    second at its maximum concurrency `C` (so each request holds a slot
+//!    for `C / μ` seconds), hence `λ` requests per second keep `λ·C/μ`
+//!    requests in service, `R = λ/μ` replicas' worth. Arrivals fluctuate by
+//!    about `√R` (Poisson), so the policy keeps `ceil(R + β·√R)` replicas —
+//!    square-root staffing, `β` = 1 by default. Requests already in flight
+//!    and queued need `ceil((in_flight + queued) / C)` replicas now; the
+//!    larger of the two wins.
+//! 3. **Scale to zero by cost.** When one replica or fewer is needed, no
+//!    request is in flight or queued and none has arrived for `min_idle`,
+//!    the policy compares, over the next horizon `H`: the idle cost of one
+//!    warm replica, `gpus × price × H`, with the expected cost of going
+//!    cold, `P(a request within H) × (miss_cost × (1 + λH) + gpus × price ×
+//!    H)` — the first request and those arriving during its cold start miss
+//!    the SLO, and the cold start itself burns GPU time — with
+//!    `P = 1 − e^(−λH)` for Poisson arrivals at the long-run rate `λ`. It
+//!    scales to zero only when the idle cost is the larger. For small `λ`
+//!    this is the ski-rental break-even `λ < price / (miss_cost + price·H)`:
+//!    scale to zero when requests are rarer than the warm replica's cost can
+//!    justify.
+//!
+//! Not in this first slice: vertical moves between GPU classes, spot versus
+//! on-demand by tier, schedules and events. Costs here are `f64` estimates
+//! for a decision, never billed amounts (billing uses decimal money).
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use crate::observe::Observation;
+use crate::policy::{ceil_u32, nonzero_ms, positive, Bounds, Decision, Monotonic, Policy, Reason};
+use crate::ScaleError;
+
+/// How long a new replica takes to serve on one GPU type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ColdStart {
+    /// Getting a node (zero when one is free).
+    pub provision_ms: u64,
+    /// Pulling the image.
+    pub pull_ms: u64,
+    /// Loading the weights onto the GPU.
+    pub load_ms: u64,
+}
+
+impl ColdStart {
+    /// The whole cold start.
+    pub fn total_ms(&self) -> u64 {
+        self.provision_ms
+            .saturating_add(self.pull_ms)
+            .saturating_add(self.load_ms)
+    }
+}
+
+/// What one replica can do on the GPU type it runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ServiceModel {
+    /// Requests per second one replica completes at its maximum concurrency
+    /// (`μ`).
+    pub service_rate: f64,
+    /// Requests one replica serves at once (`C`).
+    pub max_concurrency: u32,
+}
+
+/// Flotilla policy configuration. [`FlotillaConfig::new`] fills defaults;
+/// the cold start and service model are per GPU type, so the caller passes
+/// those of the type the endpoint runs on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FlotillaConfig {
+    /// Cold start on this GPU type.
+    pub cold_start: ColdStart,
+    /// Service model on this GPU type.
+    pub service: ServiceModel,
+    /// The endpoint's latency objective (time to first token), in ms.
+    pub slo_ms: f64,
+    /// Decision cadence (default 1 s; estimates update on every call).
+    pub tick_ms: u64,
+    /// Time constant of the rate level (default 30 s).
+    pub level_time_constant_ms: u64,
+    /// Time constant of the rate trend (default 120 s).
+    pub trend_time_constant_ms: u64,
+    /// Time constant of the long-run rate used for scale to zero (default
+    /// 600 s).
+    pub long_time_constant_ms: u64,
+    /// Window over which the peak rate is kept (default 300 s).
+    pub peak_window_ms: u64,
+    /// Square-root staffing factor `β` (default 1.0; 0 disables headroom).
+    pub headroom_beta: f64,
+    /// GPUs one replica holds (default 1).
+    pub gpus_per_replica: u32,
+    /// Price of one GPU-hour, in the operator's currency (default 2.5).
+    pub gpu_price_per_hour: f64,
+    /// Cost the operator assigns to one request missing its SLO because of
+    /// a cold start, same currency (default 0.1).
+    pub miss_cost: f64,
+    /// Quiet time before scale to zero is considered (default 60 s).
+    pub min_idle_ms: u64,
+}
+
+impl FlotillaConfig {
+    /// Defaults around the endpoint's cold start, service model and SLO.
+    pub fn new(cold_start: ColdStart, service: ServiceModel, slo_ms: f64) -> Self {
+        Self {
+            cold_start,
+            service,
+            slo_ms,
+            tick_ms: 1_000,
+            level_time_constant_ms: 30_000,
+            trend_time_constant_ms: 120_000,
+            long_time_constant_ms: 600_000,
+            peak_window_ms: 300_000,
+            headroom_beta: 1.0,
+            gpus_per_replica: 1,
+            gpu_price_per_hour: 2.5,
+            miss_cost: 0.1,
+            min_idle_ms: 60_000,
+        }
+    }
+
+    fn validate(&self) -> Result<(), ScaleError> {
+        positive("service.service_rate", self.service.service_rate)?;
+        if self.service.max_concurrency == 0 {
+            return Err(ScaleError::InvalidConfig {
+                field: "service.max_concurrency",
+                reason: "must be at least 1",
+            });
+        }
+        positive("slo_ms", self.slo_ms)?;
+        nonzero_ms("tick_ms", self.tick_ms)?;
+        nonzero_ms("level_time_constant_ms", self.level_time_constant_ms)?;
+        nonzero_ms("trend_time_constant_ms", self.trend_time_constant_ms)?;
+        nonzero_ms("long_time_constant_ms", self.long_time_constant_ms)?;
+        nonzero_ms("peak_window_ms", self.peak_window_ms)?;
+        for (field, x) in [
+            ("headroom_beta", self.headroom_beta),
+            ("gpu_price_per_hour", self.gpu_price_per_hour),
+            ("miss_cost", self.miss_cost),
+        ] {
+            if !(x.is_finite() && x >= 0.0) {
+                return Err(ScaleError::InvalidConfig {
+                    field,
+                    reason: "must be finite and not negative",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Step 3's two sides for a long-run arrival rate `rate` (requests per
+    /// second): `(idle cost of one warm replica over the cold-start
+    /// horizon, expected penalty of being cold over it)`. Scale to zero
+    /// only when the first is larger.
+    pub fn zero_tradeoff(&self, rate: f64) -> (f64, f64) {
+        let h = self.cold_start.total_ms() as f64 / 1000.0;
+        let price_s = f64::from(self.gpus_per_replica) * self.gpu_price_per_hour / 3600.0;
+        let lambda = if rate.is_finite() && rate > 0.0 {
+            rate
+        } else {
+            0.0
+        };
+        let idle = price_s * h;
+        let p = 1.0 - (-lambda * h).exp();
+        let penalty = p * (self.miss_cost * (1.0 + lambda * h) + price_s * h);
+        (idle, penalty)
+    }
+
+    /// Width of a peak bucket: one SLO, within 1 s ..= 60 s.
+    fn bucket_ms(&self) -> u64 {
+        (self.slo_ms as u64).clamp(1_000, 60_000)
+    }
+}
+
+/// Flotilla's policy state: the rate estimators, recent per-bucket arrival
+/// counts and the last time traffic was seen.
+#[derive(Debug, Clone)]
+pub struct Flotilla {
+    cfg: FlotillaConfig,
+    bounds: Bounds,
+    clock: Monotonic,
+    /// Counter and time of the last rate sample.
+    last_sample: Option<(u64, u64)>,
+    /// Counter value already put into buckets.
+    counted: Option<u64>,
+    /// Rate level and trend (requests/s, requests/s²).
+    level: f64,
+    trend: f64,
+    /// Long-run rate (requests/s).
+    long_rate: f64,
+    buckets: VecDeque<(u64, u64)>,
+    last_traffic_ms: Option<u64>,
+    last_tick_ms: Option<u64>,
+    last: Option<Decision>,
+}
+
+impl Flotilla {
+    /// The policy within `bounds`.
+    pub fn new(cfg: FlotillaConfig, bounds: Bounds) -> Result<Self, ScaleError> {
+        cfg.validate()?;
+        Ok(Self {
+            cfg,
+            bounds,
+            clock: Monotonic::default(),
+            last_sample: None,
+            counted: None,
+            level: 0.0,
+            trend: 0.0,
+            long_rate: 0.0,
+            buckets: VecDeque::new(),
+            last_traffic_ms: None,
+            last_tick_ms: None,
+            last: None,
+        })
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &FlotillaConfig {
+        &self.cfg
+    }
+
+    /// Fold the observation into the estimators.
+    fn observe(&mut self, now: u64, obs: &Observation) {
+        let total = obs.requests_total;
+
+        // Peak buckets: every arrival counted once, whatever the cadence.
+        let new = match self.counted {
+            Some(c) if total >= c => total - c,
+            _ => 0, // first sight or counter reset
+        };
+        self.counted = Some(total);
+        let bucket_ms = self.cfg.bucket_ms();
+        let idx = now / bucket_ms;
+        if new > 0 {
+            match self.buckets.back_mut() {
+                Some((i, n)) if *i >= idx => *n = n.saturating_add(new),
+                _ => self.buckets.push_back((idx, new)),
+            }
+        }
+        let oldest = now.saturating_sub(self.cfg.peak_window_ms) / bucket_ms;
+        while self.buckets.front().is_some_and(|(i, _)| *i < oldest) {
+            self.buckets.pop_front();
+        }
+        if new > 0 || obs.concurrency() > 0.0 || self.last_traffic_ms.is_none() {
+            self.last_traffic_ms = Some(now);
+        }
+
+        // Rate estimators, sampled whenever time has passed.
+        match self.last_sample {
+            None => self.last_sample = Some((now, total)),
+            Some((_, n0)) if total < n0 => self.last_sample = Some((now, total)),
+            Some((t0, n0)) if now > t0 => {
+                let dt = (now - t0) as f64 / 1000.0;
+                let x = (total - n0) as f64 / dt;
+                let a = 1.0 - (-dt * 1000.0 / self.cfg.level_time_constant_ms as f64).exp();
+                let b = 1.0 - (-dt * 1000.0 / self.cfg.trend_time_constant_ms as f64).exp();
+                let c = 1.0 - (-dt * 1000.0 / self.cfg.long_time_constant_ms as f64).exp();
+                let predicted = (self.level + self.trend * dt).max(0.0);
+                let level = predicted + a * (x - predicted);
+                self.trend += b * ((level - self.level) / dt - self.trend);
+                self.level = level.max(0.0);
+                self.long_rate += c * (x - self.long_rate);
+                self.last_sample = Some((now, total));
+            }
+            Some(_) => {}
+        }
+    }
+
+    /// Peak arrival rate over the recent window, per second, averaged over
+    /// SLO-long buckets.
+    pub fn peak_rate(&self) -> f64 {
+        let secs = self.cfg.bucket_ms() as f64 / 1000.0;
+        self.buckets
+            .iter()
+            .map(|(_, n)| *n as f64 / secs)
+            .fold(0.0, f64::max)
+    }
+
+    /// The planning rate: the arrival rate to provision for one cold start
+    /// from now, in requests per second.
+    pub fn forecast_rate(&self) -> f64 {
+        let h = self.cfg.cold_start.total_ms() as f64 / 1000.0;
+        let base = self.level.max(self.peak_rate());
+        let ahead = (self.level + self.trend.max(0.0) * h).min(2.0 * base);
+        ahead.max(base)
+    }
+
+    fn tick(&mut self, now: u64, obs: &Observation) -> Decision {
+        let svc = self.cfg.service;
+        let r = self.forecast_rate() / svc.service_rate;
+        let by_rate = if r > 0.0 {
+            ceil_u32(r + self.cfg.headroom_beta * r.sqrt())
+        } else {
+            0
+        };
+        let by_backlog = ceil_u32(obs.concurrency() / f64::from(svc.max_concurrency));
+        let (mut need, mut reason) = if by_backlog > by_rate {
+            (by_backlog, Reason::Backlog)
+        } else {
+            (by_rate, Reason::Forecast)
+        };
+
+        if need <= 1 && self.bounds.allows_zero() && obs.concurrency() <= 0.0 {
+            let quiet_for = now.saturating_sub(self.last_traffic_ms.unwrap_or(now));
+            if quiet_for < self.cfg.min_idle_ms {
+                if need == 1 || obs.current() > 0 {
+                    (need, reason) = (1, Reason::RecentTraffic);
+                }
+            } else {
+                let (idle, penalty) = self.cfg.zero_tradeoff(self.long_rate);
+                (need, reason) = if idle > penalty {
+                    (0, Reason::ScaledToZero)
+                } else {
+                    (1, Reason::KeepWarm)
+                };
+            }
+        }
+        self.bounds.apply(Decision::new(need, reason))
+    }
+}
+
+impl Policy for Flotilla {
+    fn name(&self) -> &'static str {
+        "flotilla"
+    }
+
+    fn bounds(&self) -> Bounds {
+        self.bounds
+    }
+
+    fn interval_ms(&self) -> u64 {
+        self.cfg.tick_ms
+    }
+
+    fn decide(&mut self, now_ms: u64, obs: &Observation) -> Decision {
+        let now = self.clock.advance(now_ms);
+        self.observe(now, obs);
+        if let (Some(t), Some(last)) = (self.last_tick_ms, self.last) {
+            if now.saturating_sub(t) < self.cfg.tick_ms {
+                return Decision::new(last.replicas, Reason::NotDue);
+            }
+        }
+        let d = self.tick(now, obs);
+        self.last_tick_ms = Some(now);
+        self.last = Some(d);
+        d
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> FlotillaConfig {
+        FlotillaConfig::new(
+            ColdStart {
+                provision_ms: 0,
+                pull_ms: 10_000,
+                load_ms: 50_000,
+            },
+            ServiceModel {
+                service_rate: 2.0,
+                max_concurrency: 8,
+            },
+            2_000.0,
+        )
+    }
+
+    fn at(total: u64) -> Observation {
+        Observation {
+            ready: 1,
+            requests_total: total,
+            ..Observation::default()
+        }
+    }
+
+    #[test]
+    fn steady_load_gets_square_root_headroom() {
+        let mut f = Flotilla::new(cfg(), Bounds::new(0, 100).unwrap()).unwrap();
+        let mut d = Decision::new(0, Reason::NotDue);
+        for s in 0..=600u64 {
+            d = f.decide(s * 1000, &at(20 * s));
+        }
+        // 20 r/s at 2 r/s per replica: R = 10, + √10 → 14.
+        assert_eq!(d, Decision::new(14, Reason::Forecast));
+    }
+
+    #[test]
+    fn scales_ahead_of_a_ramp() {
+        // λ(t) = 1 + 0.05 t r/s; one cold start is 60 s.
+        let mut c = cfg();
+        c.headroom_beta = 0.0;
+        let mut f = Flotilla::new(c, Bounds::new(0, 1000).unwrap()).unwrap();
+        let lambda = |t: f64| 1.0 + 0.05 * t;
+        for s in 0..=600u64 {
+            let t = s as f64;
+            let total = (t + 0.025 * t * t).floor() as u64;
+            let d = f.decide(s * 1000, &at(total));
+            if s >= 300 {
+                let later = lambda(t + 60.0);
+                // Provisioned now for the rate one cold start ahead ...
+                assert!(
+                    f.forecast_rate() >= 0.95 * later,
+                    "at {s} s: {} < {later}",
+                    f.forecast_rate()
+                );
+                assert!(
+                    d.replicas >= ceil_u32(0.95 * later / 2.0),
+                    "at {s} s: {d:?}"
+                );
+                // ... which the current rate alone would not cover.
+                assert!(lambda(t) < 0.95 * later);
+            }
+        }
+    }
+
+    #[test]
+    fn backlog_from_zero_scales_at_once() {
+        let mut f = Flotilla::new(cfg(), Bounds::new(0, 100).unwrap()).unwrap();
+        let o = Observation {
+            queued: 20,
+            requests_total: 20,
+            ..Observation::default()
+        };
+        assert_eq!(f.decide(0, &o), Decision::new(3, Reason::Backlog));
+    }
+
+    #[test]
+    fn never_below_min() {
+        let mut f = Flotilla::new(cfg(), Bounds::new(3, 100).unwrap()).unwrap();
+        for s in 0..7200u64 {
+            assert!(f.decide(s * 1000, &at(0)).replicas >= 3);
+        }
+    }
+
+    /// One request every `gap` seconds for an hour, then ten minutes of
+    /// silence; returns the decision of every second.
+    fn sparse_then_quiet(c: FlotillaConfig, gap: u64) -> Vec<Decision> {
+        let mut f = Flotilla::new(c, Bounds::new(0, 100).unwrap()).unwrap();
+        let mut total = 0;
+        (0..4200u64)
+            .map(|s| {
+                if s < 3600 && s % gap == 0 {
+                    total += 1;
+                }
+                f.decide(s * 1000, &at(total))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn scales_to_zero_when_idle_cost_wins() {
+        // One request per 10 min: λ ≈ 0.0017 r/s, below the break-even
+        // price / (miss + price·H) ≈ 0.00069 / 0.142 ≈ 0.0049 r/s.
+        let c = cfg();
+        let (idle, penalty) = c.zero_tradeoff(1.0 / 600.0);
+        assert!(idle > penalty);
+        let ds = sparse_then_quiet(c, 600);
+        // Warm for the minimum idle time after the 3000 s request ...
+        assert!(ds[3000..3060].iter().all(|d| d.replicas == 1));
+        // ... then zero until the next one.
+        assert_eq!(ds[3100], Decision::new(0, Reason::ScaledToZero));
+        assert!(ds[3100..3600].iter().all(|d| d.replicas == 0));
+        assert_eq!(ds.last().map(|d| d.replicas), Some(0));
+    }
+
+    #[test]
+    fn keeps_warm_when_penalty_wins() {
+        // One request per 30 s: λ ≈ 0.033 r/s, above the break-even.
+        let c = cfg();
+        let (idle, penalty) = c.zero_tradeoff(1.0 / 30.0);
+        assert!(penalty > idle);
+        let ds = sparse_then_quiet(c, 30);
+        assert!(ds[60..].iter().all(|d| d.replicas == 1));
+        assert_eq!(ds[3700].reason, Reason::KeepWarm);
+    }
+
+    #[test]
+    fn free_misses_make_zero_the_right_call() {
+        // Same busy traffic, but the operator prices a miss at zero: idle
+        // cost always wins once traffic stops.
+        let mut c = cfg();
+        c.miss_cost = 0.0;
+        let ds = sparse_then_quiet(c, 30);
+        assert_eq!(ds.last().map(|d| d.replicas), Some(0));
+    }
+}
