@@ -2,7 +2,8 @@
 //! replayed for a retry with the same key and body; a different body with
 //! the same key is refused; a retry while the first is in flight gets 409.
 //! Non-2xx answers are not stored, so a corrected retry can succeed.
-//! Agent routes are exempt: they are idempotent by design and long-poll.
+//! Agent routes and usage batches are exempt: they are idempotent by design
+//! (agents long-poll; usage events carry their own keys).
 
 use axum::body::{to_bytes, Body};
 use axum::extract::{Request, State};
@@ -24,7 +25,12 @@ pub const REPLAYED: &str = "idempotent-replayed";
 
 /// The middleware.
 pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Response {
-    if req.method() != Method::POST || req.uri().path().starts_with("/v1/agent/") {
+    // Usage batches are idempotent event by event (their keys) and may be
+    // far larger than the body limit buffered here.
+    if req.method() != Method::POST
+        || req.uri().path().starts_with("/v1/agent/")
+        || req.uri().path() == "/v1/usage/events"
+    {
         return next.run(req).await;
     }
     let Some(key) = req.headers().get(HEADER).cloned() else {

@@ -19,6 +19,7 @@ pub mod keys;
 pub mod logs;
 pub mod nodes;
 pub mod tenants;
+pub mod usage;
 
 /// Errors of the store.
 #[derive(Debug, thiserror::Error)]

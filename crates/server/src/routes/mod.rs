@@ -21,6 +21,7 @@ pub mod instances;
 pub mod keys;
 pub mod nodes;
 pub mod tenants;
+pub mod usage;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -41,6 +42,7 @@ pub mod tenants;
         (name = "nodes", description = "Machines offering GPUs"),
         (name = "instances", description = "GPU instances: rent, run, stop, logs"),
         (name = "agent", description = "Protocol of the node agent"),
+        (name = "usage", description = "Metered usage and invoices"),
         (name = "meta", description = "Identity and health"),
     )
 )]
@@ -80,6 +82,9 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(agent::register))
         .routes(routes!(agent::sync))
         .routes(routes!(agent::push_logs))
+        .routes(routes!(usage::post_usage_events))
+        .routes(routes!(usage::list_usage))
+        .routes(routes!(usage::invoice_preview))
 }
 
 /// A store page as an API page.

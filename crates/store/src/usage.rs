@@ -1,0 +1,777 @@
+//! The usage ledger in SQL: flotilla-billing's append-only event log, with
+//! its rules ([`check_append`]) applied batch by batch.
+//!
+//! Exactly-once comes from the key, not from the sender: every event is
+//! inserted with `ON CONFLICT (tenant_id, source, event_id) DO NOTHING` in
+//! one transaction per batch, so a batch is either wholly committed or not
+//! at all, and a sender that crashed (or whose server crashed) re-sends
+//! everything and the key absorbs what was already committed. Rows already
+//! there are then compared with what was sent: same payload is a
+//! duplicate, another payload a conflict (refused), exactly as the
+//! in-memory reference ledger decides.
+//!
+//! Rating does not read millions of events back one by one:
+//! [`Store::usage_rollup`] sums them in SQL into a few rows that rate to
+//! the same invoice (see its documentation for why that is exact).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use chrono::{DateTime, Duration, SubsecRound, Utc};
+use flotilla_billing::meter::{
+    check_append, Appended, EventKey, Meter, Subject, SubjectKind, UsageEvent, MAX_COUNT, MAX_UNITS,
+};
+use flotilla_billing::{BillingError, Period};
+use flotilla_core::id::{NodeId, TenantId};
+use flotilla_core::instance::BillingClass;
+use rust_decimal::prelude::ToPrimitive;
+use rust_decimal::Decimal;
+use sqlx::any::AnyRow;
+use sqlx::Row;
+
+use crate::{at, json, ms, to_json, Result, Store, StoreError};
+
+/// Columns written per event.
+const COLS: usize = 18;
+
+/// Events per INSERT on `backend`. PostgreSQL: 500 rows × 18 binds, well
+/// under its 65,535 binds, large enough that round trips are noise.
+/// SQLite: small statements, because sqlx's SQLite driver handles the
+/// arguments of one statement in time quadratic in their number (measured:
+/// 1,000 rows ran at 2k events/s, 100 rows at 20k/s); SQLite has no round
+/// trip, so many small statements cost nothing extra.
+pub fn insert_chunk(backend: crate::Backend) -> usize {
+    match backend {
+        crate::Backend::Sqlite => SQLITE_CHUNK,
+        crate::Backend::Postgres => 500,
+    }
+}
+
+const SQLITE_CHUNK: usize = 10;
+
+/// Keys per lookup of already-stored events (3 binds each).
+const PROBE_CHUNK: usize = 1000;
+
+/// Most events one call may append; the API allows 10,000 per request.
+pub const MAX_BATCH: usize = 100_000;
+
+const EVENT_COLUMNS: &str = "tenant_id, source, event_id, subject_kind, subject_id, meter, \
+     meter_detail, model, share_units, billing_class, start_ms, end_ms, amount, amount_int, \
+     node_id, corrects_source, corrects_id, received_at";
+
+/// Why one event of a batch was not recorded.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Rejection {
+    /// Position of the event in the batch.
+    pub index: usize,
+    /// Its key as `tenant/source/id`.
+    pub key: String,
+    /// `invalid`, `unknown_tenant`, `key_conflict` or `late`.
+    pub code: &'static str,
+    /// The field at fault, for `invalid` and `unknown_tenant`.
+    pub field: Option<String>,
+    /// What is wrong, lowercase.
+    pub message: String,
+}
+
+/// What one batch did. `accepted + duplicates + rejected.len()` is the
+/// batch size.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AppendOutcome {
+    /// Events recorded by this call.
+    pub accepted: u64,
+    /// Events already recorded with the same payload (harmless re-sends).
+    pub duplicates: u64,
+    /// Events refused, each with its reason.
+    pub rejected: Vec<Rejection>,
+}
+
+/// The stored form of one event, computed once per event.
+struct Flat<'a> {
+    e: &'a UsageEvent,
+    subject_kind: &'static str,
+    meter: &'static str,
+    meter_detail: String,
+    model: &'a str,
+    share_units: i64,
+    amount: String,
+    amount_int: Option<i64>,
+}
+
+fn subject_kind_str(k: SubjectKind) -> &'static str {
+    match k {
+        SubjectKind::Instance => "instance",
+        SubjectKind::Job => "job",
+        SubjectKind::Endpoint => "endpoint",
+    }
+}
+
+fn parse_subject_kind(s: &str) -> Result<SubjectKind> {
+    Ok(match s {
+        "instance" => SubjectKind::Instance,
+        "job" => SubjectKind::Job,
+        "endpoint" => SubjectKind::Endpoint,
+        other => return Err(StoreError::Corrupt(format!("usage subject kind `{other}`"))),
+    })
+}
+
+fn meter_str(m: &Meter) -> &'static str {
+    match m {
+        Meter::GpuSeconds { .. } => "gpu_seconds",
+        Meter::InstanceSeconds => "instance_seconds",
+        Meter::StorageGbSeconds => "storage_gb_seconds",
+        Meter::Requests => "requests",
+        Meter::InputTokens => "input_tokens",
+        Meter::OutputTokens => "output_tokens",
+    }
+}
+
+/// Count meters are rated by their end alone (see `quantity_within`).
+fn is_count_meter(kind: &str) -> bool {
+    matches!(kind, "requests" | "input_tokens" | "output_tokens")
+}
+
+impl<'a> Flat<'a> {
+    fn new(e: &'a UsageEvent) -> Result<Self, BillingError> {
+        let (model, share_units) = match &e.meter {
+            Meter::GpuSeconds { model, share } => (model.as_str(), share.units()?),
+            _ => ("", 0),
+        };
+        let amount_int = if e.amount.fract().is_zero() {
+            e.amount.to_i64()
+        } else {
+            None
+        };
+        Ok(Self {
+            e,
+            subject_kind: subject_kind_str(e.subject.kind),
+            meter: meter_str(&e.meter),
+            meter_detail: to_json(&e.meter),
+            model,
+            share_units: i64::try_from(share_units).unwrap_or(i64::MAX),
+            amount: e.amount.normalize().to_string(),
+            amount_int,
+        })
+    }
+}
+
+/// The parts of the ledger rules that need no database: the billing
+/// crate's validation, plus the one thing SQL cannot store faithfully
+/// (sub-millisecond times), refused so that a re-send of a stored event
+/// always compares equal to it. The API calls this to answer 422.
+pub fn validate_event(e: &UsageEvent) -> Result<(), BillingError> {
+    e.validate()?;
+    for (field, t) in [("start", e.start), ("end", e.end)] {
+        if t.trunc_subsecs(3) != t {
+            return Err(BillingError::invalid(
+                field,
+                "must be a whole number of milliseconds",
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn rejection(index: usize, e: &UsageEvent, err: BillingError) -> Rejection {
+    let key = e.key.to_string();
+    match err {
+        BillingError::Invalid { field, message } => Rejection {
+            index,
+            key,
+            code: "invalid",
+            field: Some(field),
+            message,
+        },
+        BillingError::KeyConflict { .. } => Rejection {
+            index,
+            key,
+            code: "key_conflict",
+            field: None,
+            message: err.to_string(),
+        },
+        BillingError::LateEvent { .. } => Rejection {
+            index,
+            key,
+            code: "late",
+            field: Some("end".into()),
+            message: err.to_string(),
+        },
+        other => Rejection {
+            index,
+            key,
+            code: "invalid",
+            field: None,
+            message: other.to_string(),
+        },
+    }
+}
+
+fn insert_sql(rows: usize) -> String {
+    let mut sql = String::with_capacity(64 + rows * COLS * 6);
+    sql.push_str("INSERT INTO usage_events (");
+    sql.push_str(EVENT_COLUMNS);
+    sql.push_str(") VALUES ");
+    for r in 0..rows {
+        if r > 0 {
+            sql.push(',');
+        }
+        sql.push('(');
+        for c in 0..COLS {
+            if c > 0 {
+                sql.push(',');
+            }
+            sql.push('$');
+            sql.push_str(&(r * COLS + c + 1).to_string());
+        }
+        sql.push(')');
+    }
+    sql
+}
+
+fn probe_sql(keys: usize) -> String {
+    let mut sql = format!(
+        "SELECT {EVENT_COLUMNS} FROM usage_events WHERE (tenant_id, source, event_id) IN (VALUES "
+    );
+    for i in 0..keys {
+        if i > 0 {
+            sql.push(',');
+        }
+        sql.push_str(&format!("(${}, ${}, ${})", i * 3 + 1, i * 3 + 2, i * 3 + 3));
+    }
+    sql.push(')');
+    sql
+}
+
+/// One stored row back as the event it records.
+fn decode(r: &AnyRow) -> Result<UsageEvent> {
+    let tenant: String = r.try_get("tenant_id")?;
+    let tenant = TenantId::parse(&tenant, "tenant_id")
+        .map_err(|e| StoreError::Corrupt(format!("usage tenant: {e}")))?;
+    let node: Option<String> = r.try_get("node_id")?;
+    let node = node
+        .map(|n| NodeId::parse(&n, "node_id"))
+        .transpose()
+        .map_err(|e| StoreError::Corrupt(format!("usage node: {e}")))?;
+    let class: String = r.try_get("billing_class")?;
+    let amount: String = r.try_get("amount")?;
+    let cs: Option<String> = r.try_get("corrects_source")?;
+    let ci: Option<String> = r.try_get("corrects_id")?;
+    let corrects = match (cs, ci) {
+        (Some(source), Some(id)) => Some(EventKey {
+            tenant: tenant.clone(),
+            source,
+            id,
+        }),
+        _ => None,
+    };
+    Ok(UsageEvent {
+        key: EventKey {
+            tenant,
+            source: r.try_get("source")?,
+            id: r.try_get("event_id")?,
+        },
+        subject: Subject {
+            kind: parse_subject_kind(&r.try_get::<String, _>("subject_kind")?)?,
+            id: r.try_get("subject_id")?,
+        },
+        meter: json(&r.try_get::<String, _>("meter_detail")?, "usage meter")?,
+        billing_class: BillingClass::parse(&class)
+            .ok_or_else(|| StoreError::Corrupt(format!("usage billing class `{class}`")))?,
+        start: at(r.try_get("start_ms")?),
+        end: at(r.try_get("end_ms")?),
+        amount: amount
+            .parse()
+            .map_err(|_| StoreError::Corrupt(format!("usage amount `{amount}`")))?,
+        node,
+        corrects,
+    })
+}
+
+/// The group of a rollup row: everything rating looks at except the amount.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct GroupKey {
+    meter_detail: String,
+    billing_class: String,
+    subject_kind: String,
+    subject: String,
+    start_ms: i64,
+    end_ms: i64,
+}
+
+impl GroupKey {
+    /// The group an event falls in; must match the SQL of `usage_rollup`.
+    fn of(e: &UsageEvent, per_subject: bool) -> Self {
+        let meter = meter_str(&e.meter);
+        let keep_subject = per_subject
+            && meter == "gpu_seconds"
+            && e.billing_class == BillingClass::OnDemand
+            && e.subject.kind != SubjectKind::Endpoint;
+        Self {
+            meter_detail: to_json(&e.meter),
+            billing_class: e.billing_class.as_str().to_string(),
+            subject_kind: subject_kind_str(e.subject.kind).to_string(),
+            subject: if keep_subject {
+                e.subject.id.clone()
+            } else {
+                String::new()
+            },
+            start_ms: if is_count_meter(meter) {
+                ms(e.end)
+            } else {
+                ms(e.start)
+            },
+            end_ms: ms(e.end),
+        }
+    }
+}
+
+/// What a rollup read, for reports.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rollup {
+    /// Events that rate exactly like the tenant's stored events.
+    pub events: Vec<UsageEvent>,
+    /// Stored events summed into them.
+    pub stored_events: u64,
+}
+
+impl Store {
+    /// Appends a batch under flotilla-billing's ledger rules, in ONE
+    /// transaction: new events are recorded; an event whose key is already
+    /// stored with the same payload is a duplicate (accepted, nothing
+    /// changes, checked before the grace window so re-sending after a
+    /// crash is always safe); with another payload it is refused
+    /// (`key_conflict`); a new event that ended more than `grace` before
+    /// `now` is refused (`late`); invalid events and events of unknown
+    /// tenants are refused. Within a batch the first occurrence of a key
+    /// wins and later ones are judged against it.
+    pub async fn append_usage(
+        &self,
+        batch: &[UsageEvent],
+        grace: Duration,
+        now: DateTime<Utc>,
+    ) -> Result<AppendOutcome> {
+        if batch.len() > MAX_BATCH {
+            return Err(StoreError::Conflict(format!(
+                "a usage batch holds at most {MAX_BATCH} events, got {}",
+                batch.len()
+            )));
+        }
+        let mut out = AppendOutcome::default();
+        let known = self.known_tenants(batch).await?;
+        // First valid occurrence of every key in the batch.
+        let mut first: HashMap<&EventKey, usize> = HashMap::with_capacity(batch.len());
+        let mut fresh: Vec<Flat<'_>> = Vec::with_capacity(batch.len());
+        // Late events may still be duplicates of stored ones.
+        let mut late: Vec<(usize, &UsageEvent, BillingError)> = Vec::new();
+        for (i, e) in batch.iter().enumerate() {
+            if let Err(err) = validate_event(e) {
+                out.rejected.push(rejection(i, e, err));
+                continue;
+            }
+            if !known.contains(e.key.tenant.as_str()) {
+                out.rejected.push(Rejection {
+                    index: i,
+                    key: e.key.to_string(),
+                    code: "unknown_tenant",
+                    field: Some("key.tenant".into()),
+                    message: format!("tenant {} does not exist", e.key.tenant),
+                });
+                continue;
+            }
+            if let Some(&j) = first.get(&e.key) {
+                match check_append(e, Some(&batch[j]), grace, now) {
+                    Ok(_) => out.duplicates += 1,
+                    Err(err) => out.rejected.push(rejection(i, e, err)),
+                }
+                continue;
+            }
+            first.insert(&e.key, i);
+            match check_append(e, None, grace, now) {
+                Ok(_) => match Flat::new(e) {
+                    Ok(f) => fresh.push(f),
+                    Err(err) => out.rejected.push(rejection(i, e, err)),
+                },
+                Err(err) => late.push((i, e, err)),
+            }
+        }
+
+        let now_ms = ms(now);
+        let mut tx = self.pool().begin().await?;
+        let chunk_len = insert_chunk(self.backend());
+        let full_sql = insert_sql(chunk_len);
+        // Keys not inserted by their chunk: stored before, to be compared.
+        let mut probe: Vec<(usize, &UsageEvent)> = Vec::new();
+        let mut inserted_in_probed = 0u64;
+        for chunk in fresh.chunks(chunk_len) {
+            let sql_owned;
+            let sql: &str = if chunk.len() == chunk_len {
+                &full_sql
+            } else {
+                sql_owned = insert_sql(chunk.len());
+                &sql_owned
+            };
+            let sql = format!("{sql} ON CONFLICT (tenant_id, source, event_id) DO NOTHING");
+            let mut q = sqlx::query(&sql);
+            for f in chunk {
+                let e = f.e;
+                let (cs, ci) = match &e.corrects {
+                    Some(k) => (Some(k.source.as_str()), Some(k.id.as_str())),
+                    None => (None, None),
+                };
+                q = q
+                    .bind(e.key.tenant.as_str())
+                    .bind(e.key.source.as_str())
+                    .bind(e.key.id.as_str())
+                    .bind(f.subject_kind)
+                    .bind(e.subject.id.as_str())
+                    .bind(f.meter)
+                    .bind(f.meter_detail.as_str())
+                    .bind(f.model)
+                    .bind(f.share_units)
+                    .bind(e.billing_class.as_str())
+                    .bind(ms(e.start))
+                    .bind(ms(e.end))
+                    .bind(f.amount.as_str())
+                    .bind(f.amount_int)
+                    .bind(e.node.as_ref().map(|n| n.as_str()))
+                    .bind(cs)
+                    .bind(ci)
+                    .bind(now_ms);
+            }
+            let inserted = q.execute(&mut *tx).await?.rows_affected();
+            out.accepted += inserted;
+            if inserted < chunk.len() as u64 {
+                // Some keys were already stored. Every key of the chunk is
+                // now stored; those equal to what was sent are new or
+                // duplicates (the difference is `inserted`), the others
+                // conflict.
+                inserted_in_probed += inserted;
+                probe.extend(chunk.iter().map(|f| (first[&f.e.key], f.e)));
+            }
+        }
+        let mut probed_equal = 0u64;
+        let probed_fresh = probe.len() as u64;
+        let mut lookups: Vec<(usize, &UsageEvent)> = probe;
+        lookups.extend(late.iter().map(|(i, e, _)| (*i, *e)));
+        let stored = fetch_keys(&mut tx, lookups.iter().map(|(_, e)| &e.key)).await?;
+        for (n, (i, e)) in lookups.iter().enumerate() {
+            let fresh_one = (n as u64) < probed_fresh;
+            match (stored.get(&e.key), fresh_one) {
+                (Some(old), true) => match check_append(e, Some(old), grace, now) {
+                    Ok(_) => probed_equal += 1,
+                    Err(err) => out.rejected.push(rejection(*i, e, err)),
+                },
+                (Some(old), false) => match check_append(e, Some(old), grace, now) {
+                    Ok(Appended::Duplicate) | Ok(Appended::New) => out.duplicates += 1,
+                    Err(err) => out.rejected.push(rejection(*i, e, err)),
+                },
+                (None, true) => {
+                    // Cannot happen (no row is ever deleted); refuse rather
+                    // than count it, so the totals stay honest.
+                    return Err(StoreError::Conflict(format!(
+                        "usage event {} vanished during its append",
+                        e.key
+                    )));
+                }
+                (None, false) => {
+                    let err = late
+                        .iter()
+                        .find(|(j, _, _)| j == i)
+                        .map(|(_, _, err)| err.clone())
+                        .unwrap_or_else(|| BillingError::invalid("end", "late"));
+                    out.rejected.push(rejection(*i, e, err));
+                }
+            }
+        }
+        // Equal rows among probed chunks are those chunks' inserts plus
+        // their duplicates.
+        out.duplicates += probed_equal.saturating_sub(inserted_in_probed);
+        tx.commit().await?;
+        out.rejected.sort_by_key(|r| r.index);
+        Ok(out)
+    }
+
+    /// The ids among the batch's tenants that exist.
+    async fn known_tenants(&self, batch: &[UsageEvent]) -> Result<HashSet<String>> {
+        let wanted: HashSet<&str> = batch.iter().map(|e| e.key.tenant.as_str()).collect();
+        let mut known = HashSet::with_capacity(wanted.len());
+        let wanted: Vec<&str> = wanted.into_iter().collect();
+        for chunk in wanted.chunks(PROBE_CHUNK) {
+            let marks: Vec<String> = (1..=chunk.len()).map(|i| format!("${i}")).collect();
+            let sql = format!("SELECT id FROM tenants WHERE id IN ({})", marks.join(","));
+            let mut q = sqlx::query(&sql);
+            for t in chunk {
+                q = q.bind(*t);
+            }
+            for r in q.fetch_all(self.pool()).await? {
+                known.insert(r.try_get::<String, _>("id")?);
+            }
+        }
+        Ok(known)
+    }
+
+    /// Every stored event of `tenant` whose usage touches the period
+    /// (`start < period.end` and `end >= period.start`, the reference
+    /// ledger's rule), sorted by key: the input of `build_invoice`.
+    pub async fn usage_for(&self, tenant: &TenantId, period: Period) -> Result<Vec<UsageEvent>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {EVENT_COLUMNS} FROM usage_events WHERE tenant_id = $1 AND start_ms < $2 \
+             AND end_ms >= $3 ORDER BY source, event_id"
+        ))
+        .bind(tenant.as_str())
+        .bind(ms(period.end))
+        .bind(ms(period.start))
+        .fetch_all(self.pool())
+        .await?;
+        let mut out = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
+        // The database's collation may not be byte order; the key's is.
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    /// A page of `tenant`'s events touching `[from, to)`, in order of
+    /// `(end, source, id)`; `after` is the last `(end, source, id)` of the
+    /// previous page. Returns the page and whether more follow.
+    pub async fn list_usage(
+        &self,
+        tenant: &TenantId,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        after: Option<(DateTime<Utc>, String, String)>,
+        limit: u32,
+    ) -> Result<(Vec<UsageEvent>, bool)> {
+        let limit = limit.clamp(1, 1000);
+        let (a_end, a_source, a_id) = match &after {
+            Some((t, s, i)) => (ms(*t), s.as_str(), i.as_str()),
+            None => (i64::MIN, "", ""),
+        };
+        let rows = sqlx::query(&format!(
+            "SELECT {EVENT_COLUMNS} FROM usage_events WHERE tenant_id = $1 AND start_ms < $2 \
+             AND end_ms >= $3 AND (end_ms > $4 OR (end_ms = $4 AND (source > $5 OR \
+             (source = $5 AND event_id > $6)))) ORDER BY end_ms, source, event_id LIMIT $7"
+        ))
+        .bind(tenant.as_str())
+        .bind(ms(to))
+        .bind(ms(from))
+        .bind(a_end)
+        .bind(a_source)
+        .bind(a_id)
+        .bind(i64::from(limit) + 1)
+        .fetch_all(self.pool())
+        .await?;
+        let mut items = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
+        let more = items.len() > limit as usize;
+        items.truncate(limit as usize);
+        Ok((items, more))
+    }
+
+    /// Number of stored events and their GPU time in unit-milliseconds
+    /// (share units × ms, see `SHARE_UNITS_PER_GPU`), over every tenant:
+    /// what exactly-once checks compare with what was sent.
+    pub async fn usage_totals(&self) -> Result<(i64, i128)> {
+        let n: i64 = sqlx::query("SELECT COUNT(*) AS n FROM usage_events")
+            .fetch_one(self.pool())
+            .await?
+            .try_get("n")?;
+        // Summed per row in Rust: the product overflows no i128, and a
+        // SQL SUM of it could overflow BIGINT.
+        let rows = sqlx::query(
+            "SELECT share_units, amount_int, start_ms, end_ms FROM usage_events \
+             WHERE meter = 'gpu_seconds'",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        let mut unit_ms: i128 = 0;
+        for r in rows {
+            let units: i64 = r.try_get("share_units")?;
+            let amount: Option<i64> = r.try_get("amount_int")?;
+            let (s, e): (i64, i64) = (r.try_get("start_ms")?, r.try_get("end_ms")?);
+            unit_ms += i128::from(units) * i128::from(amount.unwrap_or(0)) * i128::from(e - s);
+        }
+        Ok((n, unit_ms))
+    }
+
+    /// The tenant's usage touching the period, summed in SQL into events
+    /// that rate to the same invoice as [`Store::usage_for`]'s, so that
+    /// rating millions of events costs one aggregate scan.
+    ///
+    /// Why this is exact for `build_invoice`: every quantity it computes is
+    /// linear in an event's amount and depends otherwise only on the
+    /// meter, billing class, subject kind, `[start, end)` (price versions,
+    /// spot points and reserved capacity are cut by time) and, for the
+    /// on-demand minimum, the subject. So events equal in all of those are
+    /// summed into one (split again where an amount would pass the
+    /// billing crate's per-event limits); count meters only look at `end`,
+    /// so their `start` is not grouped on. Subjects are kept only when
+    /// `per_subject` (the price book has an on-demand minimum). Events
+    /// with fractional amounts are passed through as they are (SQLite
+    /// would sum text as floating point). Corrections are applied the way
+    /// `effective_events` does: every event of the window named by a
+    /// correction of the window is subtracted from its group.
+    pub async fn usage_rollup(
+        &self,
+        tenant: &TenantId,
+        period: Period,
+        per_subject: bool,
+    ) -> Result<Rollup> {
+        let rows = sqlx::query(
+            "SELECT meter_detail, billing_class, subject_kind, \
+               CASE WHEN $4 = 1 AND meter = 'gpu_seconds' AND billing_class = 'on_demand' \
+                    AND subject_kind <> 'endpoint' THEN subject_id ELSE '' END AS subj, \
+               CASE WHEN meter IN ('requests', 'input_tokens', 'output_tokens') \
+                    THEN end_ms ELSE start_ms END AS s, \
+               end_ms, CAST(SUM(amount_int) AS BIGINT) AS total, COUNT(*) AS n \
+             FROM usage_events \
+             WHERE tenant_id = $1 AND start_ms < $2 AND end_ms >= $3 AND amount_int IS NOT NULL \
+             GROUP BY meter_detail, billing_class, subject_kind, subj, s, end_ms",
+        )
+        .bind(tenant.as_str())
+        .bind(ms(period.end))
+        .bind(ms(period.start))
+        .bind(i64::from(per_subject))
+        .fetch_all(self.pool())
+        .await?;
+        let mut groups: BTreeMap<GroupKey, i128> = BTreeMap::new();
+        let mut stored_events: u64 = 0;
+        for r in &rows {
+            let key = GroupKey {
+                meter_detail: r.try_get("meter_detail")?,
+                billing_class: r.try_get("billing_class")?,
+                subject_kind: r.try_get("subject_kind")?,
+                subject: r.try_get("subj")?,
+                start_ms: r.try_get("s")?,
+                end_ms: r.try_get("end_ms")?,
+            };
+            let total: i64 = r.try_get("total")?;
+            let n: i64 = r.try_get("n")?;
+            stored_events += n.max(0) as u64;
+            *groups.entry(key).or_insert(0) += i128::from(total);
+        }
+        let window =
+            |sql: &str| format!("{sql} WHERE tenant_id = $1 AND start_ms < $2 AND end_ms >= $3");
+        let fractional = sqlx::query(
+            &(window(&format!("SELECT {EVENT_COLUMNS} FROM usage_events"))
+                + " AND amount_int IS NULL"),
+        )
+        .bind(tenant.as_str())
+        .bind(ms(period.end))
+        .bind(ms(period.start))
+        .fetch_all(self.pool())
+        .await?;
+        let mut singles: BTreeMap<EventKey, UsageEvent> = BTreeMap::new();
+        for r in &fractional {
+            let e = decode(r)?;
+            stored_events += 1;
+            singles.insert(e.key.clone(), e);
+        }
+        let voids = sqlx::query(
+            &(window("SELECT DISTINCT corrects_source, corrects_id FROM usage_events")
+                + " AND corrects_id IS NOT NULL"),
+        )
+        .bind(tenant.as_str())
+        .bind(ms(period.end))
+        .bind(ms(period.start))
+        .fetch_all(self.pool())
+        .await?;
+        let voided: Vec<EventKey> = voids
+            .iter()
+            .map(|r| {
+                Ok(EventKey {
+                    tenant: tenant.clone(),
+                    source: r.try_get("corrects_source")?,
+                    id: r.try_get("corrects_id")?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        if !voided.is_empty() {
+            let mut conn = self.pool().acquire().await?;
+            let targets = fetch_keys(&mut conn, voided.iter()).await?;
+            for (k, e) in targets {
+                if !(e.start < period.end && e.end >= period.start) {
+                    continue;
+                }
+                if singles.remove(&k).is_some() {
+                    continue;
+                }
+                let g = GroupKey::of(&e, per_subject);
+                if let (Some(slot), Some(a)) = (groups.get_mut(&g), e.amount.to_i64()) {
+                    *slot -= i128::from(a);
+                }
+            }
+        }
+        let mut events = Vec::with_capacity(groups.len() + singles.len());
+        let mut n = 0u64;
+        for (g, total) in groups {
+            let meter: Meter = json(&g.meter_detail, "usage meter")?;
+            let limit = match meter {
+                Meter::GpuSeconds { .. } | Meter::InstanceSeconds => i128::from(MAX_UNITS),
+                _ => i128::from(MAX_COUNT),
+            };
+            let class = BillingClass::parse(&g.billing_class).ok_or_else(|| {
+                StoreError::Corrupt(format!("usage billing class `{}`", g.billing_class))
+            })?;
+            let kind = parse_subject_kind(&g.subject_kind)?;
+            let mut left = total;
+            while left > 0 {
+                let part = left.min(limit);
+                left -= part;
+                n += 1;
+                events.push(UsageEvent {
+                    key: EventKey {
+                        tenant: tenant.clone(),
+                        source: "rollup".into(),
+                        id: format!("{n:012}"),
+                    },
+                    subject: Subject {
+                        kind,
+                        id: if g.subject.is_empty() {
+                            "rollup".into()
+                        } else {
+                            g.subject.clone()
+                        },
+                    },
+                    meter: meter.clone(),
+                    billing_class: class,
+                    start: at(g.start_ms),
+                    end: at(g.end_ms),
+                    amount: Decimal::from(part as i64),
+                    node: None,
+                    corrects: None,
+                });
+            }
+        }
+        events.extend(singles.into_values().map(|mut e| {
+            // Voiding is already applied; a pass-through correction must
+            // not void a rollup row by key.
+            e.corrects = None;
+            e
+        }));
+        Ok(Rollup {
+            events,
+            stored_events,
+        })
+    }
+}
+
+/// Stored events with the given keys, by key.
+async fn fetch_keys<'k>(
+    conn: &mut sqlx::AnyConnection,
+    keys: impl Iterator<Item = &'k EventKey>,
+) -> Result<HashMap<EventKey, UsageEvent>> {
+    let keys: Vec<&EventKey> = keys.collect();
+    let mut out = HashMap::with_capacity(keys.len());
+    for chunk in keys.chunks(PROBE_CHUNK) {
+        let sql = probe_sql(chunk.len());
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q
+                .bind(k.tenant.as_str())
+                .bind(k.source.as_str())
+                .bind(k.id.as_str());
+        }
+        for r in q.fetch_all(&mut *conn).await? {
+            let e = decode(&r)?;
+            out.insert(e.key.clone(), e);
+        }
+    }
+    Ok(out)
+}
