@@ -8,6 +8,13 @@
 //! DotProd, GpuPacking, GpuClustering, FGD) and Flotilla's default policy.
 //! [`frag`] holds the paper's fragmentation measure.
 //!
+//! Around the single-request pipeline, and built on it: [`gang`] placement
+//! (all-or-nothing, optionally in one topology domain or region), [`mig`]
+//! profiles as GPU shares, the [`queue`] (priority, weighted DRF fair share,
+//! FIFO, EASY backfill), [`quota`] admission (guaranteed and borrowed), and
+//! [`preempt`]ion (cheapest sufficient set of evictable victims). They share
+//! the vocabulary of [`alloc`].
+//!
 //! This crate is pure and must stay so: no I/O, no clock, no threads, no
 //! global state. Randomness (tie-breaking, the Random policy) comes from a
 //! seeded `rand::Rng` the caller passes in, so the live server and the
@@ -22,13 +29,20 @@
 //! kept in one equivalence class and scored once, so the cost of a decision
 //! grows with the number of distinct node states, not the number of nodes.
 
+pub mod alloc;
 pub mod filter;
 pub mod frag;
+pub mod gang;
+pub mod mig;
+pub mod preempt;
+pub mod queue;
+pub mod quota;
 pub mod request;
 pub mod score;
 pub mod select;
 pub mod snapshot;
 
+pub use alloc::{Allocation, AllocationId, Resources, Tenant, Tier};
 pub use filter::{Explanation, Reason};
 pub use frag::TargetWorkload;
 pub use request::{GpuDemand, ModelSet, Request};

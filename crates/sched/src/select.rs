@@ -39,7 +39,7 @@ enum Cached {
 
 /// A scorer plus a cache of its verdicts per (request shape, node class).
 ///
-/// The cache is sound because a class is defined by the full [`NodeState`]
+/// The cache is sound because a class is defined by the full [`NodeState`](crate::snapshot::NodeState)
 /// a scorer may look at, and a class id always names the same state in one
 /// cluster; the engine drops the cache when it is handed a different cluster.
 pub struct Engine {

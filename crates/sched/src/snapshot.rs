@@ -19,6 +19,10 @@ pub type ModelId = u8;
 #[derive(Debug, Clone, Default)]
 pub struct ModelTable {
     names: Vec<String>,
+    /// Models that can be partitioned with MIG, as a bitmask over ids (see
+    /// [`crate::mig`]). Kept here because MIG support is a property of the
+    /// GPU model, not of a node.
+    mig: u64,
 }
 
 impl ModelTable {
@@ -54,6 +58,31 @@ impl ModelTable {
 
     pub fn is_empty(&self) -> bool {
         self.names.is_empty()
+    }
+
+    /// Marks a model as MIG-capable (or not). An id outside the table is an
+    /// error rather than a silent no-op, so a typo in a catalog shows up.
+    pub fn set_mig_capable(&mut self, id: ModelId, capable: bool) -> Result<(), Error> {
+        if usize::from(id) >= self.names.len() {
+            return Err(Error::InvalidRequest(
+                "mig flag for a model outside the table",
+            ));
+        }
+        if capable {
+            self.mig |= 1u64 << id;
+        } else {
+            self.mig &= !(1u64 << id);
+        }
+        Ok(())
+    }
+
+    pub fn is_mig_capable(&self, id: ModelId) -> bool {
+        usize::from(id) < Self::MAX && self.mig & (1u64 << id) != 0
+    }
+
+    /// The MIG-capable models as a bitmask over ids.
+    pub fn mig_capable_mask(&self) -> u64 {
+        self.mig
     }
 }
 
@@ -146,11 +175,19 @@ pub struct Node {
     /// Free milli-GPU per device index, each in 0..=1000.
     pub gpu_free: Vec<u16>,
     pub tags: u32,
+    /// Topology domain (NVLink island, PCIe switch, rack: whatever the
+    /// operator groups by); 0 means "in no domain". Deliberately not part of
+    /// [`NodeState`]: no scorer looks at it, and keeping it out of the class
+    /// key keeps classes (and so decisions and their speed) exactly as they
+    /// were for clusters that do not use domains.
+    pub domain: u32,
+    /// Region, with the same convention and for the same reason as `domain`.
+    pub region: u32,
     class: u32,
 }
 
 impl Node {
-    fn state(&self) -> NodeState {
+    pub(crate) fn state(&self) -> NodeState {
         let mut gpu_free = self.gpu_free.clone();
         gpu_free.sort_unstable_by(|a, b| b.cmp(a));
         NodeState {
@@ -262,6 +299,8 @@ impl Cluster {
             mem_free: spec.mem_mib,
             gpu_free: vec![MILLI; usize::from(gpus)],
             tags: 0,
+            domain: 0,
+            region: 0,
             class: 0,
             spec,
         };
@@ -332,6 +371,81 @@ impl Cluster {
             .ok_or(Error::UnknownNode(idx))?;
         node.cordoned = cordoned;
         self.reclassify(idx);
+        Ok(())
+    }
+
+    /// Puts a node in a topology domain (0: none). Used by gang placement
+    /// ([`crate::gang`]) to keep a gang inside one domain; placement of
+    /// single requests ignores it.
+    pub fn set_domain(&mut self, idx: u32, domain: u32) -> Result<(), Error> {
+        let node = self
+            .nodes
+            .get_mut(idx as usize)
+            .ok_or(Error::UnknownNode(idx))?;
+        node.domain = domain;
+        Ok(())
+    }
+
+    /// Puts a node in a region (0: none); see [`Cluster::set_domain`].
+    pub fn set_region(&mut self, idx: u32, region: u32) -> Result<(), Error> {
+        let node = self
+            .nodes
+            .get_mut(idx as usize)
+            .ok_or(Error::UnknownNode(idx))?;
+        node.region = region;
+        Ok(())
+    }
+
+    /// Undoes [`Cluster::commit`] of `req` at `placement`: the work ended or
+    /// was preempted. Refuses (changing nothing) to free more than a node
+    /// has, so an inconsistent release cannot push a GPU past 1000 milli.
+    ///
+    /// GPU-clustering tags are not cleared: a tag records that a kind of work
+    /// was on the node, and other work of that kind may still be. They only
+    /// steer the GpuClustering scorer; a rebuilt snapshot starts clean.
+    pub fn release(&mut self, req: &Request, placement: &Placement) -> Result<(), Error> {
+        let node_idx = placement.node;
+        let node = self
+            .nodes
+            .get_mut(node_idx as usize)
+            .ok_or(Error::UnknownNode(node_idx))?;
+        let over = |what| Error::Overcommit {
+            node: node_idx,
+            what,
+        };
+        let cpu = node
+            .cpu_free
+            .checked_add(req.cpu_milli)
+            .filter(|&c| c <= node.spec.cpu_milli)
+            .ok_or(over("release frees more cpu than the node has"))?;
+        let mem = node
+            .mem_free
+            .checked_add(req.mem_mib)
+            .filter(|&m| m <= node.spec.mem_mib)
+            .ok_or(over("release frees more memory than the node has"))?;
+        if placement.gpus.len() != usize::from(req.gpu.gpu_count()) {
+            return Err(over("wrong number of gpus"));
+        }
+        let per_gpu = req.gpu.per_gpu_milli();
+        for (i, &g) in placement.gpus.iter().enumerate() {
+            let free = *node
+                .gpu_free
+                .get(usize::from(g))
+                .ok_or(over("no such gpu"))?;
+            if u32::from(free) + u32::from(per_gpu) > u32::from(MILLI) {
+                return Err(over("release frees more gpu share than allocated"));
+            }
+            if placement.gpus[..i].contains(&g) {
+                return Err(over("gpu named twice"));
+            }
+        }
+        node.cpu_free = cpu;
+        node.mem_free = mem;
+        for &g in &placement.gpus {
+            node.gpu_free[usize::from(g)] += per_gpu;
+        }
+        self.gpu_free_milli += u64::from(req.gpu.total_milli());
+        self.reclassify(node_idx);
         Ok(())
     }
 
@@ -457,6 +571,24 @@ mod tests {
         assert_eq!(c.gpu_allocated_milli(), 300);
         let sizes: usize = c.active_classes().map(|(_, k)| k.members.len()).sum();
         assert_eq!(sizes, 3);
+    }
+
+    #[test]
+    fn release_undoes_commit_and_refuses_to_free_too_much() {
+        let mut c = cluster();
+        let before: Vec<NodeState> = (0..3).map(|i| c.state_of(i).unwrap().clone()).collect();
+        let req = Request::new(GpuDemand::Share { milli: 300 }, 1000, 10);
+        let p = Placement {
+            node: 0,
+            gpus: vec![1],
+        };
+        c.commit(&req, &p).unwrap();
+        c.release(&req, &p).unwrap();
+        assert_eq!(c.gpu_allocated_milli(), 0);
+        assert_eq!(c.state_of(0).unwrap().gpu_free, before[0].gpu_free);
+        assert_eq!(c.active_classes().count(), 2); // node 0 keeps its tag
+        assert!(c.release(&req, &p).is_err());
+        assert_eq!(c.state_of(0).unwrap().cpu_free, 8000);
     }
 
     #[test]
