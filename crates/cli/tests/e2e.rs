@@ -1,166 +1,39 @@
 //! End to end, as a user runs it: the real `flotilla` binary as server,
 //! agent (4 simulated GPUs) and CLI, on ephemeral ports, with a SQLite file.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
+use flotilla_testkit::process::{http, wait_until, Home, Proc};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// The binary under test in a temporary home, with this file's helpers.
+struct Env(Home);
 
-/// A child process killed (SIGKILL) when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+impl std::ops::Deref for Env {
+    type Target = Home;
+    fn deref(&self) -> &Home {
+        &self.0
     }
 }
 
-struct Env {
-    dir: tempfile::TempDir,
-    port: u16,
-    /// `None`: the default SQLite file in the data directory.
-    database_url: Option<String>,
-    /// Server's heartbeat timeout in seconds.
-    heartbeat_timeout: u64,
+impl std::ops::DerefMut for Env {
+    fn deref_mut(&mut self) -> &mut Home {
+        &mut self.0
+    }
 }
 
 impl Env {
     fn new() -> Self {
-        Self {
-            dir: tempfile::tempdir().unwrap(),
-            port: free_port(),
-            database_url: None,
-            heartbeat_timeout: 15,
-        }
+        Env(Home::new(BIN))
     }
 
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    fn data(&self) -> PathBuf {
-        self.dir.path().join("data")
-    }
-
-    fn cmd(&self) -> Command {
-        let mut c = Command::new(BIN);
-        c.env("FLOTILLA_CONFIG_DIR", self.dir.path().join("config"))
-            .env("FLOTILLA_DATA_DIR", self.data())
-            .env_remove("FLOTILLA_API_KEY")
-            .env_remove("FLOTILLA_SERVER")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null());
-        c
-    }
-
-    fn log(&self, name: &str) -> std::fs::File {
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.path().join(format!("{name}.log")))
-            .unwrap()
-    }
-
-    fn server(&self) -> Proc {
-        let child = self
-            .cmd()
-            .args([
-                "server",
-                "--bind",
-                &format!("127.0.0.1:{}", self.port),
-                "--data-dir",
-            ])
-            .arg(self.data())
-            .stdout(self.log("server"))
-            .stderr(self.log("server"))
-            .spawn()
-            .unwrap();
-        wait_until("the server answers", Duration::from_secs(30), || {
-            http("GET", &format!("{}/healthz", self.url()), None, None)
-                .map(|(s, _)| s == 200)
-                .unwrap_or(false)
-        });
-        Proc(child)
-    }
-
+    /// An agent with 4 simulated H100s.
     fn agent(&self, name: &str) -> Proc {
-        let token = std::fs::read_to_string(self.data().join("agent.token")).unwrap();
-        Proc(
-            self.cmd()
-                .args([
-                    "agent",
-                    "--server",
-                    &self.url(),
-                    "--token",
-                    token.trim(),
-                    "--name",
-                    name,
-                ])
-                .args(["--simulate-gpus", "4xH100", "--work-dir"])
-                .arg(self.dir.path().join("agent"))
-                .stdout(self.log("agent"))
-                .stderr(self.log("agent"))
-                .spawn()
-                .unwrap(),
-        )
-    }
-
-    fn cli(&self, key: Option<&str>, args: &[&str]) -> Output {
-        let mut c = self.cmd();
-        c.args(["--server", &self.url()]).args(args);
-        if let Some(k) = key {
-            c.env("FLOTILLA_API_KEY", k);
-        }
-        c.output().unwrap()
-    }
-
-    fn cli_json(&self, key: Option<&str>, args: &[&str]) -> Value {
-        let mut all = vec!["--json"];
-        all.extend_from_slice(args);
-        let out = self.cli(key, &all);
-        assert!(
-            out.status.success(),
-            "flotilla {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!(
-                "flotilla {args:?}: {e}: {}",
-                String::from_utf8_lossy(&out.stdout)
-            )
-        })
-    }
-
-    fn operator_key(&self) -> String {
-        let creds: Value = serde_json::from_slice(
-            &std::fs::read(self.dir.path().join("config/credentials.json")).unwrap(),
-        )
-        .unwrap();
-        creds["api_key"].as_str().unwrap().to_string()
-    }
-
-    fn dump_logs(&self) {
-        for name in ["server", "agent"] {
-            if let Ok(s) = std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))) {
-                let tail: Vec<&str> = s.lines().rev().take(40).collect();
-                eprintln!("--- {name} log (last lines) ---");
-                for l in tail.into_iter().rev() {
-                    eprintln!("{l}");
-                }
-            }
-        }
+        self.0.agent(name, "4xH100")
     }
 
     /// A tenant and an admin key for it, made through the CLI.
@@ -174,82 +47,6 @@ impl Env {
         );
         (id, k["secret"].as_str().unwrap().to_string())
     }
-
-    fn get(&self, key: &str, path: &str) -> Value {
-        let (status, body) =
-            http("GET", &format!("{}{path}", self.url()), Some(key), None).unwrap();
-        assert_eq!(status, 200, "GET {path}: {body}");
-        body
-    }
-}
-
-/// Minimal blocking HTTP/1.1 client over std, so the test drives the API
-/// independently of the CLI under test.
-fn http(
-    method: &str,
-    url: &str,
-    key: Option<&str>,
-    body: Option<&str>,
-) -> std::io::Result<(u16, Value)> {
-    use std::io::{Read, Write};
-    let rest = url.strip_prefix("http://").unwrap();
-    let (host, path) = rest.split_at(rest.find('/').unwrap());
-    let mut s = std::net::TcpStream::connect(host)?;
-    s.set_read_timeout(Some(Duration::from_secs(20)))?;
-    let body = body.unwrap_or("");
-    let auth = key
-        .map(|k| format!("Authorization: Bearer {k}\r\n"))
-        .unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let status: u16 = text
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let (head, payload) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let payload = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(payload)
-    } else {
-        payload.to_string()
-    };
-    Ok((
-        status,
-        serde_json::from_str(&payload).unwrap_or(Value::String(payload)),
-    ))
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = rest[n..].trim_start_matches("\r\n");
-    }
-    out
-}
-
-fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("timed out after {limit:?} waiting for {what}");
 }
 
 fn free_h100(env: &Env, key: &str) -> u64 {
@@ -273,48 +70,40 @@ fn pid_alive(pid: u32) -> bool {
 
 #[test]
 fn run_prints_its_two_gpus_and_frees_them() {
-    run_scenario(Env::new());
+    let env = Env::new();
+    run_scenario(&env);
+    assert!(
+        env.data().join("flotilla.db").exists(),
+        "the default store is a SQLite file"
+    );
 }
 
 /// The same scenario with the server on PostgreSQL: operators move the
 /// same binary there with `--database-url`.
 #[test]
 fn run_on_postgres() {
-    let Ok(base) = std::env::var("FLOTILLA_TEST_DATABASE_URL") else {
-        eprintln!("skipping: FLOTILLA_TEST_DATABASE_URL is not set");
-        return;
-    };
-    let mut env = Env::new();
-    let name = format!("flotilla_t_e2e_{}", std::process::id());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(async {
-        use sqlx::Connection;
-        let mut admin = sqlx::PgConnection::connect(&base)
-            .await
-            .expect("PostgreSQL answers");
-        sqlx::query(&format!("DROP DATABASE IF EXISTS {name}"))
-            .execute(&mut admin)
-            .await
-            .unwrap();
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut admin)
-            .await
-            .unwrap();
-    });
-    let (head, _) = base.rsplit_once('/').unwrap();
-    env.database_url = Some(format!("{head}/{name}"));
-    run_scenario(env);
+    let Some(url) = rt.block_on(flotilla_testkit::db::postgres_url("e2e")) else {
+        return;
+    };
+    let mut env = Env::new();
+    env.database_url = Some(url);
+    run_scenario(&env);
+    assert!(
+        !env.data().join("flotilla.db").exists(),
+        "no SQLite file: the server used PostgreSQL"
+    );
 }
 
-fn run_scenario(env: Env) {
+fn run_scenario(env: &Env) {
     let _server = env.server();
     let _agent = env.agent("e2e-node");
     let (_tenant, key) = env.tenant("acme");
     wait_until("4 free H100s", Duration::from_secs(30), || {
-        free_h100(&env, &key) == 4
+        free_h100(env, &key) == 4
     });
 
     // Watch the states from the side while `flotilla run` runs.
@@ -409,7 +198,7 @@ fn run_scenario(env: Env) {
         .iter()
         .any(|l| l["line"].as_str().unwrap().starts_with("gpus=")));
     wait_until("the GPUs free again", Duration::from_secs(10), || {
-        free_h100(&env, &key) == 4
+        free_h100(env, &key) == 4
     });
 
     // A failing command's exit code comes back through `run`.

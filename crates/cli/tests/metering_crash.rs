@@ -4,127 +4,16 @@
 //! again. The ledger must then hold each event exactly once, and its GPU
 //! time must be exactly what was generated.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use flotilla_testkit::process::{http, Home};
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 const EVENTS: usize = 100_000;
 const BATCH: usize = 5_000;
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-struct Env {
-    dir: tempfile::TempDir,
-    port: u16,
-}
-
-impl Env {
-    fn data(&self) -> PathBuf {
-        self.dir.path().join("data")
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    fn server(&self) -> Proc {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.path().join("server.log"))
-            .unwrap();
-        let child = Command::new(BIN)
-            .env("FLOTILLA_CONFIG_DIR", self.dir.path().join("config"))
-            .env("FLOTILLA_DATA_DIR", self.data())
-            .env_remove("FLOTILLA_API_KEY")
-            .env_remove("FLOTILLA_SERVER")
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .args([
-                "server",
-                "--bind",
-                &format!("127.0.0.1:{}", self.port),
-                "--data-dir",
-            ])
-            .arg(self.data())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let start = Instant::now();
-        while http("GET", &format!("{}/healthz", self.url()), None, None)
-            .map(|(s, _)| s != 200)
-            .unwrap_or(true)
-        {
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "the server never answered"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Proc(child)
-    }
-
-    fn operator_key(&self) -> String {
-        let creds: Value = serde_json::from_slice(
-            &std::fs::read(self.dir.path().join("config/credentials.json")).unwrap(),
-        )
-        .unwrap();
-        creds["api_key"].as_str().unwrap().to_string()
-    }
-}
-
-/// Minimal blocking HTTP/1.1 over std, independent of the code under test.
-fn http(
-    method: &str,
-    url: &str,
-    key: Option<&str>,
-    body: Option<&str>,
-) -> std::io::Result<(u16, Value)> {
-    use std::io::{Read, Write};
-    let rest = url.strip_prefix("http://").unwrap();
-    let (host, path) = rest.split_at(rest.find('/').unwrap());
-    let mut s = std::net::TcpStream::connect(host)?;
-    s.set_read_timeout(Some(Duration::from_secs(60)))?;
-    let body = body.unwrap_or("");
-    let auth = key
-        .map(|k| format!("Authorization: Bearer {k}\r\n"))
-        .unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )?;
-    s.write_all(body.as_bytes())?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let status: u16 = text
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    if status == 0 {
-        return Err(std::io::Error::other("no answer"));
-    }
-    let (_, payload) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    Ok((
-        status,
-        serde_json::from_str(payload).unwrap_or(Value::String(payload.into())),
-    ))
-}
 
 /// The bodies of every batch: one-minute 1×H100 events ending an hour ago.
 fn batches(tenant: &str) -> Vec<String> {
@@ -158,7 +47,7 @@ fn batches(tenant: &str) -> Vec<String> {
         .collect()
 }
 
-fn totals(env: &Env) -> (i64, i128) {
+fn totals(env: &Home) -> (i64, i128) {
     let url = format!(
         "sqlite://{}?mode=rw",
         env.data().join("flotilla.db").display()
@@ -173,14 +62,8 @@ fn totals(env: &Env) -> (i64, i128) {
 
 #[test]
 fn kill_9_mid_stream_then_resend_everything_is_exactly_once() {
-    let env = Env {
-        dir: tempfile::tempdir().unwrap(),
-        port: std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port(),
-    };
+    let mut env = Home::new(BIN);
+    env.log_level = "warn";
     let server = env.server();
     let op = env.operator_key();
     let (status, t) = http(

@@ -18,7 +18,7 @@ use flotilla_core::tenant::Role;
 use flotilla_store::idempotency::Claim;
 use flotilla_store::instances::Applied;
 use flotilla_store::keys::NewKey;
-use flotilla_store::{Backend, PageReq, Store, StoreError};
+use flotilla_store::{PageReq, Store, StoreError};
 
 static SEQ: AtomicU64 = AtomicU64::new(1);
 
@@ -31,65 +31,8 @@ fn t0() -> DateTime<Utc> {
     DateTime::from_timestamp(1_800_000_000, 0).unwrap()
 }
 
-/// A store on a fresh database; the guard removes it.
-struct Fixture {
-    store: Store,
-    _dir: Option<tempfile::TempDir>,
-}
-
-async fn sqlite() -> Fixture {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}/t.db?mode=rwc", dir.path().display());
-    Fixture {
-        store: Store::connect(&url).await.unwrap(),
-        _dir: Some(dir),
-    }
-}
-
-async fn postgres() -> Option<Fixture> {
-    let Ok(base) = std::env::var("FLOTILLA_TEST_DATABASE_URL") else {
-        eprintln!("skipping the PostgreSQL half: FLOTILLA_TEST_DATABASE_URL is not set");
-        return None;
-    };
-    use sqlx::Connection;
-    let name = format!(
-        "flotilla_t_{}_{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    );
-    let mut admin = sqlx::PgConnection::connect(&base)
-        .await
-        .expect("FLOTILLA_TEST_DATABASE_URL is set but PostgreSQL does not answer");
-    sqlx::query(&format!("CREATE DATABASE {name}"))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    let url = match base.rfind('/') {
-        Some(i) if base[..i].contains('@') || base[..i].ends_with(|c: char| c.is_ascii_digit()) => {
-            let (head, tail) = base.split_at(i);
-            let query = tail.find('?').map(|q| &tail[q..]).unwrap_or("");
-            format!("{head}/{name}{query}")
-        }
-        _ => format!("{base}/{name}"),
-    };
-    Some(Fixture {
-        store: Store::connect(&url).await.unwrap(),
-        _dir: None,
-    })
-}
-
-macro_rules! suite {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite_backend {
-            $(#[tokio::test] async fn $name() { let f = super::sqlite().await; assert_eq!(f.store.backend(), super::Backend::Sqlite); super::$name(&f.store).await; })*
-        }
-        mod postgres_backend {
-            $(#[tokio::test] async fn $name() { if let Some(f) = super::postgres().await { assert_eq!(f.store.backend(), super::Backend::Postgres); super::$name(&f.store).await; } })*
-        }
-    };
-}
-
-suite!(
+flotilla_testkit::backend_suite!(
+    "store":
     tenants_and_quotas,
     keys_hash_lookup_and_revoke,
     pagination_walks_every_item_once,

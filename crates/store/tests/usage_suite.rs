@@ -15,7 +15,7 @@ use flotilla_billing::price::{PriceBook, PriceVersion, SpotSeries};
 use flotilla_billing::{Ledger, Period};
 use flotilla_core::id::{InvoiceId, TenantId};
 use flotilla_core::instance::BillingClass;
-use flotilla_store::{Backend, Store};
+use flotilla_store::Store;
 use rust_decimal::Decimal;
 
 static SEQ: AtomicU64 = AtomicU64::new(1);
@@ -39,64 +39,8 @@ fn long() -> Duration {
     Duration::days(3)
 }
 
-struct Fixture {
-    store: Store,
-    _dir: Option<tempfile::TempDir>,
-}
-
-async fn sqlite() -> Fixture {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}/t.db?mode=rwc", dir.path().display());
-    Fixture {
-        store: Store::connect(&url).await.unwrap(),
-        _dir: Some(dir),
-    }
-}
-
-async fn postgres() -> Option<Fixture> {
-    let Ok(base) = std::env::var("FLOTILLA_TEST_DATABASE_URL") else {
-        eprintln!("skipping the PostgreSQL half: FLOTILLA_TEST_DATABASE_URL is not set");
-        return None;
-    };
-    use sqlx::Connection;
-    let name = format!(
-        "flotilla_u_{}_{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    );
-    let mut admin = sqlx::PgConnection::connect(&base)
-        .await
-        .expect("FLOTILLA_TEST_DATABASE_URL is set but PostgreSQL does not answer");
-    sqlx::query(&format!("CREATE DATABASE {name}"))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    let url = match base.rfind('/') {
-        Some(i) if base[..i].contains('@') || base[..i].ends_with(|c: char| c.is_ascii_digit()) => {
-            let (head, tail) = base.split_at(i);
-            let query = tail.find('?').map(|q| &tail[q..]).unwrap_or("");
-            format!("{head}/{name}{query}")
-        }
-        _ => format!("{base}/{name}"),
-    };
-    Some(Fixture {
-        store: Store::connect(&url).await.unwrap(),
-        _dir: None,
-    })
-}
-
-macro_rules! suite {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite_backend {
-            $(#[tokio::test] async fn $name() { let f = super::sqlite().await; assert_eq!(f.store.backend(), super::Backend::Sqlite); super::$name(&f.store).await; })*
-        }
-        mod postgres_backend {
-            $(#[tokio::test] async fn $name() { if let Some(f) = super::postgres().await { assert_eq!(f.store.backend(), super::Backend::Postgres); super::$name(&f.store).await; } })*
-        }
-    };
-}
-
-suite!(
+flotilla_testkit::backend_suite!(
+    "usage":
     duplicates_conflicts_and_late_events_follow_the_ledger_rules,
     a_ten_thousand_event_batch_is_counted_exactly,
     rollup_rates_to_the_same_invoice_as_every_event,

@@ -1,0 +1,17 @@
+//! Fixtures shared by Flotilla's test suites, so that each suite tests its
+//! subject instead of re-implementing its set-up.
+//!
+//! - [`db`]: a fresh store on SQLite, and on PostgreSQL when
+//!   `FLOTILLA_TEST_DATABASE_URL` is set, plus [`backend_suite!`] which runs
+//!   one suite on both.
+//! - [`process`]: the real `flotilla` binary as server, agent and CLI in a
+//!   temporary home, and a minimal blocking HTTP client independent of the
+//!   code under test.
+//!
+//! Test-only: never a dependency of a shipped crate.
+
+pub mod db;
+pub mod process;
+
+/// Re-exported for [`backend_suite!`].
+pub use flotilla_store;

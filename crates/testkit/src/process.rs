@@ -1,0 +1,266 @@
+//! The real `flotilla` binary in a temporary home: a server, agents and CLI
+//! calls, each a separate process, and a blocking HTTP client over std that
+//! shares no code with what it tests.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// A free loopback port (bound then released; the race is harmless here).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// A child process killed (SIGKILL) when dropped.
+#[derive(Debug)]
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Polls `f` every 100 ms until it holds; panics after `limit`.
+pub fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("timed out after {limit:?} waiting for {what}");
+}
+
+/// One blocking HTTP/1.1 request; the body is JSON when it parses, else a
+/// string. Chunked answers are reassembled.
+pub fn http(
+    method: &str,
+    url: &str,
+    key: Option<&str>,
+    body: Option<&str>,
+) -> std::io::Result<(u16, Value)> {
+    use std::io::{Read, Write};
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| std::io::Error::other("only http:// URLs"))?;
+    let (host, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let path = if path.is_empty() { "/" } else { path };
+    let mut s = std::net::TcpStream::connect(host)?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let body = body.unwrap_or("");
+    let auth = key
+        .map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    s.write_all(body.as_bytes())?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw);
+    let status: u16 = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    if status == 0 {
+        return Err(std::io::Error::other("no HTTP answer"));
+    }
+    let (head, payload) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let payload = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(payload)
+    } else {
+        payload.to_string()
+    };
+    Ok((
+        status,
+        serde_json::from_str(&payload).unwrap_or(Value::String(payload)),
+    ))
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// A temporary home for the binary: config and data directories, logs,
+/// and the port its server listens on.
+#[derive(Debug)]
+pub struct Home {
+    /// The `flotilla` binary under test.
+    pub bin: PathBuf,
+    /// Everything lives below this directory.
+    pub dir: tempfile::TempDir,
+    /// The server's port.
+    pub port: u16,
+    /// `None`: the default SQLite file in the data directory.
+    pub database_url: Option<String>,
+    /// The server's `--heartbeat-timeout`, in seconds.
+    pub heartbeat_timeout: u64,
+    /// `RUST_LOG` of every process.
+    pub log_level: &'static str,
+}
+
+impl Home {
+    /// A fresh home for `bin` (pass `env!("CARGO_BIN_EXE_flotilla")`).
+    pub fn new(bin: impl Into<PathBuf>) -> Self {
+        Self {
+            bin: bin.into(),
+            dir: tempfile::tempdir().expect("temporary directory"),
+            port: free_port(),
+            database_url: None,
+            heartbeat_timeout: 15,
+            log_level: "info",
+        }
+    }
+
+    /// The server's base URL.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The data directory (`FLOTILLA_DATA_DIR`).
+    pub fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// A command for the binary with this home's environment and nothing
+    /// inherited that would point it elsewhere.
+    pub fn cmd(&self) -> Command {
+        let mut c = Command::new(&self.bin);
+        c.env("FLOTILLA_CONFIG_DIR", self.dir.path().join("config"))
+            .env("FLOTILLA_DATA_DIR", self.data())
+            .env_remove("FLOTILLA_API_KEY")
+            .env_remove("FLOTILLA_SERVER")
+            .env_remove("FLOTILLA_DATABASE_URL")
+            .env("RUST_LOG", self.log_level)
+            .stdin(Stdio::null());
+        c
+    }
+
+    /// A log file of this home, appended to.
+    pub fn log(&self, name: &str) -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join(format!("{name}.log")))
+            .expect("log file")
+    }
+
+    /// Starts `flotilla server` and waits until it answers.
+    pub fn server(&self) -> Proc {
+        let mut c = self.cmd();
+        c.args(["server", "--bind", &format!("127.0.0.1:{}", self.port)])
+            .arg("--data-dir")
+            .arg(self.data())
+            .args(["--heartbeat-timeout", &self.heartbeat_timeout.to_string()]);
+        if let Some(url) = &self.database_url {
+            c.args(["--database-url", url]);
+        }
+        let child = c
+            .stdout(self.log("server"))
+            .stderr(self.log("server"))
+            .spawn()
+            .expect("start flotilla server");
+        let server = Proc(child);
+        wait_until("the server answers", Duration::from_secs(30), || {
+            http("GET", &format!("{}/healthz", self.url()), None, None)
+                .map(|(s, _)| s == 200)
+                .unwrap_or(false)
+        });
+        server
+    }
+
+    /// Starts `flotilla agent` with simulated GPUs and the server's token.
+    pub fn agent(&self, name: &str, simulate: &str) -> Proc {
+        let token = std::fs::read_to_string(self.data().join("agent.token")).expect("agent token");
+        let child = self
+            .cmd()
+            .args(["agent", "--server", &self.url(), "--token", token.trim()])
+            .args(["--name", name, "--simulate-gpus", simulate, "--work-dir"])
+            .arg(self.dir.path().join("agent"))
+            .stdout(self.log("agent"))
+            .stderr(self.log("agent"))
+            .spawn()
+            .expect("start flotilla agent");
+        Proc(child)
+    }
+
+    /// Runs a CLI command against this home's server.
+    pub fn cli(&self, key: Option<&str>, args: &[&str]) -> Output {
+        let mut c = self.cmd();
+        c.args(["--server", &self.url()]).args(args);
+        if let Some(k) = key {
+            c.env("FLOTILLA_API_KEY", k);
+        }
+        c.output().expect("run flotilla")
+    }
+
+    /// Runs a CLI command with `--json`; panics unless it succeeds.
+    pub fn cli_json(&self, key: Option<&str>, args: &[&str]) -> Value {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        let out = self.cli(key, &all);
+        assert!(
+            out.status.success(),
+            "flotilla {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "flotilla {args:?}: {e}: {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        })
+    }
+
+    /// The operator key the first start saved.
+    pub fn operator_key(&self) -> String {
+        let path = self.dir.path().join("config/credentials.json");
+        let creds: Value = serde_json::from_slice(&std::fs::read(path).expect("credentials file"))
+            .expect("credentials JSON");
+        creds["api_key"].as_str().expect("api_key").to_string()
+    }
+
+    /// GET `path` with `key`; panics unless 200.
+    pub fn get(&self, key: &str, path: &str) -> Value {
+        let (status, body) = http("GET", &format!("{}{path}", self.url()), Some(key), None)
+            .expect("the server answers");
+        assert_eq!(status, 200, "GET {path}: {body}");
+        body
+    }
+
+    /// Prints the last lines of the server's and agents' logs (on failure).
+    pub fn dump_logs(&self) {
+        for name in ["server", "agent"] {
+            if let Ok(s) = std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))) {
+                let tail: Vec<&str> = s.lines().rev().take(40).collect();
+                eprintln!("--- {name} log (last lines) ---");
+                for l in tail.into_iter().rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+}
