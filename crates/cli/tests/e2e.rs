@@ -197,6 +197,45 @@ fn run_scenario(env: &Env) {
         .unwrap()
         .iter()
         .any(|l| l["line"].as_str().unwrap().starts_with("gpus=")));
+    // The run is metered from its lifecycle: GPU-seconds in the ledger and
+    // on the invoice preview, whose total is the sum of its lines.
+    let id = inst["id"].as_str().unwrap();
+    let month = chrono::Utc::now().format("%Y-%m").to_string();
+    let mut invoice = Value::Null;
+    wait_until(
+        "metered usage on the invoice",
+        Duration::from_secs(30),
+        || {
+            invoice = env.get(&key, &format!("/v1/invoices/preview?period={month}"));
+            invoice["lines"].as_array().is_some_and(|l| !l.is_empty())
+        },
+    );
+    let dec = |v: &Value| v.as_str().unwrap().parse::<f64>().unwrap();
+    let lines = invoice["lines"].as_array().unwrap();
+    let sum: f64 = lines.iter().map(|l| dec(&l["amount"])).sum();
+    assert!((sum - dec(&invoice["total"])).abs() < 1e-9, "{invoice}");
+    let gpu_line = lines
+        .iter()
+        .find(|l| l["description"].as_str().unwrap_or("").contains("H100"))
+        .unwrap_or_else(|| panic!("no H100 line: {invoice}"));
+    // 2 GPUs for about 1.5 s, whole seconds, a started second billed.
+    let gpu_seconds = dec(&gpu_line["quantity"]);
+    assert!((2.0..=12.0).contains(&gpu_seconds), "{gpu_line}");
+    assert_eq!(gpu_line["unit"], "gpu_second");
+    // Rated at the H100 list price per second, rounded half-even to cents.
+    let expected = (gpu_seconds * 2.99 / 3600.0 * 100.0).round() / 100.0;
+    assert!(
+        (dec(&gpu_line["amount"]) - expected).abs() < 0.011,
+        "{gpu_line}"
+    );
+    let usage = env.get(
+        &key,
+        "/v1/usage?from=2000-01-01T00:00:00Z&to=2100-01-01T00:00:00Z",
+    );
+    assert!(
+        usage.to_string().contains(id),
+        "usage lists the instance: {usage}"
+    );
     wait_until("the GPUs free again", Duration::from_secs(10), || {
         free_h100(env, &key) == 4
     });

@@ -27,6 +27,7 @@ pub mod auth;
 pub mod error;
 pub mod extract;
 pub mod idempotency;
+pub mod metering;
 pub mod placement;
 pub mod reconcile;
 pub mod routes;

@@ -117,12 +117,17 @@ pub async fn liveness_pass(st: &AppState) -> Result<usize, StoreError> {
     Ok(lost)
 }
 
-/// Runs both passes until shutdown: placement on every change (and at
-/// least each `tick`), liveness and housekeeping each `tick`.
+/// Seconds between metering passes.
+const METERING_EVERY_S: i64 = 2;
+
+/// Runs the passes until shutdown: placement on every change (and at least
+/// each `tick`), liveness each `tick`, lifecycle metering every few
+/// seconds, housekeeping hourly.
 pub async fn run(st: AppState, tick: Duration) {
     let mut changes = st.subscribe();
     let mut shutdown = st.shutdown_signal();
     let mut last_housekeeping = st.now();
+    let mut last_metering = st.now() - ChronoDuration::seconds(METERING_EVERY_S);
     loop {
         if *shutdown.borrow() {
             return;
@@ -132,6 +137,14 @@ pub async fn run(st: AppState, tick: Duration) {
         }
         if let Err(e) = liveness_pass(&st).await {
             tracing::warn!(error = %e, "liveness pass failed; retrying");
+        }
+        // Metering only needs minute slices: at most every few seconds, not
+        // on every change signal.
+        if st.now() - last_metering >= ChronoDuration::seconds(METERING_EVERY_S) {
+            last_metering = st.now();
+            if let Err(e) = crate::metering::metering_pass(&st).await {
+                tracing::warn!(error = %e, "metering pass failed; retrying");
+            }
         }
         let now = st.now();
         if now - last_housekeeping > ChronoDuration::hours(1) {

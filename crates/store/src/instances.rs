@@ -670,6 +670,40 @@ impl Store {
         Ok(failed.len() as u64)
     }
 
+    /// Instances that ran and whose usage is not fully metered: running (or
+    /// lost) ones, and final ones metered short of their finish. Oldest
+    /// first, with their events and how far metering got.
+    pub async fn instances_to_meter(
+        &self,
+        limit: u32,
+    ) -> Result<Vec<(Instance, Option<DateTime<Utc>>)>> {
+        let rows = sqlx::query(
+            "SELECT id, metered_until FROM instances WHERE started_at IS NOT NULL \
+             AND (finished_at IS NULL OR metered_until IS NULL OR metered_until < finished_at) \
+             ORDER BY id LIMIT $1",
+        )
+        .bind(i64::from(limit))
+        .fetch_all(self.pool())
+        .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let id = InstanceId::from_trusted(r.try_get("id")?);
+            let until: Option<i64> = r.try_get("metered_until")?;
+            out.push((self.instance(&id).await?, until.map(at)));
+        }
+        Ok(out)
+    }
+
+    /// Records how far an instance's usage has been metered.
+    pub async fn set_metered_until(&self, id: &InstanceId, until: DateTime<Utc>) -> Result<()> {
+        sqlx::query("UPDATE instances SET metered_until = $1 WHERE id = $2")
+            .bind(ms(until))
+            .bind(id.as_str())
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
     /// Instances holding GPUs on one node (for shutdown and tests).
     pub async fn instances_on(&self, node: &NodeId) -> Result<Vec<InstanceId>> {
         let rows = sqlx::query(

@@ -45,7 +45,7 @@ pub const USAGE_BODY_LIMIT: usize = 16 * 1024 * 1024;
 /// late events always land on a draft. Three days covers an agent that
 /// was cut off over a weekend.
 pub fn grace() -> Duration {
-    Duration::hours(72)
+    crate::metering::grace()
 }
 
 /// A batch of usage events.

@@ -1,0 +1,270 @@
+//! Lifecycle metering: turns the time instances ran into usage events in
+//! the ledger, per second, in one-minute slices keyed by instance and
+//! slice, so a pass cut anywhere and rerun is exactly-once (the ledger drops
+//! exact duplicates). The rule for what is billed lives in
+//! `flotilla-billing` (`lifecycle_usage`); this module only decides the
+//! window and remembers how far it got.
+//!
+//! Billed: from `running` to the final state. A `lost` instance is not
+//! metered while lost; if its agent returns with the work still running the
+//! time in between is billed (the work ran), and if it never returns the
+//! bill stops when it was lost.
+
+use chrono::{DateTime, Duration, Utc};
+use flotilla_billing::meter::{
+    lifecycle_usage, GpuShare, Lifecycle, Subject, SubjectKind, UsageEvent,
+};
+use flotilla_core::api::Instance;
+use flotilla_core::instance::InstanceState;
+use flotilla_store::StoreError;
+
+use crate::state::AppState;
+
+/// Slice length of lifecycle usage events.
+pub const SLICE_SECS: u32 = 60;
+/// Event source written into the keys.
+pub const SOURCE: &str = "lifecycle";
+
+/// What to meter now for one instance.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Window {
+    /// Nothing now (lost, or not started).
+    Wait,
+    /// Complete slices up to now; the instance runs on.
+    Running {
+        /// First instant not yet metered (a slice boundary).
+        from: DateTime<Utc>,
+    },
+    /// The rest of its life, up to `end`; metering is then done.
+    Final {
+        /// First instant not yet metered.
+        from: DateTime<Utc>,
+        /// When billing stops.
+        end: DateTime<Utc>,
+        /// When the instance finished (metering is recorded as done then).
+        finished: DateTime<Utc>,
+    },
+}
+
+/// Decides the window of `inst`, metered up to `until` so far.
+pub fn window(inst: &Instance, until: Option<DateTime<Utc>>) -> Window {
+    let Some(started) = inst.started_at else {
+        return Window::Wait;
+    };
+    let from = until.map_or(started, |u| u.max(started));
+    // The last state before the current one tells whether it ended while
+    // its node was gone.
+    let ended_while_lost = inst
+        .events
+        .iter()
+        .rev()
+        .nth(1)
+        .filter(|e| e.state == InstanceState::Lost)
+        .map(|e| e.at);
+    match (inst.state, inst.finished_at) {
+        (InstanceState::Lost, _) => Window::Wait,
+        (s, Some(finished)) if s.is_terminal() => Window::Final {
+            from,
+            end: ended_while_lost.unwrap_or(finished).max(from),
+            finished,
+        },
+        (InstanceState::Running | InstanceState::Starting, _) => Window::Running { from },
+        _ => Window::Wait,
+    }
+}
+
+/// The events of `window` for `inst` at `now`, and how far metering then got.
+pub fn usage(
+    inst: &Instance,
+    window: &Window,
+    now: DateTime<Utc>,
+) -> Result<(Vec<UsageEvent>, Option<DateTime<Utc>>), flotilla_billing::BillingError> {
+    let (from, end, done) = match window {
+        Window::Wait => return Ok((Vec::new(), None)),
+        Window::Running { from } => (*from, None, None),
+        Window::Final {
+            from,
+            end,
+            finished,
+        } => (*from, Some(*end), Some(*finished)),
+    };
+    let (Some(model), gpus) = (inst.gpu_model.clone(), inst.gpus) else {
+        return Ok((Vec::new(), done));
+    };
+    let lifecycle = Lifecycle {
+        tenant: inst.tenant_id.clone(),
+        source: SOURCE.into(),
+        subject: Subject {
+            kind: SubjectKind::Instance,
+            id: inst.id.to_string(),
+        },
+        model,
+        share: GpuShare::Whole,
+        gpus,
+        billing_class: inst.billing_class,
+        start: from,
+        end,
+        preempted_at: None,
+        node: inst.node_id.clone(),
+    };
+    let events = lifecycle_usage(&lifecycle, now, SLICE_SECS)?;
+    let reached = match done {
+        Some(finished) => Some(finished),
+        None => {
+            // Only complete slices are emitted while it runs.
+            let slice = i64::from(SLICE_SECS);
+            let boundary = now.timestamp().div_euclid(slice) * slice;
+            DateTime::from_timestamp(boundary, 0).filter(|b| *b > from)
+        }
+    };
+    Ok((events, reached))
+}
+
+/// Meters every instance that needs it. Returns the events appended.
+pub async fn metering_pass(st: &AppState) -> Result<usize, StoreError> {
+    let now = st.now();
+    let mut appended = 0;
+    for (inst, until) in st.store().instances_to_meter(500).await? {
+        let w = window(&inst, until);
+        let (events, reached) = match usage(&inst, &w, now) {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(instance = %inst.id, error = %e, "cannot meter instance");
+                continue;
+            }
+        };
+        if !events.is_empty() {
+            let out = st.store().append_usage(&events, grace(), now).await?;
+            appended += out.accepted as usize;
+            if !out.rejected.is_empty() {
+                tracing::warn!(instance = %inst.id, rejected = out.rejected.len(), "usage events refused by the ledger");
+            }
+        }
+        if let Some(r) = reached {
+            st.store().set_metered_until(&inst.id, r).await?;
+        }
+    }
+    Ok(appended)
+}
+
+/// How late an event may arrive (the API's window too).
+pub fn grace() -> Duration {
+    Duration::hours(72)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_core::api::InstanceEvent;
+    use flotilla_core::id::{InstanceId, TenantId};
+    use flotilla_core::instance::BillingClass;
+
+    fn t(s: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_800_000_000 + s, 0).unwrap()
+    }
+
+    fn inst(
+        state: InstanceState,
+        events: &[(InstanceState, i64)],
+        finished: Option<i64>,
+    ) -> Instance {
+        Instance {
+            id: InstanceId::generate(1, 1),
+            tenant_id: TenantId::generate(1, 2),
+            name: None,
+            state,
+            state_reason: String::new(),
+            gpus: 2,
+            gpu_types: vec![],
+            cpu_milli: 1000,
+            memory_mb: 1024,
+            command: vec!["x".into()],
+            env: Default::default(),
+            workdir: None,
+            billing_class: BillingClass::OnDemand,
+            node_id: None,
+            gpu_model: Some("H100".into()),
+            gpu_ids: vec![],
+            exit_code: None,
+            stop_requested: false,
+            created_at: t(0),
+            started_at: Some(t(10)),
+            finished_at: finished.map(t),
+            events: events
+                .iter()
+                .map(|(s, at)| InstanceEvent {
+                    state: *s,
+                    reason: String::new(),
+                    at: t(*at),
+                })
+                .collect(),
+        }
+    }
+
+    fn gpu_seconds(events: &[UsageEvent]) -> i64 {
+        events
+            .iter()
+            .filter(|e| e.key.id.contains("/gpu/"))
+            .map(|e| (e.end - e.start).num_seconds() * 2)
+            .sum()
+    }
+
+    #[test]
+    fn running_then_final_bills_each_second_once() {
+        use InstanceState::*;
+        let running = inst(Running, &[(Pending, 0), (Running, 10)], None);
+        let w = window(&running, None);
+        let (first, reached) = usage(&running, &w, t(130)).unwrap();
+        // Complete slices only: up to the minute boundary before t(130).
+        let boundary = reached.unwrap();
+        assert_eq!(boundary.timestamp() % 60, 0);
+        assert_eq!(gpu_seconds(&first), 2 * (boundary - t(10)).num_seconds());
+        let done = inst(
+            Succeeded,
+            &[(Pending, 0), (Running, 10), (Succeeded, 200)],
+            Some(200),
+        );
+        let (rest, reached) = usage(&done, &window(&done, Some(boundary)), t(300)).unwrap();
+        assert_eq!(reached, Some(t(200)));
+        assert_eq!(
+            gpu_seconds(&first) + gpu_seconds(&rest),
+            2 * 190,
+            "190 s on 2 GPUs"
+        );
+        let keys: std::collections::HashSet<_> = first
+            .iter()
+            .chain(&rest)
+            .map(|e| e.key.id.clone())
+            .collect();
+        assert_eq!(keys.len(), first.len() + rest.len(), "no slice twice");
+    }
+
+    #[test]
+    fn lost_waits_and_a_loss_that_never_returns_stops_the_bill() {
+        use InstanceState::*;
+        let lost = inst(Lost, &[(Running, 10), (Lost, 100)], None);
+        assert_eq!(window(&lost, None), Window::Wait);
+        let failed = inst(
+            Failed,
+            &[(Running, 10), (Lost, 100), (Failed, 500)],
+            Some(500),
+        );
+        let w = window(&failed, None);
+        assert_eq!(
+            w,
+            Window::Final {
+                from: t(10),
+                end: t(100),
+                finished: t(500)
+            }
+        );
+        let (events, reached) = usage(&failed, &w, t(600)).unwrap();
+        assert_eq!(gpu_seconds(&events), 2 * 90);
+        assert_eq!(reached, Some(t(500)));
+        let never_ran = Instance {
+            started_at: None,
+            ..inst(Stopped, &[(Pending, 0), (Stopped, 5)], Some(5))
+        };
+        assert_eq!(window(&never_ran, None), Window::Wait);
+    }
+}
