@@ -78,6 +78,20 @@ enum Command {
         /// Instance id.
         id: String,
     },
+    /// Metered usage of your tenant (default: this month so far).
+    Usage {
+        /// Start of the range (RFC 3339).
+        #[arg(long)]
+        from: Option<String>,
+        /// End of the range (RFC 3339).
+        #[arg(long)]
+        to: Option<String>,
+    },
+    /// Invoices: `preview` rates a month from the ledger.
+    Invoices {
+        #[command(subcommand)]
+        command: InvoicesCommand,
+    },
     /// Say why an instance is where it is: what it asked for, why it is
     /// pending or where it was placed, and every transition with its reason.
     Explain {
@@ -101,6 +115,16 @@ enum Command {
         tenant: Option<String>,
         #[command(subcommand)]
         command: Option<QuotaCommand>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum InvoicesCommand {
+    /// The draft invoice of a month, rated from the usage ledger.
+    Preview {
+        /// Month, `YYYY-MM` (default: this month).
+        #[arg(long)]
+        period: Option<String>,
     },
 }
 
@@ -228,6 +252,10 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Logs { id, follow } => commands::logs(&ctx, &id, follow).await,
         Command::Stop { id } => commands::stop(&ctx, &id).await,
         Command::Explain { id } => commands::explain(&ctx, &id).await,
+        Command::Usage { from, to } => commands::usage(&ctx, from, to).await,
+        Command::Invoices {
+            command: InvoicesCommand::Preview { period },
+        } => commands::invoice_preview(&ctx, period).await,
         Command::Tenants { command } => match command {
             None | Some(TenantsCommand::List) => commands::tenants_list(&ctx).await,
             Some(TenantsCommand::Create { name }) => commands::tenants_create(&ctx, name).await,

@@ -228,6 +228,8 @@ fn run_scenario(env: &Env) {
         (dec(&gpu_line["amount"]) - expected).abs() < 0.011,
         "{gpu_line}"
     );
+    let via_cli = env.cli_json(Some(&key), &["invoices", "preview", "--period", &month]);
+    assert_eq!(via_cli["total"], invoice["total"]);
     let usage = env.get(
         &key,
         "/v1/usage?from=2000-01-01T00:00:00Z&to=2100-01-01T00:00:00Z",

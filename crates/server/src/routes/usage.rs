@@ -16,7 +16,7 @@ use chrono::{DateTime, Duration, Utc};
 use flotilla_billing::invoice::{build_invoice, Invoice, InvoiceInput};
 use flotilla_billing::meter::UsageEvent;
 use flotilla_billing::price::{
-    OnDemandPrice, PriceBook, PriceVersion, Schedule, ServerlessPrices, SpotSeries,
+    OnDemandPrice, PriceBook, PriceVersion, Schedule, ServerlessPrices, SpotBand, SpotSeries,
 };
 use flotilla_billing::{BillingError, Currency, Period};
 use flotilla_core::catalog::Catalog;
@@ -321,12 +321,13 @@ pub async fn list_usage(
 /// The price book used until the operator-editable catalog lands: version
 /// 1, in force since the epoch, USD, on-demand and serverless GPU time at
 /// the catalog's list price per hour / 3600 (exact to 28 digits), no
-/// minimum, no spot bands (spot usage cannot be rated yet), requests,
-/// tokens, instance time and storage free.
+/// minimum, spot bands from 30% (idle pool) to 90% (full pool) of
+/// on-demand, requests, tokens, instance time and storage free.
 pub fn default_price_book(catalog: &Catalog) -> Result<PriceBook, BillingError> {
     let hour = Decimal::from(3600);
     let mut on_demand = BTreeMap::new();
     let mut serverless = BTreeMap::new();
+    let mut spot = BTreeMap::new();
     for m in catalog.models() {
         let per_second = m
             .list_price_per_hour
@@ -340,6 +341,14 @@ pub fn default_price_book(catalog: &Catalog) -> Result<PriceBook, BillingError> 
             },
         );
         serverless.insert(m.name.clone(), per_second);
+        // Spot trades between 30% and 90% of on-demand with pool use.
+        spot.insert(
+            m.name.clone(),
+            SpotBand {
+                floor: per_second * Decimal::new(3, 1),
+                ceiling: per_second * Decimal::new(9, 1),
+            },
+        );
     }
     let free = || Schedule::Flat {
         unit_price: Decimal::ZERO,
@@ -349,7 +358,7 @@ pub fn default_price_book(catalog: &Catalog) -> Result<PriceBook, BillingError> 
         effective_from: DateTime::<Utc>::UNIX_EPOCH,
         currency: Currency::usd(),
         on_demand,
-        spot: BTreeMap::new(),
+        spot,
         serverless: ServerlessPrices {
             per_request: free(),
             per_million_input_tokens: free(),
@@ -360,6 +369,16 @@ pub fn default_price_book(catalog: &Catalog) -> Result<PriceBook, BillingError> 
         per_instance_second: Decimal::ZERO,
         per_storage_gb_second: Decimal::ZERO,
     })
+}
+
+/// The spot prices in force: until the server records a series from pool
+/// utilisation, each model's spot price is its band's floor from the epoch.
+fn default_spot_series(book: &PriceBook, catalog: &Catalog) -> Result<SpotSeries, BillingError> {
+    let mut series = SpotSeries::new();
+    for m in catalog.models() {
+        series.record(book, &m.name, DateTime::<Utc>::UNIX_EPOCH, Decimal::ZERO)?;
+    }
+    Ok(series)
 }
 
 #[derive(Deserialize)]
@@ -392,7 +411,7 @@ fn parse_month(raw: Option<&str>) -> ApiResult<Period> {
            ("tenant" = Option<String>, Query, description = "operators only: whose invoice")),
     responses((status = 200, body = Object, description = "flotilla-billing's Invoice: id, tenant, period, currency, status, lines (kind, description, model, quantity, unit, unit_price, amount, price_version, …), subtotal, total"),
               (status = 400, body = flotilla_core::api::ErrorBody),
-              (status = 409, body = flotilla_core::api::ErrorBody, description = "usage without a price in the book, e.g. spot")))]
+              (status = 409, body = flotilla_core::api::ErrorBody, description = "usage without a price in the book")))]
 pub async fn invoice_preview(
     State(st): State<AppState>,
     caller: Caller,
@@ -418,7 +437,7 @@ pub async fn invoice_preview(
         period,
         events: &rollup.events,
         book: &book,
-        spot: &SpotSeries::new(),
+        spot: &default_spot_series(&book, st.catalog()).map_err(ApiError::internal)?,
         commitments: &[],
         discounts: &[],
         credits: &[],
@@ -434,6 +453,38 @@ pub async fn invoice_preview(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spot_is_rated_at_the_band_floor_until_a_series_is_recorded() {
+        let catalog = Catalog::default();
+        let book = default_price_book(&catalog).unwrap();
+        let series = default_spot_series(&book, &catalog).unwrap();
+        let tenant = TenantId::generate(1, 1);
+        let e: UsageEvent = serde_json::from_value(serde_json::json!({
+            "key": {"tenant": tenant, "source": "lifecycle", "id": "s1"},
+            "subject": {"kind": "instance", "id": "inst_1"},
+            "meter": {"meter": "gpu_seconds", "model": "H100", "share": {"kind": "whole"}},
+            "billing_class": "spot",
+            "start": "2025-01-01T00:00:00Z", "end": "2025-01-01T01:00:00Z",
+            "amount": "10"
+        }))
+        .unwrap();
+        let inv = build_invoice(InvoiceInput {
+            id: &InvoiceId::generate(1, 2),
+            tenant: &tenant,
+            period: Period::month(2025, 1).unwrap(),
+            events: &[e],
+            book: &book,
+            spot: &series,
+            commitments: &[],
+            discounts: &[],
+            credits: &[],
+            credit_used_before: &BTreeMap::new(),
+        })
+        .unwrap();
+        // 10 H100 for an hour at 30% of $2.99: $8.97.
+        assert_eq!(inv.invoice.total().to_string(), "8.97");
+    }
 
     #[test]
     fn cursors_round_trip_and_reject_garbage() {
