@@ -172,6 +172,18 @@ pub struct RunArgs {
     /// Billing class.
     #[arg(long, value_enum, default_value = "on-demand")]
     pub billing: Billing,
+    /// Queue priority, higher first (-1000..=1000, default 0). Higher
+    /// priority work may preempt preemptible work of lower priority.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub priority: Option<i32>,
+    /// Service tier: 1 dedicated (never preempted), 2 shared/spot, 3
+    /// queued (default: 2 for spot, 1 otherwise).
+    #[arg(long, value_name = "1|2|3", value_parser = clap::value_parser!(u8).range(1..=3))]
+    pub tier: Option<u8>,
+    /// Allow the scheduler to preempt this instance (with a 30 s notice,
+    /// then requeue it) for more important work (default: only for spot).
+    #[arg(long)]
+    pub preemptible: bool,
     /// Print the instance id and return instead of following it.
     #[arg(long, short = 'd')]
     pub detach: bool,
@@ -196,6 +208,34 @@ pub fn parse_env(s: &str) -> std::result::Result<(String, String), String> {
     }
 }
 
+/// `flotilla queue`: pending instances in the order the scheduler tries
+/// them, with their position in the whole queue and why each waits.
+pub async fn queue(ctx: &Ctx) -> Result<ExitCode> {
+    let raw = ctx.client.get("/v1/queue", &[]).await?;
+    let page: flotilla_core::api::Page<flotilla_core::api::QueueEntry> = decode(raw.clone())?;
+    if ctx.json {
+        print_json(&raw["items"])?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = Utc::now();
+    let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
+    for e in page.items {
+        let i = e.instance;
+        t.add_row([
+            e.position.to_string(),
+            i.id.to_string(),
+            i.name.clone().unwrap_or_else(|| "-".into()),
+            i.priority.to_string(),
+            i.tier.to_string(),
+            output::instance_gpus(&i),
+            age(now, i.created_at),
+            one_line(&i.state_reason),
+        ]);
+    }
+    print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}
+
 /// `flotilla run`.
 pub async fn run(ctx: &Ctx, args: RunArgs) -> Result<ExitCode> {
     let req = CreateInstance {
@@ -213,6 +253,9 @@ pub async fn run(ctx: &Ctx, args: RunArgs) -> Result<ExitCode> {
         env: args.env.into_iter().collect(),
         workdir: args.workdir,
         billing_class: args.billing.into(),
+        priority: args.priority,
+        tier: args.tier,
+        preemptible: args.preemptible.then_some(true),
     };
     // Take over Ctrl-C before the instance exists, so an interrupt right
     // after the create still stops it.

@@ -65,6 +65,8 @@ enum Command {
     Run(RunArgs),
     /// List instances.
     Ps(PsArgs),
+    /// List pending instances in queue order, with position and reason.
+    Queue,
     /// Print an instance's output.
     Logs {
         /// Instance id.
@@ -249,6 +251,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Nodes => commands::nodes(&ctx).await,
         Command::Run(args) => commands::run(&ctx, args).await,
         Command::Ps(args) => commands::ps(&ctx, args).await,
+        Command::Queue => commands::queue(&ctx).await,
         Command::Logs { id, follow } => commands::logs(&ctx, &id, follow).await,
         Command::Stop { id } => commands::stop(&ctx, &id).await,
         Command::Explain { id } => commands::explain(&ctx, &id).await,

@@ -234,6 +234,23 @@ pub struct Instance {
     pub exit_code: Option<i32>,
     /// A stop was requested.
     pub stop_requested: bool,
+    /// Queue priority, higher first.
+    #[serde(default)]
+    pub priority: i32,
+    /// Service tier: 1 dedicated, 2 shared/spot, 3 queued.
+    #[serde(default = "default_tier")]
+    pub tier: u8,
+    /// The scheduler may preempt it (with a notice) for more important work.
+    #[serde(default)]
+    pub preemptible: bool,
+    /// Set when the scheduler preempted it: the instance it made room for.
+    /// A preempted instance ends `stopped` and its work is requeued as a
+    /// new instance whose `requeued_from` names this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preempted_by: Option<InstanceId>,
+    /// The preempted instance this one requeues (same spec, same tenant).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requeued_from: Option<InstanceId>,
     /// Creation time.
     pub created_at: DateTime<Utc>,
     /// When it started running.
@@ -244,6 +261,20 @@ pub struct Instance {
     pub finished_at: Option<DateTime<Utc>>,
     /// Every transition, oldest first.
     pub events: Vec<InstanceEvent>,
+}
+
+fn default_tier() -> u8 {
+    1
+}
+
+/// One pending instance in queue order (`GET /v1/queue`).
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct QueueEntry {
+    /// 1-based place in the whole queue (work of other tenants ahead of it
+    /// counts, without being shown).
+    pub position: u32,
+    /// The pending instance; `state_reason` says why it is not placed.
+    pub instance: Instance,
 }
 
 /// Which output a log line came from.

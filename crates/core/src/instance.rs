@@ -167,7 +167,23 @@ pub struct CreateInstance {
     /// Billing class (default `on_demand`).
     #[serde(default)]
     pub billing_class: BillingClass,
+    /// Queue priority, higher first (default 0, -1000..=1000). Work of a
+    /// higher priority may preempt preemptible work of a lower one.
+    #[serde(default)]
+    pub priority: Option<i32>,
+    /// Service tier: 1 dedicated, 2 shared/spot, 3 queued. Default: 2 for
+    /// `spot`, 1 otherwise. Tier-1 work is never preempted.
+    #[serde(default)]
+    pub tier: Option<u8>,
+    /// Whether the scheduler may stop this instance (with a notice) to make
+    /// room for more important work, requeuing it. Default: true only for
+    /// `spot`. Tier 1 cannot be preemptible.
+    #[serde(default)]
+    pub preemptible: Option<bool>,
 }
+
+/// Largest absolute queue priority.
+pub const MAX_PRIORITY: i32 = 1000;
 
 /// A create request after validation: names resolved, defaults applied.
 #[derive(Debug, Clone, PartialEq)]
@@ -190,6 +206,12 @@ pub struct InstanceSpec {
     pub workdir: Option<String>,
     /// Billing class.
     pub billing_class: BillingClass,
+    /// Queue priority, higher first.
+    pub priority: i32,
+    /// Service tier, 1..=3.
+    pub tier: u8,
+    /// May be preempted.
+    pub preemptible: bool,
 }
 
 fn valid_env_name(k: &str) -> bool {
@@ -278,6 +300,30 @@ impl CreateInstance {
                 return Err(FieldError::new("workdir", "must be an absolute path"));
             }
         }
+        let priority = self.priority.unwrap_or(0);
+        if !(-MAX_PRIORITY..=MAX_PRIORITY).contains(&priority) {
+            return Err(FieldError::new(
+                "priority",
+                format!("must be between -{MAX_PRIORITY} and {MAX_PRIORITY}, got {priority}"),
+            ));
+        }
+        let spot = self.billing_class == BillingClass::Spot;
+        let tier = self.tier.unwrap_or(if spot { 2 } else { 1 });
+        if !(1..=3).contains(&tier) {
+            return Err(FieldError::new(
+                "tier",
+                format!("must be 1 (dedicated), 2 (shared/spot) or 3 (queued), got {tier}"),
+            ));
+        }
+        let preemptible = self.preemptible.unwrap_or(spot);
+        if preemptible && tier == 1 {
+            // Tier 1 is the promise of never being preempted; accepting both
+            // would make one of them a lie.
+            return Err(FieldError::new(
+                "preemptible",
+                "tier 1 (dedicated) work cannot be preemptible; use tier 2 or 3",
+            ));
+        }
         Ok(InstanceSpec {
             name: self.name,
             gpus: self.gpus,
@@ -288,6 +334,9 @@ impl CreateInstance {
             env: self.env,
             workdir: self.workdir,
             billing_class: self.billing_class,
+            priority,
+            tier,
+            preemptible,
         })
     }
 }
@@ -307,6 +356,9 @@ mod tests {
             env: BTreeMap::new(),
             workdir: None,
             billing_class: BillingClass::OnDemand,
+            priority: None,
+            tier: None,
+            preemptible: None,
         }
     }
 
@@ -315,12 +367,20 @@ mod tests {
         let s = req().validate(&Catalog::default()).unwrap();
         assert_eq!(s.gpu_types, vec!["H100".to_string()]);
         assert_eq!((s.cpu_milli, s.memory_mb), (1000, 1024));
+        assert_eq!((s.priority, s.tier, s.preemptible), (0, 1, false));
+        let spot = CreateInstance {
+            billing_class: BillingClass::Spot,
+            ..req()
+        }
+        .validate(&Catalog::default())
+        .unwrap();
+        assert_eq!((spot.tier, spot.preemptible), (2, true));
     }
 
     #[test]
     fn each_bad_value_names_its_field() {
         let c = Catalog::default();
-        let cases: Vec<(CreateInstance, &str)> = vec![
+        let mut cases: Vec<(CreateInstance, &str)> = vec![
             (CreateInstance { gpus: 0, ..req() }, "gpus"),
             (CreateInstance { gpus: 65, ..req() }, "gpus"),
             (
@@ -380,9 +440,41 @@ mod tests {
                 "env.1X",
             ),
         ];
+        cases_sched(&mut cases);
         for (r, field) in cases {
             assert_eq!(r.validate(&c).unwrap_err().field, field);
         }
+    }
+
+    fn cases_sched(cases: &mut Vec<(CreateInstance, &str)>) {
+        cases.push((
+            CreateInstance {
+                priority: Some(1001),
+                ..req()
+            },
+            "priority",
+        ));
+        cases.push((
+            CreateInstance {
+                tier: Some(4),
+                ..req()
+            },
+            "tier",
+        ));
+        cases.push((
+            CreateInstance {
+                tier: Some(0),
+                ..req()
+            },
+            "tier",
+        ));
+        cases.push((
+            CreateInstance {
+                preemptible: Some(true),
+                ..req()
+            },
+            "preemptible",
+        ));
     }
 
     #[test]

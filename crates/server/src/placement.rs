@@ -14,9 +14,10 @@ use std::collections::{BTreeMap, HashSet};
 use flotilla_core::catalog::Catalog;
 use flotilla_core::id::{GpuId, NodeId};
 use flotilla_core::placement::{first_fit, NodeSnapshot, Placement, PlacementRequest};
+use flotilla_sched::preempt::{self, PreemptConfig, PreemptDecision, Preemptor};
 use flotilla_sched::{
-    Cluster, Decision, Engine, GpuDemand, ModelSet, ModelTable, NodeSpec, Policy, Request,
-    TargetWorkload,
+    Allocation, Cluster, Decision, Engine, GpuDemand, ModelSet, ModelTable, NodeSpec, Policy,
+    Request, TargetWorkload, Tier,
 };
 use rand_chacha::rand_core::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -35,6 +36,25 @@ struct Slot {
     model: String,
     /// GPU ids by the engine's device index.
     gpus: Vec<GpuId>,
+}
+
+/// Work holding GPUs, as preemption sees it.
+#[derive(Debug, Clone)]
+pub struct Held {
+    /// Node it runs on.
+    pub node: NodeId,
+    /// GPUs it holds there.
+    pub gpus: Vec<GpuId>,
+    /// Owner, as the pass's tenant index.
+    pub tenant: u32,
+    /// Tier.
+    pub tier: Tier,
+    /// Priority.
+    pub priority: i32,
+    /// Accepted being preempted.
+    pub preemptible: bool,
+    /// Run start (ms): the work a preemption throws away grows with it.
+    pub started_ms: u64,
 }
 
 /// Plans one pass of the scheduler over a snapshot.
@@ -200,6 +220,104 @@ impl PassPlanner {
                 Ok(_) => Err(format!("0/{} node slots fit: {why}", self.slots.len())),
             },
         }
+    }
+
+    /// Which of `held` to preempt so `req` fits, and where it will go once
+    /// they are gone: `flotilla-sched`'s cheapest sufficient set on one
+    /// node, which never names tier-1 or non-preemptible work and only work
+    /// `who` outranks. `None` when no eviction makes room. Victims free
+    /// their GPUs only (their CPU and memory are not counted back), which
+    /// can only make the plan more conservative.
+    pub fn preempt(
+        &mut self,
+        req: &PlacementRequest,
+        model_allowed: impl Fn(&str) -> bool,
+        held: &[Held],
+        who: Preemptor,
+        now_ms: u64,
+    ) -> Option<(Vec<usize>, Placement)> {
+        let mut allocations = Vec::new();
+        for (i, h) in held.iter().enumerate() {
+            let found = self.slots.iter().enumerate().find_map(|(si, s)| {
+                if s.node != h.node {
+                    return None;
+                }
+                let devs: Option<Vec<u16>> = h
+                    .gpus
+                    .iter()
+                    .map(|g| {
+                        s.gpus
+                            .iter()
+                            .position(|x| x == g)
+                            .and_then(|d| u16::try_from(d).ok())
+                    })
+                    .collect();
+                devs.filter(|d| !d.is_empty()).map(|d| (si, d))
+            });
+            let Some((si, devs)) = found else { continue };
+            let count = u16::try_from(devs.len()).unwrap_or(u16::MAX);
+            allocations.push(Allocation {
+                id: i as u64,
+                tenant: h.tenant,
+                tier: h.tier,
+                priority: h.priority,
+                preemptible: h.preemptible,
+                borrowed: false,
+                request: Request::new(GpuDemand::whole(count), 0, 0),
+                placement: flotilla_sched::Placement {
+                    node: u32::try_from(si).unwrap_or(u32::MAX),
+                    gpus: devs,
+                },
+                started_ms: h.started_ms,
+            });
+        }
+        if !allocations.iter().any(|a| who.may_evict(a)) {
+            return None;
+        }
+        let allowed = ModelSet::of(
+            self.slots
+                .iter()
+                .map(|s| s.model.as_str())
+                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
+                .filter(|m| model_allowed(m))
+                .filter_map(|m| self.models.get(m)),
+        );
+        let sreq = sched_request(req, allowed);
+        let decision = preempt::plan(
+            &mut self.engine,
+            &self.cluster,
+            &allocations,
+            &sreq,
+            &who,
+            &PreemptConfig::default(),
+            now_ms,
+            &mut self.rng,
+        );
+        let (victims, p) = match decision {
+            PreemptDecision::Preempt(plan) => (
+                plan.evictions
+                    .iter()
+                    .map(|e| e.allocation as usize)
+                    .collect::<Vec<_>>(),
+                plan.placement,
+            ),
+            PreemptDecision::Fits(p) => (Vec::new(), p),
+            PreemptDecision::Impossible(_) => return None,
+        };
+        let slot = self.slots.get(p.node as usize)?;
+        let gpus = p
+            .gpus
+            .iter()
+            .map(|&d| slot.gpus.get(usize::from(d)).cloned())
+            .collect::<Option<Vec<GpuId>>>()?;
+        Some((
+            victims,
+            Placement {
+                node: slot.node.clone(),
+                model: slot.model.clone(),
+                gpus,
+            },
+        ))
     }
 
     /// Records a committed placement so the rest of the pass sees it.

@@ -10,15 +10,111 @@ use chrono::Duration as ChronoDuration;
 use flotilla_core::id::TenantId;
 use flotilla_core::placement::PlacementRequest;
 use flotilla_core::quota::{Quota, Usage};
+use flotilla_sched::preempt::Preemptor;
+use flotilla_sched::queue::{self, FairShareConfig, FairShareState, QueueItem};
+use flotilla_sched::{Resources, Tier};
+use flotilla_store::instances::{HeldInstance, PendingInstance};
 use flotilla_store::StoreError;
 
-use crate::placement::PassPlanner;
+use crate::placement::{Held, PassPlanner};
 use crate::state::AppState;
 
-/// Places what it can of the pending instances, oldest first. Returns
-/// how many were placed.
-pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
+/// How far back the queue's fair share looks at GPU usage.
+const FAIR_SHARE_WINDOW_H: i64 = 24;
+
+fn ms_of(t: chrono::DateTime<chrono::Utc>) -> u64 {
+    t.timestamp_millis().max(0) as u64
+}
+
+/// Dense tenant indices for `flotilla-sched`, which reasons in integers.
+#[derive(Debug, Default)]
+struct Tenants(BTreeMap<TenantId, u32>);
+
+impl Tenants {
+    fn index(&mut self, t: &TenantId) -> u32 {
+        let next = u32::try_from(self.0.len()).unwrap_or(u32::MAX);
+        *self.0.entry(t.clone()).or_insert(next)
+    }
+}
+
+fn tier_of(n: u8) -> Tier {
+    Tier::from_number(n).unwrap_or(Tier::Dedicated)
+}
+
+/// The pending instances in the order the scheduler tries them: priority
+/// (higher first), then weighted fair share across tenants (dominant
+/// share of GPU-seconds over the last day, decayed with the sched crate's
+/// default half-life, equal weights), then FIFO. Recomputed from the store
+/// on each pass, so it survives restarts and needs no loop state.
+pub async fn queue(st: &AppState) -> Result<Vec<PendingInstance>, StoreError> {
     let pending = st.store().pending_instances(500).await?;
+    if pending.len() < 2 {
+        return Ok(pending);
+    }
+    let now = st.now();
+    let now_ms = ms_of(now);
+    let capacity: u64 = st
+        .store()
+        .placement_snapshot()
+        .await?
+        .iter()
+        .map(|n| n.gpus.len() as u64)
+        .sum();
+    let mut tenants = Tenants::default();
+    let config = FairShareConfig::default();
+    let resources = Resources {
+        gpu_milli: capacity.max(1) * 1000,
+        cpu_milli: 0,
+        mem_mib: 0,
+    };
+    let Ok(mut share) = FairShareState::new(config, resources) else {
+        return Ok(pending);
+    };
+    let since = now - ChronoDuration::hours(FAIR_SHARE_WINDOW_H);
+    let mut usage = st.store().recent_usage(since).await?;
+    // Charge in end order, as time moves forward in the fair-share state.
+    usage.sort_by_key(|u| u.finished_at.unwrap_or(now));
+    for u in &usage {
+        let from = ms_of(u.started_at.max(since));
+        let to = ms_of(u.finished_at.unwrap_or(now).min(now));
+        let held = Resources {
+            gpu_milli: u64::from(u.gpus) * 1000,
+            cpu_milli: 0,
+            mem_mib: 0,
+        };
+        share.charge(tenants.index(&u.tenant_id), held, from, to.max(from));
+    }
+    share.advance(now_ms);
+    let items: Vec<QueueItem> = pending
+        .iter()
+        .map(|p| QueueItem {
+            tenant: tenants.index(&p.tenant_id),
+            tier: tier_of(p.tier),
+            priority: p.priority,
+            submitted_ms: ms_of(p.created_at),
+            demand: Resources {
+                gpu_milli: u64::from(p.gpus) * 1000,
+                cpu_milli: u64::from(p.cpu_milli),
+                mem_mib: p.memory_mb,
+            },
+            expected_runtime_ms: None,
+        })
+        .collect();
+    let order = queue::order(&items, &share, now_ms);
+    let mut slots: Vec<Option<PendingInstance>> = pending.into_iter().map(Some).collect();
+    Ok(order
+        .into_iter()
+        .filter_map(|i| slots.get_mut(i).and_then(Option::take))
+        .collect())
+}
+
+/// Places what it can of the pending instances, in queue order
+/// ([`queue`]). One that fits nowhere may preempt preemptible work it
+/// outranks (a better tier or a higher priority; never tier 1): the
+/// victims are told to stop with a notice, and it is placed on a later
+/// pass, once they have released their GPUs. Returns how many were placed.
+pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
+    let pending = queue(st).await?;
     if pending.is_empty() {
         return Ok(0);
     }
@@ -42,8 +138,12 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
         &requests,
         seed,
     );
+    let mut tenants = Tenants::default();
+    // Loaded lazily: only a pass where something does not fit needs them.
+    let mut held: Option<Vec<HeldInstance>> = None;
     let mut quotas: BTreeMap<TenantId, (Quota, Usage)> = BTreeMap::new();
     let mut placed = 0;
+    let mut preempted = 0;
     for (p, req) in pending.into_iter().zip(requests) {
         if !quotas.contains_key(&p.tenant_id) {
             let q = st.store().quota(&p.tenant_id).await?;
@@ -79,14 +179,81 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 Err(e) => return Err(e),
             },
             Err(why) => {
-                let reason = format!("waiting for GPUs: {why}");
+                if held.is_none() {
+                    held = Some(st.store().held_instances().await?);
+                }
+                let all = held.as_deref().unwrap_or_default();
+                let mut reason = format!("waiting for GPUs: {why}");
+                let stopping: Vec<&HeldInstance> = all
+                    .iter()
+                    .filter(|h| h.preempted_by.as_ref() == Some(&p.id))
+                    .collect();
+                if !stopping.is_empty() {
+                    // Its victims are still in their notice period: wait for
+                    // them rather than preempt more.
+                    let ids: Vec<String> = stopping.iter().map(|h| h.id.to_string()).collect();
+                    reason = format!(
+                        "waiting for preempted instances to stop: {}",
+                        ids.join(", ")
+                    );
+                } else {
+                    // Work already stopping is not offered again: its GPUs
+                    // are promised to whoever preempted it.
+                    let candidates: Vec<&HeldInstance> =
+                        all.iter().filter(|h| !h.stop_requested).collect();
+                    let offered: Vec<Held> = candidates
+                        .iter()
+                        .map(|h| Held {
+                            node: h.node_id.clone(),
+                            gpus: h.gpu_ids.clone(),
+                            tenant: tenants.index(&h.tenant_id),
+                            tier: tier_of(h.tier),
+                            priority: h.priority,
+                            preemptible: h.preemptible,
+                            started_ms: ms_of(h.since),
+                        })
+                        .collect();
+                    let who = Preemptor {
+                        tenant: tenants.index(&p.tenant_id),
+                        tier: tier_of(p.tier),
+                        priority: p.priority,
+                        reclaiming: false,
+                    };
+                    let plan = planner.preempt(
+                        &req,
+                        |m| quota.model_fits(usage, m, p.gpus),
+                        &offered,
+                        who,
+                        ms_of(now),
+                    );
+                    if let Some((victims, _)) = plan.filter(|(v, _)| !v.is_empty()) {
+                        let mut ids = Vec::new();
+                        for v in victims {
+                            let Some(h) = candidates.get(v) else { continue };
+                            if st.store().preempt(&h.id, &p.id, now).await? {
+                                tracing::info!(victim = %h.id, by = %p.id, "instance preempted");
+                                ids.push(h.id.to_string());
+                                preempted += 1;
+                            }
+                        }
+                        if !ids.is_empty() {
+                            reason = format!(
+                                "waiting for preempted instances to stop: {}",
+                                ids.join(", ")
+                            );
+                            // The victims' state changed: reload before the
+                            // next request looks at them.
+                            held = None;
+                        }
+                    }
+                }
                 if reason != p.state_reason {
                     st.store().set_pending_reason(&p.id, &reason, now).await?;
                 }
             }
         }
     }
-    if placed > 0 {
+    if placed > 0 || preempted > 0 {
         st.notify_change();
     }
     Ok(placed)

@@ -20,6 +20,10 @@ use crate::{at, json, ms, to_json, PageOf, PageReq, Result, Store, StoreError};
 /// Grace between SIGTERM and SIGKILL when an instance is stopped.
 pub const STOP_GRACE_MS: u64 = 10_000;
 
+/// Notice a preempted instance gets between SIGTERM and SIGKILL, to
+/// checkpoint (the issue's default, `flotilla_sched::preempt::DEFAULT_NOTICE_MS`).
+pub const PREEMPT_NOTICE_MS: u64 = 30_000;
+
 fn state_of(s: &str) -> Result<InstanceState> {
     InstanceState::parse(s).ok_or_else(|| StoreError::Corrupt(format!("instance state `{s}`")))
 }
@@ -53,6 +57,17 @@ fn instance(row: &AnyRow) -> Result<Instance> {
         gpu_ids: gpu_ids.into_iter().map(GpuId::from_trusted).collect(),
         exit_code: exit.map(|c| c.clamp(i32::MIN as i64, i32::MAX as i64) as i32),
         stop_requested: row.try_get::<i64, _>("stop_requested")? != 0,
+        priority: row
+            .try_get::<i64, _>("priority")?
+            .clamp(i32::MIN as i64, i32::MAX as i64) as i32,
+        tier: row.try_get::<i64, _>("tier")?.clamp(1, 3) as u8,
+        preemptible: row.try_get::<i64, _>("preemptible")? != 0,
+        preempted_by: row
+            .try_get::<Option<String>, _>("preempted_by")?
+            .map(InstanceId::from_trusted),
+        requeued_from: row
+            .try_get::<Option<String>, _>("requeued_from")?
+            .map(InstanceId::from_trusted),
         created_at: at(row.try_get("created_at")?),
         started_at: started.map(at),
         finished_at: finished.map(at),
@@ -182,6 +197,133 @@ pub struct PendingInstance {
     pub memory_mb: u64,
     /// Current pending reason.
     pub state_reason: String,
+    /// Queue priority, higher first.
+    pub priority: i32,
+    /// Service tier, 1..=3.
+    pub tier: u8,
+    /// Creation time (FIFO within equal priority and share).
+    pub created_at: DateTime<Utc>,
+}
+
+/// What preemption planning needs of an instance holding GPUs.
+#[derive(Debug, Clone)]
+pub struct HeldInstance {
+    /// Id.
+    pub id: InstanceId,
+    /// Owner.
+    pub tenant_id: TenantId,
+    /// Node.
+    pub node_id: NodeId,
+    /// GPUs held.
+    pub gpu_ids: Vec<GpuId>,
+    /// Service tier, 1..=3.
+    pub tier: u8,
+    /// Queue priority.
+    pub priority: i32,
+    /// May be preempted.
+    pub preemptible: bool,
+    /// A stop (or a preemption) is already under way.
+    pub stop_requested: bool,
+    /// The instance a preemption of this one makes room for.
+    pub preempted_by: Option<InstanceId>,
+    /// When it started running (or was created, if not yet).
+    pub since: DateTime<Utc>,
+}
+
+/// GPU usage of one instance that ran recently, for fair share.
+#[derive(Debug, Clone)]
+pub struct RecentUsage {
+    /// Owner.
+    pub tenant_id: TenantId,
+    /// GPUs held.
+    pub gpus: u32,
+    /// Start of its run.
+    pub started_at: DateTime<Utc>,
+    /// End of its run; `None` while it runs.
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+/// A requeued instance's id: derived from the preempted one and the time,
+/// so that the store (which holds no randomness) mints it inside the
+/// transaction that stops the victim.
+fn requeue_id(old: &InstanceId, now: DateTime<Utc>) -> InstanceId {
+    use std::hash::{Hash, Hasher};
+    let mut a = std::collections::hash_map::DefaultHasher::new();
+    (old.as_str(), 1u8).hash(&mut a);
+    let mut b = std::collections::hash_map::DefaultHasher::new();
+    (old.as_str(), 2u8).hash(&mut b);
+    let random = (u128::from(a.finish()) << 64) | u128::from(b.finish());
+    InstanceId::generate(ms(now).max(0) as u64, random)
+}
+
+/// Inserts a pending instance after the quota check, inside `tx` (whose
+/// tenant row the caller has locked). Quota errors come back as
+/// `StoreError::Quota` without a write.
+async fn insert_pending(
+    tx: &mut Transaction<'static, Any>,
+    id: &InstanceId,
+    tenant: &TenantId,
+    spec: &InstanceSpec,
+    requeued_from: Option<&InstanceId>,
+    reason: &str,
+    now: DateTime<Utc>,
+) -> Result<()> {
+    let q = sqlx::query("SELECT quota_gpus_total, quota_gpus_per_model FROM tenants WHERE id = $1")
+        .bind(tenant.as_str())
+        .fetch_one(&mut **tx)
+        .await?;
+    let quota = Quota {
+        gpus_total: q
+            .try_get::<Option<i64>, _>("quota_gpus_total")?
+            .map(|v| v.clamp(0, u32::MAX as i64) as u32),
+        gpus_per_model: json(&q.try_get::<String, _>("quota_gpus_per_model")?, "quota")?,
+    };
+    let committed = crate::tenants::committed_in(&mut **tx, tenant).await?;
+    quota.admit(&committed, &spec.gpu_types, spec.gpus)?;
+    sqlx::query(
+        "INSERT INTO instances (id, tenant_id, name, state, state_reason, gpus, gpu_types, cpu_milli, memory_mb, \
+         command, env, workdir, billing_class, created_at, updated_at, priority, tier, preemptible, requeued_from) \
+         VALUES ($1, $2, $3, 'pending', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $13, $14, $15, $16, $17)",
+    )
+    .bind(id.as_str())
+    .bind(tenant.as_str())
+    .bind(spec.name.clone())
+    .bind(reason)
+    .bind(i64::from(spec.gpus))
+    .bind(to_json(&spec.gpu_types))
+    .bind(i64::from(spec.cpu_milli))
+    .bind(spec.memory_mb as i64)
+    .bind(to_json(&spec.command))
+    .bind(to_json(&spec.env))
+    .bind(spec.workdir.clone())
+    .bind(spec.billing_class.as_str())
+    .bind(ms(now))
+    .bind(i64::from(spec.priority))
+    .bind(i64::from(spec.tier))
+    .bind(i64::from(spec.preemptible))
+    .bind(requeued_from.map(|r| r.as_str().to_string()))
+    .execute(&mut **tx)
+    .await?;
+    add_event(tx, id, InstanceState::Pending, reason, now).await?;
+    Ok(())
+}
+
+/// The spec an instance was created with, to requeue it unchanged.
+fn spec_of(i: &Instance) -> InstanceSpec {
+    InstanceSpec {
+        name: i.name.clone(),
+        gpus: i.gpus,
+        gpu_types: i.gpu_types.clone(),
+        cpu_milli: i.cpu_milli,
+        memory_mb: i.memory_mb,
+        command: i.command.clone(),
+        env: i.env.clone(),
+        workdir: i.workdir.clone(),
+        billing_class: i.billing_class,
+        priority: i.priority,
+        tier: i.tier,
+        preemptible: i.preemptible,
+    }
 }
 
 /// Outcome of applying one observation.
@@ -217,41 +359,8 @@ impl Store {
         if locked == 0 {
             return Err(StoreError::NotFound("tenant"));
         }
-        let q =
-            sqlx::query("SELECT quota_gpus_total, quota_gpus_per_model FROM tenants WHERE id = $1")
-                .bind(tenant.as_str())
-                .fetch_one(&mut *tx)
-                .await?;
-        let quota = Quota {
-            gpus_total: q
-                .try_get::<Option<i64>, _>("quota_gpus_total")?
-                .map(|v| v.clamp(0, u32::MAX as i64) as u32),
-            gpus_per_model: json(&q.try_get::<String, _>("quota_gpus_per_model")?, "quota")?,
-        };
-        let committed = crate::tenants::committed_in(&mut *tx, tenant).await?;
-        quota.admit(&committed, &spec.gpu_types, spec.gpus)?;
         let reason = "waiting for placement";
-        sqlx::query(
-            "INSERT INTO instances (id, tenant_id, name, state, state_reason, gpus, gpu_types, cpu_milli, memory_mb, \
-             command, env, workdir, billing_class, created_at, updated_at) \
-             VALUES ($1, $2, $3, 'pending', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $13)",
-        )
-        .bind(id.as_str())
-        .bind(tenant.as_str())
-        .bind(spec.name.clone())
-        .bind(reason)
-        .bind(i64::from(spec.gpus))
-        .bind(to_json(&spec.gpu_types))
-        .bind(i64::from(spec.cpu_milli))
-        .bind(spec.memory_mb as i64)
-        .bind(to_json(&spec.command))
-        .bind(to_json(&spec.env))
-        .bind(spec.workdir.clone())
-        .bind(spec.billing_class.as_str())
-        .bind(ms(now))
-        .execute(&mut *tx)
-        .await?;
-        add_event(&mut tx, id, InstanceState::Pending, reason, now).await?;
+        insert_pending(&mut tx, id, tenant, spec, None, reason, now).await?;
         tx.commit().await?;
         self.instance(id).await
     }
@@ -343,6 +452,9 @@ impl Store {
                     cpu_milli: i.cpu_milli,
                     memory_mb: i.memory_mb,
                     state_reason: i.state_reason,
+                    priority: i.priority,
+                    tier: i.tier,
+                    created_at: i.created_at,
                 })
             })
             .collect()
@@ -458,7 +570,7 @@ impl Store {
     ) -> Result<Applied> {
         use InstanceState::*;
         let row = sqlx::query(
-            "SELECT state, node_id, stop_requested, gpu_ids FROM instances WHERE id = $1",
+            "SELECT state, node_id, stop_requested, gpu_ids, preempted_by FROM instances WHERE id = $1",
         )
         .bind(obs.instance_id.as_str())
         .fetch_optional(self.pool())
@@ -472,6 +584,7 @@ impl Store {
         }
         let state = state_of(&row.try_get::<String, _>("state")?)?;
         let stop_requested = row.try_get::<i64, _>("stop_requested")? != 0;
+        let preempted_by: Option<String> = row.try_get("preempted_by")?;
         let id = &obs.instance_id;
         let mut tx = self.pool().begin().await?;
         let changed = match (&obs.phase, state) {
@@ -510,20 +623,29 @@ impl Store {
                 ObservedPhase::Exited { code, stopped },
                 from @ (Scheduled | Starting | Running | Lost),
             ) => {
-                let (to, reason) = if *stopped || stop_requested {
+                let (to, reason) = if let Some(by) = &preempted_by {
+                    (
+                        Stopped,
+                        format!("preempted by {by}: stopped (exit code {code})"),
+                    )
+                } else if *stopped || stop_requested {
                     (Stopped, format!("stopped (exit code {code})"))
                 } else if *code == 0 {
                     (Succeeded, "exit code 0".to_string())
                 } else {
                     (Failed, format!("exit code {code}"))
                 };
-                if from == Scheduled && to != Stopped {
+                let done = if from == Scheduled && to != Stopped {
                     mark_starting(&mut tx, id, now).await?;
                     transition(&mut tx, id, Starting, Running, "running", None, now).await?;
                     transition(&mut tx, id, Running, to, &reason, Some(*code), now).await?
                 } else {
                     transition(&mut tx, id, from, to, &reason, Some(*code), now).await?
+                };
+                if done && preempted_by.is_some() {
+                    self.requeue_in(&mut tx, id, now).await?;
                 }
+                done
             }
             (ObservedPhase::FailedToStart { reason }, from @ (Scheduled | Starting | Lost)) => {
                 transition(
@@ -584,7 +706,11 @@ impl Store {
                     gpu_indices: held.iter().map(|(idx, _)| *idx).collect(),
                     gpu_uuids: held.into_iter().map(|(_, u)| u).collect(),
                     stop: i.stop_requested,
-                    stop_grace_ms: STOP_GRACE_MS,
+                    stop_grace_ms: if i.preempted_by.is_some() {
+                        PREEMPT_NOTICE_MS
+                    } else {
+                        STOP_GRACE_MS
+                    },
                 })
             })
             .collect()
@@ -715,5 +841,150 @@ impl Store {
         rows.iter()
             .map(|r| Ok(InstanceId::from_trusted(r.try_get("id")?)))
             .collect()
+    }
+
+    /// Requeues the preempted instance `old`, which `tx` just stopped: a
+    /// new pending instance with the same spec in the same tenant, whose
+    /// `requeued_from` names `old`. The lifecycle has no way back from
+    /// `stopped`, so the work moves to a fresh id and the old instance's
+    /// history stays as it happened. Over quota (the tenant's limits
+    /// changed meanwhile): not requeued, and the old instance says so.
+    async fn requeue_in(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        old: &InstanceId,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let row = sqlx::query("SELECT * FROM instances WHERE id = $1")
+            .bind(old.as_str())
+            .fetch_one(&mut **tx)
+            .await?;
+        let inst = instance(&row)?;
+        sqlx::query("UPDATE tenants SET updated_at = $1 WHERE id = $2")
+            .bind(ms(now))
+            .bind(inst.tenant_id.as_str())
+            .execute(&mut **tx)
+            .await?;
+        let new = requeue_id(old, now);
+        let reason = format!("requeued after {old} was preempted; waiting for placement");
+        let outcome = insert_pending(
+            tx,
+            &new,
+            &inst.tenant_id,
+            &spec_of(&inst),
+            Some(old),
+            &reason,
+            now,
+        )
+        .await;
+        let note = match outcome {
+            Ok(()) => format!("{}; requeued as {new}", inst.state_reason),
+            Err(StoreError::Quota(e)) => {
+                format!("{}; not requeued: {e}", inst.state_reason)
+            }
+            Err(e) => return Err(e),
+        };
+        sqlx::query("UPDATE instances SET state_reason = $1 WHERE id = $2")
+            .bind(&note)
+            .bind(old.as_str())
+            .execute(&mut **tx)
+            .await?;
+        tracing::info!(old = %old, new = %new, "preempted instance requeued");
+        Ok(())
+    }
+
+    /// Instances holding GPUs, with what preemption planning needs.
+    pub async fn held_instances(&self) -> Result<Vec<HeldInstance>> {
+        let rows = sqlx::query(
+            "SELECT * FROM instances WHERE state IN ('scheduled', 'starting', 'running') ORDER BY id",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let i = instance(r)?;
+            let Some(node_id) = i.node_id else { continue };
+            out.push(HeldInstance {
+                id: i.id,
+                tenant_id: i.tenant_id,
+                node_id,
+                gpu_ids: i.gpu_ids,
+                tier: i.tier,
+                priority: i.priority,
+                preemptible: i.preemptible,
+                stop_requested: i.stop_requested,
+                preempted_by: i.preempted_by,
+                since: i.started_at.unwrap_or(i.created_at),
+            });
+        }
+        Ok(out)
+    }
+
+    /// GPU usage of instances that ran at some time after `since`, for the
+    /// queue's fair share.
+    pub async fn recent_usage(&self, since: DateTime<Utc>) -> Result<Vec<RecentUsage>> {
+        let rows = sqlx::query(
+            "SELECT tenant_id, gpus, started_at, finished_at FROM instances \
+             WHERE started_at IS NOT NULL AND (finished_at IS NULL OR finished_at > $1)",
+        )
+        .bind(ms(since))
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let started: i64 = r.try_get("started_at")?;
+                let finished: Option<i64> = r.try_get("finished_at")?;
+                Ok(RecentUsage {
+                    tenant_id: TenantId::from_trusted(r.try_get("tenant_id")?),
+                    gpus: r.try_get::<i64, _>("gpus")?.clamp(0, u32::MAX as i64) as u32,
+                    started_at: at(started),
+                    finished_at: finished.map(at),
+                })
+            })
+            .collect()
+    }
+
+    /// Preempts `victim` for `by`: it stays in its state, with an event
+    /// saying so; `stop_requested` makes its agent send SIGTERM and kill it
+    /// after [`PREEMPT_NOTICE_MS`]. Returns false (and changes nothing) when
+    /// it no longer holds GPUs, is already stopping, or is not preemptible.
+    pub async fn preempt(
+        &self,
+        victim: &InstanceId,
+        by: &InstanceId,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let mut tx = self.pool().begin().await?;
+        let Some(row) = sqlx::query("SELECT state FROM instances WHERE id = $1")
+            .bind(victim.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(false);
+        };
+        let state = state_of(&row.try_get::<String, _>("state")?)?;
+        if !state.holds_gpus() {
+            return Ok(false);
+        }
+        let reason = format!("preempted by {by}: notice {} s", PREEMPT_NOTICE_MS / 1000);
+        let n = sqlx::query(
+            "UPDATE instances SET stop_requested = 1, preempted_by = $1, state_reason = $2, updated_at = $3 \
+             WHERE id = $4 AND state = $5 AND stop_requested = 0 AND preemptible = 1 AND tier <> 1",
+        )
+        .bind(by.as_str())
+        .bind(&reason)
+        .bind(ms(now))
+        .bind(victim.as_str())
+        .bind(state.as_str())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n == 0 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        add_event(&mut tx, victim, state, &reason, now).await?;
+        tx.commit().await?;
+        Ok(true)
     }
 }

@@ -62,6 +62,9 @@ fn spec(gpus: u32, types: &[&str]) -> InstanceSpec {
         env: BTreeMap::from([("A".to_string(), "1".to_string())]),
         workdir: None,
         billing_class: BillingClass::Spot,
+        priority: 0,
+        tier: 2,
+        preemptible: true,
     }
 }
 

@@ -7,7 +7,7 @@ use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use flotilla_core::api::{Instance, LogLine, Page};
+use flotilla_core::api::{Instance, LogLine, Page, QueueEntry};
 use flotilla_core::id::InstanceId;
 use flotilla_core::instance::{CreateInstance, InstanceState};
 use flotilla_core::tenant::Role;
@@ -72,6 +72,43 @@ pub async fn create_instance(
     tracing::info!(instance = %inst.id, tenant = %inst.tenant_id, gpus = inst.gpus, "instance created");
     st.notify_change();
     Ok((StatusCode::CREATED, Json(inst)))
+}
+
+/// Pending instances of the caller's tenant (operators: all) in the order
+/// the scheduler tries them: priority, then fair share across tenants, then
+/// FIFO. `position` counts every tenant's work ahead; `state_reason` says
+/// why each is not placed yet. The queue is read whole (the scheduler looks
+/// at the oldest 500 pending instances), so there is never a next page.
+#[utoipa::path(get, path = "/v1/queue", tag = "instances",
+    responses((status = 200, body = Page<QueueEntry>)))]
+pub async fn list_queue(
+    State(st): State<AppState>,
+    caller: Caller,
+) -> ApiResult<Json<Page<QueueEntry>>> {
+    let order = crate::reconcile::queue(&st).await?;
+    let mut items = Vec::new();
+    for (i, p) in order.iter().enumerate() {
+        if !caller.sees(&p.tenant_id) {
+            continue;
+        }
+        let inst = match st.store().instance(&p.id).await {
+            Ok(inst) => inst,
+            // Deleted or placed between the two reads: no longer queued.
+            Err(flotilla_store::StoreError::NotFound(_)) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if inst.state != InstanceState::Pending {
+            continue;
+        }
+        items.push(QueueEntry {
+            position: u32::try_from(i + 1).unwrap_or(u32::MAX),
+            instance: inst,
+        });
+    }
+    Ok(Json(Page {
+        items,
+        next_cursor: None,
+    }))
 }
 
 async fn visible(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<Instance> {

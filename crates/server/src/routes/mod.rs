@@ -76,6 +76,7 @@ pub fn api() -> OpenApiRouter<AppState> {
             instances::list_instances,
             instances::create_instance
         ))
+        .routes(routes!(instances::list_queue))
         .routes(routes!(instances::get_instance))
         .routes(routes!(instances::stop_instance))
         .routes(routes!(instances::instance_logs))
