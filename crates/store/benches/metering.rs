@@ -22,7 +22,7 @@ use flotilla_billing::price::{PriceBook, PriceVersion, SpotSeries};
 use flotilla_billing::Period;
 use flotilla_core::id::{InvoiceId, TenantId};
 use flotilla_core::instance::BillingClass;
-use flotilla_store::Store;
+use flotilla_store::{Backend, Store};
 use rust_decimal::Decimal;
 use serde_json::json;
 
@@ -106,7 +106,135 @@ fn book() -> PriceBook {
     PriceBook::new(v).expect("price book")
 }
 
-/// The plain batched INSERT: the same columns and keys, no conflict
+const RAW_DDL: &str = "CREATE TABLE usage_raw (tenant_id TEXT NOT NULL, source TEXT NOT NULL, \
+     event_id TEXT NOT NULL, subject_kind TEXT NOT NULL, subject_id TEXT NOT NULL, \
+     meter TEXT NOT NULL, meter_detail TEXT NOT NULL, model TEXT NOT NULL, \
+     share_units BIGINT NOT NULL, billing_class TEXT NOT NULL, start_ms BIGINT NOT NULL, \
+     end_ms BIGINT NOT NULL, amount TEXT NOT NULL, amount_int BIGINT, node_id TEXT, \
+     corrects_source TEXT, corrects_id TEXT, received_at BIGINT NOT NULL, \
+     PRIMARY KEY (tenant_id, source, event_id))";
+
+/// `INSERT INTO usage_raw … VALUES` with `chunk` rows of `?` (positional)
+/// or `$N` parameters.
+fn raw_sql(chunk: usize, positional: bool) -> String {
+    let mut sql = String::from(
+        "INSERT INTO usage_raw (tenant_id, source, event_id, subject_kind, subject_id, meter, \
+         meter_detail, model, share_units, billing_class, start_ms, end_ms, amount, amount_int, \
+         node_id, corrects_source, corrects_id, received_at) VALUES ",
+    );
+    for r in 0..chunk {
+        if r > 0 {
+            sql.push(',');
+        }
+        let cols: Vec<String> = (1..=18)
+            .map(|c| {
+                if positional {
+                    "?".to_string()
+                } else {
+                    format!("${}", r * 18 + c)
+                }
+            })
+            .collect();
+        sql.push_str(&format!("({})", cols.join(",")));
+    }
+    sql
+}
+
+/// Precomputed outside the timing, as a hand-written bulk loader would.
+fn raw_rows(events: &[UsageEvent]) -> Vec<[String; 4]> {
+    events
+        .iter()
+        .map(|e| {
+            [
+                serde_json::to_string(&e.meter).unwrap(),
+                match &e.meter {
+                    Meter::GpuSeconds { model, .. } => model.clone(),
+                    _ => String::new(),
+                },
+                e.amount.to_string(),
+                e.billing_class.as_str().to_string(),
+            ]
+        })
+        .collect()
+}
+
+/// Binds the rows of one raw chunk, on either driver.
+macro_rules! bind_raw {
+    ($sql:expr, $ce:expr, $cr:expr) => {{
+        let mut q = sqlx::query($sql);
+        for (e, r) in $ce.iter().zip($cr) {
+            q = q
+                .bind(e.key.tenant.as_str())
+                .bind(e.key.source.as_str())
+                .bind(e.key.id.as_str())
+                .bind("instance")
+                .bind(e.subject.id.as_str())
+                .bind("gpu_seconds")
+                .bind(r[0].as_str())
+                .bind(r[1].as_str())
+                .bind(7000_i64)
+                .bind(r[3].as_str())
+                .bind(e.start.timestamp_millis())
+                .bind(e.end.timestamp_millis())
+                .bind(r[2].as_str())
+                .bind(1_i64)
+                .bind(None::<String>)
+                .bind(None::<String>)
+                .bind(None::<String>)
+                .bind(0_i64);
+        }
+        q
+    }};
+}
+
+/// The plain batched INSERT on SQLite's native sqlx driver (the one
+/// `append_usage` uses on SQLite): the same columns and keys, `?`
+/// parameters, `chunk` rows per statement, no conflict handling, no checks.
+async fn raw_insert_sqlite_native(store_url: &str, chunk: usize, events: &[UsageEvent]) -> f64 {
+    use sqlx::sqlite::SqliteSynchronous;
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+    use sqlx::Executor;
+    use std::str::FromStr;
+    let opts = SqliteConnectOptions::from_str(store_url)
+        .expect("url")
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Normal)
+        // The same page cache and mmap as the store's native pool.
+        .pragma("cache_size", "-65536")
+        .pragma("mmap_size", "268435456");
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(opts)
+        .await
+        .expect("connect");
+    pool.execute("DROP TABLE IF EXISTS usage_raw")
+        .await
+        .expect("drop");
+    pool.execute(RAW_DDL).await.expect("create usage_raw");
+    pool.execute("CREATE INDEX usage_raw_tenant_end ON usage_raw (tenant_id, end_ms)")
+        .await
+        .expect("index");
+    let rows = raw_rows(events);
+    let sql = raw_sql(chunk, true);
+    let t0 = Instant::now();
+    for (batch_events, batch_rows) in events.chunks(BATCH).zip(rows.chunks(BATCH)) {
+        let mut tx = pool.begin().await.expect("begin");
+        for (ce, cr) in batch_events.chunks(chunk).zip(batch_rows.chunks(chunk)) {
+            assert_eq!(ce.len(), chunk, "the raw path takes whole chunks");
+            bind_raw!(&sql, ce, cr)
+                .execute(&mut *tx)
+                .await
+                .expect("raw insert");
+        }
+        tx.commit().await.expect("commit");
+    }
+    let s = t0.elapsed().as_secs_f64();
+    pool.close().await;
+    events.len() as f64 / s
+}
+
+/// The plain batched INSERT through sqlx's `Any` driver (`$N` parameters,
+/// `chunk` rows per statement): the same columns and keys, no conflict
 /// handling, no checks.
 async fn raw_insert(store_url: &str, chunk: usize, events: &[UsageEvent]) -> f64 {
     use sqlx::any::AnyPoolOptions;
@@ -125,75 +253,24 @@ async fn raw_insert(store_url: &str, chunk: usize, events: &[UsageEvent]) -> f64
         .connect(store_url)
         .await
         .expect("connect");
-    pool.execute(
-        "CREATE TABLE usage_raw (tenant_id TEXT NOT NULL, source TEXT NOT NULL, \
-         event_id TEXT NOT NULL, subject_kind TEXT NOT NULL, subject_id TEXT NOT NULL, \
-         meter TEXT NOT NULL, meter_detail TEXT NOT NULL, model TEXT NOT NULL, \
-         share_units BIGINT NOT NULL, billing_class TEXT NOT NULL, start_ms BIGINT NOT NULL, \
-         end_ms BIGINT NOT NULL, amount TEXT NOT NULL, amount_int BIGINT, node_id TEXT, \
-         corrects_source TEXT, corrects_id TEXT, received_at BIGINT NOT NULL, \
-         PRIMARY KEY (tenant_id, source, event_id))",
-    )
-    .await
-    .expect("create usage_raw");
+    pool.execute("DROP TABLE IF EXISTS usage_raw")
+        .await
+        .expect("drop");
+    pool.execute(RAW_DDL).await.expect("create usage_raw");
     pool.execute("CREATE INDEX usage_raw_tenant_end ON usage_raw (tenant_id, end_ms)")
         .await
         .expect("index");
-    // Precomputed outside the timing, as a hand-written bulk loader would.
-    let rows: Vec<[String; 4]> = events
-        .iter()
-        .map(|e| {
-            [
-                serde_json::to_string(&e.meter).unwrap(),
-                match &e.meter {
-                    Meter::GpuSeconds { model, .. } => model.clone(),
-                    _ => String::new(),
-                },
-                e.amount.to_string(),
-                e.billing_class.as_str().to_string(),
-            ]
-        })
-        .collect();
-    let mut sql = String::from(
-        "INSERT INTO usage_raw (tenant_id, source, event_id, subject_kind, subject_id, meter, \
-         meter_detail, model, share_units, billing_class, start_ms, end_ms, amount, amount_int, \
-         node_id, corrects_source, corrects_id, received_at) VALUES ",
-    );
-    for r in 0..chunk {
-        if r > 0 {
-            sql.push(',');
-        }
-        let cols: Vec<String> = (1..=18).map(|c| format!("${}", r * 18 + c)).collect();
-        sql.push_str(&format!("({})", cols.join(",")));
-    }
+    let rows = raw_rows(events);
+    let sql = raw_sql(chunk, false);
     let t0 = Instant::now();
     for (batch_events, batch_rows) in events.chunks(BATCH).zip(rows.chunks(BATCH)) {
         let mut tx = pool.begin().await.expect("begin");
         for (ce, cr) in batch_events.chunks(chunk).zip(batch_rows.chunks(chunk)) {
             assert_eq!(ce.len(), chunk, "the raw path takes whole chunks");
-            let mut q = sqlx::query(&sql);
-            for (e, r) in ce.iter().zip(cr) {
-                q = q
-                    .bind(e.key.tenant.as_str())
-                    .bind(e.key.source.as_str())
-                    .bind(e.key.id.as_str())
-                    .bind("instance")
-                    .bind(e.subject.id.as_str())
-                    .bind("gpu_seconds")
-                    .bind(r[0].as_str())
-                    .bind(r[1].as_str())
-                    .bind(7000_i64)
-                    .bind(r[3].as_str())
-                    .bind(e.start.timestamp_millis())
-                    .bind(e.end.timestamp_millis())
-                    .bind(r[2].as_str())
-                    .bind(1_i64)
-                    .bind(None::<String>)
-                    .bind(None::<String>)
-                    .bind(None::<String>)
-                    .bind(0_i64);
-            }
-            q.execute(&mut *tx).await.expect("raw insert");
+            bind_raw!(&sql, ce, cr)
+                .execute(&mut *tx)
+                .await
+                .expect("raw insert");
         }
         tx.commit().await.expect("commit");
     }
@@ -206,6 +283,7 @@ struct Row {
     store: &'static str,
     events_per_s: f64,
     raw_insert_events_per_s: f64,
+    raw_any_events_per_s: Option<f64>,
     invoice_events: usize,
     invoice_s: f64,
     rollup_rows: usize,
@@ -234,12 +312,16 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
         assert_eq!(out.accepted as usize, b.len(), "{:?}", out.rejected.first());
     }
     let events_per_s = ingest as f64 / t0.elapsed().as_secs_f64();
-    let raw_insert_events_per_s = raw_insert(
-        url,
-        flotilla_store::usage::insert_chunk(store.backend()),
-        &events,
-    )
-    .await;
+    let chunk = flotilla_store::usage::insert_chunk(store.backend());
+    let (raw_insert_events_per_s, raw_any_events_per_s) = match store.backend() {
+        Backend::Sqlite => (
+            raw_insert_sqlite_native(url, chunk, &events).await,
+            // The previous baseline: the `Any` driver at its best chunk
+            // (small, `$N` parameters).
+            Some(raw_insert(url, 10, &events).await),
+        ),
+        Backend::Postgres => (raw_insert(url, chunk, &events).await, None),
+    };
     drop(events);
 
     // The invoice tenant, loaded through the same ledger path.
@@ -292,6 +374,7 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
         store: store_name,
         events_per_s,
         raw_insert_events_per_s,
+        raw_any_events_per_s,
         invoice_events: invoice,
         invoice_s,
         rollup_rows: rollup.events.len(),
@@ -334,6 +417,7 @@ async fn main() {
                 "store": r.store,
                 "events_per_s": r.events_per_s.round(),
                 "raw_insert_events_per_s": r.raw_insert_events_per_s.round(),
+                "raw_insert_any_driver_events_per_s": r.raw_any_events_per_s.map(f64::round),
                 "invoice_10m_events_s": (r.invoice_s * extrapolate * 1000.0).round() / 1000.0,
                 "invoice_measured_events": r.invoice_events,
                 "invoice_measured_s": (r.invoice_s * 1000.0).round() / 1000.0,
@@ -351,16 +435,18 @@ async fn main() {
     )
     .expect("write json");
     let mut md = String::from(
-        "| store | events/s (append_usage) | raw INSERT events/s | ratio | invoice of 10M events (s) | measured on | rollup rows |\n\
-         | --- | ---: | ---: | ---: | ---: | --- | ---: |\n",
+        "| store | events/s (append_usage) | raw INSERT events/s | ratio | raw INSERT, `Any` driver | invoice of 10M events (s) | measured on | rollup rows |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |\n",
     );
     for r in &rows {
         md.push_str(&format!(
-            "| {} | {:.0} | {:.0} | {:.2} | {:.2}{} | {} events in {:.3} s | {} |\n",
+            "| {} | {:.0} | {:.0} | {:.2} | {} | {:.2}{} | {} events in {:.3} s | {} |\n",
             r.store,
             r.events_per_s,
             r.raw_insert_events_per_s,
             r.events_per_s / r.raw_insert_events_per_s,
+            r.raw_any_events_per_s
+                .map_or("(same)".to_string(), |v| format!("{v:.0}")),
             r.invoice_s * extrapolate,
             if r.invoice_events == 10_000_000 {
                 String::new()

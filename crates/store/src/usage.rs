@@ -25,7 +25,6 @@ use flotilla_core::id::{NodeId, TenantId};
 use flotilla_core::instance::BillingClass;
 use rust_decimal::prelude::ToPrimitive;
 use rust_decimal::Decimal;
-use sqlx::any::AnyRow;
 use sqlx::Row;
 
 use crate::{at, json, ms, to_json, Result, Store, StoreError};
@@ -35,18 +34,29 @@ const COLS: usize = 18;
 
 /// Events per INSERT on `backend`. PostgreSQL: 500 rows × 18 binds, well
 /// under its 65,535 binds, large enough that round trips are noise.
-/// SQLite: small statements, because sqlx's SQLite driver handles the
-/// arguments of one statement in time quadratic in their number (measured:
-/// 1,000 rows ran at 2k events/s, 100 rows at 20k/s); SQLite has no round
-/// trip, so many small statements cost nothing extra.
+/// SQLite (through the store's native SQLite pool, positional `?`
+/// parameters): 1,000 rows × 18 binds, under SQLite's 32,766. Every
+/// statement is a round trip to sqlx's SQLite worker thread (tens of µs
+/// on a busy machine), so the fewer the better. With `$N` parameters sqlx
+/// would look up each parameter's name, a scan that grows with their
+/// number (quadratic per statement), which is why `$N` statements must
+/// stay small.
 pub fn insert_chunk(backend: crate::Backend) -> usize {
     match backend {
-        crate::Backend::Sqlite => SQLITE_CHUNK,
+        crate::Backend::Sqlite => 1000,
         crate::Backend::Postgres => 500,
     }
 }
 
-const SQLITE_CHUNK: usize = 10;
+/// The statement sizes a batch is cut into: full chunks, then the rest in
+/// hundreds, tens and ones, so that every statement is one of four
+/// prepared (and cached) shapes whatever the batch size.
+fn statement_rows(left: usize, full: usize) -> usize {
+    [full, 100, 10, 1]
+        .into_iter()
+        .find(|&n| n <= full && n <= left)
+        .unwrap_or(1)
+}
 
 /// Keys per lookup of already-stored events (3 binds each).
 const PROBE_CHUNK: usize = 1000;
@@ -95,6 +105,48 @@ struct Flat<'a> {
     share_units: i64,
     amount: String,
     amount_int: Option<i64>,
+}
+
+/// The write transaction of one batch: on the native SQLite pool when the
+/// store has one, else on the `Any` pool.
+enum LedgerTx {
+    Any(sqlx::Transaction<'static, sqlx::Any>),
+    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
+}
+
+/// Binds the columns of `$chunk`'s events (in [`EVENT_COLUMNS`] order) to
+/// a query of either driver.
+macro_rules! bind_events {
+    ($q:expr, $chunk:expr, $now_ms:expr) => {{
+        let mut q = $q;
+        for f in $chunk {
+            let e = f.e;
+            let (cs, ci) = match &e.corrects {
+                Some(k) => (Some(k.source.as_str()), Some(k.id.as_str())),
+                None => (None, None),
+            };
+            q = q
+                .bind(e.key.tenant.as_str())
+                .bind(e.key.source.as_str())
+                .bind(e.key.id.as_str())
+                .bind(f.subject_kind)
+                .bind(e.subject.id.as_str())
+                .bind(f.meter)
+                .bind(f.meter_detail.as_str())
+                .bind(f.model)
+                .bind(f.share_units)
+                .bind(e.billing_class.as_str())
+                .bind(ms(e.start))
+                .bind(ms(e.end))
+                .bind(f.amount.as_str())
+                .bind(f.amount_int)
+                .bind(e.node.as_ref().map(|n| n.as_str()))
+                .bind(cs)
+                .bind(ci)
+                .bind($now_ms);
+        }
+        q
+    }};
 }
 
 fn subject_kind_str(k: SubjectKind) -> &'static str {
@@ -205,7 +257,9 @@ fn rejection(index: usize, e: &UsageEvent, err: BillingError) -> Rejection {
     }
 }
 
-fn insert_sql(rows: usize) -> String {
+/// A multi-row INSERT of `rows` events; `positional`: `?` parameters (the
+/// native SQLite driver), else `$N` (the `Any` driver, PostgreSQL).
+fn insert_sql(rows: usize, positional: bool) -> String {
     let mut sql = String::with_capacity(64 + rows * COLS * 6);
     sql.push_str("INSERT INTO usage_events (");
     sql.push_str(EVENT_COLUMNS);
@@ -219,15 +273,20 @@ fn insert_sql(rows: usize) -> String {
             if c > 0 {
                 sql.push(',');
             }
-            sql.push('$');
-            sql.push_str(&(r * COLS + c + 1).to_string());
+            if positional {
+                sql.push('?');
+            } else {
+                sql.push('$');
+                sql.push_str(&(r * COLS + c + 1).to_string());
+            }
         }
         sql.push(')');
     }
+    sql.push_str(" ON CONFLICT (tenant_id, source, event_id) DO NOTHING");
     sql
 }
 
-fn probe_sql(keys: usize) -> String {
+fn probe_sql(keys: usize, positional: bool) -> String {
     let mut sql = format!(
         "SELECT {EVENT_COLUMNS} FROM usage_events WHERE (tenant_id, source, event_id) IN (VALUES "
     );
@@ -235,14 +294,26 @@ fn probe_sql(keys: usize) -> String {
         if i > 0 {
             sql.push(',');
         }
-        sql.push_str(&format!("(${}, ${}, ${})", i * 3 + 1, i * 3 + 2, i * 3 + 3));
+        if positional {
+            sql.push_str("(?, ?, ?)");
+        } else {
+            sql.push_str(&format!("(${}, ${}, ${})", i * 3 + 1, i * 3 + 2, i * 3 + 3));
+        }
     }
     sql.push(')');
     sql
 }
 
-/// One stored row back as the event it records.
-fn decode(r: &AnyRow) -> Result<UsageEvent> {
+/// One stored row (of the `Any` or the native SQLite driver) back as the
+/// event it records.
+fn decode<'r, R>(r: &'r R) -> Result<UsageEvent>
+where
+    R: Row,
+    &'static str: sqlx::ColumnIndex<R>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
     let tenant: String = r.try_get("tenant_id")?;
     let tenant = TenantId::parse(&tenant, "tenant_id")
         .map_err(|e| StoreError::Corrupt(format!("usage tenant: {e}")))?;
@@ -395,49 +466,39 @@ impl Store {
         }
 
         let now_ms = ms(now);
-        let mut tx = self.pool().begin().await?;
+        let mut tx = match self.sqlite_pool() {
+            Some(native) => LedgerTx::Sqlite(native.begin().await?),
+            None => LedgerTx::Any(self.pool().begin().await?),
+        };
         let chunk_len = insert_chunk(self.backend());
-        let full_sql = insert_sql(chunk_len);
+        let positional = matches!(tx, LedgerTx::Sqlite(_));
+        let mut sqls: Vec<(usize, String)> = Vec::with_capacity(4);
         // Keys not inserted by their chunk: stored before, to be compared.
         let mut probe: Vec<(usize, &UsageEvent)> = Vec::new();
         let mut inserted_in_probed = 0u64;
-        for chunk in fresh.chunks(chunk_len) {
-            let sql_owned;
-            let sql: &str = if chunk.len() == chunk_len {
-                &full_sql
-            } else {
-                sql_owned = insert_sql(chunk.len());
-                &sql_owned
+        let mut rest: &[Flat<'_>] = &fresh;
+        while !rest.is_empty() {
+            let rows = statement_rows(rest.len(), chunk_len);
+            let (chunk, tail) = rest.split_at(rows);
+            rest = tail;
+            let at = match sqls.iter().position(|(n, _)| *n == rows) {
+                Some(at) => at,
+                None => {
+                    sqls.push((rows, insert_sql(rows, positional)));
+                    sqls.len() - 1
+                }
             };
-            let sql = format!("{sql} ON CONFLICT (tenant_id, source, event_id) DO NOTHING");
-            let mut q = sqlx::query(&sql);
-            for f in chunk {
-                let e = f.e;
-                let (cs, ci) = match &e.corrects {
-                    Some(k) => (Some(k.source.as_str()), Some(k.id.as_str())),
-                    None => (None, None),
-                };
-                q = q
-                    .bind(e.key.tenant.as_str())
-                    .bind(e.key.source.as_str())
-                    .bind(e.key.id.as_str())
-                    .bind(f.subject_kind)
-                    .bind(e.subject.id.as_str())
-                    .bind(f.meter)
-                    .bind(f.meter_detail.as_str())
-                    .bind(f.model)
-                    .bind(f.share_units)
-                    .bind(e.billing_class.as_str())
-                    .bind(ms(e.start))
-                    .bind(ms(e.end))
-                    .bind(f.amount.as_str())
-                    .bind(f.amount_int)
-                    .bind(e.node.as_ref().map(|n| n.as_str()))
-                    .bind(cs)
-                    .bind(ci)
-                    .bind(now_ms);
-            }
-            let inserted = q.execute(&mut *tx).await?.rows_affected();
+            let sql = sqls[at].1.as_str();
+            let inserted = match &mut tx {
+                LedgerTx::Any(tx) => bind_events!(sqlx::query(sql), chunk, now_ms)
+                    .execute(&mut **tx)
+                    .await?
+                    .rows_affected(),
+                LedgerTx::Sqlite(tx) => bind_events!(sqlx::query(sql), chunk, now_ms)
+                    .execute(&mut **tx)
+                    .await?
+                    .rows_affected(),
+            };
             out.accepted += inserted;
             if inserted < chunk.len() as u64 {
                 // Some keys were already stored. Every key of the chunk is
@@ -452,7 +513,11 @@ impl Store {
         let probed_fresh = probe.len() as u64;
         let mut lookups: Vec<(usize, &UsageEvent)> = probe;
         lookups.extend(late.iter().map(|(i, e, _)| (*i, *e)));
-        let stored = fetch_keys(&mut tx, lookups.iter().map(|(_, e)| &e.key)).await?;
+        let keys = lookups.iter().map(|(_, e)| &e.key);
+        let stored = match &mut tx {
+            LedgerTx::Any(tx) => fetch_keys(tx, keys).await?,
+            LedgerTx::Sqlite(tx) => fetch_keys_sqlite(tx, keys).await?,
+        };
         for (n, (i, e)) in lookups.iter().enumerate() {
             let fresh_one = (n as u64) < probed_fresh;
             match (stored.get(&e.key), fresh_one) {
@@ -485,7 +550,10 @@ impl Store {
         // Equal rows among probed chunks are those chunks' inserts plus
         // their duplicates.
         out.duplicates += probed_equal.saturating_sub(inserted_in_probed);
-        tx.commit().await?;
+        match tx {
+            LedgerTx::Any(tx) => tx.commit().await?,
+            LedgerTx::Sqlite(tx) => tx.commit().await?,
+        }
         out.rejected.sort_by_key(|r| r.index);
         Ok(out)
     }
@@ -760,7 +828,31 @@ async fn fetch_keys<'k>(
     let keys: Vec<&EventKey> = keys.collect();
     let mut out = HashMap::with_capacity(keys.len());
     for chunk in keys.chunks(PROBE_CHUNK) {
-        let sql = probe_sql(chunk.len());
+        let sql = probe_sql(chunk.len(), false);
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q
+                .bind(k.tenant.as_str())
+                .bind(k.source.as_str())
+                .bind(k.id.as_str());
+        }
+        for r in q.fetch_all(&mut *conn).await? {
+            let e = decode(&r)?;
+            out.insert(e.key.clone(), e);
+        }
+    }
+    Ok(out)
+}
+
+/// [`fetch_keys`] on the native SQLite driver (inside its transaction).
+async fn fetch_keys_sqlite<'k>(
+    conn: &mut sqlx::SqliteConnection,
+    keys: impl Iterator<Item = &'k EventKey>,
+) -> Result<HashMap<EventKey, UsageEvent>> {
+    let keys: Vec<&EventKey> = keys.collect();
+    let mut out = HashMap::with_capacity(keys.len());
+    for chunk in keys.chunks(PROBE_CHUNK) {
+        let sql = probe_sql(chunk.len(), true);
         let mut q = sqlx::query(&sql);
         for k in chunk {
             q = q
