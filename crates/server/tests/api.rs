@@ -6,216 +6,57 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_core::api::{DiscoveredGpu, ObservedInstance, ObservedPhase, RegisterNode};
-use flotilla_core::catalog::Vendor;
-use flotilla_server::{bootstrap, open_store, serve, ServerConfig, Store};
+use flotilla_core::api::{ObservedInstance, ObservedPhase};
+use flotilla_server::ServerConfig;
+use flotilla_testkit::server::{fast, start, TestServer as Server};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 
-struct Server {
-    url: String,
-    operator: String,
-    store: Store,
-    _dir: tempfile::TempDir,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-    }
-}
-
-async fn start(config: ServerConfig) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
-    let store = open_store(&url).await.unwrap();
-    let boot = bootstrap(&store, dir.path()).await.unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(serve(store.clone(), config, listener, async move {
-        let _ = rx.await;
-    }));
-    Server {
-        url: format!("http://{addr}"),
-        operator: boot.operator_key.unwrap(),
-        store,
-        _dir: dir,
-        stop: Some(tx),
-    }
-}
-
-fn fast() -> ServerConfig {
-    ServerConfig {
-        heartbeat_timeout: Duration::from_secs(30),
-        rate_limit_per_second: 10_000,
-        reconcile_tick: Duration::from_millis(100),
-        ..ServerConfig::default()
-    }
-}
-
-struct Resp {
-    status: StatusCode,
-    headers: reqwest::header::HeaderMap,
-    body: Value,
-}
-
-impl Server {
-    async fn call(&self, key: &str, method: Method, path: &str, body: Option<Value>) -> Resp {
-        self.raw(key, method, path, body.map(|b| b.to_string()), &[])
-            .await
-    }
-
-    async fn raw(
-        &self,
-        key: &str,
-        method: Method,
-        path: &str,
-        body: Option<String>,
-        headers: &[(&str, &str)],
-    ) -> Resp {
-        let mut req = reqwest::Client::new()
-            .request(method, format!("{}{path}", self.url))
-            .bearer_auth(key);
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        if let Some(b) = body {
-            req = req.header("content-type", "application/json").body(b);
-        }
-        let r = req.send().await.unwrap();
-        let status = r.status();
-        let headers = r.headers().clone();
-        let text = r.text().await.unwrap();
-        Resp {
-            status,
-            headers,
-            body: serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        }
-    }
-
-    async fn ok(&self, key: &str, method: Method, path: &str, body: Option<Value>) -> Value {
-        let r = self.call(key, method.clone(), path, body).await;
-        assert!(
-            r.status.is_success(),
-            "{method} {path}: {} {}",
-            r.status,
-            r.body
-        );
-        r.body
-    }
-
-    /// A tenant with an admin and a member key.
-    async fn tenant(&self, name: &str) -> (String, String, String) {
-        let t = self
-            .ok(
-                &self.operator,
-                Method::POST,
-                "/v1/tenants",
-                Some(json!({"name": name})),
-            )
-            .await;
-        let id = t["id"].as_str().unwrap().to_string();
-        let admin = self
-            .ok(
-                &self.operator,
-                Method::POST,
-                "/v1/keys",
-                Some(json!({"tenant_id": id, "role": "tenant_admin"})),
-            )
-            .await["secret"]
-            .as_str()
-            .unwrap()
-            .to_string();
-        let member = self
-            .ok(
-                &admin,
-                Method::POST,
-                "/v1/keys",
-                Some(json!({"role": "tenant_member", "name": "ci"})),
-            )
-            .await["secret"]
-            .as_str()
-            .unwrap()
-            .to_string();
-        (id, admin, member)
-    }
-
-    async fn provider(&self, tenant: &str) -> String {
-        self.ok(
-            &self.operator,
+/// A tenant with an admin and a member key.
+async fn tenant(s: &Server, name: &str) -> (String, String, String) {
+    let id = s.create_tenant(name).await;
+    let admin = s.key(&id, "tenant_admin").await;
+    let member = s
+        .ok(
+            &admin,
             Method::POST,
             "/v1/keys",
-            Some(json!({"tenant_id": tenant, "role": "provider"})),
+            Some(json!({"role": "tenant_member", "name": "ci"})),
         )
         .await["secret"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    }
+        .as_str()
+        .unwrap()
+        .to_string();
+    (id, admin, member)
+}
 
-    async fn node(&self, key: &str, name: &str, gpus: &[(&str, u32)]) -> String {
-        let mut list = Vec::new();
-        for (m, n) in gpus {
-            for _ in 0..*n {
-                let index = list.len() as u32;
-                list.push(DiscoveredGpu {
-                    index,
-                    model: m.to_string(),
-                    uuid: format!("GPU-{name}-{index}"),
-                    memory_mib: 81920,
-                    vendor: Vendor::Nvidia,
-                });
-            }
-        }
-        let req = RegisterNode {
-            name: name.into(),
-            region: None,
-            pool: None,
-            cpu_milli: 256_000,
-            memory_mb: 2_000_000,
-            simulated: true,
-            gpus: list,
-            agent_version: "test".into(),
-        };
-        self.ok(
-            key,
-            Method::POST,
-            "/v1/agent/register",
-            Some(serde_json::to_value(req).unwrap()),
-        )
-        .await["node_id"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    }
+async fn provider(s: &Server, tenant: &str) -> String {
+    s.key(tenant, "provider").await
+}
 
-    async fn store_snapshot(&self) -> String {
-        let mut out = String::new();
-        let page = flotilla_store::PageReq::new(None, 1000);
-        for t in self.store.list_tenants(None, &page).await.unwrap().items {
-            out += &format!("{t:?}\n{:?}\n", self.store.quota(&t.id).await.unwrap());
-        }
-        for k in self.store.list_keys(None, &page).await.unwrap().items {
-            out += &format!("{k:?}\n");
-        }
-        for i in self
-            .store
-            .list_instances(None, None, &page)
-            .await
-            .unwrap()
-            .items
-        {
-            out += &format!("{i:?}\n");
-        }
-        for n in self.store.list_nodes(&page).await.unwrap().items {
-            out += &format!("{:?} {:?}\n", n.id, n.gpus);
-        }
-        out
+/// Everything the store holds, as text, to prove a request changed nothing.
+async fn store_snapshot(s: &Server) -> String {
+    let mut out = String::new();
+    let page = flotilla_store::PageReq::new(None, 1000);
+    for t in s.store.list_tenants(None, &page).await.unwrap().items {
+        out += &format!("{t:?}\n{:?}\n", s.store.quota(&t.id).await.unwrap());
     }
+    for k in s.store.list_keys(None, &page).await.unwrap().items {
+        out += &format!("{k:?}\n");
+    }
+    for i in s
+        .store
+        .list_instances(None, None, &page)
+        .await
+        .unwrap()
+        .items
+    {
+        out += &format!("{i:?}\n");
+    }
+    for n in s.store.list_nodes(&page).await.unwrap().items {
+        out += &format!("{:?} {:?}\n", n.id, n.gpus);
+    }
+    out
 }
 
 async fn wait_for<F, Fut>(what: &str, mut f: F)
@@ -235,8 +76,8 @@ where
 #[tokio::test]
 async fn bad_input_is_a_4xx_naming_the_field_and_changes_nothing() {
     let s = start(fast()).await;
-    let (tenant, admin, member) = s.tenant("acme").await;
-    let before = s.store_snapshot().await;
+    let (tenant, admin, member) = tenant(&s, "acme").await;
+    let before = store_snapshot(&s).await;
     let huge = format!(
         r#"{{"gpus": 1, "command": ["echo", "{}"]}}"#,
         "x".repeat(2 * 1024 * 1024)
@@ -516,7 +357,7 @@ async fn bad_input_is_a_4xx_naming_the_field_and_changes_nothing() {
     let r = s.raw(&admin, Method::GET, "/v1/nope", None, &[]).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(r.body["error"]["code"], "not_found");
-    assert_eq!(s.store_snapshot().await, before, "the store is unchanged");
+    assert_eq!(store_snapshot(&s).await, before, "the store is unchanged");
 }
 
 fn fill(path: &str, ids: &HashMap<&str, String>) -> String {
@@ -530,10 +371,10 @@ fn fill(path: &str, ids: &HashMap<&str, String>) -> String {
 #[tokio::test]
 async fn every_route_hides_other_tenants_resources_and_checks_roles() {
     let s = start(fast()).await;
-    let (a, a_admin, a_member) = s.tenant("tenant-a").await;
-    let (_b, b_admin, b_member) = s.tenant("tenant-b").await;
-    let a_provider = s.provider(&a).await;
-    let node = s.node(&a_provider, "a-node", &[("H100", 2)]).await;
+    let (a, a_admin, a_member) = tenant(&s, "tenant-a").await;
+    let (_b, b_admin, b_member) = tenant(&s, "tenant-b").await;
+    let a_provider = provider(&s, &a).await;
+    let node = s.register_node(&a_provider, "a-node", &[("H100", 2)]).await;
     let inst = s
         .ok(
             &a_member,
@@ -571,7 +412,7 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
     let doc = s.ok(&b_admin, Method::GET, "/v1/openapi.json", None).await;
     let paths = doc["paths"].as_object().unwrap();
     let mut checked = 0;
-    let b_provider = s.provider(&_b).await;
+    let b_provider = provider(&s, &_b).await;
     for (path, item) in paths {
         if !path.contains('{') {
             continue;
@@ -590,7 +431,7 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
                 "route {path} has a parameter this test does not know: add it"
             );
             for key in [&b_admin, &b_member, &b_provider] {
-                let r = s.call(key, m.clone(), &url, body.clone()).await;
+                let r = s.request(key, m.clone(), &url, body.clone()).await;
                 assert_eq!(
                     r.status,
                     StatusCode::NOT_FOUND,
@@ -674,7 +515,7 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
     ];
     for (key, m, path, body) in forbidden {
         let body = (!body.is_null()).then_some(body);
-        let r = s.call(key, m.clone(), &path, body).await;
+        let r = s.request(key, m.clone(), &path, body).await;
         assert_eq!(r.status, StatusCode::FORBIDDEN, "{m} {path}: {}", r.body);
         assert_eq!(r.body["error"]["code"], "forbidden");
     }
@@ -693,7 +534,7 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
 #[tokio::test]
 async fn quota_refusal_names_quota_limit_and_use() {
     let s = start(fast()).await;
-    let (t, _admin, member) = s.tenant("q").await;
+    let (t, _admin, member) = tenant(&s, "q").await;
     s.ok(
         &s.operator,
         Method::PUT,
@@ -709,7 +550,7 @@ async fn quota_refusal_names_quota_limit_and_use() {
     )
     .await;
     let r = s
-        .call(
+        .request(
             &member,
             Method::POST,
             "/v1/instances",
@@ -725,7 +566,7 @@ async fn quota_refusal_names_quota_limit_and_use() {
     );
     assert_eq!(r.body["error"]["details"]["limit"], 2);
     let r = s
-        .call(
+        .request(
             &member,
             Method::POST,
             "/v1/instances",
@@ -738,7 +579,7 @@ async fn quota_refusal_names_quota_limit_and_use() {
 #[tokio::test]
 async fn idempotency_key_replays_and_refuses_reuse() {
     let s = start(fast()).await;
-    let (_t, _admin, member) = s.tenant("idem").await;
+    let (_t, _admin, member) = tenant(&s, "idem").await;
     let body = r#"{"gpus": 1, "command": ["echo", "hi"]}"#;
     let h = [("idempotency-key", "retry-1")];
     let first = s
@@ -813,7 +654,7 @@ async fn rate_limit_answers_429_with_retry_after() {
     .await;
     let mut limited = None;
     for _ in 0..20 {
-        let r = s.call(&s.operator, Method::GET, "/v1/me", None).await;
+        let r = s.request(&s.operator, Method::GET, "/v1/me", None).await;
         if r.status == StatusCode::TOO_MANY_REQUESTS {
             limited = Some(r);
             break;
@@ -836,7 +677,7 @@ async fn rate_limit_answers_429_with_retry_after() {
 #[tokio::test]
 async fn lists_paginate_and_docs_are_served() {
     let s = start(fast()).await;
-    let (_t, _admin, member) = s.tenant("pages").await;
+    let (_t, _admin, member) = tenant(&s, "pages").await;
     let mut made = Vec::new();
     for _ in 0..7 {
         made.push(
@@ -900,14 +741,14 @@ async fn lists_paginate_and_docs_are_served() {
 async fn concurrent_requests_never_share_a_gpu() {
     let s = Arc::new(start(fast()).await);
     let me = s.ok(&s.operator, Method::GET, "/v1/me", None).await;
-    let provider = s.provider(me["tenant"]["id"].as_str().unwrap()).await;
-    let n1 = s.node(&provider, "big-1", &[("H100", 8)]).await;
+    let provider = provider(&s, me["tenant"]["id"].as_str().unwrap()).await;
+    let n1 = s.register_node(&provider, "big-1", &[("H100", 8)]).await;
     let n2 = s
-        .node(&provider, "big-2", &[("H100", 4), ("L40S", 4)])
+        .register_node(&provider, "big-2", &[("H100", 4), ("L40S", 4)])
         .await;
     let mut members = Vec::new();
     for i in 0..4 {
-        members.push(s.tenant(&format!("stress-{i}")).await.2);
+        members.push(tenant(&s, &format!("stress-{i}")).await.2);
     }
     let mut tasks = Vec::new();
     for i in 0..64usize {

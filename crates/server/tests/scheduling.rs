@@ -5,139 +5,37 @@
 
 use std::time::Duration;
 
-use flotilla_core::api::{DiscoveredGpu, ObservedInstance, ObservedPhase, RegisterNode};
-use flotilla_core::catalog::Vendor;
-use flotilla_server::{bootstrap, open_store, serve, ServerConfig};
+use flotilla_core::api::{ObservedInstance, ObservedPhase};
+use flotilla_testkit::server::{fast, TestServer};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 
-struct Server {
-    url: String,
-    operator: String,
-    _dir: tempfile::TempDir,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
+/// The in-process server, with this file's helpers on top.
+struct Server(TestServer);
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
+impl std::ops::Deref for Server {
+    type Target = TestServer;
+    fn deref(&self) -> &TestServer {
+        &self.0
     }
 }
 
 async fn start() -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
-    let store = open_store(&url).await.unwrap();
-    let boot = bootstrap(&store, dir.path()).await.unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let config = ServerConfig {
-        heartbeat_timeout: Duration::from_secs(30),
-        rate_limit_per_second: 10_000,
-        reconcile_tick: Duration::from_millis(50),
-        ..ServerConfig::default()
-    };
-    tokio::spawn(serve(store, config, listener, async move {
-        let _ = rx.await;
-    }));
-    Server {
-        url: format!("http://{addr}"),
-        operator: boot.operator_key.unwrap(),
-        _dir: dir,
-        stop: Some(tx),
-    }
+    Server(flotilla_testkit::server::start(fast()).await)
 }
 
 impl Server {
-    async fn call(
-        &self,
-        key: &str,
-        method: Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> (StatusCode, Value) {
-        let mut req = reqwest::Client::new()
-            .request(method, format!("{}{path}", self.url))
-            .bearer_auth(key);
-        if let Some(b) = body {
-            req = req.json(&b);
-        }
-        let r = req.send().await.unwrap();
-        let status = r.status();
-        let text = r.text().await.unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
-    }
-
-    async fn ok(&self, key: &str, method: Method, path: &str, body: Option<Value>) -> Value {
-        let (status, body) = self.call(key, method.clone(), path, body).await;
-        assert!(status.is_success(), "{method} {path}: {status} {body}");
-        body
-    }
-
-    async fn key(&self, tenant: &str, role: &str) -> String {
-        self.ok(
-            &self.operator,
-            Method::POST,
-            "/v1/keys",
-            Some(json!({"tenant_id": tenant, "role": role})),
-        )
-        .await["secret"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    }
-
+    /// A tenant and a member key of it.
     /// A tenant and a member key of it.
     async fn tenant(&self, name: &str) -> (String, String) {
-        let t = self
-            .ok(
-                &self.operator,
-                Method::POST,
-                "/v1/tenants",
-                Some(json!({"name": name})),
-            )
-            .await;
-        let id = t["id"].as_str().unwrap().to_string();
+        let id = self.create_tenant(name).await;
         let key = self.key(&id, "tenant_member").await;
         (id, key)
     }
 
+    /// A node of `gpus` H100s.
     async fn node(&self, key: &str, name: &str, gpus: u32) -> String {
-        let list = (0..gpus)
-            .map(|index| DiscoveredGpu {
-                index,
-                model: "H100".into(),
-                uuid: format!("GPU-{name}-{index}"),
-                memory_mib: 81920,
-                vendor: Vendor::Nvidia,
-            })
-            .collect();
-        let req = RegisterNode {
-            name: name.into(),
-            region: None,
-            pool: None,
-            cpu_milli: 256_000,
-            memory_mb: 2_000_000,
-            simulated: true,
-            gpus: list,
-            agent_version: "test".into(),
-        };
-        self.ok(
-            key,
-            Method::POST,
-            "/v1/agent/register",
-            Some(serde_json::to_value(req).unwrap()),
-        )
-        .await["node_id"]
-            .as_str()
-            .unwrap()
-            .to_string()
+        self.register_node(key, name, &[("H100", gpus)]).await
     }
 
     /// One agent sync reporting `observed`; the node's assignments.

@@ -2,99 +2,14 @@
 //! store: roles, batch limits, duplicates on re-send, tenant isolation, and
 //! an invoice whose total is the sum of its lines.
 
-use std::time::Duration;
-
 use chrono::{Datelike, SubsecRound, Utc};
-use flotilla_server::{bootstrap, open_store, serve, ServerConfig};
+use flotilla_testkit::server::{fast, TestServer};
 use reqwest::{Method, StatusCode};
 use rust_decimal::Decimal;
 use serde_json::{json, Value};
 
-struct Server {
-    url: String,
-    operator: String,
-    _dir: tempfile::TempDir,
-    _stop: tokio::sync::oneshot::Sender<()>,
-}
-
-async fn start() -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
-    let store = open_store(&url).await.unwrap();
-    let boot = bootstrap(&store, dir.path()).await.unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let config = ServerConfig {
-        rate_limit_per_second: 10_000,
-        reconcile_tick: Duration::from_millis(200),
-        ..ServerConfig::default()
-    };
-    tokio::spawn(serve(store, config, listener, async move {
-        let _ = rx.await;
-    }));
-    Server {
-        url: format!("http://{addr}"),
-        operator: boot.operator_key.unwrap(),
-        _dir: dir,
-        _stop: tx,
-    }
-}
-
-impl Server {
-    async fn call(
-        &self,
-        key: &str,
-        method: Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> (StatusCode, Value) {
-        let mut req = reqwest::Client::new()
-            .request(method, format!("{}{path}", self.url))
-            .bearer_auth(key);
-        if let Some(b) = body {
-            req = req.json(&b);
-        }
-        let r = req.send().await.unwrap();
-        let status = r.status();
-        let text = r.text().await.unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
-    }
-
-    async fn ok(&self, key: &str, method: Method, path: &str, body: Option<Value>) -> Value {
-        let (status, body) = self.call(key, method.clone(), path, body).await;
-        assert!(status.is_success(), "{method} {path}: {status} {body}");
-        body
-    }
-
-    async fn tenant(&self, name: &str) -> String {
-        self.ok(
-            &self.operator,
-            Method::POST,
-            "/v1/tenants",
-            Some(json!({"name": name})),
-        )
-        .await["id"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    }
-
-    async fn key(&self, tenant: &str, role: &str) -> String {
-        self.ok(
-            &self.operator,
-            Method::POST,
-            "/v1/keys",
-            Some(json!({"tenant_id": tenant, "role": role})),
-        )
-        .await["secret"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    }
+async fn start() -> TestServer {
+    flotilla_testkit::server::start(fast()).await
 }
 
 /// `n` one-minute H100 events of `tenant`, ending a minute before the
@@ -123,9 +38,9 @@ fn batch(tenant: &str, n: usize, node: &str) -> (Vec<Value>, chrono::DateTime<Ut
 #[tokio::test]
 async fn providers_send_usage_tenants_read_it_and_invoices_add_up() {
     let s = start().await;
-    let acme = s.tenant("acme").await;
-    let other = s.tenant("other").await;
-    let provider_tenant = s.tenant("gpu-owner").await;
+    let acme = s.create_tenant("acme").await;
+    let other = s.create_tenant("other").await;
+    let provider_tenant = s.create_tenant("gpu-owner").await;
     let provider = s.key(&provider_tenant, "provider").await;
     let member = s.key(&acme, "tenant_member").await;
     let admin = s.key(&acme, "tenant_admin").await;

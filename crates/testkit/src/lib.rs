@@ -4,6 +4,8 @@
 //! - [`db`]: a fresh store on SQLite, and on PostgreSQL when
 //!   `FLOTILLA_TEST_DATABASE_URL` is set, plus [`backend_suite!`] which runs
 //!   one suite on both.
+//! - [`server`]: the control plane in-process on an ephemeral port, with a
+//!   small client and helpers to make tenants, keys and nodes.
 //! - [`process`]: the real `flotilla` binary as server, agent and CLI in a
 //!   temporary home, and a minimal blocking HTTP client independent of the
 //!   code under test.
@@ -12,6 +14,7 @@
 
 pub mod db;
 pub mod process;
+pub mod server;
 
 /// Re-exported for [`backend_suite!`].
 pub use flotilla_store;

@@ -1,0 +1,203 @@
+//! The control plane in-process, on an ephemeral port with a SQLite file,
+//! and a small HTTP client for it (reqwest, not the code under test).
+
+use std::time::Duration;
+
+use flotilla_core::api::{DiscoveredGpu, RegisterNode};
+use flotilla_core::catalog::Vendor;
+use flotilla_server::{bootstrap, open_store, serve, ServerConfig, Store};
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+
+/// Settings for tests: fast loops, no rate limit in the way.
+pub fn fast() -> ServerConfig {
+    ServerConfig {
+        heartbeat_timeout: Duration::from_secs(30),
+        rate_limit_per_second: 10_000,
+        reconcile_tick: Duration::from_millis(50),
+        ..ServerConfig::default()
+    }
+}
+
+/// A running server; dropping it shuts it down.
+#[derive(Debug)]
+pub struct TestServer {
+    /// Base URL, e.g. `http://127.0.0.1:41234`.
+    pub url: String,
+    /// The operator key bootstrap minted.
+    pub operator: String,
+    /// The server's store, for assertions on what it recorded.
+    pub store: Store,
+    _dir: tempfile::TempDir,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+/// An answer: status, headers and the body (JSON when it parses).
+#[derive(Debug)]
+pub struct Resp {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Headers.
+    pub headers: reqwest::header::HeaderMap,
+    /// Body.
+    pub body: Value,
+}
+
+/// Starts a server with `config` on a fresh SQLite file.
+pub async fn start(config: ServerConfig) -> TestServer {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
+    let store = open_store(&url).await.expect("store");
+    let boot = bootstrap(&store, dir.path()).await.expect("bootstrap");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("local address");
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(serve(store.clone(), config, listener, async move {
+        let _ = rx.await;
+    }));
+    TestServer {
+        url: format!("http://{addr}"),
+        operator: boot
+            .operator_key
+            .expect("a fresh store mints an operator key"),
+        store,
+        _dir: dir,
+        stop: Some(tx),
+    }
+}
+
+impl TestServer {
+    /// A request with a raw body and extra headers.
+    pub async fn raw(
+        &self,
+        key: &str,
+        method: Method,
+        path: &str,
+        body: Option<String>,
+        headers: &[(&str, &str)],
+    ) -> Resp {
+        let mut req = reqwest::Client::new()
+            .request(method, format!("{}{path}", self.url))
+            .bearer_auth(key);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        if let Some(b) = body {
+            req = req.header("content-type", "application/json").body(b);
+        }
+        let r = req.send().await.expect("the server answers");
+        let status = r.status();
+        let headers = r.headers().clone();
+        let text = r.text().await.expect("a body");
+        Resp {
+            status,
+            headers,
+            body: serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        }
+    }
+
+    /// A request with a JSON body.
+    pub async fn request(
+        &self,
+        key: &str,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Resp {
+        self.raw(key, method, path, body.map(|b| b.to_string()), &[])
+            .await
+    }
+
+    /// A request with a JSON body; status and body.
+    pub async fn call(
+        &self,
+        key: &str,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let r = self.request(key, method, path, body).await;
+        (r.status, r.body)
+    }
+
+    /// A request that must succeed; its body.
+    pub async fn ok(&self, key: &str, method: Method, path: &str, body: Option<Value>) -> Value {
+        let r = self.request(key, method.clone(), path, body).await;
+        assert!(
+            r.status.is_success(),
+            "{method} {path}: {} {}",
+            r.status,
+            r.body
+        );
+        r.body
+    }
+
+    /// Creates a tenant (as the operator); its id.
+    pub async fn create_tenant(&self, name: &str) -> String {
+        let t = self
+            .ok(
+                &self.operator,
+                Method::POST,
+                "/v1/tenants",
+                Some(json!({ "name": name })),
+            )
+            .await;
+        t["id"].as_str().expect("tenant id").to_string()
+    }
+
+    /// Mints a key of `role` for `tenant` (as the operator); its secret.
+    pub async fn key(&self, tenant: &str, role: &str) -> String {
+        let k = self
+            .ok(
+                &self.operator,
+                Method::POST,
+                "/v1/keys",
+                Some(json!({ "tenant_id": tenant, "role": role })),
+            )
+            .await;
+        k["secret"].as_str().expect("key secret").to_string()
+    }
+
+    /// Registers a node with simulated GPUs (`[("H100", 4), ("L40S", 2)]`)
+    /// through the agent protocol; its id.
+    pub async fn register_node(&self, key: &str, name: &str, gpus: &[(&str, u32)]) -> String {
+        let mut list = Vec::new();
+        for (model, n) in gpus {
+            for _ in 0..*n {
+                let index = list.len() as u32;
+                list.push(DiscoveredGpu {
+                    index,
+                    model: model.to_string(),
+                    uuid: format!("GPU-{name}-{index}"),
+                    memory_mib: 81920,
+                    vendor: Vendor::Nvidia,
+                });
+            }
+        }
+        let req = RegisterNode {
+            name: name.into(),
+            region: None,
+            pool: None,
+            cpu_milli: 256_000,
+            memory_mb: 2_000_000,
+            simulated: true,
+            gpus: list,
+            agent_version: "test".into(),
+        };
+        let body = serde_json::to_value(req).expect("register body");
+        let r = self
+            .ok(key, Method::POST, "/v1/agent/register", Some(body))
+            .await;
+        r["node_id"].as_str().expect("node id").to_string()
+    }
+}
