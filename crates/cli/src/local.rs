@@ -391,7 +391,12 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
     }
     say!("data:     {}", server.data_dir.display());
     announce_credentials(&server);
-    say!("try:      flotilla run --gpus 1 -- nvidia-smi");
+    // Simulated GPUs have no driver behind them: suggest a command that
+    // runs anywhere and still shows the GPUs the instance got.
+    match &simulate {
+        Some(_) => say!("try:      flotilla run --gpus 2 -- sh -c 'echo $CUDA_VISIBLE_DEVICES'"),
+        None => say!("try:      flotilla run --gpus 1 -- nvidia-smi"),
+    }
     say!("press Ctrl-C to stop");
 
     let failure = tokio::select! {
