@@ -47,6 +47,29 @@ fn batches(tenant: &str) -> Vec<String> {
         .collect()
 }
 
+/// Events and amount summed in the rollup table (maintained at ingestion,
+/// in each batch's transaction).
+fn rollup_totals(env: &Home) -> (i64, i64) {
+    use sqlx::Row;
+    let url = format!(
+        "sqlite://{}?mode=ro",
+        env.data().join("flotilla.db").display()
+    );
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+        let r = sqlx::query(
+            "SELECT CAST(COALESCE(SUM(n), 0) AS BIGINT) AS n, \
+             CAST(COALESCE(SUM(total), 0) AS BIGINT) AS total FROM usage_rollup",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        let t = (r.get("n"), r.get("total"));
+        pool.close().await;
+        t
+    })
+}
+
 fn totals(env: &Home) -> (i64, i128) {
     let url = format!(
         "sqlite://{}?mode=rw",
@@ -151,4 +174,7 @@ fn kill_9_mid_stream_then_resend_everything_is_exactly_once() {
     assert_eq!(count, EVENTS as i64);
     // 100,000 events × 60 s × 1 whole GPU (7000 share units) in unit-ms.
     assert_eq!(unit_ms, EVENTS as i128 * 60_000 * 7_000);
+    // The rollup rating reads is exactly-once too: one event of amount 1
+    // per event sent.
+    assert_eq!(rollup_totals(&env), (EVENTS as i64, EVENTS as i64));
 }

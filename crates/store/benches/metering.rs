@@ -2,7 +2,7 @@
 //! through `append_usage` (the ledger rules, dedup and conflict detection
 //! included) against a plain batched INSERT of the same rows into a table
 //! of the same shape in the same database, and the time to rate one
-//! tenant's month (SQL rollup + `build_invoice`), on SQLite and, when it
+//! tenant's month (the rollup table kept at ingestion + `build_invoice`), on SQLite and, when it
 //! answers, PostgreSQL. Writes `metering.json` and `metering.md` into
 //! `$FLOTILLA_BENCH_OUT` (default `bench/results`).
 //!
@@ -338,6 +338,7 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
         use sqlx::Executor;
         let pool = sqlx::AnyPool::connect(url).await.expect("connect");
         pool.execute("ANALYZE usage_events").await.expect("analyze");
+        pool.execute("ANALYZE usage_rollup").await.expect("analyze");
         pool.close().await;
     }
     let period = Period::month(2025, 1).expect("month");

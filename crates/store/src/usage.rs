@@ -10,9 +10,12 @@
 //! duplicate, another payload a conflict (refused), exactly as the
 //! in-memory reference ledger decides.
 //!
-//! Rating does not read millions of events back one by one:
-//! [`Store::usage_rollup`] sums them in SQL into a few rows that rate to
-//! the same invoice (see its documentation for why that is exact).
+//! Rating does not read millions of events back one by one: every batch
+//! also adds the events it inserted (never a duplicate: a chunk that was
+//! only partly inserted is redone with `RETURNING` to know which rows are
+//! new) to the `usage_rollup` table, in the same transaction, and
+//! [`Store::usage_rollup`] reads those few rows, which rate to the same
+//! invoice (see its documentation for why that is exact).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -395,6 +398,159 @@ impl GroupKey {
     }
 }
 
+/// Largest whole amount summed into `usage_rollup`; larger ones (and
+/// fractional ones) are read one by one. Must match the `2^40` of
+/// migration 0005 (its backfill and partial index) and of
+/// [`Store::usage_rollup`]'s SQL. It keeps a row's BIGINT total from
+/// overflowing short of 2^23 events of the same instant.
+const ROLLUP_MAX: i64 = 1 << 40;
+
+/// The key of a `usage_rollup` row: tenant, meter detail, billing class,
+/// subject kind, subject (always `''`: rows sum over subjects), `s`
+/// (start, or end for count meters) and end.
+type RollKey<'a> = (
+    &'a str,
+    &'a str,
+    &'static str,
+    &'static str,
+    &'a str,
+    i64,
+    i64,
+);
+
+const ROLLUP_COLS: usize = 9;
+
+/// Adds a newly inserted event to the batch's rollup sums, if its amount is
+/// summed there.
+fn add_to_rollup<'a>(roll: &mut HashMap<RollKey<'a>, (i64, i64)>, f: &'a Flat<'a>) -> Result<()> {
+    let Some(amount) = f.amount_int.filter(|a| *a <= ROLLUP_MAX) else {
+        return Ok(());
+    };
+    let e = f.e;
+    let key: RollKey<'a> = (
+        e.key.tenant.as_str(),
+        f.meter_detail.as_str(),
+        e.billing_class.as_str(),
+        f.subject_kind,
+        // Summed over subjects (see the migration).
+        "",
+        if is_count_meter(f.meter) {
+            ms(e.end)
+        } else {
+            ms(e.start)
+        },
+        ms(e.end),
+    );
+    let slot = roll.entry(key).or_insert((0, 0));
+    // At most MAX_BATCH × 2^40 per batch: no i64 overflow.
+    slot.0 += amount;
+    slot.1 += 1;
+    Ok(())
+}
+
+fn upsert_sql(rows: usize, positional: bool) -> String {
+    let mut sql = String::from(
+        "INSERT INTO usage_rollup (tenant_id, meter_detail, billing_class, subject_kind, subj, \
+         s, end_ms, total, n) VALUES ",
+    );
+    for r in 0..rows {
+        if r > 0 {
+            sql.push(',');
+        }
+        sql.push('(');
+        for c in 0..ROLLUP_COLS {
+            if c > 0 {
+                sql.push(',');
+            }
+            if positional {
+                sql.push('?');
+            } else {
+                sql.push('$');
+                sql.push_str(&(r * ROLLUP_COLS + c + 1).to_string());
+            }
+        }
+        sql.push(')');
+    }
+    sql.push_str(
+        " ON CONFLICT (tenant_id, meter_detail, billing_class, subject_kind, subj, s, end_ms) \
+         DO UPDATE SET total = usage_rollup.total + excluded.total, \
+         n = usage_rollup.n + excluded.n",
+    );
+    sql
+}
+
+/// Binds rollup rows to a query of either driver.
+macro_rules! bind_rollup {
+    ($q:expr, $rows:expr) => {{
+        let mut q = $q;
+        for ((t, m, c, k, subj, s, end), (total, n)) in $rows {
+            q = q
+                .bind(*t)
+                .bind(*m)
+                .bind(*c)
+                .bind(*k)
+                .bind(*subj)
+                .bind(*s)
+                .bind(*end)
+                .bind(*total)
+                .bind(*n);
+        }
+        q
+    }};
+}
+
+/// Adds the batch's sums to `usage_rollup`: one multi-row upsert (more
+/// only past `chunk` rows), in key order so that concurrent batches lock
+/// rows in the same order.
+async fn upsert_rollup(
+    tx: &mut LedgerTx,
+    roll: &HashMap<RollKey<'_>, (i64, i64)>,
+    chunk: usize,
+) -> Result<()> {
+    let mut rows: Vec<_> = roll.iter().collect();
+    rows.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    for part in rows.chunks(chunk.max(1)) {
+        match tx {
+            LedgerTx::Any(tx) => {
+                let sql = upsert_sql(part.len(), false);
+                bind_rollup!(sqlx::query(&sql), part)
+                    .execute(&mut **tx)
+                    .await?;
+            }
+            LedgerTx::Sqlite(tx) => {
+                let sql = upsert_sql(part.len(), true);
+                bind_rollup!(sqlx::query(&sql), part)
+                    .execute(&mut **tx)
+                    .await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One row of a rollup read (`usage_rollup` or the per-subject aggregate),
+/// of either driver: its group, summed amount and number of events.
+fn group_row<'r, R>(r: &'r R) -> Result<(GroupKey, i64, i64)>
+where
+    R: Row,
+    &'static str: sqlx::ColumnIndex<R>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    Ok((
+        GroupKey {
+            meter_detail: r.try_get("meter_detail")?,
+            billing_class: r.try_get("billing_class")?,
+            subject_kind: r.try_get("subject_kind")?,
+            subject: r.try_get("subj")?,
+            start_ms: r.try_get("s")?,
+            end_ms: r.try_get("end_ms")?,
+        },
+        r.try_get("total")?,
+        r.try_get("n")?,
+    ))
+}
+
 /// What a rollup read, for reports.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Rollup {
@@ -466,6 +622,55 @@ impl Store {
         }
 
         let now_ms = ms(now);
+        let base = out;
+        // A chunk that inserts some of its rows but not all (a re-send
+        // overlapping new events, or a concurrent append of the same keys)
+        // does not say which rows are new, and the rollup must add exactly
+        // those: the batch is then rolled back and redone with `RETURNING`
+        // on every insert (`careful`), which names them.
+        let mut careful = false;
+        let out = loop {
+            match self
+                .append_fresh(
+                    base.clone(),
+                    &fresh,
+                    &late,
+                    &first,
+                    grace,
+                    now,
+                    now_ms,
+                    careful,
+                )
+                .await?
+            {
+                Some(out) => break out,
+                None if !careful => careful = true,
+                None => {
+                    return Err(StoreError::Conflict(
+                        "usage append could not tell new events from stored ones".into(),
+                    ))
+                }
+            }
+        };
+        Ok(out)
+    }
+
+    /// The transactional part of [`Store::append_usage`]: inserts `fresh`,
+    /// judges the keys already stored and adds the new events to the
+    /// rollup, all in one transaction. `None` (nothing committed): a chunk
+    /// was partly inserted and `careful` was off.
+    #[allow(clippy::too_many_arguments)]
+    async fn append_fresh(
+        &self,
+        mut out: AppendOutcome,
+        fresh: &[Flat<'_>],
+        late: &[(usize, &UsageEvent, BillingError)],
+        first: &HashMap<&EventKey, usize>,
+        grace: Duration,
+        now: DateTime<Utc>,
+        now_ms: i64,
+        careful: bool,
+    ) -> Result<Option<AppendOutcome>> {
         let mut tx = match self.sqlite_pool() {
             Some(native) => LedgerTx::Sqlite(native.begin().await?),
             None => LedgerTx::Any(self.pool().begin().await?),
@@ -476,7 +681,9 @@ impl Store {
         // Keys not inserted by their chunk: stored before, to be compared.
         let mut probe: Vec<(usize, &UsageEvent)> = Vec::new();
         let mut inserted_in_probed = 0u64;
-        let mut rest: &[Flat<'_>] = &fresh;
+        // The new integer events of the batch, summed by rollup row.
+        let mut roll: HashMap<RollKey<'_>, (i64, i64)> = HashMap::new();
+        let mut rest: &[Flat<'_>] = fresh;
         while !rest.is_empty() {
             let rows = statement_rows(rest.len(), chunk_len);
             let (chunk, tail) = rest.split_at(rows);
@@ -484,23 +691,66 @@ impl Store {
             let at = match sqls.iter().position(|(n, _)| *n == rows) {
                 Some(at) => at,
                 None => {
-                    sqls.push((rows, insert_sql(rows, positional)));
+                    let mut sql = insert_sql(rows, positional);
+                    if careful {
+                        sql.push_str(" RETURNING tenant_id, source, event_id");
+                    }
+                    sqls.push((rows, sql));
                     sqls.len() - 1
                 }
             };
             let sql = sqls[at].1.as_str();
-            let inserted = match &mut tx {
-                LedgerTx::Any(tx) => bind_events!(sqlx::query(sql), chunk, now_ms)
+            // With `careful`, the keys this statement inserted.
+            let mut new_keys: HashSet<(String, String, String)> = HashSet::new();
+            let inserted = match (&mut tx, careful) {
+                (LedgerTx::Any(tx), false) => bind_events!(sqlx::query(sql), chunk, now_ms)
                     .execute(&mut **tx)
                     .await?
                     .rows_affected(),
-                LedgerTx::Sqlite(tx) => bind_events!(sqlx::query(sql), chunk, now_ms)
+                (LedgerTx::Sqlite(tx), false) => bind_events!(sqlx::query(sql), chunk, now_ms)
                     .execute(&mut **tx)
                     .await?
                     .rows_affected(),
+                (LedgerTx::Any(tx), true) => {
+                    for r in bind_events!(sqlx::query(sql), chunk, now_ms)
+                        .fetch_all(&mut **tx)
+                        .await?
+                    {
+                        new_keys.insert((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?));
+                    }
+                    new_keys.len() as u64
+                }
+                (LedgerTx::Sqlite(tx), true) => {
+                    for r in bind_events!(sqlx::query(sql), chunk, now_ms)
+                        .fetch_all(&mut **tx)
+                        .await?
+                    {
+                        new_keys.insert((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?));
+                    }
+                    new_keys.len() as u64
+                }
             };
             out.accepted += inserted;
-            if inserted < chunk.len() as u64 {
+            if inserted == chunk.len() as u64 {
+                for f in chunk {
+                    add_to_rollup(&mut roll, f)?;
+                }
+            } else {
+                if inserted > 0 && !careful {
+                    // Which rows are new is unknown: redo with `careful`.
+                    return Ok(None);
+                }
+                for f in chunk {
+                    let e = f.e;
+                    let key = (
+                        e.key.tenant.as_str().to_string(),
+                        e.key.source.clone(),
+                        e.key.id.clone(),
+                    );
+                    if new_keys.contains(&key) {
+                        add_to_rollup(&mut roll, f)?;
+                    }
+                }
                 // Some keys were already stored. Every key of the chunk is
                 // now stored; those equal to what was sent are new or
                 // duplicates (the difference is `inserted`), the others
@@ -509,6 +759,7 @@ impl Store {
                 probe.extend(chunk.iter().map(|f| (first[&f.e.key], f.e)));
             }
         }
+        upsert_rollup(&mut tx, &roll, chunk_len).await?;
         let mut probed_equal = 0u64;
         let probed_fresh = probe.len() as u64;
         let mut lookups: Vec<(usize, &UsageEvent)> = probe;
@@ -555,7 +806,7 @@ impl Store {
             LedgerTx::Sqlite(tx) => tx.commit().await?,
         }
         out.rejected.sort_by_key(|r| r.index);
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// The ids among the batch's tenants that exist.
@@ -658,9 +909,12 @@ impl Store {
         Ok((n, unit_ms))
     }
 
-    /// The tenant's usage touching the period, summed in SQL into events
-    /// that rate to the same invoice as [`Store::usage_for`]'s, so that
-    /// rating millions of events costs one aggregate scan.
+    /// The tenant's usage touching the period, summed into events that
+    /// rate to the same invoice as [`Store::usage_for`]'s. Without
+    /// `per_subject` they are read from the `usage_rollup` table that
+    /// `append_usage` keeps (a few rows per interval, whatever the number
+    /// of events); with it, summed from the events in SQL (one aggregate
+    /// scan: per-subject rows would be about one per event).
     ///
     /// Why this is exact for `build_invoice`: every quantity it computes is
     /// linear in an event's amount and depends otherwise only on the
@@ -671,8 +925,9 @@ impl Store {
     /// billing crate's per-event limits); count meters only look at `end`,
     /// so their `start` is not grouped on. Subjects are kept only when
     /// `per_subject` (the price book has an on-demand minimum). Events
-    /// with fractional amounts are passed through as they are (SQLite
-    /// would sum text as floating point). Corrections are applied the way
+    /// with fractional amounts, or whole amounts over 2^40 (kept out of
+    /// the rollup so that its BIGINT sums cannot overflow), are passed
+    /// through as they are (SQLite would sum text as floating point). Corrections are applied the way
     /// `effective_events` does: every event of the window named by a
     /// correction of the window is subtracted from its group.
     pub async fn usage_rollup(
@@ -681,44 +936,66 @@ impl Store {
         period: Period,
         per_subject: bool,
     ) -> Result<Rollup> {
-        let rows = sqlx::query(
+        // `s < end AND end_ms >= start` is the events' window: for time
+        // meters `s` is the start; count meters are rated by their end
+        // alone, and one ending after the period rates nothing.
+        let sql = if per_subject {
+            // The on-demand minimum needs each subject's time: summed
+            // from the events (one aggregate scan), since per-subject rows
+            // at ingestion would be about one per event.
             "SELECT meter_detail, billing_class, subject_kind, \
-               CASE WHEN $4 = 1 AND meter = 'gpu_seconds' AND billing_class = 'on_demand' \
+               CASE WHEN meter = 'gpu_seconds' AND billing_class = 'on_demand' \
                     AND subject_kind <> 'endpoint' THEN subject_id ELSE '' END AS subj, \
                CASE WHEN meter IN ('requests', 'input_tokens', 'output_tokens') \
                     THEN end_ms ELSE start_ms END AS s, \
                end_ms, CAST(SUM(amount_int) AS BIGINT) AS total, COUNT(*) AS n \
              FROM usage_events \
-             WHERE tenant_id = $1 AND start_ms < $2 AND end_ms >= $3 AND amount_int IS NOT NULL \
-             GROUP BY meter_detail, billing_class, subject_kind, subj, s, end_ms",
-        )
-        .bind(tenant.as_str())
-        .bind(ms(period.end))
-        .bind(ms(period.start))
-        .bind(i64::from(per_subject))
-        .fetch_all(self.pool())
-        .await?;
+             WHERE tenant_id = $1 AND start_ms < $2 AND end_ms >= $3 \
+               AND amount_int IS NOT NULL AND amount_int <= 1099511627776 \
+             GROUP BY meter_detail, billing_class, subject_kind, subj, s, end_ms"
+        } else {
+            "SELECT meter_detail, billing_class, subject_kind, subj, s, end_ms, total, n \
+             FROM usage_rollup WHERE tenant_id = $1 AND s < $2 AND end_ms >= $3"
+        };
         let mut groups: BTreeMap<GroupKey, i128> = BTreeMap::new();
         let mut stored_events: u64 = 0;
-        for r in &rows {
-            let key = GroupKey {
-                meter_detail: r.try_get("meter_detail")?,
-                billing_class: r.try_get("billing_class")?,
-                subject_kind: r.try_get("subject_kind")?,
-                subject: r.try_get("subj")?,
-                start_ms: r.try_get("s")?,
-                end_ms: r.try_get("end_ms")?,
-            };
-            let total: i64 = r.try_get("total")?;
-            let n: i64 = r.try_get("n")?;
+        let mut add = |(key, total, n): (GroupKey, i64, i64)| {
             stored_events += n.max(0) as u64;
             *groups.entry(key).or_insert(0) += i128::from(total);
+        };
+        // On SQLite through its native driver: the `Any` driver copies
+        // every value of every row once more.
+        match self.sqlite_pool() {
+            Some(native) => {
+                for r in &sqlx::query(sql)
+                    .bind(tenant.as_str())
+                    .bind(ms(period.end))
+                    .bind(ms(period.start))
+                    .fetch_all(native)
+                    .await?
+                {
+                    add(group_row(r)?);
+                }
+            }
+            None => {
+                for r in &sqlx::query(sql)
+                    .bind(tenant.as_str())
+                    .bind(ms(period.end))
+                    .bind(ms(period.start))
+                    .fetch_all(self.pool())
+                    .await?
+                {
+                    add(group_row(r)?);
+                }
+            }
         }
         let window =
             |sql: &str| format!("{sql} WHERE tenant_id = $1 AND start_ms < $2 AND end_ms >= $3");
         let fractional = sqlx::query(
             &(window(&format!("SELECT {EVENT_COLUMNS} FROM usage_events"))
-                + " AND amount_int IS NULL"),
+                // The condition of the partial index `usage_events_unrolled`
+                // (migration 0005), written alike so that it is used.
+                + " AND (amount_int IS NULL OR amount_int > 1099511627776)"),
         )
         .bind(tenant.as_str())
         .bind(ms(period.end))
@@ -768,8 +1045,17 @@ impl Store {
         }
         let mut events = Vec::with_capacity(groups.len() + singles.len());
         let mut n = 0u64;
+        // A handful of distinct meters over many rows: parsed once each.
+        let mut meters: HashMap<String, Meter> = HashMap::new();
         for (g, total) in groups {
-            let meter: Meter = json(&g.meter_detail, "usage meter")?;
+            let meter = match meters.get(&g.meter_detail) {
+                Some(m) => m.clone(),
+                None => {
+                    let m: Meter = json(&g.meter_detail, "usage meter")?;
+                    meters.insert(g.meter_detail.clone(), m.clone());
+                    m
+                }
+            };
             let limit = match meter {
                 Meter::GpuSeconds { .. } | Meter::InstanceSeconds => i128::from(MAX_UNITS),
                 _ => i128::from(MAX_COUNT),

@@ -44,6 +44,7 @@ flotilla_testkit::backend_suite!(
     duplicates_conflicts_and_late_events_follow_the_ledger_rules,
     a_ten_thousand_event_batch_is_counted_exactly,
     rollup_rates_to_the_same_invoice_as_every_event,
+    resent_duplicates_leave_the_rollup_unchanged,
     listing_walks_every_event_once,
 );
 
@@ -341,6 +342,100 @@ async fn rollup_rates_to_the_same_invoice_as_every_event(s: &Store) {
         assert!(full.total() > Decimal::ZERO);
         let sum: Decimal = full.lines().iter().map(|l| l.amount).sum();
         assert_eq!(sum, full.total());
+    }
+}
+
+/// The rollup is maintained at ingestion: re-sending what is stored (whole
+/// batches, or mixed with new events in the same chunk) adds nothing, and
+/// the rollup keeps rating like every stored event.
+async fn resent_duplicates_leave_the_rollup_unchanged(s: &Store) {
+    let t = tenant(s).await;
+    let now = day() + Duration::hours(23);
+    let period = Period::new(day(), day() + Duration::days(1)).unwrap();
+    let id = InvoiceId::generate(1, 1);
+    // 2,400 slices over several statement chunks (1,000 on SQLite, 500 on
+    // PostgreSQL), plus count meters, one of them too large to be summed.
+    let mut evs = Vec::new();
+    for sub in 0..8 {
+        for m in 0..300 {
+            evs.push(gpu(
+                &t,
+                &format!("g{sub}-{m}"),
+                &format!("inst_{sub}"),
+                m * 60,
+                m * 60 + 60,
+                1 + (sub % 2) as u32,
+            ));
+        }
+    }
+    for (i, (meter, amount)) in [
+        (Meter::Requests, "700"),
+        (Meter::InputTokens, "5000000000000"),
+        (Meter::StorageGbSeconds, "2.5"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut e = gpu(&t, &format!("c{i}"), "ep_1", 100, 200, 1);
+        e.subject.kind = SubjectKind::Endpoint;
+        e.meter = meter;
+        e.amount = amount.parse().unwrap();
+        evs.push(e);
+    }
+    let (id, t) = (&id, &t);
+    let check = |stored: usize| async move {
+        let mut rolled = Vec::new();
+        for minimum in [0, 60] {
+            let book = book(minimum);
+            let spot = SpotSeries::new();
+            let credits = BTreeMap::new();
+            let rate = |events: &[UsageEvent]| {
+                build_invoice(InvoiceInput {
+                    id,
+                    tenant: t,
+                    period,
+                    events,
+                    book: &book,
+                    spot: &spot,
+                    commitments: &[],
+                    discounts: &[],
+                    credits: &[],
+                    credit_used_before: &credits,
+                })
+                .unwrap()
+                .invoice
+                .to_json()
+                .unwrap()
+            };
+            let rollup = s.usage_rollup(t, period, minimum > 0).await.unwrap();
+            assert_eq!(rollup.stored_events as usize, stored);
+            let full = rate(&s.usage_for(t, period).await.unwrap());
+            assert_eq!(full, rate(&rollup.events));
+            rolled.push(rollup.events);
+        }
+        rolled
+    };
+    // The first half, then everything: the first half comes back as
+    // duplicates in chunks that also insert new events.
+    let half = evs.len() / 2 + 7;
+    let r = s.append_usage(&evs[..half], long(), now).await.unwrap();
+    assert_eq!((r.accepted as usize, r.duplicates), (half, 0));
+    check(half).await;
+    let r = s.append_usage(&evs, long(), now).await.unwrap();
+    assert_eq!(r.rejected, vec![]);
+    assert_eq!(
+        (r.accepted as usize, r.duplicates as usize),
+        (evs.len() - half, half)
+    );
+    let before = check(evs.len()).await;
+    // Whole re-sends, in another order and with in-batch repeats, change
+    // nothing.
+    let mut again: Vec<UsageEvent> = evs.iter().rev().cloned().collect();
+    again.extend(evs[..100].iter().cloned());
+    for _ in 0..2 {
+        let r = s.append_usage(&again, long(), now).await.unwrap();
+        assert_eq!((r.accepted, r.duplicates as usize), (0, again.len()));
+        assert_eq!(check(evs.len()).await, before);
     }
 }
 
