@@ -21,7 +21,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use chrono::{DateTime, Duration, SubsecRound, Utc};
 use flotilla_billing::meter::{
-    check_append, Appended, EventKey, Meter, Subject, SubjectKind, UsageEvent, MAX_COUNT, MAX_UNITS,
+    check_append, Appended, EventKey, Meter, Subject, SubjectKind, UsageEvent, MAX_COUNT,
+    MAX_EVENT_DAYS, MAX_UNITS,
 };
 use flotilla_billing::{BillingError, Period};
 use flotilla_core::id::{NodeId, TenantId};
@@ -526,6 +527,42 @@ async fn upsert_rollup(
         }
     }
     Ok(())
+}
+
+/// Joins time-meter groups that follow each other (`[a, b)` then
+/// `[b, c)`, same meter, class, subject kind and subject) with the same
+/// total into one `[a, c)`: rating cuts every interval by time (price
+/// versions, spot points, reserved capacity) and is linear in it, and the
+/// on-demand minimum looks only at a subject's time and first start, so
+/// the invoice is the same, from far fewer events (a fleet metered in
+/// one-minute slices becomes one event per steady stretch). Count meters
+/// are rated at their end, so they are left alone; a join never covers
+/// more than an event may (`MAX_EVENT_DAYS`).
+fn merge_adjacent(groups: BTreeMap<GroupKey, i128>) -> Vec<(GroupKey, i128)> {
+    let max_span = MAX_EVENT_DAYS * 86_400_000;
+    let counts: Vec<String> = [Meter::Requests, Meter::InputTokens, Meter::OutputTokens]
+        .iter()
+        .map(to_json)
+        .collect();
+    let mut out: Vec<(GroupKey, i128)> = Vec::with_capacity(groups.len());
+    for (g, total) in groups {
+        if let Some((last, last_total)) = out.last_mut() {
+            if *last_total == total
+                && last.end_ms == g.start_ms
+                && g.end_ms - last.start_ms <= max_span
+                && last.meter_detail == g.meter_detail
+                && last.billing_class == g.billing_class
+                && last.subject_kind == g.subject_kind
+                && last.subject == g.subject
+                && !counts.contains(&g.meter_detail)
+            {
+                last.end_ms = g.end_ms;
+                continue;
+            }
+        }
+        out.push((g, total));
+    }
+    out
 }
 
 /// One row of a rollup read (`usage_rollup` or the per-subject aggregate),
@@ -1043,6 +1080,7 @@ impl Store {
                 }
             }
         }
+        let groups = merge_adjacent(groups);
         let mut events = Vec::with_capacity(groups.len() + singles.len());
         let mut n = 0u64;
         // A handful of distinct meters over many rows: parsed once each.
