@@ -1144,50 +1144,46 @@ impl Store {
     }
 }
 
-/// Stored events with the given keys, by key.
-async fn fetch_keys<'k>(
-    conn: &mut sqlx::AnyConnection,
-    keys: impl Iterator<Item = &'k EventKey>,
-) -> Result<HashMap<EventKey, UsageEvent>> {
-    let keys: Vec<&EventKey> = keys.collect();
-    let mut out = HashMap::with_capacity(keys.len());
-    for chunk in keys.chunks(PROBE_CHUNK) {
-        let sql = probe_sql(chunk.len(), false);
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q
-                .bind(k.tenant.as_str())
-                .bind(k.source.as_str())
-                .bind(k.id.as_str());
+/// Defines a probe of stored events by key for one connection type: the
+/// `Any` connection and the native SQLite one differ only in their type and
+/// placeholder style, so one body serves both.
+macro_rules! fetch_keys_on {
+    ($(#[$doc:meta])* $name:ident, $conn:ty, $positional:expr) => {
+        $(#[$doc])*
+        async fn $name<'k>(
+            conn: &mut $conn,
+            keys: impl Iterator<Item = &'k EventKey>,
+        ) -> Result<HashMap<EventKey, UsageEvent>> {
+            let keys: Vec<&EventKey> = keys.collect();
+            let mut out = HashMap::with_capacity(keys.len());
+            for chunk in keys.chunks(PROBE_CHUNK) {
+                let sql = probe_sql(chunk.len(), $positional);
+                let mut q = sqlx::query(&sql);
+                for k in chunk {
+                    q = q
+                        .bind(k.tenant.as_str())
+                        .bind(k.source.as_str())
+                        .bind(k.id.as_str());
+                }
+                for r in q.fetch_all(&mut *conn).await? {
+                    let e = decode(&r)?;
+                    out.insert(e.key.clone(), e);
+                }
+            }
+            Ok(out)
         }
-        for r in q.fetch_all(&mut *conn).await? {
-            let e = decode(&r)?;
-            out.insert(e.key.clone(), e);
-        }
-    }
-    Ok(out)
+    };
 }
 
-/// [`fetch_keys`] on the native SQLite driver (inside its transaction).
-async fn fetch_keys_sqlite<'k>(
-    conn: &mut sqlx::SqliteConnection,
-    keys: impl Iterator<Item = &'k EventKey>,
-) -> Result<HashMap<EventKey, UsageEvent>> {
-    let keys: Vec<&EventKey> = keys.collect();
-    let mut out = HashMap::with_capacity(keys.len());
-    for chunk in keys.chunks(PROBE_CHUNK) {
-        let sql = probe_sql(chunk.len(), true);
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q
-                .bind(k.tenant.as_str())
-                .bind(k.source.as_str())
-                .bind(k.id.as_str());
-        }
-        for r in q.fetch_all(&mut *conn).await? {
-            let e = decode(&r)?;
-            out.insert(e.key.clone(), e);
-        }
-    }
-    Ok(out)
-}
+fetch_keys_on!(
+    /// Stored events with the given keys, by key.
+    fetch_keys,
+    sqlx::AnyConnection,
+    false
+);
+fetch_keys_on!(
+    /// [`fetch_keys`] on the native SQLite driver (inside its transaction).
+    fetch_keys_sqlite,
+    sqlx::SqliteConnection,
+    true
+);
