@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashSet};
 use flotilla_core::catalog::Catalog;
 use flotilla_core::id::{GpuId, NodeId};
 use flotilla_core::placement::{first_fit, NodeSnapshot, Placement, PlacementRequest};
+use flotilla_sched::gang::{place_gang, Gang, GangDecision, Locality};
 use flotilla_sched::preempt::{self, PreemptConfig, PreemptDecision, Preemptor};
 use flotilla_sched::{
     Allocation, Cluster, Decision, Engine, GpuDemand, ModelSet, ModelTable, NodeSpec, Policy,
@@ -219,6 +220,53 @@ impl PassPlanner {
                 Err(per_node) => Err(per_node.to_string()),
                 Ok(_) => Err(format!("0/{} node slots fit: {why}", self.slots.len())),
             },
+        }
+    }
+
+    /// Where each of `members` identical members of a gang goes, all of
+    /// them or none: `flotilla-sched`'s gang placement over this pass's
+    /// cluster. Members may share a node that has room for both. The
+    /// explanation names the member that fit nowhere and why.
+    pub fn place_gang(
+        &mut self,
+        req: &PlacementRequest,
+        members: usize,
+        model_allowed: impl Fn(&str) -> bool,
+    ) -> Result<Vec<Placement>, String> {
+        let allowed = ModelSet::of(
+            self.slots
+                .iter()
+                .map(|s| s.model.as_str())
+                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
+                .filter(|m| model_allowed(m))
+                .filter_map(|m| self.models.get(m)),
+        );
+        let gang = Gang::uniform(sched_request(req, allowed), members, Locality::Any);
+        match place_gang(&mut self.engine, &self.cluster, &gang, &mut self.rng) {
+            GangDecision::Placed(plan) => plan
+                .members
+                .iter()
+                .map(|p| {
+                    let slot = self
+                        .slots
+                        .get(p.node as usize)
+                        .ok_or_else(|| "internal: engine named an unknown node".to_string())?;
+                    let gpus = p
+                        .gpus
+                        .iter()
+                        .map(|&d| slot.gpus.get(usize::from(d)).cloned())
+                        .collect::<Option<Vec<GpuId>>>()
+                        .ok_or_else(|| "internal: engine named an unknown gpu".to_string())?;
+                    Ok(Placement {
+                        node: slot.node.clone(),
+                        model: slot.model.clone(),
+                        gpus,
+                    })
+                })
+                .collect(),
+            GangDecision::Unschedulable(why) => {
+                Err(format!("{why} (of {} node slots)", self.slots.len()))
+            }
         }
     }
 
@@ -445,6 +493,22 @@ mod tests {
             .place(&snap, &req(1, &["H100"]), |m| m != "H100")
             .unwrap_err();
         assert_eq!(e, "0/3 nodes fit: 2 GPU model not allowed, 1 unreachable");
+    }
+
+    #[test]
+    fn a_gang_is_placed_whole_across_nodes_or_not_at_all() {
+        let snap = vec![
+            node(1, true, &[("H100", true), ("H100", false)]),
+            node(2, true, &[("H100", true), ("H100", false)]),
+        ];
+        let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 3);
+        let plans = p.place_gang(&req(1, &[]), 2, |_| true).unwrap();
+        let mut nodes: Vec<&NodeId> = plans.iter().map(|p| &p.node).collect();
+        nodes.sort();
+        assert_eq!(nodes, vec![&snap[0].id, &snap[1].id]);
+        let e = p.place_gang(&req(1, &[]), 3, |_| true).unwrap_err();
+        assert!(e.contains("member 3 fits nowhere after placing 2"), "{e}");
+        assert!(p.place_gang(&req(2, &[]), 1, |_| true).is_err());
     }
 
     #[test]

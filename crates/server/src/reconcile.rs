@@ -7,13 +7,15 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::Duration as ChronoDuration;
+use flotilla_core::id::InstanceId;
 use flotilla_core::id::TenantId;
-use flotilla_core::placement::PlacementRequest;
+use flotilla_core::placement::{NodeSnapshot, Placement, PlacementRequest};
 use flotilla_core::quota::{Quota, Usage};
 use flotilla_sched::preempt::Preemptor;
 use flotilla_sched::queue::{self, FairShareConfig, FairShareState, QueueItem};
 use flotilla_sched::{Resources, Tier};
 use flotilla_store::instances::{HeldInstance, PendingInstance};
+use flotilla_store::jobs::QueuedJob;
 use flotilla_store::StoreError;
 
 use crate::placement::{Held, PassPlanner};
@@ -37,17 +39,101 @@ impl Tenants {
     }
 }
 
+/// What one member of a job asks for.
+fn member_request(j: &QueuedJob) -> PlacementRequest {
+    PlacementRequest {
+        gpus: j.spec.gpus_per_member(),
+        models: j.spec.gpu_types.clone(),
+        cpu_milli: u64::from(j.spec.cpu_milli),
+        memory_mb: j.spec.memory_mb,
+    }
+}
+
 fn tier_of(n: u8) -> Tier {
     Tier::from_number(n).unwrap_or(Tier::Dedicated)
 }
 
-/// The pending instances in the order the scheduler tries them: priority
-/// (higher first), then weighted fair share across tenants (dominant
-/// share of GPU-seconds over the last day, decayed with the sched crate's
-/// default half-life, equal weights), then FIFO. Recomputed from the store
-/// on each pass, so it survives restarts and needs no loop state.
+/// One piece of queued work: a pending instance or a queued job (a gang
+/// placed whole).
+#[derive(Debug, Clone)]
+pub enum Queued {
+    /// A pending instance.
+    Instance(PendingInstance),
+    /// A queued job.
+    Job(QueuedJob),
+}
+
+impl Queued {
+    fn item(&self, tenants: &mut Tenants) -> QueueItem {
+        let (tenant, tier, priority, created, gpus, cpu, mem) = match self {
+            Queued::Instance(p) => (
+                &p.tenant_id,
+                p.tier,
+                p.priority,
+                p.created_at,
+                u64::from(p.gpus),
+                u64::from(p.cpu_milli),
+                p.memory_mb,
+            ),
+            Queued::Job(j) => (
+                &j.tenant_id,
+                j.spec.tier,
+                j.spec.priority,
+                j.created_at,
+                u64::from(j.spec.gpus),
+                u64::from(j.spec.cpu_milli) * u64::from(j.spec.nodes),
+                j.spec.memory_mb * u64::from(j.spec.nodes),
+            ),
+        };
+        QueueItem {
+            tenant: tenants.index(tenant),
+            tier: tier_of(tier),
+            priority,
+            submitted_ms: ms_of(created),
+            demand: Resources {
+                gpu_milli: gpus * 1000,
+                cpu_milli: cpu,
+                mem_mib: mem,
+            },
+            expected_runtime_ms: None,
+        }
+    }
+}
+
+/// The pending instances in the order the scheduler tries them (see
+/// [`queue_all`], whose order they keep).
 pub async fn queue(st: &AppState) -> Result<Vec<PendingInstance>, StoreError> {
-    let pending = st.store().pending_instances(500).await?;
+    Ok(queue_all(st)
+        .await?
+        .into_iter()
+        .filter_map(|q| match q {
+            Queued::Instance(p) => Some(p),
+            Queued::Job(_) => None,
+        })
+        .collect())
+}
+
+/// Pending instances and queued jobs in the order the scheduler tries
+/// them: priority (higher first), then weighted fair share across tenants
+/// (dominant share of GPU-seconds over the last day, decayed with the sched
+/// crate's default half-life, equal weights), then FIFO. A job counts as
+/// one piece of work holding all its members' GPUs. Recomputed from the
+/// store on each pass, so it survives restarts and needs no loop state.
+pub async fn queue_all(st: &AppState) -> Result<Vec<Queued>, StoreError> {
+    let mut pending: Vec<Queued> = st
+        .store()
+        .pending_instances(500)
+        .await?
+        .into_iter()
+        .map(Queued::Instance)
+        .collect();
+    pending.extend(
+        st.store()
+            .queued_jobs(500)
+            .await?
+            .into_iter()
+            .map(Queued::Job),
+    );
     if pending.len() < 2 {
         return Ok(pending);
     }
@@ -85,27 +171,25 @@ pub async fn queue(st: &AppState) -> Result<Vec<PendingInstance>, StoreError> {
         share.charge(tenants.index(&u.tenant_id), held, from, to.max(from));
     }
     share.advance(now_ms);
-    let items: Vec<QueueItem> = pending
-        .iter()
-        .map(|p| QueueItem {
-            tenant: tenants.index(&p.tenant_id),
-            tier: tier_of(p.tier),
-            priority: p.priority,
-            submitted_ms: ms_of(p.created_at),
-            demand: Resources {
-                gpu_milli: u64::from(p.gpus) * 1000,
-                cpu_milli: u64::from(p.cpu_milli),
-                mem_mib: p.memory_mb,
-            },
-            expected_runtime_ms: None,
-        })
-        .collect();
+    let items: Vec<QueueItem> = pending.iter().map(|p| p.item(&mut tenants)).collect();
     let order = queue::order(&items, &share, now_ms);
-    let mut slots: Vec<Option<PendingInstance>> = pending.into_iter().map(Some).collect();
+    let mut slots: Vec<Option<Queued>> = pending.into_iter().map(Some).collect();
     Ok(order
         .into_iter()
         .filter_map(|i| slots.get_mut(i).and_then(Option::take))
         .collect())
+}
+
+/// Marks `plan`'s GPUs, CPU and memory taken in `snapshot`, so the rest of
+/// the pass sees them.
+fn take(snapshot: &mut [NodeSnapshot], req: &PlacementRequest, plan: &Placement) {
+    if let Some(n) = snapshot.iter_mut().find(|n| n.id == plan.node) {
+        n.cpu_milli_free = n.cpu_milli_free.saturating_sub(req.cpu_milli);
+        n.memory_mb_free = n.memory_mb_free.saturating_sub(req.memory_mb);
+        for g in n.gpus.iter_mut().filter(|g| plan.gpus.contains(&g.id)) {
+            g.free = false;
+        }
+    }
 }
 
 /// Places what it can of the pending instances, in queue order
@@ -114,20 +198,33 @@ pub async fn queue(st: &AppState) -> Result<Vec<PendingInstance>, StoreError> {
 /// victims are told to stop with a notice, and it is placed on a later
 /// pass, once they have released their GPUs. Returns how many were placed.
 pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
-    let pending = queue(st).await?;
-    if pending.is_empty() {
+    let all = queue_all(st).await?;
+    if all.is_empty() {
         return Ok(0);
     }
     let mut snapshot = st.store().placement_snapshot().await?;
-    let requests: Vec<PlacementRequest> = pending
-        .iter()
-        .map(|p| PlacementRequest {
-            gpus: p.gpus,
-            models: p.gpu_types.clone(),
-            cpu_milli: u64::from(p.cpu_milli),
-            memory_mb: p.memory_mb,
-        })
-        .collect();
+    let mut pending = Vec::new();
+    let mut requests = Vec::new();
+    let mut jobs = Vec::new();
+    for q in all {
+        match q {
+            Queued::Instance(p) => {
+                requests.push(PlacementRequest {
+                    gpus: p.gpus,
+                    models: p.gpu_types.clone(),
+                    cpu_milli: u64::from(p.cpu_milli),
+                    memory_mb: p.memory_mb,
+                });
+                pending.push(Some(p));
+            }
+            Queued::Job(j) => {
+                requests.push(member_request(&j));
+                pending.push(None);
+                jobs.push(j);
+            }
+        }
+    }
+    let mut jobs = jobs.into_iter();
     // Seeded from the clock so ties spread over time, yet a pass replayed
     // with the same inputs and time decides the same.
     let seed = st.now().timestamp_millis() as u64;
@@ -145,6 +242,70 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
     let mut placed = 0;
     let mut preempted = 0;
     for (p, req) in pending.into_iter().zip(requests) {
+        let Some(p) = p else {
+            let Some(job) = jobs.next() else { continue };
+            if !quotas.contains_key(&job.tenant_id) {
+                let q = st.store().quota(&job.tenant_id).await?;
+                let u = st.store().usage(&job.tenant_id).await?;
+                quotas.insert(job.tenant_id.clone(), (q, u));
+            }
+            let (quota, usage) = &quotas[&job.tenant_id];
+            let now = st.now();
+            let members = job.spec.nodes as usize;
+            let plans =
+                planner.place_gang(&req, members, |m| quota.model_fits(usage, m, job.spec.gpus));
+            match plans {
+                Ok(plans) => {
+                    let ids: Vec<InstanceId> = plans
+                        .iter()
+                        .map(|_| {
+                            let (t, r) = st.ids();
+                            InstanceId::generate(t, r)
+                        })
+                        .collect();
+                    match st
+                        .store()
+                        .schedule_job(&job.id, job.attempt, &plans, &ids, now)
+                        .await
+                    {
+                        Ok(_) => {
+                            tracing::info!(job = %job.id, members, attempt = job.attempt + 1, "job gang scheduled");
+                            placed += 1;
+                            for plan in &plans {
+                                take(&mut snapshot, &req, plan);
+                                planner.committed(&snapshot, &req, plan);
+                            }
+                            if let Some((_, u)) = quotas.get_mut(&job.tenant_id) {
+                                for plan in &plans {
+                                    u.gpus_total += req.gpus;
+                                    *u.gpus_per_model.entry(plan.model.clone()).or_default() +=
+                                        req.gpus;
+                                }
+                            }
+                        }
+                        Err(StoreError::Conflict(_) | StoreError::NotFound(_)) => {
+                            tracing::debug!(job = %job.id, "gang placement lost a race; retrying next pass");
+                            snapshot = st.store().placement_snapshot().await?;
+                            planner.rebuild(&snapshot);
+                        }
+                        Err(StoreError::Quota(e)) => {
+                            let reason = format!("over quota: {e}");
+                            if reason != job.state_reason {
+                                st.store().set_job_reason(&job.id, &reason, now).await?;
+                            }
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(why) => {
+                    let reason = format!("waiting for GPUs: {why}");
+                    if reason != job.state_reason {
+                        st.store().set_job_reason(&job.id, &reason, now).await?;
+                    }
+                }
+            }
+            continue;
+        };
         if !quotas.contains_key(&p.tenant_id) {
             let q = st.store().quota(&p.tenant_id).await?;
             let u = st.store().usage(&p.tenant_id).await?;
@@ -158,13 +319,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                     tracing::info!(instance = %p.id, node = %plan.node, gpus = plan.gpus.len(), "instance scheduled");
                     placed += 1;
                     // Keep the snapshot true for the rest of this pass.
-                    if let Some(n) = snapshot.iter_mut().find(|n| n.id == plan.node) {
-                        n.cpu_milli_free = n.cpu_milli_free.saturating_sub(req.cpu_milli);
-                        n.memory_mb_free = n.memory_mb_free.saturating_sub(req.memory_mb);
-                        for g in n.gpus.iter_mut().filter(|g| plan.gpus.contains(&g.id)) {
-                            g.free = false;
-                        }
-                    }
+                    take(&mut snapshot, &req, &plan);
                     planner.committed(&snapshot, &req, &plan);
                     if let Some((_, u)) = quotas.get_mut(&p.tenant_id) {
                         u.gpus_total += p.gpus;
@@ -298,6 +453,9 @@ pub async fn run(st: AppState, tick: Duration) {
     loop {
         if *shutdown.borrow() {
             return;
+        }
+        if let Err(e) = crate::jobs::jobs_pass(&st).await {
+            tracing::warn!(error = %e, "job pass failed; retrying");
         }
         if let Err(e) = schedule_pass(&st).await {
             tracing::warn!(error = %e, "placement pass failed; retrying");

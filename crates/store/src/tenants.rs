@@ -19,7 +19,7 @@ fn tenant(row: &AnyRow) -> Result<Tenant> {
     })
 }
 
-fn quota(row: &AnyRow) -> Result<Quota> {
+pub(crate) fn quota(row: &AnyRow) -> Result<Quota> {
     let total: Option<i64> = row.try_get("quota_gpus_total")?;
     let per: String = row.try_get("quota_gpus_per_model")?;
     Ok(Quota {
@@ -54,7 +54,7 @@ where
     Ok(usage)
 }
 
-/// Also counts GPUs that pending instances will need, so admission at
+/// Also counts GPUs that pending instances and queued jobs will need, so admission at
 /// create time cannot be raced past by a burst of requests.
 pub(crate) async fn committed_in<'c, E>(exec: E, tenant: &TenantId) -> Result<Usage>
 where
@@ -62,7 +62,9 @@ where
 {
     let rows = sqlx::query(
         "SELECT gpu_model, gpu_types, gpus FROM instances \
-         WHERE tenant_id = $1 AND state IN ('pending', 'scheduled', 'starting', 'running')",
+         WHERE tenant_id = $1 AND state IN ('pending', 'scheduled', 'starting', 'running') \
+         UNION ALL SELECT CAST(NULL AS TEXT) AS gpu_model, gpu_types, gpus FROM jobs \
+         WHERE tenant_id = $1 AND state = 'queued'",
     )
     .bind(tenant.as_str())
     .fetch_all(exec)
