@@ -282,7 +282,7 @@ async fn a_preempted_member_is_not_requeued_alone(s: &Store) {
     let a = node(s, &t, "pa", 2).await;
     let id = JobId::generate(1, rnd());
     s.create_job(&id, &t, &spec(2, 2), t0()).await.unwrap();
-    let p = plans(s, 1, &[a.clone()]).await;
+    let p = plans(s, 1, std::slice::from_ref(&a)).await;
     let mut second = p[0].clone();
     let snap = s.placement_snapshot().await.unwrap();
     second.gpus = vec![snap[0].gpus[1].id.clone()];
