@@ -121,6 +121,20 @@ fn a_two_node_job_runs_one_rank_per_node_and_succeeds() {
         );
     }
 
+    // Members are instances, so they are metered like any: both ranks
+    // appear in the tenant's usage.
+    wait_until("both members metered", Duration::from_secs(15), || {
+        let usage = env
+            .get(
+                &key,
+                "/v1/usage?from=2000-01-01T00:00:00Z&to=2100-01-01T00:00:00Z",
+            )
+            .to_string();
+        members
+            .iter()
+            .all(|m| usage.contains(m["instance_id"].as_str().unwrap()))
+    });
+
     // list, show, explain and the queue, as a person reads them.
     let list = text(&env.cli(Some(&key), &["jobs", "list", "--all"]));
     assert!(
