@@ -3,12 +3,12 @@
 //! engine, `flotilla-core`'s quotas), and commits through the store's
 //! conditional writes, so a pass may be cut at any line and rerun.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
 use chrono::Duration as ChronoDuration;
-use flotilla_core::id::InstanceId;
 use flotilla_core::id::TenantId;
+use flotilla_core::id::{GpuId, InstanceId};
 use flotilla_core::placement::{NodeSnapshot, Placement, PlacementRequest};
 use flotilla_core::quota::{Quota, Usage};
 use flotilla_sched::preempt::Preemptor;
@@ -180,6 +180,36 @@ pub async fn queue_all(st: &AppState) -> Result<Vec<Queued>, StoreError> {
         .collect())
 }
 
+/// The pool for this pass: GPUs promised to a pending preemptor
+/// ([`flotilla_store::Store::promised_gpus`]) are shown as taken. Also
+/// returns which of them are really free (their victims stopped), to offer
+/// them to their preemptor alone.
+async fn promised_snapshot(
+    st: &AppState,
+    promised: &BTreeMap<InstanceId, Vec<GpuId>>,
+) -> Result<(Vec<NodeSnapshot>, HashSet<GpuId>), StoreError> {
+    let mut snapshot = st.store().placement_snapshot().await?;
+    let all: HashSet<&GpuId> = promised.values().flatten().collect();
+    let mut freed = HashSet::new();
+    for g in snapshot.iter_mut().flat_map(|n| n.gpus.iter_mut()) {
+        if all.contains(&g.id) {
+            if g.free {
+                freed.insert(g.id.clone());
+            }
+            g.free = false;
+        }
+    }
+    Ok((snapshot, freed))
+}
+
+fn set_free(snapshot: &mut [NodeSnapshot], gpus: &[&GpuId], free: bool) {
+    for g in snapshot.iter_mut().flat_map(|n| n.gpus.iter_mut()) {
+        if gpus.contains(&&g.id) {
+            g.free = free;
+        }
+    }
+}
+
 /// Marks `plan`'s GPUs, CPU and memory taken in `snapshot`, so the rest of
 /// the pass sees them.
 fn take(snapshot: &mut [NodeSnapshot], req: &PlacementRequest, plan: &Placement) {
@@ -202,7 +232,8 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
     if all.is_empty() {
         return Ok(0);
     }
-    let mut snapshot = st.store().placement_snapshot().await?;
+    let promised = st.store().promised_gpus().await?;
+    let (mut snapshot, mut freed) = promised_snapshot(st, &promised).await?;
     let mut pending = Vec::new();
     let mut requests = Vec::new();
     let mut jobs = Vec::new();
@@ -285,7 +316,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                         }
                         Err(StoreError::Conflict(_) | StoreError::NotFound(_)) => {
                             tracing::debug!(job = %job.id, "gang placement lost a race; retrying next pass");
-                            snapshot = st.store().placement_snapshot().await?;
+                            (snapshot, freed) = promised_snapshot(st, &promised).await?;
                             planner.rebuild(&snapshot);
                         }
                         Err(StoreError::Quota(e)) => {
@@ -313,7 +344,22 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
         }
         let (quota, usage) = &quotas[&p.tenant_id];
         let now = st.now();
-        match planner.place(&snapshot, &req, |m| quota.model_fits(usage, m, p.gpus)) {
+        // The GPUs its victims released are this one's alone: offered to
+        // it, and to no one else (they stay masked for the others).
+        let mine: Vec<&GpuId> = promised
+            .get(&p.id)
+            .map(|g| g.iter().filter(|g| freed.contains(*g)).collect())
+            .unwrap_or_default();
+        if !mine.is_empty() {
+            set_free(&mut snapshot, &mine, true);
+            planner.rebuild(&snapshot);
+        }
+        let attempt = planner.place(&snapshot, &req, |m| quota.model_fits(usage, m, p.gpus));
+        if !mine.is_empty() && attempt.is_err() {
+            set_free(&mut snapshot, &mine, false);
+            planner.rebuild(&snapshot);
+        }
+        match attempt {
             Ok(plan) => match st.store().schedule_instance(&p.id, &plan, now).await {
                 Ok(()) => {
                     tracing::info!(instance = %p.id, node = %plan.node, gpus = plan.gpus.len(), "instance scheduled");
@@ -328,7 +374,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 }
                 Err(StoreError::Conflict(why)) => {
                     tracing::debug!(instance = %p.id, why, "placement lost a race; retrying next pass");
-                    snapshot = st.store().placement_snapshot().await?;
+                    (snapshot, freed) = promised_snapshot(st, &promised).await?;
                     planner.rebuild(&snapshot);
                 }
                 Err(e) => return Err(e),

@@ -949,6 +949,29 @@ impl Store {
         Ok(out)
     }
 
+    /// GPUs promised to preemptors still pending: for each pending
+    /// instance whose preemption stopped (or is stopping) other work, the
+    /// GPUs its victims hold or held. Until it is placed, no one else may
+    /// take them, or a third party could steal the capacity a preemption
+    /// freed during the victims' notice.
+    pub async fn promised_gpus(&self) -> Result<BTreeMap<InstanceId, Vec<GpuId>>> {
+        let rows = sqlx::query(
+            "SELECT v.preempted_by AS by, v.gpu_ids AS gpu_ids FROM instances v \
+             JOIN instances p ON p.id = v.preempted_by WHERE p.state = 'pending' ORDER BY v.id",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        let mut out: BTreeMap<InstanceId, Vec<GpuId>> = BTreeMap::new();
+        for r in &rows {
+            let by = InstanceId::from_trusted(r.try_get("by")?);
+            let gpus: Vec<String> = json(&r.try_get::<String, _>("gpu_ids")?, "gpu_ids")?;
+            out.entry(by)
+                .or_default()
+                .extend(gpus.into_iter().map(GpuId::from_trusted));
+        }
+        Ok(out)
+    }
+
     /// GPU usage of instances that ran at some time after `since`, for the
     /// queue's fair share.
     pub async fn recent_usage(&self, since: DateTime<Utc>) -> Result<Vec<RecentUsage>> {

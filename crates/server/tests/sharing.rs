@@ -1,0 +1,125 @@
+//! How the scheduler shares the pool, over real HTTP with fake agents: the
+//! GPUs a preemption frees go to the preemptor and to no one else, even a
+//! more urgent third party that arrives during the notice.
+
+use std::time::Duration;
+
+use flotilla_core::api::{ObservedInstance, ObservedPhase};
+use flotilla_testkit::server::{fast, TestServer};
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+
+async fn create(s: &TestServer, key: &str, body: Value) -> String {
+    let (status, b) = s.call(key, Method::POST, "/v1/instances", Some(body)).await;
+    assert_eq!(status, StatusCode::CREATED, "{b}");
+    b["id"].as_str().unwrap().to_string()
+}
+
+async fn instance(s: &TestServer, key: &str, id: &str) -> Value {
+    s.ok(key, Method::GET, &format!("/v1/instances/{id}"), None)
+        .await
+}
+
+async fn wait_for(
+    s: &TestServer,
+    key: &str,
+    id: &str,
+    what: &str,
+    pred: impl Fn(&Value) -> bool,
+) -> Value {
+    for _ in 0..200 {
+        let i = instance(s, key, id).await;
+        if pred(&i) {
+            return i;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("{id} never {what}: {}", instance(s, key, id).await);
+}
+
+async fn sync(s: &TestServer, key: &str, node: &str, observed: Vec<(String, ObservedPhase)>) {
+    let observed: Vec<ObservedInstance> = observed
+        .into_iter()
+        .map(|(id, phase)| ObservedInstance {
+            instance_id: serde_json::from_value(json!(id)).unwrap(),
+            phase,
+            at: chrono::Utc::now(),
+        })
+        .collect();
+    s.ok(
+        key,
+        Method::POST,
+        &format!("/v1/agent/nodes/{node}/sync"),
+        Some(json!({"observed": observed, "wait_ms": 0})),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpus_freed_by_a_preemption_go_to_the_preemptor_not_a_third_party() {
+    let s = flotilla_testkit::server::start(fast()).await;
+    let owner = s.create_tenant("owner").await;
+    let provider = s.key(&owner, "provider").await;
+    let node = s.register_node(&provider, "n1", &[("H100", 2)]).await;
+    let spot_t = s.create_tenant("spot").await;
+    let spot = s.key(&spot_t, "tenant_member").await;
+    let ded_t = s.create_tenant("dedicated").await;
+    let ded = s.key(&ded_t, "tenant_member").await;
+    let third_t = s.create_tenant("third").await;
+    let third = s.key(&third_t, "tenant_member").await;
+
+    let victim = create(
+        &s,
+        &spot,
+        json!({"gpus": 2, "command": ["x"], "billing_class": "spot"}),
+    )
+    .await;
+    wait_for(&s, &spot, &victim, "scheduled", |i| {
+        i["state"] == "scheduled"
+    })
+    .await;
+    sync(
+        &s,
+        &provider,
+        &node,
+        vec![(victim.clone(), ObservedPhase::Running { pid: 1 })],
+    )
+    .await;
+    let preemptor = create(&s, &ded, json!({"gpus": 2, "command": ["serve"]})).await;
+    wait_for(&s, &spot, &victim, "preempted", |i| {
+        i["stop_requested"] == true
+    })
+    .await;
+
+    // During the notice a more urgent instance arrives that needs one GPU:
+    // it comes first in the queue, yet must not take what the preemption
+    // frees.
+    let urgent = create(
+        &s,
+        &third,
+        json!({"gpus": 1, "command": ["y"], "priority": 500}),
+    )
+    .await;
+    let q = s.ok(&s.operator, Method::GET, "/v1/queue", None).await;
+    assert_eq!(q["items"][0]["instance"]["id"], urgent.as_str(), "{q}");
+    sync(
+        &s,
+        &provider,
+        &node,
+        vec![(
+            victim.clone(),
+            ObservedPhase::Exited {
+                code: 143,
+                stopped: true,
+            },
+        )],
+    )
+    .await;
+    let p = wait_for(&s, &ded, &preemptor, "scheduled", |i| {
+        i["state"] == "scheduled"
+    })
+    .await;
+    assert_eq!(p["gpu_ids"].as_array().unwrap().len(), 2);
+    let u = instance(&s, &third, &urgent).await;
+    assert_eq!(u["state"], "pending", "{u}");
+}
