@@ -54,6 +54,8 @@ pub struct Held {
     pub priority: i32,
     /// Accepted being preempted.
     pub preemptible: bool,
+    /// Runs on capacity borrowed beyond its tenant's guarantee.
+    pub borrowed: bool,
     /// Run start (ms): the work a preemption throws away grows with it.
     pub started_ms: u64,
 }
@@ -310,7 +312,7 @@ impl PassPlanner {
                 tier: h.tier,
                 priority: h.priority,
                 preemptible: h.preemptible,
-                borrowed: false,
+                borrowed: h.borrowed,
                 request: Request::new(GpuDemand::whole(count), 0, 0),
                 placement: flotilla_sched::Placement {
                     node: u32::try_from(si).unwrap_or(u32::MAX),

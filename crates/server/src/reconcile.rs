@@ -171,6 +171,13 @@ pub async fn queue_all(st: &AppState) -> Result<Vec<Queued>, StoreError> {
         share.charge(tenants.index(&u.tenant_id), held, from, to.max(from));
     }
     share.advance(now_ms);
+    // Operators' weights (the tenant quota API): a tenant of weight 2 is
+    // entitled to twice the GPU-time of one of weight 1.
+    for (t, q) in st.store().sharing_quotas().await? {
+        if let Some(w) = q.weight {
+            let _ = share.set_weight(tenants.index(&t), f64::from(w));
+        }
+    }
     let items: Vec<QueueItem> = pending.iter().map(|p| p.item(&mut tenants)).collect();
     let order = queue::order(&items, &share, now_ms);
     let mut slots: Vec<Option<Queued>> = pending.into_iter().map(Some).collect();
@@ -178,6 +185,30 @@ pub async fn queue_all(st: &AppState) -> Result<Vec<Queued>, StoreError> {
         .into_iter()
         .filter_map(|i| slots.get_mut(i).and_then(Option::take))
         .collect())
+}
+
+/// Which of `held` run on borrowed capacity: per tenant, oldest first,
+/// the instances beyond its guaranteed GPUs (all of them without a
+/// guarantee). Borrowed work is what a tenant within its guarantee may
+/// reclaim by preemption (only if that work is preemptible).
+fn borrowed_of(held: &[HeldInstance], quotas: &BTreeMap<TenantId, Quota>) -> HashSet<InstanceId> {
+    let mut by_tenant: BTreeMap<&TenantId, Vec<&HeldInstance>> = BTreeMap::new();
+    for h in held {
+        by_tenant.entry(&h.tenant_id).or_default().push(h);
+    }
+    let mut out = HashSet::new();
+    for (t, mut list) in by_tenant {
+        list.sort_by_key(|h| (h.since, h.id.clone()));
+        let guaranteed = quotas.get(t).and_then(|q| q.gpus_guaranteed).unwrap_or(0);
+        let mut used = 0u32;
+        for h in list {
+            used = used.saturating_add(u32::try_from(h.gpu_ids.len()).unwrap_or(u32::MAX));
+            if used > guaranteed {
+                out.insert(h.id.clone());
+            }
+        }
+    }
+    out
 }
 
 /// The pool for this pass: GPUs promised to a pending preemptor
@@ -269,6 +300,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
     let mut tenants = Tenants::default();
     // Loaded lazily: only a pass where something does not fit needs them.
     let mut held: Option<Vec<HeldInstance>> = None;
+    let mut sharing: Option<BTreeMap<TenantId, Quota>> = None;
     let mut quotas: BTreeMap<TenantId, (Quota, Usage)> = BTreeMap::new();
     let mut placed = 0;
     let mut preempted = 0;
@@ -402,6 +434,10 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                     // are promised to whoever preempted it.
                     let candidates: Vec<&HeldInstance> =
                         all.iter().filter(|h| !h.stop_requested).collect();
+                    if sharing.is_none() {
+                        sharing = Some(st.store().sharing_quotas().await?);
+                    }
+                    let borrowed = borrowed_of(all, sharing.as_ref().unwrap_or(&BTreeMap::new()));
                     let offered: Vec<Held> = candidates
                         .iter()
                         .map(|h| Held {
@@ -411,6 +447,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             tier: tier_of(h.tier),
                             priority: h.priority,
                             preemptible: h.preemptible,
+                            borrowed: borrowed.contains(&h.id),
                             started_ms: ms_of(h.since),
                         })
                         .collect();
@@ -418,7 +455,9 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                         tenant: tenants.index(&p.tenant_id),
                         tier: tier_of(p.tier),
                         priority: p.priority,
-                        reclaiming: false,
+                        // Within its guarantee, it may take back capacity
+                        // other tenants borrowed.
+                        reclaiming: quota.within_guarantee(usage, p.gpus),
                     };
                     let plan = planner.preempt(
                         &req,

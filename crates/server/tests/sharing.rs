@@ -123,3 +123,148 @@ async fn gpus_freed_by_a_preemption_go_to_the_preemptor_not_a_third_party() {
     let u = instance(&s, &third, &urgent).await;
     assert_eq!(u["state"], "pending", "{u}");
 }
+
+async fn set_quota(s: &TestServer, tenant: &str, body: Value) -> Value {
+    let (status, b) = s
+        .call(
+            &s.operator,
+            Method::PUT,
+            &format!("/v1/tenants/{tenant}/quota"),
+            Some(body),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{b}");
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_weights_tilt_the_fair_share_order() {
+    let s = flotilla_testkit::server::start(fast()).await;
+    let a_t = s.create_tenant("heavy").await;
+    let a = s.key(&a_t, "tenant_member").await;
+    let b_t = s.create_tenant("light").await;
+    let b = s.key(&b_t, "tenant_member").await;
+    // No node: everything stays queued, in the scheduler's order.
+    let mut ids = Vec::new();
+    for key in [&a, &a, &a, &a, &b, &b, &b, &b] {
+        ids.push(create(&s, key, json!({"gpus": 1, "command": ["x"]})).await);
+    }
+    let order = |q: Value| -> String {
+        q["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                let id = e["instance"]["id"].as_str().unwrap();
+                if ids[..4].iter().any(|x| x == id) {
+                    'a'
+                } else {
+                    'b'
+                }
+            })
+            .collect()
+    };
+    let q = s.ok(&s.operator, Method::GET, "/v1/queue", None).await;
+    assert_eq!(order(q), "abababab", "equal weights alternate");
+    let (status, e) = s
+        .call(
+            &s.operator,
+            Method::PUT,
+            &format!("/v1/tenants/{a_t}/quota"),
+            Some(json!({"weight": 0})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{e}");
+    assert_eq!(e["error"]["details"]["field"], "weight");
+    let v = set_quota(&s, &a_t, json!({"weight": 3})).await;
+    assert_eq!(v["quota"]["weight"], 3);
+    let q = s.ok(&s.operator, Method::GET, "/v1/queue", None).await;
+    assert_eq!(order(q), "abaaabbb", "weight 3 earns three turns for one");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_within_its_guarantee_reclaims_borrowed_capacity() {
+    let s = flotilla_testkit::server::start(fast()).await;
+    let owner = s.create_tenant("owner").await;
+    let provider = s.key(&owner, "provider").await;
+    let node = s.register_node(&provider, "n1", &[("H100", 2)]).await;
+    let borrower_t = s.create_tenant("borrower").await;
+    let borrower = s.key(&borrower_t, "tenant_member").await;
+    let owner_t = s.create_tenant("guaranteed").await;
+    let guaranteed = s.key(&owner_t, "tenant_member").await;
+
+    // The borrower's preemptible work fills the pool.
+    let lent = create(
+        &s,
+        &borrower,
+        json!({"gpus": 2, "command": ["x"], "billing_class": "spot"}),
+    )
+    .await;
+    wait_for(&s, &borrower, &lent, "scheduled", |i| {
+        i["state"] == "scheduled"
+    })
+    .await;
+    sync(
+        &s,
+        &provider,
+        &node,
+        vec![(lent.clone(), ObservedPhase::Running { pid: 1 })],
+    )
+    .await;
+
+    // Work of the same tier and priority may not preempt it...
+    let mine = create(
+        &s,
+        &guaranteed,
+        json!({"gpus": 2, "command": ["y"], "billing_class": "spot"}),
+    )
+    .await;
+    wait_for(&s, &guaranteed, &mine, "explained", |i| {
+        i["state_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("waiting for GPUs")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        instance(&s, &borrower, &lent).await["stop_requested"],
+        false
+    );
+
+    // ...until the operator guarantees its tenant 2 GPUs: then the borrowed
+    // capacity is reclaimed, with the notice.
+    let (status, e) = s
+        .call(
+            &s.operator,
+            Method::PUT,
+            &format!("/v1/tenants/{owner_t}/quota"),
+            Some(json!({"gpus_total": 2, "gpus_guaranteed": 3})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{e}");
+    assert_eq!(e["error"]["details"]["field"], "gpus_guaranteed");
+    set_quota(&s, &owner_t, json!({"gpus_total": 4, "gpus_guaranteed": 2})).await;
+    let v = wait_for(&s, &borrower, &lent, "reclaimed", |i| {
+        i["stop_requested"] == true
+    })
+    .await;
+    assert_eq!(v["preempted_by"], mine.as_str());
+    sync(
+        &s,
+        &provider,
+        &node,
+        vec![(
+            lent.clone(),
+            ObservedPhase::Exited {
+                code: 143,
+                stopped: true,
+            },
+        )],
+    )
+    .await;
+    wait_for(&s, &guaranteed, &mine, "scheduled", |i| {
+        i["state"] == "scheduled"
+    })
+    .await;
+}

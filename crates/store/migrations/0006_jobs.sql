@@ -41,3 +41,8 @@ ALTER TABLE instances ADD COLUMN job_id TEXT;
 ALTER TABLE instances ADD COLUMN job_rank BIGINT;
 ALTER TABLE instances ADD COLUMN job_attempt BIGINT;
 CREATE INDEX instances_job ON instances (job_id, job_attempt);
+
+-- Sharing: GPUs guaranteed to a tenant (its work within them may reclaim
+-- capacity others borrowed) and its fair-share weight; NULL: none / 1.
+ALTER TABLE tenants ADD COLUMN quota_gpus_guaranteed BIGINT;
+ALTER TABLE tenants ADD COLUMN fair_share_weight BIGINT;

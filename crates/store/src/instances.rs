@@ -13,7 +13,6 @@ use flotilla_core::api::{
 use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
 use flotilla_core::placement::Placement;
-use flotilla_core::quota::Quota;
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
 
@@ -326,16 +325,11 @@ pub(crate) async fn insert_pending(
     reason: &str,
     now: DateTime<Utc>,
 ) -> Result<()> {
-    let q = sqlx::query("SELECT quota_gpus_total, quota_gpus_per_model FROM tenants WHERE id = $1")
+    let q = sqlx::query("SELECT * FROM tenants WHERE id = $1")
         .bind(tenant.as_str())
         .fetch_one(&mut **tx)
         .await?;
-    let quota = Quota {
-        gpus_total: q
-            .try_get::<Option<i64>, _>("quota_gpus_total")?
-            .map(|v| v.clamp(0, u32::MAX as i64) as u32),
-        gpus_per_model: json(&q.try_get::<String, _>("quota_gpus_per_model")?, "quota")?,
-    };
+    let quota = crate::tenants::quota(&q)?;
     let committed = crate::tenants::committed_in(&mut **tx, tenant).await?;
     quota.admit(&committed, &spec.gpu_types, spec.gpus)?;
     sqlx::query(

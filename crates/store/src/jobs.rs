@@ -107,7 +107,7 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         let q = sqlx::query(
             "UPDATE tenants SET updated_at = $1 WHERE id = $2 \
-             RETURNING quota_gpus_total, quota_gpus_per_model",
+             RETURNING quota_gpus_total, quota_gpus_per_model, quota_gpus_guaranteed, fair_share_weight",
         )
         .bind(ms(now))
         .bind(tenant.as_str())

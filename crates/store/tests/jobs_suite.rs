@@ -128,6 +128,7 @@ async fn job_lifecycle_through_restart_and_cancel(s: &Store) {
         &Quota {
             gpus_total: Some(6),
             gpus_per_model: BTreeMap::new(),
+            ..Default::default()
         },
         t0(),
     )
