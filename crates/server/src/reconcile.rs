@@ -12,7 +12,7 @@ use flotilla_core::id::{GpuId, InstanceId};
 use flotilla_core::placement::{NodeSnapshot, Placement, PlacementRequest};
 use flotilla_core::quota::{Quota, Usage};
 use flotilla_sched::preempt::Preemptor;
-use flotilla_sched::queue::{self, FairShareConfig, FairShareState, QueueItem};
+use flotilla_sched::queue::{self, FairShareConfig, FairShareState, QueueItem, Reservation};
 use flotilla_sched::{Resources, Tier};
 use flotilla_store::instances::{HeldInstance, PendingInstance};
 use flotilla_store::jobs::QueuedJob;
@@ -211,6 +211,14 @@ fn borrowed_of(held: &[HeldInstance], quotas: &BTreeMap<TenantId, Quota>) -> Has
     out
 }
 
+/// Why work that fits is not placed: it would delay the head.
+fn behind(head: &str) -> String {
+    format!(
+        "waiting behind {head}: it is first in the queue and holds the nodes this would fit on \
+         until it can start (backfill only where it cannot delay it)"
+    )
+}
+
 /// The pool for this pass: GPUs promised to a pending preemptor
 /// ([`flotilla_store::Store::promised_gpus`]) are shown as taken. Also
 /// returns which of them are really free (their victims stopped), to offer
@@ -304,6 +312,9 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
     let mut quotas: BTreeMap<TenantId, (Quota, Usage)> = BTreeMap::new();
     let mut placed = 0;
     let mut preempted = 0;
+    // The first blocked piece of work (the head) and its reservation: work
+    // behind it is placed only where it cannot delay the head (backfill).
+    let mut reservation: Option<(String, Reservation)> = None;
     for (p, req) in pending.into_iter().zip(requests) {
         let Some(p) = p else {
             let Some(job) = jobs.next() else { continue };
@@ -317,6 +328,26 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
             let members = job.spec.nodes as usize;
             let plans =
                 planner.place_gang(&req, members, |m| quota.model_fits(usage, m, job.spec.gpus));
+            let mut plans = plans;
+            if let Some((head, r)) = reservation.as_mut() {
+                let delays = plans.as_ref().is_ok_and(|ps| {
+                    !ps.iter()
+                        .all(|plan| planner.backfill_allowed(r, &req, plan))
+                });
+                if delays {
+                    let fits = |m: &str| quota.model_fits(usage, m, job.spec.gpus);
+                    match planner.place_outside(&req, members, fits, r) {
+                        Some(other) => plans = Ok(other),
+                        None => {
+                            let reason = behind(head);
+                            if reason != job.state_reason {
+                                st.store().set_job_reason(&job.id, &reason, now).await?;
+                            }
+                            continue;
+                        }
+                    }
+                }
+            }
             match plans {
                 Ok(plans) => {
                     let ids: Vec<InstanceId> = plans
@@ -365,6 +396,17 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                     if reason != job.state_reason {
                         st.store().set_job_reason(&job.id, &reason, now).await?;
                     }
+                    if reservation.is_none() {
+                        reservation = planner
+                            .reserve(
+                                &snapshot,
+                                &req,
+                                members,
+                                |m| quota.model_fits(usage, m, job.spec.gpus),
+                                ms_of(now),
+                            )
+                            .map(|r| (job.id.to_string(), r));
+                    }
                 }
             }
             continue;
@@ -390,6 +432,30 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
         if !mine.is_empty() && attempt.is_err() {
             set_free(&mut snapshot, &mine, false);
             planner.rebuild(&snapshot);
+        }
+        // A preemptor taking its promised GPUs is not backfill: the head
+        // could never use them.
+        let mut attempt = attempt;
+        if let (Some((head, r)), true) = (reservation.as_mut(), mine.is_empty()) {
+            let delays = attempt
+                .as_ref()
+                .is_ok_and(|plan| !planner.backfill_allowed(r, &req, plan));
+            if delays {
+                let fits = |m: &str| quota.model_fits(usage, m, p.gpus);
+                match planner
+                    .place_outside(&req, 1, fits, r)
+                    .and_then(|mut v| v.pop())
+                {
+                    Some(other) => attempt = Ok(other),
+                    None => {
+                        let reason = behind(head);
+                        if reason != p.state_reason {
+                            st.store().set_pending_reason(&p.id, &reason, now).await?;
+                        }
+                        continue;
+                    }
+                }
+            }
         }
         match attempt {
             Ok(plan) => match st.store().schedule_instance(&p.id, &plan, now).await {
@@ -489,6 +555,19 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 }
                 if reason != p.state_reason {
                     st.store().set_pending_reason(&p.id, &reason, now).await?;
+                }
+                // Waiting for its own victims, its GPUs are promised to it
+                // already; otherwise it becomes the head others wait behind.
+                if reservation.is_none() && !reason.starts_with("waiting for preempted") {
+                    reservation = planner
+                        .reserve(
+                            &snapshot,
+                            &req,
+                            1,
+                            |m| quota.model_fits(usage, m, p.gpus),
+                            ms_of(now),
+                        )
+                        .map(|r| (p.id.to_string(), r));
                 }
             }
         }

@@ -268,3 +268,80 @@ async fn work_within_its_guarantee_reclaims_borrowed_capacity() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backfill_goes_around_the_blocked_head_and_never_delays_it() {
+    let s = flotilla_testkit::server::start(fast()).await;
+    let owner = s.create_tenant("owner").await;
+    let provider = s.key(&owner, "provider").await;
+    let big = s.register_node(&provider, "big", &[("H100", 2)]).await;
+    let _small = s.register_node(&provider, "small", &[("L4", 1)]).await;
+    let t = s.create_tenant("users").await;
+    let key = s.key(&t, "tenant_member").await;
+
+    let running = create(
+        &s,
+        &key,
+        json!({"gpus": 1, "gpu_types": ["H100"], "command": ["x"]}),
+    )
+    .await;
+    wait_for(&s, &key, &running, "scheduled", |i| {
+        i["state"] == "scheduled"
+    })
+    .await;
+    sync(
+        &s,
+        &provider,
+        &big,
+        vec![(running.clone(), ObservedPhase::Running { pid: 1 })],
+    )
+    .await;
+
+    // The head needs both H100s: it waits, and holds the H100 node.
+    let head = create(
+        &s,
+        &key,
+        json!({"gpus": 2, "gpu_types": ["H100"], "command": ["h"]}),
+    )
+    .await;
+    wait_for(&s, &key, &head, "explained", |i| {
+        i["state_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("waiting for GPUs")
+    })
+    .await;
+    // Smaller work behind it fits on either node: it goes to the L4 node...
+    let first = create(&s, &key, json!({"gpus": 1, "command": ["a"]})).await;
+    let f = wait_for(&s, &key, &first, "scheduled", |i| i["state"] == "scheduled").await;
+    assert_eq!(f["gpu_model"], "L4", "{f}");
+    // ...and once that is full, it waits rather than take the head's H100.
+    let second = create(&s, &key, json!({"gpus": 1, "command": ["b"]})).await;
+    let w = wait_for(&s, &key, &second, "held back", |i| {
+        i["state_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("waiting behind")
+    })
+    .await;
+    assert!(w["state_reason"].as_str().unwrap().contains(&head), "{w}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(instance(&s, &key, &second).await["state"], "pending");
+
+    // The running work ends: the head starts at once on the freed node.
+    sync(
+        &s,
+        &provider,
+        &big,
+        vec![(
+            running.clone(),
+            ObservedPhase::Exited {
+                code: 0,
+                stopped: false,
+            },
+        )],
+    )
+    .await;
+    let h = wait_for(&s, &key, &head, "scheduled", |i| i["state"] == "scheduled").await;
+    assert_eq!(h["node_id"], big.as_str());
+}
