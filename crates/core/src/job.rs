@@ -397,7 +397,9 @@ fn describe(m: &MemberStatus) -> String {
 /// when all exited 0, is requeued when a member was preempted (the
 /// preemption reaches every member first), restarts on failure while
 /// retries remain, and fails otherwise. A cancel wins over everything.
-/// A `lost` member is waited for: its node may return with it running.
+/// A `lost` member counts as failed: the gang is stopped (the lost member
+/// included, which ends it at once) rather than left hanging on a node
+/// that may never return.
 pub fn step(job: &JobProgress, members: &[MemberStatus]) -> JobStep {
     let live: Vec<usize> = members
         .iter()
@@ -411,9 +413,14 @@ pub fn step(job: &JobProgress, members: &[MemberStatus]) -> JobStep {
         .filter(|&i| !members[i].stop_requested)
         .collect();
     let preempted = members.iter().find_map(|m| m.preempted_by.clone());
+    // A lost member breaks the gang too: its node stopped answering, and
+    // the other ranks cannot progress without it (a collective would hang).
     let broken = members.iter().find(|m| {
         m.preempted_by.is_none()
-            && matches!(m.state, InstanceState::Failed | InstanceState::Stopped)
+            && matches!(
+                m.state,
+                InstanceState::Failed | InstanceState::Stopped | InstanceState::Lost
+            )
     });
     if !live.is_empty() {
         if job.cancel_requested {
@@ -723,7 +730,7 @@ mod tests {
     }
 
     #[test]
-    fn cancel_wins_and_lost_members_are_waited_for() {
+    fn cancel_wins_and_a_lost_member_stops_the_gang() {
         let mut j = job(RestartPolicy::OnFailure, 5, 0);
         j.cancel_requested = true;
         assert_eq!(
@@ -741,7 +748,13 @@ mod tests {
             }
         ));
         let j = job(RestartPolicy::Never, 0, 0);
-        assert_eq!(step(&j, &[m(0, Lost), m(1, Running)]), JobStep::Wait);
+        match step(&j, &[m(0, Lost), m(1, Running)]) {
+            JobStep::Stop { members, reason } => {
+                assert_eq!(members, vec![0, 1]);
+                assert!(reason.starts_with("rank 0 lost"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
         assert!(matches!(
             step(&j, &[]),
             JobStep::Finish {
