@@ -186,6 +186,13 @@ enum QuotaCommand {
         /// (repeatable).
         #[arg(long = "gpu", value_parser = commands::parse_model_limit, value_name = "MODEL=N")]
         gpu: Vec<(String, Limit)>,
+        /// GPUs guaranteed to the tenant (its work within them may reclaim
+        /// capacity others borrowed), or `none`.
+        #[arg(long, value_parser = commands::parse_limit, value_name = "N|none")]
+        guaranteed: Option<Limit>,
+        /// Fair-share weight (1-1000), or `none` for the default 1.
+        #[arg(long, value_parser = commands::parse_limit, value_name = "N|none")]
+        weight: Option<Limit>,
     },
 }
 
@@ -285,7 +292,19 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
                 tenant: set_tenant,
                 gpus_total,
                 gpu,
-            }) => commands::quota_set(&ctx, set_tenant.or(tenant), gpus_total, gpu).await,
+                guaranteed,
+                weight,
+            }) => {
+                commands::quota_set(
+                    &ctx,
+                    set_tenant.or(tenant),
+                    gpus_total,
+                    gpu,
+                    guaranteed,
+                    weight,
+                )
+                .await
+            }
         },
         Command::Up(_) | Command::Server(_) | Command::Agent(_) | Command::Login => {
             unreachable!("handled above")

@@ -149,6 +149,36 @@ fn a_two_node_job_runs_one_rank_per_node_and_succeeds() {
     assert!(show.contains("attempt 1 rank 1"), "{show}");
     let q = env.cli_json(Some(&key), &["jobs", "queue"]);
     assert_eq!(q, serde_json::json!([]));
+    // Operators set the tenant's guarantee and fair-share weight.
+    let op = env.operator_key();
+    let q = env.cli_json(
+        Some(&op),
+        &[
+            "quota",
+            "set",
+            "--tenant",
+            "research",
+            "--guaranteed",
+            "1",
+            "--gpus-total",
+            "4",
+            "--weight",
+            "2",
+        ],
+    );
+    assert_eq!(
+        (
+            q["quota"]["gpus_guaranteed"].as_u64(),
+            q["quota"]["weight"].as_u64()
+        ),
+        (Some(1), Some(2)),
+        "{q}"
+    );
+    let shown = text(&env.cli(Some(&op), &["quota", "--tenant", "research"]));
+    assert!(
+        shown.contains("guaranteed GPUs: 1; fair-share weight: 2"),
+        "{shown}"
+    );
     let bad = env.cli(
         Some(&key),
         &[
