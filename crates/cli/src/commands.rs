@@ -762,6 +762,13 @@ fn print_quota(ctx: &Ctx, raw: Value) -> Result<ExitCode> {
         ]);
     }
     print_table(&t)?;
+    outln!(
+        "guaranteed GPUs: {}; fair-share weight: {}",
+        view.quota
+            .gpus_guaranteed
+            .map_or("none".to_string(), |n| n.to_string()),
+        view.quota.weight_or_default()
+    )?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -771,9 +778,13 @@ pub async fn quota_set(
     tenant: Option<String>,
     gpus_total: Option<Limit>,
     per_model: Vec<(String, Limit)>,
+    guaranteed: Option<Limit>,
+    weight: Option<Limit>,
 ) -> Result<ExitCode> {
-    if gpus_total.is_none() && per_model.is_empty() {
-        bail!("nothing to change: pass --gpus-total N|none or --gpu MODEL=N");
+    if gpus_total.is_none() && per_model.is_empty() && guaranteed.is_none() && weight.is_none() {
+        bail!(
+            "nothing to change: pass --gpus-total N|none, --gpu MODEL=N, --guaranteed N|none or --weight N|none"
+        );
     }
     let tenant_id = resolve_tenant(&ctx.client, tenant.as_deref()).await?;
     let path = format!("/v1/tenants/{tenant_id}/quota");
@@ -781,6 +792,12 @@ pub async fn quota_set(
     let mut quota = view.quota;
     if let Some(l) = gpus_total {
         quota.gpus_total = l.as_option();
+    }
+    if let Some(l) = guaranteed {
+        quota.gpus_guaranteed = l.as_option();
+    }
+    if let Some(l) = weight {
+        quota.weight = l.as_option();
     }
     let catalog = Catalog::default();
     let mut per: BTreeMap<String, u32> = quota.gpus_per_model;

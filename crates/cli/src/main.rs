@@ -11,6 +11,7 @@ mod client;
 mod commands;
 mod config;
 mod follow;
+mod jobs;
 mod local;
 mod output;
 
@@ -94,11 +95,17 @@ enum Command {
         #[command(subcommand)]
         command: InvoicesCommand,
     },
-    /// Say why an instance is where it is: what it asked for, why it is
-    /// pending or where it was placed, and every transition with its reason.
+    /// Say why an instance or a job is where it is: what it asked for, why
+    /// it is pending or where it was placed, and every transition with its
+    /// reason.
     Explain {
-        /// Instance id.
+        /// Instance id or job id.
         id: String,
+    },
+    /// Batch and training jobs: submit, list, show, queue, cancel, logs.
+    Jobs {
+        #[command(subcommand)]
+        command: jobs::JobsCommand,
     },
     /// List tenants, or create one.
     Tenants {
@@ -179,6 +186,13 @@ enum QuotaCommand {
         /// (repeatable).
         #[arg(long = "gpu", value_parser = commands::parse_model_limit, value_name = "MODEL=N")]
         gpu: Vec<(String, Limit)>,
+        /// GPUs guaranteed to the tenant (its work within them may reclaim
+        /// capacity others borrowed), or `none`.
+        #[arg(long, value_parser = commands::parse_limit, value_name = "N|none")]
+        guaranteed: Option<Limit>,
+        /// Fair-share weight (1-1000), or `none` for the default 1.
+        #[arg(long, value_parser = commands::parse_limit, value_name = "N|none")]
+        weight: Option<Limit>,
     },
 }
 
@@ -254,7 +268,9 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Queue => commands::queue(&ctx).await,
         Command::Logs { id, follow } => commands::logs(&ctx, &id, follow).await,
         Command::Stop { id } => commands::stop(&ctx, &id).await,
+        Command::Explain { id } if id.trim().starts_with("job_") => jobs::explain(&ctx, &id).await,
         Command::Explain { id } => commands::explain(&ctx, &id).await,
+        Command::Jobs { command } => jobs::dispatch(&ctx, command).await,
         Command::Usage { from, to } => commands::usage(&ctx, from, to).await,
         Command::Invoices {
             command: InvoicesCommand::Preview { period },
@@ -276,7 +292,19 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
                 tenant: set_tenant,
                 gpus_total,
                 gpu,
-            }) => commands::quota_set(&ctx, set_tenant.or(tenant), gpus_total, gpu).await,
+                guaranteed,
+                weight,
+            }) => {
+                commands::quota_set(
+                    &ctx,
+                    set_tenant.or(tenant),
+                    gpus_total,
+                    gpu,
+                    guaranteed,
+                    weight,
+                )
+                .await
+            }
         },
         Command::Up(_) | Command::Server(_) | Command::Agent(_) | Command::Login => {
             unreachable!("handled above")
@@ -330,6 +358,57 @@ mod tests {
             panic!("not run")
         };
         assert_eq!((r.gpus, r.command.len()), (1, 4));
+    }
+
+    #[test]
+    fn jobs_submit_takes_the_issue_s_flags() {
+        let cli = parse(&[
+            "jobs",
+            "submit",
+            "--gpus",
+            "8",
+            "--nodes",
+            "2",
+            "--tier",
+            "2",
+            "--preemptible",
+            "--restart",
+            "on-failure",
+            "--max-retries",
+            "3",
+            "--",
+            "torchrun",
+            "train.py",
+        ])
+        .unwrap();
+        let Command::Jobs {
+            command: jobs::JobsCommand::Submit(a),
+        } = cli.command
+        else {
+            panic!("not jobs submit")
+        };
+        assert_eq!(
+            (a.gpus, a.nodes, a.tier, a.preemptible),
+            (8, 2, Some(2), true)
+        );
+        assert_eq!(
+            (a.restart, a.max_retries),
+            (flotilla_core::job::RestartPolicy::OnFailure, Some(3))
+        );
+        assert_eq!(a.command, ["torchrun", "train.py"]);
+        assert!(parse(&["jobs", "submit", "--restart", "always", "--", "x"]).is_err());
+        assert!(matches!(
+            parse(&["jobs", "logs", "job_x", "--rank", "1", "-f"])
+                .unwrap()
+                .command,
+            Command::Jobs {
+                command: jobs::JobsCommand::Logs {
+                    rank: 1,
+                    follow: true,
+                    ..
+                }
+            }
+        ));
     }
 
     #[test]

@@ -7,8 +7,9 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::catalog::Vendor;
-use crate::id::{GpuId, InstanceId, KeyId, NodeId, TenantId};
+use crate::id::{GpuId, InstanceId, JobId, KeyId, NodeId, TenantId};
 use crate::instance::{BillingClass, InstanceState};
+use crate::job::{JobSpec, JobState};
 use crate::node::NodeState;
 use crate::tenant::Role;
 
@@ -251,6 +252,10 @@ pub struct Instance {
     /// The preempted instance this one requeues (same spec, same tenant).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requeued_from: Option<InstanceId>,
+    /// The job this instance is a member of, with its rank and the job's
+    /// attempt it belongs to; absent for a plain instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<JobMembership>,
     /// Creation time.
     pub created_at: DateTime<Utc>,
     /// When it started running.
@@ -265,6 +270,17 @@ pub struct Instance {
 
 fn default_tier() -> u8 {
     1
+}
+
+/// Where a member instance stands in its job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct JobMembership {
+    /// The job.
+    pub job_id: JobId,
+    /// Rank, 0-based.
+    pub rank: u32,
+    /// The job's attempt (1-based) this member was started for.
+    pub attempt: u32,
 }
 
 /// One pending instance in queue order (`GET /v1/queue`).
@@ -535,4 +551,78 @@ pub struct Me {
     pub key: ApiKey,
     /// Its tenant.
     pub tenant: Tenant,
+}
+
+/// One job state change.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct JobEvent {
+    /// State entered (or kept, with a new reason).
+    pub state: JobState,
+    /// Why.
+    pub reason: String,
+    /// When.
+    pub at: DateTime<Utc>,
+}
+
+/// One member of a job's attempt.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct JobMember {
+    /// Rank, 0-based.
+    pub rank: u32,
+    /// Attempt (1-based) it belongs to.
+    pub attempt: u32,
+    /// The member instance (its logs are the rank's logs).
+    pub instance_id: InstanceId,
+    /// Its state.
+    pub state: InstanceState,
+    /// Node it was placed on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<NodeId>,
+    /// Exit status, once exited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+}
+
+/// A job: its spec, its state derived from its members, and every attempt's
+/// members.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Job {
+    /// Id.
+    pub id: JobId,
+    /// Owner.
+    pub tenant_id: TenantId,
+    /// State.
+    pub state: JobState,
+    /// Why it is in that state (for `queued`: why the gang is not placed).
+    pub state_reason: String,
+    /// What was asked for, after defaults.
+    pub spec: JobSpec,
+    /// Attempts started (a restart or a requeue starts a new one).
+    pub attempts: u32,
+    /// Attempts that ended in a failure (counted against `max_retries`).
+    pub failures: u32,
+    /// A cancel was asked for.
+    pub cancel_requested: bool,
+    /// Submission time.
+    pub created_at: DateTime<Utc>,
+    /// When the first attempt was placed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<DateTime<Utc>>,
+    /// When it reached a final state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<DateTime<Utc>>,
+    /// Members of every attempt, by attempt then rank.
+    pub members: Vec<JobMember>,
+    /// Every state change, oldest first.
+    pub events: Vec<JobEvent>,
+}
+
+/// One queued job in the scheduler's order (`GET /v1/jobs/queue`).
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct JobQueueEntry {
+    /// 1-based place in the whole queue (instances and jobs of every
+    /// tenant ahead of it count, without being shown).
+    pub position: u32,
+    /// The queued job; `state_reason` says why it is not placed.
+    pub job: Job,
 }

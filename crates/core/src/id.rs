@@ -99,6 +99,9 @@ prefixed_id!(
     /// An instance: GPUs rented by a tenant, running one command.
     InstanceId, "inst_");
 prefixed_id!(
+    /// A job: batch or training work run by a gang of instances.
+    JobId, "job_");
+prefixed_id!(
     /// A node pool: a group of alike nodes in a region.
     PoolId, "pool_");
 prefixed_id!(

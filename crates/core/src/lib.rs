@@ -12,6 +12,7 @@ pub mod clock;
 pub mod error;
 pub mod id;
 pub mod instance;
+pub mod job;
 pub mod node;
 pub mod placement;
 pub mod quota;

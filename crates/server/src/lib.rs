@@ -27,6 +27,7 @@ pub mod auth;
 pub mod error;
 pub mod extract;
 pub mod idempotency;
+pub mod jobs;
 pub mod metering;
 pub mod metrics;
 pub mod placement;

@@ -192,6 +192,7 @@ mod tests {
             preemptible: false,
             preempted_by: None,
             requeued_from: None,
+            job: None,
             created_at: t(0),
             started_at: Some(t(10)),
             finished_at: finished.map(t),

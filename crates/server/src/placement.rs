@@ -14,7 +14,9 @@ use std::collections::{BTreeMap, HashSet};
 use flotilla_core::catalog::Catalog;
 use flotilla_core::id::{GpuId, NodeId};
 use flotilla_core::placement::{first_fit, NodeSnapshot, Placement, PlacementRequest};
+use flotilla_sched::gang::{place_gang, Gang, GangDecision, Locality};
 use flotilla_sched::preempt::{self, PreemptConfig, PreemptDecision, Preemptor};
+use flotilla_sched::queue::{self, Reservation};
 use flotilla_sched::{
     Allocation, Cluster, Decision, Engine, GpuDemand, ModelSet, ModelTable, NodeSpec, Policy,
     Request, TargetWorkload, Tier,
@@ -53,6 +55,8 @@ pub struct Held {
     pub priority: i32,
     /// Accepted being preempted.
     pub preemptible: bool,
+    /// Runs on capacity borrowed beyond its tenant's guarantee.
+    pub borrowed: bool,
     /// Run start (ms): the work a preemption throws away grows with it.
     pub started_ms: u64,
 }
@@ -222,6 +226,187 @@ impl PassPlanner {
         }
     }
 
+    /// Where each of `members` identical members of a gang goes, all of
+    /// them or none: `flotilla-sched`'s gang placement over this pass's
+    /// cluster. Members may share a node that has room for both. The
+    /// explanation names the member that fit nowhere and why.
+    pub fn place_gang(
+        &mut self,
+        req: &PlacementRequest,
+        members: usize,
+        model_allowed: impl Fn(&str) -> bool,
+    ) -> Result<Vec<Placement>, String> {
+        let allowed = ModelSet::of(
+            self.slots
+                .iter()
+                .map(|s| s.model.as_str())
+                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
+                .filter(|m| model_allowed(m))
+                .filter_map(|m| self.models.get(m)),
+        );
+        let gang = Gang::uniform(sched_request(req, allowed), members, Locality::Any);
+        match place_gang(&mut self.engine, &self.cluster, &gang, &mut self.rng) {
+            GangDecision::Placed(plan) => plan
+                .members
+                .iter()
+                .map(|p| {
+                    let slot = self
+                        .slots
+                        .get(p.node as usize)
+                        .ok_or_else(|| "internal: engine named an unknown node".to_string())?;
+                    let gpus = p
+                        .gpus
+                        .iter()
+                        .map(|&d| slot.gpus.get(usize::from(d)).cloned())
+                        .collect::<Option<Vec<GpuId>>>()
+                        .ok_or_else(|| "internal: engine named an unknown gpu".to_string())?;
+                    Ok(Placement {
+                        node: slot.node.clone(),
+                        model: slot.model.clone(),
+                        gpus,
+                    })
+                })
+                .collect(),
+            GangDecision::Unschedulable(why) => {
+                Err(format!("{why} (of {} node slots)", self.slots.len()))
+            }
+        }
+    }
+
+    /// The reservation of a blocked queue head (`members` identical members
+    /// of `req`), as `flotilla-sched` computes it: with no expected end
+    /// known for running work, every node that could ever host a member is
+    /// held for the head, and only work on other nodes may be backfilled
+    /// ([`PassPlanner::backfill_allowed`]). `None` when the head could not
+    /// fit even on an empty pool (too big, or no allowed model), so that
+    /// an impossible request never blocks the queue behind it.
+    pub fn reserve(
+        &mut self,
+        snapshot: &[NodeSnapshot],
+        req: &PlacementRequest,
+        members: usize,
+        model_allowed: impl Fn(&str) -> bool,
+        now_ms: u64,
+    ) -> Option<Reservation> {
+        let per = req.gpus.max(1) as usize;
+        let mut room = 0usize;
+        for n in snapshot.iter().filter(|n| n.ready && !n.cordoned) {
+            let mut by_model: BTreeMap<&str, usize> = BTreeMap::new();
+            for g in &n.gpus {
+                *by_model.entry(g.model.as_str()).or_default() += 1;
+            }
+            room += by_model
+                .into_iter()
+                .filter(|(m, _)| req.models.is_empty() || req.models.iter().any(|a| a == m))
+                .filter(|(m, _)| model_allowed(m))
+                .map(|(_, count)| count / per)
+                .sum::<usize>();
+        }
+        if room < members {
+            return None;
+        }
+        let allowed = ModelSet::of(
+            self.slots
+                .iter()
+                .map(|s| s.model.as_str())
+                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
+                .filter(|m| model_allowed(m))
+                .filter_map(|m| self.models.get(m)),
+        );
+        let gang = Gang::uniform(sched_request(req, allowed), members, Locality::Any);
+        Some(queue::reserve(
+            &mut self.engine,
+            &self.cluster,
+            &[],
+            &gang,
+            now_ms,
+            &mut self.rng,
+        ))
+    }
+
+    /// Whether `plan` for `req` may start now without delaying the head's
+    /// `reservation`; if so, the reservation counts it from then on.
+    pub fn backfill_allowed(
+        &self,
+        reservation: &mut Reservation,
+        req: &PlacementRequest,
+        plan: &Placement,
+    ) -> bool {
+        match self.engine_placement(plan) {
+            Some(p) => reservation.admit_backfill(&sched_request(req, ModelSet::Any), &p, None),
+            None => false,
+        }
+    }
+
+    /// Where `members` members of `req` go on the nodes `reservation` does
+    /// not hold: backfill, decided by the same engine on a copy of the
+    /// cluster with the held nodes cordoned. `None` when nothing fits there.
+    pub fn place_outside(
+        &mut self,
+        req: &PlacementRequest,
+        members: usize,
+        model_allowed: impl Fn(&str) -> bool,
+        reservation: &Reservation,
+    ) -> Option<Vec<Placement>> {
+        let mut outside = self.cluster.clone();
+        for &n in &reservation.nodes {
+            let _ = outside.set_cordoned(n, true);
+        }
+        let allowed = ModelSet::of(
+            self.slots
+                .iter()
+                .map(|s| s.model.as_str())
+                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
+                .filter(|m| model_allowed(m))
+                .filter_map(|m| self.models.get(m)),
+        );
+        let gang = Gang::uniform(sched_request(req, allowed), members, Locality::Any);
+        let GangDecision::Placed(plan) =
+            place_gang(&mut self.engine, &outside, &gang, &mut self.rng)
+        else {
+            return None;
+        };
+        plan.members
+            .iter()
+            .map(|p| {
+                let slot = self.slots.get(p.node as usize)?;
+                let gpus = p
+                    .gpus
+                    .iter()
+                    .map(|&d| slot.gpus.get(usize::from(d)).cloned())
+                    .collect::<Option<Vec<GpuId>>>()?;
+                Some(Placement {
+                    node: slot.node.clone(),
+                    model: slot.model.clone(),
+                    gpus,
+                })
+            })
+            .collect()
+    }
+
+    /// `plan` in the engine's terms (engine node, device indices).
+    fn engine_placement(&self, plan: &Placement) -> Option<flotilla_sched::Placement> {
+        self.slots.iter().enumerate().find_map(|(i, s)| {
+            if s.node != plan.node || s.model != plan.model {
+                return None;
+            }
+            let devs: Option<Vec<u16>> = plan
+                .gpus
+                .iter()
+                .map(|g| {
+                    s.gpus
+                        .iter()
+                        .position(|x| x == g)
+                        .and_then(|d| u16::try_from(d).ok())
+                })
+                .collect();
+            Some(flotilla_sched::Placement {
+                node: u32::try_from(i).ok()?,
+                gpus: devs?,
+            })
+        })
+    }
+
     /// Which of `held` to preempt so `req` fits, and where it will go once
     /// they are gone: `flotilla-sched`'s cheapest sufficient set on one
     /// node, which never names tier-1 or non-preemptible work and only work
@@ -262,7 +447,7 @@ impl PassPlanner {
                 tier: h.tier,
                 priority: h.priority,
                 preemptible: h.preemptible,
-                borrowed: false,
+                borrowed: h.borrowed,
                 request: Request::new(GpuDemand::whole(count), 0, 0),
                 placement: flotilla_sched::Placement {
                     node: u32::try_from(si).unwrap_or(u32::MAX),
@@ -445,6 +630,66 @@ mod tests {
             .place(&snap, &req(1, &["H100"]), |m| m != "H100")
             .unwrap_err();
         assert_eq!(e, "0/3 nodes fit: 2 GPU model not allowed, 1 unreachable");
+    }
+
+    #[test]
+    fn a_gang_is_placed_whole_across_nodes_or_not_at_all() {
+        let snap = vec![
+            node(1, true, &[("H100", true), ("H100", false)]),
+            node(2, true, &[("H100", true), ("H100", false)]),
+        ];
+        let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 3);
+        let plans = p.place_gang(&req(1, &[]), 2, |_| true).unwrap();
+        let mut nodes: Vec<&NodeId> = plans.iter().map(|p| &p.node).collect();
+        nodes.sort();
+        assert_eq!(nodes, vec![&snap[0].id, &snap[1].id]);
+        let e = p.place_gang(&req(1, &[]), 3, |_| true).unwrap_err();
+        assert!(e.contains("member 3 fits nowhere after placing 2"), "{e}");
+        assert!(p.place_gang(&req(2, &[]), 1, |_| true).is_err());
+    }
+
+    #[test]
+    fn a_blocked_head_holds_the_nodes_it_could_use_and_an_impossible_one_holds_none() {
+        let snap = vec![
+            node(1, true, &[("H100", false), ("H100", true)]),
+            node(2, true, &[("L4", true)]),
+        ];
+        let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 5);
+        // Two H100s fit on node 1 once it empties: it is held for the head.
+        let mut r = p
+            .reserve(&snap, &req(2, &["H100"]), 1, |_| true, 0)
+            .expect("could fit once work ends");
+        let small = req(1, &[]);
+        let on_h100 = Placement {
+            node: snap[0].id.clone(),
+            model: "H100".into(),
+            gpus: vec![snap[0].gpus[1].id.clone()],
+        };
+        let on_l4 = Placement {
+            node: snap[1].id.clone(),
+            model: "L4".into(),
+            gpus: vec![snap[1].gpus[0].id.clone()],
+        };
+        assert!(!p.backfill_allowed(&mut r, &small, &on_h100));
+        assert!(p.backfill_allowed(&mut r, &small, &on_l4));
+        let outside = p.place_outside(&small, 1, |_| true, &r).unwrap();
+        assert_eq!(
+            outside[0].node, snap[1].id,
+            "backfill goes around the held node"
+        );
+        assert!(p
+            .place_outside(&req(1, &["H100"]), 1, |_| true, &r)
+            .is_none());
+        // Three H100s exist nowhere: no reservation, nothing held.
+        assert!(p
+            .reserve(&snap, &req(3, &["H100"]), 1, |_| true, 0)
+            .is_none());
+        assert!(p
+            .reserve(&snap, &req(1, &["H100"]), 3, |_| true, 0)
+            .is_none());
+        assert!(p
+            .reserve(&snap, &req(1, &["H100"]), 2, |m| m != "H100", 0)
+            .is_none());
     }
 
     #[test]

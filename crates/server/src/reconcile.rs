@@ -3,17 +3,19 @@
 //! engine, `flotilla-core`'s quotas), and commits through the store's
 //! conditional writes, so a pass may be cut at any line and rerun.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
 use chrono::Duration as ChronoDuration;
 use flotilla_core::id::TenantId;
-use flotilla_core::placement::PlacementRequest;
+use flotilla_core::id::{GpuId, InstanceId};
+use flotilla_core::placement::{NodeSnapshot, Placement, PlacementRequest};
 use flotilla_core::quota::{Quota, Usage};
 use flotilla_sched::preempt::Preemptor;
-use flotilla_sched::queue::{self, FairShareConfig, FairShareState, QueueItem};
+use flotilla_sched::queue::{self, FairShareConfig, FairShareState, QueueItem, Reservation};
 use flotilla_sched::{Resources, Tier};
 use flotilla_store::instances::{HeldInstance, PendingInstance};
+use flotilla_store::jobs::QueuedJob;
 use flotilla_store::StoreError;
 
 use crate::placement::{Held, PassPlanner};
@@ -37,17 +39,101 @@ impl Tenants {
     }
 }
 
+/// What one member of a job asks for.
+fn member_request(j: &QueuedJob) -> PlacementRequest {
+    PlacementRequest {
+        gpus: j.spec.gpus_per_member(),
+        models: j.spec.gpu_types.clone(),
+        cpu_milli: u64::from(j.spec.cpu_milli),
+        memory_mb: j.spec.memory_mb,
+    }
+}
+
 fn tier_of(n: u8) -> Tier {
     Tier::from_number(n).unwrap_or(Tier::Dedicated)
 }
 
-/// The pending instances in the order the scheduler tries them: priority
-/// (higher first), then weighted fair share across tenants (dominant
-/// share of GPU-seconds over the last day, decayed with the sched crate's
-/// default half-life, equal weights), then FIFO. Recomputed from the store
-/// on each pass, so it survives restarts and needs no loop state.
+/// One piece of queued work: a pending instance or a queued job (a gang
+/// placed whole).
+#[derive(Debug, Clone)]
+pub enum Queued {
+    /// A pending instance.
+    Instance(PendingInstance),
+    /// A queued job.
+    Job(QueuedJob),
+}
+
+impl Queued {
+    fn item(&self, tenants: &mut Tenants) -> QueueItem {
+        let (tenant, tier, priority, created, gpus, cpu, mem) = match self {
+            Queued::Instance(p) => (
+                &p.tenant_id,
+                p.tier,
+                p.priority,
+                p.created_at,
+                u64::from(p.gpus),
+                u64::from(p.cpu_milli),
+                p.memory_mb,
+            ),
+            Queued::Job(j) => (
+                &j.tenant_id,
+                j.spec.tier,
+                j.spec.priority,
+                j.created_at,
+                u64::from(j.spec.gpus),
+                u64::from(j.spec.cpu_milli) * u64::from(j.spec.nodes),
+                j.spec.memory_mb * u64::from(j.spec.nodes),
+            ),
+        };
+        QueueItem {
+            tenant: tenants.index(tenant),
+            tier: tier_of(tier),
+            priority,
+            submitted_ms: ms_of(created),
+            demand: Resources {
+                gpu_milli: gpus * 1000,
+                cpu_milli: cpu,
+                mem_mib: mem,
+            },
+            expected_runtime_ms: None,
+        }
+    }
+}
+
+/// The pending instances in the order the scheduler tries them (see
+/// [`queue_all`], whose order they keep).
 pub async fn queue(st: &AppState) -> Result<Vec<PendingInstance>, StoreError> {
-    let pending = st.store().pending_instances(500).await?;
+    Ok(queue_all(st)
+        .await?
+        .into_iter()
+        .filter_map(|q| match q {
+            Queued::Instance(p) => Some(p),
+            Queued::Job(_) => None,
+        })
+        .collect())
+}
+
+/// Pending instances and queued jobs in the order the scheduler tries
+/// them: priority (higher first), then weighted fair share across tenants
+/// (dominant share of GPU-seconds over the last day, decayed with the sched
+/// crate's default half-life, equal weights), then FIFO. A job counts as
+/// one piece of work holding all its members' GPUs. Recomputed from the
+/// store on each pass, so it survives restarts and needs no loop state.
+pub async fn queue_all(st: &AppState) -> Result<Vec<Queued>, StoreError> {
+    let mut pending: Vec<Queued> = st
+        .store()
+        .pending_instances(500)
+        .await?
+        .into_iter()
+        .map(Queued::Instance)
+        .collect();
+    pending.extend(
+        st.store()
+            .queued_jobs(500)
+            .await?
+            .into_iter()
+            .map(Queued::Job),
+    );
     if pending.len() < 2 {
         return Ok(pending);
     }
@@ -85,27 +171,94 @@ pub async fn queue(st: &AppState) -> Result<Vec<PendingInstance>, StoreError> {
         share.charge(tenants.index(&u.tenant_id), held, from, to.max(from));
     }
     share.advance(now_ms);
-    let items: Vec<QueueItem> = pending
-        .iter()
-        .map(|p| QueueItem {
-            tenant: tenants.index(&p.tenant_id),
-            tier: tier_of(p.tier),
-            priority: p.priority,
-            submitted_ms: ms_of(p.created_at),
-            demand: Resources {
-                gpu_milli: u64::from(p.gpus) * 1000,
-                cpu_milli: u64::from(p.cpu_milli),
-                mem_mib: p.memory_mb,
-            },
-            expected_runtime_ms: None,
-        })
-        .collect();
+    // Operators' weights (the tenant quota API): a tenant of weight 2 is
+    // entitled to twice the GPU-time of one of weight 1.
+    for (t, q) in st.store().sharing_quotas().await? {
+        if let Some(w) = q.weight {
+            let _ = share.set_weight(tenants.index(&t), f64::from(w));
+        }
+    }
+    let items: Vec<QueueItem> = pending.iter().map(|p| p.item(&mut tenants)).collect();
     let order = queue::order(&items, &share, now_ms);
-    let mut slots: Vec<Option<PendingInstance>> = pending.into_iter().map(Some).collect();
+    let mut slots: Vec<Option<Queued>> = pending.into_iter().map(Some).collect();
     Ok(order
         .into_iter()
         .filter_map(|i| slots.get_mut(i).and_then(Option::take))
         .collect())
+}
+
+/// Which of `held` run on borrowed capacity: per tenant, oldest first,
+/// the instances beyond its guaranteed GPUs (all of them without a
+/// guarantee). Borrowed work is what a tenant within its guarantee may
+/// reclaim by preemption (only if that work is preemptible).
+fn borrowed_of(held: &[HeldInstance], quotas: &BTreeMap<TenantId, Quota>) -> HashSet<InstanceId> {
+    let mut by_tenant: BTreeMap<&TenantId, Vec<&HeldInstance>> = BTreeMap::new();
+    for h in held {
+        by_tenant.entry(&h.tenant_id).or_default().push(h);
+    }
+    let mut out = HashSet::new();
+    for (t, mut list) in by_tenant {
+        list.sort_by_key(|h| (h.since, h.id.clone()));
+        let guaranteed = quotas.get(t).and_then(|q| q.gpus_guaranteed).unwrap_or(0);
+        let mut used = 0u32;
+        for h in list {
+            used = used.saturating_add(u32::try_from(h.gpu_ids.len()).unwrap_or(u32::MAX));
+            if used > guaranteed {
+                out.insert(h.id.clone());
+            }
+        }
+    }
+    out
+}
+
+/// Why work that fits is not placed: it would delay the head.
+fn behind(head: &str) -> String {
+    format!(
+        "waiting behind {head}: it is first in the queue and holds the nodes this would fit on \
+         until it can start (backfill only where it cannot delay it)"
+    )
+}
+
+/// The pool for this pass: GPUs promised to a pending preemptor
+/// ([`flotilla_store::Store::promised_gpus`]) are shown as taken. Also
+/// returns which of them are really free (their victims stopped), to offer
+/// them to their preemptor alone.
+async fn promised_snapshot(
+    st: &AppState,
+    promised: &BTreeMap<InstanceId, Vec<GpuId>>,
+) -> Result<(Vec<NodeSnapshot>, HashSet<GpuId>), StoreError> {
+    let mut snapshot = st.store().placement_snapshot().await?;
+    let all: HashSet<&GpuId> = promised.values().flatten().collect();
+    let mut freed = HashSet::new();
+    for g in snapshot.iter_mut().flat_map(|n| n.gpus.iter_mut()) {
+        if all.contains(&g.id) {
+            if g.free {
+                freed.insert(g.id.clone());
+            }
+            g.free = false;
+        }
+    }
+    Ok((snapshot, freed))
+}
+
+fn set_free(snapshot: &mut [NodeSnapshot], gpus: &[&GpuId], free: bool) {
+    for g in snapshot.iter_mut().flat_map(|n| n.gpus.iter_mut()) {
+        if gpus.contains(&&g.id) {
+            g.free = free;
+        }
+    }
+}
+
+/// Marks `plan`'s GPUs, CPU and memory taken in `snapshot`, so the rest of
+/// the pass sees them.
+fn take(snapshot: &mut [NodeSnapshot], req: &PlacementRequest, plan: &Placement) {
+    if let Some(n) = snapshot.iter_mut().find(|n| n.id == plan.node) {
+        n.cpu_milli_free = n.cpu_milli_free.saturating_sub(req.cpu_milli);
+        n.memory_mb_free = n.memory_mb_free.saturating_sub(req.memory_mb);
+        for g in n.gpus.iter_mut().filter(|g| plan.gpus.contains(&g.id)) {
+            g.free = false;
+        }
+    }
 }
 
 /// Places what it can of the pending instances, in queue order
@@ -114,20 +267,34 @@ pub async fn queue(st: &AppState) -> Result<Vec<PendingInstance>, StoreError> {
 /// victims are told to stop with a notice, and it is placed on a later
 /// pass, once they have released their GPUs. Returns how many were placed.
 pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
-    let pending = queue(st).await?;
-    if pending.is_empty() {
+    let all = queue_all(st).await?;
+    if all.is_empty() {
         return Ok(0);
     }
-    let mut snapshot = st.store().placement_snapshot().await?;
-    let requests: Vec<PlacementRequest> = pending
-        .iter()
-        .map(|p| PlacementRequest {
-            gpus: p.gpus,
-            models: p.gpu_types.clone(),
-            cpu_milli: u64::from(p.cpu_milli),
-            memory_mb: p.memory_mb,
-        })
-        .collect();
+    let promised = st.store().promised_gpus().await?;
+    let (mut snapshot, mut freed) = promised_snapshot(st, &promised).await?;
+    let mut pending = Vec::new();
+    let mut requests = Vec::new();
+    let mut jobs = Vec::new();
+    for q in all {
+        match q {
+            Queued::Instance(p) => {
+                requests.push(PlacementRequest {
+                    gpus: p.gpus,
+                    models: p.gpu_types.clone(),
+                    cpu_milli: u64::from(p.cpu_milli),
+                    memory_mb: p.memory_mb,
+                });
+                pending.push(Some(p));
+            }
+            Queued::Job(j) => {
+                requests.push(member_request(&j));
+                pending.push(None);
+                jobs.push(j);
+            }
+        }
+    }
+    let mut jobs = jobs.into_iter();
     // Seeded from the clock so ties spread over time, yet a pass replayed
     // with the same inputs and time decides the same.
     let seed = st.now().timestamp_millis() as u64;
@@ -141,10 +308,109 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
     let mut tenants = Tenants::default();
     // Loaded lazily: only a pass where something does not fit needs them.
     let mut held: Option<Vec<HeldInstance>> = None;
+    let mut sharing: Option<BTreeMap<TenantId, Quota>> = None;
     let mut quotas: BTreeMap<TenantId, (Quota, Usage)> = BTreeMap::new();
     let mut placed = 0;
     let mut preempted = 0;
+    // The first blocked piece of work (the head) and its reservation: work
+    // behind it is placed only where it cannot delay the head (backfill).
+    let mut reservation: Option<(String, Reservation)> = None;
     for (p, req) in pending.into_iter().zip(requests) {
+        let Some(p) = p else {
+            let Some(job) = jobs.next() else { continue };
+            if !quotas.contains_key(&job.tenant_id) {
+                let q = st.store().quota(&job.tenant_id).await?;
+                let u = st.store().usage(&job.tenant_id).await?;
+                quotas.insert(job.tenant_id.clone(), (q, u));
+            }
+            let (quota, usage) = &quotas[&job.tenant_id];
+            let now = st.now();
+            let members = job.spec.nodes as usize;
+            let plans =
+                planner.place_gang(&req, members, |m| quota.model_fits(usage, m, job.spec.gpus));
+            let mut plans = plans;
+            if let Some((head, r)) = reservation.as_mut() {
+                let delays = plans.as_ref().is_ok_and(|ps| {
+                    !ps.iter()
+                        .all(|plan| planner.backfill_allowed(r, &req, plan))
+                });
+                if delays {
+                    let fits = |m: &str| quota.model_fits(usage, m, job.spec.gpus);
+                    match planner.place_outside(&req, members, fits, r) {
+                        Some(other) => plans = Ok(other),
+                        None => {
+                            let reason = behind(head);
+                            if reason != job.state_reason {
+                                st.store().set_job_reason(&job.id, &reason, now).await?;
+                            }
+                            continue;
+                        }
+                    }
+                }
+            }
+            match plans {
+                Ok(plans) => {
+                    let ids: Vec<InstanceId> = plans
+                        .iter()
+                        .map(|_| {
+                            let (t, r) = st.ids();
+                            InstanceId::generate(t, r)
+                        })
+                        .collect();
+                    match st
+                        .store()
+                        .schedule_job(&job.id, job.attempt, &plans, &ids, now)
+                        .await
+                    {
+                        Ok(_) => {
+                            tracing::info!(job = %job.id, members, attempt = job.attempt + 1, "job gang scheduled");
+                            placed += 1;
+                            for plan in &plans {
+                                take(&mut snapshot, &req, plan);
+                                planner.committed(&snapshot, &req, plan);
+                            }
+                            if let Some((_, u)) = quotas.get_mut(&job.tenant_id) {
+                                for plan in &plans {
+                                    u.gpus_total += req.gpus;
+                                    *u.gpus_per_model.entry(plan.model.clone()).or_default() +=
+                                        req.gpus;
+                                }
+                            }
+                        }
+                        Err(StoreError::Conflict(_) | StoreError::NotFound(_)) => {
+                            tracing::debug!(job = %job.id, "gang placement lost a race; retrying next pass");
+                            (snapshot, freed) = promised_snapshot(st, &promised).await?;
+                            planner.rebuild(&snapshot);
+                        }
+                        Err(StoreError::Quota(e)) => {
+                            let reason = format!("over quota: {e}");
+                            if reason != job.state_reason {
+                                st.store().set_job_reason(&job.id, &reason, now).await?;
+                            }
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(why) => {
+                    let reason = format!("waiting for GPUs: {why}");
+                    if reason != job.state_reason {
+                        st.store().set_job_reason(&job.id, &reason, now).await?;
+                    }
+                    if reservation.is_none() {
+                        reservation = planner
+                            .reserve(
+                                &snapshot,
+                                &req,
+                                members,
+                                |m| quota.model_fits(usage, m, job.spec.gpus),
+                                ms_of(now),
+                            )
+                            .map(|r| (job.id.to_string(), r));
+                    }
+                }
+            }
+            continue;
+        };
         if !quotas.contains_key(&p.tenant_id) {
             let q = st.store().quota(&p.tenant_id).await?;
             let u = st.store().usage(&p.tenant_id).await?;
@@ -152,19 +418,52 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
         }
         let (quota, usage) = &quotas[&p.tenant_id];
         let now = st.now();
-        match planner.place(&snapshot, &req, |m| quota.model_fits(usage, m, p.gpus)) {
+        // The GPUs its victims released are this one's alone: offered to
+        // it, and to no one else (they stay masked for the others).
+        let mine: Vec<&GpuId> = promised
+            .get(&p.id)
+            .map(|g| g.iter().filter(|g| freed.contains(*g)).collect())
+            .unwrap_or_default();
+        if !mine.is_empty() {
+            set_free(&mut snapshot, &mine, true);
+            planner.rebuild(&snapshot);
+        }
+        let attempt = planner.place(&snapshot, &req, |m| quota.model_fits(usage, m, p.gpus));
+        if !mine.is_empty() && attempt.is_err() {
+            set_free(&mut snapshot, &mine, false);
+            planner.rebuild(&snapshot);
+        }
+        // A preemptor taking its promised GPUs is not backfill: the head
+        // could never use them.
+        let mut attempt = attempt;
+        if let (Some((head, r)), true) = (reservation.as_mut(), mine.is_empty()) {
+            let delays = attempt
+                .as_ref()
+                .is_ok_and(|plan| !planner.backfill_allowed(r, &req, plan));
+            if delays {
+                let fits = |m: &str| quota.model_fits(usage, m, p.gpus);
+                match planner
+                    .place_outside(&req, 1, fits, r)
+                    .and_then(|mut v| v.pop())
+                {
+                    Some(other) => attempt = Ok(other),
+                    None => {
+                        let reason = behind(head);
+                        if reason != p.state_reason {
+                            st.store().set_pending_reason(&p.id, &reason, now).await?;
+                        }
+                        continue;
+                    }
+                }
+            }
+        }
+        match attempt {
             Ok(plan) => match st.store().schedule_instance(&p.id, &plan, now).await {
                 Ok(()) => {
                     tracing::info!(instance = %p.id, node = %plan.node, gpus = plan.gpus.len(), "instance scheduled");
                     placed += 1;
                     // Keep the snapshot true for the rest of this pass.
-                    if let Some(n) = snapshot.iter_mut().find(|n| n.id == plan.node) {
-                        n.cpu_milli_free = n.cpu_milli_free.saturating_sub(req.cpu_milli);
-                        n.memory_mb_free = n.memory_mb_free.saturating_sub(req.memory_mb);
-                        for g in n.gpus.iter_mut().filter(|g| plan.gpus.contains(&g.id)) {
-                            g.free = false;
-                        }
-                    }
+                    take(&mut snapshot, &req, &plan);
                     planner.committed(&snapshot, &req, &plan);
                     if let Some((_, u)) = quotas.get_mut(&p.tenant_id) {
                         u.gpus_total += p.gpus;
@@ -173,7 +472,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 }
                 Err(StoreError::Conflict(why)) => {
                     tracing::debug!(instance = %p.id, why, "placement lost a race; retrying next pass");
-                    snapshot = st.store().placement_snapshot().await?;
+                    (snapshot, freed) = promised_snapshot(st, &promised).await?;
                     planner.rebuild(&snapshot);
                 }
                 Err(e) => return Err(e),
@@ -201,6 +500,10 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                     // are promised to whoever preempted it.
                     let candidates: Vec<&HeldInstance> =
                         all.iter().filter(|h| !h.stop_requested).collect();
+                    if sharing.is_none() {
+                        sharing = Some(st.store().sharing_quotas().await?);
+                    }
+                    let borrowed = borrowed_of(all, sharing.as_ref().unwrap_or(&BTreeMap::new()));
                     let offered: Vec<Held> = candidates
                         .iter()
                         .map(|h| Held {
@@ -210,6 +513,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             tier: tier_of(h.tier),
                             priority: h.priority,
                             preemptible: h.preemptible,
+                            borrowed: borrowed.contains(&h.id),
                             started_ms: ms_of(h.since),
                         })
                         .collect();
@@ -217,7 +521,9 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                         tenant: tenants.index(&p.tenant_id),
                         tier: tier_of(p.tier),
                         priority: p.priority,
-                        reclaiming: false,
+                        // Within its guarantee, it may take back capacity
+                        // other tenants borrowed.
+                        reclaiming: quota.within_guarantee(usage, p.gpus),
                     };
                     let plan = planner.preempt(
                         &req,
@@ -249,6 +555,19 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 }
                 if reason != p.state_reason {
                     st.store().set_pending_reason(&p.id, &reason, now).await?;
+                }
+                // Waiting for its own victims, its GPUs are promised to it
+                // already; otherwise it becomes the head others wait behind.
+                if reservation.is_none() && !reason.starts_with("waiting for preempted") {
+                    reservation = planner
+                        .reserve(
+                            &snapshot,
+                            &req,
+                            1,
+                            |m| quota.model_fits(usage, m, p.gpus),
+                            ms_of(now),
+                        )
+                        .map(|r| (p.id.to_string(), r));
                 }
             }
         }
@@ -298,6 +617,9 @@ pub async fn run(st: AppState, tick: Duration) {
     loop {
         if *shutdown.borrow() {
             return;
+        }
+        if let Err(e) = crate::jobs::jobs_pass(&st).await {
+            tracing::warn!(error = %e, "job pass failed; retrying");
         }
         if let Err(e) = schedule_pass(&st).await {
             tracing::warn!(error = %e, "placement pass failed; retrying");

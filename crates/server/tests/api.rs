@@ -386,6 +386,17 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
         .as_str()
         .unwrap()
         .to_string();
+    let job = s
+        .ok(
+            &a_member,
+            Method::POST,
+            "/v1/jobs",
+            Some(json!({"gpus": 1, "command": ["sleep", "1"]})),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let key_id = s.ok(&a_admin, Method::GET, "/v1/keys", None).await["items"][0]["id"]
         .as_str()
         .unwrap()
@@ -404,6 +415,7 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
     let ids: HashMap<&str, String> = [
         ("tenant_id", a.clone()),
         ("instance_id", inst.clone()),
+        ("job_id", job),
         ("node_id", node.clone()),
         ("key_id", key_id),
     ]

@@ -7,11 +7,12 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use flotilla_core::api::{Assignment, Instance, InstanceEvent, ObservedInstance, ObservedPhase};
-use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
+use flotilla_core::api::{
+    Assignment, Instance, InstanceEvent, JobMembership, ObservedInstance, ObservedPhase,
+};
+use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
 use flotilla_core::placement::Placement;
-use flotilla_core::quota::Quota;
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
 
@@ -68,11 +69,25 @@ fn instance(row: &AnyRow) -> Result<Instance> {
         requeued_from: row
             .try_get::<Option<String>, _>("requeued_from")?
             .map(InstanceId::from_trusted),
+        job: membership(row)?,
         created_at: at(row.try_get("created_at")?),
         started_at: started.map(at),
         finished_at: finished.map(at),
         events: Vec::new(),
     })
+}
+
+/// A member's job, rank and attempt; `None` for a plain instance.
+fn membership(row: &AnyRow) -> Result<Option<JobMembership>> {
+    let Some(job) = row.try_get::<Option<String>, _>("job_id")? else {
+        return Ok(None);
+    };
+    let small = |v: Option<i64>| v.unwrap_or(0).clamp(0, u32::MAX as i64) as u32;
+    Ok(Some(JobMembership {
+        job_id: JobId::from_trusted(job),
+        rank: small(row.try_get("job_rank")?),
+        attempt: small(row.try_get("job_attempt")?),
+    }))
 }
 
 async fn add_event(
@@ -180,6 +195,48 @@ async fn mark_starting(
     .await
 }
 
+/// Commits a placement inside `tx`: see [`Store::schedule_instance`].
+pub(crate) async fn schedule_in(
+    tx: &mut Transaction<'static, Any>,
+    id: &InstanceId,
+    plan: &Placement,
+    now: DateTime<Utc>,
+) -> Result<()> {
+    let ids: Vec<&str> = plan.gpus.iter().map(|g| g.as_str()).collect();
+    if let Some(g) = claim_gpus(tx, id, &ids).await? {
+        return Err(StoreError::Conflict(format!("gpu {g} is no longer free")));
+    }
+    let reason = format!(
+        "placed on {} ({}x{})",
+        plan.node,
+        plan.gpus.len(),
+        plan.model
+    );
+    sqlx::query("UPDATE instances SET node_id = $1, gpu_model = $2, gpu_ids = $3 WHERE id = $4 AND state = 'pending'")
+            .bind(plan.node.as_str())
+            .bind(&plan.model)
+            .bind(to_json(&ids))
+            .bind(id.as_str())
+            .execute(&mut **tx)
+            .await?;
+    if !transition(
+        tx,
+        id,
+        InstanceState::Pending,
+        InstanceState::Scheduled,
+        &reason,
+        None,
+        now,
+    )
+    .await?
+    {
+        return Err(StoreError::Conflict(format!(
+            "instance {id} is no longer pending"
+        )));
+    }
+    Ok(())
+}
+
 /// What the scheduler needs of a pending instance.
 #[derive(Debug, Clone)]
 pub struct PendingInstance {
@@ -259,7 +316,7 @@ fn requeue_id(old: &InstanceId, now: DateTime<Utc>) -> InstanceId {
 /// Inserts a pending instance after the quota check, inside `tx` (whose
 /// tenant row the caller has locked). Quota errors come back as
 /// `StoreError::Quota` without a write.
-async fn insert_pending(
+pub(crate) async fn insert_pending(
     tx: &mut Transaction<'static, Any>,
     id: &InstanceId,
     tenant: &TenantId,
@@ -268,16 +325,11 @@ async fn insert_pending(
     reason: &str,
     now: DateTime<Utc>,
 ) -> Result<()> {
-    let q = sqlx::query("SELECT quota_gpus_total, quota_gpus_per_model FROM tenants WHERE id = $1")
+    let q = sqlx::query("SELECT * FROM tenants WHERE id = $1")
         .bind(tenant.as_str())
         .fetch_one(&mut **tx)
         .await?;
-    let quota = Quota {
-        gpus_total: q
-            .try_get::<Option<i64>, _>("quota_gpus_total")?
-            .map(|v| v.clamp(0, u32::MAX as i64) as u32),
-        gpus_per_model: json(&q.try_get::<String, _>("quota_gpus_per_model")?, "quota")?,
-    };
+    let quota = crate::tenants::quota(&q)?;
     let committed = crate::tenants::committed_in(&mut **tx, tenant).await?;
     quota.admit(&committed, &spec.gpu_types, spec.gpus)?;
     sqlx::query(
@@ -486,38 +538,7 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<()> {
         let mut tx = self.pool().begin().await?;
-        let ids: Vec<&str> = plan.gpus.iter().map(|g| g.as_str()).collect();
-        if let Some(g) = claim_gpus(&mut tx, id, &ids).await? {
-            return Err(StoreError::Conflict(format!("gpu {g} is no longer free")));
-        }
-        let reason = format!(
-            "placed on {} ({}x{})",
-            plan.node,
-            plan.gpus.len(),
-            plan.model
-        );
-        sqlx::query("UPDATE instances SET node_id = $1, gpu_model = $2, gpu_ids = $3 WHERE id = $4 AND state = 'pending'")
-            .bind(plan.node.as_str())
-            .bind(&plan.model)
-            .bind(to_json(&ids))
-            .bind(id.as_str())
-            .execute(&mut *tx)
-            .await?;
-        if !transition(
-            &mut tx,
-            id,
-            InstanceState::Pending,
-            InstanceState::Scheduled,
-            &reason,
-            None,
-            now,
-        )
-        .await?
-        {
-            return Err(StoreError::Conflict(format!(
-                "instance {id} is no longer pending"
-            )));
-        }
+        schedule_in(&mut tx, id, plan, now).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -570,7 +591,7 @@ impl Store {
     ) -> Result<Applied> {
         use InstanceState::*;
         let row = sqlx::query(
-            "SELECT state, node_id, stop_requested, gpu_ids, preempted_by FROM instances WHERE id = $1",
+            "SELECT state, node_id, stop_requested, gpu_ids, preempted_by, job_id FROM instances WHERE id = $1",
         )
         .bind(obs.instance_id.as_str())
         .fetch_optional(self.pool())
@@ -585,6 +606,8 @@ impl Store {
         let state = state_of(&row.try_get::<String, _>("state")?)?;
         let stop_requested = row.try_get::<i64, _>("stop_requested")? != 0;
         let preempted_by: Option<String> = row.try_get("preempted_by")?;
+        // A job member is not requeued alone: its job requeues the gang.
+        let in_job = row.try_get::<Option<String>, _>("job_id")?.is_some();
         let id = &obs.instance_id;
         let mut tx = self.pool().begin().await?;
         let changed = match (&obs.phase, state) {
@@ -642,7 +665,7 @@ impl Store {
                 } else {
                     transition(&mut tx, id, from, to, &reason, Some(*code), now).await?
                 };
-                if done && preempted_by.is_some() {
+                if done && preempted_by.is_some() && !in_job {
                     self.requeue_in(&mut tx, id, now).await?;
                 }
                 done
@@ -916,6 +939,29 @@ impl Store {
                 preempted_by: i.preempted_by,
                 since: i.started_at.unwrap_or(i.created_at),
             });
+        }
+        Ok(out)
+    }
+
+    /// GPUs promised to preemptors still pending: for each pending
+    /// instance whose preemption stopped (or is stopping) other work, the
+    /// GPUs its victims hold or held. Until it is placed, no one else may
+    /// take them, or a third party could steal the capacity a preemption
+    /// freed during the victims' notice.
+    pub async fn promised_gpus(&self) -> Result<BTreeMap<InstanceId, Vec<GpuId>>> {
+        let rows = sqlx::query(
+            "SELECT v.preempted_by AS by, v.gpu_ids AS gpu_ids FROM instances v \
+             JOIN instances p ON p.id = v.preempted_by WHERE p.state = 'pending' ORDER BY v.id",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        let mut out: BTreeMap<InstanceId, Vec<GpuId>> = BTreeMap::new();
+        for r in &rows {
+            let by = InstanceId::from_trusted(r.try_get("by")?);
+            let gpus: Vec<String> = json(&r.try_get::<String, _>("gpu_ids")?, "gpu_ids")?;
+            out.entry(by)
+                .or_default()
+                .extend(gpus.into_iter().map(GpuId::from_trusted));
         }
         Ok(out)
     }

@@ -16,6 +16,7 @@ use sqlx::{AnyPool, Executor, SqlitePool};
 
 pub mod idempotency;
 pub mod instances;
+pub mod jobs;
 pub mod keys;
 pub mod logs;
 pub mod nodes;

@@ -19,12 +19,15 @@ fn tenant(row: &AnyRow) -> Result<Tenant> {
     })
 }
 
-fn quota(row: &AnyRow) -> Result<Quota> {
+pub(crate) fn quota(row: &AnyRow) -> Result<Quota> {
     let total: Option<i64> = row.try_get("quota_gpus_total")?;
     let per: String = row.try_get("quota_gpus_per_model")?;
+    let small = |v: Option<i64>| v.map(|t| t.clamp(0, u32::MAX as i64) as u32);
     Ok(Quota {
-        gpus_total: total.map(|t| t.clamp(0, u32::MAX as i64) as u32),
+        gpus_total: small(total),
         gpus_per_model: json(&per, "tenant quota")?,
+        gpus_guaranteed: small(row.try_get("quota_gpus_guaranteed")?),
+        weight: small(row.try_get("fair_share_weight")?),
     })
 }
 
@@ -54,7 +57,7 @@ where
     Ok(usage)
 }
 
-/// Also counts GPUs that pending instances will need, so admission at
+/// Also counts GPUs that pending instances and queued jobs will need, so admission at
 /// create time cannot be raced past by a burst of requests.
 pub(crate) async fn committed_in<'c, E>(exec: E, tenant: &TenantId) -> Result<Usage>
 where
@@ -62,7 +65,9 @@ where
 {
     let rows = sqlx::query(
         "SELECT gpu_model, gpu_types, gpus FROM instances \
-         WHERE tenant_id = $1 AND state IN ('pending', 'scheduled', 'starting', 'running')",
+         WHERE tenant_id = $1 AND state IN ('pending', 'scheduled', 'starting', 'running') \
+         UNION ALL SELECT CAST(NULL AS TEXT) AS gpu_model, gpu_types, gpus FROM jobs \
+         WHERE tenant_id = $1 AND state = 'queued'",
     )
     .bind(tenant.as_str())
     .fetch_all(exec)
@@ -155,7 +160,10 @@ impl Store {
     /// A tenant's quota.
     pub async fn quota(&self, id: &TenantId) -> Result<Quota> {
         let row =
-            sqlx::query("SELECT quota_gpus_total, quota_gpus_per_model FROM tenants WHERE id = $1")
+            sqlx::query(
+                "SELECT quota_gpus_total, quota_gpus_per_model, quota_gpus_guaranteed, fair_share_weight \
+                 FROM tenants WHERE id = $1",
+            )
                 .bind(id.as_str())
                 .fetch_optional(self.pool())
                 .await?
@@ -163,16 +171,33 @@ impl Store {
         quota(&row)
     }
 
+    /// Every tenant's quota that sets a guarantee or a weight: what fair
+    /// share and reclaiming need, in one read per scheduling pass.
+    pub async fn sharing_quotas(&self) -> Result<BTreeMap<TenantId, Quota>> {
+        let rows = sqlx::query(
+            "SELECT id, quota_gpus_total, quota_gpus_per_model, quota_gpus_guaranteed, fair_share_weight \
+             FROM tenants WHERE quota_gpus_guaranteed IS NOT NULL OR fair_share_weight IS NOT NULL",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|r| Ok((TenantId::from_trusted(r.try_get("id")?), quota(r)?)))
+            .collect()
+    }
+
     /// Replaces a tenant's quota.
     pub async fn set_quota(&self, id: &TenantId, q: &Quota, now: DateTime<Utc>) -> Result<()> {
         let per: BTreeMap<&String, &u32> = q.gpus_per_model.iter().collect();
         let n = sqlx::query(
-            "UPDATE tenants SET quota_gpus_total = $1, quota_gpus_per_model = $2, updated_at = $3 WHERE id = $4",
+            "UPDATE tenants SET quota_gpus_total = $1, quota_gpus_per_model = $2, updated_at = $3, \
+             quota_gpus_guaranteed = $5, fair_share_weight = $6 WHERE id = $4",
         )
         .bind(q.gpus_total.map(i64::from))
         .bind(to_json(&per))
         .bind(ms(now))
         .bind(id.as_str())
+        .bind(q.gpus_guaranteed.map(i64::from))
+        .bind(q.weight.map(i64::from))
         .execute(self.pool())
         .await?
         .rows_affected();

@@ -148,9 +148,19 @@ async fn tenants_and_quotas(s: &Store) {
     let q = Quota {
         gpus_total: Some(8),
         gpus_per_model: BTreeMap::from([("H100".to_string(), 4)]),
+        ..Default::default()
     };
     s.set_quota(&a, &q, t0()).await.unwrap();
     assert_eq!(s.quota(&a).await.unwrap(), q);
+    let shared = Quota {
+        gpus_guaranteed: Some(2),
+        weight: Some(5),
+        ..q
+    };
+    s.set_quota(&a, &shared, t0()).await.unwrap();
+    assert_eq!(s.quota(&a).await.unwrap(), shared);
+    let sharing = s.sharing_quotas().await.unwrap();
+    assert_eq!(sharing.get(&a), Some(&shared));
 }
 
 async fn keys_hash_lookup_and_revoke(s: &Store) {
@@ -466,6 +476,7 @@ async fn quota_is_enforced_at_create(s: &Store) {
         &Quota {
             gpus_total: Some(3),
             gpus_per_model: BTreeMap::from([("H100".into(), 2)]),
+            ..Default::default()
         },
         t0(),
     )

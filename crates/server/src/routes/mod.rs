@@ -18,6 +18,7 @@ pub mod agent;
 pub mod catalog;
 pub mod docs;
 pub mod instances;
+pub mod jobs;
 pub mod keys;
 pub mod nodes;
 pub mod tenants;
@@ -41,6 +42,7 @@ pub mod usage;
         (name = "catalog", description = "GPU models and free capacity"),
         (name = "nodes", description = "Machines offering GPUs"),
         (name = "instances", description = "GPU instances: rent, run, stop, logs"),
+        (name = "jobs", description = "Batch and training jobs: gangs placed whole, restarts, queue"),
         (name = "agent", description = "Protocol of the node agent"),
         (name = "usage", description = "Metered usage and invoices"),
         (name = "meta", description = "Identity and health"),
@@ -80,6 +82,10 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(instances::get_instance))
         .routes(routes!(instances::stop_instance))
         .routes(routes!(instances::instance_logs))
+        .routes(routes!(jobs::list_jobs, jobs::create_job))
+        .routes(routes!(jobs::job_queue))
+        .routes(routes!(jobs::get_job))
+        .routes(routes!(jobs::cancel_job))
         .routes(routes!(agent::register))
         .routes(routes!(agent::sync))
         .routes(routes!(agent::push_logs))

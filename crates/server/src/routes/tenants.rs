@@ -119,7 +119,10 @@ pub async fn set_quota(
     let mut q = Quota {
         gpus_total: req.gpus_total,
         gpus_per_model: Default::default(),
+        gpus_guaranteed: req.gpus_guaranteed,
+        weight: req.weight,
     };
+    q.validate()?;
     for (model, n) in req.gpus_per_model {
         let canonical = st
             .catalog()

@@ -1,0 +1,441 @@
+//! `flotilla jobs …`: submit, list, show, queue, cancel, logs, and the
+//! job half of `flotilla explain`. Like every client command, these only
+//! call the API; the job rules live in the server.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Result};
+use chrono::Utc;
+use clap::Subcommand;
+use flotilla_core::api::{Instance, Job, JobQueueEntry, Page};
+use flotilla_core::id::JobId;
+use flotilla_core::job::{CreateJob, JobState, RestartPolicy};
+
+use crate::client::decode;
+use crate::commands::{parse_env, Billing, Ctx};
+use crate::follow::{self, FollowOptions};
+use crate::output::{age, one_line, outln, print_json, print_table, table};
+
+/// `flotilla jobs` actions.
+#[derive(Debug, Subcommand)]
+pub enum JobsCommand {
+    /// Submit a job: a gang of `--nodes` members (ranks) of `--gpus /
+    /// --nodes` GPUs each, placed all together or not at all.
+    Submit(SubmitArgs),
+    /// List jobs (finished ones with --all or --state).
+    List {
+        /// Include finished jobs.
+        #[arg(long, short = 'a')]
+        all: bool,
+        /// Only jobs in this state.
+        #[arg(long, value_parser = parse_state)]
+        state: Option<JobState>,
+    },
+    /// A job's spec, members of every attempt and history.
+    Show {
+        /// Job id.
+        id: String,
+    },
+    /// Queued jobs in the order the scheduler tries them, with position
+    /// and reason.
+    Queue,
+    /// Cancel a job: queued, it ends at once; running, its members stop.
+    Cancel {
+        /// Job id.
+        id: String,
+    },
+    /// Print one rank's output (of the latest attempt that has it).
+    Logs {
+        /// Job id.
+        id: String,
+        /// Rank whose output to print.
+        #[arg(long, default_value_t = 0)]
+        rank: u32,
+        /// Keep printing until that member ends.
+        #[arg(long, short = 'f')]
+        follow: bool,
+    },
+}
+
+/// `flotilla jobs submit` options.
+#[derive(Debug, clap::Args)]
+pub struct SubmitArgs {
+    /// GPUs of the whole job (divisible by --nodes).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub gpus: u32,
+    /// Members of the gang (ranks), each on one node.
+    #[arg(long, default_value_t = 1, value_name = "K")]
+    pub nodes: u32,
+    /// Acceptable GPU models, comma-separated (default: any).
+    #[arg(long = "gpu-type", value_delimiter = ',', value_name = "MODEL[,MODEL]")]
+    pub gpu_types: Vec<String>,
+    /// CPU per member in thousandths of a core (default 1000).
+    #[arg(long, value_name = "MILLI")]
+    pub cpu: Option<u32>,
+    /// Memory per member in MiB (default 1024).
+    #[arg(long, value_name = "MB")]
+    pub memory: Option<u64>,
+    /// Environment variable for every member (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
+    pub env: Vec<(String, String)>,
+    /// Working directory on the nodes (absolute).
+    #[arg(long, value_name = "DIR")]
+    pub workdir: Option<String>,
+    /// Display name (a DNS label).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Billing class of the members.
+    #[arg(long, value_enum, default_value = "on-demand")]
+    pub billing: Billing,
+    /// Queue priority, higher first (-1000..=1000, default 0).
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub priority: Option<i32>,
+    /// Service tier: 1 dedicated, 2 shared/spot, 3 queued (default: 2 for
+    /// spot, 1 otherwise).
+    #[arg(long, value_name = "1|2|3", value_parser = clap::value_parser!(u8).range(1..=3))]
+    pub tier: Option<u8>,
+    /// Allow the scheduler to preempt the job (every member gets the 30 s
+    /// notice, then the whole job is requeued).
+    #[arg(long)]
+    pub preemptible: bool,
+    /// `never` or `on-failure` (restart the whole gang).
+    #[arg(long, value_parser = parse_restart, default_value = "never", value_name = "never|on-failure")]
+    pub restart: RestartPolicy,
+    /// Restarts after failures with `--restart on-failure` (default 3).
+    #[arg(long, value_name = "N")]
+    pub max_retries: Option<u32>,
+    /// Wait for the job to end; exit 0 only if it succeeded.
+    #[arg(long, short = 'w')]
+    pub wait: bool,
+    /// The program and its arguments (after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    pub command: Vec<String>,
+}
+
+fn parse_restart(s: &str) -> std::result::Result<RestartPolicy, String> {
+    RestartPolicy::parse(s.trim()).ok_or_else(|| format!("expected never or on-failure, got `{s}`"))
+}
+
+fn parse_state(s: &str) -> std::result::Result<JobState, String> {
+    JobState::parse(&s.trim().to_ascii_lowercase()).ok_or_else(|| {
+        let all: Vec<&str> = JobState::ALL.iter().map(|s| s.as_str()).collect();
+        format!("unknown state `{s}`; one of: {}", all.join(", "))
+    })
+}
+
+fn job_id(s: &str) -> Result<JobId> {
+    JobId::parse(s.trim(), "job id").map_err(|e| anyhow!("{e}"))
+}
+
+/// Runs one `flotilla jobs` action.
+pub async fn dispatch(ctx: &Ctx, command: JobsCommand) -> Result<ExitCode> {
+    match command {
+        JobsCommand::Submit(args) => submit(ctx, args).await,
+        JobsCommand::List { all, state } => list(ctx, all, state).await,
+        JobsCommand::Show { id } => show(ctx, &id).await,
+        JobsCommand::Queue => queue(ctx).await,
+        JobsCommand::Cancel { id } => cancel(ctx, &id).await,
+        JobsCommand::Logs { id, rank, follow } => logs(ctx, &id, rank, follow).await,
+    }
+}
+
+async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
+    let req = CreateJob {
+        name: args.name,
+        gpus: args.gpus,
+        nodes: Some(args.nodes),
+        gpu_types: args.gpu_types,
+        cpu_milli: args.cpu,
+        memory_mb: args.memory,
+        command: args.command,
+        env: args.env.into_iter().collect(),
+        workdir: args.workdir,
+        billing_class: args.billing.into(),
+        priority: args.priority,
+        tier: args.tier,
+        preemptible: args.preemptible.then_some(true),
+        restart_policy: args.restart,
+        max_retries: args.max_retries,
+    };
+    let raw = ctx.client.post("/v1/jobs", &req).await?;
+    let job: Job = decode(raw.clone())?;
+    if !args.wait {
+        if ctx.json {
+            print_json(&raw)?;
+        } else {
+            outln!("{}", job.id)?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    eprintln!("{} submitted; waiting for it to end", job.id);
+    let mut last = (job.state, job.attempts);
+    loop {
+        let raw = ctx.client.get(&format!("/v1/jobs/{}", job.id), &[]).await?;
+        let j: Job = decode(raw.clone())?;
+        if (j.state, j.attempts) != last {
+            eprintln!(
+                "{} {} (attempt {}): {}",
+                j.id,
+                j.state.as_str(),
+                j.attempts,
+                one_line(&j.state_reason)
+            );
+            last = (j.state, j.attempts);
+        }
+        if j.state.is_terminal() {
+            if ctx.json {
+                print_json(&raw)?;
+            } else {
+                outln!("{} {}", j.id, j.state.as_str())?;
+            }
+            return Ok(if j.state == JobState::Succeeded {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// `4xH100 (2x2)`: total GPUs, then members x GPUs per member.
+fn gpus(j: &Job) -> String {
+    let model = if j.spec.gpu_types.is_empty() {
+        "any".to_string()
+    } else {
+        j.spec.gpu_types.join("|")
+    };
+    format!(
+        "{}x{model} ({}x{})",
+        j.spec.gpus,
+        j.spec.nodes,
+        j.spec.gpus_per_member()
+    )
+}
+
+async fn list(ctx: &Ctx, all: bool, state: Option<JobState>) -> Result<ExitCode> {
+    let mut query = Vec::new();
+    if let Some(s) = state {
+        query.push(("state", s.as_str().to_string()));
+    }
+    let hide_final = !all && state.is_none();
+    let raw = ctx.client.list("/v1/jobs", &query, None).await?;
+    let mut shown = Vec::new();
+    for v in raw {
+        let j: Job = decode(v.clone())?;
+        if hide_final && j.state.is_terminal() {
+            continue;
+        }
+        shown.push((v, j));
+    }
+    if ctx.json {
+        print_json(&shown.into_iter().map(|(v, _)| v).collect::<Vec<_>>())?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = Utc::now();
+    let mut t = table(["ID", "NAME", "STATE", "GPUS", "ATTEMPTS", "AGE", "REASON"]);
+    for (_, j) in shown {
+        t.add_row([
+            j.id.to_string(),
+            j.spec.name.clone().unwrap_or_else(|| "-".into()),
+            j.state.as_str().to_string(),
+            gpus(&j),
+            j.attempts.to_string(),
+            age(now, j.created_at),
+            one_line(&j.state_reason),
+        ]);
+    }
+    print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn get(ctx: &Ctx, id: &str) -> Result<(serde_json::Value, Job)> {
+    let id = job_id(id)?;
+    let raw = ctx.client.get(&format!("/v1/jobs/{id}"), &[]).await?;
+    let job = decode(raw.clone())?;
+    Ok((raw, job))
+}
+
+/// The lines `flotilla jobs show` and `flotilla explain JOB` print.
+fn describe(j: &Job) -> Vec<String> {
+    let s = &j.spec;
+    let mut out = vec![
+        format!("{} is {}: {}", j.id, j.state.as_str(), j.state_reason),
+        format!(
+            "asked for: {} GPU(s) of {} as {} member(s) of {}, {} milli-CPU and {} MiB each, tier {}, priority {}, {}preemptible, billed {}",
+            s.gpus,
+            if s.gpu_types.is_empty() { "any model".to_string() } else { s.gpu_types.join(" or ") },
+            s.nodes,
+            s.gpus_per_member(),
+            s.cpu_milli,
+            s.memory_mb,
+            s.tier,
+            s.priority,
+            if s.preemptible { "" } else { "not " },
+            s.billing_class.as_str()
+        ),
+        format!(
+            "restart: {} (max retries {}); attempts {}, failures {}{}",
+            s.restart_policy.as_str(),
+            s.max_retries,
+            j.attempts,
+            j.failures,
+            if j.cancel_requested { "; cancel requested" } else { "" }
+        ),
+        format!("command: {}", s.command.join(" ")),
+    ];
+    if j.members.is_empty() {
+        out.push("members: none placed yet; the gang is placed whole or not at all".into());
+    } else {
+        out.push("members:".into());
+        for m in &j.members {
+            out.push(format!(
+                "  attempt {} rank {}  {}  {:<9}  {}{}",
+                m.attempt,
+                m.rank,
+                m.instance_id,
+                m.state.as_str(),
+                m.node_id
+                    .as_ref()
+                    .map_or("-".to_string(), |n| n.to_string()),
+                m.exit_code.map_or(String::new(), |c| format!("  exit {c}"))
+            ));
+        }
+    }
+    out.push("history:".into());
+    for e in &j.events {
+        out.push(format!(
+            "  {}  {:<9}  {}",
+            e.at.format("%Y-%m-%d %H:%M:%S%.3fZ"),
+            e.state.as_str(),
+            e.reason
+        ));
+    }
+    out
+}
+
+async fn show(ctx: &Ctx, id: &str) -> Result<ExitCode> {
+    let (raw, j) = get(ctx, id).await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    for line in describe(&j) {
+        outln!("{line}")?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla explain JOB_ID`: why a job waits, where its members went.
+pub async fn explain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
+    show(ctx, id).await
+}
+
+async fn queue(ctx: &Ctx) -> Result<ExitCode> {
+    let raw = ctx.client.get("/v1/jobs/queue", &[]).await?;
+    let page: Page<JobQueueEntry> = decode(raw.clone())?;
+    if ctx.json {
+        print_json(&raw["items"])?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = Utc::now();
+    let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
+    for e in page.items {
+        let j = e.job;
+        t.add_row([
+            e.position.to_string(),
+            j.id.to_string(),
+            j.spec.name.clone().unwrap_or_else(|| "-".into()),
+            j.spec.priority.to_string(),
+            j.spec.tier.to_string(),
+            gpus(&j),
+            age(now, j.created_at),
+            one_line(&j.state_reason),
+        ]);
+    }
+    print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn cancel(ctx: &Ctx, id: &str) -> Result<ExitCode> {
+    let id = job_id(id)?;
+    let raw = ctx
+        .client
+        .post(&format!("/v1/jobs/{id}/cancel"), &serde_json::json!({}))
+        .await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let j: Job = decode(raw)?;
+    if j.state.is_terminal() {
+        outln!("{} {}", j.id, j.state.as_str())?;
+    } else {
+        outln!("{} {} (stopping its members)", j.id, j.state.as_str())?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn logs(ctx: &Ctx, id: &str, rank: u32, follow_it: bool) -> Result<ExitCode> {
+    let (_, j) = get(ctx, id).await?;
+    if rank >= j.spec.nodes {
+        bail!(
+            "rank {rank} is out of range: {} has ranks 0..{}",
+            j.id,
+            j.spec.nodes
+        );
+    }
+    let Some(member) = j
+        .members
+        .iter()
+        .filter(|m| m.rank == rank)
+        .max_by_key(|m| m.attempt)
+    else {
+        bail!(
+            "{} has not started yet ({}): no output",
+            j.id,
+            one_line(&j.state_reason)
+        );
+    };
+    let mid = member.instance_id.to_string();
+    if follow_it {
+        let inst: Instance = decode(ctx.client.instance(&mid).await?)?;
+        let opts = FollowOptions {
+            progress: false,
+            json: ctx.json,
+            signals: None,
+        };
+        follow::follow(&ctx.client, inst, 0, opts).await?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let lines = ctx.client.logs_all(&mid, 0).await?;
+    if ctx.json {
+        print_json(&lines)?;
+    } else {
+        for l in &lines {
+            follow::write_line(l, false)?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restart_and_state_names_parse() {
+        assert_eq!(parse_restart("on-failure"), Ok(RestartPolicy::OnFailure));
+        assert_eq!(parse_restart("never"), Ok(RestartPolicy::Never));
+        assert!(parse_restart("always").unwrap_err().contains("on-failure"));
+        assert_eq!(parse_state("Queued"), Ok(JobState::Queued));
+        assert!(parse_state("done").is_err());
+        assert!(job_id("inst_01jd3x7k2q9v8m4n6p5r0s1t2w").is_err());
+    }
+}

@@ -1,0 +1,766 @@
+//! Jobs: batch and training work run by a gang of instances (one per
+//! rank), placed all together or not at all, restarted whole on failure
+//! when asked to, and requeued whole when any member is preempted.
+//!
+//! This module holds the request validation and the job's decision rule
+//! ([`step`]): given the job and the states of its current members, what
+//! happens next. It is pure so that the server's loop and the simulator
+//! apply the same rule, and so every case is unit-tested here.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::catalog::Catalog;
+use crate::error::FieldError;
+use crate::instance::{BillingClass, CreateInstance, InstanceState, MAX_GPUS_PER_INSTANCE};
+
+/// Where a job is in its life. Its members (instances) carry the detail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Waiting for the whole gang to fit (first run, a restart after a
+    /// failure, or a requeue after a preemption).
+    Queued,
+    /// Members are placed and run (or start, or are being stopped).
+    Running,
+    /// Every member of one attempt exited 0.
+    Succeeded,
+    /// A member failed and no retry is left.
+    Failed,
+    /// Cancelled on request.
+    Cancelled,
+}
+
+impl JobState {
+    /// Every state.
+    pub const ALL: [JobState; 5] = [
+        Self::Queued,
+        Self::Running,
+        Self::Succeeded,
+        Self::Failed,
+        Self::Cancelled,
+    ];
+
+    /// Stable lowercase name, as stored and sent.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+
+    /// Final states: no member runs and none will.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled)
+    }
+}
+
+/// What happens when a member fails.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RestartPolicy {
+    /// The job fails with its first failing member.
+    #[default]
+    Never,
+    /// The whole gang is stopped and queued again, up to `max_retries` times.
+    OnFailure,
+}
+
+impl RestartPolicy {
+    /// Stable name, as stored, sent and typed on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Never => "never",
+            Self::OnFailure => "on_failure",
+        }
+    }
+
+    /// Parses a name; `on-failure` is accepted as the CLI spells it.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "never" => Some(Self::Never),
+            "on_failure" | "on-failure" => Some(Self::OnFailure),
+            _ => None,
+        }
+    }
+}
+
+/// Most ranks one job may have.
+pub const MAX_NODES: u32 = 64;
+/// Most retries one job may ask for.
+pub const MAX_RETRIES: u32 = 100;
+/// Retries an `on_failure` job gets when it does not say.
+pub const DEFAULT_RETRIES: u32 = 3;
+/// Prefix of the variables Flotilla sets for job members; users cannot
+/// set them, or a rank could lie about who it is.
+pub const RESERVED_ENV_PREFIX: &str = "FLOTILLA_JOB_";
+
+/// What a tenant asks for when submitting a job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateJob {
+    /// Optional DNS-label name, for display.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// GPUs of the whole job; each member gets `gpus / nodes`, all of one
+    /// model on one node.
+    pub gpus: u32,
+    /// Members of the gang (ranks), placed all together or not at all
+    /// (default 1). Members may share a node when it has room for both.
+    #[serde(default)]
+    pub nodes: Option<u32>,
+    /// Acceptable GPU models (any of them); empty or absent: any model.
+    #[serde(default)]
+    pub gpu_types: Vec<String>,
+    /// CPU per member in thousandths of a core (default 1000).
+    #[serde(default)]
+    pub cpu_milli: Option<u32>,
+    /// Memory per member in MiB (default 1024).
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    /// Program and arguments every member runs, without a shell.
+    pub command: Vec<String>,
+    /// Extra environment variables (`FLOTILLA_JOB_*` are reserved).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory on the node (absolute path).
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// Billing class of the members (default `on_demand`).
+    #[serde(default)]
+    pub billing_class: BillingClass,
+    /// Queue priority, higher first (default 0, -1000..=1000).
+    #[serde(default)]
+    pub priority: Option<i32>,
+    /// Service tier: 1 dedicated, 2 shared/spot, 3 queued. Default: 2 for
+    /// `spot`, 1 otherwise.
+    #[serde(default)]
+    pub tier: Option<u8>,
+    /// Whether the scheduler may preempt the job (any member: the whole
+    /// job is stopped with the notice and requeued). Default: true only
+    /// for `spot`; tier 1 cannot be preemptible.
+    #[serde(default)]
+    pub preemptible: Option<bool>,
+    /// `never` (default) or `on_failure`.
+    #[serde(default)]
+    pub restart_policy: RestartPolicy,
+    /// Restarts after failures, for `on_failure` (default 3, at most 100;
+    /// must be 0 or absent with `never`). Preemptions do not count.
+    #[serde(default)]
+    pub max_retries: Option<u32>,
+}
+
+/// A validated job request: what the store keeps and every member is
+/// made from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct JobSpec {
+    /// Display name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// GPUs of the whole job.
+    pub gpus: u32,
+    /// Members.
+    pub nodes: u32,
+    /// Canonical catalog names; empty: any.
+    pub gpu_types: Vec<String>,
+    /// CPU per member, milli-cores.
+    pub cpu_milli: u32,
+    /// Memory per member, MiB.
+    pub memory_mb: u64,
+    /// Program and arguments.
+    pub command: Vec<String>,
+    /// Environment (without the `FLOTILLA_JOB_*` variables).
+    pub env: BTreeMap<String, String>,
+    /// Working directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// Billing class.
+    pub billing_class: BillingClass,
+    /// Queue priority.
+    pub priority: i32,
+    /// Service tier, 1..=3.
+    pub tier: u8,
+    /// May be preempted.
+    pub preemptible: bool,
+    /// Restart policy.
+    pub restart_policy: RestartPolicy,
+    /// Restarts allowed after failures.
+    pub max_retries: u32,
+}
+
+impl JobSpec {
+    /// GPUs of one member.
+    pub fn gpus_per_member(&self) -> u32 {
+        self.gpus / self.nodes.max(1)
+    }
+}
+
+impl CreateJob {
+    /// Validates against the catalog and fills in defaults. Every error
+    /// names the JSON path of the value at fault. Member-level rules are
+    /// the instance's own (one member is one instance).
+    pub fn validate(self, catalog: &Catalog) -> Result<JobSpec, FieldError> {
+        let nodes = self.nodes.unwrap_or(1);
+        if nodes == 0 || nodes > MAX_NODES {
+            return Err(FieldError::new(
+                "nodes",
+                format!("must be between 1 and {MAX_NODES}, got {nodes}"),
+            ));
+        }
+        if self.gpus == 0 {
+            return Err(FieldError::new("gpus", "must be at least 1"));
+        }
+        // `u32::is_multiple_of` is newer than the workspace's rust-version.
+        #[allow(clippy::manual_is_multiple_of)]
+        let uneven = self.gpus % nodes != 0;
+        if uneven {
+            return Err(FieldError::new(
+                "gpus",
+                format!(
+                    "must be divisible by nodes ({nodes}): every member gets the same GPUs, got {}",
+                    self.gpus
+                ),
+            ));
+        }
+        let per = self.gpus / nodes;
+        if per > MAX_GPUS_PER_INSTANCE {
+            return Err(FieldError::new(
+                "gpus",
+                format!(
+                    "{per} per member is over {MAX_GPUS_PER_INSTANCE} (one node); use more nodes"
+                ),
+            ));
+        }
+        if let Some(k) = self.env.keys().find(|k| k.starts_with(RESERVED_ENV_PREFIX)) {
+            return Err(FieldError::new(
+                format!("env.{k}"),
+                "FLOTILLA_JOB_* variables are set by flotilla for each member",
+            ));
+        }
+        let max_retries = match (self.restart_policy, self.max_retries) {
+            (RestartPolicy::Never, None | Some(0)) => 0,
+            (RestartPolicy::Never, Some(_)) => {
+                return Err(FieldError::new(
+                    "max_retries",
+                    "needs restart_policy on_failure",
+                ))
+            }
+            (RestartPolicy::OnFailure, None) => DEFAULT_RETRIES,
+            (RestartPolicy::OnFailure, Some(n)) if n > MAX_RETRIES => {
+                return Err(FieldError::new(
+                    "max_retries",
+                    format!("must be at most {MAX_RETRIES}, got {n}"),
+                ))
+            }
+            (RestartPolicy::OnFailure, Some(n)) => n,
+        };
+        let member = CreateInstance {
+            name: self.name,
+            gpus: per,
+            gpu_types: self.gpu_types,
+            cpu_milli: self.cpu_milli,
+            memory_mb: self.memory_mb,
+            command: self.command,
+            env: self.env,
+            workdir: self.workdir,
+            billing_class: self.billing_class,
+            priority: self.priority,
+            tier: self.tier,
+            preemptible: self.preemptible,
+        }
+        .validate(catalog)?;
+        Ok(JobSpec {
+            name: member.name,
+            gpus: self.gpus,
+            nodes,
+            gpu_types: member.gpu_types,
+            cpu_milli: member.cpu_milli,
+            memory_mb: member.memory_mb,
+            command: member.command,
+            env: member.env,
+            workdir: member.workdir,
+            billing_class: member.billing_class,
+            priority: member.priority,
+            tier: member.tier,
+            preemptible: member.preemptible,
+            restart_policy: self.restart_policy,
+            max_retries,
+        })
+    }
+}
+
+/// The variables a member runs with, on top of the job's own: who it is
+/// in the gang and where the others are (node names by rank, so rank 0's
+/// node is the rendezvous point).
+pub fn member_env(
+    job_id: &str,
+    rank: u32,
+    world_size: u32,
+    attempt: u32,
+    nodes_by_rank: &[String],
+) -> BTreeMap<String, String> {
+    [
+        ("FLOTILLA_JOB_ID", job_id.to_string()),
+        ("FLOTILLA_JOB_RANK", rank.to_string()),
+        ("FLOTILLA_JOB_WORLD_SIZE", world_size.to_string()),
+        ("FLOTILLA_JOB_ATTEMPT", attempt.to_string()),
+        ("FLOTILLA_JOB_NODES", nodes_by_rank.join(",")),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// What [`step`] needs of a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobProgress {
+    /// Restart policy.
+    pub restart_policy: RestartPolicy,
+    /// Restarts allowed after failures.
+    pub max_retries: u32,
+    /// Failed attempts so far.
+    pub failures: u32,
+    /// A cancel was asked for.
+    pub cancel_requested: bool,
+}
+
+/// What [`step`] needs of one member of the current attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberStatus {
+    /// Rank.
+    pub rank: u32,
+    /// Instance state.
+    pub state: InstanceState,
+    /// A stop (or preemption) is under way.
+    pub stop_requested: bool,
+    /// The work it was preempted for, if it was.
+    pub preempted_by: Option<String>,
+    /// Exit status, once exited.
+    pub exit_code: Option<i32>,
+}
+
+/// What to do next with a running job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobStep {
+    /// Nothing: members run, or stop.
+    Wait,
+    /// Stop these members (indices into the member list).
+    Stop {
+        /// Members to stop.
+        members: Vec<usize>,
+        /// Why, for the job's reason.
+        reason: String,
+    },
+    /// Preempt these members for `by`, with the notice, as one of them was.
+    Preempt {
+        /// Members to preempt.
+        members: Vec<usize>,
+        /// The work the preemption makes room for.
+        by: String,
+    },
+    /// Every member is final: queue the gang again.
+    Requeue {
+        /// Whether this counts against `max_retries` (failures do,
+        /// preemptions do not).
+        failure: bool,
+        /// Why.
+        reason: String,
+    },
+    /// Every member is final: the job ends.
+    Finish {
+        /// Final state.
+        state: JobState,
+        /// Why.
+        reason: String,
+    },
+}
+
+fn describe(m: &MemberStatus) -> String {
+    match (m.state, m.exit_code) {
+        (InstanceState::Failed, Some(c)) => format!("rank {} failed (exit code {c})", m.rank),
+        (InstanceState::Failed, None) => format!("rank {} failed", m.rank),
+        (s, _) => format!("rank {} {}", m.rank, s.as_str()),
+    }
+}
+
+/// The job rule. A member failing (or stopped by someone other than the
+/// job) stops the others; once every member is final, the job succeeds
+/// when all exited 0, is requeued when a member was preempted (the
+/// preemption reaches every member first), restarts on failure while
+/// retries remain, and fails otherwise. A cancel wins over everything.
+/// A `lost` member counts as failed: the gang is stopped (the lost member
+/// included, which ends it at once) rather than left hanging on a node
+/// that may never return.
+pub fn step(job: &JobProgress, members: &[MemberStatus]) -> JobStep {
+    let live: Vec<usize> = members
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| !m.state.is_terminal())
+        .map(|(i, _)| i)
+        .collect();
+    let unstopped: Vec<usize> = live
+        .iter()
+        .copied()
+        .filter(|&i| !members[i].stop_requested)
+        .collect();
+    let preempted = members.iter().find_map(|m| m.preempted_by.clone());
+    // A lost member breaks the gang too: its node stopped answering, and
+    // the other ranks cannot progress without it (a collective would hang).
+    let broken = members.iter().find(|m| {
+        m.preempted_by.is_none()
+            && matches!(
+                m.state,
+                InstanceState::Failed | InstanceState::Stopped | InstanceState::Lost
+            )
+    });
+    if !live.is_empty() {
+        if job.cancel_requested {
+            return if unstopped.is_empty() {
+                JobStep::Wait
+            } else {
+                JobStep::Stop {
+                    members: unstopped,
+                    reason: "cancel requested: stopping every member".to_string(),
+                }
+            };
+        }
+        if let Some(by) = preempted {
+            return if unstopped.is_empty() {
+                JobStep::Wait
+            } else {
+                JobStep::Preempt {
+                    members: unstopped,
+                    by,
+                }
+            };
+        }
+        if let Some(b) = broken {
+            if !unstopped.is_empty() {
+                return JobStep::Stop {
+                    members: unstopped,
+                    reason: format!("{}: stopping the other members", describe(b)),
+                };
+            }
+        }
+        return JobStep::Wait;
+    }
+    if members.is_empty() {
+        // Placed members are created in one transaction with the job's
+        // move to running; none means a corrupt row, which must not loop.
+        return JobStep::Finish {
+            state: JobState::Failed,
+            reason: "running without members".to_string(),
+        };
+    }
+    if job.cancel_requested {
+        return JobStep::Finish {
+            state: JobState::Cancelled,
+            reason: "cancelled on request".to_string(),
+        };
+    }
+    if let Some(by) = preempted {
+        return JobStep::Requeue {
+            failure: false,
+            reason: format!("preempted by {by}; requeued whole"),
+        };
+    }
+    let Some(b) = members.iter().find(|m| m.state != InstanceState::Succeeded) else {
+        return JobStep::Finish {
+            state: JobState::Succeeded,
+            reason: format!("all {} members exited 0", members.len()),
+        };
+    };
+    let what = describe(b);
+    if job.restart_policy == RestartPolicy::OnFailure && job.failures < job.max_retries {
+        JobStep::Requeue {
+            failure: true,
+            reason: format!(
+                "{what}; restarting the gang (retry {} of {})",
+                job.failures + 1,
+                job.max_retries
+            ),
+        }
+    } else if job.restart_policy == RestartPolicy::OnFailure {
+        JobStep::Finish {
+            state: JobState::Failed,
+            reason: format!("{what}; no retries left ({} used)", job.max_retries),
+        }
+    } else {
+        JobStep::Finish {
+            state: JobState::Failed,
+            reason: what,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use InstanceState::*;
+
+    fn req() -> CreateJob {
+        CreateJob {
+            name: None,
+            gpus: 8,
+            nodes: Some(2),
+            gpu_types: vec![],
+            cpu_milli: None,
+            memory_mb: None,
+            command: vec!["train".into()],
+            env: BTreeMap::new(),
+            workdir: None,
+            billing_class: BillingClass::Spot,
+            priority: None,
+            tier: None,
+            preemptible: None,
+            restart_policy: RestartPolicy::OnFailure,
+            max_retries: None,
+        }
+    }
+
+    #[test]
+    fn valid_request_gets_defaults() {
+        let s = req().validate(&Catalog::default()).unwrap();
+        assert_eq!((s.gpus, s.nodes, s.gpus_per_member()), (8, 2, 4));
+        assert_eq!((s.tier, s.preemptible, s.max_retries), (2, true, 3));
+        let one = CreateJob {
+            nodes: None,
+            restart_policy: RestartPolicy::Never,
+            ..req()
+        }
+        .validate(&Catalog::default())
+        .unwrap();
+        assert_eq!((one.nodes, one.max_retries), (1, 0));
+    }
+
+    #[test]
+    fn each_bad_value_names_its_field() {
+        let c = Catalog::default();
+        let cases = [
+            (CreateJob { gpus: 7, ..req() }, "gpus"),
+            (CreateJob { gpus: 0, ..req() }, "gpus"),
+            (CreateJob { gpus: 130, ..req() }, "gpus"),
+            (
+                CreateJob {
+                    nodes: Some(0),
+                    ..req()
+                },
+                "nodes",
+            ),
+            (
+                CreateJob {
+                    nodes: Some(65),
+                    ..req()
+                },
+                "nodes",
+            ),
+            (
+                CreateJob {
+                    max_retries: Some(101),
+                    ..req()
+                },
+                "max_retries",
+            ),
+            (
+                CreateJob {
+                    restart_policy: RestartPolicy::Never,
+                    max_retries: Some(2),
+                    ..req()
+                },
+                "max_retries",
+            ),
+            (
+                CreateJob {
+                    env: [("FLOTILLA_JOB_RANK".to_string(), "0".to_string())].into(),
+                    ..req()
+                },
+                "env.FLOTILLA_JOB_RANK",
+            ),
+            (
+                CreateJob {
+                    tier: Some(1),
+                    preemptible: Some(true),
+                    ..req()
+                },
+                "preemptible",
+            ),
+            (
+                CreateJob {
+                    command: vec![],
+                    ..req()
+                },
+                "command",
+            ),
+        ];
+        for (r, field) in cases {
+            assert_eq!(r.validate(&c).unwrap_err().field, field);
+        }
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for s in JobState::ALL {
+            assert_eq!(JobState::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(
+            RestartPolicy::parse("on-failure"),
+            Some(RestartPolicy::OnFailure)
+        );
+        assert_eq!(RestartPolicy::parse("always"), None);
+    }
+
+    #[test]
+    fn member_env_names_rank_world_and_nodes() {
+        let e = member_env("job_x", 1, 2, 3, &["a".into(), "b".into()]);
+        assert_eq!(e["FLOTILLA_JOB_RANK"], "1");
+        assert_eq!(e["FLOTILLA_JOB_WORLD_SIZE"], "2");
+        assert_eq!(e["FLOTILLA_JOB_ATTEMPT"], "3");
+        assert_eq!(e["FLOTILLA_JOB_NODES"], "a,b");
+        assert!(e.keys().all(|k| k.starts_with(RESERVED_ENV_PREFIX)));
+    }
+
+    fn m(rank: u32, state: InstanceState) -> MemberStatus {
+        MemberStatus {
+            rank,
+            state,
+            stop_requested: false,
+            preempted_by: None,
+            exit_code: match state {
+                Succeeded => Some(0),
+                Failed => Some(1),
+                _ => None,
+            },
+        }
+    }
+
+    fn job(policy: RestartPolicy, max: u32, failures: u32) -> JobProgress {
+        JobProgress {
+            restart_policy: policy,
+            max_retries: max,
+            failures,
+            cancel_requested: false,
+        }
+    }
+
+    #[test]
+    fn all_exit_zero_succeeds_and_an_early_finisher_does_not_stop_the_rest() {
+        let j = job(RestartPolicy::Never, 0, 0);
+        assert_eq!(step(&j, &[m(0, Succeeded), m(1, Running)]), JobStep::Wait);
+        assert!(matches!(
+            step(&j, &[m(0, Succeeded), m(1, Succeeded)]),
+            JobStep::Finish {
+                state: JobState::Succeeded,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_failing_member_stops_the_others_then_restarts_or_fails() {
+        let j = job(RestartPolicy::OnFailure, 2, 0);
+        let ms = [m(0, Running), m(1, Failed), m(2, Scheduled)];
+        match step(&j, &ms) {
+            JobStep::Stop { members, reason } => {
+                assert_eq!(members, vec![0, 2]);
+                assert!(reason.contains("rank 1 failed (exit code 1)"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Stops under way: wait for them.
+        let mut stopping = ms.clone();
+        stopping[0].stop_requested = true;
+        stopping[2].stop_requested = true;
+        assert_eq!(step(&j, &stopping), JobStep::Wait);
+        let done = [m(0, Stopped), m(1, Failed), m(2, Stopped)];
+        match step(&j, &done) {
+            JobStep::Requeue { failure, reason } => {
+                assert!(failure);
+                assert!(reason.contains("retry 1 of 2"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        match step(&job(RestartPolicy::OnFailure, 2, 2), &done) {
+            JobStep::Finish { state, reason } => {
+                assert_eq!(state, JobState::Failed);
+                assert!(reason.contains("no retries left"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            step(&job(RestartPolicy::Never, 0, 0), &done),
+            JobStep::Finish {
+                state: JobState::Failed,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_preempted_member_brings_the_whole_gang_down_and_requeues_it_for_free() {
+        let j = job(RestartPolicy::Never, 0, 0);
+        let mut ms = [m(0, Running), m(1, Running)];
+        ms[1].stop_requested = true;
+        ms[1].preempted_by = Some("inst_x".into());
+        assert_eq!(
+            step(&j, &ms),
+            JobStep::Preempt {
+                members: vec![0],
+                by: "inst_x".into()
+            }
+        );
+        let mut done = [m(0, Stopped), m(1, Stopped)];
+        for d in &mut done {
+            d.preempted_by = Some("inst_x".into());
+        }
+        // A member that exited 0 during the notice changes nothing.
+        done[0].state = Succeeded;
+        assert!(matches!(
+            step(&j, &done),
+            JobStep::Requeue { failure: false, .. }
+        ));
+    }
+
+    #[test]
+    fn cancel_wins_and_a_lost_member_stops_the_gang() {
+        let mut j = job(RestartPolicy::OnFailure, 5, 0);
+        j.cancel_requested = true;
+        assert_eq!(
+            step(&j, &[m(0, Running), m(1, Failed)]),
+            JobStep::Stop {
+                members: vec![0],
+                reason: "cancel requested: stopping every member".into()
+            }
+        );
+        assert!(matches!(
+            step(&j, &[m(0, Stopped), m(1, Failed)]),
+            JobStep::Finish {
+                state: JobState::Cancelled,
+                ..
+            }
+        ));
+        let j = job(RestartPolicy::Never, 0, 0);
+        match step(&j, &[m(0, Lost), m(1, Running)]) {
+            JobStep::Stop { members, reason } => {
+                assert_eq!(members, vec![0, 1]);
+                assert!(reason.starts_with("rank 0 lost"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            step(&j, &[]),
+            JobStep::Finish {
+                state: JobState::Failed,
+                ..
+            }
+        ));
+    }
+}

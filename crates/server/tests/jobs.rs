@@ -1,0 +1,485 @@
+//! Jobs over real HTTP with a fake agent per node: a gang is placed whole
+//! across two nodes or not at all, a failing member stops the others and
+//! the gang restarts until it succeeds or its retries run out, cancel
+//! stops every member, and a tier-1 instance preempting one member
+//! requeues the whole job.
+
+use std::time::Duration;
+
+use flotilla_core::api::{ObservedInstance, ObservedPhase};
+use flotilla_testkit::server::{fast, TestServer};
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+
+struct Server(TestServer);
+
+impl std::ops::Deref for Server {
+    type Target = TestServer;
+    fn deref(&self) -> &TestServer {
+        &self.0
+    }
+}
+
+/// A server, a tenant's member key, a provider key and `nodes` nodes of
+/// `gpus` H100s each.
+async fn setup(nodes: u32, gpus: u32) -> (Server, String, String, Vec<String>) {
+    let s = Server(flotilla_testkit::server::start(fast()).await);
+    let t = s.create_tenant("trainers").await;
+    let key = s.key(&t, "tenant_member").await;
+    let provider = s.key(&t, "provider").await;
+    let mut ids = Vec::new();
+    for n in 0..nodes {
+        ids.push(
+            s.register_node(&provider, &format!("n{n}"), &[("H100", gpus)])
+                .await,
+        );
+    }
+    (s, key, provider, ids)
+}
+
+impl Server {
+    async fn submit(&self, key: &str, body: Value) -> String {
+        let (status, b) = self.call(key, Method::POST, "/v1/jobs", Some(body)).await;
+        assert_eq!(status, StatusCode::CREATED, "{b}");
+        b["id"].as_str().unwrap().to_string()
+    }
+
+    async fn job(&self, key: &str, id: &str) -> Value {
+        self.ok(key, Method::GET, &format!("/v1/jobs/{id}"), None)
+            .await
+    }
+
+    async fn wait_job(
+        &self,
+        key: &str,
+        id: &str,
+        what: &str,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        for _ in 0..200 {
+            let j = self.job(key, id).await;
+            if pred(&j) {
+                return j;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("{id} never {what}: {}", self.job(key, id).await);
+    }
+
+    /// One agent sync of `node` reporting `observed`; its assignments.
+    async fn sync(
+        &self,
+        key: &str,
+        node: &str,
+        observed: Vec<(String, ObservedPhase)>,
+    ) -> Vec<Value> {
+        let observed: Vec<ObservedInstance> = observed
+            .into_iter()
+            .map(|(id, phase)| ObservedInstance {
+                instance_id: serde_json::from_value(json!(id)).unwrap(),
+                phase,
+                at: chrono::Utc::now(),
+            })
+            .collect();
+        self.ok(
+            key,
+            Method::POST,
+            &format!("/v1/agent/nodes/{node}/sync"),
+            Some(json!({"observed": observed, "wait_ms": 0})),
+        )
+        .await["assignments"]
+            .as_array()
+            .unwrap()
+            .clone()
+    }
+
+    /// Reports `phase` for `member` from the node it runs on.
+    async fn report(&self, provider: &str, job: &Value, rank: usize, phase: ObservedPhase) {
+        let m = current(job, rank);
+        let node = m["node_id"].as_str().unwrap().to_string();
+        let id = m["instance_id"].as_str().unwrap().to_string();
+        self.sync(provider, &node, vec![(id, phase)]).await;
+    }
+
+    async fn instance(&self, key: &str, id: &str) -> Value {
+        self.ok(key, Method::GET, &format!("/v1/instances/{id}"), None)
+            .await
+    }
+}
+
+/// The member of the job's current attempt at `rank`.
+fn current(job: &Value, rank: usize) -> Value {
+    let attempt = job["attempts"].as_u64().unwrap();
+    job["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["attempt"].as_u64() == Some(attempt) && m["rank"].as_u64() == Some(rank as u64))
+        .unwrap_or_else(|| panic!("no rank {rank} in attempt {attempt}: {job}"))
+        .clone()
+}
+
+fn running() -> ObservedPhase {
+    ObservedPhase::Running { pid: 7 }
+}
+
+fn exited(code: i32, stopped: bool) -> ObservedPhase {
+    ObservedPhase::Exited { code, stopped }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gang_is_placed_whole_across_two_nodes_or_not_at_all() {
+    let (s, key, provider, nodes) = setup(2, 1).await;
+
+    // Validation names the field.
+    for (body, field) in [
+        (json!({"gpus": 3, "nodes": 2, "command": ["x"]}), "gpus"),
+        (json!({"gpus": 2, "nodes": 0, "command": ["x"]}), "nodes"),
+        (
+            json!({"gpus": 1, "command": ["x"], "restart_policy": "never", "max_retries": 2}),
+            "max_retries",
+        ),
+        (
+            json!({"gpus": 1, "command": ["x"], "env": {"FLOTILLA_JOB_RANK": "3"}}),
+            "env.FLOTILLA_JOB_RANK",
+        ),
+    ] {
+        let (status, b) = s.call(&key, Method::POST, "/v1/jobs", Some(body)).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{b}");
+        assert_eq!(b["error"]["details"]["field"], field, "{b}");
+    }
+
+    // Two members of 2 GPUs each fit on no pair of 1-GPU nodes: nothing is
+    // placed, not even one member, and the queue says why.
+    let big = s
+        .submit(&key, json!({"gpus": 4, "nodes": 2, "command": ["train"]}))
+        .await;
+    let j = s
+        .wait_job(&key, &big, "explained", |j| {
+            j["state_reason"]
+                .as_str()
+                .unwrap_or("")
+                .contains("fits nowhere")
+        })
+        .await;
+    assert_eq!(j["state"], "queued");
+    assert!(j["members"].as_array().unwrap().is_empty(), "{j}");
+    let q = s.ok(&key, Method::GET, "/v1/jobs/queue", None).await;
+    assert_eq!(q["items"][0]["job"]["id"], big.as_str(), "{q}");
+    assert_eq!(q["items"][0]["position"], 1);
+    assert!(
+        q["items"][0]["job"]["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("gang of 2"),
+        "{q}"
+    );
+    for n in &nodes {
+        assert!(s.sync(&provider, n, vec![]).await.is_empty());
+    }
+    let c = s
+        .ok(&key, Method::POST, &format!("/v1/jobs/{big}/cancel"), None)
+        .await;
+    assert_eq!(c["state"], "cancelled");
+    let (status, _) = s
+        .call(&key, Method::POST, &format!("/v1/jobs/{big}/cancel"), None)
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+
+    // One GPU per member: placed across both nodes at once.
+    let id = s
+        .submit(
+            &key,
+            json!({"gpus": 2, "nodes": 2, "command": ["train"], "env": {"LR": "0.1"}}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    assert_eq!(j["attempts"], 1);
+    let mut placed: Vec<String> = (0..2)
+        .map(|r| current(&j, r)["node_id"].as_str().unwrap().to_string())
+        .collect();
+    placed.sort();
+    let mut all = nodes.clone();
+    all.sort();
+    assert_eq!(placed, all);
+    // Each node's agent gets its rank with the job's variables.
+    let mut ranks = Vec::new();
+    for n in &nodes {
+        let a = s.sync(&provider, n, vec![]).await;
+        assert_eq!(a.len(), 1, "{a:?}");
+        let env = &a[0]["env"];
+        assert_eq!(env["FLOTILLA_JOB_ID"], id.as_str());
+        assert_eq!(env["FLOTILLA_JOB_WORLD_SIZE"], "2");
+        assert_eq!(env["FLOTILLA_JOB_ATTEMPT"], "1");
+        assert_eq!(
+            env["FLOTILLA_JOB_NODES"]
+                .as_str()
+                .unwrap()
+                .split(',')
+                .count(),
+            2
+        );
+        assert_eq!(env["LR"], "0.1");
+        ranks.push(env["FLOTILLA_JOB_RANK"].as_str().unwrap().to_string());
+    }
+    ranks.sort();
+    assert_eq!(ranks, vec!["0", "1"]);
+    // The members are instances of the tenant, tagged with the job.
+    let m = s
+        .instance(&key, current(&j, 1)["instance_id"].as_str().unwrap())
+        .await;
+    assert_eq!(m["job"]["job_id"], id.as_str());
+    assert_eq!(
+        (m["job"]["rank"].as_u64(), m["gpus"].as_u64()),
+        (Some(1), Some(1))
+    );
+    // Both run, both exit 0: the job succeeded.
+    for r in 0..2 {
+        s.report(&provider, &j, r, running()).await;
+    }
+    s.report(&provider, &j, 0, exited(0, false)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        s.job(&key, &id).await["state"],
+        "running",
+        "rank 0 finishing first stops nothing"
+    );
+    s.report(&provider, &j, 1, exited(0, false)).await;
+    let j = s
+        .wait_job(&key, &id, "succeeded", |j| j["state"] == "succeeded")
+        .await;
+    assert!(j["finished_at"].is_string());
+    let listed = s
+        .ok(&key, Method::GET, "/v1/jobs?state=succeeded", None)
+        .await;
+    assert_eq!(listed["items"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_member_stops_the_gang_which_restarts_until_it_succeeds_or_runs_out() {
+    let (s, key, provider, _) = setup(2, 1).await;
+    let id = s
+        .submit(
+            &key,
+            json!({"gpus": 2, "nodes": 2, "command": ["train"], "restart_policy": "on_failure", "max_retries": 1}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    for r in 0..2 {
+        s.report(&provider, &j, r, running()).await;
+    }
+    // Rank 1 fails: rank 0 is told to stop.
+    s.report(&provider, &j, 1, exited(3, false)).await;
+    let r0 = current(&j, 0)["instance_id"].as_str().unwrap().to_string();
+    for _ in 0..200 {
+        if s.instance(&key, &r0).await["stop_requested"] == true {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let j1 = s.job(&key, &id).await;
+    assert!(
+        j1["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("rank 1 failed (exit code 3)"),
+        "{j1}"
+    );
+    s.report(&provider, &j, 0, exited(143, true)).await;
+    // The gang is placed again as attempt 2, with one failure counted.
+    let j = s
+        .wait_job(&key, &id, "restarted", |j| {
+            j["state"] == "running" && j["attempts"] == 2
+        })
+        .await;
+    assert_eq!(j["failures"], 1);
+    let events: Vec<&str> = j["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["reason"].as_str().unwrap())
+        .collect();
+    assert!(
+        events.iter().any(|e| e.contains("retry 1 of 1")),
+        "{events:?}"
+    );
+    let m = s
+        .instance(&key, current(&j, 0)["instance_id"].as_str().unwrap())
+        .await;
+    assert_eq!(m["env"]["FLOTILLA_JOB_ATTEMPT"], "2");
+    // This time rank 0 fails; no retries are left: the job fails.
+    for r in 0..2 {
+        s.report(&provider, &j, r, running()).await;
+    }
+    s.report(&provider, &j, 0, exited(1, false)).await;
+    let r1 = current(&j, 1)["instance_id"].as_str().unwrap().to_string();
+    for _ in 0..200 {
+        if s.instance(&key, &r1).await["stop_requested"] == true {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    s.report(&provider, &j, 1, exited(143, true)).await;
+    let j = s
+        .wait_job(&key, &id, "failed", |j| j["state"] == "failed")
+        .await;
+    assert_eq!(
+        (j["attempts"].as_u64(), j["failures"].as_u64()),
+        (Some(2), Some(1))
+    );
+    assert!(
+        j["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("no retries left"),
+        "{j}"
+    );
+
+    // Restart then success.
+    let id = s
+        .submit(
+            &key,
+            json!({"gpus": 2, "nodes": 2, "command": ["train"], "restart_policy": "on_failure"}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    s.report(&provider, &j, 0, exited(1, false)).await;
+    s.report(&provider, &j, 1, exited(1, false)).await;
+    let j = s
+        .wait_job(&key, &id, "restarted", |j| {
+            j["state"] == "running" && j["attempts"] == 2
+        })
+        .await;
+    for r in 0..2 {
+        s.report(&provider, &j, r, exited(0, false)).await;
+    }
+    let j = s
+        .wait_job(&key, &id, "succeeded", |j| j["state"] == "succeeded")
+        .await;
+    assert_eq!(
+        (j["attempts"].as_u64(), j["failures"].as_u64()),
+        (Some(2), Some(1))
+    );
+    assert_eq!(j["members"].as_array().unwrap().len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_every_member() {
+    let (s, key, provider, _) = setup(2, 1).await;
+    let id = s
+        .submit(&key, json!({"gpus": 2, "nodes": 2, "command": ["train"]}))
+        .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    for r in 0..2 {
+        s.report(&provider, &j, r, running()).await;
+    }
+    let c = s
+        .ok(&key, Method::POST, &format!("/v1/jobs/{id}/cancel"), None)
+        .await;
+    assert_eq!(
+        (c["state"].as_str(), c["cancel_requested"].as_bool()),
+        (Some("running"), Some(true))
+    );
+    for r in 0..2 {
+        let m = current(&j, r)["instance_id"].as_str().unwrap().to_string();
+        for _ in 0..200 {
+            if s.instance(&key, &m).await["stop_requested"] == true {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert_eq!(s.instance(&key, &m).await["stop_requested"], true);
+        s.report(&provider, &j, r, exited(143, true)).await;
+    }
+    let j = s
+        .wait_job(&key, &id, "cancelled", |j| j["state"] == "cancelled")
+        .await;
+    assert_eq!(j["attempts"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preempting_one_member_requeues_the_whole_job() {
+    let (s, key, provider, _) = setup(2, 1).await;
+    let t2 = s.create_tenant("serving").await;
+    let dedicated = s.key(&t2, "tenant_member").await;
+    let id = s
+        .submit(
+            &key,
+            json!({"gpus": 2, "nodes": 2, "command": ["train"], "billing_class": "spot"}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    for r in 0..2 {
+        s.report(&provider, &j, r, running()).await;
+    }
+    let (status, b) = s
+        .call(
+            &dedicated,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 1, "command": ["serve"]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{b}");
+    let first = b["id"].as_str().unwrap().to_string();
+    // Both members get the notice, though the tier-1 instance needs one GPU.
+    for r in 0..2 {
+        let m = current(&j, r)["instance_id"].as_str().unwrap().to_string();
+        let mut i = Value::Null;
+        for _ in 0..200 {
+            i = s.instance(&key, &m).await;
+            if i["stop_requested"] == true {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert_eq!(i["preempted_by"], first.as_str(), "{i}");
+        assert_eq!(i["state"], "running", "runs through its notice: {i}");
+    }
+    for r in 0..2 {
+        s.report(&provider, &j, r, exited(143, true)).await;
+    }
+    let j = s
+        .wait_job(&key, &id, "requeued", |j| j["state"] == "queued")
+        .await;
+    assert_eq!(
+        (j["attempts"].as_u64(), j["failures"].as_u64()),
+        (Some(1), Some(0))
+    );
+    let requeued = j["events"].as_array().unwrap().iter().any(|e| {
+        e["state"] == "queued" && e["reason"] == format!("preempted by {first}; requeued whole")
+    });
+    assert!(requeued, "{j}");
+    // No member was requeued on its own.
+    let pending = s
+        .ok(&key, Method::GET, "/v1/instances?state=pending", None)
+        .await;
+    assert!(pending["items"].as_array().unwrap().is_empty(), "{pending}");
+    // The tier-1 instance gets a GPU; the job waits for both.
+    for _ in 0..200 {
+        if s.instance(&dedicated, &first).await["state"] == "scheduled" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(s.instance(&dedicated, &first).await["state"], "scheduled");
+    let j = s
+        .wait_job(&key, &id, "explained", |j| {
+            j["state_reason"]
+                .as_str()
+                .unwrap_or("")
+                .contains("waiting for GPUs")
+        })
+        .await;
+    assert_eq!(j["state"], "queued");
+}

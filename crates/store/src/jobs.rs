@@ -1,0 +1,486 @@
+//! Jobs and their members.
+//!
+//! A job row holds the spec and the state; its members are instances
+//! (`job_id`, `job_rank`, `job_attempt`), created only when the whole gang
+//! is placed: [`Store::schedule_job`] inserts every member already
+//! `scheduled`, with its GPUs claimed, and moves the job to `running`, in
+//! one transaction, so a gang is placed whole or not at all. Every job
+//! change is conditional on the state and attempt the caller saw, so two
+//! passes racing change it once.
+
+use chrono::{DateTime, Utc};
+use flotilla_core::api::{Job, JobEvent, JobMember};
+use flotilla_core::id::{InstanceId, JobId, TenantId};
+use flotilla_core::instance::{InstanceSpec, InstanceState};
+use flotilla_core::job::{member_env, JobSpec, JobState};
+use flotilla_core::placement::Placement;
+use sqlx::any::AnyRow;
+use sqlx::{Any, Row, Transaction};
+
+use crate::{at, json, ms, to_json, PageOf, PageReq, Result, Store, StoreError};
+
+fn state_of(s: &str) -> Result<JobState> {
+    JobState::parse(s).ok_or_else(|| StoreError::Corrupt(format!("job state `{s}`")))
+}
+
+fn small(v: i64) -> u32 {
+    v.clamp(0, u32::MAX as i64) as u32
+}
+
+fn job(row: &AnyRow) -> Result<Job> {
+    let started: Option<i64> = row.try_get("started_at")?;
+    let finished: Option<i64> = row.try_get("finished_at")?;
+    Ok(Job {
+        id: JobId::from_trusted(row.try_get("id")?),
+        tenant_id: TenantId::from_trusted(row.try_get("tenant_id")?),
+        state: state_of(&row.try_get::<String, _>("state")?)?,
+        state_reason: row.try_get("state_reason")?,
+        spec: json(&row.try_get::<String, _>("spec")?, "job spec")?,
+        attempts: small(row.try_get("attempt")?),
+        failures: small(row.try_get("failures")?),
+        cancel_requested: row.try_get::<i64, _>("cancel_requested")? != 0,
+        created_at: at(row.try_get("created_at")?),
+        started_at: started.map(at),
+        finished_at: finished.map(at),
+        members: Vec::new(),
+        events: Vec::new(),
+    })
+}
+
+async fn add_event(
+    tx: &mut Transaction<'static, Any>,
+    id: &JobId,
+    state: JobState,
+    reason: &str,
+    now: DateTime<Utc>,
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO job_events (job_id, seq, state, reason, at) \
+         SELECT $1, COALESCE(MAX(seq), -1) + 1, $2, $3, $4 FROM job_events WHERE job_id = $1",
+    )
+    .bind(id.as_str())
+    .bind(state.as_str())
+    .bind(reason)
+    .bind(ms(now))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// What the scheduler needs of a queued job.
+#[derive(Debug, Clone)]
+pub struct QueuedJob {
+    /// Id.
+    pub id: JobId,
+    /// Owner.
+    pub tenant_id: TenantId,
+    /// The spec (gang size, per-member demand, tier, priority).
+    pub spec: JobSpec,
+    /// Attempts started so far; [`Store::schedule_job`] checks it.
+    pub attempt: u32,
+    /// Current queued reason.
+    pub state_reason: String,
+    /// Submission time (FIFO; a requeued job keeps its seniority).
+    pub created_at: DateTime<Utc>,
+}
+
+/// What the job loop needs of a running job and its current members.
+#[derive(Debug, Clone)]
+pub struct RunningJob {
+    /// The job (members: the current attempt's only, by rank).
+    pub job: Job,
+    /// The current members' instances, by rank.
+    pub members: Vec<flotilla_core::api::Instance>,
+}
+
+impl Store {
+    /// Admits and records a new job in `queued`. The tenant row is updated
+    /// first, serialising concurrent submissions of one tenant, so the
+    /// quota check (which counts queued jobs) cannot be raced past.
+    pub async fn create_job(
+        &self,
+        id: &JobId,
+        tenant: &TenantId,
+        spec: &JobSpec,
+        now: DateTime<Utc>,
+    ) -> Result<Job> {
+        let mut tx = self.pool().begin().await?;
+        let q = sqlx::query(
+            "UPDATE tenants SET updated_at = $1 WHERE id = $2 \
+             RETURNING quota_gpus_total, quota_gpus_per_model, quota_gpus_guaranteed, fair_share_weight",
+        )
+        .bind(ms(now))
+        .bind(tenant.as_str())
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or(StoreError::NotFound("tenant"))?;
+        let quota = crate::tenants::quota(&q)?;
+        let committed = crate::tenants::committed_in(&mut *tx, tenant).await?;
+        quota.admit(&committed, &spec.gpu_types, spec.gpus)?;
+        let reason = "waiting for placement";
+        sqlx::query(
+            "INSERT INTO jobs (id, tenant_id, state, state_reason, spec, gpus, nodes, gpu_types, \
+             priority, tier, created_at, updated_at) \
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9, $10, $10)",
+        )
+        .bind(id.as_str())
+        .bind(tenant.as_str())
+        .bind(reason)
+        .bind(to_json(spec))
+        .bind(i64::from(spec.gpus))
+        .bind(i64::from(spec.nodes))
+        .bind(to_json(&spec.gpu_types))
+        .bind(i64::from(spec.priority))
+        .bind(i64::from(spec.tier))
+        .bind(ms(now))
+        .execute(&mut *tx)
+        .await?;
+        add_event(&mut tx, id, JobState::Queued, reason, now).await?;
+        tx.commit().await?;
+        self.job(id).await
+    }
+
+    /// One job with every attempt's members and its events.
+    pub async fn job(&self, id: &JobId) -> Result<Job> {
+        let row = sqlx::query("SELECT * FROM jobs WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound("job"))?;
+        let mut j = job(&row)?;
+        self.fill(&mut j).await?;
+        Ok(j)
+    }
+
+    async fn fill(&self, j: &mut Job) -> Result<()> {
+        let rows = sqlx::query(
+            "SELECT id, state, node_id, exit_code, job_rank, job_attempt FROM instances \
+             WHERE job_id = $1 ORDER BY job_attempt, job_rank",
+        )
+        .bind(j.id.as_str())
+        .fetch_all(self.pool())
+        .await?;
+        j.members = rows
+            .iter()
+            .map(|r| {
+                let s: String = r.try_get("state")?;
+                let exit: Option<i64> = r.try_get("exit_code")?;
+                Ok(JobMember {
+                    rank: small(r.try_get::<Option<i64>, _>("job_rank")?.unwrap_or(0)),
+                    attempt: small(r.try_get::<Option<i64>, _>("job_attempt")?.unwrap_or(0)),
+                    instance_id: InstanceId::from_trusted(r.try_get("id")?),
+                    state: InstanceState::parse(&s)
+                        .ok_or_else(|| StoreError::Corrupt(format!("instance state `{s}`")))?,
+                    node_id: r
+                        .try_get::<Option<String>, _>("node_id")?
+                        .map(flotilla_core::id::NodeId::from_trusted),
+                    exit_code: exit.map(|c| c.clamp(i32::MIN as i64, i32::MAX as i64) as i32),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let rows = sqlx::query("SELECT * FROM job_events WHERE job_id = $1 ORDER BY seq")
+            .bind(j.id.as_str())
+            .fetch_all(self.pool())
+            .await?;
+        j.events = rows
+            .iter()
+            .map(|r| {
+                Ok(JobEvent {
+                    state: state_of(&r.try_get::<String, _>("state")?)?,
+                    reason: r.try_get("reason")?,
+                    at: at(r.try_get("at")?),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(())
+    }
+
+    /// Jobs by id, optionally of one tenant and in one state.
+    pub async fn list_jobs(
+        &self,
+        only: Option<&TenantId>,
+        state: Option<JobState>,
+        page: &PageReq,
+    ) -> Result<PageOf<Job>> {
+        let rows = sqlx::query(
+            "SELECT * FROM jobs WHERE id > $1 AND ($2 = '' OR tenant_id = $2) AND ($3 = '' OR state = $3) \
+             ORDER BY id LIMIT $4",
+        )
+        .bind(page.after_or_empty())
+        .bind(only.map(|t| t.as_str()).unwrap_or(""))
+        .bind(state.map(|s| s.as_str()).unwrap_or(""))
+        .bind(page.fetch())
+        .fetch_all(self.pool())
+        .await?;
+        let items = rows.iter().map(job).collect::<Result<Vec<_>>>()?;
+        let mut page = PageOf::from_overfetch(items, page, |j| j.id.to_string());
+        for j in &mut page.items {
+            self.fill(j).await?;
+        }
+        Ok(page)
+    }
+
+    /// Queued jobs, oldest first.
+    pub async fn queued_jobs(&self, limit: u32) -> Result<Vec<QueuedJob>> {
+        let rows = sqlx::query("SELECT * FROM jobs WHERE state = 'queued' ORDER BY id LIMIT $1")
+            .bind(i64::from(limit))
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let j = job(r)?;
+                Ok(QueuedJob {
+                    id: j.id,
+                    tenant_id: j.tenant_id,
+                    spec: j.spec,
+                    attempt: j.attempts,
+                    state_reason: j.state_reason,
+                    created_at: j.created_at,
+                })
+            })
+            .collect()
+    }
+
+    /// Updates the reason a queued job is not placed.
+    pub async fn set_job_reason(&self, id: &JobId, reason: &str, now: DateTime<Utc>) -> Result<()> {
+        sqlx::query(
+            "UPDATE jobs SET state_reason = $1, updated_at = $2 WHERE id = $3 AND state = 'queued'",
+        )
+        .bind(reason)
+        .bind(ms(now))
+        .bind(id.as_str())
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    /// Places a queued job's whole gang: `plans[r]` is rank r's placement
+    /// and `ids[r]` its new instance's id. In one transaction the job moves
+    /// to `running` with a new attempt (only if it is still queued at
+    /// `attempt`) and every member is inserted and scheduled with its GPUs
+    /// claimed; any GPU taken meanwhile rolls all of it back (`Conflict`).
+    /// Members run with the job's spec and the `FLOTILLA_JOB_*` variables.
+    pub async fn schedule_job(
+        &self,
+        id: &JobId,
+        attempt: u32,
+        plans: &[Placement],
+        ids: &[InstanceId],
+        now: DateTime<Utc>,
+    ) -> Result<Job> {
+        let mut tx = self.pool().begin().await?;
+        let row = sqlx::query("SELECT * FROM jobs WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::NotFound("job"))?;
+        let j = job(&row)?;
+        if j.state != JobState::Queued || j.attempts != attempt {
+            return Err(StoreError::Conflict(format!(
+                "job {id} is no longer queued"
+            )));
+        }
+        if plans.len() != j.spec.nodes as usize || ids.len() != plans.len() {
+            return Err(StoreError::Conflict(format!(
+                "job {id} has {} members, the plan {}",
+                j.spec.nodes,
+                plans.len()
+            )));
+        }
+        let next = attempt + 1;
+        let placed_on: Vec<String> = plans.iter().map(|p| p.node.to_string()).collect();
+        let reason = format!("attempt {next}: {} members placed", plans.len());
+        let n = sqlx::query(
+            "UPDATE jobs SET state = 'running', state_reason = $1, attempt = $2, updated_at = $3, \
+             started_at = COALESCE(started_at, $3) WHERE id = $4 AND state = 'queued' AND attempt = $5",
+        )
+        .bind(&reason)
+        .bind(i64::from(next))
+        .bind(ms(now))
+        .bind(id.as_str())
+        .bind(i64::from(attempt))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n != 1 {
+            return Err(StoreError::Conflict(format!(
+                "job {id} is no longer queued"
+            )));
+        }
+        // Node names by rank, for the members' rendezvous.
+        let mut names = Vec::with_capacity(plans.len());
+        for node in &placed_on {
+            let name: String = sqlx::query("SELECT name FROM nodes WHERE id = $1")
+                .bind(node)
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get("name")?;
+            names.push(name);
+        }
+        let world = u32::try_from(plans.len()).unwrap_or(u32::MAX);
+        for (rank, (plan, member)) in plans.iter().zip(ids).enumerate() {
+            let rank = u32::try_from(rank).unwrap_or(u32::MAX);
+            let mut env = j.spec.env.clone();
+            env.extend(member_env(id.as_str(), rank, world, next, &names));
+            let spec = InstanceSpec {
+                name: j.spec.name.as_ref().map(|n| format!("{n}-{rank}")),
+                gpus: j.spec.gpus_per_member(),
+                gpu_types: j.spec.gpu_types.clone(),
+                cpu_milli: j.spec.cpu_milli,
+                memory_mb: j.spec.memory_mb,
+                command: j.spec.command.clone(),
+                env,
+                workdir: j.spec.workdir.clone(),
+                billing_class: j.spec.billing_class,
+                priority: j.spec.priority,
+                tier: j.spec.tier,
+                preemptible: j.spec.preemptible,
+            };
+            let why = format!("rank {rank} of {id}, attempt {next}");
+            crate::instances::insert_pending(&mut tx, member, &j.tenant_id, &spec, None, &why, now)
+                .await?;
+            sqlx::query(
+                "UPDATE instances SET job_id = $1, job_rank = $2, job_attempt = $3 WHERE id = $4",
+            )
+            .bind(id.as_str())
+            .bind(i64::from(rank))
+            .bind(i64::from(next))
+            .bind(member.as_str())
+            .execute(&mut *tx)
+            .await?;
+            crate::instances::schedule_in(&mut tx, member, plan, now).await?;
+        }
+        add_event(&mut tx, id, JobState::Running, &reason, now).await?;
+        tx.commit().await?;
+        self.job(id).await
+    }
+
+    /// Running jobs with their current attempt's members.
+    pub async fn running_jobs(&self) -> Result<Vec<RunningJob>> {
+        let rows = sqlx::query("SELECT * FROM jobs WHERE state = 'running' ORDER BY id")
+            .fetch_all(self.pool())
+            .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let j = job(r)?;
+            let ids = sqlx::query(
+                "SELECT id FROM instances WHERE job_id = $1 AND job_attempt = $2 ORDER BY job_rank",
+            )
+            .bind(j.id.as_str())
+            .bind(i64::from(j.attempts))
+            .fetch_all(self.pool())
+            .await?;
+            let mut members = Vec::with_capacity(ids.len());
+            for i in &ids {
+                members.push(
+                    self.instance(&InstanceId::from_trusted(i.try_get("id")?))
+                        .await?,
+                );
+            }
+            out.push(RunningJob { job: j, members });
+        }
+        Ok(out)
+    }
+
+    /// Ends or requeues a running job at `attempt`: `to` is `queued`
+    /// (restart or requeue; `failure` counts it against the retries) or a
+    /// final state. False (and no change) when the job moved on meanwhile.
+    pub async fn settle_job(
+        &self,
+        id: &JobId,
+        attempt: u32,
+        to: JobState,
+        failure: bool,
+        reason: &str,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        debug_assert!(to != JobState::Running);
+        let mut tx = self.pool().begin().await?;
+        let n = sqlx::query(
+            "UPDATE jobs SET state = $1, state_reason = $2, updated_at = $3, failures = failures + $4, \
+             finished_at = $5 WHERE id = $6 AND state = 'running' AND attempt = $7",
+        )
+        .bind(to.as_str())
+        .bind(reason)
+        .bind(ms(now))
+        .bind(i64::from(failure))
+        .bind(to.is_terminal().then(|| ms(now)))
+        .bind(id.as_str())
+        .bind(i64::from(attempt))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n != 1 {
+            return Ok(false);
+        }
+        add_event(&mut tx, id, to, reason, now).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// Records why a running job is changing (members being stopped or
+    /// preempted) without changing its state.
+    pub async fn note_job(&self, id: &JobId, reason: &str, now: DateTime<Utc>) -> Result<()> {
+        let mut tx = self.pool().begin().await?;
+        let row = sqlx::query("SELECT state, state_reason FROM jobs WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_one(&mut *tx)
+            .await?;
+        let state = state_of(&row.try_get::<String, _>("state")?)?;
+        if row.try_get::<String, _>("state_reason")? == reason {
+            return Ok(());
+        }
+        sqlx::query("UPDATE jobs SET state_reason = $1, updated_at = $2 WHERE id = $3")
+            .bind(reason)
+            .bind(ms(now))
+            .bind(id.as_str())
+            .execute(&mut *tx)
+            .await?;
+        add_event(&mut tx, id, state, reason, now).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Cancels a job: a queued one ends `cancelled` at once; a running one
+    /// is flagged, and the job loop stops its members and ends it once
+    /// they have stopped. `Conflict` when it already ended.
+    pub async fn cancel_job(&self, id: &JobId, now: DateTime<Utc>) -> Result<Job> {
+        let mut tx = self.pool().begin().await?;
+        let row = sqlx::query("SELECT state FROM jobs WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::NotFound("job"))?;
+        let state = state_of(&row.try_get::<String, _>("state")?)?;
+        match state {
+            s if s.is_terminal() => {
+                return Err(StoreError::Conflict(format!(
+                    "job {id} already {}",
+                    s.as_str()
+                )));
+            }
+            JobState::Queued => {
+                let reason = "cancelled on request";
+                sqlx::query(
+                    "UPDATE jobs SET state = 'cancelled', state_reason = $1, cancel_requested = 1, \
+                     updated_at = $2, finished_at = $2 WHERE id = $3 AND state = 'queued'",
+                )
+                .bind(reason)
+                .bind(ms(now))
+                .bind(id.as_str())
+                .execute(&mut *tx)
+                .await?;
+                add_event(&mut tx, id, JobState::Cancelled, reason, now).await?;
+            }
+            _ => {
+                sqlx::query("UPDATE jobs SET cancel_requested = 1, updated_at = $1 WHERE id = $2")
+                    .bind(ms(now))
+                    .bind(id.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+        }
+        tx.commit().await?;
+        self.job(id).await
+    }
+}

@@ -1,0 +1,309 @@
+//! Jobs in the store, on every backend: submission under quota, a gang
+//! scheduled whole in one transaction (or not at all), settling at an
+//! attempt, cancel, and preempted members that are not requeued alone.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use chrono::{DateTime, Utc};
+use flotilla_core::api::{DiscoveredGpu, ObservedInstance, ObservedPhase, RegisterNode};
+use flotilla_core::catalog::Vendor;
+use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId};
+use flotilla_core::instance::{BillingClass, InstanceState};
+use flotilla_core::job::{JobSpec, JobState, RestartPolicy};
+use flotilla_core::placement::{first_fit, Placement, PlacementRequest};
+use flotilla_core::quota::Quota;
+use flotilla_store::instances::Applied;
+use flotilla_store::{PageReq, Store, StoreError};
+
+static SEQ: AtomicU64 = AtomicU64::new(1);
+
+fn rnd() -> u128 {
+    let n = SEQ.fetch_add(1, Ordering::Relaxed) as u128;
+    n << 40 | std::process::id() as u128
+}
+
+fn t0() -> DateTime<Utc> {
+    DateTime::from_timestamp(1_800_000_000, 0).unwrap()
+}
+
+flotilla_testkit::backend_suite!(
+    "jobs":
+    job_lifecycle_through_restart_and_cancel,
+    a_gang_is_scheduled_whole_or_not_at_all,
+    a_preempted_member_is_not_requeued_alone,
+);
+
+async fn tenant(s: &Store, name: &str) -> TenantId {
+    let id = TenantId::generate(1, rnd());
+    s.create_tenant(&id, name, t0()).await.unwrap();
+    id
+}
+
+async fn node(s: &Store, owner: &TenantId, name: &str, gpus: u32) -> NodeId {
+    let list = (0..gpus)
+        .map(|index| DiscoveredGpu {
+            index,
+            model: "H100".into(),
+            uuid: format!("GPU-{name}-{index}"),
+            memory_mib: 81920,
+            vendor: Vendor::Nvidia,
+        })
+        .collect::<Vec<_>>();
+    let req = RegisterNode {
+        name: name.into(),
+        region: None,
+        pool: None,
+        cpu_milli: 64_000,
+        memory_mb: 512_000,
+        simulated: true,
+        gpus: list,
+        agent_version: "test".into(),
+    };
+    s.register_node(
+        owner,
+        &req,
+        || {
+            (
+                NodeId::generate(1, rnd()),
+                (0..gpus).map(|_| GpuId::generate(1, rnd())).collect(),
+            )
+        },
+        t0(),
+    )
+    .await
+    .unwrap()
+    .id
+}
+
+fn spec(gpus: u32, nodes: u32) -> JobSpec {
+    JobSpec {
+        name: Some("train".into()),
+        gpus,
+        nodes,
+        gpu_types: vec![],
+        cpu_milli: 1000,
+        memory_mb: 1024,
+        command: vec!["train".into()],
+        env: BTreeMap::from([("A".to_string(), "1".to_string())]),
+        workdir: None,
+        billing_class: BillingClass::Spot,
+        priority: 0,
+        tier: 2,
+        preemptible: true,
+        restart_policy: RestartPolicy::OnFailure,
+        max_retries: 1,
+    }
+}
+
+/// One member per node, first fit, as plans for `schedule_job`.
+async fn plans(s: &Store, per: u32, nodes: &[NodeId]) -> Vec<Placement> {
+    let snap = s.placement_snapshot().await.unwrap();
+    let req = PlacementRequest {
+        gpus: per,
+        models: vec![],
+        cpu_milli: 1000,
+        memory_mb: 1024,
+    };
+    nodes
+        .iter()
+        .map(|n| {
+            let one: Vec<_> = snap.iter().filter(|x| &x.id == n).cloned().collect();
+            first_fit(&one, &req, |_| true).unwrap()
+        })
+        .collect()
+}
+
+fn ids(n: usize) -> Vec<InstanceId> {
+    (0..n).map(|_| InstanceId::generate(2, rnd())).collect()
+}
+
+async fn job_lifecycle_through_restart_and_cancel(s: &Store) {
+    let t = tenant(s, "jobs").await;
+    let a = node(s, &t, "a", 2).await;
+    let b = node(s, &t, "b", 2).await;
+    // Queued jobs count against the quota.
+    s.set_quota(
+        &t,
+        &Quota {
+            gpus_total: Some(6),
+            gpus_per_model: BTreeMap::new(),
+            ..Default::default()
+        },
+        t0(),
+    )
+    .await
+    .unwrap();
+    let id = JobId::generate(1, rnd());
+    let j = s.create_job(&id, &t, &spec(4, 2), t0()).await.unwrap();
+    assert_eq!((j.state, j.attempts, j.failures), (JobState::Queued, 0, 0));
+    let over = s
+        .create_job(&JobId::generate(1, rnd()), &t, &spec(4, 2), t0())
+        .await;
+    assert!(matches!(over, Err(StoreError::Quota(_))), "{over:?}");
+    assert_eq!(s.usage(&t).await.unwrap().gpus_total, 0);
+
+    let queued = s.queued_jobs(10).await.unwrap();
+    assert_eq!(queued.len(), 1);
+    assert_eq!((queued[0].attempt, queued[0].spec.nodes), (0, 2));
+    s.set_job_reason(&id, "waiting for GPUs: x", t0())
+        .await
+        .unwrap();
+    assert_eq!(
+        s.job(&id).await.unwrap().state_reason,
+        "waiting for GPUs: x"
+    );
+
+    // Scheduled whole: two members, one per node, with their variables.
+    let p = plans(s, 2, &[a.clone(), b.clone()]).await;
+    let m = ids(2);
+    let j = s.schedule_job(&id, 0, &p, &m, t0()).await.unwrap();
+    assert_eq!((j.state, j.attempts), (JobState::Running, 1));
+    assert_eq!(j.members.len(), 2);
+    assert!(j.started_at.is_some());
+    for (rank, member) in m.iter().enumerate() {
+        let i = s.instance(member).await.unwrap();
+        assert_eq!(i.state, InstanceState::Scheduled);
+        let job = i.job.clone().unwrap();
+        assert_eq!(
+            (job.job_id, job.rank, job.attempt),
+            (id.clone(), rank as u32, 1)
+        );
+        assert_eq!(i.env["FLOTILLA_JOB_RANK"], rank.to_string());
+        assert_eq!(i.env["FLOTILLA_JOB_WORLD_SIZE"], "2");
+        assert_eq!(i.env["FLOTILLA_JOB_ATTEMPT"], "1");
+        assert_eq!(i.env["FLOTILLA_JOB_NODES"], "a,b");
+        assert_eq!(i.env["A"], "1");
+        assert_eq!((i.gpus, i.tier, i.preemptible), (2, 2, true));
+        assert_eq!(i.node_id.as_ref(), Some(&p[rank].node));
+    }
+    assert_eq!(s.usage(&t).await.unwrap().gpus_total, 4);
+    // A second schedule at the old attempt is refused.
+    let again = s.schedule_job(&id, 0, &p, &ids(2), t0()).await;
+    assert!(matches!(again, Err(StoreError::Conflict(_))), "{again:?}");
+
+    let running = s.running_jobs().await.unwrap();
+    assert_eq!(running.len(), 1);
+    assert_eq!(running[0].members.len(), 2);
+
+    // Requeued after a failure: counts, and a stale attempt changes nothing.
+    for member in &m {
+        s.request_stop(member, t0()).await.unwrap();
+        let node = s.instance(member).await.unwrap().node_id.unwrap();
+        let obs = ObservedInstance {
+            instance_id: member.clone(),
+            phase: ObservedPhase::Exited {
+                code: 1,
+                stopped: false,
+            },
+            at: t0(),
+        };
+        assert_eq!(
+            s.apply_observed(&node, &obs, t0()).await.unwrap(),
+            Applied::Changed
+        );
+    }
+    assert!(s
+        .settle_job(&id, 1, JobState::Queued, true, "rank 0 failed", t0())
+        .await
+        .unwrap());
+    assert!(!s
+        .settle_job(&id, 1, JobState::Failed, false, "late", t0())
+        .await
+        .unwrap());
+    let j = s.job(&id).await.unwrap();
+    assert_eq!((j.state, j.attempts, j.failures), (JobState::Queued, 1, 1));
+    assert!(j.finished_at.is_none());
+    // The second attempt's members are told apart from the first's.
+    let p = plans(s, 2, &[a.clone(), b.clone()]).await;
+    let m2 = ids(2);
+    s.schedule_job(&id, 1, &p, &m2, t0()).await.unwrap();
+    assert_eq!(
+        s.instance(&m2[1]).await.unwrap().env["FLOTILLA_JOB_ATTEMPT"],
+        "2"
+    );
+    let running = s.running_jobs().await.unwrap();
+    let current: Vec<&InstanceId> = running[0].members.iter().map(|i| &i.id).collect();
+    assert_eq!(current, m2.iter().collect::<Vec<_>>());
+    assert_eq!(s.job(&id).await.unwrap().members.len(), 4);
+
+    // Cancel: a running job is flagged; a queued one ends at once.
+    let j = s.cancel_job(&id, t0()).await.unwrap();
+    assert_eq!((j.state, j.cancel_requested), (JobState::Running, true));
+    let other = JobId::generate(1, rnd());
+    s.create_job(&other, &t, &spec(2, 1), t0()).await.unwrap();
+    let c = s.cancel_job(&other, t0()).await.unwrap();
+    assert_eq!(c.state, JobState::Cancelled);
+    assert!(c.finished_at.is_some());
+    assert!(matches!(
+        s.cancel_job(&other, t0()).await,
+        Err(StoreError::Conflict(_))
+    ));
+    let listed = s
+        .list_jobs(Some(&t), Some(JobState::Cancelled), &PageReq::new(None, 10))
+        .await
+        .unwrap();
+    assert_eq!(listed.items.len(), 1);
+    assert_eq!(listed.items[0].id, other);
+    let events: Vec<JobState> = c.events.iter().map(|e| e.state).collect();
+    assert_eq!(events, vec![JobState::Queued, JobState::Cancelled]);
+    assert!(matches!(
+        s.job(&JobId::generate(9, 9)).await,
+        Err(StoreError::NotFound(_))
+    ));
+}
+
+async fn a_gang_is_scheduled_whole_or_not_at_all(s: &Store) {
+    let t = tenant(s, "gang").await;
+    let a = node(s, &t, "ga", 1).await;
+    let b = node(s, &t, "gb", 1).await;
+    let id = JobId::generate(1, rnd());
+    s.create_job(&id, &t, &spec(2, 2), t0()).await.unwrap();
+    let mut p = plans(s, 1, &[a.clone(), b.clone()]).await;
+    // Rank 1 is planned onto rank 0's GPU: the whole gang is refused.
+    p[1] = p[0].clone();
+    let r = s.schedule_job(&id, 0, &p, &ids(2), t0()).await;
+    assert!(matches!(r, Err(StoreError::Conflict(_))), "{r:?}");
+    let j = s.job(&id).await.unwrap();
+    assert_eq!((j.state, j.attempts), (JobState::Queued, 0));
+    assert!(j.members.is_empty());
+    let snap = s.placement_snapshot().await.unwrap();
+    assert!(snap.iter().all(|n| n.gpus.iter().all(|g| g.free)));
+    // A plan of the wrong size is refused too.
+    let r = s.schedule_job(&id, 0, &p[..1], &ids(1), t0()).await;
+    assert!(matches!(r, Err(StoreError::Conflict(_))), "{r:?}");
+    let p = plans(s, 1, &[a, b]).await;
+    s.schedule_job(&id, 0, &p, &ids(2), t0()).await.unwrap();
+    let snap = s.placement_snapshot().await.unwrap();
+    assert!(snap.iter().all(|n| n.gpus.iter().all(|g| !g.free)));
+}
+
+async fn a_preempted_member_is_not_requeued_alone(s: &Store) {
+    let t = tenant(s, "pre").await;
+    let a = node(s, &t, "pa", 2).await;
+    let id = JobId::generate(1, rnd());
+    s.create_job(&id, &t, &spec(2, 2), t0()).await.unwrap();
+    let p = plans(s, 1, std::slice::from_ref(&a)).await;
+    let mut second = p[0].clone();
+    let snap = s.placement_snapshot().await.unwrap();
+    second.gpus = vec![snap[0].gpus[1].id.clone()];
+    let m = ids(2);
+    s.schedule_job(&id, 0, &[p[0].clone(), second], &m, t0())
+        .await
+        .unwrap();
+    let by = InstanceId::generate(3, rnd());
+    assert!(s.preempt(&m[0], &by, t0()).await.unwrap());
+    let obs = ObservedInstance {
+        instance_id: m[0].clone(),
+        phase: ObservedPhase::Exited {
+            code: 143,
+            stopped: true,
+        },
+        at: t0(),
+    };
+    s.apply_observed(&a, &obs, t0()).await.unwrap();
+    let i = s.instance(&m[0]).await.unwrap();
+    assert_eq!(i.state, InstanceState::Stopped);
+    let pending = s.pending_instances(10).await.unwrap();
+    assert!(pending.is_empty(), "{pending:?}");
+}
