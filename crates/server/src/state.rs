@@ -34,6 +34,7 @@ struct Inner {
     changes: watch::Sender<u64>,
     shutdown: watch::Receiver<bool>,
     started_at: DateTime<Utc>,
+    billing: crate::pricing::Runtime,
 }
 
 /// Cheap to clone; shared by every handler and loop.
@@ -61,12 +62,18 @@ impl AppState {
             changes: watch::channel(0).0,
             shutdown,
             started_at,
+            billing: crate::pricing::Runtime::default(),
         }))
     }
 
     /// The store.
     pub fn store(&self) -> &Store {
         &self.0.store
+    }
+
+    /// State of the periodic billing step.
+    pub fn billing(&self) -> &crate::pricing::Runtime {
+        &self.0.billing
     }
 
     /// The GPU catalog.
