@@ -236,6 +236,18 @@ pub async fn finalise_invoice(
         .into());
     }
     let draft = draft_invoice(store, catalog, tenant, period, id, now).await?;
+    store_final(store, draft, now, grace).await
+}
+
+/// Marks a draft final and stores it with its credit draws; the store
+/// refuses a second final invoice for the same tenant and period, so two
+/// operators finalising at once get one invoice and one conflict.
+pub async fn store_final(
+    store: &Store,
+    draft: Draft,
+    now: DateTime<Utc>,
+    grace: Duration,
+) -> Result<Invoice, RatingError> {
     let fin = draft.invoice.finalise(now, grace)?;
     store
         .insert_final_invoice(&fin, &draft.credits_applied)
@@ -325,6 +337,9 @@ pub fn billing_pass(st: &AppState) {
     }
     let st = st.clone();
     tokio::spawn(async move {
+        // Clears `running` however the run ends, a panic included, so one
+        // bad run never stops billing for good.
+        let _running = Running(st.clone());
         let now = st.now();
         match price_book(st.store(), st.catalog(), now).await {
             Ok(book) => {
@@ -340,8 +355,16 @@ pub fn billing_pass(st: &AppState) {
         if let Err(e) = crate::budgets::deliver_webhooks(&st).await {
             tracing::warn!(error = %e, "webhook delivery failed; retrying next pass");
         }
-        st.billing().running.store(false, Ordering::Release);
     });
+}
+
+/// Marks the billing step as not running when dropped.
+struct Running(AppState);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.billing().running.store(false, Ordering::Release);
+    }
 }
 
 #[cfg(test)]

@@ -228,6 +228,37 @@ async fn spot_prices_are_recorded_from_pool_use_and_price_spot_usage() {
     .await;
     let point = half_point().await.unwrap();
     let half = floor + (ceiling - floor) * Decimal::new(5, 1);
+    // The history holds both points, oldest first, a page at a time.
+    let h = s
+        .ok(
+            &member,
+            Method::GET,
+            "/v1/prices/spot?model=H100&limit=1",
+            None,
+        )
+        .await;
+    assert_eq!(h["history"].as_array().unwrap().len(), 1, "{h}");
+    assert_eq!(h["history"][0]["utilisation"], "0");
+    let next = h["next_from"].as_str().unwrap().to_string();
+    let h = s
+        .ok(
+            &member,
+            Method::GET,
+            &format!(
+                "/v1/prices/spot?model=H100&from={}",
+                next.replace('+', "%2B")
+            ),
+            None,
+        )
+        .await;
+    assert_eq!(h["history"][0]["utilisation"], "0.5", "{h}");
+    let (st, b) = s
+        .call(&member, Method::GET, "/v1/prices/spot?model=Z9", None)
+        .await;
+    assert_eq!(
+        (st, &b["error"]["details"]["field"]),
+        (StatusCode::BAD_REQUEST, &json!("model"))
+    );
     assert_eq!(dec(&point["per_gpu_second"]), half);
     assert_eq!(point["price_version"], 1);
 

@@ -156,7 +156,7 @@ async fn finalised_bytes(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
 
     #[test]
     fn finalised_invoices_sum_their_lines_and_ignore_ingestion_order(

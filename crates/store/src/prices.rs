@@ -98,6 +98,32 @@ impl Store {
         rows.iter().map(spot_point).collect()
     }
 
+    /// Recorded points of `model` in force from `[from, to)`, oldest first,
+    /// at most `limit` (clamped to 1..=1000), and whether more follow.
+    pub async fn spot_history(
+        &self,
+        model: &str,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<(Vec<SpotPoint>, bool)> {
+        let limit = limit.clamp(1, 1000);
+        let rows = sqlx::query(
+            "SELECT model, at_ms, utilisation, per_gpu_second, price_version FROM spot_points \
+             WHERE model = $1 AND at_ms >= $2 AND at_ms < $3 ORDER BY at_ms LIMIT $4",
+        )
+        .bind(model)
+        .bind(ms(from))
+        .bind(ms(to))
+        .bind(i64::from(limit) + 1)
+        .fetch_all(self.pool())
+        .await?;
+        let mut out = rows.iter().map(spot_point).collect::<Result<Vec<_>>>()?;
+        let more = out.len() > limit as usize;
+        out.truncate(limit as usize);
+        Ok((out, more))
+    }
+
     /// The latest recorded point of each model.
     pub async fn latest_spot_points(&self) -> Result<BTreeMap<String, SpotPoint>> {
         let rows = sqlx::query(

@@ -138,6 +138,21 @@ async fn price_versions_and_spot_points_are_append_only(s: &Store) {
         "until is exclusive"
     );
     assert_eq!(s.latest_spot_points().await.unwrap()["H100"], later);
+    let (page, more) = s
+        .spot_history("H100", day(), day() + Duration::days(1), 1)
+        .await
+        .unwrap();
+    assert_eq!((page.len(), more), (1, true));
+    let (page, more) = s
+        .spot_history(
+            "H100",
+            page[0].at + Duration::milliseconds(1),
+            day() + Duration::days(1),
+            1,
+        )
+        .await
+        .unwrap();
+    assert_eq!((page, more), (vec![later.clone()], false));
 }
 
 async fn final_invoices_are_written_once_with_their_credit_draws(s: &Store) {

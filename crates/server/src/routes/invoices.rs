@@ -26,7 +26,7 @@ use utoipa::ToSchema;
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, Pagination};
-use crate::pricing::{finalise_invoice, price_book};
+use crate::pricing::{finalise_invoice, price_book, store_final, RatingError};
 use crate::routes::export::{csv_response, invoices_csv, wants_csv};
 use crate::routes::path_id;
 use crate::routes::prices::billing_field;
@@ -184,7 +184,11 @@ pub async fn finalize_invoices(
         skipped: Vec::new(),
     };
     for tenant in tenants {
-        if req.tenant.is_none() {
+        let (t, r) = st.ids();
+        let id = InvoiceId::generate(t, r);
+        let inv = if req.tenant.is_some() {
+            finalise_invoice(st.store(), st.catalog(), &tenant, period, &id, now, grace()).await?
+        } else {
             if st
                 .store()
                 .final_invoice_of(&tenant, period.start)
@@ -197,17 +201,10 @@ pub async fn finalize_invoices(
                 });
                 continue;
             }
+            let draft =
+                crate::pricing::draft_invoice(st.store(), st.catalog(), &tenant, period, &id, now)
+                    .await?;
             // Tenants with nothing to bill get no invoice.
-            let (t, r) = st.ids();
-            let draft = crate::pricing::draft_invoice(
-                st.store(),
-                st.catalog(),
-                &tenant,
-                period,
-                &InvoiceId::generate(t, r),
-                now,
-            )
-            .await?;
             if draft.invoice.lines().is_empty() {
                 out.skipped.push(Skipped {
                     tenant,
@@ -215,11 +212,19 @@ pub async fn finalize_invoices(
                 });
                 continue;
             }
-        }
-        let (t, r) = st.ids();
-        let id = InvoiceId::generate(t, r);
-        let inv =
-            finalise_invoice(st.store(), st.catalog(), &tenant, period, &id, now, grace()).await?;
+            match store_final(st.store(), draft, now, grace()).await {
+                Ok(inv) => inv,
+                // Finalised by another call meanwhile: as if already final.
+                Err(RatingError::Store(flotilla_store::StoreError::Conflict(_))) => {
+                    out.skipped.push(Skipped {
+                        tenant,
+                        reason: "already_final".into(),
+                    });
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
         tracing::info!(invoice = %inv.id(), tenant = %tenant, total = %inv.total(), "invoice finalised");
         out.finalised.push(inv);
     }

@@ -12,12 +12,12 @@ use flotilla_billing::price::{PriceVersion, SpotPoint};
 use flotilla_billing::BillingError;
 use flotilla_core::tenant::Role;
 use flotilla_core::FieldError;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
-use crate::extract::parse_json;
+use crate::extract::{parse_json, serde_urlencoded_query};
 use crate::pricing::{price_book, spot_series};
 use crate::state::AppState;
 
@@ -102,7 +102,7 @@ pub async fn publish_prices(
     Ok((StatusCode::CREATED, Json(version)))
 }
 
-/// The latest recorded spot point of each model.
+/// The latest recorded spot point of each model, and a model's history.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct SpotPrices {
     /// Per model: `model`, `at` (in force from), `utilisation` of the
@@ -110,19 +110,85 @@ pub struct SpotPrices {
     /// band produced it).
     #[schema(value_type = Vec<Object>)]
     pub latest: Vec<SpotPoint>,
+    /// With `model`: its recorded points from `from` to `to`, oldest first.
+    #[schema(value_type = Vec<Object>)]
+    pub history: Vec<SpotPoint>,
+    /// With `model`, when more points follow: pass it as `from`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_from: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct SpotQuery {
+    model: Option<String>,
+    from: Option<String>,
+    to: Option<String>,
+    limit: Option<String>,
+}
+
+fn instant(raw: &str, field: &str) -> ApiResult<chrono::DateTime<chrono::Utc>> {
+    chrono::DateTime::parse_from_rfc3339(raw)
+        .map(|t| t.with_timezone(&chrono::Utc))
+        .map_err(|_| {
+            ApiError::bad_request(field, "must be an RFC 3339 time like 2025-01-01T00:00:00Z")
+        })
 }
 
 /// The spot price in force per model: the latest point of the series
 /// recorded from pool utilisation (`floor + (ceiling - floor) × u`), or the
 /// band's floor from the epoch before any was recorded. Invoice lines name
-/// the point (`price_point_at`) that priced them.
+/// the point (`price_point_at`) that priced them; `model` (with `from`,
+/// `to`, `limit`) lists that model's recorded points, so any spot line can
+/// be checked against the utilisation and band it came from.
 #[utoipa::path(get, path = "/v1/prices/spot", tag = "billing",
-    responses((status = 200, body = SpotPrices)))]
+    params(("model" = Option<String>, Query, description = "also list this model's recorded points"),
+           ("from" = Option<String>, Query, description = "RFC 3339, inclusive (default: 24 h ago)"),
+           ("to" = Option<String>, Query, description = "RFC 3339, exclusive (default: now)"),
+           ("limit" = Option<u32>, Query, description = "points per page, 1-1000 (default 100)")),
+    responses((status = 200, body = SpotPrices), (status = 400, body = flotilla_core::api::ErrorBody)))]
 pub async fn get_spot_prices(
     State(st): State<AppState>,
     _caller: Caller,
+    uri: axum::http::Uri,
 ) -> ApiResult<Json<SpotPrices>> {
+    let q: SpotQuery = serde_urlencoded_query(uri.query())?;
     let now = st.now();
+    let (history, next_from) = match q.model.as_deref() {
+        None => (Vec::new(), None),
+        Some(m) => {
+            let model = st
+                .catalog()
+                .resolve(m, "model")
+                .map_err(|e| ApiError::bad_request("model", e.message))?;
+            let from = match q.from.as_deref() {
+                Some(f) => instant(f, "from")?,
+                None => now - chrono::Duration::hours(24),
+            };
+            let to = match q.to.as_deref() {
+                Some(t) => instant(t, "to")?,
+                None => now + chrono::Duration::milliseconds(1),
+            };
+            let limit = match q.limit.as_deref() {
+                None => 100,
+                Some(l) => l
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|n| (1..=1000).contains(n))
+                    .ok_or_else(|| {
+                        ApiError::bad_request("limit", "must be a whole number from 1 to 1000")
+                    })?,
+            };
+            let (points, more) = st.store().spot_history(&model, from, to, limit).await?;
+            let next = more
+                .then(|| {
+                    points
+                        .last()
+                        .map(|p| (p.at + chrono::Duration::milliseconds(1)).to_rfc3339())
+                })
+                .flatten();
+            (points, next)
+        }
+    };
     let book = price_book(st.store(), st.catalog(), now).await?;
     let series = spot_series(st.store(), &book, now + chrono::Duration::milliseconds(1)).await?;
     let latest = book
@@ -132,7 +198,11 @@ pub async fn get_spot_prices(
         .keys()
         .filter_map(|m| series.latest(m).cloned())
         .collect();
-    Ok(Json(SpotPrices { latest }))
+    Ok(Json(SpotPrices {
+        latest,
+        history,
+        next_from,
+    }))
 }
 
 /// Prices a workload for a 30-day month under every billing model and GPU
