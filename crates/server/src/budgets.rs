@@ -203,23 +203,38 @@ pub async fn admit_instance(
             currency,
             kind,
             ..
-        }) => Err(budget_exceeded(spend, limit, &currency, kind)),
+        }) => {
+            // Name what made it spot-like: the class, or the preemptible flag.
+            let field = if spec.billing_class == BillingClass::Spot {
+                "billing_class"
+            } else {
+                "preemptible"
+            };
+            Err(budget_exceeded(spend, limit, &currency, kind, field))
+        }
         Err(e) => Err(ApiError::internal(e)),
     }
 }
 
 /// 402 `budget_exceeded`: the answer of the hard cap.
-pub fn budget_exceeded(spend: Decimal, limit: Decimal, currency: &str, kind: &str) -> ApiError {
+pub fn budget_exceeded(
+    spend: Decimal,
+    limit: Decimal,
+    currency: &str,
+    kind: &str,
+    field: &str,
+) -> ApiError {
     ApiError {
         status: StatusCode::PAYMENT_REQUIRED,
         code: "budget_exceeded",
         message: format!(
             "the tenant's budget is hard-capped and this month's spend ({spend} {currency}) has \
-             reached its limit ({limit} {currency}): new {kind} capacity is refused; tier-1 and \
-             on-demand work still start, and running work is not stopped"
+             reached its limit ({limit} {currency}): new {kind} or preemptible capacity of tier 2 \
+             or 3 is refused; tier-1 and on-demand work still start, and running work is not \
+             stopped"
         ),
         details: json!({
-            "field": "billing_class",
+            "field": field,
             "spend": spend.to_string(),
             "limit": limit.to_string(),
             "currency": currency,

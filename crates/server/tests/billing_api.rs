@@ -781,16 +781,19 @@ async fn budgets_alert_by_signed_webhook_and_the_hard_cap_spares_tier_one() {
 
     // Over the cap: spot and preemptible tier 2-3 are refused with a clear
     // error; tier 1 and on-demand still start.
-    for body in [
-        spot.clone(),
-        json!({"gpus": 1, "command": ["true"], "preemptible": true, "tier": 3}),
+    for (body, field) in [
+        (spot.clone(), "billing_class"),
+        (
+            json!({"gpus": 1, "command": ["true"], "preemptible": true, "tier": 3}),
+            "preemptible",
+        ),
     ] {
         let (st, b) = s
             .call(&member, Method::POST, "/v1/instances", Some(body))
             .await;
         assert_eq!(st, StatusCode::PAYMENT_REQUIRED, "{b}");
         assert_eq!(b["error"]["code"], "budget_exceeded");
-        assert_eq!(b["error"]["details"]["field"], "billing_class");
+        assert_eq!(b["error"]["details"]["field"], field);
     }
     s.ok(
         &member,
