@@ -528,3 +528,169 @@ pub async fn payouts(ctx: &Ctx, period: Option<String>) -> Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// `flotilla terms add …`: one term for a tenant (operators).
+#[derive(Debug, Subcommand)]
+pub enum TermsCommand {
+    /// Add a reserved commitment, priced at the on-demand price in force at
+    /// its start less the discount (locked).
+    Commitment {
+        /// Id, unique among the tenant's commitments.
+        #[arg(long)]
+        id: String,
+        /// GPU model.
+        #[arg(long)]
+        model: String,
+        /// Whole GPUs committed.
+        #[arg(long)]
+        gpus: u32,
+        /// Start of the term (RFC 3339).
+        #[arg(long)]
+        start: String,
+        /// Term in days.
+        #[arg(long)]
+        term_days: u32,
+        /// `monthly` or `upfront`.
+        #[arg(long, default_value = "monthly")]
+        payment: String,
+        /// Discount fraction (0.3 = 30 %); default: the catalog's offer.
+        #[arg(long)]
+        discount: Option<rust_decimal::Decimal>,
+    },
+    /// Add a percentage discount.
+    Discount {
+        /// Id.
+        #[arg(long)]
+        id: String,
+        /// Percent off, above 0 and at most 100.
+        #[arg(long)]
+        percent: rust_decimal::Decimal,
+        /// `all`, `on_demand`, `reserved`, `spot` or `serverless`.
+        #[arg(long, default_value = "all")]
+        scope: String,
+        /// First period it applies to (RFC 3339 start).
+        #[arg(long)]
+        from: String,
+        /// Periods starting before this (RFC 3339); default: no end.
+        #[arg(long)]
+        until: Option<String>,
+    },
+    /// Add a credit or prepaid balance.
+    Credit {
+        /// Id.
+        #[arg(long)]
+        id: String,
+        /// Amount in the catalog currency.
+        #[arg(long)]
+        amount: rust_decimal::Decimal,
+        /// `promotional` or `prepaid`.
+        #[arg(long, default_value = "promotional")]
+        kind: String,
+        /// Usable by periods starting before this (RFC 3339).
+        #[arg(long)]
+        expires_at: Option<String>,
+    },
+}
+
+/// `flotilla terms [--tenant T] [commitment|discount|credit …]`: a
+/// tenant's commitments, discounts and credits, or add one.
+pub async fn terms(
+    ctx: &Ctx,
+    tenant: Option<String>,
+    command: Option<TermsCommand>,
+) -> Result<ExitCode> {
+    let tenant = match tenant {
+        Some(t) => t,
+        None => s(&ctx.client.me().await?["tenant"]["id"]),
+    };
+    if !tenant.starts_with("ten_") {
+        bail!("`{tenant}` is not a tenant id (ten_…)");
+    }
+    let path = format!("/v1/tenants/{tenant}/terms");
+    if let Some(cmd) = command {
+        let body = match cmd {
+            TermsCommand::Commitment {
+                id,
+                model,
+                gpus,
+                start,
+                term_days,
+                payment,
+                discount,
+            } => json!({"kind": "commitment", "id": id, "model": model, "gpus": gpus,
+                "start": start, "term_days": term_days, "payment": payment,
+                "discount": discount.map(|d| d.to_string())}),
+            TermsCommand::Discount {
+                id,
+                percent,
+                scope,
+                from,
+                until,
+            } => json!({"kind": "discount", "id": id, "percent": percent.to_string(),
+                "scope": scope, "from": from, "until": until}),
+            TermsCommand::Credit {
+                id,
+                amount,
+                kind,
+                expires_at,
+            } => json!({"kind": "credit", "id": id, "amount": amount.to_string(),
+                "credit_kind": kind, "expires_at": expires_at}),
+        };
+        let v = ctx.client.post(&path, &body).await?;
+        if ctx.json {
+            print_json(&v)?;
+        } else {
+            outln!("added {} `{}`", s(&body["kind"]), s(&v["id"]))?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let raw = ctx.client.get(&path, &[]).await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut t = table(["TERM", "ID", "DETAIL"]);
+    for c in raw["commitments"].as_array().into_iter().flatten() {
+        t.add_row([
+            "commitment".to_string(),
+            s(&c["id"]),
+            format!(
+                "{}×{} {} to {}, {}, {} per GPU-second (price v{})",
+                s(&c["gpus"]),
+                s(&c["model"]),
+                s(&c["start"]),
+                s(&c["end"]),
+                s(&c["payment"]),
+                s(&c["per_gpu_second"]),
+                s(&c["price_version"])
+            ),
+        ]);
+    }
+    for d in raw["discounts"].as_array().into_iter().flatten() {
+        t.add_row([
+            "discount".to_string(),
+            s(&d["id"]),
+            format!(
+                "{}% off {} from {}",
+                s(&d["percent"]),
+                s(&d["scope"]),
+                s(&d["from"])
+            ),
+        ]);
+    }
+    for c in raw["credits"].as_array().into_iter().flatten() {
+        let id = s(&c["id"]);
+        let drawn = s(&raw["credit_drawn"][&id]);
+        t.add_row([
+            format!("{} credit", s(&c["kind"])),
+            id,
+            format!(
+                "{} granted, {} drawn",
+                s(&c["amount"]),
+                if drawn.is_empty() { "0".into() } else { drawn }
+            ),
+        ]);
+    }
+    print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}

@@ -117,6 +117,15 @@ enum Command {
     /// What a workload would cost a month under each billing model and
     /// GPU model, and the cheapest that meets it.
     Estimate(billing::EstimateArgs),
+    /// A tenant's reserved commitments, discounts and credits; `commitment`,
+    /// `discount` or `credit` adds one (operators).
+    Terms {
+        /// Tenant id (default: your own).
+        #[arg(long)]
+        tenant: Option<String>,
+        #[command(subcommand)]
+        command: Option<billing::TermsCommand>,
+    },
     /// Provider payout statements of a month.
     Payouts {
         /// Month, `YYYY-MM` (default: this month).
@@ -280,6 +289,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Budget { tenant, command } => billing::budget(&ctx, tenant, command).await,
         Command::Estimate(args) => billing::estimate(&ctx, args).await,
         Command::Payouts { period } => billing::payouts(&ctx, period).await,
+        Command::Terms { tenant, command } => billing::terms(&ctx, tenant, command).await,
         Command::Tenants { command } => match command {
             None | Some(TenantsCommand::List) => commands::tenants_list(&ctx).await,
             Some(TenantsCommand::Create { name }) => commands::tenants_create(&ctx, name).await,

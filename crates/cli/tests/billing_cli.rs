@@ -114,14 +114,80 @@ fn billing_commands_round_trip_through_the_api() {
     let b = home.cli_json(Some(&admin), &["budget"]);
     assert_eq!(b["limit"], "250");
 
-    // Invoices: an old month finalises (nothing to bill), the list is
-    // empty, and CSV has its header.
+    // Terms: operators add them, the tenant reads them.
+    let out = text(&home.cli(
+        Some(&op),
+        &[
+            "terms",
+            "--tenant",
+            &tenant,
+            "commitment",
+            "--id",
+            "res-1",
+            "--model",
+            "H100",
+            "--gpus",
+            "2",
+            "--start",
+            "2025-01-01T00:00:00Z",
+            "--term-days",
+            "30",
+            "--discount",
+            "0.3",
+        ],
+    ));
+    assert!(out.contains("added commitment `res-1`"), "{out}");
+    text(&home.cli(
+        Some(&op),
+        &[
+            "terms", "--tenant", &tenant, "credit", "--id", "promo", "--amount", "25",
+        ],
+    ));
+    let refused = home.cli(
+        Some(&admin),
+        &[
+            "terms",
+            "discount",
+            "--id",
+            "d",
+            "--percent",
+            "10",
+            "--from",
+            "2025-01-01T00:00:00Z",
+        ],
+    );
+    assert!(!refused.status.success(), "only operators add terms");
+    let terms = text(&home.cli(Some(&admin), &["terms"]));
+    assert!(
+        terms.contains("res-1") && terms.contains("25 granted, 0 drawn"),
+        "{terms}"
+    );
+
+    // Invoices: January 2025 holds no usage but the whole unused
+    // commitment: 2 GPUs × 30 days = 5,184,000 GPU-s at $2.99/h × 0.7
+    // = $3,013.92 (the credit was granted now, too late for January).
     let fin = home.cli_json(Some(&op), &["invoices", "finalize", "--period", "2025-01"]);
-    assert!(fin["finalised"].as_array().unwrap().is_empty(), "{fin}");
+    let done = fin["finalised"].as_array().unwrap();
+    assert_eq!(done.len(), 1, "{fin}");
+    assert_eq!(done[0]["total"], "3013.92", "{fin}");
+    let id = done[0]["id"].as_str().unwrap().to_string();
     let list = text(&home.cli(Some(&admin), &["invoices"]));
-    assert!(list.starts_with("ID"), "{list}");
+    assert!(list.starts_with("ID") && list.contains(&id), "{list}");
+    let show = text(&home.cli(Some(&admin), &["invoices", "show", &id]));
+    assert!(
+        show.contains("reserved, unused (res-1)") && show.contains("total: 3013.92 USD"),
+        "{show}"
+    );
     let csv = text(&home.cli(Some(&admin), &["invoices", "list", "--csv"]));
     assert!(csv.starts_with("invoice,tenant,period_start"), "{csv}");
+    assert_eq!(csv.lines().count(), 2, "a header and one line: {csv}");
+    let again = home.cli(
+        Some(&op),
+        &[
+            "invoices", "finalize", "--period", "2025-01", "--tenant", &tenant,
+        ],
+    );
+    assert!(!again.status.success(), "a final invoice cannot be redone");
     let usage = text(&home.cli(
         Some(&admin),
         &[
