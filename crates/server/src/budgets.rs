@@ -130,11 +130,21 @@ pub async fn deliver_webhooks(st: &AppState) -> Result<usize, RatingError> {
             secrets.insert(d.tenant.clone(), s);
         }
         let now = st.now();
-        let secret = secrets
-            .get(&d.tenant)
-            .cloned()
-            .flatten()
-            .unwrap_or_default();
+        let Some(secret) = secrets.get(&d.tenant).cloned().flatten() else {
+            // The budget lost its webhook since the alert was queued: never
+            // send an unsigned (or wrongly signed) delivery.
+            st.store()
+                .record_delivery_attempt(
+                    &d.id,
+                    false,
+                    None,
+                    Some("the budget no longer has a webhook secret"),
+                    None,
+                    now,
+                )
+                .await?;
+            continue;
+        };
         let signature = sign_webhook(secret.as_bytes(), now, d.body.as_bytes())?;
         let result = http
             .post(&d.url)

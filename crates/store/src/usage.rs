@@ -865,12 +865,14 @@ impl Store {
         Ok(known)
     }
 
-    /// Every tenant's stored events served by a node (`node` set) whose
-    /// usage touches the period, sorted by key: what provider payouts are
-    /// computed from. Corrections are kept (they apply at rating).
+    /// Every tenant's stored events served by a provider's node whose usage
+    /// touches the period, sorted by key: what provider payouts are computed
+    /// from. Corrections are kept (they apply at rating). Usage on the
+    /// operator's own nodes is not read.
     pub async fn usage_on_nodes(&self, period: Period) -> Result<Vec<UsageEvent>> {
         let rows = sqlx::query(&format!(
-            "SELECT {EVENT_COLUMNS} FROM usage_events WHERE node_id IS NOT NULL AND start_ms < $1 \
+            "SELECT {EVENT_COLUMNS} FROM usage_events WHERE node_id IN \
+             (SELECT id FROM nodes WHERE provider_id IS NOT NULL) AND start_ms < $1 \
              AND end_ms >= $2"
         ))
         .bind(ms(period.end))
