@@ -102,7 +102,7 @@ async fn price_versions_are_published_by_operators_and_name_every_line() {
     assert_eq!(cat["currency"], "USD");
     let mut next = cat["versions"][0].clone();
     next.as_object_mut().unwrap().remove("version");
-    let effective = (Utc::now() + Duration::milliseconds(1500)).trunc_subsecs(3);
+    let effective = (Utc::now() + Duration::seconds(4)).trunc_subsecs(3);
     next["effective_from"] = json!(effective.to_rfc3339());
     next["on_demand"]["H100"]["per_gpu_second"] = json!("0.002");
 
