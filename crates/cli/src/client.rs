@@ -241,6 +241,62 @@ impl Client {
         self.request(Method::GET, path, query, None).await
     }
 
+    /// GET asking for CSV (`Accept: text/csv`): the body and the next
+    /// page's cursor (`X-Next-Cursor`), if any.
+    pub async fn get_csv(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+    ) -> Result<(String, Option<String>)> {
+        let resp = self
+            .http
+            .get(format!("{}{path}", self.server))
+            .bearer_auth(&self.api_key)
+            .timeout(REQUEST_TIMEOUT)
+            .header(header::ACCEPT, "text/csv")
+            .query(query)
+            .send()
+            .await
+            .map_err(|e| self.transport(e))?;
+        let status = resp.status();
+        let next = resp
+            .headers()
+            .get("x-next-cursor")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let bytes = resp.bytes().await.map_err(|e| self.transport(e))?;
+        if !status.is_success() {
+            return Err(anyhow::Error::new(api_error(status, &bytes)));
+        }
+        Ok((String::from_utf8_lossy(&bytes).into_owned(), next))
+    }
+
+    /// Every page of a CSV list as one CSV text: the header of the first
+    /// page, then the rows of every page.
+    pub async fn list_csv(&self, path: &str, query: &[(&str, String)]) -> Result<String> {
+        let mut out = String::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let mut q = query.to_vec();
+            q.push(("limit", PAGE_SIZE.to_string()));
+            if let Some(c) = &cursor {
+                q.push(("cursor", c.clone()));
+            }
+            let (text, next) = self.get_csv(path, &q).await?;
+            if out.is_empty() {
+                out.push_str(&text);
+            } else {
+                // Later pages repeat the header line: skip it.
+                out.push_str(text.split_once('\n').map_or("", |(_, rows)| rows));
+            }
+            match next {
+                Some(n) if cursor.as_deref() != Some(n.as_str()) => cursor = Some(n),
+                _ => break,
+            }
+        }
+        Ok(out)
+    }
+
     /// POST with a JSON body and a fresh idempotency key.
     pub async fn post<B: Serialize>(&self, path: &str, body: &B) -> Result<Value> {
         let body = serde_json::to_value(body)?;

@@ -467,7 +467,12 @@ fn explanation(inst: &Instance) -> Vec<String> {
 
 /// `flotilla usage`: the caller's metered usage events in a time range
 /// (default: the current month).
-pub async fn usage(ctx: &Ctx, from: Option<String>, to: Option<String>) -> Result<ExitCode> {
+pub async fn usage(
+    ctx: &Ctx,
+    from: Option<String>,
+    to: Option<String>,
+    csv: bool,
+) -> Result<ExitCode> {
     let now = Utc::now();
     let month_start = format!("{}-01T00:00:00Z", now.format("%Y-%m"));
     let query = [
@@ -477,6 +482,9 @@ pub async fn usage(ctx: &Ctx, from: Option<String>, to: Option<String>) -> Resul
             to.unwrap_or_else(|| now.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
         ),
     ];
+    if csv {
+        return crate::billing::usage_csv(ctx, &query).await;
+    }
     let raw = ctx.client.list("/v1/usage", &query, None).await?;
     if ctx.json {
         print_json(&raw)?;
@@ -509,38 +517,6 @@ pub async fn usage(ctx: &Ctx, from: Option<String>, to: Option<String>) -> Resul
         ]);
     }
     print_table(&t)?;
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `flotilla invoices preview`: the draft invoice of a month (default: this
-/// one) rated from the ledger.
-pub async fn invoice_preview(ctx: &Ctx, period: Option<String>) -> Result<ExitCode> {
-    let period = period.unwrap_or_else(|| Utc::now().format("%Y-%m").to_string());
-    let raw = ctx
-        .client
-        .get("/v1/invoices/preview", &[("period", period.clone())])
-        .await?;
-    if ctx.json {
-        print_json(&raw)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    let currency = raw["currency"]["code"].as_str().unwrap_or("").to_string();
-    outln!(
-        "invoice preview {period} ({}), draft",
-        raw["tenant"].as_str().unwrap_or("")
-    )?;
-    let mut t = table(["LINE", "QUANTITY", "UNIT", "UNIT PRICE", "AMOUNT"]);
-    for l in raw["lines"].as_array().into_iter().flatten() {
-        t.add_row([
-            l["description"].as_str().unwrap_or("").to_string(),
-            l["quantity"].as_str().unwrap_or("").to_string(),
-            l["unit"].as_str().unwrap_or("").to_string(),
-            l["unit_price"].as_str().unwrap_or("").to_string(),
-            l["amount"].as_str().unwrap_or("").to_string(),
-        ]);
-    }
-    print_table(&t)?;
-    outln!("total: {} {currency}", raw["total"].as_str().unwrap_or("0"))?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -7,6 +7,7 @@
 //! code 1; `flotilla run` exits with the instance's own exit code. The CLI
 //! holds no platform logic: it talks to the API like any other client.
 
+mod billing;
 mod client;
 mod commands;
 mod config;
@@ -89,11 +90,48 @@ enum Command {
         /// End of the range (RFC 3339).
         #[arg(long)]
         to: Option<String>,
+        /// Print every event of the range as CSV.
+        #[arg(long)]
+        csv: bool,
     },
-    /// Invoices: `preview` rates a month from the ledger.
+    /// Finalised invoices (`show ID`, `--csv`), a month's draft
+    /// (`preview`), finalising a month (`finalize`, operators).
     Invoices {
         #[command(subcommand)]
-        command: InvoicesCommand,
+        command: Option<billing::InvoicesCommand>,
+    },
+    /// The price catalog: versions, the one in force, spot prices;
+    /// `set --file` publishes a version (operators).
+    Prices {
+        #[command(subcommand)]
+        command: Option<billing::PricesCommand>,
+    },
+    /// Your budget, this month's spend, alerts and webhook deliveries;
+    /// `set` changes it.
+    Budget {
+        /// Tenant id (operators; default: your own).
+        #[arg(long)]
+        tenant: Option<String>,
+        #[command(subcommand)]
+        command: Option<billing::BudgetCommand>,
+    },
+    /// What a workload would cost a month under each billing model and
+    /// GPU model, and the cheapest that meets it.
+    Estimate(billing::EstimateArgs),
+    /// A tenant's reserved commitments, discounts and credits; `commitment`,
+    /// `discount` or `credit` adds one (operators).
+    Terms {
+        /// Tenant id (default: your own).
+        #[arg(long)]
+        tenant: Option<String>,
+        #[command(subcommand)]
+        command: Option<billing::TermsCommand>,
+    },
+    /// Provider payout statements of a month.
+    Payouts {
+        /// Month, `YYYY-MM` (default: this month).
+        #[arg(long)]
+        period: Option<String>,
     },
     /// Say why an instance or a job is where it is: what it asked for, why
     /// it is pending or where it was placed, and every transition with its
@@ -124,16 +162,6 @@ enum Command {
         tenant: Option<String>,
         #[command(subcommand)]
         command: Option<QuotaCommand>,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-enum InvoicesCommand {
-    /// The draft invoice of a month, rated from the usage ledger.
-    Preview {
-        /// Month, `YYYY-MM` (default: this month).
-        #[arg(long)]
-        period: Option<String>,
     },
 }
 
@@ -271,10 +299,13 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Explain { id } if id.trim().starts_with("job_") => jobs::explain(&ctx, &id).await,
         Command::Explain { id } => commands::explain(&ctx, &id).await,
         Command::Jobs { command } => jobs::dispatch(&ctx, command).await,
-        Command::Usage { from, to } => commands::usage(&ctx, from, to).await,
-        Command::Invoices {
-            command: InvoicesCommand::Preview { period },
-        } => commands::invoice_preview(&ctx, period).await,
+        Command::Usage { from, to, csv } => commands::usage(&ctx, from, to, csv).await,
+        Command::Invoices { command } => billing::invoices(&ctx, command).await,
+        Command::Prices { command } => billing::prices(&ctx, command).await,
+        Command::Budget { tenant, command } => billing::budget(&ctx, tenant, command).await,
+        Command::Estimate(args) => billing::estimate(&ctx, args).await,
+        Command::Payouts { period } => billing::payouts(&ctx, period).await,
+        Command::Terms { tenant, command } => billing::terms(&ctx, tenant, command).await,
         Command::Tenants { command } => match command {
             None | Some(TenantsCommand::List) => commands::tenants_list(&ctx).await,
             Some(TenantsCommand::Create { name }) => commands::tenants_create(&ctx, name).await,
@@ -446,6 +477,46 @@ mod tests {
                 command: Some(KeysCommand::Revoke { .. })
             }
         ));
+    }
+
+    #[test]
+    fn billing_commands_parse_and_refuse_contradictions() {
+        assert!(matches!(
+            parse(&["invoices"]).unwrap().command,
+            Command::Invoices { command: None }
+        ));
+        assert!(matches!(
+            parse(&["invoices", "show", "inv_x", "--csv"])
+                .unwrap()
+                .command,
+            Command::Invoices {
+                command: Some(billing::InvoicesCommand::Show { csv: true, .. })
+            }
+        ));
+        assert!(matches!(
+            parse(&["usage", "--csv"]).unwrap().command,
+            Command::Usage { csv: true, .. }
+        ));
+        parse(&["prices", "set", "--file", "book.json"]).unwrap();
+        parse(&["payouts", "--period", "2025-01"]).unwrap();
+        parse(&[
+            "estimate",
+            "--gpu",
+            "H100",
+            "--count",
+            "8",
+            "--hours-per-day",
+            "10",
+        ])
+        .unwrap();
+        // Dedicated and serverless at once, or serverless flags without a rate.
+        assert!(parse(&["estimate", "--count", "1", "--rps", "2"]).is_err());
+        assert!(parse(&["estimate", "--input-tokens", "5"]).is_err());
+        assert!(parse(&["budget", "set", "--limit", "ten"]).is_err());
+        assert!(
+            parse(&["invoices", "finalize"]).is_err(),
+            "--period is required"
+        );
     }
 
     #[test]

@@ -24,6 +24,7 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::trace::TraceLayer;
 
 pub mod auth;
+pub mod budgets;
 pub mod error;
 pub mod extract;
 pub mod idempotency;
@@ -31,6 +32,7 @@ pub mod jobs;
 pub mod metering;
 pub mod metrics;
 pub mod placement;
+pub mod pricing;
 pub mod reconcile;
 pub mod routes;
 pub mod state;
@@ -49,6 +51,11 @@ pub struct ServerConfig {
     pub reconcile_tick: Duration,
     /// The placement policy (`flotilla-sched`); Flotilla's own by default.
     pub placement_policy: flotilla_sched::Policy,
+    /// How often spot prices are recorded, budgets checked and webhooks
+    /// delivered.
+    pub billing_every: Duration,
+    /// Percent of a provider's gross revenue the operator keeps.
+    pub operator_fee_percent: rust_decimal::Decimal,
 }
 
 impl Default for ServerConfig {
@@ -58,6 +65,8 @@ impl Default for ServerConfig {
             rate_limit_per_second: 100,
             reconcile_tick: Duration::from_secs(1),
             placement_policy: flotilla_sched::Policy::Flotilla,
+            billing_every: Duration::from_secs(30),
+            operator_fee_percent: rust_decimal::Decimal::from(15),
         }
     }
 }

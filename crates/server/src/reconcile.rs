@@ -635,6 +635,7 @@ pub async fn run(st: AppState, tick: Duration) {
                 tracing::warn!(error = %e, "metering pass failed; retrying");
             }
         }
+        crate::pricing::billing_pass(&st);
         let now = st.now();
         if now - last_housekeeping > ChronoDuration::hours(1) {
             last_housekeeping = now;

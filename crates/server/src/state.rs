@@ -37,6 +37,7 @@ struct Inner {
     changes: watch::Sender<u64>,
     shutdown: watch::Receiver<bool>,
     started_at: DateTime<Utc>,
+    billing: crate::pricing::Runtime,
     /// The last GPU telemetry of each node. Observed state that the next
     /// sync replaces, so it lives in memory, not in the store: after a
     /// restart it is back within one sync interval.
@@ -77,6 +78,7 @@ impl AppState {
             changes: watch::channel(0).0,
             shutdown,
             started_at,
+            billing: crate::pricing::Runtime::default(),
             telemetry: Mutex::default(),
         }))
     }
@@ -106,6 +108,11 @@ impl AppState {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.0.store
+    }
+
+    /// State of the periodic billing step.
+    pub fn billing(&self) -> &crate::pricing::Runtime {
+        &self.0.billing
     }
 
     /// The GPU catalog.

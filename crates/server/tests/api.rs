@@ -412,12 +412,25 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
             == "scheduled"
     })
     .await;
+    // A finalised invoice of A (an old month with no usage: an empty one).
+    let invoice = flotilla_server::pricing::finalise_invoice(
+        &s.store,
+        &flotilla_core::catalog::Catalog::default(),
+        &flotilla_core::id::TenantId::parse(&a, "tenant").unwrap(),
+        flotilla_billing::Period::month(2025, 1).unwrap(),
+        &flotilla_core::id::InvoiceId::generate(1, 1),
+        chrono::Utc::now(),
+        chrono::Duration::hours(72),
+    )
+    .await
+    .unwrap();
     let ids: HashMap<&str, String> = [
         ("tenant_id", a.clone()),
         ("instance_id", inst.clone()),
         ("job_id", job),
         ("node_id", node.clone()),
         ("key_id", key_id),
+        ("invoice_id", invoice.id().to_string()),
     ]
     .into();
 
@@ -435,6 +448,8 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
                 ("PUT", _) => Some(json!({"gpus_total": 100})),
                 ("POST", p) if p.ends_with("/sync") => Some(json!({"observed": [], "wait_ms": 0})),
                 ("POST", p) if p.ends_with("/logs") => Some(json!({"lines": []})),
+                ("POST", p) if p.ends_with("/terms") => Some(json!({"kind": "discount",
+                    "id": "d1", "percent": "10", "scope": "all", "from": "2025-01-01T00:00:00Z"})),
                 _ => None,
             };
             let url = fill(path, &ids);

@@ -14,12 +14,16 @@ use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{AnyPool, Executor, SqlitePool};
 
+pub mod budgets;
 pub mod idempotency;
 pub mod instances;
 pub mod jobs;
+pub mod invoices;
 pub mod keys;
 pub mod logs;
 pub mod nodes;
+pub mod prices;
+pub mod providers;
 pub mod tenants;
 pub mod usage;
 

@@ -865,6 +865,25 @@ impl Store {
         Ok(known)
     }
 
+    /// Every tenant's stored events served by a provider's node whose usage
+    /// touches the period, sorted by key: what provider payouts are computed
+    /// from. Corrections are kept (they apply at rating). Usage on the
+    /// operator's own nodes is not read.
+    pub async fn usage_on_nodes(&self, period: Period) -> Result<Vec<UsageEvent>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {EVENT_COLUMNS} FROM usage_events WHERE node_id IN \
+             (SELECT id FROM nodes WHERE provider_id IS NOT NULL) AND start_ms < $1 \
+             AND end_ms >= $2"
+        ))
+        .bind(ms(period.end))
+        .bind(ms(period.start))
+        .fetch_all(self.pool())
+        .await?;
+        let mut out = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
     /// Every stored event of `tenant` whose usage touches the period
     /// (`start < period.end` and `end >= period.start`, the reference
     /// ledger's rule), sorted by key: the input of `build_invoice`.

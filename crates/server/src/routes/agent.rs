@@ -10,7 +10,7 @@ use flotilla_core::api::{
     Assignment, LogBatch, ObservedInstance, ObservedPhase, RegisterNode, Registered, SyncRequest,
     SyncResponse,
 };
-use flotilla_core::id::{GpuId, InstanceId, NodeId};
+use flotilla_core::id::{GpuId, InstanceId, NodeId, ProviderId};
 use flotilla_core::node::NodeState;
 use flotilla_core::tenant::{validate_name, Role};
 use flotilla_core::FieldError;
@@ -81,6 +81,17 @@ pub async fn register(
         .store()
         .register_node(&caller.tenant_id, &req, ids, st.now())
         .await?;
+    if caller.role == Role::Provider {
+        // Marketplace: the node's usage is paid out to its provider.
+        let (t, r) = st.ids();
+        let provider = st
+            .store()
+            .provider_for_tenant(&caller.tenant_id, &ProviderId::generate(t, r), st.now())
+            .await?;
+        st.store()
+            .set_node_provider(&node.id, Some(&provider))
+            .await?;
+    }
     if !node.created {
         let failed = st.store().fail_started_on(&node.id, st.now()).await?;
         if failed > 0 {

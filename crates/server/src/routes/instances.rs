@@ -63,6 +63,8 @@ pub async fn create_instance(
 ) -> ApiResult<(StatusCode, Json<Instance>)> {
     caller.require(&WORK_ROLES, "create instances")?;
     let spec = req.validate(st.catalog())?;
+    // A hard-capped budget refuses new spot/preemptible work (never tier 1).
+    crate::budgets::admit_instance(&st, &caller.tenant_id, &spec).await?;
     let (t, r) = st.ids();
     let id = InstanceId::generate(t, r);
     let inst = st

@@ -15,12 +15,17 @@ use crate::extract::Pagination;
 use crate::state::AppState;
 
 pub mod agent;
+pub mod budgets;
 pub mod catalog;
 pub mod docs;
+pub mod export;
 pub mod instances;
 pub mod jobs;
+pub mod invoices;
 pub mod keys;
 pub mod nodes;
+pub mod payouts;
+pub mod prices;
 pub mod tenants;
 pub mod usage;
 
@@ -45,6 +50,7 @@ pub mod usage;
         (name = "jobs", description = "Batch and training jobs: gangs placed whole, restarts, queue"),
         (name = "agent", description = "Protocol of the node agent"),
         (name = "usage", description = "Metered usage and invoices"),
+        (name = "billing", description = "Prices, invoices, terms, budgets, estimates and payouts"),
         (name = "meta", description = "Identity and health"),
     )
 )]
@@ -92,6 +98,21 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(usage::post_usage_events))
         .routes(routes!(usage::list_usage))
         .routes(routes!(usage::invoice_preview))
+        .merge(billing_routes())
+}
+
+/// Prices, invoices, billing terms, budgets, estimates and payouts.
+fn billing_routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(prices::get_prices, prices::publish_prices))
+        .routes(routes!(prices::get_spot_prices))
+        .routes(routes!(prices::post_estimate))
+        .routes(routes!(invoices::list_invoices))
+        .routes(routes!(invoices::get_invoice))
+        .routes(routes!(invoices::finalize_invoices))
+        .routes(routes!(invoices::get_terms, invoices::add_term))
+        .routes(routes!(budgets::get_budget, budgets::set_budget))
+        .routes(routes!(payouts::get_payouts))
 }
 
 /// A store page as an API page.

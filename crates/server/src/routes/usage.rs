@@ -8,23 +8,17 @@
 //! crashed re-sends the whole batch, and the answer says how many were
 //! new and how many duplicates.
 
-use std::collections::BTreeMap;
-
 use axum::extract::{Request, State};
+use axum::response::IntoResponse;
 use axum::Json;
 use chrono::{DateTime, Duration, Utc};
-use flotilla_billing::invoice::{build_invoice, Invoice, InvoiceInput};
+use flotilla_billing::invoice::Invoice;
 use flotilla_billing::meter::UsageEvent;
-use flotilla_billing::price::{
-    OnDemandPrice, PriceBook, PriceVersion, Schedule, ServerlessPrices, SpotBand, SpotSeries,
-};
-use flotilla_billing::{BillingError, Currency, Period};
-use flotilla_core::catalog::Catalog;
+use flotilla_billing::{BillingError, Period};
 use flotilla_core::id::{InvoiceId, TenantId};
 use flotilla_core::tenant::Role;
 use flotilla_core::FieldError;
 use flotilla_store::usage::{validate_event, AppendOutcome};
-use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -232,7 +226,11 @@ fn instant(raw: Option<&str>, field: &str) -> ApiResult<DateTime<Utc>> {
 /// The tenant a read is about: the caller's own, or for operators any
 /// named one (404 when it does not exist). Others naming another tenant
 /// get 404, as for every resource they cannot see.
-async fn target_tenant(st: &AppState, caller: &Caller, raw: Option<&str>) -> ApiResult<TenantId> {
+pub(crate) async fn target_tenant(
+    st: &AppState,
+    caller: &Caller,
+    raw: Option<&str>,
+) -> ApiResult<TenantId> {
     let Some(raw) = raw else {
         return Ok(caller.tenant_id.clone());
     };
@@ -269,20 +267,24 @@ fn decode_cursor(raw: &str) -> Option<(DateTime<Utc>, String, String)> {
 
 /// The tenant's usage events touching `[from, to)` (operators: `tenant=`
 /// picks another tenant). Pages like every list: `limit` (1-1000, default
-/// 100) and the opaque `cursor` from `next_cursor`.
+/// 100) and the opaque `cursor` from `next_cursor`. `format=csv` (or
+/// `Accept: text/csv`) answers the page as CSV.
 #[utoipa::path(get, path = "/v1/usage", tag = "usage",
     params(("from" = String, Query, description = "RFC 3339 start, inclusive"),
            ("to" = String, Query, description = "RFC 3339 end, exclusive"),
            ("tenant" = Option<String>, Query, description = "operators only: whose usage"),
            ("limit" = Option<u32>, Query, description = "page size, 1-1000"),
-           ("cursor" = Option<String>, Query, description = "from next_cursor")),
-    responses((status = 200, body = UsagePage), (status = 400, body = flotilla_core::api::ErrorBody),
+           ("cursor" = Option<String>, Query, description = "from next_cursor"),
+           ("format" = Option<String>, Query, description = "csv: one row per event (also `Accept: text/csv`); the next cursor is in `X-Next-Cursor`")),
+    responses((status = 200, body = UsagePage, description = "JSON, or text/csv when asked"), (status = 400, body = flotilla_core::api::ErrorBody),
               (status = 404, body = flotilla_core::api::ErrorBody)))]
 pub async fn list_usage(
     State(st): State<AppState>,
     caller: Caller,
+    headers: axum::http::HeaderMap,
     uri: axum::http::Uri,
-) -> ApiResult<Json<UsagePage>> {
+) -> ApiResult<axum::response::Response> {
+    let csv = super::export::wants_csv(&uri, &headers)?;
     let q: UsageQuery = serde_urlencoded_query(uri.query())?;
     let from = instant(q.from.as_deref(), "from")?;
     let to = instant(q.to.as_deref(), "to")?;
@@ -315,70 +317,11 @@ pub async fn list_usage(
     } else {
         None
     };
-    Ok(Json(UsagePage { items, next_cursor }))
-}
-
-/// The price book used until the operator-editable catalog lands: version
-/// 1, in force since the epoch, USD, on-demand and serverless GPU time at
-/// the catalog's list price per hour / 3600 (exact to 28 digits), no
-/// minimum, spot bands from 30% (idle pool) to 90% (full pool) of
-/// on-demand, requests, tokens, instance time and storage free.
-pub fn default_price_book(catalog: &Catalog) -> Result<PriceBook, BillingError> {
-    let hour = Decimal::from(3600);
-    let mut on_demand = BTreeMap::new();
-    let mut serverless = BTreeMap::new();
-    let mut spot = BTreeMap::new();
-    for m in catalog.models() {
-        let per_second = m
-            .list_price_per_hour
-            .checked_div(hour)
-            .ok_or(BillingError::Overflow { what: "price" })?;
-        on_demand.insert(
-            m.name.clone(),
-            OnDemandPrice {
-                per_gpu_second: per_second,
-                minimum_seconds: 0,
-            },
-        );
-        serverless.insert(m.name.clone(), per_second);
-        // Spot trades between 30% and 90% of on-demand with pool use.
-        spot.insert(
-            m.name.clone(),
-            SpotBand {
-                floor: per_second * Decimal::new(3, 1),
-                ceiling: per_second * Decimal::new(9, 1),
-            },
-        );
+    if csv {
+        let body = super::export::usage_csv(&items)?;
+        return Ok(super::export::csv_response(body, next_cursor.as_deref()));
     }
-    let free = || Schedule::Flat {
-        unit_price: Decimal::ZERO,
-    };
-    PriceBook::new(PriceVersion {
-        version: 1,
-        effective_from: DateTime::<Utc>::UNIX_EPOCH,
-        currency: Currency::usd(),
-        on_demand,
-        spot,
-        serverless: ServerlessPrices {
-            per_request: free(),
-            per_million_input_tokens: free(),
-            per_million_output_tokens: free(),
-            per_gpu_second: serverless,
-        },
-        reserved_offers: Vec::new(),
-        per_instance_second: Decimal::ZERO,
-        per_storage_gb_second: Decimal::ZERO,
-    })
-}
-
-/// The spot prices in force: until the server records a series from pool
-/// utilisation, each model's spot price is its band's floor from the epoch.
-fn default_spot_series(book: &PriceBook, catalog: &Catalog) -> Result<SpotSeries, BillingError> {
-    let mut series = SpotSeries::new();
-    for m in catalog.models() {
-        series.record(book, &m.name, DateTime::<Utc>::UNIX_EPOCH, Decimal::ZERO)?;
-    }
-    Ok(series)
+    Ok(Json(UsagePage { items, next_cursor }).into_response())
 }
 
 #[derive(Deserialize)]
@@ -387,7 +330,7 @@ struct PreviewQuery {
     tenant: Option<String>,
 }
 
-fn parse_month(raw: Option<&str>) -> ApiResult<Period> {
+pub(crate) fn parse_month(raw: Option<&str>) -> ApiResult<Period> {
     let bad = || ApiError::bad_request("period", "must be a month like 2025-01");
     let raw = raw.ok_or_else(bad)?;
     let (y, m) = raw.split_once('-').ok_or_else(bad)?;
@@ -402,7 +345,9 @@ fn parse_month(raw: Option<&str>) -> ApiResult<Period> {
 }
 
 /// A draft invoice of the tenant (operators: `tenant=`) for a calendar
-/// month, rated now from the ledger against the default price book. The
+/// month, rated now from the ledger with the stored price catalog (each
+/// line names its version), the recorded spot series and the tenant's
+/// commitments, discounts and credits. The
 /// tenant's events are summed in SQL into rows that rate exactly like the
 /// events themselves, so a month of millions of events rates in one scan.
 /// Nothing is stored; the invoice id is fresh on every call.
@@ -420,71 +365,17 @@ pub async fn invoice_preview(
     let q: PreviewQuery = serde_urlencoded_query(uri.query())?;
     let period = parse_month(q.period.as_deref())?;
     let tenant = target_tenant(&st, &caller, q.tenant.as_deref()).await?;
-    let book = default_price_book(st.catalog()).map_err(ApiError::internal)?;
-    let per_subject = book
-        .versions()
-        .iter()
-        .any(|v| v.on_demand.values().any(|p| p.minimum_seconds > 0));
-    let rollup = st
-        .store()
-        .usage_rollup(&tenant, period, per_subject)
-        .await?;
     let (t, r) = st.ids();
     let id = InvoiceId::generate(t, r);
-    let draft = build_invoice(InvoiceInput {
-        id: &id,
-        tenant: &tenant,
-        period,
-        events: &rollup.events,
-        book: &book,
-        spot: &default_spot_series(&book, st.catalog()).map_err(ApiError::internal)?,
-        commitments: &[],
-        discounts: &[],
-        credits: &[],
-        credit_used_before: &BTreeMap::new(),
-    })
-    .map_err(|e| match e {
-        BillingError::Invalid { .. } | BillingError::Overflow { .. } => ApiError::internal(e),
-        other => ApiError::conflict(other.to_string()),
-    })?;
+    let draft =
+        crate::pricing::draft_invoice(st.store(), st.catalog(), &tenant, period, &id, st.now())
+            .await?;
     Ok(Json(draft.invoice))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn spot_is_rated_at_the_band_floor_until_a_series_is_recorded() {
-        let catalog = Catalog::default();
-        let book = default_price_book(&catalog).unwrap();
-        let series = default_spot_series(&book, &catalog).unwrap();
-        let tenant = TenantId::generate(1, 1);
-        let e: UsageEvent = serde_json::from_value(serde_json::json!({
-            "key": {"tenant": tenant, "source": "lifecycle", "id": "s1"},
-            "subject": {"kind": "instance", "id": "inst_1"},
-            "meter": {"meter": "gpu_seconds", "model": "H100", "share": {"kind": "whole"}},
-            "billing_class": "spot",
-            "start": "2025-01-01T00:00:00Z", "end": "2025-01-01T01:00:00Z",
-            "amount": "10"
-        }))
-        .unwrap();
-        let inv = build_invoice(InvoiceInput {
-            id: &InvoiceId::generate(1, 2),
-            tenant: &tenant,
-            period: Period::month(2025, 1).unwrap(),
-            events: &[e],
-            book: &book,
-            spot: &series,
-            commitments: &[],
-            discounts: &[],
-            credits: &[],
-            credit_used_before: &BTreeMap::new(),
-        })
-        .unwrap();
-        // 10 H100 for an hour at 30% of $2.99: $8.97.
-        assert_eq!(inv.invoice.total().to_string(), "8.97");
-    }
 
     #[test]
     fn cursors_round_trip_and_reject_garbage() {
@@ -514,19 +405,5 @@ mod tests {
             assert!(parse_month(Some(bad)).is_err(), "{bad}");
         }
         assert!(parse_month(None).is_err());
-    }
-
-    #[test]
-    fn the_default_book_prices_every_catalog_model() {
-        let c = Catalog::default();
-        let b = default_price_book(&c).unwrap();
-        let h100 = b.latest().on_demand("H100").unwrap();
-        // 2.99 / 3600 is a repeating decimal, exact to Decimal's 28 digits.
-        let back = h100.per_gpu_second * Decimal::from(3600);
-        assert!(
-            (back - Decimal::new(299, 2)).abs() < Decimal::new(1, 20),
-            "{back}"
-        );
-        assert_eq!(b.latest().on_demand.len(), c.models().len());
     }
 }

@@ -1,0 +1,271 @@
+//! Budgets in the server: each tenant's spend this month checked against
+//! its budget (alerts at thresholds, recorded once and delivered as signed
+//! webhooks with retries), and the hard cap that refuses new spot and
+//! preemptible capacity once spend reaches the limit.
+//!
+//! The decisions are flotilla-billing's (`check_budget`, `admit`,
+//! `sign_webhook`); this module reads spend from the ledger, keeps the
+//! alert state in the store and talks HTTP.
+
+use std::collections::BTreeMap;
+
+use axum::http::StatusCode;
+use chrono::{DateTime, Datelike, Duration, Utc};
+use flotilla_billing::budget::{admit, check_budget, sign_webhook, BudgetState, CapacityKind};
+use flotilla_billing::{BillingError, Period};
+use flotilla_core::id::{InvoiceId, TenantId};
+use flotilla_core::instance::{BillingClass, InstanceSpec};
+use flotilla_store::budgets::StoredBudget;
+use rust_decimal::Decimal;
+use serde_json::json;
+
+use crate::error::ApiError;
+use crate::pricing::{draft_invoice, RatingError};
+use crate::state::AppState;
+
+/// Attempts per webhook delivery before it is marked failed.
+pub const MAX_ATTEMPTS: u32 = 8;
+
+/// How long a receiver may take to answer.
+const DELIVERY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The calendar month holding `now`: the budget period.
+pub fn month_of(now: DateTime<Utc>) -> Result<Period, BillingError> {
+    Period::month(now.year(), now.month())
+}
+
+/// When to try a delivery again after its `attempts`-th failed attempt:
+/// 1 s, 2 s, 4 s, … doubling, at most an hour; `None` once `MAX_ATTEMPTS`
+/// are spent. Exponential so that a receiver that is down for a while is
+/// not hammered, capped so that one back within the hour is reached soon.
+pub fn next_attempt(attempts: u32, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    if attempts >= MAX_ATTEMPTS {
+        return None;
+    }
+    let secs = 1i64 << attempts.saturating_sub(1).min(12);
+    Some(now + Duration::seconds(secs.min(3600)))
+}
+
+/// What `tenant` owes for the month holding `now` so far: the draft
+/// invoice's total (after discounts and credits).
+pub async fn spend(st: &AppState, tenant: &TenantId) -> Result<Decimal, RatingError> {
+    let now = st.now();
+    let period = month_of(now)?;
+    let (t, r) = st.ids();
+    let draft = draft_invoice(
+        st.store(),
+        st.catalog(),
+        tenant,
+        period,
+        &InvoiceId::generate(t, r),
+        now,
+    )
+    .await?;
+    Ok(draft.invoice.total())
+}
+
+/// Checks every budget against this month's spend; each threshold newly
+/// crossed is recorded once (the store's key) and, when the budget has a
+/// webhook, queued for delivery in the same transaction.
+pub async fn check_budgets(st: &AppState) -> Result<usize, RatingError> {
+    let now = st.now();
+    let period = month_of(now)?;
+    let mut raised = 0;
+    for b in st.store().budgets().await? {
+        let tenant = b.budget.tenant.clone();
+        let spend = match spend(st, &tenant).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(tenant = %tenant, error = %e, "cannot rate spend for the budget");
+                continue;
+            }
+        };
+        let mut state = BudgetState {
+            period_start: Some(period.start),
+            crossed: st
+                .store()
+                .budget_alerts(&tenant, period.start)
+                .await?
+                .into_iter()
+                .map(|a| a.threshold_percent)
+                .collect(),
+        };
+        for alert in check_budget(&b.budget, &mut state, period.start, spend, now)? {
+            let (t, r) = st.ids();
+            let delivery_id = format!("whd_{t:012x}{:020x}", r >> 48);
+            if st
+                .store()
+                .record_budget_alert(&alert, b.webhook_url.as_deref(), &delivery_id, now)
+                .await?
+            {
+                tracing::info!(tenant = %tenant, threshold = alert.threshold_percent, spend = %spend, "budget alert");
+                raised += 1;
+            }
+        }
+    }
+    Ok(raised)
+}
+
+/// Delivers due webhooks: POSTs each alert with its `Flotilla-Signature`
+/// (HMAC-SHA256 with the budget's secret), and records the attempt: a 2xx
+/// answer delivers it, anything else is retried with backoff.
+pub async fn deliver_webhooks(st: &AppState) -> Result<usize, RatingError> {
+    let due = st.store().due_deliveries(st.now(), 50).await?;
+    if due.is_empty() {
+        return Ok(0);
+    }
+    let http = reqwest::Client::builder()
+        .timeout(DELIVERY_TIMEOUT)
+        .user_agent("flotilla-webhooks")
+        .build()?;
+    let mut secrets: BTreeMap<TenantId, Option<String>> = BTreeMap::new();
+    let mut delivered = 0;
+    for d in due {
+        if !secrets.contains_key(&d.tenant) {
+            let s = st
+                .store()
+                .budget(&d.tenant)
+                .await?
+                .and_then(|b| b.webhook_secret);
+            secrets.insert(d.tenant.clone(), s);
+        }
+        let now = st.now();
+        let Some(secret) = secrets.get(&d.tenant).cloned().flatten() else {
+            // The budget lost its webhook since the alert was queued: never
+            // send an unsigned (or wrongly signed) delivery.
+            st.store()
+                .record_delivery_attempt(
+                    &d.id,
+                    false,
+                    None,
+                    Some("the budget no longer has a webhook secret"),
+                    None,
+                    now,
+                )
+                .await?;
+            continue;
+        };
+        let signature = sign_webhook(secret.as_bytes(), now, d.body.as_bytes())?;
+        let result = http
+            .post(&d.url)
+            .header("content-type", "application/json")
+            .header(flotilla_billing::budget::SIGNATURE_HEADER, signature)
+            .header("Flotilla-Delivery", &d.id)
+            .body(d.body.clone())
+            .send()
+            .await;
+        let (ok, status, error) = match result {
+            Ok(resp) if resp.status().is_success() => (true, Some(resp.status().as_u16()), None),
+            Ok(resp) => (
+                false,
+                Some(resp.status().as_u16()),
+                Some(format!("receiver answered {}", resp.status())),
+            ),
+            Err(e) => (false, None, Some(e.to_string())),
+        };
+        let next = if ok {
+            None
+        } else {
+            next_attempt(d.attempts + 1, now)
+        };
+        st.store()
+            .record_delivery_attempt(&d.id, ok, status, error.as_deref(), next, st.now())
+            .await?;
+        if ok {
+            delivered += 1;
+        } else {
+            tracing::warn!(delivery = %d.id, attempts = d.attempts + 1, error = error.as_deref().unwrap_or(""), "webhook not delivered");
+        }
+    }
+    Ok(delivered)
+}
+
+/// The hard cap at instance creation: spot or preemptible work of tier 2
+/// or 3 is refused (402, `budget_exceeded`) once the tenant's spend this
+/// month reaches a hard-capped budget. Tier-1 and on-demand work is never
+/// refused, and nothing running is stopped. Only spot and preemptible
+/// requests of capped tenants pay for rating the month.
+pub async fn admit_instance(
+    st: &AppState,
+    tenant: &TenantId,
+    spec: &InstanceSpec,
+) -> Result<(), ApiError> {
+    let kind = if spec.billing_class == BillingClass::Spot || spec.preemptible {
+        CapacityKind::Spot
+    } else {
+        return Ok(());
+    };
+    if spec.tier <= 1 {
+        return Ok(());
+    }
+    let Some(StoredBudget { budget, .. }) = st.store().budget(tenant).await? else {
+        return Ok(());
+    };
+    if !budget.hard_cap {
+        return Ok(());
+    }
+    let spent = spend(st, tenant).await?;
+    match admit(&budget, spent, kind, spec.tier) {
+        Ok(()) => Ok(()),
+        Err(BillingError::BudgetCapReached {
+            spend,
+            limit,
+            currency,
+            kind,
+            ..
+        }) => {
+            // Name what made it spot-like: the class, or the preemptible flag.
+            let field = if spec.billing_class == BillingClass::Spot {
+                "billing_class"
+            } else {
+                "preemptible"
+            };
+            Err(budget_exceeded(spend, limit, &currency, kind, field))
+        }
+        Err(e) => Err(ApiError::internal(e)),
+    }
+}
+
+/// 402 `budget_exceeded`: the answer of the hard cap.
+pub fn budget_exceeded(
+    spend: Decimal,
+    limit: Decimal,
+    currency: &str,
+    kind: &str,
+    field: &str,
+) -> ApiError {
+    ApiError {
+        status: StatusCode::PAYMENT_REQUIRED,
+        code: "budget_exceeded",
+        message: format!(
+            "the tenant's budget is hard-capped and this month's spend ({spend} {currency}) has \
+             reached its limit ({limit} {currency}): new {kind} or preemptible capacity of tier 2 \
+             or 3 is refused; tier-1 and on-demand work still start, and running work is not \
+             stopped"
+        ),
+        details: json!({
+            "field": field,
+            "spend": spend.to_string(),
+            "limit": limit.to_string(),
+            "currency": currency,
+            "kind": kind,
+        }),
+        retry_after: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_back_off_doubling_then_give_up() {
+        let t = DateTime::<Utc>::UNIX_EPOCH;
+        let secs = |a| next_attempt(a, t).map(|n| (n - t).num_seconds());
+        assert_eq!(secs(1), Some(1));
+        assert_eq!(secs(2), Some(2));
+        assert_eq!(secs(3), Some(4));
+        assert_eq!(secs(7), Some(64));
+        assert_eq!(secs(MAX_ATTEMPTS), None);
+    }
+}

@@ -1,0 +1,194 @@
+//! Budgets: a tenant's monthly spend limit, its alert thresholds, where
+//! alerts are delivered (a signed webhook) and whether the limit is a hard
+//! cap on new spot and preemptible capacity.
+
+use axum::extract::State;
+use axum::Json;
+use chrono::{DateTime, Utc};
+use flotilla_billing::budget::{Budget, BudgetAlert, DEFAULT_THRESHOLDS};
+use flotilla_core::id::TenantId;
+use flotilla_core::tenant::Role;
+use flotilla_core::FieldError;
+use flotilla_store::budgets::{Delivery, StoredBudget};
+use rust_decimal::Decimal;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::auth::Caller;
+use crate::budgets::{month_of, spend};
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{serde_urlencoded_query, ApiJson};
+use crate::pricing::price_book;
+use crate::routes::prices::billing_field;
+use crate::routes::usage::target_tenant;
+use crate::state::AppState;
+
+/// A budget as the API shows it (the webhook secret is never shown).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BudgetView {
+    /// The tenant.
+    #[schema(value_type = String)]
+    pub tenant: TenantId,
+    /// Spend limit per month.
+    #[schema(value_type = String)]
+    pub limit: Decimal,
+    /// ISO currency of the limit (the catalog's).
+    pub currency: String,
+    /// Alert thresholds, percent of the limit.
+    pub thresholds: Vec<u32>,
+    /// Whether reaching the limit refuses new spot and preemptible work
+    /// (tier 2 and 3).
+    pub hard_cap: bool,
+    /// Where alerts are POSTed, signed with `Flotilla-Signature`.
+    pub webhook_url: Option<String>,
+    /// Start of this month (UTC).
+    #[schema(value_type = String)]
+    pub period_start: DateTime<Utc>,
+    /// What the tenant owes for this month so far (the draft invoice's
+    /// total).
+    #[schema(value_type = String)]
+    pub spend: Decimal,
+    /// Thresholds crossed this month, each recorded once.
+    #[schema(value_type = Vec<Object>)]
+    pub alerts: Vec<BudgetAlert>,
+    /// The newest webhook deliveries (at most 20) with their attempts,
+    /// state, last status or error.
+    #[schema(value_type = Vec<Object>)]
+    pub deliveries: Vec<Delivery>,
+}
+
+#[derive(Deserialize)]
+struct TenantQuery {
+    tenant: Option<String>,
+}
+
+async fn view(st: &AppState, b: StoredBudget) -> ApiResult<BudgetView> {
+    let period = month_of(st.now()).map_err(ApiError::internal)?;
+    let tenant = b.budget.tenant.clone();
+    Ok(BudgetView {
+        spend: spend(st, &tenant).await?,
+        alerts: st.store().budget_alerts(&tenant, period.start).await?,
+        deliveries: st.store().deliveries(&tenant, 20).await?,
+        period_start: period.start,
+        limit: b.budget.limit,
+        currency: b.budget.currency,
+        thresholds: b.budget.thresholds,
+        hard_cap: b.budget.hard_cap,
+        webhook_url: b.webhook_url,
+        tenant,
+    })
+}
+
+/// The tenant's budget (operators: `tenant=`), this month's spend, the
+/// alerts raised and the webhook delivery log. 404 when it has none.
+#[utoipa::path(get, path = "/v1/budget", tag = "billing",
+    params(("tenant" = Option<String>, Query, description = "operators only: whose budget")),
+    responses((status = 200, body = BudgetView), (status = 404, body = flotilla_core::api::ErrorBody)))]
+pub async fn get_budget(
+    State(st): State<AppState>,
+    caller: Caller,
+    uri: axum::http::Uri,
+) -> ApiResult<Json<BudgetView>> {
+    let q: TenantQuery = serde_urlencoded_query(uri.query())?;
+    let tenant = target_tenant(&st, &caller, q.tenant.as_deref()).await?;
+    let b = st
+        .store()
+        .budget(&tenant)
+        .await?
+        .ok_or_else(|| ApiError::not_found("budget"))?;
+    Ok(Json(view(&st, b).await?))
+}
+
+/// A budget to set.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetBudget {
+    /// Operators only: whose budget (default: the caller's tenant).
+    #[schema(value_type = Option<String>)]
+    pub tenant: Option<String>,
+    /// Spend limit per month, in the catalog currency; positive.
+    #[schema(value_type = String)]
+    pub limit: Decimal,
+    /// Alert thresholds in percent (default 50, 80, 100).
+    pub thresholds: Option<Vec<u32>>,
+    /// Refuse new spot and preemptible work of tier 2 and 3 once spend
+    /// reaches the limit (default false). Tier-1 and on-demand work is
+    /// never refused, and running work is never stopped.
+    #[serde(default)]
+    pub hard_cap: bool,
+    /// `http://` or `https://` URL alerts are POSTed to.
+    pub webhook_url: Option<String>,
+    /// The HMAC-SHA256 key that signs deliveries (16 to 256 characters);
+    /// required with `webhook_url`.
+    pub webhook_secret: Option<String>,
+}
+
+/// Sets (or replaces) the tenant's budget (tenant admins for their own
+/// tenant; operators for any, with `tenant`). Alerts at each threshold are
+/// recorded once a month and POSTed to `webhook_url` with the header
+/// `Flotilla-Signature: t=<unix s>,v1=<hex HMAC-SHA256 of "t.body">`,
+/// retried with backoff (1 s doubling, 8 attempts).
+#[utoipa::path(put, path = "/v1/budget", tag = "billing", request_body = SetBudget,
+    responses((status = 200, body = BudgetView),
+              (status = 403, body = flotilla_core::api::ErrorBody),
+              (status = 404, body = flotilla_core::api::ErrorBody),
+              (status = 422, body = flotilla_core::api::ErrorBody)))]
+pub async fn set_budget(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiJson(req): ApiJson<SetBudget>,
+) -> ApiResult<Json<BudgetView>> {
+    let tenant = target_tenant(&st, &caller, req.tenant.as_deref()).await?;
+    caller.require(&[Role::TenantAdmin], "set budgets")?;
+    match (&req.webhook_url, &req.webhook_secret) {
+        (Some(url), Some(secret)) => {
+            let ok_scheme = url.starts_with("http://") || url.starts_with("https://");
+            if !ok_scheme || url.len() > 2048 || reqwest::Url::parse(url).is_err() {
+                return Err(ApiError::field(FieldError::new(
+                    "webhook_url",
+                    "must be an http:// or https:// URL of at most 2048 characters",
+                )));
+            }
+            if !(16..=256).contains(&secret.len()) {
+                return Err(ApiError::field(FieldError::new(
+                    "webhook_secret",
+                    "must be 16 to 256 characters",
+                )));
+            }
+        }
+        (Some(_), None) => {
+            return Err(ApiError::field(FieldError::new(
+                "webhook_secret",
+                "is required with webhook_url",
+            )))
+        }
+        (None, Some(_)) => {
+            return Err(ApiError::field(FieldError::new(
+                "webhook_url",
+                "is required with webhook_secret",
+            )))
+        }
+        (None, None) => {}
+    }
+    let now = st.now();
+    let book = price_book(st.store(), st.catalog(), now).await?;
+    let budget = Budget {
+        tenant,
+        limit: req.limit,
+        currency: book.currency().code.clone(),
+        thresholds: req
+            .thresholds
+            .unwrap_or_else(|| DEFAULT_THRESHOLDS.to_vec()),
+        hard_cap: req.hard_cap,
+    };
+    budget.validate().map_err(billing_field)?;
+    let stored = StoredBudget {
+        budget,
+        webhook_url: req.webhook_url,
+        webhook_secret: req.webhook_secret,
+        updated_at: now,
+    };
+    st.store().set_budget(&stored).await?;
+    tracing::info!(tenant = %stored.budget.tenant, limit = %stored.budget.limit, hard_cap = stored.budget.hard_cap, "budget set");
+    Ok(Json(view(&st, stored).await?))
+}
