@@ -13,6 +13,7 @@ mod config;
 mod follow;
 mod local;
 mod output;
+mod simulate;
 
 use std::process::ExitCode;
 
@@ -53,6 +54,9 @@ enum Command {
     Up(UpArgs),
     /// Run the control plane only.
     Server(ServerArgs),
+    /// Replay a request trace through the autoscaling policies in the
+    /// simulator and write a report folder (runs locally, no server).
+    Simulate(simulate::SimulateArgs),
     /// Run a node agent that offers this machine's GPUs to a server.
     Agent(AgentArgs),
     /// Check an API key against a server and save both.
@@ -236,6 +240,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Server(args) => return local::server(args).await,
         Command::Agent(args) => return local::agent(server, args).await,
         Command::Login => return commands::login(server, api_key).await,
+        Command::Simulate(args) => return simulate::run(args),
         _ => {}
     }
     if std::env::var_os("RUST_LOG").is_some() {
@@ -278,7 +283,11 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
                 gpu,
             }) => commands::quota_set(&ctx, set_tenant.or(tenant), gpus_total, gpu).await,
         },
-        Command::Up(_) | Command::Server(_) | Command::Agent(_) | Command::Login => {
+        Command::Up(_)
+        | Command::Server(_)
+        | Command::Agent(_)
+        | Command::Login
+        | Command::Simulate(_) => {
             unreachable!("handled above")
         }
     }
