@@ -60,6 +60,10 @@ pub struct SimulateArgs {
     /// provisioning delays, spot capacity and preemption).
     #[arg(long)]
     node_pool: bool,
+    /// Replay the trace's first this-many seconds once before it,
+    /// unmeasured, so policies meet it warm (0: start cold and empty).
+    #[arg(long, default_value_t = 600)]
+    warmup_s: u64,
     /// Endpoint tier: 1 runs on on-demand nodes only.
     #[arg(long, default_value_t = 2)]
     tier: u8,
@@ -98,6 +102,7 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     let mut cfg = SimConfig::new(service.clone(), cold.clone(), args.slo_ms);
     cfg.seed = args.seed;
     cfg.tier = args.tier;
+    cfg.warmup_ms = args.warmup_s.saturating_mul(1_000);
     if args.node_pool {
         cfg.node_pool = Some(NodePoolConfig {
             provider: ProviderConfig::cloud(&service.gpu),
@@ -167,9 +172,10 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         cold.quantile_ms(0.99) / 1000
     ));
     md.push_str(&format!(
-        "- SLO: time to first token ≤ {} ms; requests waiting over {} s are dropped; seed {}{}\n",
+        "- SLO: time to first token ≤ {} ms; requests waiting over {} s are dropped; warm-up {} s; seed {}{}\n",
         args.slo_ms,
         cfg.timeout_ms / 1000,
+        args.warmup_s,
         args.seed,
         if args.node_pool {
             "; simulated node pool"

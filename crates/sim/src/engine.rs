@@ -39,7 +39,7 @@ use serde::Serialize;
 use crate::coldstart::ColdStartModel;
 use crate::nodes::{NodePool, ProviderConfig, SimulatedProvider};
 use crate::service::ServiceModel;
-use crate::trace::Trace;
+use crate::trace::{Request, Trace};
 
 /// A node pool under the endpoint's replicas.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,6 +71,12 @@ pub struct SimConfig {
     /// `None`: GPUs are always available and the cold start is the whole
     /// start-up; `Some`: replicas need a node of the pool.
     pub node_pool: Option<NodePoolConfig>,
+    /// Warm-up: the trace's first `warmup_ms` are replayed once before it
+    /// starts, unmeasured, so that every policy meets the trace as a live
+    /// endpoint would — already serving that traffic — rather than from a
+    /// cold, empty start. Latency, GPU time and the series count from the
+    /// trace's start only. 0 disables it.
+    pub warmup_ms: u64,
 }
 
 impl SimConfig {
@@ -86,6 +92,7 @@ impl SimConfig {
             sample_ms: 10_000,
             tier: 2,
             node_pool: None,
+            warmup_ms: 0,
         }
     }
 }
@@ -195,7 +202,12 @@ struct Replica {
 const DROPPED: u32 = u32::MAX;
 
 struct Sim<'a> {
-    trace: &'a Trace,
+    /// The warm-up copy followed by the trace, shifted by the warm-up.
+    requests: Vec<Request>,
+    /// Index of the first measured request.
+    first: usize,
+    /// Virtual time at which measuring starts (the warm-up's length).
+    origin: u64,
     cfg: &'a SimConfig,
     rng: ChaCha8Rng,
     now: u64,
@@ -220,6 +232,8 @@ struct Sim<'a> {
     pool: Option<NodePool<SimulatedProvider>>,
     series: Vec<Sample>,
     sample_from: (u64, u64),
+    /// Node GPU time spent during the warm-up, subtracted at the end.
+    pool_gpu_before: Option<(u64, u64)>,
 }
 
 /// Run `policy` over `trace`. `progress(done, total)` is called now and
@@ -230,9 +244,24 @@ pub fn simulate(
     cfg: &SimConfig,
     progress: &mut dyn FnMut(u64, u64),
 ) -> SimResult {
-    let n = trace.len();
+    let warm: Vec<Request> = trace
+        .requests()
+        .iter()
+        .take_while(|r| r.arrival_ms < cfg.warmup_ms)
+        .copied()
+        .collect();
+    let origin = if warm.is_empty() { 0 } else { cfg.warmup_ms };
+    let first = warm.len();
+    let mut all = warm;
+    all.extend(trace.requests().iter().map(|r| Request {
+        arrival_ms: r.arrival_ms + origin,
+        ..*r
+    }));
+    let n = all.len();
     let mut sim = Sim {
-        trace,
+        requests: all,
+        first,
+        origin,
         cfg,
         rng: ChaCha8Rng::seed_from_u64(cfg.seed),
         now: 0,
@@ -261,6 +290,7 @@ pub fn simulate(
         }),
         series: Vec::new(),
         sample_from: (0, 0),
+        pool_gpu_before: None,
     };
     // Start at the policy's minimum, ready: the endpoint existed before
     // the trace began.
@@ -271,12 +301,11 @@ pub fn simulate(
     sim.last_target = Some(min);
     sim.push(0, Event::Tick);
     let interval = policy.interval_ms().max(1);
-    let requests = trace.requests();
     let mut next = 0usize;
     let report_every = (n / 200).max(1);
     loop {
         let heap_t = sim.heap.peek().map(|Reverse((t, _, _))| *t);
-        let arrival_t = requests.get(next).map(|r| r.arrival_ms);
+        let arrival_t = sim.requests.get(next).map(|r| r.arrival_ms);
         let take_arrival = match (heap_t, arrival_t) {
             (_, None) => false,
             (None, Some(_)) => true,
@@ -284,6 +313,9 @@ pub fn simulate(
         };
         if take_arrival {
             sim.now = arrival_t.unwrap_or(sim.now);
+            if next == sim.first && sim.origin > 0 {
+                sim.start_measuring();
+            }
             sim.arrive(next as u32);
             next += 1;
             if next % report_every == 0 {
@@ -314,6 +346,22 @@ pub fn simulate(
 }
 
 impl Sim<'_> {
+    /// The warm-up is over: forget what it cost and start the series.
+    fn start_measuring(&mut self) {
+        self.gpu_ms = 0;
+        for rep in &mut self.replicas {
+            if !matches!(rep.state, State::Gone | State::Unplaced) {
+                rep.since_ms = self.now;
+            }
+        }
+        self.pool_gpu_before = self.pool.as_ref().map(|p| p.gpu_ms(self.now));
+        self.cold_starts = 0;
+        self.scaling_actions = 0;
+        self.preemptions = 0;
+        self.series.clear();
+        self.sample_from = (self.now, self.arrived);
+    }
+
     fn push(&mut self, t: u64, ev: Event) {
         self.seq += 1;
         self.heap.push(Reverse((t, self.seq, ev)));
@@ -345,7 +393,7 @@ impl Sim<'_> {
 
     /// Begin serving request `i` on replica `r` now.
     fn start(&mut self, r: u32, i: u32) {
-        let req = &self.trace.requests()[i as usize];
+        let req = &self.requests[i as usize];
         let wait = self.now - req.arrival_ms;
         let prefill = self.cfg.service.prefill_ms(req);
         let service = self.cfg.service.service_ms(req);
@@ -367,7 +415,7 @@ impl Sim<'_> {
     /// The queue's head that has not timed out, dropping those that have.
     fn next_queued(&mut self) -> Option<u32> {
         while let Some(i) = self.queue.pop_front() {
-            let a = self.trace.requests()[i as usize].arrival_ms;
+            let a = self.requests[i as usize].arrival_ms;
             if self.now - a <= self.cfg.timeout_ms {
                 return Some(i);
             }
@@ -377,7 +425,7 @@ impl Sim<'_> {
 
     fn expire_queue(&mut self) {
         while let Some(&i) = self.queue.front() {
-            let a = self.trace.requests()[i as usize].arrival_ms;
+            let a = self.requests[i as usize].arrival_ms;
             if self.now - a > self.cfg.timeout_ms {
                 self.queue.pop_front();
             } else {
@@ -643,7 +691,7 @@ impl Sim<'_> {
         }
         let dt = (self.now - from).max(1) as f64 / 1000.0;
         self.series.push(Sample {
-            t_ms: from,
+            t_ms: from.saturating_sub(self.origin),
             arrivals_per_s: (self.arrived - arrived_then) as f64 / dt,
             replicas: (self.ready.len() + self.starting.len()) as u32,
             ready: self.ready.len() as u32,
@@ -658,15 +706,17 @@ impl Sim<'_> {
                 self.stop(r);
             }
         }
+        let before = self.pool_gpu_before.unwrap_or((0, 0));
         let node_gpu_ms = self.pool.as_mut().map(|p| {
             p.close(end);
-            p.gpu_ms(end)
+            let (od, spot) = p.gpu_ms(end);
+            (od.saturating_sub(before.0), spot.saturating_sub(before.1))
         });
+        let first = self.first;
         let timeout = sat32(self.cfg.timeout_ms);
         let slo = self.cfg.slo_ms;
-        let dropped = self.ttft.iter().filter(|&&t| t == DROPPED).count() as u64;
-        let slo_met = self
-            .ttft
+        let dropped = self.ttft[first..].iter().filter(|&&t| t == DROPPED).count() as u64;
+        let slo_met = self.ttft[first..]
             .iter()
             .filter(|&&t| t != DROPPED && u64::from(t) <= slo)
             .count() as u64;
@@ -687,11 +737,11 @@ impl Sim<'_> {
                 p99: at(0.99),
             }
         };
-        let ttft = pct(std::mem::take(&mut self.ttft));
-        let e2e = pct(std::mem::take(&mut self.e2e));
+        let ttft = pct(self.ttft.split_off(first));
+        let e2e = pct(self.e2e.split_off(first));
         SimResult {
             policy: name.to_string(),
-            requests: self.trace.len() as u64,
+            requests: (self.requests.len() - first) as u64,
             slo_met,
             dropped,
             ttft,
@@ -701,7 +751,7 @@ impl Sim<'_> {
             cold_starts: self.cold_starts,
             scaling_actions: self.scaling_actions,
             preemptions: self.preemptions,
-            end_ms: end,
+            end_ms: end - self.origin,
             series: self.series,
         }
     }

@@ -90,7 +90,7 @@ fn scale_from_zero_waits_for_the_cold_start() {
     };
     let mut kpa = policies::build(PolicyKind::Kpa, &ep).unwrap();
     let r = simulate(&t, kpa.as_mut(), &cfg(30_000), &mut |_, _| {});
-    assert_eq!(r.cold_starts, 1);
+    assert_eq!(r.cold_starts, 1, "{r:?}");
     assert_eq!(r.slo_met, 0);
     // Queued until the replica is ready: 30 s cold start after the first
     // tick at 0, plus 1 ms prefill.
@@ -231,4 +231,34 @@ fn real_traces_load_when_present() {
         assert_eq!(t.name, name);
         assert_eq!(t.len(), n);
     }
+}
+
+#[test]
+fn warm_up_is_replayed_but_not_measured() {
+    // One request a second for 20 minutes.
+    let reqs: Vec<Request> = (0..1_200).map(|i| req(i * 1_000, 1_500, 80)).collect();
+    let t = Trace::new("t", reqs).unwrap();
+    let ep = policies::Endpoint {
+        max_concurrency: 32,
+        mean_service_ms: 1_100.0,
+        cold_start_ms: 30_000,
+        slo_ms: 2_000,
+        max_replicas: 10,
+    };
+    let run = |warmup_ms| {
+        let mut c = cfg(30_000);
+        c.warmup_ms = warmup_ms;
+        let mut kpa = policies::build(PolicyKind::Kpa, &ep).unwrap();
+        simulate(&t, kpa.as_mut(), &c, &mut |_, _| {})
+    };
+    let (cold, warm) = (run(0), run(600_000));
+    assert_eq!((cold.requests, warm.requests), (1_200, 1_200));
+    // Cold, the first 30 s of requests wait for the first replica.
+    assert!(cold.slo_met <= 1_200 - 29, "{}", cold.slo_met);
+    assert_eq!(warm.slo_met, 1_200);
+    assert_eq!(warm.cold_starts, 0, "the replica started during the warm-up");
+    // GPU time and the series count from the trace's start.
+    assert_eq!(warm.end_ms, cold.end_ms);
+    assert!(warm.gpu_ms <= warm.end_ms);
+    assert_eq!(warm.series[0].t_ms, 0);
 }

@@ -68,6 +68,7 @@ fn main() -> Result<(), Error> {
     };
     let mut cfg = SimConfig::new(service.clone(), cold.clone(), a.slo_ms);
     cfg.seed = a.seed;
+    cfg.warmup_ms = 600_000;
 
     let mut traces = Vec::new();
     for (file, label) in [
