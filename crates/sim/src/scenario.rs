@@ -172,7 +172,10 @@ pub fn peak_load(trace: &Trace, service: &ServiceModel) -> f64 {
 /// 1` copies with the same tokens are placed uniformly at random in the
 /// gap to the next arrival, so the rate is multiplied where it is and the
 /// trace's shape (bursts, lulls, diurnal swing) is kept at the
-/// resolution of its inter-arrival gaps. Returns the trace and `k`.
+/// resolution of its inter-arrival gaps. Requests that share a timestamp
+/// (GenTD26 records whole seconds) spread their copies over the trace's
+/// timestamp resolution, its smallest positive gap, rather than stacking
+/// thousands of requests on one millisecond. Returns the trace and `k`.
 pub fn scale_to_peak(
     trace: &Trace,
     service: &ServiceModel,
@@ -196,10 +199,19 @@ pub fn scale_to_peak(
     }
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let reqs = trace.requests();
+    let resolution = reqs
+        .windows(2)
+        .map(|w| w[1].arrival_ms - w[0].arrival_ms)
+        .filter(|&g| g > 0)
+        .min()
+        .unwrap_or(1);
     let mut out = Vec::with_capacity(reqs.len() * k as usize);
     for (i, r) in reqs.iter().enumerate() {
         out.push(*r);
-        let gap = reqs.get(i + 1).map_or(0, |n| n.arrival_ms - r.arrival_ms);
+        let gap = reqs
+            .get(i + 1)
+            .map_or(0, |n| n.arrival_ms - r.arrival_ms)
+            .max(resolution);
         for _ in 1..k {
             let dt = if gap == 0 { 0 } else { rng.gen_range(0..gap) };
             out.push(Request {
@@ -263,6 +275,28 @@ mod tests {
         assert!(peak_load(&big, &s) >= 18.0, "{}", peak_load(&big, &s));
         let (same, one) = scale_to_peak(&big, &s, 1.0, 9).unwrap();
         assert_eq!((same.len(), one), (big.len(), 1));
+    }
+
+    #[test]
+    fn equal_timestamps_spread_over_the_resolution() {
+        let s = ServiceModel::for_gpu("H100").unwrap();
+        let reqs: Vec<Request> = [0u64, 0, 1_000, 2_000]
+            .iter()
+            .map(|&t| Request {
+                arrival_ms: t,
+                input_tokens: 100,
+                output_tokens: 100,
+            })
+            .collect();
+        let t = Trace::new("s", reqs).unwrap();
+        let (big, k) = scale_to_peak(&t, &s, 1.0, 1).unwrap();
+        assert!(k > 10);
+        let at_zero = big.requests().iter().filter(|r| r.arrival_ms == 0).count();
+        assert!(
+            at_zero < k as usize / 2,
+            "{at_zero} of {k} copies stacked at 0"
+        );
+        assert!(big.requests().iter().all(|r| r.arrival_ms < 3_000));
     }
 
     #[test]
