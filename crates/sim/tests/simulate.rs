@@ -256,7 +256,10 @@ fn warm_up_is_replayed_but_not_measured() {
     // Cold, the first 30 s of requests wait for the first replica.
     assert!(cold.slo_met <= 1_200 - 29, "{}", cold.slo_met);
     assert_eq!(warm.slo_met, 1_200);
-    assert_eq!(warm.cold_starts, 0, "the replica started during the warm-up");
+    assert_eq!(
+        warm.cold_starts, 0,
+        "the replica started during the warm-up"
+    );
     // GPU time and the series count from the trace's start.
     assert_eq!(warm.end_ms, cold.end_ms);
     assert!(warm.gpu_ms <= warm.end_ms);
