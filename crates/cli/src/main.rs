@@ -15,6 +15,7 @@ mod follow;
 mod jobs;
 mod local;
 mod output;
+mod simulate;
 
 use std::process::ExitCode;
 
@@ -55,6 +56,9 @@ enum Command {
     Up(UpArgs),
     /// Run the control plane only.
     Server(ServerArgs),
+    /// Replay a request trace through the autoscaling policies in the
+    /// simulator and write a report folder (runs locally, no server).
+    Simulate(simulate::SimulateArgs),
     /// Run a node agent that offers this machine's GPUs to a server.
     Agent(AgentArgs),
     /// Check an API key against a server and save both.
@@ -278,6 +282,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Server(args) => return local::server(args).await,
         Command::Agent(args) => return local::agent(server, args).await,
         Command::Login => return commands::login(server, api_key).await,
+        Command::Simulate(args) => return simulate::run(args),
         _ => {}
     }
     if std::env::var_os("RUST_LOG").is_some() {
@@ -337,7 +342,11 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
                 .await
             }
         },
-        Command::Up(_) | Command::Server(_) | Command::Agent(_) | Command::Login => {
+        Command::Up(_)
+        | Command::Server(_)
+        | Command::Agent(_)
+        | Command::Login
+        | Command::Simulate(_) => {
             unreachable!("handled above")
         }
     }

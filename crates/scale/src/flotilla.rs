@@ -9,22 +9,30 @@
 //! 1. **Forecast over the cold-start horizon.** Arrivals are counted from
 //!    the monotone request counter. A Holt (level + trend) exponentially
 //!    weighted estimate of the rate, extrapolated `H` ahead, anticipates
-//!    ramps; the peak rate of the recent window (in buckets one SLO long:
-//!    a burst shorter than the SLO can wait in the queue, a longer one
-//!    cannot) makes the estimate robust to noise and keeps capacity through
-//!    a recent peak — it also acts as the scale-down stabiliser. The
-//!    planning rate is `max(level + max(trend, 0) × H, peak)`, the trend
-//!    term capped at doubling within one horizon so one noisy burst cannot
-//!    order a fleet.
-//! 2. **Headroom from Little's law.** A replica completes `μ` requests per
-//!    second at its maximum concurrency `C` (so each request holds a slot
-//!    for `C / μ` seconds), hence `λ` requests per second keep `λ·C/μ`
-//!    requests in service, `R = λ/μ` replicas' worth. Arrivals fluctuate by
-//!    about `√R` (Poisson), so the policy keeps `ceil(R + β·√R)` replicas —
-//!    square-root staffing, `β` = 1 by default. Requests already in flight
-//!    and queued need `ceil((in_flight + queued) / C)` replicas now; the
-//!    larger of the two wins.
-//! 3. **Scale to zero by cost.** When one replica or fewer is needed, no
+//!    ramps (the trend term capped at doubling the level within one
+//!    horizon so one noisy burst cannot order a fleet).
+//! 2. **Headroom in slots, from Little's law.** A replica runs `C`
+//!    requests at once and completes `μ` per second, so each request holds
+//!    a slot for `s = C / μ` seconds and `λ` requests per second keep
+//!    `a = λ·s` slots busy (the offered load in Erlangs). Slots are the
+//!    servers of this queue, so square-root staffing applies to them:
+//!    `a + β·√a` slots (`β` = 1 by default), `ceil(· / C)` replicas.
+//! 3. **Keep the recent peak.** The highest concurrency (in flight +
+//!    queued) seen over the peak window (300 s by default, Kubernetes'
+//!    scale-down stabilisation) is kept as capacity: traffic that burst
+//!    once within a few cold starts is likely to burst again, and a burst
+//!    met by a replica that is still starting is a burst of SLO misses.
+//!    This is also the scale-down stabiliser.
+//! 4. **Backlog.** Requests in flight need `ceil(in_flight / C)` replicas
+//!    now; requests waiting are worked off over one cold start (a replica
+//!    started now helps no sooner): `ceil(queued·s / (C·H))` more, at least
+//!    one. The largest of forecast, peak and backlog wins.
+//!
+//! (First version: the peak was of arrival rates in SLO-long buckets and
+//! the headroom `β·√R` in replicas; measured in the simulator, headroom in
+//! replicas over-provisions by `√C` and rate peaks miss the hold time.)
+//!
+//! 5. **Scale to zero by cost.** When one replica or fewer is needed, no
 //!    request is in flight or queued and none has arrived for `min_idle`,
 //!    the policy compares, over the next horizon `H`: the idle cost of one
 //!    warm replica, `gpus × price × H`, with the expected cost of going
@@ -99,7 +107,7 @@ pub struct FlotillaConfig {
     /// Time constant of the long-run rate used for scale to zero (default
     /// 600 s).
     pub long_time_constant_ms: u64,
-    /// Window over which the peak rate is kept (default 300 s).
+    /// Window over which the peak concurrency is kept (default 300 s).
     pub peak_window_ms: u64,
     /// Square-root staffing factor `β` (default 1.0; 0 disables headroom).
     pub headroom_beta: f64,
@@ -163,7 +171,7 @@ impl FlotillaConfig {
         Ok(())
     }
 
-    /// Step 3's two sides for a long-run arrival rate `rate` (requests per
+    /// Step 5's two sides for a long-run arrival rate `rate` (requests per
     /// second): `(idle cost of one warm replica over the cold-start
     /// horizon, expected penalty of being cold over it)`. Scale to zero
     /// only when the first is larger.
@@ -207,6 +215,9 @@ pub struct Flotilla {
     last_traffic_ms: Option<u64>,
     last_tick_ms: Option<u64>,
     last: Option<Decision>,
+    /// Sliding maximum of the observed concurrency (in flight + queued)
+    /// over the peak window: a monotone deque of `(time, concurrency)`.
+    peak_demand: VecDeque<(u64, f64)>,
 }
 
 impl Flotilla {
@@ -226,6 +237,7 @@ impl Flotilla {
             last_traffic_ms: None,
             last_tick_ms: None,
             last: None,
+            peak_demand: VecDeque::new(),
         })
     }
 
@@ -255,6 +267,18 @@ impl Flotilla {
         let oldest = now.saturating_sub(self.cfg.peak_window_ms) / bucket_ms;
         while self.buckets.front().is_some_and(|(i, _)| *i < oldest) {
             self.buckets.pop_front();
+        }
+        let demand = obs.concurrency();
+        while self.peak_demand.back().is_some_and(|(_, d)| *d <= demand) {
+            self.peak_demand.pop_back();
+        }
+        self.peak_demand.push_back((now, demand));
+        while self
+            .peak_demand
+            .front()
+            .is_some_and(|(t, _)| now.saturating_sub(*t) > self.cfg.peak_window_ms)
+        {
+            self.peak_demand.pop_front();
         }
         if new > 0 || obs.concurrency() > 0.0 || self.last_traffic_ms.is_none() {
             self.last_traffic_ms = Some(now);
@@ -291,24 +315,39 @@ impl Flotilla {
             .fold(0.0, f64::max)
     }
 
-    /// The planning rate: the arrival rate to provision for one cold start
-    /// from now, in requests per second.
+    /// The highest concurrency (in flight + queued, in slots) observed over
+    /// the peak window.
+    pub fn peak_demand(&self) -> f64 {
+        self.peak_demand.front().map_or(0.0, |(_, d)| *d)
+    }
+
+    /// The smoothed arrival rate extrapolated one cold start ahead, in
+    /// requests per second (the trend term at most doubles the level).
     pub fn forecast_rate(&self) -> f64 {
         let h = self.cfg.cold_start.total_ms() as f64 / 1000.0;
-        let base = self.level.max(self.peak_rate());
-        let ahead = (self.level + self.trend.max(0.0) * h).min(2.0 * base);
-        ahead.max(base)
+        let ahead = (self.level + self.trend.max(0.0) * h).min(2.0 * self.level);
+        ahead.max(self.level)
     }
 
     fn tick(&mut self, now: u64, obs: &Observation) -> Decision {
         let svc = self.cfg.service;
-        let r = self.forecast_rate() / svc.service_rate;
-        let by_rate = if r > 0.0 {
-            ceil_u32(r + self.cfg.headroom_beta * r.sqrt())
+        let c = f64::from(svc.max_concurrency);
+        // Seconds one request holds a slot.
+        let hold_s = c / svc.service_rate;
+        let horizon_s = (self.cfg.cold_start.total_ms() as f64 / 1000.0).max(1.0);
+        let load = self.forecast_rate() * hold_s;
+        let by_rate = if load > 0.0 {
+            ceil_u32((load + self.cfg.headroom_beta * load.sqrt()) / c)
         } else {
             0
-        };
-        let by_backlog = ceil_u32(obs.concurrency() / f64::from(svc.max_concurrency));
+        }
+        .max(ceil_u32(self.peak_demand() / c));
+        let queued = f64::from(obs.queued);
+        let by_backlog = ceil_u32(f64::from(obs.in_flight) / c).saturating_add(if queued > 0.0 {
+            ceil_u32(queued * hold_s / (c * horizon_s)).max(1)
+        } else {
+            0
+        });
         let (mut need, mut reason) = if by_backlog > by_rate {
             (by_backlog, Reason::Backlog)
         } else {
@@ -396,8 +435,9 @@ mod tests {
         for s in 0..=600u64 {
             d = f.decide(s * 1000, &at(20 * s));
         }
-        // 20 r/s at 2 r/s per replica: R = 10, + √10 → 14.
-        assert_eq!(d, Decision::new(14, Reason::Forecast));
+        // 20 r/s, each holding one of 8 slots for 8 / 2 = 4 s: a = 80
+        // busy slots, + √80 headroom = 88.9 slots → 12 replicas.
+        assert_eq!(d, Decision::new(12, Reason::Forecast));
     }
 
     #[test]
@@ -430,6 +470,26 @@ mod tests {
     }
 
     #[test]
+    fn keeps_capacity_for_the_recent_peak_concurrency() {
+        let mut f = Flotilla::new(cfg(), Bounds::new(0, 100).unwrap()).unwrap();
+        let busy = Observation {
+            ready: 10,
+            in_flight: 80,
+            requests_total: 0,
+            ..Observation::default()
+        };
+        assert_eq!(f.decide(0, &busy).replicas, 10);
+        // Quiet afterwards: the 80 slots of the peak are kept for the
+        // peak window (300 s), then released.
+        let quiet = Observation {
+            ready: 10,
+            ..Observation::default()
+        };
+        assert_eq!(f.decide(299_000, &quiet).replicas, 10);
+        assert!(f.decide(301_000, &quiet).replicas <= 1);
+    }
+
+    #[test]
     fn backlog_from_zero_scales_at_once() {
         let mut f = Flotilla::new(cfg(), Bounds::new(0, 100).unwrap()).unwrap();
         let o = Observation {
@@ -437,7 +497,9 @@ mod tests {
             requests_total: 20,
             ..Observation::default()
         };
-        assert_eq!(f.decide(0, &o), Decision::new(3, Reason::Backlog));
+        // 20 waiting are worked off over one cold start: one replica now
+        // (the peak concurrency of 20 asks for 3 of 8 slots).
+        assert_eq!(f.decide(0, &o).replicas, 3);
     }
 
     #[test]

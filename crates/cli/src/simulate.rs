@@ -1,0 +1,286 @@
+//! `flotilla simulate`: replay a request trace (or a built-in scenario)
+//! through the autoscaling policies in the simulator and write a report
+//! folder: `report.md` (the comparison table and the setting),
+//! `results.json` (the same rows), and one SVG per policy of arrivals
+//! against replicas over time. Runs locally; needs no server.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use flotilla_sim::engine::{NodePoolConfig, SimResult};
+use flotilla_sim::nodes::ProviderConfig;
+use flotilla_sim::report::{compare, json, markdown_table};
+use flotilla_sim::scenario::{scale_to_peak, Scenario};
+use flotilla_sim::{trace, ColdStartModel, PolicyKind, ServiceModel, SimConfig};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Options of `flotilla simulate`.
+#[derive(Debug, Args)]
+pub struct SimulateArgs {
+    /// Request trace: Azure LLM 2023 CSV, GenTD26 `lora_request_trace.csv`,
+    /// or the generic `arrival_ms,input_tokens,output_tokens` CSV / JSONL.
+    #[arg(long, value_name = "FILE", required_unless_present = "scenario")]
+    trace: Option<PathBuf>,
+    /// A built-in scenario instead of a trace: `viral-spike` (100 → 10,000
+    /// requests/hour) or `black-friday` (a 10× step).
+    #[arg(long, value_name = "NAME", conflicts_with = "trace")]
+    scenario: Option<String>,
+    /// Policies to compare, comma-separated: flotilla,hpa,keda,kpa,ray.
+    #[arg(long, default_value = "flotilla,hpa,keda,kpa,ray")]
+    policy: String,
+    /// Time-to-first-token objective, milliseconds.
+    #[arg(long, default_value_t = 2_000)]
+    slo_ms: u64,
+    /// GPU type of the replicas (catalog name).
+    #[arg(long, default_value = "H100")]
+    gpu: String,
+    /// Seed of the run: same inputs and seed, same report, byte for byte.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Report folder (created if missing).
+    #[arg(long, value_name = "DIR", default_value = "simulate-report")]
+    out: PathBuf,
+    /// Cold-start shape: GenTD26's `basemodel_update_latency_anon.tar.gz`
+    /// (or its CSV); default: a log-normal stand-in (σ 0.5).
+    #[arg(long, value_name = "FILE")]
+    cold_start: Option<PathBuf>,
+    /// Median cold start the shape is scaled to, seconds.
+    #[arg(long, default_value_t = 60)]
+    cold_start_median_s: u64,
+    /// Multiply the arrival rate so the peak needs at least this many
+    /// replicas (0: replay the trace as it is).
+    #[arg(long, default_value_t = 20)]
+    peak_replicas: u32,
+    /// Most replicas any policy may ask for.
+    #[arg(long, default_value_t = 1_000)]
+    max_replicas: u32,
+    /// Run replicas on a simulated node pool (8-GPU nodes in two regions,
+    /// provisioning delays, spot capacity and preemption).
+    #[arg(long)]
+    node_pool: bool,
+    /// Replay the trace's first this-many seconds once before it,
+    /// unmeasured, so policies meet it warm (0: start cold and empty).
+    #[arg(long, default_value_t = 600)]
+    warmup_s: u64,
+    /// Endpoint tier: 1 runs on on-demand nodes only.
+    #[arg(long, default_value_t = 2)]
+    tier: u8,
+}
+
+/// Run the simulation and write the report.
+pub fn run(args: SimulateArgs) -> Result<ExitCode> {
+    let policies = PolicyKind::parse_list(&args.policy)?;
+    if args.slo_ms == 0 {
+        bail!("--slo-ms must be greater than zero");
+    }
+    if args.cold_start_median_s == 0 {
+        bail!("--cold-start-median-s must be greater than zero");
+    }
+    let service = ServiceModel::for_gpu(&args.gpu)?;
+    let original = match (&args.trace, &args.scenario) {
+        (Some(path), _) => trace::load(path)?,
+        (None, Some(name)) => name.parse::<Scenario>()?.trace(args.seed)?,
+        (None, None) => bail!("give --trace FILE or --scenario NAME"),
+    };
+    let median_ms = args.cold_start_median_s * 1_000;
+    let cold = match &args.cold_start {
+        Some(path) => ColdStartModel::load_gentd26(path, median_ms)?,
+        None => ColdStartModel::lognormal(median_ms),
+    };
+    let (trace, k) = if args.peak_replicas > 0 {
+        scale_to_peak(
+            &original,
+            &service,
+            f64::from(args.peak_replicas),
+            args.seed,
+        )?
+    } else {
+        (original.clone(), 1)
+    };
+    let mut cfg = SimConfig::new(service.clone(), cold.clone(), args.slo_ms);
+    cfg.seed = args.seed;
+    cfg.tier = args.tier;
+    cfg.warmup_ms = args.warmup_s.saturating_mul(1_000);
+    if args.node_pool {
+        cfg.node_pool = Some(NodePoolConfig {
+            provider: ProviderConfig::cloud(&service.gpu),
+            idle_grace_ms: 300_000,
+        });
+    }
+
+    let bar = ProgressBar::new(trace.len() as u64 * policies.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>9} [{bar:40}] {percent:>3}% {elapsed_precise}")
+            .context("progress bar template")?
+            .progress_chars("=> "),
+    );
+    let n = trace.len() as u64;
+    let mut offset = 0u64;
+    let mut current = String::new();
+    let cmp = compare(
+        &trace,
+        &policies,
+        &cfg,
+        args.max_replicas,
+        &mut |policy, done, _| {
+            if current != policy {
+                if !current.is_empty() {
+                    offset += n;
+                }
+                current = policy.to_string();
+                bar.set_message(current.clone());
+            }
+            bar.set_position(offset + done);
+        },
+    )?;
+    bar.finish_and_clear();
+
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    for r in &cmp.results {
+        let path = args.out.join(format!("{}.svg", r.policy));
+        plot(&path, &trace.name, r)?;
+    }
+    let table = markdown_table(&cmp.rows);
+    let mut md = format!("# Autoscaling simulation: {}\n\n", trace.name);
+    md.push_str(&format!(
+        "- trace: `{}`, {} requests{}, {:.2} h\n",
+        trace.name,
+        original.len(),
+        if k > 1 {
+            format!(
+                " with the arrival rate multiplied by {k} to {} (peak ≥ {} replicas)",
+                trace.len(),
+                args.peak_replicas
+            )
+        } else {
+            String::new()
+        },
+        trace.duration_ms() as f64 / 3_600_000.0,
+    ));
+    md.push_str(&format!(
+        "- replica: one {} serving an 8B-class model: prefill {:.0} tokens/s, decode {:.0} tokens/s per sequence, {} sequences at once\n",
+        service.gpu, service.prefill_tokens_per_s, service.decode_tokens_per_s, service.max_concurrency
+    ));
+    md.push_str(&format!(
+        "- cold start: {} (median {} s, shortest {} s, p99 {} s)\n",
+        cold.source,
+        cold.median_ms() / 1000,
+        cold.min_ms() / 1000,
+        cold.quantile_ms(0.99) / 1000
+    ));
+    md.push_str(&format!(
+        "- SLO: time to first token ≤ {} ms; requests waiting over {} s are dropped; warm-up {} s; seed {}{}\n",
+        args.slo_ms,
+        cfg.timeout_ms / 1000,
+        args.warmup_s,
+        args.seed,
+        if args.node_pool {
+            "; simulated node pool"
+        } else {
+            ""
+        }
+    ));
+    md.push_str(&format!(
+        "- oracle (perfect-foresight lower bound, see docs/autoscaling.md): {:.1} GPU-s, peak {} replicas\n\n",
+        cmp.oracle.gpu_ms as f64 / 1000.0,
+        cmp.oracle.peak_replicas
+    ));
+    md.push_str(&table);
+    md.push('\n');
+    for r in &cmp.results {
+        md.push_str(&format!("![{0}]({0}.svg)\n", r.policy));
+    }
+    write(&args.out.join("report.md"), &md)?;
+    write(&args.out.join("results.json"), &json(&cmp.rows))?;
+    print!("{table}");
+    println!("report: {}", args.out.join("report.md").display());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn write(path: &Path, s: &str) -> Result<()> {
+    std::fs::write(path, s).with_context(|| format!("writing {}", path.display()))
+}
+
+/// One SVG: arrivals per second (right axis) and replicas (left axis:
+/// asked for, and ready) over time.
+fn plot(path: &Path, trace: &str, r: &SimResult) -> Result<()> {
+    use plotters::prelude::*;
+
+    let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("plotting {}: {e}", path.display());
+    let hours = |t: u64| t as f64 / 3_600_000.0;
+    let x_max = hours(r.end_ms).max(1.0 / 60.0);
+    let y_max = r
+        .series
+        .iter()
+        .map(|s| s.replicas)
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64
+        * 1.1;
+    let a_max = r
+        .series
+        .iter()
+        .map(|s| s.arrivals_per_s)
+        .fold(0.0, f64::max)
+        .max(1.0)
+        * 1.1;
+    let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("{trace}: {}", r.policy), ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(35)
+        .y_label_area_size(50)
+        .right_y_label_area_size(60)
+        .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+        .map_err(|e| err(&e))?
+        .set_secondary_coord(0.0..x_max, 0.0..a_max);
+    chart
+        .configure_mesh()
+        .x_desc("hours")
+        .y_desc("replicas")
+        .draw()
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_secondary_axes()
+        .y_desc("arrivals / s")
+        .draw()
+        .map_err(|e| err(&e))?;
+    chart
+        .draw_secondary_series(LineSeries::new(
+            r.series.iter().map(|s| (hours(s.t_ms), s.arrivals_per_s)),
+            RGBColor(160, 160, 160),
+        ))
+        .map_err(|e| err(&e))?
+        .label("arrivals / s (right)")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 15, y)], RGBColor(160, 160, 160)));
+    chart
+        .draw_series(LineSeries::new(
+            r.series
+                .iter()
+                .map(|s| (hours(s.t_ms), f64::from(s.replicas))),
+            BLUE,
+        ))
+        .map_err(|e| err(&e))?
+        .label("replicas")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 15, y)], BLUE));
+    chart
+        .draw_series(LineSeries::new(
+            r.series.iter().map(|s| (hours(s.t_ms), f64::from(s.ready))),
+            GREEN,
+        ))
+        .map_err(|e| err(&e))?
+        .label("ready")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 15, y)], GREEN));
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

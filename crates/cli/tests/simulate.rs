@@ -1,0 +1,141 @@
+//! `flotilla simulate` as a user runs it: the real binary on a small
+//! generated trace, writing its report folder.
+
+use flotilla_testkit::process::Home;
+
+const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
+
+/// A generic-CSV trace: a quiet start, a burst, a quiet end.
+fn trace_csv() -> String {
+    let mut s = String::from("arrival_ms,input_tokens,output_tokens\n");
+    let mut t = 0u64;
+    for i in 0..3_000u64 {
+        // 2 s apart for 200 requests, then 20 ms apart, then 2 s again.
+        t += if (200..2_800).contains(&i) { 20 } else { 2_000 };
+        s.push_str(&format!(
+            "{t},{},{}\n",
+            500 + (i * 37) % 1500,
+            50 + (i * 13) % 300
+        ));
+    }
+    s
+}
+
+#[test]
+fn writes_a_deterministic_report_folder() {
+    let home = Home::new(BIN);
+    let trace = home.dir.path().join("trace.csv");
+    std::fs::write(&trace, trace_csv()).unwrap();
+    let run = |out: &str| {
+        let out = home.dir.path().join(out);
+        let o = home
+            .cmd()
+            .args(["simulate", "--trace"])
+            .arg(&trace)
+            .args([
+                "--policy",
+                "flotilla,hpa,kpa",
+                "--slo-ms",
+                "2000",
+                "--gpu",
+                "H100",
+            ])
+            .args([
+                "--seed",
+                "7",
+                "--peak-replicas",
+                "4",
+                "--cold-start-median-s",
+                "20",
+            ])
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let stdout = String::from_utf8(o.stdout).unwrap();
+        assert!(stdout.contains("| trace | flotilla |"), "{stdout}");
+        out
+    };
+    let (a, b) = (run("a"), run("b"));
+    for f in [
+        "report.md",
+        "results.json",
+        "flotilla.svg",
+        "hpa.svg",
+        "kpa.svg",
+    ] {
+        let x = std::fs::read(a.join(f)).unwrap();
+        assert!(!x.is_empty(), "{f} empty");
+        assert_eq!(
+            x,
+            std::fs::read(b.join(f)).unwrap(),
+            "{f} differs between runs"
+        );
+    }
+    let report = std::fs::read_to_string(a.join("report.md")).unwrap();
+    assert!(report.contains("SLO attainment %") && report.contains("![kpa](kpa.svg)"));
+    let rows: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(a.join("results.json")).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    for r in rows {
+        for key in [
+            "trace",
+            "policy",
+            "slo_ms",
+            "slo_attainment_pct",
+            "gpu_seconds",
+            "oracle_gpu_seconds",
+            "cost_ratio_to_oracle",
+            "p99_ms",
+            "cold_starts",
+        ] {
+            assert!(r.get(key).is_some(), "{key} missing in {r}");
+        }
+        assert!(r["cost_ratio_to_oracle"].as_f64().unwrap() >= 1.0, "{r}");
+    }
+}
+
+#[test]
+fn scenarios_run_and_bad_input_is_named() {
+    let home = Home::new(BIN);
+    let out = home.dir.path().join("spike");
+    let o = home
+        .cmd()
+        .args([
+            "simulate",
+            "--scenario",
+            "viral-spike",
+            "--policy",
+            "ray",
+            "--peak-replicas",
+            "3",
+        ])
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.join("ray.svg").exists());
+
+    let fail = |args: &[&str]| {
+        let o = home.cmd().arg("simulate").args(args).output().unwrap();
+        assert!(!o.status.success());
+        String::from_utf8(o.stderr).unwrap()
+    };
+    let e = fail(&["--scenario", "viral-spike", "--policy", "vpa"]);
+    assert!(e.contains("policy") && e.contains("vpa"), "{e}");
+    let e = fail(&["--scenario", "cyber-monday"]);
+    assert!(e.contains("scenario"), "{e}");
+    let e = fail(&["--scenario", "viral-spike", "--gpu", "T4"]);
+    assert!(e.contains("gpu"), "{e}");
+    let bad = home.dir.path().join("bad.csv");
+    std::fs::write(
+        &bad,
+        "arrival_ms,input_tokens,output_tokens\n0,1,1\nx,1,1\n",
+    )
+    .unwrap();
+    let e = fail(&["--trace", bad.to_str().unwrap()]);
+    assert!(e.contains("line 3") && e.contains("arrival_ms"), "{e}");
+}

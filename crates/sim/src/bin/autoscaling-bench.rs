@@ -1,0 +1,188 @@
+//! `scripts/bench autoscaling`: every policy on every trace in the fixed
+//! setting (see docs/autoscaling.md), plus the one-core speed run.
+//!
+//! Usage: `autoscaling-bench --data DIR --json FILE --table FILE
+//! [--seed N] [--slo-ms MS] [--speed-requests N]`. Traces whose files are
+//! missing under DIR are skipped with a message; the synthetic scenarios
+//! always run.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use flotilla_sim::report::{compare, json, markdown_table, Row};
+use flotilla_sim::scenario::{constant, scale_to_peak, Scenario};
+use flotilla_sim::{
+    coldstart::ColdStartModel, simulate, trace, PolicyKind, ServiceModel, SimConfig,
+};
+
+type Error = Box<dyn std::error::Error>;
+
+struct Args {
+    data: PathBuf,
+    json: PathBuf,
+    table: PathBuf,
+    seed: u64,
+    slo_ms: u64,
+    speed_requests: usize,
+}
+
+fn args() -> Result<Args, Error> {
+    let mut a = Args {
+        data: PathBuf::from("../shared/data"),
+        json: PathBuf::from("autoscaling.json"),
+        table: PathBuf::from("autoscaling-table.md"),
+        seed: 1,
+        slo_ms: 2_000,
+        speed_requests: 1_000_000,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--data" => a.data = value()?.into(),
+            "--json" => a.json = value()?.into(),
+            "--table" => a.table = value()?.into(),
+            "--seed" => a.seed = value()?.parse()?,
+            "--slo-ms" => a.slo_ms = value()?.parse()?,
+            "--speed-requests" => a.speed_requests = value()?.parse()?,
+            other => return Err(format!("unknown argument {other}").into()),
+        }
+    }
+    Ok(a)
+}
+
+fn main() -> Result<(), Error> {
+    let a = args()?;
+    let service = ServiceModel::for_gpu("H100")?;
+    let shape = a
+        .data
+        .join("alibaba-genai-2026/basemodel_update_latency_anon.tar.gz");
+    let cold = if shape.exists() {
+        ColdStartModel::load_gentd26(&shape, 60_000)?
+    } else {
+        eprintln!(
+            "autoscaling-bench: no GenTD26 load latencies at {}; using the log-normal stand-in",
+            shape.display()
+        );
+        ColdStartModel::lognormal(60_000)
+    };
+    let mut cfg = SimConfig::new(service.clone(), cold.clone(), a.slo_ms);
+    cfg.seed = a.seed;
+    cfg.warmup_ms = 600_000;
+
+    let mut traces = Vec::new();
+    for (file, label) in [
+        (
+            "azure-llm-2023/AzureLLMInferenceTrace_code.csv",
+            "azure-code",
+        ),
+        (
+            "azure-llm-2023/AzureLLMInferenceTrace_conv.csv",
+            "azure-conv",
+        ),
+        ("alibaba-genai-2026/lora_request_trace.csv", "gentd26"),
+    ] {
+        let p = a.data.join(file);
+        if p.exists() {
+            let t = trace::load(&p)?;
+            // GenTD26 spans weeks: its busiest day is the run.
+            traces.push(if label == "gentd26" {
+                t.busiest(24 * 3_600_000)
+            } else {
+                t
+            });
+        } else {
+            eprintln!(
+                "autoscaling-bench: {label} absent at {}; skipped",
+                p.display()
+            );
+        }
+    }
+    traces.push(Scenario::ViralSpike.trace(a.seed)?);
+    traces.push(Scenario::BlackFriday.trace(a.seed)?);
+
+    let mut rows: Vec<Row> = Vec::new();
+    let mut notes = String::new();
+    for t in &traces {
+        let (scaled, k) = scale_to_peak(t, &service, 20.0, a.seed)?;
+        let started = Instant::now();
+        let c = compare(&scaled, &PolicyKind::ALL, &cfg, 1_000, &mut |_, _, _| {})?;
+        notes.push_str(&format!(
+            "- `{}`: {} requests × {k} = {} over {:.1} h; oracle peak {} replicas; oracle {:.0} GPU-s (envelope {:.0}, work {:.0}); 5 policies in {:.1} s\n",
+            t.name,
+            t.len(),
+            scaled.len(),
+            scaled.duration_ms() as f64 / 3_600_000.0,
+            c.oracle.peak_replicas,
+            c.oracle.gpu_ms as f64 / 1000.0,
+            c.oracle.envelope_ms as f64 / 1000.0,
+            c.oracle.work_ms as f64 / 1000.0,
+            started.elapsed().as_secs_f64(),
+        ));
+        eprintln!("{}", markdown_table(&c.rows));
+        rows.extend(c.rows);
+    }
+
+    // Speed: one policy, one core, a long synthetic trace.
+    let mut speed = String::new();
+    if a.speed_requests > 0 {
+        let long = constant("speed", a.speed_requests, 300.0, a.seed)?;
+        let ep_service_ms = long
+            .requests()
+            .iter()
+            .map(|r| service.service_ms(r) as f64)
+            .sum::<f64>()
+            / long.len() as f64;
+        let ep = flotilla_sim::policies::Endpoint {
+            max_concurrency: service.max_concurrency,
+            mean_service_ms: ep_service_ms,
+            cold_start_ms: cold.median_ms(),
+            slo_ms: a.slo_ms,
+            max_replicas: 1_000,
+        };
+        for kind in [PolicyKind::Flotilla, PolicyKind::Kpa] {
+            let mut p = flotilla_sim::policies::build(kind, &ep)?;
+            let started = Instant::now();
+            let r = simulate(&long, p.as_mut(), &cfg, &mut |_, _| {});
+            let secs = started.elapsed().as_secs_f64();
+            speed.push_str(&format!(
+                "| {} | {} | {:.1} h | {:.2} | {:.0} |\n",
+                kind.as_str(),
+                long.len(),
+                long.duration_ms() as f64 / 3_600_000.0,
+                secs,
+                long.len() as f64 / secs,
+            ));
+            eprintln!(
+                "speed {}: {} requests in {secs:.2} s ({:.3}% SLO)",
+                kind.as_str(),
+                r.requests,
+                r.slo_attainment_pct()
+            );
+        }
+    }
+
+    std::fs::write(&a.json, json(&rows))?;
+    let mut table = String::new();
+    table.push_str(&format!(
+        "Cold start: {} (median {} s, min {} s, p90 {} s, p99 {} s).\n\n",
+        cold.source,
+        cold.median_ms() / 1000,
+        cold.min_ms() / 1000,
+        cold.quantile_ms(0.9) / 1000,
+        cold.quantile_ms(0.99) / 1000
+    ));
+    table.push_str("Traces:\n\n");
+    table.push_str(&notes);
+    table.push('\n');
+    table.push_str(&markdown_table(&rows));
+    if !speed.is_empty() {
+        table.push_str(
+            "\nSpeed (one core, one policy, synthetic Poisson trace at 300 requests/s):\n\n",
+        );
+        table.push_str("| policy | requests | simulated time | wall s | requests/s |\n|---|---:|---:|---:|---:|\n");
+        table.push_str(&speed);
+    }
+    std::fs::write(&a.table, table)?;
+    Ok(())
+}

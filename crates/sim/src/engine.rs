@@ -1,0 +1,762 @@
+//! The discrete-event core: one endpoint, one policy, one trace, on a
+//! virtual clock.
+//!
+//! Events live in a binary heap keyed by `(time, sequence)`; arrivals are
+//! read in order from the sorted trace and merged with the heap, so the
+//! heap only holds completions, replica readiness, preemptions and policy
+//! ticks. At equal times heap events run before arrivals, and heap events
+//! in the order they were scheduled, so a run is a pure function of its
+//! inputs and seed.
+//!
+//! The model:
+//!
+//! - **Routing.** An arriving request goes to the least-loaded ready
+//!   replica with a free slot (ties: the oldest replica); with none, it
+//!   waits in one FIFO queue. A freed slot takes the queue's head.
+//! - **Latency.** Time to first token = queue wait (including any wait for
+//!   a cold start) + prefill; end-to-end adds decode. A request that waits
+//!   longer than `timeout_ms` is dropped, counts as an SLO miss, and enters
+//!   the percentiles at the timeout.
+//! - **Replicas.** A new replica is ready after a cold start drawn from the
+//!   [`ColdStartModel`] (on a node pool: after its node is ready, too). It
+//!   is paid for from the moment it is asked for until it stops. Scaling
+//!   down cancels replicas still starting first (newest first), then stops
+//!   the least-loaded ready ones: idle at once, busy ones drain (no new
+//!   requests, stop when empty).
+//! - **Policy.** The policy is called every `interval_ms()` of its own
+//!   with an [`Observation`] of the endpoint; its decision is applied at
+//!   once. Latency percentiles in the observation are those of requests
+//!   that got their first token since the previous call.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use flotilla_scale::{Latency, Observation, Policy};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::coldstart::ColdStartModel;
+use crate::nodes::{NodePool, ProviderConfig, SimulatedProvider};
+use crate::service::ServiceModel;
+use crate::trace::{Request, Trace};
+
+/// A node pool under the endpoint's replicas.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodePoolConfig {
+    /// The simulated provider's settings.
+    pub provider: ProviderConfig,
+    /// Idle time before an empty node is released.
+    pub idle_grace_ms: u64,
+}
+
+/// Everything a run needs besides the trace and the policy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    /// Per-replica service rates.
+    pub service: ServiceModel,
+    /// Replica cold starts (on top of node provisioning when there is a
+    /// node pool).
+    pub cold_start: ColdStartModel,
+    /// Time-to-first-token objective.
+    pub slo_ms: u64,
+    /// Queue wait after which a request is dropped.
+    pub timeout_ms: u64,
+    /// Seed of the run's generator.
+    pub seed: u64,
+    /// Spacing of the recorded time series.
+    pub sample_ms: u64,
+    /// The endpoint's tier (1 = on-demand only, never on a reaped node).
+    pub tier: u8,
+    /// `None`: GPUs are always available and the cold start is the whole
+    /// start-up; `Some`: replicas need a node of the pool.
+    pub node_pool: Option<NodePoolConfig>,
+    /// Warm-up: the trace's first `warmup_ms` are replayed once before it
+    /// starts, unmeasured, so that every policy meets the trace as a live
+    /// endpoint would — already serving that traffic — rather than from a
+    /// cold, empty start. Latency, GPU time and the series count from the
+    /// trace's start only. 0 disables it.
+    pub warmup_ms: u64,
+}
+
+impl SimConfig {
+    /// Defaults around a service model, cold-start model and SLO: timeout
+    /// 60 s, seed 1, samples every 10 s, tier 2, no node pool.
+    pub fn new(service: ServiceModel, cold_start: ColdStartModel, slo_ms: u64) -> Self {
+        Self {
+            service,
+            cold_start,
+            slo_ms,
+            timeout_ms: 60_000,
+            seed: 1,
+            sample_ms: 10_000,
+            tier: 2,
+            node_pool: None,
+            warmup_ms: 0,
+        }
+    }
+}
+
+/// Latency percentiles, milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct Percentiles {
+    pub p50: u64,
+    pub p95: u64,
+    pub p99: u64,
+}
+
+/// One point of the recorded time series.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Sample {
+    /// Start of the interval, ms.
+    pub t_ms: u64,
+    /// Arrivals per second over the interval.
+    pub arrivals_per_s: f64,
+    /// Replicas asked for (ready + starting) at its end.
+    pub replicas: u32,
+    /// Of which ready.
+    pub ready: u32,
+}
+
+/// The outcome of one run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimResult {
+    /// Policy name.
+    pub policy: String,
+    /// Requests in the trace.
+    pub requests: u64,
+    /// Requests whose first token came within the SLO.
+    pub slo_met: u64,
+    /// Requests dropped: waited past the timeout, or lost with a preempted
+    /// node.
+    pub dropped: u64,
+    /// Time to first token.
+    pub ttft: Percentiles,
+    /// End-to-end latency.
+    pub e2e: Percentiles,
+    /// Replica GPU-milliseconds, cold starts included.
+    pub gpu_ms: u64,
+    /// Node GPU-milliseconds `(on-demand, spot)` with a node pool.
+    pub node_gpu_ms: Option<(u64, u64)>,
+    /// Replicas started.
+    pub cold_starts: u64,
+    /// Policy decisions that changed the replica target.
+    pub scaling_actions: u64,
+    /// Nodes preempted.
+    pub preemptions: u64,
+    /// Virtual time at which the run ended (last request done).
+    pub end_ms: u64,
+    /// Arrivals against replicas over time.
+    pub series: Vec<Sample>,
+}
+
+impl SimResult {
+    /// SLO attainment in percent.
+    pub fn slo_attainment_pct(&self) -> f64 {
+        if self.requests == 0 {
+            100.0
+        } else {
+            100.0 * self.slo_met as f64 / self.requests as f64
+        }
+    }
+
+    /// Replica GPU-seconds.
+    pub fn gpu_seconds(&self) -> f64 {
+        self.gpu_ms as f64 / 1000.0
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    /// A request finished on a replica.
+    Done { replica: u32, request: u32 },
+    /// A replica's cold start ended.
+    Ready { replica: u32 },
+    /// A node of the pool was preempted.
+    Preempt { node: u32 },
+    /// The policy's next call.
+    Tick,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Asked for, no node could be had yet.
+    Unplaced,
+    Starting,
+    Ready,
+    Draining,
+    Gone,
+}
+
+#[derive(Debug)]
+struct Replica {
+    state: State,
+    /// When it was asked for (or placed, when it had to wait for a node).
+    since_ms: u64,
+    ready_at_ms: u64,
+    node: Option<usize>,
+    in_flight: Vec<u32>,
+}
+
+/// Dropped-request marker in the per-request latency arrays.
+const DROPPED: u32 = u32::MAX;
+
+struct Sim<'a> {
+    /// The warm-up copy followed by the trace, shifted by the warm-up.
+    requests: Vec<Request>,
+    /// Index of the first measured request.
+    first: usize,
+    /// Virtual time at which measuring starts (the warm-up's length).
+    origin: u64,
+    cfg: &'a SimConfig,
+    rng: ChaCha8Rng,
+    now: u64,
+    seq: u64,
+    heap: BinaryHeap<Reverse<(u64, u64, Event)>>,
+    queue: VecDeque<u32>,
+    replicas: Vec<Replica>,
+    /// Ready, not draining, in start order.
+    ready: Vec<u32>,
+    /// Unplaced or starting.
+    starting: Vec<u32>,
+    in_flight: u32,
+    arrived: u64,
+    ttft: Vec<u32>,
+    e2e: Vec<u32>,
+    recent_ttft: Vec<u32>,
+    gpu_ms: u64,
+    cold_starts: u64,
+    scaling_actions: u64,
+    preemptions: u64,
+    last_target: Option<u32>,
+    pool: Option<NodePool<SimulatedProvider>>,
+    series: Vec<Sample>,
+    sample_from: (u64, u64),
+    /// Node GPU time spent during the warm-up, subtracted at the end.
+    pool_gpu_before: Option<(u64, u64)>,
+}
+
+/// Run `policy` over `trace`. `progress(done, total)` is called now and
+/// then with the number of requests that have arrived, for a progress bar.
+pub fn simulate(
+    trace: &Trace,
+    policy: &mut dyn Policy,
+    cfg: &SimConfig,
+    progress: &mut dyn FnMut(u64, u64),
+) -> SimResult {
+    let warm: Vec<Request> = trace
+        .requests()
+        .iter()
+        .take_while(|r| r.arrival_ms < cfg.warmup_ms)
+        .copied()
+        .collect();
+    let origin = if warm.is_empty() { 0 } else { cfg.warmup_ms };
+    let first = warm.len();
+    let mut all = warm;
+    all.extend(trace.requests().iter().map(|r| Request {
+        arrival_ms: r.arrival_ms + origin,
+        ..*r
+    }));
+    let n = all.len();
+    let mut sim = Sim {
+        requests: all,
+        first,
+        origin,
+        cfg,
+        rng: ChaCha8Rng::seed_from_u64(cfg.seed),
+        now: 0,
+        seq: 0,
+        heap: BinaryHeap::new(),
+        queue: VecDeque::new(),
+        replicas: Vec::new(),
+        ready: Vec::new(),
+        starting: Vec::new(),
+        in_flight: 0,
+        arrived: 0,
+        ttft: vec![DROPPED; n],
+        e2e: vec![DROPPED; n],
+        recent_ttft: Vec::new(),
+        gpu_ms: 0,
+        cold_starts: 0,
+        scaling_actions: 0,
+        preemptions: 0,
+        last_target: None,
+        pool: cfg.node_pool.as_ref().map(|p| {
+            NodePool::new(
+                SimulatedProvider::new(p.provider.clone(), cfg.seed ^ 0x9e37_79b9_7f4a_7c15),
+                cfg.service.gpu.clone(),
+                p.idle_grace_ms,
+            )
+        }),
+        series: Vec::new(),
+        sample_from: (0, 0),
+        pool_gpu_before: None,
+    };
+    // Start at the policy's minimum, ready: the endpoint existed before
+    // the trace began.
+    let min = policy.bounds().min();
+    for _ in 0..min {
+        sim.add_replica(true);
+    }
+    sim.last_target = Some(min);
+    sim.push(0, Event::Tick);
+    let interval = policy.interval_ms().max(1);
+    let mut next = 0usize;
+    let report_every = (n / 200).max(1);
+    loop {
+        let heap_t = sim.heap.peek().map(|Reverse((t, _, _))| *t);
+        let arrival_t = sim.requests.get(next).map(|r| r.arrival_ms);
+        let take_arrival = match (heap_t, arrival_t) {
+            (_, None) => false,
+            (None, Some(_)) => true,
+            (Some(h), Some(a)) => a < h,
+        };
+        if take_arrival {
+            sim.now = arrival_t.unwrap_or(sim.now);
+            if next == sim.first && sim.origin > 0 {
+                sim.start_measuring();
+            }
+            sim.arrive(next as u32);
+            next += 1;
+            if next % report_every == 0 {
+                progress(next as u64, n as u64);
+            }
+            continue;
+        }
+        let Some(Reverse((t, _, ev))) = sim.heap.pop() else {
+            break;
+        };
+        sim.now = t;
+        match ev {
+            Event::Done { replica, request } => sim.done(replica, request),
+            Event::Ready { replica } => sim.replica_ready(replica),
+            Event::Preempt { node } => sim.preempt(node as usize),
+            Event::Tick => {
+                let finished = next == n && sim.queue.is_empty() && sim.in_flight == 0;
+                if finished {
+                    break;
+                }
+                sim.tick(policy);
+                sim.push(t + interval, Event::Tick);
+            }
+        }
+    }
+    progress(n as u64, n as u64);
+    sim.finish(policy.name())
+}
+
+impl Sim<'_> {
+    /// The warm-up is over: forget what it cost and start the series.
+    fn start_measuring(&mut self) {
+        self.gpu_ms = 0;
+        for rep in &mut self.replicas {
+            if !matches!(rep.state, State::Gone | State::Unplaced) {
+                rep.since_ms = self.now;
+            }
+        }
+        self.pool_gpu_before = self.pool.as_ref().map(|p| p.gpu_ms(self.now));
+        self.cold_starts = 0;
+        self.scaling_actions = 0;
+        self.preemptions = 0;
+        self.series.clear();
+        self.sample_from = (self.now, self.arrived);
+    }
+
+    fn push(&mut self, t: u64, ev: Event) {
+        self.seq += 1;
+        self.heap.push(Reverse((t, self.seq, ev)));
+    }
+
+    fn c(&self) -> usize {
+        self.cfg.service.max_concurrency as usize
+    }
+
+    fn arrive(&mut self, i: u32) {
+        self.arrived += 1;
+        // Least-loaded ready replica with a free slot; ties to the oldest.
+        let c = self.c();
+        let mut best: Option<(usize, u32)> = None;
+        for &r in &self.ready {
+            let load = self.replicas[r as usize].in_flight.len();
+            if load < c && best.is_none_or(|(l, _)| load < l) {
+                best = Some((load, r));
+                if load == 0 {
+                    break;
+                }
+            }
+        }
+        match best {
+            Some((_, r)) => self.start(r, i),
+            None => self.queue.push_back(i),
+        }
+    }
+
+    /// Begin serving request `i` on replica `r` now.
+    fn start(&mut self, r: u32, i: u32) {
+        let req = &self.requests[i as usize];
+        let wait = self.now - req.arrival_ms;
+        let prefill = self.cfg.service.prefill_ms(req);
+        let service = self.cfg.service.service_ms(req);
+        let ttft = sat32(wait + prefill);
+        self.ttft[i as usize] = ttft;
+        self.e2e[i as usize] = sat32(wait + service);
+        self.recent_ttft.push(ttft);
+        self.replicas[r as usize].in_flight.push(i);
+        self.in_flight += 1;
+        self.push(
+            self.now + service,
+            Event::Done {
+                replica: r,
+                request: i,
+            },
+        );
+    }
+
+    /// The queue's head that has not timed out, dropping those that have.
+    fn next_queued(&mut self) -> Option<u32> {
+        while let Some(i) = self.queue.pop_front() {
+            let a = self.requests[i as usize].arrival_ms;
+            if self.now - a <= self.cfg.timeout_ms {
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    fn expire_queue(&mut self) {
+        while let Some(&i) = self.queue.front() {
+            let a = self.requests[i as usize].arrival_ms;
+            if self.now - a > self.cfg.timeout_ms {
+                self.queue.pop_front();
+            } else {
+                break;
+            }
+        }
+    }
+
+    fn fill(&mut self, r: u32) {
+        while self.replicas[r as usize].in_flight.len() < self.c() {
+            match self.next_queued() {
+                Some(i) => self.start(r, i),
+                None => break,
+            }
+        }
+    }
+
+    fn done(&mut self, r: u32, i: u32) {
+        let rep = &mut self.replicas[r as usize];
+        let Some(pos) = rep.in_flight.iter().position(|&x| x == i) else {
+            return; // lost with a preempted node
+        };
+        rep.in_flight.swap_remove(pos);
+        self.in_flight -= 1;
+        match rep.state {
+            State::Draining if rep.in_flight.is_empty() => self.stop(r),
+            State::Ready => self.fill(r),
+            _ => {}
+        }
+    }
+
+    fn replica_ready(&mut self, r: u32) {
+        let rep = &mut self.replicas[r as usize];
+        if rep.state != State::Starting || rep.ready_at_ms != self.now {
+            return; // cancelled, or re-placed with a later time
+        }
+        rep.state = State::Ready;
+        self.starting.retain(|&x| x != r);
+        self.ready.push(r);
+        self.fill(r);
+    }
+
+    /// Ask for one replica; `warm` ones are ready at once (initial
+    /// minimum).
+    fn add_replica(&mut self, warm: bool) {
+        let r = self.replicas.len() as u32;
+        self.replicas.push(Replica {
+            state: State::Unplaced,
+            since_ms: self.now,
+            ready_at_ms: 0,
+            node: None,
+            in_flight: Vec::new(),
+        });
+        if warm {
+            let rep = &mut self.replicas[r as usize];
+            rep.state = State::Ready;
+            rep.ready_at_ms = self.now;
+            self.ready.push(r);
+            if let Some((node, _)) = self.pool_place() {
+                self.replicas[r as usize].node = Some(node);
+            }
+            return;
+        }
+        self.cold_starts += 1;
+        self.starting.push(r);
+        self.place(r);
+    }
+
+    /// Give an unplaced replica a GPU and schedule its readiness.
+    fn place(&mut self, r: u32) {
+        let cold = self.cfg.cold_start.sample(&mut self.rng);
+        let from = if self.pool.is_none() {
+            self.now
+        } else {
+            match self.pool_place() {
+                Some((node, ready_at)) => {
+                    self.replicas[r as usize].node = Some(node);
+                    ready_at
+                }
+                None => return, // stays unplaced; retried next tick
+            }
+        };
+        let rep = &mut self.replicas[r as usize];
+        rep.state = State::Starting;
+        rep.since_ms = self.now;
+        rep.ready_at_ms = from + cold;
+        let t = rep.ready_at_ms;
+        self.push(t, Event::Ready { replica: r });
+    }
+
+    /// A GPU from the pool: `(node, ready at)`, scheduling the
+    /// preemption of a node the pool had to ask for. `None` when the pool
+    /// is full or there is no pool.
+    fn pool_place(&mut self) -> Option<(usize, u64)> {
+        let pool = self.pool.as_mut()?;
+        let before = pool.nodes().len();
+        let (node, ready_at) = pool.place(self.now, self.cfg.tier).ok()?;
+        let preempt = if node >= before {
+            pool.nodes()[node].grant.preempt_at_ms
+        } else {
+            None
+        };
+        if let Some(t) = preempt {
+            self.push(t, Event::Preempt { node: node as u32 });
+        }
+        Some((node, ready_at))
+    }
+
+    /// Stop replica `r` now, paying for its time.
+    fn stop(&mut self, r: u32) {
+        let rep = &mut self.replicas[r as usize];
+        if rep.state != State::Unplaced {
+            self.gpu_ms += self.now - rep.since_ms;
+        }
+        rep.state = State::Gone;
+        if let Some(node) = rep.node {
+            if let Some(pool) = &mut self.pool {
+                pool.free(self.now, node, self.cfg.tier);
+            }
+        }
+    }
+
+    fn preempt(&mut self, node: usize) {
+        let Some(pool) = &mut self.pool else { return };
+        if pool.nodes()[node].gone_ms.is_some() {
+            return;
+        }
+        pool.preempted(self.now, node);
+        self.preemptions += 1;
+        for r in 0..self.replicas.len() {
+            let rep = &mut self.replicas[r];
+            if rep.node == Some(node) && rep.state != State::Gone {
+                for i in rep.in_flight.drain(..) {
+                    self.ttft[i as usize] = DROPPED;
+                    self.e2e[i as usize] = DROPPED;
+                    self.in_flight -= 1;
+                }
+                if rep.state != State::Unplaced {
+                    self.gpu_ms += self.now - rep.since_ms;
+                }
+                rep.state = State::Gone;
+                rep.node = None;
+            }
+        }
+        let reps = &self.replicas;
+        self.ready
+            .retain(|&r| reps[r as usize].state != State::Gone);
+        self.starting
+            .retain(|&r| reps[r as usize].state != State::Gone);
+    }
+
+    fn observe(&mut self) -> Observation {
+        let c = f64::from(self.cfg.service.max_concurrency);
+        let ready = self.ready.len() as u32;
+        let latency = if self.recent_ttft.is_empty() {
+            None
+        } else {
+            let p = |q: f64, v: &mut Vec<u32>| {
+                let k = ((v.len() - 1) as f64 * q).round() as usize;
+                f64::from(*v.select_nth_unstable(k).1)
+            };
+            let mut v = std::mem::take(&mut self.recent_ttft);
+            let l = Latency {
+                p50_ms: p(0.50, &mut v),
+                p95_ms: p(0.95, &mut v),
+                p99_ms: p(0.99, &mut v),
+            };
+            v.clear();
+            self.recent_ttft = v;
+            Some(l)
+        };
+        Observation {
+            ready,
+            starting: self.starting.len() as u32,
+            in_flight: self.in_flight,
+            queued: self.queue.len() as u32,
+            requests_total: self.arrived,
+            gpu_utilization: if ready == 0 {
+                0.0
+            } else {
+                (f64::from(self.in_flight) / (f64::from(ready) * c)).min(1.0)
+            },
+            latency,
+            slo_ms: Some(self.cfg.slo_ms as f64),
+            custom: None,
+        }
+    }
+
+    fn tick(&mut self, policy: &mut dyn Policy) {
+        self.expire_queue();
+        // Replicas that could not get a node retry first.
+        let unplaced: Vec<u32> = self
+            .starting
+            .iter()
+            .copied()
+            .filter(|&r| self.replicas[r as usize].state == State::Unplaced)
+            .collect();
+        for r in unplaced {
+            self.place(r);
+        }
+        let obs = self.observe();
+        let want = policy.decide(self.now, &obs).replicas;
+        if self.last_target != Some(want) {
+            self.scaling_actions += 1;
+            self.last_target = Some(want);
+        }
+        let current = (self.ready.len() + self.starting.len()) as u32;
+        if want > current {
+            for _ in current..want {
+                self.add_replica(false);
+            }
+        } else if want < current {
+            self.remove(current - want);
+        }
+        if let Some(pool) = &mut self.pool {
+            pool.reap(self.now);
+        }
+        self.record();
+    }
+
+    /// Remove `k` replicas: starting ones first (latest ready time first),
+    /// then the least-loaded ready ones.
+    fn remove(&mut self, mut k: u32) {
+        while k > 0 {
+            let reps = &self.replicas;
+            let latest = self
+                .starting
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, &r)| {
+                    let rep = &reps[r as usize];
+                    (rep.state == State::Unplaced, rep.ready_at_ms, r)
+                })
+                .map(|(i, _)| i);
+            let Some(i) = latest else { break };
+            let r = self.starting.swap_remove(i);
+            self.stop(r);
+            k -= 1;
+        }
+        while k > 0 {
+            let reps = &self.replicas;
+            let least = self
+                .ready
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, &r)| (reps[r as usize].in_flight.len(), Reverse(r)))
+                .map(|(i, _)| i);
+            let Some(i) = least else { break };
+            let r = self.ready.remove(i);
+            if self.replicas[r as usize].in_flight.is_empty() {
+                self.stop(r);
+            } else {
+                self.replicas[r as usize].state = State::Draining;
+            }
+            k -= 1;
+        }
+    }
+
+    fn record(&mut self) {
+        let (from, arrived_then) = self.sample_from;
+        if self.now < from + self.cfg.sample_ms {
+            return;
+        }
+        let dt = (self.now - from).max(1) as f64 / 1000.0;
+        self.series.push(Sample {
+            t_ms: from.saturating_sub(self.origin),
+            arrivals_per_s: (self.arrived - arrived_then) as f64 / dt,
+            replicas: (self.ready.len() + self.starting.len()) as u32,
+            ready: self.ready.len() as u32,
+        });
+        self.sample_from = (self.now, self.arrived);
+    }
+
+    fn finish(mut self, name: &str) -> SimResult {
+        let end = self.now;
+        for r in 0..self.replicas.len() as u32 {
+            if self.replicas[r as usize].state != State::Gone {
+                self.stop(r);
+            }
+        }
+        let before = self.pool_gpu_before.unwrap_or((0, 0));
+        let node_gpu_ms = self.pool.as_mut().map(|p| {
+            p.close(end);
+            let (od, spot) = p.gpu_ms(end);
+            (od.saturating_sub(before.0), spot.saturating_sub(before.1))
+        });
+        let first = self.first;
+        let timeout = sat32(self.cfg.timeout_ms);
+        let slo = self.cfg.slo_ms;
+        let dropped = self.ttft[first..].iter().filter(|&&t| t == DROPPED).count() as u64;
+        let slo_met = self.ttft[first..]
+            .iter()
+            .filter(|&&t| t != DROPPED && u64::from(t) <= slo)
+            .count() as u64;
+        let pct = |mut v: Vec<u32>| {
+            for x in &mut v {
+                if *x == DROPPED {
+                    *x = timeout;
+                }
+            }
+            v.sort_unstable();
+            let at = |q: f64| {
+                let k = ((v.len().saturating_sub(1)) as f64 * q).round() as usize;
+                v.get(k).map_or(0, |&x| u64::from(x))
+            };
+            Percentiles {
+                p50: at(0.50),
+                p95: at(0.95),
+                p99: at(0.99),
+            }
+        };
+        let ttft = pct(self.ttft.split_off(first));
+        let e2e = pct(self.e2e.split_off(first));
+        SimResult {
+            policy: name.to_string(),
+            requests: (self.requests.len() - first) as u64,
+            slo_met,
+            dropped,
+            ttft,
+            e2e,
+            gpu_ms: self.gpu_ms,
+            node_gpu_ms,
+            cold_starts: self.cold_starts,
+            scaling_actions: self.scaling_actions,
+            preemptions: self.preemptions,
+            end_ms: end - self.origin,
+            series: self.series,
+        }
+    }
+}
+
+fn sat32(x: u64) -> u32 {
+    u32::try_from(x).unwrap_or(DROPPED - 1).min(DROPPED - 1)
+}

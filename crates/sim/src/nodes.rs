@@ -1,0 +1,482 @@
+//! Node pools: the GPUs replicas run on, grown and shrunk through a
+//! [`CapacityProvider`].
+//!
+//! A provider is whatever hands out nodes — a cloud API, a bare-metal
+//! inventory, the simulator's [`SimulatedProvider`]. The pool asks it for a
+//! node when no node has a free GPU, bin-packs replicas onto nodes (best
+//! fit: the fullest node that still has room, so whole nodes free up to be
+//! removed), removes a node once it has been idle for a grace period, and
+//! never removes a node that runs tier-1 work. Tier-1 replicas run on
+//! on-demand nodes only; other tiers try spot first and fall back to
+//! on-demand. Everything here is pure: the provider's randomness comes from
+//! a seeded generator and its clock is the `now_ms` it is given.
+
+use std::collections::BTreeMap;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::coldstart::ColdStartModel;
+
+/// What the pool asks a provider for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeRequest {
+    /// GPU type (catalog name).
+    pub gpu: String,
+    /// Spot (preemptible) capacity rather than on-demand.
+    pub spot: bool,
+}
+
+/// A node a provider granted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeGrant {
+    /// Provider's node number, unique among its grants.
+    pub node: u32,
+    /// Region the node is in.
+    pub region: String,
+    /// GPUs on the node.
+    pub gpus: u32,
+    /// Whether it is spot capacity.
+    pub spot: bool,
+    /// When the node is ready for replicas.
+    pub ready_at_ms: u64,
+    /// When the provider will take it back (spot preemption), if known.
+    pub preempt_at_ms: Option<u64>,
+}
+
+/// Why a provider refused a node.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CapacityError {
+    /// Every region is at its limit for this GPU type.
+    #[error("no {gpu} capacity left in any region")]
+    NoCapacity { gpu: String },
+    /// No spot capacity is on offer right now.
+    #[error("no spot {gpu} capacity available")]
+    NoSpot { gpu: String },
+}
+
+/// Something that hands out GPU nodes. Pure: `now_ms` is the caller's
+/// clock; implementations keep their own seeded randomness.
+pub trait CapacityProvider {
+    /// Ask for one node.
+    fn provision(&mut self, now_ms: u64, want: &NodeRequest) -> Result<NodeGrant, CapacityError>;
+    /// Give a node back.
+    fn release(&mut self, now_ms: u64, node: u32);
+}
+
+/// The node capacity of one region for one GPU type.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionLimit {
+    /// Region name.
+    pub region: String,
+    /// GPU type.
+    pub gpu: String,
+    /// Most nodes of that type live at once in the region.
+    pub max_nodes: u32,
+}
+
+/// Settings of the [`SimulatedProvider`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProviderConfig {
+    /// Capacity per region and GPU type, tried in this order.
+    pub limits: Vec<RegionLimit>,
+    /// GPUs per node.
+    pub gpus_per_node: u32,
+    /// Time from request to a ready node.
+    pub provision_delay: ColdStartModel,
+    /// Probability that a spot request finds capacity.
+    pub spot_availability: f64,
+    /// Mean lifetime of a spot node before preemption (exponential).
+    pub spot_mean_lifetime_ms: u64,
+}
+
+impl ProviderConfig {
+    /// A cloud-like default for `gpu`: two regions of 16 nodes of 8 GPUs,
+    /// provisioning median 90 s (log-normal), 80 % spot availability, spot
+    /// nodes living 2 h on average.
+    pub fn cloud(gpu: &str) -> Self {
+        let limits = ["region-a", "region-b"]
+            .iter()
+            .map(|r| RegionLimit {
+                region: (*r).to_string(),
+                gpu: gpu.to_string(),
+                max_nodes: 16,
+            })
+            .collect();
+        Self {
+            limits,
+            gpus_per_node: 8,
+            provision_delay: ColdStartModel::lognormal(90_000),
+            spot_availability: 0.8,
+            spot_mean_lifetime_ms: 2 * 3_600_000,
+        }
+    }
+}
+
+/// A provider with provisioning delays, per-region limits, spot
+/// availability and preemption, all drawn from a seeded generator.
+#[derive(Debug, Clone)]
+pub struct SimulatedProvider {
+    cfg: ProviderConfig,
+    rng: ChaCha8Rng,
+    /// Live nodes per index into `cfg.limits`.
+    live: Vec<u32>,
+    /// Live node → its index into `cfg.limits`.
+    nodes: BTreeMap<u32, usize>,
+    next: u32,
+}
+
+impl SimulatedProvider {
+    /// A provider seeded with `seed`.
+    pub fn new(cfg: ProviderConfig, seed: u64) -> Self {
+        let live = vec![0; cfg.limits.len()];
+        Self {
+            cfg,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            live,
+            nodes: BTreeMap::new(),
+            next: 0,
+        }
+    }
+
+    /// Live nodes in total.
+    pub fn live_nodes(&self) -> usize {
+        self.nodes.len()
+    }
+}
+
+impl CapacityProvider for SimulatedProvider {
+    fn provision(&mut self, now_ms: u64, want: &NodeRequest) -> Result<NodeGrant, CapacityError> {
+        let slot = self
+            .cfg
+            .limits
+            .iter()
+            .enumerate()
+            .position(|(i, l)| l.gpu.eq_ignore_ascii_case(&want.gpu) && self.live[i] < l.max_nodes)
+            .ok_or_else(|| CapacityError::NoCapacity {
+                gpu: want.gpu.clone(),
+            })?;
+        if want.spot
+            && !self
+                .rng
+                .gen_bool(self.cfg.spot_availability.clamp(0.0, 1.0))
+        {
+            return Err(CapacityError::NoSpot {
+                gpu: want.gpu.clone(),
+            });
+        }
+        let ready_at_ms = now_ms + self.cfg.provision_delay.sample(&mut self.rng);
+        let preempt_at_ms = want.spot.then(|| {
+            let u: f64 = self.rng.gen_range(f64::EPSILON..1.0);
+            ready_at_ms + (-u.ln() * self.cfg.spot_mean_lifetime_ms as f64) as u64
+        });
+        let node = self.next;
+        self.next += 1;
+        self.live[slot] += 1;
+        self.nodes.insert(node, slot);
+        Ok(NodeGrant {
+            node,
+            region: self.cfg.limits[slot].region.clone(),
+            gpus: self.cfg.gpus_per_node,
+            spot: want.spot,
+            ready_at_ms,
+            preempt_at_ms,
+        })
+    }
+
+    fn release(&mut self, _now_ms: u64, node: u32) {
+        if let Some(slot) = self.nodes.remove(&node) {
+            self.live[slot] -= 1;
+        }
+    }
+}
+
+/// One node of the pool.
+#[derive(Debug, Clone)]
+pub struct Node {
+    /// The provider's grant.
+    pub grant: NodeGrant,
+    /// When the pool asked for it (GPU time is billed from here).
+    pub requested_ms: u64,
+    /// GPUs in use by replicas.
+    pub used: u32,
+    /// Tier-1 replicas on it.
+    pub tier1: u32,
+    /// Since when it has had no replica.
+    pub idle_since_ms: Option<u64>,
+    /// Released or preempted at.
+    pub gone_ms: Option<u64>,
+}
+
+/// The pool: nodes for one GPU type, a provider behind them.
+#[derive(Debug)]
+pub struct NodePool<P> {
+    provider: P,
+    gpu: String,
+    /// Idle time after which an empty node is released.
+    pub idle_grace_ms: u64,
+    nodes: Vec<Node>,
+}
+
+impl<P: CapacityProvider> NodePool<P> {
+    /// An empty pool of `gpu` nodes.
+    pub fn new(provider: P, gpu: impl Into<String>, idle_grace_ms: u64) -> Self {
+        Self {
+            provider,
+            gpu: gpu.into(),
+            idle_grace_ms,
+            nodes: Vec::new(),
+        }
+    }
+
+    /// All nodes ever granted, by pool index.
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    /// Place one replica of `tier`: best fit on a live node with a free
+    /// GPU (on-demand only for tier 1), else a new node from the provider.
+    /// Returns the pool index of the node and when it is (or was) ready.
+    pub fn place(&mut self, now_ms: u64, tier: u8) -> Result<(usize, u64), CapacityError> {
+        let tier1 = tier <= 1;
+        let best = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| {
+                n.gone_ms.is_none() && n.used < n.grant.gpus && !(tier1 && n.grant.spot)
+            })
+            .min_by_key(|(i, n)| (n.grant.gpus - n.used, *i))
+            .map(|(i, _)| i);
+        let i = match best {
+            Some(i) => i,
+            None => {
+                let mut grant = Err(CapacityError::NoCapacity {
+                    gpu: self.gpu.clone(),
+                });
+                if !tier1 {
+                    let want = NodeRequest {
+                        gpu: self.gpu.clone(),
+                        spot: true,
+                    };
+                    grant = self.provider.provision(now_ms, &want);
+                }
+                if grant.is_err() {
+                    let want = NodeRequest {
+                        gpu: self.gpu.clone(),
+                        spot: false,
+                    };
+                    grant = self.provider.provision(now_ms, &want);
+                }
+                self.nodes.push(Node {
+                    grant: grant?,
+                    requested_ms: now_ms,
+                    used: 0,
+                    tier1: 0,
+                    idle_since_ms: None,
+                    gone_ms: None,
+                });
+                self.nodes.len() - 1
+            }
+        };
+        let n = &mut self.nodes[i];
+        n.used += 1;
+        n.tier1 += u32::from(tier1);
+        n.idle_since_ms = None;
+        Ok((i, n.grant.ready_at_ms.max(now_ms)))
+    }
+
+    /// A replica of `tier` left node `i`.
+    pub fn free(&mut self, now_ms: u64, i: usize, tier: u8) {
+        if let Some(n) = self.nodes.get_mut(i) {
+            n.used = n.used.saturating_sub(1);
+            if tier <= 1 {
+                n.tier1 = n.tier1.saturating_sub(1);
+            }
+            if n.used == 0 && n.gone_ms.is_none() {
+                n.idle_since_ms = Some(now_ms);
+            }
+        }
+    }
+
+    /// Release nodes idle for the grace period; never one with tier-1
+    /// work. Returns how many were released.
+    pub fn reap(&mut self, now_ms: u64) -> usize {
+        let mut released = 0;
+        for n in &mut self.nodes {
+            let idle_long = n
+                .idle_since_ms
+                .is_some_and(|t| now_ms.saturating_sub(t) >= self.idle_grace_ms);
+            if n.gone_ms.is_none() && n.used == 0 && n.tier1 == 0 && idle_long {
+                self.provider.release(now_ms, n.grant.node);
+                n.gone_ms = Some(now_ms);
+                released += 1;
+            }
+        }
+        released
+    }
+
+    /// The provider took node `i` back (spot preemption).
+    pub fn preempted(&mut self, now_ms: u64, i: usize) {
+        if let Some(n) = self.nodes.get_mut(i) {
+            if n.gone_ms.is_none() {
+                self.provider.release(now_ms, n.grant.node);
+                n.gone_ms = Some(now_ms);
+                n.used = 0;
+                n.tier1 = 0;
+            }
+        }
+    }
+
+    /// Close every node at `end_ms`.
+    pub fn close(&mut self, end_ms: u64) {
+        for n in &mut self.nodes {
+            if n.gone_ms.is_none() {
+                self.provider.release(end_ms, n.grant.node);
+                n.gone_ms = Some(end_ms);
+            }
+        }
+    }
+
+    /// GPU-milliseconds held so far, `(on-demand, spot)`, nodes counted
+    /// from request to release (closed nodes) or `now_ms`.
+    pub fn gpu_ms(&self, now_ms: u64) -> (u64, u64) {
+        let (mut od, mut spot) = (0, 0);
+        for n in &self.nodes {
+            let end = n.gone_ms.unwrap_or(now_ms);
+            let ms = end.saturating_sub(n.requested_ms) * u64::from(n.grant.gpus);
+            if n.grant.spot {
+                spot += ms;
+            } else {
+                od += ms;
+            }
+        }
+        (od, spot)
+    }
+
+    /// Live nodes.
+    pub fn live(&self) -> usize {
+        self.nodes.iter().filter(|n| n.gone_ms.is_none()).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(max_nodes: u32, spot: f64) -> ProviderConfig {
+        ProviderConfig {
+            limits: vec![
+                RegionLimit {
+                    region: "a".into(),
+                    gpu: "H100".into(),
+                    max_nodes,
+                },
+                RegionLimit {
+                    region: "b".into(),
+                    gpu: "H100".into(),
+                    max_nodes,
+                },
+            ],
+            gpus_per_node: 2,
+            provision_delay: ColdStartModel::fixed(1_000),
+            spot_availability: spot,
+            spot_mean_lifetime_ms: 60_000,
+        }
+    }
+
+    #[test]
+    fn provider_respects_region_limits_in_order() {
+        let mut p = SimulatedProvider::new(cfg(1, 1.0), 7);
+        let want = NodeRequest {
+            gpu: "H100".into(),
+            spot: false,
+        };
+        let a = p.provision(0, &want).unwrap();
+        let b = p.provision(0, &want).unwrap();
+        assert_eq!((a.region.as_str(), b.region.as_str()), ("a", "b"));
+        assert_eq!(a.ready_at_ms, 1_000);
+        assert!(a.preempt_at_ms.is_none());
+        assert!(matches!(
+            p.provision(0, &want),
+            Err(CapacityError::NoCapacity { .. })
+        ));
+        p.release(5, a.node);
+        assert_eq!(p.provision(5, &want).unwrap().region, "a");
+        let other = NodeRequest {
+            gpu: "A100-80GB".into(),
+            spot: false,
+        };
+        assert!(p.provision(0, &other).is_err());
+    }
+
+    #[test]
+    fn spot_nodes_get_preempted_and_may_be_unavailable() {
+        let mut p = SimulatedProvider::new(cfg(100, 0.5), 3);
+        let want = NodeRequest {
+            gpu: "H100".into(),
+            spot: true,
+        };
+        let (mut ok, mut none) = (0, 0);
+        for _ in 0..100 {
+            match p.provision(0, &want) {
+                Ok(g) => {
+                    ok += 1;
+                    assert!(g.preempt_at_ms.unwrap() >= g.ready_at_ms);
+                }
+                Err(CapacityError::NoSpot { .. }) => none += 1,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(ok > 20 && none > 20, "{ok} {none}");
+    }
+
+    #[test]
+    fn pool_bin_packs_and_reaps_idle_nodes_after_grace() {
+        let mut pool = NodePool::new(SimulatedProvider::new(cfg(10, 1.0), 1), "H100", 30_000);
+        let (n0, ready) = pool.place(0, 2).unwrap();
+        assert_eq!(ready, 1_000);
+        let (n1, _) = pool.place(0, 2).unwrap();
+        assert_eq!(n0, n1, "second replica fills the same node");
+        let (n2, _) = pool.place(0, 2).unwrap();
+        assert_ne!(n2, n0);
+        pool.free(10_000, n2, 2);
+        assert_eq!(pool.reap(39_999), 0);
+        assert_eq!(pool.reap(40_000), 1);
+        assert_eq!(pool.live(), 1);
+        // Spot first for tier 2.
+        assert!(pool.nodes()[0].grant.spot);
+    }
+
+    #[test]
+    fn tier1_runs_on_demand_and_its_node_is_never_reaped() {
+        let mut pool = NodePool::new(SimulatedProvider::new(cfg(10, 1.0), 1), "H100", 0);
+        let (spot_node, _) = pool.place(0, 3).unwrap();
+        let (n, _) = pool.place(0, 1).unwrap();
+        assert_ne!(n, spot_node, "tier 1 does not share the spot node");
+        assert!(!pool.nodes()[n].grant.spot);
+        pool.free(0, spot_node, 3);
+        assert_eq!(pool.reap(1_000_000), 1);
+        // The tier-1 node is busy: never reaped, however long.
+        assert_eq!(pool.reap(u64::MAX), 0);
+        assert_eq!(pool.live(), 1);
+        pool.free(2_000_000, n, 1);
+        assert_eq!(pool.reap(2_000_000), 1);
+    }
+
+    #[test]
+    fn full_provider_refuses_placement() {
+        let mut pool = NodePool::new(SimulatedProvider::new(cfg(1, 0.0), 1), "H100", 0);
+        for _ in 0..4 {
+            pool.place(0, 2).unwrap(); // spot unavailable: on-demand fallback
+        }
+        assert!(pool.nodes().iter().all(|n| !n.grant.spot));
+        assert!(matches!(
+            pool.place(0, 2),
+            Err(CapacityError::NoCapacity { .. })
+        ));
+        let (od, spot) = pool.gpu_ms(10);
+        assert_eq!((od, spot), (2 * 2 * 10, 0));
+    }
+}
