@@ -16,6 +16,7 @@
 pub mod client;
 pub mod discovery;
 pub mod runtime;
+pub mod telemetry;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -37,6 +38,7 @@ pub use discovery::{discover, nvml_available, DiscoveryError};
 
 use client::{Client, ClientError};
 use runtime::{Process, SpawnSpec, Wakers};
+use telemetry::Telemetry;
 
 /// First retry delay after a failed server call.
 const BACKOFF_MIN: Duration = Duration::from_millis(250);
@@ -146,6 +148,21 @@ pub async fn run(
         "gpus discovered"
     );
     let vendors = gpus.iter().map(|g| (g.index, g.vendor)).collect();
+    let telemetry = if config.simulate_gpus.is_some() {
+        Telemetry::None
+    } else {
+        let indices: Vec<u32> = gpus.iter().map(|g| g.index).collect();
+        match tokio::task::spawn_blocking(move || Telemetry::nvml(indices))
+            .await
+            .context("telemetry task failed")?
+        {
+            Ok(t) => t,
+            Err(error) => {
+                tracing::warn!(%error, "gpu telemetry unavailable");
+                Telemetry::None
+            }
+        }
+    };
     let registration = RegisterNode {
         name: config.name.clone(),
         region: config.region.clone(),
@@ -163,6 +180,7 @@ pub async fn run(
         client: client.clone(),
         registration,
         vendors,
+        telemetry,
         shared: shared.clone(),
         node: None,
         seen: HashSet::new(),
@@ -278,6 +296,8 @@ struct Agent {
     client: Client,
     registration: RegisterNode,
     vendors: HashMap<u32, Vendor>,
+    /// GPU counters sent with every sync.
+    telemetry: Telemetry,
     shared: Arc<Shared>,
     node: Option<Registered>,
     /// Every instance id ever started (or tried) by this process.
@@ -328,6 +348,7 @@ impl Agent {
             let req = SyncRequest {
                 observed: self.observed(),
                 wait_ms: self.config.sync_wait_ms.min(node.heartbeat_interval_ms),
+                gpus: self.telemetry.sample(),
             };
             let sent = Instant::now();
             let result = tokio::select! {
@@ -552,6 +573,7 @@ impl Agent {
         let req = SyncRequest {
             observed: self.observed(),
             wait_ms: 0,
+            gpus: Vec::new(),
         };
         match tokio::time::timeout(SHUTDOWN_STEP_TIMEOUT, self.client.sync(&node.node_id, &req))
             .await

@@ -401,6 +401,89 @@ pub struct SyncRequest {
     /// changed (capped at 30 s; 0 answers at once).
     #[serde(default)]
     pub wait_ms: u64,
+    /// Telemetry of the node's GPUs, read when the request was built; empty
+    /// where the agent has no driver to read it from (simulated GPUs).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<GpuSample>,
+}
+
+/// One reading of one GPU's counters, as the driver reports them. A field
+/// the device does not support (power on some boards, say) is absent
+/// rather than zero, so a dashboard shows a gap instead of a false value.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct GpuSample {
+    /// Index on the node.
+    pub index: u32,
+    /// Device UUID.
+    pub uuid: String,
+    /// Device name as the driver reports it (`NVIDIA H200`).
+    pub device_name: String,
+    /// Percent of the last sample period a kernel ran (0–100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_util_pct: Option<u32>,
+    /// Percent of the period device memory was read or written (0–100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_copy_util_pct: Option<u32>,
+    /// Frame-buffer memory in use, MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fb_used_mib: Option<u64>,
+    /// Frame-buffer memory free, MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fb_free_mib: Option<u64>,
+    /// Core temperature, °C.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature_c: Option<u32>,
+    /// Board power draw, W.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_w: Option<f64>,
+    /// Streaming-multiprocessor clock, MHz.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_clock_mhz: Option<u32>,
+}
+
+impl SyncRequest {
+    /// Most GPU samples one sync may carry (the largest nodes have 16).
+    pub const MAX_GPU_SAMPLES: usize = 64;
+
+    /// Checks the telemetry part; the field names the sample at fault.
+    pub fn validate_gpus(&self) -> Result<(), crate::FieldError> {
+        if self.gpus.len() > Self::MAX_GPU_SAMPLES {
+            return Err(crate::FieldError::new(
+                "gpus",
+                format!("at most {} samples", Self::MAX_GPU_SAMPLES),
+            ));
+        }
+        for (i, g) in self.gpus.iter().enumerate() {
+            let field = |name: &str| format!("gpus[{i}].{name}");
+            if g.uuid.is_empty() || g.uuid.len() > 128 {
+                return Err(crate::FieldError::new(field("uuid"), "1 to 128 characters"));
+            }
+            if g.device_name.len() > 128 {
+                return Err(crate::FieldError::new(
+                    field("device_name"),
+                    "at most 128 characters",
+                ));
+            }
+            for (name, pct) in [
+                ("gpu_util_pct", g.gpu_util_pct),
+                ("mem_copy_util_pct", g.mem_copy_util_pct),
+            ] {
+                if pct.is_some_and(|p| p > 100) {
+                    return Err(crate::FieldError::new(
+                        field(name),
+                        "a percentage, 0 to 100",
+                    ));
+                }
+            }
+            if g.power_w.is_some_and(|w| !w.is_finite() || w < 0.0) {
+                return Err(crate::FieldError::new(
+                    field("power_w"),
+                    "a finite, non-negative number of watts",
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Work the server wants on a node.

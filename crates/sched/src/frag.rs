@@ -25,6 +25,7 @@ use std::collections::HashMap;
 
 use crate::request::{ModelSet, Request};
 use crate::snapshot::{ModelId, NodeState};
+use crate::MILLI;
 
 /// One request shape of the target workload.
 #[derive(Debug, Clone, PartialEq)]
@@ -143,6 +144,42 @@ impl TargetWorkload {
         }
     }
 
+    /// The same shapes with each weight divided by the shape's GPU demand
+    /// (GPUs × share per GPU), renormalised to sum 1.
+    ///
+    /// [`TargetWorkload::node_frag`] weights the milli-GPU a shape cannot use
+    /// by how often the shape arrives. Divided by the shape's size, that
+    /// milli-GPU becomes the number of such requests the leftover could have
+    /// held, so the measure counts *requests turned away* rather than GPU
+    /// share: a 0.1-GPU gap that blocks a popular 0.2-GPU request weighs as
+    /// much as a whole GPU that blocks an 8-GPU one, where the plain measure
+    /// lets the large, rare shapes dominate. GPU-less shapes keep a size of
+    /// one GPU (their fragment is all idle GPU whatever the placement).
+    pub fn per_request(&self) -> TargetWorkload {
+        let size = |s: &Shape| {
+            let demand = f64::from(s.gpus) * f64::from(s.per_gpu_milli) / f64::from(MILLI);
+            if demand > 0.0 {
+                demand
+            } else {
+                1.0
+            }
+        };
+        let total: f64 = self.shapes.iter().map(|s| s.weight / size(s)).sum();
+        if total <= 0.0 {
+            return self.clone();
+        }
+        TargetWorkload {
+            shapes: self
+                .shapes
+                .iter()
+                .map(|s| Shape {
+                    weight: s.weight / size(s) / total,
+                    ..s.clone()
+                })
+                .collect(),
+        }
+    }
+
     /// The fragmentation of one node in milli-GPU (0..=its free GPU share).
     pub fn node_frag(&self, state: &NodeState) -> f64 {
         node_frag_parts(self, state.model, state.cpu_free, &state.gpu_free)
@@ -207,6 +244,29 @@ mod tests {
             gpu_free: gpus.to_vec(),
             tags: 0,
         }
+    }
+
+    #[test]
+    fn per_request_weights_count_requests_not_gpu_share() {
+        let fifth = Request::new(GpuDemand::Share { milli: 200 }, 0, 0);
+        let eight = Request::new(GpuDemand::Whole { count: 8 }, 0, 0);
+        // Equally popular; per request, the 0.2-GPU shape weighs 8 / 0.2 =
+        // 40 times the 8-GPU one.
+        let wl = TargetWorkload::from_requests(&[fifth, eight], 1.0).per_request();
+        let w = |gpus: u16| wl.shapes.iter().find(|s| s.gpus == gpus).unwrap().weight;
+        assert!((w(1) / w(8) - 40.0).abs() < 1e-9);
+        assert!((wl.shapes.iter().map(|s| s.weight).sum::<f64>() - 1.0).abs() < 1e-12);
+        // A 0.1-GPU sliver blocks the popular shape: nearly all of it is
+        // fragment. A lone idle GPU blocks only the rare 8-GPU shape: about a
+        // forty-first of it is.
+        let sliver = wl.node_frag(&state(&[100, 0, 0, 0, 0, 0, 0, 0]));
+        assert!((sliver - 100.0).abs() < 1e-9, "{sliver}");
+        let idle = wl.node_frag(&state(&[1000, 0, 0, 0, 0, 0, 0, 0]));
+        assert!((idle - 1000.0 / 41.0).abs() < 1e-9, "{idle}");
+        assert_eq!(
+            TargetWorkload::default().per_request(),
+            TargetWorkload::default()
+        );
     }
 
     #[test]

@@ -452,6 +452,14 @@ impl Scorer for Fgd {
 ///   fragment whatever the placement, so they shift every candidate's change
 ///   by the same amount and carry no information; leaving them out keeps the
 ///   resolution below about the GPU work that can actually be stranded.
+/// * Fragmentation is counted in requests turned away, not in milli-GPU
+///   ([`TargetWorkload::per_request`]): each shape's weight is divided by its
+///   GPU demand. FGD's milli-GPU measure lets a rare 8-GPU shape outweigh
+///   the popular fractional shapes whose slivers strand most capacity;
+///   per request, a sliver that turns away many small requests outweighs an
+///   idle GPU that only a rare large one could not use. Measured over 30
+///   seeds on every openb pod list, this lifted Flotilla above FGD on all of
+///   them (it had trailed on five); see bench/results/placement.md.
 /// * The fragmentation change is measured in uniform steps of 50 milli-GPU
 ///   instead of FGD's `int(100 * sigmoid(delta / 1000))`, whose bins are
 ///   ~40 milli wide near zero and widen for large changes. Resolving finer
@@ -481,7 +489,7 @@ pub struct Flotilla {
 impl Flotilla {
     pub fn new(workload: TargetWorkload) -> Self {
         Flotilla {
-            workload: workload.gpu_only(),
+            workload: workload.gpu_only().per_request(),
         }
     }
 

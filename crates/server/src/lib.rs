@@ -29,6 +29,7 @@ pub mod error;
 pub mod extract;
 pub mod idempotency;
 pub mod metering;
+pub mod metrics;
 pub mod placement;
 pub mod pricing;
 pub mod reconcile;
@@ -206,6 +207,7 @@ pub fn app(state: AppState) -> Router {
         }),
     )
     .route("/healthz", get(health))
+    .route("/metrics", get(metrics::metrics))
     .fallback(|| async { error::ApiError::not_found("route") })
     .method_not_allowed_fallback(|| async {
         error::ApiError {

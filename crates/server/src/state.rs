@@ -1,12 +1,15 @@
 //! Shared state of the server: the store, the catalog, the clock, the rate
 //! limiter and the change signal that wakes long-polls and log followers.
 
+use std::collections::HashMap;
 use std::num::NonZeroU32;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use chrono::{DateTime, Utc};
+use flotilla_core::api::GpuSample;
 use flotilla_core::catalog::Catalog;
 use flotilla_core::clock::Clock;
+use flotilla_core::id::NodeId;
 use flotilla_store::Store;
 use governor::clock::{Clock as _, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
@@ -35,6 +38,19 @@ struct Inner {
     shutdown: watch::Receiver<bool>,
     started_at: DateTime<Utc>,
     billing: crate::pricing::Runtime,
+    /// The last GPU telemetry of each node. Observed state that the next
+    /// sync replaces, so it lives in memory, not in the store: after a
+    /// restart it is back within one sync interval.
+    telemetry: Mutex<HashMap<NodeId, Telemetry>>,
+}
+
+/// One node's last GPU readings and when they arrived.
+#[derive(Debug, Clone)]
+pub struct Telemetry {
+    /// When the sync carrying them arrived.
+    pub at: DateTime<Utc>,
+    /// One sample per GPU.
+    pub gpus: Vec<GpuSample>,
 }
 
 /// Cheap to clone; shared by every handler and loop.
@@ -63,7 +79,30 @@ impl AppState {
             shutdown,
             started_at,
             billing: crate::pricing::Runtime::default(),
+            telemetry: Mutex::default(),
         }))
+    }
+
+    /// Keeps `gpus` as `node`'s latest telemetry.
+    pub fn record_telemetry(&self, node: &NodeId, at: DateTime<Utc>, gpus: Vec<GpuSample>) {
+        self.telemetry_map()
+            .insert(node.clone(), Telemetry { at, gpus });
+    }
+
+    /// The latest telemetry of every node that reported since `since`.
+    pub fn telemetry_since(&self, since: DateTime<Utc>) -> HashMap<NodeId, Telemetry> {
+        let mut map = self.telemetry_map();
+        map.retain(|_, t| t.at >= since);
+        map.clone()
+    }
+
+    fn telemetry_map(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, Telemetry>> {
+        // A panic while holding the lock cannot leave the map half-written
+        // (each update is one insert), so a poisoned lock is still usable.
+        self.0
+            .telemetry
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The store.
@@ -135,5 +174,33 @@ impl AppState {
             self.now().timestamp_millis().max(0) as u64,
             rand::random::<u128>(),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    #[tokio::test]
+    async fn telemetry_older_than_the_cutoff_is_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/t.db?mode=rwc", dir.path().display());
+        let store = flotilla_store::Store::connect(&url).await.unwrap();
+        let (_tx, rx) = watch::channel(false);
+        let st = AppState::new(store, ServerConfig::default(), Arc::new(SystemClock), rx);
+        let t0 = Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap();
+        let (a, b) = (NodeId::generate(1, 1), NodeId::generate(2, 2));
+        let sample = GpuSample {
+            uuid: "GPU-a".into(),
+            gpu_util_pct: Some(50),
+            ..GpuSample::default()
+        };
+        st.record_telemetry(&a, t0, vec![sample.clone()]);
+        st.record_telemetry(&b, t0 + chrono::Duration::seconds(20), vec![sample]);
+        let fresh = st.telemetry_since(t0 + chrono::Duration::seconds(10));
+        assert_eq!(fresh.keys().collect::<Vec<_>>(), vec![&b]);
+        // Forgotten, not only hidden: a later, earlier cutoff finds no `a`.
+        assert!(!st.telemetry_since(t0).contains_key(&a));
     }
 }

@@ -164,8 +164,12 @@ pub async fn sync(
         }
         other => other?,
     };
+    req.validate_gpus().map_err(ApiError::field)?;
     let now = st.now();
     st.store().heartbeat(&id, now).await?;
+    if !req.gpus.is_empty() {
+        st.record_telemetry(&id, now, req.gpus.clone());
+    }
     let was_unreachable = st.store().node_state(&id).await? == NodeState::Unreachable;
     let mut changed = false;
     for obs in &req.observed {
