@@ -238,6 +238,11 @@ impl Home {
     /// The operator key the first start saved.
     pub fn operator_key(&self) -> String {
         let path = self.dir.path().join("config/credentials.json");
+        // The server saves it just after it starts answering: on a loaded
+        // machine a caller can get there first.
+        wait_until("credentials saved", Duration::from_secs(10), || {
+            path.exists()
+        });
         let creds: Value = serde_json::from_slice(&std::fs::read(path).expect("credentials file"))
             .expect("credentials JSON");
         creds["api_key"].as_str().expect("api_key").to_string()
