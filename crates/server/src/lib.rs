@@ -24,6 +24,7 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::trace::TraceLayer;
 
 pub mod auth;
+pub mod autoscale;
 pub mod error;
 pub mod extract;
 pub mod idempotency;
@@ -248,6 +249,7 @@ pub async fn serve(
     let tick = config.reconcile_tick;
     let state = AppState::new(store.clone(), config, Arc::new(SystemClock), stop_rx);
     let loops = tokio::spawn(reconcile::run(state.clone(), tick));
+    let autoscaling = tokio::spawn(autoscale::run(state.clone(), tick));
     let addr = listener.local_addr().ok();
     tracing::info!(addr = ?addr, "serving the api");
     axum::serve(listener, app(state))
@@ -258,6 +260,7 @@ pub async fn serve(
         .await
         .context("http server failed")?;
     let _ = loops.await;
+    let _ = autoscaling.await;
     store.close().await;
     tracing::info!("server stopped");
     Ok(())

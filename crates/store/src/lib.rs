@@ -19,6 +19,7 @@ pub mod instances;
 pub mod keys;
 pub mod logs;
 pub mod nodes;
+pub mod pools;
 pub mod tenants;
 pub mod usage;
 

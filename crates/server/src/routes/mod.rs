@@ -20,6 +20,7 @@ pub mod docs;
 pub mod instances;
 pub mod keys;
 pub mod nodes;
+pub mod pools;
 pub mod tenants;
 pub mod usage;
 
@@ -43,6 +44,7 @@ pub mod usage;
         (name = "instances", description = "GPU instances: rent, run, stop, logs"),
         (name = "agent", description = "Protocol of the node agent"),
         (name = "usage", description = "Metered usage and invoices"),
+        (name = "pools", description = "Replica pools scaled by an autoscaling policy"),
         (name = "meta", description = "Identity and health"),
     )
 )]
@@ -72,6 +74,9 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(catalog::list_gpu_types))
         .routes(routes!(nodes::list_nodes))
         .routes(routes!(nodes::get_node))
+        .routes(routes!(pools::create_pool))
+        .routes(routes!(pools::get_pool))
+        .routes(routes!(pools::report_metrics))
         .routes(routes!(
             instances::list_instances,
             instances::create_instance
