@@ -190,6 +190,23 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     ));
     md.push_str(&table);
     md.push('\n');
+    if args.node_pool {
+        md.push_str(
+            "Node pool (8-GPU nodes; GPU-seconds of whole nodes, from request to release):\n\n",
+        );
+        md.push_str("| policy | on-demand node GPU-s | spot node GPU-s | spot preemptions |\n|---|---:|---:|---:|\n");
+        for r in &cmp.results {
+            let (od, spot) = r.node_gpu_ms.unwrap_or((0, 0));
+            md.push_str(&format!(
+                "| {} | {:.1} | {:.1} | {} |\n",
+                r.policy,
+                od as f64 / 1000.0,
+                spot as f64 / 1000.0,
+                r.preemptions
+            ));
+        }
+        md.push('\n');
+    }
     for r in &cmp.results {
         md.push_str(&format!("![{0}]({0}.svg)\n", r.policy));
     }

@@ -119,6 +119,23 @@ fn scenarios_run_and_bad_input_is_named() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.join("ray.svg").exists());
 
+    // On a simulated node pool the report adds node GPU time and preemptions.
+    let pooled = home.dir.path().join("pooled");
+    let o = home
+        .cmd()
+        .args(["simulate", "--scenario", "black-friday", "--policy", "hpa"])
+        .args(["--peak-replicas", "3", "--node-pool"])
+        .arg("--out")
+        .arg(&pooled)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let report = std::fs::read_to_string(pooled.join("report.md")).unwrap();
+    assert!(
+        report.contains("spot preemptions") && report.contains("| hpa |"),
+        "{report}"
+    );
+
     let fail = |args: &[&str]| {
         let o = home.cmd().arg("simulate").args(args).output().unwrap();
         assert!(!o.status.success());

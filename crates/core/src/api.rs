@@ -626,3 +626,111 @@ pub struct JobQueueEntry {
     /// The queued job; `state_reason` says why it is not placed.
     pub job: Job,
 }
+
+/// The autoscaling policy of a replica pool and what it is configured
+/// from: the same settings the simulator (`flotilla simulate`) uses, so a
+/// policy tried there runs here unchanged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PoolPolicy {
+    /// `flotilla`, `hpa`, `keda`, `kpa` or `ray`.
+    pub kind: String,
+    /// Requests one replica serves at once (1–4096).
+    pub max_concurrency: u32,
+    /// Mean time a request holds a replica slot, ms (Flotilla's policy).
+    pub mean_service_ms: f64,
+    /// Median cold start of a replica, ms.
+    pub cold_start_ms: u64,
+    /// Latency objective (time to first token), ms.
+    pub slo_ms: u64,
+}
+
+/// What a tenant asks for when creating a replica pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateReplicaPool {
+    /// DNS-label name.
+    pub name: String,
+    /// The autoscaling policy.
+    pub policy: PoolPolicy,
+    /// Most replicas the policy may ask for (1–1000); the minimum is the
+    /// policy's own (HPA and Ray Serve 1, the others 0).
+    pub max_replicas: u32,
+    /// The instance each replica is.
+    pub replica: crate::instance::CreateInstance,
+}
+
+/// A replica pool as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ReplicaPool {
+    /// Id (`rpool_…`).
+    #[schema(value_type = String)]
+    pub id: crate::id::ReplicaPoolId,
+    /// Owner.
+    #[schema(value_type = String)]
+    pub tenant_id: TenantId,
+    /// Name.
+    pub name: String,
+    /// The autoscaling policy.
+    pub policy: PoolPolicy,
+    /// Most replicas.
+    pub max_replicas: u32,
+    /// The instance each replica is.
+    pub replica: crate::instance::CreateInstance,
+    /// The policy's last decision, if it has decided.
+    pub desired_replicas: Option<u32>,
+    /// Why (the policy's reason code).
+    pub reason: Option<String>,
+    /// The last metrics reported.
+    pub metrics: Option<PoolMetrics>,
+    /// When they were reported.
+    pub metrics_at: Option<DateTime<Utc>>,
+    /// Replica instances not yet ended.
+    #[schema(value_type = Vec<String>)]
+    pub replicas: Vec<InstanceId>,
+    /// Created.
+    pub created_at: DateTime<Utc>,
+}
+
+/// Metrics of a replica pool, reported by whatever serves its traffic (a
+/// gateway, a load balancer, the replicas themselves).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PoolMetrics {
+    /// Requests being served.
+    pub in_flight: u32,
+    /// Requests waiting.
+    pub queued: u32,
+    /// Requests that have arrived since an origin of the reporter's choice
+    /// (monotone; a decrease reads as a counter reset).
+    pub requests_total: u64,
+    /// Mean GPU utilisation of the replicas, 0–1.
+    #[serde(default)]
+    pub gpu_utilization: Option<f64>,
+    /// Recent p95 latency, ms.
+    #[serde(default)]
+    pub p95_ms: Option<f64>,
+}
+
+impl PoolMetrics {
+    /// Rejects readings that cannot be right; the field is named.
+    pub fn validate(&self) -> Result<(), crate::FieldError> {
+        if let Some(u) = self.gpu_utilization {
+            if !(u.is_finite() && (0.0..=1.0).contains(&u)) {
+                return Err(crate::FieldError::new(
+                    "gpu_utilization",
+                    "must be between 0 and 1",
+                ));
+            }
+        }
+        if let Some(p) = self.p95_ms {
+            if !(p.is_finite() && p >= 0.0) {
+                return Err(crate::FieldError::new(
+                    "p95_ms",
+                    "must be a number of ms >= 0",
+                ));
+            }
+        }
+        Ok(())
+    }
+}

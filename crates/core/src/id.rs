@@ -105,6 +105,10 @@ prefixed_id!(
     /// A node pool: a group of alike nodes in a region.
     PoolId, "pool_");
 prefixed_id!(
+    /// A replica pool: instances of one template whose count an
+    /// autoscaling policy sets from reported metrics.
+    ReplicaPoolId, "rpool_");
+prefixed_id!(
     /// An invoice: one tenant's bill for one period, derived from the ledger.
     InvoiceId, "inv_");
 prefixed_id!(

@@ -25,6 +25,7 @@ use tower_http::trace::TraceLayer;
 
 pub mod auth;
 pub mod budgets;
+pub mod autoscale;
 pub mod error;
 pub mod extract;
 pub mod idempotency;
@@ -260,6 +261,7 @@ pub async fn serve(
     let tick = config.reconcile_tick;
     let state = AppState::new(store.clone(), config, Arc::new(SystemClock), stop_rx);
     let loops = tokio::spawn(reconcile::run(state.clone(), tick));
+    let autoscaling = tokio::spawn(autoscale::run(state.clone(), tick));
     let addr = listener.local_addr().ok();
     tracing::info!(addr = ?addr, "serving the api");
     axum::serve(listener, app(state))
@@ -270,6 +272,7 @@ pub async fn serve(
         .await
         .context("http server failed")?;
     let _ = loops.await;
+    let _ = autoscaling.await;
     store.close().await;
     tracing::info!("server stopped");
     Ok(())

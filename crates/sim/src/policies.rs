@@ -98,8 +98,22 @@ pub struct Endpoint {
     pub max_replicas: u32,
 }
 
-/// Build `kind` for `ep`.
-pub fn build(kind: PolicyKind, ep: &Endpoint) -> Result<Box<dyn Policy>, SimError> {
+/// Feed `policy` a recorded sequence of `(now_ms, observation)` and
+/// collect its decisions: the simulator's adapter for replaying metrics
+/// outside a simulation (the live server's loop makes the same calls).
+pub fn replay(
+    policy: &mut dyn Policy,
+    steps: &[(u64, flotilla_scale::Observation)],
+) -> Vec<flotilla_scale::Decision> {
+    steps
+        .iter()
+        .map(|(now, obs)| policy.decide(*now, obs))
+        .collect()
+}
+
+/// Build `kind` for `ep` (the server builds a replica pool's policy with
+/// this too, so a setting tried in the simulator runs live unchanged).
+pub fn build(kind: PolicyKind, ep: &Endpoint) -> Result<Box<dyn Policy + Send>, SimError> {
     let c = f64::from(ep.max_concurrency.max(1));
     let target = TARGET_UTILIZATION * c;
     let err = |source| SimError::Policy {

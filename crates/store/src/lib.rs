@@ -24,6 +24,7 @@ pub mod logs;
 pub mod nodes;
 pub mod prices;
 pub mod providers;
+pub mod pools;
 pub mod tenants;
 pub mod usage;
 

@@ -26,6 +26,7 @@ pub mod keys;
 pub mod nodes;
 pub mod payouts;
 pub mod prices;
+pub mod pools;
 pub mod tenants;
 pub mod usage;
 
@@ -51,6 +52,7 @@ pub mod usage;
         (name = "agent", description = "Protocol of the node agent"),
         (name = "usage", description = "Metered usage and invoices"),
         (name = "billing", description = "Prices, invoices, terms, budgets, estimates and payouts"),
+        (name = "pools", description = "Replica pools scaled by an autoscaling policy"),
         (name = "meta", description = "Identity and health"),
     )
 )]
@@ -80,6 +82,9 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(catalog::list_gpu_types))
         .routes(routes!(nodes::list_nodes))
         .routes(routes!(nodes::get_node))
+        .routes(routes!(pools::create_pool))
+        .routes(routes!(pools::get_pool))
+        .routes(routes!(pools::report_metrics))
         .routes(routes!(
             instances::list_instances,
             instances::create_instance
