@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use flotilla_core::catalog::Catalog;
 use flotilla_core::id::{GpuId, NodeId};
+use flotilla_core::job::Locality as JobLocality;
 use flotilla_core::placement::{first_fit, NodeSnapshot, Placement, PlacementRequest};
 use flotilla_sched::gang::{place_gang, Gang, GangDecision, Locality};
 use flotilla_sched::preempt::{self, PreemptConfig, PreemptDecision, Preemptor};
@@ -71,6 +72,25 @@ pub struct PassPlanner {
     mixed: HashSet<NodeId>,
     engine: Engine,
     rng: ChaCha8Rng,
+    /// Region and pool names as the engine's scope numbers (from 1; 0 is
+    /// "none" to the engine).
+    regions: BTreeMap<String, u32>,
+    pools: BTreeMap<String, u32>,
+}
+
+/// A name's scope number in `names`, interned on first sight.
+fn scope_of(names: &mut BTreeMap<String, u32>, name: &str) -> u32 {
+    let next = u32::try_from(names.len() + 1).unwrap_or(u32::MAX);
+    *names.entry(name.to_string()).or_insert(next)
+}
+
+/// The engine's gang locality for a job's.
+fn locality(l: JobLocality) -> Locality {
+    match l {
+        JobLocality::Any => Locality::Any,
+        JobLocality::SamePool => Locality::SameDomain,
+        JobLocality::SameRegion => Locality::SameRegion,
+    }
 }
 
 impl std::fmt::Debug for PassPlanner {
@@ -123,6 +143,8 @@ impl PassPlanner {
             mixed: HashSet::new(),
             engine,
             rng: ChaCha8Rng::seed_from_u64(seed),
+            regions: BTreeMap::new(),
+            pools: BTreeMap::new(),
         };
         planner.rebuild(snapshot);
         planner
@@ -160,6 +182,8 @@ impl PassPlanner {
                 if n.cordoned {
                     let _ = cluster.set_cordoned(idx, true);
                 }
+                let _ = cluster.set_region(idx, scope_of(&mut self.regions, &n.region));
+                let _ = cluster.set_domain(idx, scope_of(&mut self.pools, &n.pool));
                 let one = Request::new(GpuDemand::whole(1), 0, 0);
                 for (d, g) in gpus.iter().enumerate() {
                     if !g.free {
@@ -234,6 +258,7 @@ impl PassPlanner {
         &mut self,
         req: &PlacementRequest,
         members: usize,
+        within: JobLocality,
         model_allowed: impl Fn(&str) -> bool,
     ) -> Result<Vec<Placement>, String> {
         let allowed = ModelSet::of(
@@ -244,7 +269,7 @@ impl PassPlanner {
                 .filter(|m| model_allowed(m))
                 .filter_map(|m| self.models.get(m)),
         );
-        let gang = Gang::uniform(sched_request(req, allowed), members, Locality::Any);
+        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
         match place_gang(&mut self.engine, &self.cluster, &gang, &mut self.rng) {
             GangDecision::Placed(plan) => plan
                 .members
@@ -268,7 +293,25 @@ impl PassPlanner {
                 })
                 .collect(),
             GangDecision::Unschedulable(why) => {
-                Err(format!("{why} (of {} node slots)", self.slots.len()))
+                // The engine numbers regions and pools (its "domains");
+                // say them as people named them.
+                let (names, noun) = match within {
+                    JobLocality::SameRegion => (&self.regions, "region"),
+                    _ => (&self.pools, "domain"),
+                };
+                let mut text = why.to_string();
+                if let Some(scope) = why.best.as_ref().and_then(|b| b.scope) {
+                    if let Some((name, _)) = names.iter().find(|(_, &v)| v == scope) {
+                        text = text.replace(
+                            &format!("closest: {noun} {scope},"),
+                            &format!("closest: {noun} {name},"),
+                        );
+                    }
+                }
+                if within == JobLocality::SamePool {
+                    text = text.replace("domain", "pool");
+                }
+                Err(format!("{text} (of {} node slots)", self.slots.len()))
             }
         }
     }
@@ -285,24 +328,32 @@ impl PassPlanner {
         snapshot: &[NodeSnapshot],
         req: &PlacementRequest,
         members: usize,
+        within: JobLocality,
         model_allowed: impl Fn(&str) -> bool,
         now_ms: u64,
     ) -> Option<Reservation> {
         let per = req.gpus.max(1) as usize;
-        let mut room = 0usize;
+        // Members that fit on an empty pool, per region or pool when the
+        // gang must stay in one.
+        let mut room: BTreeMap<&str, usize> = BTreeMap::new();
         for n in snapshot.iter().filter(|n| n.ready && !n.cordoned) {
             let mut by_model: BTreeMap<&str, usize> = BTreeMap::new();
             for g in &n.gpus {
                 *by_model.entry(g.model.as_str()).or_default() += 1;
             }
-            room += by_model
+            let scope = match within {
+                JobLocality::Any => "",
+                JobLocality::SamePool => n.pool.as_str(),
+                JobLocality::SameRegion => n.region.as_str(),
+            };
+            *room.entry(scope).or_default() += by_model
                 .into_iter()
                 .filter(|(m, _)| req.models.is_empty() || req.models.iter().any(|a| a == m))
                 .filter(|(m, _)| model_allowed(m))
                 .map(|(_, count)| count / per)
                 .sum::<usize>();
         }
-        if room < members {
+        if !room.values().any(|&r| r >= members) {
             return None;
         }
         let allowed = ModelSet::of(
@@ -313,7 +364,7 @@ impl PassPlanner {
                 .filter(|m| model_allowed(m))
                 .filter_map(|m| self.models.get(m)),
         );
-        let gang = Gang::uniform(sched_request(req, allowed), members, Locality::Any);
+        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
         Some(queue::reserve(
             &mut self.engine,
             &self.cluster,
@@ -345,6 +396,7 @@ impl PassPlanner {
         &mut self,
         req: &PlacementRequest,
         members: usize,
+        within: JobLocality,
         model_allowed: impl Fn(&str) -> bool,
         reservation: &Reservation,
     ) -> Option<Vec<Placement>> {
@@ -360,7 +412,7 @@ impl PassPlanner {
                 .filter(|m| model_allowed(m))
                 .filter_map(|m| self.models.get(m)),
         );
-        let gang = Gang::uniform(sched_request(req, allowed), members, Locality::Any);
+        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
         let GangDecision::Placed(plan) =
             place_gang(&mut self.engine, &outside, &gang, &mut self.rng)
         else {
@@ -559,6 +611,8 @@ mod tests {
             id: NodeId::generate(n, u128::from(n)),
             ready,
             cordoned: false,
+            region: "local".into(),
+            pool: "default".into(),
             cpu_milli_free: 64_000,
             memory_mb_free: 512_000,
             gpus: gpus
@@ -639,13 +693,52 @@ mod tests {
             node(2, true, &[("H100", true), ("H100", false)]),
         ];
         let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 3);
-        let plans = p.place_gang(&req(1, &[]), 2, |_| true).unwrap();
+        let plans = p
+            .place_gang(&req(1, &[]), 2, JobLocality::Any, |_| true)
+            .unwrap();
         let mut nodes: Vec<&NodeId> = plans.iter().map(|p| &p.node).collect();
         nodes.sort();
         assert_eq!(nodes, vec![&snap[0].id, &snap[1].id]);
-        let e = p.place_gang(&req(1, &[]), 3, |_| true).unwrap_err();
+        let e = p
+            .place_gang(&req(1, &[]), 3, JobLocality::Any, |_| true)
+            .unwrap_err();
         assert!(e.contains("member 3 fits nowhere after placing 2"), "{e}");
-        assert!(p.place_gang(&req(2, &[]), 1, |_| true).is_err());
+        assert!(p
+            .place_gang(&req(2, &[]), 1, JobLocality::Any, |_| true)
+            .is_err());
+    }
+
+    #[test]
+    fn a_gang_kept_in_one_region_or_pool_stays_there() {
+        let mut snap = vec![
+            node(1, true, &[("H100", true)]),
+            node(2, true, &[("H100", true)]),
+            node(3, true, &[("H100", true), ("H100", true), ("H100", true)]),
+        ];
+        snap[0].region = "eu".into();
+        snap[1].region = "us".into();
+        snap[2].region = "us".into();
+        snap[2].pool = "fast".into();
+        let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 9);
+        let plans = p
+            .place_gang(&req(1, &[]), 4, JobLocality::SameRegion, |_| true)
+            .unwrap();
+        assert!(plans.iter().all(|x| x.node != snap[0].id), "{plans:?}");
+        let e = p
+            .place_gang(&req(1, &[]), 5, JobLocality::SameRegion, |_| true)
+            .unwrap_err();
+        assert!(e.contains("fits in no single region"), "{e}");
+        let plans = p
+            .place_gang(&req(1, &[]), 3, JobLocality::SamePool, |_| true)
+            .unwrap();
+        assert!(plans.iter().all(|x| x.node == snap[2].id), "{plans:?}");
+        let e = p
+            .place_gang(&req(1, &[]), 4, JobLocality::SamePool, |_| true)
+            .unwrap_err();
+        assert!(e.contains("fits in no single pool"), "{e}");
+        assert!(p
+            .place_gang(&req(1, &[]), 5, JobLocality::Any, |_| true)
+            .is_ok());
     }
 
     #[test]
@@ -657,7 +750,7 @@ mod tests {
         let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 5);
         // Two H100s fit on node 1 once it empties: it is held for the head.
         let mut r = p
-            .reserve(&snap, &req(2, &["H100"]), 1, |_| true, 0)
+            .reserve(&snap, &req(2, &["H100"]), 1, JobLocality::Any, |_| true, 0)
             .expect("could fit once work ends");
         let small = req(1, &[]);
         let on_h100 = Placement {
@@ -672,23 +765,32 @@ mod tests {
         };
         assert!(!p.backfill_allowed(&mut r, &small, &on_h100));
         assert!(p.backfill_allowed(&mut r, &small, &on_l4));
-        let outside = p.place_outside(&small, 1, |_| true, &r).unwrap();
+        let outside = p
+            .place_outside(&small, 1, JobLocality::Any, |_| true, &r)
+            .unwrap();
         assert_eq!(
             outside[0].node, snap[1].id,
             "backfill goes around the held node"
         );
         assert!(p
-            .place_outside(&req(1, &["H100"]), 1, |_| true, &r)
+            .place_outside(&req(1, &["H100"]), 1, JobLocality::Any, |_| true, &r)
             .is_none());
         // Three H100s exist nowhere: no reservation, nothing held.
         assert!(p
-            .reserve(&snap, &req(3, &["H100"]), 1, |_| true, 0)
+            .reserve(&snap, &req(3, &["H100"]), 1, JobLocality::Any, |_| true, 0)
             .is_none());
         assert!(p
-            .reserve(&snap, &req(1, &["H100"]), 3, |_| true, 0)
+            .reserve(&snap, &req(1, &["H100"]), 3, JobLocality::Any, |_| true, 0)
             .is_none());
         assert!(p
-            .reserve(&snap, &req(1, &["H100"]), 2, |m| m != "H100", 0)
+            .reserve(
+                &snap,
+                &req(1, &["H100"]),
+                2,
+                JobLocality::Any,
+                |m| m != "H100",
+                0
+            )
             .is_none());
     }
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 use chrono::Duration as ChronoDuration;
 use flotilla_core::id::TenantId;
 use flotilla_core::id::{GpuId, InstanceId};
+use flotilla_core::job::Locality as JobLocality;
 use flotilla_core::placement::{NodeSnapshot, Placement, PlacementRequest};
 use flotilla_core::quota::{Quota, Usage};
 use flotilla_sched::preempt::Preemptor;
@@ -326,8 +327,9 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
             let (quota, usage) = &quotas[&job.tenant_id];
             let now = st.now();
             let members = job.spec.nodes as usize;
-            let plans =
-                planner.place_gang(&req, members, |m| quota.model_fits(usage, m, job.spec.gpus));
+            let plans = planner.place_gang(&req, members, job.spec.locality, |m| {
+                quota.model_fits(usage, m, job.spec.gpus)
+            });
             let mut plans = plans;
             if let Some((head, r)) = reservation.as_mut() {
                 let delays = plans.as_ref().is_ok_and(|ps| {
@@ -336,7 +338,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 });
                 if delays {
                     let fits = |m: &str| quota.model_fits(usage, m, job.spec.gpus);
-                    match planner.place_outside(&req, members, fits, r) {
+                    match planner.place_outside(&req, members, job.spec.locality, fits, r) {
                         Some(other) => plans = Ok(other),
                         None => {
                             let reason = behind(head);
@@ -402,6 +404,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                                 &snapshot,
                                 &req,
                                 members,
+                                job.spec.locality,
                                 |m| quota.model_fits(usage, m, job.spec.gpus),
                                 ms_of(now),
                             )
@@ -443,7 +446,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
             if delays {
                 let fits = |m: &str| quota.model_fits(usage, m, p.gpus);
                 match planner
-                    .place_outside(&req, 1, fits, r)
+                    .place_outside(&req, 1, JobLocality::Any, fits, r)
                     .and_then(|mut v| v.pop())
                 {
                     Some(other) => attempt = Ok(other),
@@ -564,6 +567,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             &snapshot,
                             &req,
                             1,
+                            JobLocality::Any,
                             |m| quota.model_fits(usage, m, p.gpus),
                             ms_of(now),
                         )

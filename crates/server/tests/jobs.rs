@@ -483,3 +483,61 @@ async fn preempting_one_member_requeues_the_whole_job() {
         .await;
     assert_eq!(j["state"], "queued");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gang_kept_in_one_region_lands_there_or_says_why_not() {
+    let s = Server(flotilla_testkit::server::start(fast()).await);
+    let t = s.create_tenant("regional").await;
+    let key = s.key(&t, "tenant_member").await;
+    let provider = s.key(&t, "provider").await;
+    let mut nodes = Vec::new();
+    for (name, region) in [("eu1", "eu"), ("us1", "us"), ("us2", "us")] {
+        let body = json!({
+            "name": name, "region": region, "cpu_milli": 64000, "memory_mb": 512000,
+            "simulated": true, "agent_version": "test",
+            "gpus": [{"index": 0, "model": "H100", "uuid": format!("GPU-{name}"), "memory_mib": 81920, "vendor": "nvidia"}],
+        });
+        let r = s
+            .ok(&provider, Method::POST, "/v1/agent/register", Some(body))
+            .await;
+        nodes.push(r["node_id"].as_str().unwrap().to_string());
+    }
+    let too_big = s
+        .submit(
+            &key,
+            json!({"gpus": 3, "nodes": 3, "command": ["x"], "locality": "same_region"}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &too_big, "explained", |j| {
+            j["state_reason"].as_str().unwrap_or("").contains("region")
+        })
+        .await;
+    assert!(
+        j["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("fits in no single region"),
+        "{j}"
+    );
+    // It could never fit, so it holds nothing: the next job is not kept
+    // waiting behind it.
+    let id = s
+        .submit(
+            &key,
+            json!({"gpus": 2, "nodes": 2, "command": ["x"], "locality": "same_region"}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    assert_eq!(j["spec"]["locality"], "same_region");
+    let mut placed: Vec<String> = (0..2)
+        .map(|r| current(&j, r)["node_id"].as_str().unwrap().to_string())
+        .collect();
+    placed.sort();
+    let mut us = nodes[1..].to_vec();
+    us.sort();
+    assert_eq!(placed, us, "both ranks in us: {j}");
+    assert_eq!(s.job(&key, &too_big).await["state"], "queued");
+}

@@ -93,6 +93,7 @@ fn spec(gpus: u32, nodes: u32) -> JobSpec {
         preemptible: true,
         restart_policy: RestartPolicy::OnFailure,
         max_retries: 1,
+        locality: Default::default(),
     }
 }
 
