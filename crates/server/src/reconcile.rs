@@ -507,19 +507,6 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                         sharing = Some(st.store().sharing_quotas().await?);
                     }
                     let borrowed = borrowed_of(all, sharing.as_ref().unwrap_or(&BTreeMap::new()));
-                    let offered: Vec<Held> = candidates
-                        .iter()
-                        .map(|h| Held {
-                            node: h.node_id.clone(),
-                            gpus: h.gpu_ids.clone(),
-                            tenant: tenants.index(&h.tenant_id),
-                            tier: tier_of(h.tier),
-                            priority: h.priority,
-                            preemptible: h.preemptible,
-                            borrowed: borrowed.contains(&h.id),
-                            started_ms: ms_of(h.since),
-                        })
-                        .collect();
                     let who = Preemptor {
                         tenant: tenants.index(&p.tenant_id),
                         tier: tier_of(p.tier),
@@ -528,17 +515,51 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                         // other tenants borrowed.
                         reclaiming: quota.within_guarantee(usage, p.gpus),
                     };
-                    let plan = planner.preempt(
-                        &req,
-                        |m| quota.model_fits(usage, m, p.gpus),
-                        &offered,
-                        who,
-                        ms_of(now),
-                    );
+                    // Preempting a job member stops its whole gang, on
+                    // other nodes too: plain instances are tried first, job
+                    // members only when no set of those makes room.
+                    let singles: Vec<&HeldInstance> = candidates
+                        .iter()
+                        .copied()
+                        .filter(|h| h.job_id.is_none())
+                        .collect();
+                    let mut plan = None;
+                    for offer in [&singles, &candidates] {
+                        let offered: Vec<Held> = offer
+                            .iter()
+                            .map(|h| Held {
+                                node: h.node_id.clone(),
+                                gpus: h.gpu_ids.clone(),
+                                tenant: tenants.index(&h.tenant_id),
+                                tier: tier_of(h.tier),
+                                priority: h.priority,
+                                preemptible: h.preemptible,
+                                borrowed: borrowed.contains(&h.id),
+                                started_ms: ms_of(h.since),
+                            })
+                            .collect();
+                        plan = planner
+                            .preempt(
+                                &req,
+                                |m| quota.model_fits(usage, m, p.gpus),
+                                &offered,
+                                who,
+                                ms_of(now),
+                            )
+                            .map(|(victims, at)| {
+                                let ids: Vec<&HeldInstance> = victims
+                                    .iter()
+                                    .filter_map(|&v| offer.get(v).copied())
+                                    .collect();
+                                (ids, at)
+                            });
+                        if plan.as_ref().is_some_and(|(v, _)| !v.is_empty()) {
+                            break;
+                        }
+                    }
                     if let Some((victims, _)) = plan.filter(|(v, _)| !v.is_empty()) {
                         let mut ids = Vec::new();
-                        for v in victims {
-                            let Some(h) = candidates.get(v) else { continue };
+                        for h in victims {
                             if st.store().preempt(&h.id, &p.id, now).await? {
                                 tracing::info!(victim = %h.id, by = %p.id, "instance preempted");
                                 ids.push(h.id.to_string());

@@ -541,3 +541,71 @@ async fn a_gang_kept_in_one_region_lands_there_or_says_why_not() {
     assert_eq!(placed, us, "both ranks in us: {j}");
     assert_eq!(s.job(&key, &too_big).await["state"], "queued");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preemption_spares_a_gang_when_a_lone_instance_makes_room() {
+    let (s, key, provider, nodes) = setup(1, 3).await;
+    let t2 = s.create_tenant("serving").await;
+    let dedicated = s.key(&t2, "tenant_member").await;
+    // An older spot instance (more GPU time lost if preempted)...
+    let (status, b) = s
+        .call(
+            &key,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 1, "command": ["x"], "billing_class": "spot"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{b}");
+    let lone = b["id"].as_str().unwrap().to_string();
+    for _ in 0..200 {
+        if s.instance(&key, &lone).await["state"] == "scheduled" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    s.sync(&provider, &nodes[0], vec![(lone.clone(), running())])
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // ...and a younger spot gang fill the node.
+    let id = s
+        .submit(
+            &key,
+            json!({"gpus": 2, "nodes": 2, "command": ["train"], "billing_class": "spot"}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    for r in 0..2 {
+        s.report(&provider, &j, r, running()).await;
+    }
+    let (status, b) = s
+        .call(
+            &dedicated,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 1, "command": ["serve"]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{b}");
+    let mut l = Value::Null;
+    for _ in 0..200 {
+        l = s.instance(&key, &lone).await;
+        if l["stop_requested"] == true {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(
+        l["stop_requested"], true,
+        "the lone instance is the victim: {l}"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for r in 0..2 {
+        let m = s
+            .instance(&key, current(&j, r)["instance_id"].as_str().unwrap())
+            .await;
+        assert_eq!(m["stop_requested"], false, "the gang is spared: {m}");
+    }
+}

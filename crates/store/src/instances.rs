@@ -285,6 +285,8 @@ pub struct HeldInstance {
     pub preempted_by: Option<InstanceId>,
     /// When it started running (or was created, if not yet).
     pub since: DateTime<Utc>,
+    /// The job it is a member of: preempting it preempts the whole gang.
+    pub job_id: Option<JobId>,
 }
 
 /// GPU usage of one instance that ran recently, for fair share.
@@ -938,6 +940,7 @@ impl Store {
                 stop_requested: i.stop_requested,
                 preempted_by: i.preempted_by,
                 since: i.started_at.unwrap_or(i.created_at),
+                job_id: i.job.map(|j| j.job_id),
             });
         }
         Ok(out)
