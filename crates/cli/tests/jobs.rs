@@ -238,6 +238,21 @@ fn a_tier_one_instance_preempts_a_spot_job_member_and_the_whole_job_is_requeued_
         .lines()
         .any(|l| l == "hi"));
 
+    // The run needed one GPU: the other member may still be in its
+    // notice when the run ends.
+    let attempt_one_stopped = || {
+        let j = job(&env, &key, &id);
+        j["members"].as_array().is_some_and(|ms| {
+            ms.iter()
+                .filter(|m| m["attempt"] == 1)
+                .all(|m| m["state"] == "stopped")
+        })
+    };
+    wait_until(
+        "both members of attempt 1 to stop",
+        Duration::from_secs(20),
+        attempt_one_stopped,
+    );
     let j = job(&env, &key, &id);
     let first: Vec<&Value> = j["members"]
         .as_array()
