@@ -16,7 +16,9 @@ use flotilla_core::id::{GpuId, NodeId};
 use flotilla_core::job::Locality as JobLocality;
 use flotilla_core::placement::{first_fit, NodeSnapshot, Placement, PlacementRequest};
 use flotilla_sched::gang::{place_gang, Gang, GangDecision, Locality};
-use flotilla_sched::preempt::{self, PreemptConfig, PreemptDecision, Preemptor};
+use flotilla_sched::preempt::{
+    self, GangPreemptDecision, PreemptConfig, PreemptDecision, Preemptor,
+};
 use flotilla_sched::queue::{self, Reservation};
 use flotilla_sched::{
     Allocation, Cluster, Decision, Engine, GpuDemand, ModelSet, ModelTable, NodeSpec, Policy,
@@ -459,20 +461,9 @@ impl PassPlanner {
         })
     }
 
-    /// Which of `held` to preempt so `req` fits, and where it will go once
-    /// they are gone: `flotilla-sched`'s cheapest sufficient set on one
-    /// node, which never names tier-1 or non-preemptible work and only work
-    /// `who` outranks. `None` when no eviction makes room. Victims free
-    /// their GPUs only (their CPU and memory are not counted back), which
-    /// can only make the plan more conservative.
-    pub fn preempt(
-        &mut self,
-        req: &PlacementRequest,
-        model_allowed: impl Fn(&str) -> bool,
-        held: &[Held],
-        who: Preemptor,
-        now_ms: u64,
-    ) -> Option<(Vec<usize>, Placement)> {
+    /// `held` as the engine's allocations (index = position in `held`);
+    /// work on nodes the pass does not know is left out.
+    fn allocations(&self, held: &[Held]) -> Vec<Allocation> {
         let mut allocations = Vec::new();
         for (i, h) in held.iter().enumerate() {
             let found = self.slots.iter().enumerate().find_map(|(si, s)| {
@@ -508,6 +499,24 @@ impl PassPlanner {
                 started_ms: h.started_ms,
             });
         }
+        allocations
+    }
+
+    /// Which of `held` to preempt so `req` fits, and where it will go once
+    /// they are gone: `flotilla-sched`'s cheapest sufficient set on one
+    /// node, which never names tier-1 or non-preemptible work and only work
+    /// `who` outranks. `None` when no eviction makes room. Victims free
+    /// their GPUs only (their CPU and memory are not counted back), which
+    /// can only make the plan more conservative.
+    pub fn preempt(
+        &mut self,
+        req: &PlacementRequest,
+        model_allowed: impl Fn(&str) -> bool,
+        held: &[Held],
+        who: Preemptor,
+        now_ms: u64,
+    ) -> Option<(Vec<usize>, Placement)> {
+        let allocations = self.allocations(held);
         if !allocations.iter().any(|a| who.may_evict(a)) {
             return None;
         }
@@ -555,6 +564,74 @@ impl PassPlanner {
                 gpus,
             },
         ))
+    }
+
+    /// [`PassPlanner::preempt`] for a gang: which of `held` to preempt so
+    /// that every member fits (`flotilla-sched`'s gang preemption, within
+    /// `within`), and where the members go once they are gone.
+    #[allow(clippy::too_many_arguments)]
+    pub fn preempt_gang(
+        &mut self,
+        req: &PlacementRequest,
+        members: usize,
+        within: JobLocality,
+        model_allowed: impl Fn(&str) -> bool,
+        held: &[Held],
+        who: Preemptor,
+        now_ms: u64,
+    ) -> Option<(Vec<usize>, Vec<Placement>)> {
+        let allocations = self.allocations(held);
+        if !allocations.iter().any(|a| who.may_evict(a)) {
+            return None;
+        }
+        let allowed = ModelSet::of(
+            self.slots
+                .iter()
+                .map(|s| s.model.as_str())
+                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
+                .filter(|m| model_allowed(m))
+                .filter_map(|m| self.models.get(m)),
+        );
+        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
+        let decision = preempt::plan_gang(
+            &mut self.engine,
+            &self.cluster,
+            &allocations,
+            &gang,
+            &who,
+            &PreemptConfig::default(),
+            now_ms,
+            &mut self.rng,
+        );
+        let (victims, plan) = match decision {
+            GangPreemptDecision::Preempt(p) => (
+                p.evictions
+                    .iter()
+                    .map(|e| e.allocation as usize)
+                    .collect::<Vec<_>>(),
+                p.placement,
+            ),
+            GangPreemptDecision::Fits(p) => (Vec::new(), p),
+            GangPreemptDecision::Impossible(_) => return None,
+        };
+        let placements = plan
+            .members
+            .iter()
+            .map(|p| {
+                let slot = self.slots.get(p.node as usize)?;
+                let gpus = p
+                    .gpus
+                    .iter()
+                    .map(|&d| slot.gpus.get(usize::from(d)).cloned())
+                    .collect::<Option<Vec<GpuId>>>()?;
+                Some(Placement {
+                    node: slot.node.clone(),
+                    model: slot.model.clone(),
+                    gpus,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some((victims, placements))
     }
 
     /// Records a committed placement so the rest of the pass sees it.
