@@ -147,6 +147,14 @@ fn a_two_node_job_runs_one_rank_per_node_and_succeeds() {
         "{show}"
     );
     assert!(show.contains("attempt 1 rank 1"), "{show}");
+    let followed = text(&env.cli(Some(&key), &["jobs", "logs", &id, "--rank", "1", "-f"]));
+    assert!(followed.contains("rank=1 of 2"), "{followed}");
+    let member = members[1]["instance_id"].as_str().unwrap();
+    let m = text(&env.cli(Some(&key), &["explain", member]));
+    assert!(
+        m.contains(&format!("member: rank 1 of {id}, attempt 1")),
+        "{m}"
+    );
     let q = env.cli_json(Some(&key), &["jobs", "queue"]);
     assert_eq!(q, serde_json::json!([]));
     // Operators set the tenant's guarantee and fair-share weight.
