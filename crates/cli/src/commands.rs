@@ -453,6 +453,12 @@ fn explanation(inst: &Instance) -> Vec<String> {
     if let Some(code) = inst.exit_code {
         out.push(format!("exit code: {code}"));
     }
+    if let Some(j) = &inst.job {
+        out.push(format!(
+            "member: rank {} of {}, attempt {} (flotilla explain {} for the gang)",
+            j.rank, j.job_id, j.attempt, j.job_id
+        ));
+    }
     out.push("history:".into());
     for e in &inst.events {
         out.push(format!(

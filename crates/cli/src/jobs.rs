@@ -10,7 +10,7 @@ use chrono::Utc;
 use clap::Subcommand;
 use flotilla_core::api::{Instance, Job, JobQueueEntry, Page};
 use flotilla_core::id::JobId;
-use flotilla_core::job::{CreateJob, JobState, RestartPolicy};
+use flotilla_core::job::{CreateJob, JobState, Locality, RestartPolicy};
 
 use crate::client::decode;
 use crate::commands::{parse_env, Billing, Ctx};
@@ -105,6 +105,9 @@ pub struct SubmitArgs {
     /// Restarts after failures with `--restart on-failure` (default 3).
     #[arg(long, value_name = "N")]
     pub max_retries: Option<u32>,
+    /// Keep every member in one pool or one region.
+    #[arg(long, value_parser = parse_locality, default_value = "any", value_name = "any|same-pool|same-region")]
+    pub locality: Locality,
     /// Wait for the job to end; exit 0 only if it succeeded.
     #[arg(long, short = 'w')]
     pub wait: bool,
@@ -120,6 +123,11 @@ pub struct SubmitArgs {
 
 fn parse_restart(s: &str) -> std::result::Result<RestartPolicy, String> {
     RestartPolicy::parse(s.trim()).ok_or_else(|| format!("expected never or on-failure, got `{s}`"))
+}
+
+fn parse_locality(s: &str) -> std::result::Result<Locality, String> {
+    Locality::parse(s.trim())
+        .ok_or_else(|| format!("expected any, same-pool or same-region, got `{s}`"))
 }
 
 fn parse_state(s: &str) -> std::result::Result<JobState, String> {
@@ -162,6 +170,7 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
         preemptible: args.preemptible.then_some(true),
         restart_policy: args.restart,
         max_retries: args.max_retries,
+        locality: args.locality,
     };
     let raw = ctx.client.post("/v1/jobs", &req).await?;
     let job: Job = decode(raw.clone())?;
@@ -281,7 +290,8 @@ fn describe(j: &Job) -> Vec<String> {
             s.billing_class.as_str()
         ),
         format!(
-            "restart: {} (max retries {}); attempts {}, failures {}{}",
+            "members placed: {}; restart: {} (max retries {}); attempts {}, failures {}{}",
+            s.locality.as_str(),
             s.restart_policy.as_str(),
             s.max_retries,
             j.attempts,
@@ -436,6 +446,8 @@ mod tests {
         assert!(parse_restart("always").unwrap_err().contains("on-failure"));
         assert_eq!(parse_state("Queued"), Ok(JobState::Queued));
         assert!(parse_state("done").is_err());
+        assert_eq!(parse_locality("same-region"), Ok(Locality::SameRegion));
+        assert!(parse_locality("rack").is_err());
         assert!(job_id("inst_01jd3x7k2q9v8m4n6p5r0s1t2w").is_err());
     }
 }

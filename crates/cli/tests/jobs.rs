@@ -147,6 +147,14 @@ fn a_two_node_job_runs_one_rank_per_node_and_succeeds() {
         "{show}"
     );
     assert!(show.contains("attempt 1 rank 1"), "{show}");
+    let followed = text(&env.cli(Some(&key), &["jobs", "logs", &id, "--rank", "1", "-f"]));
+    assert!(followed.contains("rank=1 of 2"), "{followed}");
+    let member = members[1]["instance_id"].as_str().unwrap();
+    let m = text(&env.cli(Some(&key), &["explain", member]));
+    assert!(
+        m.contains(&format!("member: rank 1 of {id}, attempt 1")),
+        "{m}"
+    );
     let q = env.cli_json(Some(&key), &["jobs", "queue"]);
     assert_eq!(q, serde_json::json!([]));
     // Operators set the tenant's guarantee and fair-share weight.
@@ -238,6 +246,21 @@ fn a_tier_one_instance_preempts_a_spot_job_member_and_the_whole_job_is_requeued_
         .lines()
         .any(|l| l == "hi"));
 
+    // The run needed one GPU: the other member may still be in its
+    // notice when the run ends.
+    let attempt_one_stopped = || {
+        let j = job(&env, &key, &id);
+        j["members"].as_array().is_some_and(|ms| {
+            ms.iter()
+                .filter(|m| m["attempt"] == 1)
+                .all(|m| m["state"] == "stopped")
+        })
+    };
+    wait_until(
+        "both members of attempt 1 to stop",
+        Duration::from_secs(20),
+        attempt_one_stopped,
+    );
     let j = job(&env, &key, &id);
     let first: Vec<&Value> = j["members"]
         .as_array()

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::catalog::Vendor;
-use crate::id::{GpuId, InstanceId, JobId, KeyId, NodeId, TenantId};
+use crate::id::{GpuId, InstanceId, JobId, KeyId, NodeId, TenantId, WorkId};
 use crate::instance::{BillingClass, InstanceState};
 use crate::job::{JobSpec, JobState};
 use crate::node::NodeState;
@@ -244,11 +244,13 @@ pub struct Instance {
     /// The scheduler may preempt it (with a notice) for more important work.
     #[serde(default)]
     pub preemptible: bool,
-    /// Set when the scheduler preempted it: the instance it made room for.
+    /// Set when the scheduler preempted it: the instance or job it made
+    /// room for.
     /// A preempted instance ends `stopped` and its work is requeued as a
     /// new instance whose `requeued_from` names this one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub preempted_by: Option<InstanceId>,
+    #[schema(value_type = Option<String>)]
+    pub preempted_by: Option<WorkId>,
     /// The preempted instance this one requeues (same spec, same tenant).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requeued_from: Option<InstanceId>,

@@ -116,6 +116,96 @@ prefixed_id!(
     /// the usage they carry.
     ProviderId, "prov_");
 
+/// A piece of queued work: an instance or a job. Names what a preemption
+/// made room for (`preempted_by`); sent as the plain id.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WorkId {
+    /// An instance.
+    Instance(InstanceId),
+    /// A job (its gang).
+    Job(JobId),
+}
+
+impl WorkId {
+    /// Parses an instance or a job id, by its prefix.
+    pub fn parse(s: &str, field: &str) -> Result<Self, FieldError> {
+        if s.starts_with(JobId::PREFIX) {
+            JobId::parse(s, field).map(Self::Job)
+        } else if s.starts_with(InstanceId::PREFIX) {
+            InstanceId::parse(s, field).map(Self::Instance)
+        } else {
+            Err(FieldError::new(
+                field,
+                format!(
+                    "must be an id starting with `{}` or `{}`",
+                    InstanceId::PREFIX,
+                    JobId::PREFIX
+                ),
+            ))
+        }
+    }
+
+    /// Wraps a value read back from the store, by its prefix.
+    pub fn from_trusted(s: String) -> Self {
+        if s.starts_with(JobId::PREFIX) {
+            Self::Job(JobId::from_trusted(s))
+        } else {
+            Self::Instance(InstanceId::from_trusted(s))
+        }
+    }
+
+    /// The id as stored and sent.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Instance(i) => i.as_str(),
+            Self::Job(j) => j.as_str(),
+        }
+    }
+}
+
+impl From<InstanceId> for WorkId {
+    fn from(i: InstanceId) -> Self {
+        Self::Instance(i)
+    }
+}
+
+impl From<JobId> for WorkId {
+    fn from(j: JobId) -> Self {
+        Self::Job(j)
+    }
+}
+
+impl PartialEq<InstanceId> for WorkId {
+    fn eq(&self, other: &InstanceId) -> bool {
+        matches!(self, Self::Instance(i) if i == other)
+    }
+}
+
+impl fmt::Display for WorkId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl fmt::Debug for WorkId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for WorkId {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for WorkId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Self::parse(&s, "id").map_err(|e| serde::de::Error::custom(e.message))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,5 +227,23 @@ mod tests {
         assert!(e.message.contains("inst_"));
         let e = InstanceId::parse("inst_notaulid", "instance_id").unwrap_err();
         assert!(e.message.contains("not a valid id"));
+    }
+
+    #[test]
+    fn work_ids_are_told_apart_by_prefix_and_sent_plain() {
+        let i = InstanceId::generate(1, 1);
+        let j = JobId::generate(1, 2);
+        let wi = WorkId::parse(i.as_str(), "by").unwrap();
+        let wj = WorkId::parse(j.as_str(), "by").unwrap();
+        assert_eq!(wi, i);
+        assert_eq!(wj, WorkId::Job(j.clone()));
+        assert_eq!(
+            serde_json::to_value(&wj).unwrap(),
+            serde_json::json!(j.as_str())
+        );
+        let back: WorkId = serde_json::from_value(serde_json::json!(i.as_str())).unwrap();
+        assert_eq!(back, WorkId::Instance(i));
+        assert_eq!(WorkId::from_trusted(j.to_string()), WorkId::Job(j));
+        assert_eq!(WorkId::parse("ten_x", "by").unwrap_err().field, "by");
     }
 }

@@ -94,6 +94,41 @@ impl RestartPolicy {
     }
 }
 
+/// Where a gang's members may go relative to each other.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Locality {
+    /// Any nodes.
+    #[default]
+    Any,
+    /// Nodes of one pool (the topology domain Flotilla knows: a group of
+    /// alike, well-connected nodes).
+    SamePool,
+    /// Nodes of one region.
+    SameRegion,
+}
+
+impl Locality {
+    /// Stable name, as sent and typed on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Any => "any",
+            Self::SamePool => "same_pool",
+            Self::SameRegion => "same_region",
+        }
+    }
+
+    /// Parses a name; `same-pool` and `same-region` as the CLI spells them.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "any" => Some(Self::Any),
+            "same_pool" | "same-pool" => Some(Self::SamePool),
+            "same_region" | "same-region" => Some(Self::SameRegion),
+            _ => None,
+        }
+    }
+}
+
 /// Most ranks one job may have.
 pub const MAX_NODES: u32 = 64;
 /// Most retries one job may ask for.
@@ -157,6 +192,10 @@ pub struct CreateJob {
     /// must be 0 or absent with `never`). Preemptions do not count.
     #[serde(default)]
     pub max_retries: Option<u32>,
+    /// `any` (default), `same_pool` or `same_region`: keep every member in
+    /// one pool or one region.
+    #[serde(default)]
+    pub locality: Locality,
 }
 
 /// A validated job request: what the store keeps and every member is
@@ -195,6 +234,9 @@ pub struct JobSpec {
     pub restart_policy: RestartPolicy,
     /// Restarts allowed after failures.
     pub max_retries: u32,
+    /// Where the members may go relative to each other.
+    #[serde(default)]
+    pub locality: Locality,
 }
 
 impl JobSpec {
@@ -294,6 +336,7 @@ impl CreateJob {
             preemptible: member.preemptible,
             restart_policy: self.restart_policy,
             max_retries,
+            locality: self.locality,
         })
     }
 }
@@ -524,6 +567,7 @@ mod tests {
             preemptible: None,
             restart_policy: RestartPolicy::OnFailure,
             max_retries: None,
+            locality: Locality::Any,
         }
     }
 
@@ -616,6 +660,11 @@ mod tests {
             Some(RestartPolicy::OnFailure)
         );
         assert_eq!(RestartPolicy::parse("always"), None);
+        for l in [Locality::Any, Locality::SamePool, Locality::SameRegion] {
+            assert_eq!(Locality::parse(l.as_str()), Some(l));
+        }
+        assert_eq!(Locality::parse("same-region"), Some(Locality::SameRegion));
+        assert_eq!(Locality::parse("rack"), None);
     }
 
     #[test]

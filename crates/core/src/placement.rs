@@ -29,6 +29,10 @@ pub struct NodeSnapshot {
     pub ready: bool,
     /// Taken out of scheduling by an operator.
     pub cordoned: bool,
+    /// Region (gangs may be kept within one).
+    pub region: String,
+    /// Node pool, the topology domain a gang may be kept within.
+    pub pool: String,
     /// CPU not yet reserved, in milli-cores.
     pub cpu_milli_free: u64,
     /// Memory not yet reserved, in MiB.
@@ -189,6 +193,8 @@ mod tests {
             id: NodeId::generate(n, n as u128),
             ready: true,
             cordoned: false,
+            region: "local".into(),
+            pool: "default".into(),
             cpu_milli_free: 64_000,
             memory_mb_free: 512_000,
             gpus: models

@@ -6,7 +6,7 @@
 //! change is conditional on the job's attempt, so a pass may be cut at any
 //! line and rerun.
 
-use flotilla_core::id::InstanceId;
+use flotilla_core::id::WorkId;
 use flotilla_core::job::{self, JobProgress, JobState, JobStep, MemberStatus};
 use flotilla_store::StoreError;
 
@@ -51,7 +51,7 @@ pub async fn jobs_pass(st: &AppState) -> Result<usize, StoreError> {
                 changed += 1;
             }
             JobStep::Preempt { members, by } => {
-                let by = InstanceId::from_trusted(by);
+                let by = WorkId::from_trusted(by);
                 for i in members {
                     let Some(m) = rj.members.get(i) else { continue };
                     if st.store().preempt(&m.id, &by, now).await? {

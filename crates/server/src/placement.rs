@@ -13,9 +13,12 @@ use std::collections::{BTreeMap, HashSet};
 
 use flotilla_core::catalog::Catalog;
 use flotilla_core::id::{GpuId, NodeId};
+use flotilla_core::job::Locality as JobLocality;
 use flotilla_core::placement::{first_fit, NodeSnapshot, Placement, PlacementRequest};
 use flotilla_sched::gang::{place_gang, Gang, GangDecision, Locality};
-use flotilla_sched::preempt::{self, PreemptConfig, PreemptDecision, Preemptor};
+use flotilla_sched::preempt::{
+    self, GangPreemptDecision, PreemptConfig, PreemptDecision, Preemptor,
+};
 use flotilla_sched::queue::{self, Reservation};
 use flotilla_sched::{
     Allocation, Cluster, Decision, Engine, GpuDemand, ModelSet, ModelTable, NodeSpec, Policy,
@@ -71,6 +74,25 @@ pub struct PassPlanner {
     mixed: HashSet<NodeId>,
     engine: Engine,
     rng: ChaCha8Rng,
+    /// Region and pool names as the engine's scope numbers (from 1; 0 is
+    /// "none" to the engine).
+    regions: BTreeMap<String, u32>,
+    pools: BTreeMap<String, u32>,
+}
+
+/// A name's scope number in `names`, interned on first sight.
+fn scope_of(names: &mut BTreeMap<String, u32>, name: &str) -> u32 {
+    let next = u32::try_from(names.len() + 1).unwrap_or(u32::MAX);
+    *names.entry(name.to_string()).or_insert(next)
+}
+
+/// The engine's gang locality for a job's.
+fn locality(l: JobLocality) -> Locality {
+    match l {
+        JobLocality::Any => Locality::Any,
+        JobLocality::SamePool => Locality::SameDomain,
+        JobLocality::SameRegion => Locality::SameRegion,
+    }
 }
 
 impl std::fmt::Debug for PassPlanner {
@@ -123,6 +145,8 @@ impl PassPlanner {
             mixed: HashSet::new(),
             engine,
             rng: ChaCha8Rng::seed_from_u64(seed),
+            regions: BTreeMap::new(),
+            pools: BTreeMap::new(),
         };
         planner.rebuild(snapshot);
         planner
@@ -160,6 +184,8 @@ impl PassPlanner {
                 if n.cordoned {
                     let _ = cluster.set_cordoned(idx, true);
                 }
+                let _ = cluster.set_region(idx, scope_of(&mut self.regions, &n.region));
+                let _ = cluster.set_domain(idx, scope_of(&mut self.pools, &n.pool));
                 let one = Request::new(GpuDemand::whole(1), 0, 0);
                 for (d, g) in gpus.iter().enumerate() {
                     if !g.free {
@@ -234,6 +260,7 @@ impl PassPlanner {
         &mut self,
         req: &PlacementRequest,
         members: usize,
+        within: JobLocality,
         model_allowed: impl Fn(&str) -> bool,
     ) -> Result<Vec<Placement>, String> {
         let allowed = ModelSet::of(
@@ -244,7 +271,7 @@ impl PassPlanner {
                 .filter(|m| model_allowed(m))
                 .filter_map(|m| self.models.get(m)),
         );
-        let gang = Gang::uniform(sched_request(req, allowed), members, Locality::Any);
+        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
         match place_gang(&mut self.engine, &self.cluster, &gang, &mut self.rng) {
             GangDecision::Placed(plan) => plan
                 .members
@@ -268,7 +295,25 @@ impl PassPlanner {
                 })
                 .collect(),
             GangDecision::Unschedulable(why) => {
-                Err(format!("{why} (of {} node slots)", self.slots.len()))
+                // The engine numbers regions and pools (its "domains");
+                // say them as people named them.
+                let (names, noun) = match within {
+                    JobLocality::SameRegion => (&self.regions, "region"),
+                    _ => (&self.pools, "domain"),
+                };
+                let mut text = why.to_string();
+                if let Some(scope) = why.best.as_ref().and_then(|b| b.scope) {
+                    if let Some((name, _)) = names.iter().find(|(_, &v)| v == scope) {
+                        text = text.replace(
+                            &format!("closest: {noun} {scope},"),
+                            &format!("closest: {noun} {name},"),
+                        );
+                    }
+                }
+                if within == JobLocality::SamePool {
+                    text = text.replace("domain", "pool");
+                }
+                Err(format!("{text} (of {} node slots)", self.slots.len()))
             }
         }
     }
@@ -285,24 +330,32 @@ impl PassPlanner {
         snapshot: &[NodeSnapshot],
         req: &PlacementRequest,
         members: usize,
+        within: JobLocality,
         model_allowed: impl Fn(&str) -> bool,
         now_ms: u64,
     ) -> Option<Reservation> {
         let per = req.gpus.max(1) as usize;
-        let mut room = 0usize;
+        // Members that fit on an empty pool, per region or pool when the
+        // gang must stay in one.
+        let mut room: BTreeMap<&str, usize> = BTreeMap::new();
         for n in snapshot.iter().filter(|n| n.ready && !n.cordoned) {
             let mut by_model: BTreeMap<&str, usize> = BTreeMap::new();
             for g in &n.gpus {
                 *by_model.entry(g.model.as_str()).or_default() += 1;
             }
-            room += by_model
+            let scope = match within {
+                JobLocality::Any => "",
+                JobLocality::SamePool => n.pool.as_str(),
+                JobLocality::SameRegion => n.region.as_str(),
+            };
+            *room.entry(scope).or_default() += by_model
                 .into_iter()
                 .filter(|(m, _)| req.models.is_empty() || req.models.iter().any(|a| a == m))
                 .filter(|(m, _)| model_allowed(m))
                 .map(|(_, count)| count / per)
                 .sum::<usize>();
         }
-        if room < members {
+        if !room.values().any(|&r| r >= members) {
             return None;
         }
         let allowed = ModelSet::of(
@@ -313,7 +366,7 @@ impl PassPlanner {
                 .filter(|m| model_allowed(m))
                 .filter_map(|m| self.models.get(m)),
         );
-        let gang = Gang::uniform(sched_request(req, allowed), members, Locality::Any);
+        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
         Some(queue::reserve(
             &mut self.engine,
             &self.cluster,
@@ -345,6 +398,7 @@ impl PassPlanner {
         &mut self,
         req: &PlacementRequest,
         members: usize,
+        within: JobLocality,
         model_allowed: impl Fn(&str) -> bool,
         reservation: &Reservation,
     ) -> Option<Vec<Placement>> {
@@ -360,7 +414,7 @@ impl PassPlanner {
                 .filter(|m| model_allowed(m))
                 .filter_map(|m| self.models.get(m)),
         );
-        let gang = Gang::uniform(sched_request(req, allowed), members, Locality::Any);
+        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
         let GangDecision::Placed(plan) =
             place_gang(&mut self.engine, &outside, &gang, &mut self.rng)
         else {
@@ -407,20 +461,9 @@ impl PassPlanner {
         })
     }
 
-    /// Which of `held` to preempt so `req` fits, and where it will go once
-    /// they are gone: `flotilla-sched`'s cheapest sufficient set on one
-    /// node, which never names tier-1 or non-preemptible work and only work
-    /// `who` outranks. `None` when no eviction makes room. Victims free
-    /// their GPUs only (their CPU and memory are not counted back), which
-    /// can only make the plan more conservative.
-    pub fn preempt(
-        &mut self,
-        req: &PlacementRequest,
-        model_allowed: impl Fn(&str) -> bool,
-        held: &[Held],
-        who: Preemptor,
-        now_ms: u64,
-    ) -> Option<(Vec<usize>, Placement)> {
+    /// `held` as the engine's allocations (index = position in `held`);
+    /// work on nodes the pass does not know is left out.
+    fn allocations(&self, held: &[Held]) -> Vec<Allocation> {
         let mut allocations = Vec::new();
         for (i, h) in held.iter().enumerate() {
             let found = self.slots.iter().enumerate().find_map(|(si, s)| {
@@ -456,6 +499,24 @@ impl PassPlanner {
                 started_ms: h.started_ms,
             });
         }
+        allocations
+    }
+
+    /// Which of `held` to preempt so `req` fits, and where it will go once
+    /// they are gone: `flotilla-sched`'s cheapest sufficient set on one
+    /// node, which never names tier-1 or non-preemptible work and only work
+    /// `who` outranks. `None` when no eviction makes room. Victims free
+    /// their GPUs only (their CPU and memory are not counted back), which
+    /// can only make the plan more conservative.
+    pub fn preempt(
+        &mut self,
+        req: &PlacementRequest,
+        model_allowed: impl Fn(&str) -> bool,
+        held: &[Held],
+        who: Preemptor,
+        now_ms: u64,
+    ) -> Option<(Vec<usize>, Placement)> {
+        let allocations = self.allocations(held);
         if !allocations.iter().any(|a| who.may_evict(a)) {
             return None;
         }
@@ -503,6 +564,74 @@ impl PassPlanner {
                 gpus,
             },
         ))
+    }
+
+    /// [`PassPlanner::preempt`] for a gang: which of `held` to preempt so
+    /// that every member fits (`flotilla-sched`'s gang preemption, within
+    /// `within`), and where the members go once they are gone.
+    #[allow(clippy::too_many_arguments)]
+    pub fn preempt_gang(
+        &mut self,
+        req: &PlacementRequest,
+        members: usize,
+        within: JobLocality,
+        model_allowed: impl Fn(&str) -> bool,
+        held: &[Held],
+        who: Preemptor,
+        now_ms: u64,
+    ) -> Option<(Vec<usize>, Vec<Placement>)> {
+        let allocations = self.allocations(held);
+        if !allocations.iter().any(|a| who.may_evict(a)) {
+            return None;
+        }
+        let allowed = ModelSet::of(
+            self.slots
+                .iter()
+                .map(|s| s.model.as_str())
+                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
+                .filter(|m| model_allowed(m))
+                .filter_map(|m| self.models.get(m)),
+        );
+        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
+        let decision = preempt::plan_gang(
+            &mut self.engine,
+            &self.cluster,
+            &allocations,
+            &gang,
+            &who,
+            &PreemptConfig::default(),
+            now_ms,
+            &mut self.rng,
+        );
+        let (victims, plan) = match decision {
+            GangPreemptDecision::Preempt(p) => (
+                p.evictions
+                    .iter()
+                    .map(|e| e.allocation as usize)
+                    .collect::<Vec<_>>(),
+                p.placement,
+            ),
+            GangPreemptDecision::Fits(p) => (Vec::new(), p),
+            GangPreemptDecision::Impossible(_) => return None,
+        };
+        let placements = plan
+            .members
+            .iter()
+            .map(|p| {
+                let slot = self.slots.get(p.node as usize)?;
+                let gpus = p
+                    .gpus
+                    .iter()
+                    .map(|&d| slot.gpus.get(usize::from(d)).cloned())
+                    .collect::<Option<Vec<GpuId>>>()?;
+                Some(Placement {
+                    node: slot.node.clone(),
+                    model: slot.model.clone(),
+                    gpus,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some((victims, placements))
     }
 
     /// Records a committed placement so the rest of the pass sees it.
@@ -559,6 +688,8 @@ mod tests {
             id: NodeId::generate(n, u128::from(n)),
             ready,
             cordoned: false,
+            region: "local".into(),
+            pool: "default".into(),
             cpu_milli_free: 64_000,
             memory_mb_free: 512_000,
             gpus: gpus
@@ -639,13 +770,52 @@ mod tests {
             node(2, true, &[("H100", true), ("H100", false)]),
         ];
         let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 3);
-        let plans = p.place_gang(&req(1, &[]), 2, |_| true).unwrap();
+        let plans = p
+            .place_gang(&req(1, &[]), 2, JobLocality::Any, |_| true)
+            .unwrap();
         let mut nodes: Vec<&NodeId> = plans.iter().map(|p| &p.node).collect();
         nodes.sort();
         assert_eq!(nodes, vec![&snap[0].id, &snap[1].id]);
-        let e = p.place_gang(&req(1, &[]), 3, |_| true).unwrap_err();
+        let e = p
+            .place_gang(&req(1, &[]), 3, JobLocality::Any, |_| true)
+            .unwrap_err();
         assert!(e.contains("member 3 fits nowhere after placing 2"), "{e}");
-        assert!(p.place_gang(&req(2, &[]), 1, |_| true).is_err());
+        assert!(p
+            .place_gang(&req(2, &[]), 1, JobLocality::Any, |_| true)
+            .is_err());
+    }
+
+    #[test]
+    fn a_gang_kept_in_one_region_or_pool_stays_there() {
+        let mut snap = vec![
+            node(1, true, &[("H100", true)]),
+            node(2, true, &[("H100", true)]),
+            node(3, true, &[("H100", true), ("H100", true), ("H100", true)]),
+        ];
+        snap[0].region = "eu".into();
+        snap[1].region = "us".into();
+        snap[2].region = "us".into();
+        snap[2].pool = "fast".into();
+        let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 9);
+        let plans = p
+            .place_gang(&req(1, &[]), 4, JobLocality::SameRegion, |_| true)
+            .unwrap();
+        assert!(plans.iter().all(|x| x.node != snap[0].id), "{plans:?}");
+        let e = p
+            .place_gang(&req(1, &[]), 5, JobLocality::SameRegion, |_| true)
+            .unwrap_err();
+        assert!(e.contains("fits in no single region"), "{e}");
+        let plans = p
+            .place_gang(&req(1, &[]), 3, JobLocality::SamePool, |_| true)
+            .unwrap();
+        assert!(plans.iter().all(|x| x.node == snap[2].id), "{plans:?}");
+        let e = p
+            .place_gang(&req(1, &[]), 4, JobLocality::SamePool, |_| true)
+            .unwrap_err();
+        assert!(e.contains("fits in no single pool"), "{e}");
+        assert!(p
+            .place_gang(&req(1, &[]), 5, JobLocality::Any, |_| true)
+            .is_ok());
     }
 
     #[test]
@@ -657,7 +827,7 @@ mod tests {
         let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 5);
         // Two H100s fit on node 1 once it empties: it is held for the head.
         let mut r = p
-            .reserve(&snap, &req(2, &["H100"]), 1, |_| true, 0)
+            .reserve(&snap, &req(2, &["H100"]), 1, JobLocality::Any, |_| true, 0)
             .expect("could fit once work ends");
         let small = req(1, &[]);
         let on_h100 = Placement {
@@ -672,23 +842,32 @@ mod tests {
         };
         assert!(!p.backfill_allowed(&mut r, &small, &on_h100));
         assert!(p.backfill_allowed(&mut r, &small, &on_l4));
-        let outside = p.place_outside(&small, 1, |_| true, &r).unwrap();
+        let outside = p
+            .place_outside(&small, 1, JobLocality::Any, |_| true, &r)
+            .unwrap();
         assert_eq!(
             outside[0].node, snap[1].id,
             "backfill goes around the held node"
         );
         assert!(p
-            .place_outside(&req(1, &["H100"]), 1, |_| true, &r)
+            .place_outside(&req(1, &["H100"]), 1, JobLocality::Any, |_| true, &r)
             .is_none());
         // Three H100s exist nowhere: no reservation, nothing held.
         assert!(p
-            .reserve(&snap, &req(3, &["H100"]), 1, |_| true, 0)
+            .reserve(&snap, &req(3, &["H100"]), 1, JobLocality::Any, |_| true, 0)
             .is_none());
         assert!(p
-            .reserve(&snap, &req(1, &["H100"]), 3, |_| true, 0)
+            .reserve(&snap, &req(1, &["H100"]), 3, JobLocality::Any, |_| true, 0)
             .is_none());
         assert!(p
-            .reserve(&snap, &req(1, &["H100"]), 2, |m| m != "H100", 0)
+            .reserve(
+                &snap,
+                &req(1, &["H100"]),
+                2,
+                JobLocality::Any,
+                |m| m != "H100",
+                0
+            )
             .is_none());
     }
 

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use chrono::Duration as ChronoDuration;
 use flotilla_core::id::TenantId;
-use flotilla_core::id::{GpuId, InstanceId};
+use flotilla_core::id::{GpuId, InstanceId, WorkId};
+use flotilla_core::job::Locality as JobLocality;
 use flotilla_core::placement::{NodeSnapshot, Placement, PlacementRequest};
 use flotilla_core::quota::{Quota, Usage};
 use flotilla_sched::preempt::Preemptor;
@@ -187,6 +188,50 @@ pub async fn queue_all(st: &AppState) -> Result<Vec<Queued>, StoreError> {
         .collect())
 }
 
+/// The work to preempt for one waiting piece of work. `plan` is the
+/// engine's choice over the offered work (indices into it). Work already
+/// stopping is never offered (its GPUs are promised to whoever preempted
+/// it). Preempting a job member stops its whole gang, on other nodes too,
+/// so plain instances are offered first and job members only when no set
+/// of those makes room.
+fn choose_victims<'a>(
+    held: &'a [HeldInstance],
+    borrowed: &HashSet<InstanceId>,
+    tenants: &mut Tenants,
+    mut plan: impl FnMut(&[Held]) -> Option<Vec<usize>>,
+) -> Vec<&'a HeldInstance> {
+    let candidates: Vec<&HeldInstance> = held.iter().filter(|h| !h.stop_requested).collect();
+    let singles: Vec<&HeldInstance> = candidates
+        .iter()
+        .copied()
+        .filter(|h| h.job_id.is_none())
+        .collect();
+    for offer in [&singles, &candidates] {
+        let offered: Vec<Held> = offer
+            .iter()
+            .map(|h| Held {
+                node: h.node_id.clone(),
+                gpus: h.gpu_ids.clone(),
+                tenant: tenants.index(&h.tenant_id),
+                tier: tier_of(h.tier),
+                priority: h.priority,
+                preemptible: h.preemptible,
+                borrowed: borrowed.contains(&h.id),
+                started_ms: ms_of(h.since),
+            })
+            .collect();
+        let victims: Vec<&HeldInstance> = plan(&offered)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|&v| offer.get(v).copied())
+            .collect();
+        if !victims.is_empty() {
+            return victims;
+        }
+    }
+    Vec::new()
+}
+
 /// Which of `held` run on borrowed capacity: per tenant, oldest first,
 /// the instances beyond its guaranteed GPUs (all of them without a
 /// guarantee). Borrowed work is what a tenant within its guarantee may
@@ -225,7 +270,7 @@ fn behind(head: &str) -> String {
 /// them to their preemptor alone.
 async fn promised_snapshot(
     st: &AppState,
-    promised: &BTreeMap<InstanceId, Vec<GpuId>>,
+    promised: &BTreeMap<WorkId, Vec<GpuId>>,
 ) -> Result<(Vec<NodeSnapshot>, HashSet<GpuId>), StoreError> {
     let mut snapshot = st.store().placement_snapshot().await?;
     let all: HashSet<&GpuId> = promised.values().flatten().collect();
@@ -326,17 +371,31 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
             let (quota, usage) = &quotas[&job.tenant_id];
             let now = st.now();
             let members = job.spec.nodes as usize;
-            let plans =
-                planner.place_gang(&req, members, |m| quota.model_fits(usage, m, job.spec.gpus));
+            let me = WorkId::Job(job.id.clone());
+            let mine: Vec<&GpuId> = promised
+                .get(&me)
+                .map(|g| g.iter().filter(|g| freed.contains(*g)).collect())
+                .unwrap_or_default();
+            if !mine.is_empty() {
+                set_free(&mut snapshot, &mine, true);
+                planner.rebuild(&snapshot);
+            }
+            let plans = planner.place_gang(&req, members, job.spec.locality, |m| {
+                quota.model_fits(usage, m, job.spec.gpus)
+            });
+            if !mine.is_empty() && plans.is_err() {
+                set_free(&mut snapshot, &mine, false);
+                planner.rebuild(&snapshot);
+            }
             let mut plans = plans;
-            if let Some((head, r)) = reservation.as_mut() {
+            if let (Some((head, r)), true) = (reservation.as_mut(), mine.is_empty()) {
                 let delays = plans.as_ref().is_ok_and(|ps| {
                     !ps.iter()
                         .all(|plan| planner.backfill_allowed(r, &req, plan))
                 });
                 if delays {
                     let fits = |m: &str| quota.model_fits(usage, m, job.spec.gpus);
-                    match planner.place_outside(&req, members, fits, r) {
+                    match planner.place_outside(&req, members, job.spec.locality, fits, r) {
                         Some(other) => plans = Ok(other),
                         None => {
                             let reason = behind(head);
@@ -392,16 +451,74 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                     }
                 }
                 Err(why) => {
-                    let reason = format!("waiting for GPUs: {why}");
+                    if held.is_none() {
+                        held = Some(st.store().held_instances().await?);
+                    }
+                    let all = held.as_deref().unwrap_or_default();
+                    let mut reason = format!("waiting for GPUs: {why}");
+                    let stopping: Vec<String> = all
+                        .iter()
+                        .filter(|h| h.preempted_by.as_ref() == Some(&me))
+                        .map(|h| h.id.to_string())
+                        .collect();
+                    let waiting = if !stopping.is_empty() {
+                        reason = format!(
+                            "waiting for preempted instances to stop: {}",
+                            stopping.join(", ")
+                        );
+                        true
+                    } else {
+                        if sharing.is_none() {
+                            sharing = Some(st.store().sharing_quotas().await?);
+                        }
+                        let borrowed =
+                            borrowed_of(all, sharing.as_ref().unwrap_or(&BTreeMap::new()));
+                        let who = Preemptor {
+                            tenant: tenants.index(&job.tenant_id),
+                            tier: tier_of(job.spec.tier),
+                            priority: job.spec.priority,
+                            reclaiming: quota.within_guarantee(usage, job.spec.gpus),
+                        };
+                        let victims = choose_victims(all, &borrowed, &mut tenants, |offered| {
+                            planner
+                                .preempt_gang(
+                                    &req,
+                                    members,
+                                    job.spec.locality,
+                                    |m| quota.model_fits(usage, m, job.spec.gpus),
+                                    offered,
+                                    who,
+                                    ms_of(now),
+                                )
+                                .map(|(v, _)| v)
+                        });
+                        let mut ids = Vec::new();
+                        for h in victims {
+                            if st.store().preempt(&h.id, &me, now).await? {
+                                tracing::info!(victim = %h.id, by = %job.id, "instance preempted for a job");
+                                ids.push(h.id.to_string());
+                                preempted += 1;
+                            }
+                        }
+                        if !ids.is_empty() {
+                            reason = format!(
+                                "waiting for preempted instances to stop: {}",
+                                ids.join(", ")
+                            );
+                            held = None;
+                        }
+                        !ids.is_empty()
+                    };
                     if reason != job.state_reason {
                         st.store().set_job_reason(&job.id, &reason, now).await?;
                     }
-                    if reservation.is_none() {
+                    if reservation.is_none() && !waiting {
                         reservation = planner
                             .reserve(
                                 &snapshot,
                                 &req,
                                 members,
+                                job.spec.locality,
                                 |m| quota.model_fits(usage, m, job.spec.gpus),
                                 ms_of(now),
                             )
@@ -421,7 +538,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
         // The GPUs its victims released are this one's alone: offered to
         // it, and to no one else (they stay masked for the others).
         let mine: Vec<&GpuId> = promised
-            .get(&p.id)
+            .get(&WorkId::Instance(p.id.clone()))
             .map(|g| g.iter().filter(|g| freed.contains(*g)).collect())
             .unwrap_or_default();
         if !mine.is_empty() {
@@ -443,7 +560,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
             if delays {
                 let fits = |m: &str| quota.model_fits(usage, m, p.gpus);
                 match planner
-                    .place_outside(&req, 1, fits, r)
+                    .place_outside(&req, 1, JobLocality::Any, fits, r)
                     .and_then(|mut v| v.pop())
                 {
                     Some(other) => attempt = Ok(other),
@@ -485,7 +602,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 let mut reason = format!("waiting for GPUs: {why}");
                 let stopping: Vec<&HeldInstance> = all
                     .iter()
-                    .filter(|h| h.preempted_by.as_ref() == Some(&p.id))
+                    .filter(|h| h.preempted_by.as_ref().is_some_and(|b| *b == p.id))
                     .collect();
                 if !stopping.is_empty() {
                     // Its victims are still in their notice period: wait for
@@ -498,25 +615,10 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 } else {
                     // Work already stopping is not offered again: its GPUs
                     // are promised to whoever preempted it.
-                    let candidates: Vec<&HeldInstance> =
-                        all.iter().filter(|h| !h.stop_requested).collect();
                     if sharing.is_none() {
                         sharing = Some(st.store().sharing_quotas().await?);
                     }
                     let borrowed = borrowed_of(all, sharing.as_ref().unwrap_or(&BTreeMap::new()));
-                    let offered: Vec<Held> = candidates
-                        .iter()
-                        .map(|h| Held {
-                            node: h.node_id.clone(),
-                            gpus: h.gpu_ids.clone(),
-                            tenant: tenants.index(&h.tenant_id),
-                            tier: tier_of(h.tier),
-                            priority: h.priority,
-                            preemptible: h.preemptible,
-                            borrowed: borrowed.contains(&h.id),
-                            started_ms: ms_of(h.since),
-                        })
-                        .collect();
                     let who = Preemptor {
                         tenant: tenants.index(&p.tenant_id),
                         tier: tier_of(p.tier),
@@ -525,18 +627,22 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                         // other tenants borrowed.
                         reclaiming: quota.within_guarantee(usage, p.gpus),
                     };
-                    let plan = planner.preempt(
-                        &req,
-                        |m| quota.model_fits(usage, m, p.gpus),
-                        &offered,
-                        who,
-                        ms_of(now),
-                    );
-                    if let Some((victims, _)) = plan.filter(|(v, _)| !v.is_empty()) {
+                    let victims = choose_victims(all, &borrowed, &mut tenants, |offered| {
+                        planner
+                            .preempt(
+                                &req,
+                                |m| quota.model_fits(usage, m, p.gpus),
+                                offered,
+                                who,
+                                ms_of(now),
+                            )
+                            .map(|(v, _)| v)
+                    });
+                    if !victims.is_empty() {
                         let mut ids = Vec::new();
-                        for v in victims {
-                            let Some(h) = candidates.get(v) else { continue };
-                            if st.store().preempt(&h.id, &p.id, now).await? {
+                        let me = WorkId::Instance(p.id.clone());
+                        for h in victims {
+                            if st.store().preempt(&h.id, &me, now).await? {
                                 tracing::info!(victim = %h.id, by = %p.id, "instance preempted");
                                 ids.push(h.id.to_string());
                                 preempted += 1;
@@ -564,6 +670,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             &snapshot,
                             &req,
                             1,
+                            JobLocality::Any,
                             |m| quota.model_fits(usage, m, p.gpus),
                             ms_of(now),
                         )

@@ -483,3 +483,234 @@ async fn preempting_one_member_requeues_the_whole_job() {
         .await;
     assert_eq!(j["state"], "queued");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gang_kept_in_one_region_lands_there_or_says_why_not() {
+    let s = Server(flotilla_testkit::server::start(fast()).await);
+    let t = s.create_tenant("regional").await;
+    let key = s.key(&t, "tenant_member").await;
+    let provider = s.key(&t, "provider").await;
+    let mut nodes = Vec::new();
+    for (name, region) in [("eu1", "eu"), ("us1", "us"), ("us2", "us")] {
+        let body = json!({
+            "name": name, "region": region, "cpu_milli": 64000, "memory_mb": 512000,
+            "simulated": true, "agent_version": "test",
+            "gpus": [{"index": 0, "model": "H100", "uuid": format!("GPU-{name}"), "memory_mib": 81920, "vendor": "nvidia"}],
+        });
+        let r = s
+            .ok(&provider, Method::POST, "/v1/agent/register", Some(body))
+            .await;
+        nodes.push(r["node_id"].as_str().unwrap().to_string());
+    }
+    let too_big = s
+        .submit(
+            &key,
+            json!({"gpus": 3, "nodes": 3, "command": ["x"], "locality": "same_region"}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &too_big, "explained", |j| {
+            j["state_reason"].as_str().unwrap_or("").contains("region")
+        })
+        .await;
+    assert!(
+        j["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("fits in no single region"),
+        "{j}"
+    );
+    // It could never fit, so it holds nothing: the next job is not kept
+    // waiting behind it.
+    let id = s
+        .submit(
+            &key,
+            json!({"gpus": 2, "nodes": 2, "command": ["x"], "locality": "same_region"}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    assert_eq!(j["spec"]["locality"], "same_region");
+    let mut placed: Vec<String> = (0..2)
+        .map(|r| current(&j, r)["node_id"].as_str().unwrap().to_string())
+        .collect();
+    placed.sort();
+    let mut us = nodes[1..].to_vec();
+    us.sort();
+    assert_eq!(placed, us, "both ranks in us: {j}");
+    assert_eq!(s.job(&key, &too_big).await["state"], "queued");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preemption_spares_a_gang_when_a_lone_instance_makes_room() {
+    let (s, key, provider, nodes) = setup(1, 3).await;
+    let t2 = s.create_tenant("serving").await;
+    let dedicated = s.key(&t2, "tenant_member").await;
+    // An older spot instance (more GPU time lost if preempted)...
+    let (status, b) = s
+        .call(
+            &key,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 1, "command": ["x"], "billing_class": "spot"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{b}");
+    let lone = b["id"].as_str().unwrap().to_string();
+    for _ in 0..200 {
+        if s.instance(&key, &lone).await["state"] == "scheduled" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    s.sync(&provider, &nodes[0], vec![(lone.clone(), running())])
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // ...and a younger spot gang fill the node.
+    let id = s
+        .submit(
+            &key,
+            json!({"gpus": 2, "nodes": 2, "command": ["train"], "billing_class": "spot"}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    for r in 0..2 {
+        s.report(&provider, &j, r, running()).await;
+    }
+    let (status, b) = s
+        .call(
+            &dedicated,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 1, "command": ["serve"]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{b}");
+    let mut l = Value::Null;
+    for _ in 0..200 {
+        l = s.instance(&key, &lone).await;
+        if l["stop_requested"] == true {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(
+        l["stop_requested"], true,
+        "the lone instance is the victim: {l}"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for r in 0..2 {
+        let m = s
+            .instance(&key, current(&j, r)["instance_id"].as_str().unwrap())
+            .await;
+        assert_eq!(m["stop_requested"], false, "the gang is spared: {m}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tier_one_job_preempts_spot_work_on_every_node_it_needs() {
+    let (s, key, provider, nodes) = setup(2, 1).await;
+    let t2 = s.create_tenant("spotty").await;
+    let spot = s.key(&t2, "tenant_member").await;
+    let mut victims = Vec::new();
+    for _ in 0..2 {
+        let (status, b) = s
+            .call(
+                &spot,
+                Method::POST,
+                "/v1/instances",
+                Some(json!({"gpus": 1, "command": ["x"], "billing_class": "spot"})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{b}");
+        victims.push(b["id"].as_str().unwrap().to_string());
+    }
+    let mut on = Vec::new();
+    for v in &victims {
+        let mut i = Value::Null;
+        for _ in 0..200 {
+            i = s.instance(&spot, v).await;
+            if i["state"] == "scheduled" {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        let node = i["node_id"].as_str().unwrap().to_string();
+        s.sync(&provider, &node, vec![(v.clone(), running())]).await;
+        on.push(node);
+    }
+    on.sort();
+    let mut all = nodes.clone();
+    all.sort();
+    assert_eq!(on, all, "one spot instance per node");
+
+    // A tier-1 job of two members needs both nodes: both are preempted
+    // for it, named by the job.
+    let id = s
+        .submit(&key, json!({"gpus": 2, "nodes": 2, "command": ["train"]}))
+        .await;
+    for v in &victims {
+        let mut i = Value::Null;
+        for _ in 0..200 {
+            i = s.instance(&spot, v).await;
+            if i["stop_requested"] == true {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert_eq!(i["preempted_by"], id.as_str(), "{i}");
+    }
+    let j = s
+        .wait_job(&key, &id, "waiting", |j| {
+            j["state_reason"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with("waiting for preempted instances to stop")
+        })
+        .await;
+    assert_eq!(j["state"], "queued");
+    // One victim stops: its GPU is promised to the job, which still needs
+    // the other; the requeued spot work cannot take it.
+    let node_of = |v: &str| {
+        let v = v.to_string();
+        let s = &s;
+        let spot = spot.clone();
+        async move {
+            s.instance(&spot, &v).await["node_id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        }
+    };
+    let n0 = node_of(&victims[0]).await;
+    s.sync(
+        &provider,
+        &n0,
+        vec![(victims[0].clone(), exited(143, true))],
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pending = s
+        .ok(&spot, Method::GET, "/v1/instances?state=pending", None)
+        .await;
+    assert_eq!(pending["items"].as_array().unwrap().len(), 1, "{pending}");
+    assert_eq!(s.job(&key, &id).await["state"], "queued");
+    let n1 = node_of(&victims[1]).await;
+    s.sync(
+        &provider,
+        &n1,
+        vec![(victims[1].clone(), exited(143, true))],
+    )
+    .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    let mut placed: Vec<String> = (0..2)
+        .map(|r| current(&j, r)["node_id"].as_str().unwrap().to_string())
+        .collect();
+    placed.sort();
+    assert_eq!(placed, all);
+}

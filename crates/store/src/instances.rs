@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use flotilla_core::api::{
     Assignment, Instance, InstanceEvent, JobMembership, ObservedInstance, ObservedPhase,
 };
-use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId};
+use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId, WorkId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
 use flotilla_core::placement::Placement;
 use sqlx::any::AnyRow;
@@ -65,7 +65,7 @@ fn instance(row: &AnyRow) -> Result<Instance> {
         preemptible: row.try_get::<i64, _>("preemptible")? != 0,
         preempted_by: row
             .try_get::<Option<String>, _>("preempted_by")?
-            .map(InstanceId::from_trusted),
+            .map(WorkId::from_trusted),
         requeued_from: row
             .try_get::<Option<String>, _>("requeued_from")?
             .map(InstanceId::from_trusted),
@@ -281,10 +281,12 @@ pub struct HeldInstance {
     pub preemptible: bool,
     /// A stop (or a preemption) is already under way.
     pub stop_requested: bool,
-    /// The instance a preemption of this one makes room for.
-    pub preempted_by: Option<InstanceId>,
+    /// The instance or job a preemption of this one makes room for.
+    pub preempted_by: Option<WorkId>,
     /// When it started running (or was created, if not yet).
     pub since: DateTime<Utc>,
+    /// The job it is a member of: preempting it preempts the whole gang.
+    pub job_id: Option<JobId>,
 }
 
 /// GPU usage of one instance that ran recently, for fair share.
@@ -938,26 +940,28 @@ impl Store {
                 stop_requested: i.stop_requested,
                 preempted_by: i.preempted_by,
                 since: i.started_at.unwrap_or(i.created_at),
+                job_id: i.job.map(|j| j.job_id),
             });
         }
         Ok(out)
     }
 
-    /// GPUs promised to preemptors still pending: for each pending
-    /// instance whose preemption stopped (or is stopping) other work, the
+    /// GPUs promised to preemptors still waiting: for each pending
+    /// instance or queued job whose preemption stopped (or is stopping) other work, the
     /// GPUs its victims hold or held. Until it is placed, no one else may
     /// take them, or a third party could steal the capacity a preemption
     /// freed during the victims' notice.
-    pub async fn promised_gpus(&self) -> Result<BTreeMap<InstanceId, Vec<GpuId>>> {
+    pub async fn promised_gpus(&self) -> Result<BTreeMap<WorkId, Vec<GpuId>>> {
         let rows = sqlx::query(
             "SELECT v.preempted_by AS by, v.gpu_ids AS gpu_ids FROM instances v \
-             JOIN instances p ON p.id = v.preempted_by WHERE p.state = 'pending' ORDER BY v.id",
+             WHERE v.preempted_by IN (SELECT id FROM instances WHERE state = 'pending') \
+             OR v.preempted_by IN (SELECT id FROM jobs WHERE state = 'queued') ORDER BY v.id",
         )
         .fetch_all(self.pool())
         .await?;
-        let mut out: BTreeMap<InstanceId, Vec<GpuId>> = BTreeMap::new();
+        let mut out: BTreeMap<WorkId, Vec<GpuId>> = BTreeMap::new();
         for r in &rows {
-            let by = InstanceId::from_trusted(r.try_get("by")?);
+            let by = WorkId::from_trusted(r.try_get("by")?);
             let gpus: Vec<String> = json(&r.try_get::<String, _>("gpu_ids")?, "gpu_ids")?;
             out.entry(by)
                 .or_default()
@@ -997,7 +1001,7 @@ impl Store {
     pub async fn preempt(
         &self,
         victim: &InstanceId,
-        by: &InstanceId,
+        by: &WorkId,
         now: DateTime<Utc>,
     ) -> Result<bool> {
         let mut tx = self.pool().begin().await?;

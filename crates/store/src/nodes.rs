@@ -329,6 +329,8 @@ impl Store {
                 Ok(NodeSnapshot {
                     ready: n.state == NodeState::Ready,
                     cordoned: n.cordoned,
+                    region: n.region.clone(),
+                    pool: n.pool.clone(),
                     cpu_milli_free: n.cpu_milli.saturating_sub(cpu.max(0) as u64),
                     memory_mb_free: n.memory_mb.saturating_sub(mem.max(0) as u64),
                     gpus: gpus.remove(&n.id).unwrap_or_default(),

@@ -93,6 +93,7 @@ fn spec(gpus: u32, nodes: u32) -> JobSpec {
         preemptible: true,
         restart_policy: RestartPolicy::OnFailure,
         max_retries: 1,
+        locality: Default::default(),
     }
 }
 
@@ -291,7 +292,8 @@ async fn a_preempted_member_is_not_requeued_alone(s: &Store) {
     s.schedule_job(&id, 0, &[p[0].clone(), second], &m, t0())
         .await
         .unwrap();
-    let by = InstanceId::generate(3, rnd());
+    // A job preempts it: the preemption names the job.
+    let by = flotilla_core::id::WorkId::Job(JobId::generate(3, rnd()));
     assert!(s.preempt(&m[0], &by, t0()).await.unwrap());
     let obs = ObservedInstance {
         instance_id: m[0].clone(),
@@ -304,6 +306,7 @@ async fn a_preempted_member_is_not_requeued_alone(s: &Store) {
     s.apply_observed(&a, &obs, t0()).await.unwrap();
     let i = s.instance(&m[0]).await.unwrap();
     assert_eq!(i.state, InstanceState::Stopped);
+    assert_eq!(i.preempted_by.as_ref(), Some(&by));
     let pending = s.pending_instances(10).await.unwrap();
     assert!(pending.is_empty(), "{pending:?}");
 }
