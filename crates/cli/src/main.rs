@@ -75,6 +75,12 @@ enum Command {
         #[arg(long, short = 'f')]
         follow: bool,
     },
+    /// Show what an instance's GPUs are doing: utilisation, memory,
+    /// temperature, power (read through NVML by its node's agent).
+    Top {
+        /// Instance id.
+        id: String,
+    },
     /// Stop an instance.
     Stop {
         /// Instance id.
@@ -254,6 +260,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Queue => commands::queue(&ctx).await,
         Command::Logs { id, follow } => commands::logs(&ctx, &id, follow).await,
         Command::Stop { id } => commands::stop(&ctx, &id).await,
+        Command::Top { id } => commands::top(&ctx, &id).await,
         Command::Explain { id } => commands::explain(&ctx, &id).await,
         Command::Usage { from, to } => commands::usage(&ctx, from, to).await,
         Command::Invoices {

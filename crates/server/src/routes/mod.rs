@@ -20,6 +20,7 @@ pub mod docs;
 pub mod instances;
 pub mod keys;
 pub mod nodes;
+pub mod telemetry;
 pub mod tenants;
 pub mod usage;
 
@@ -78,6 +79,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         ))
         .routes(routes!(instances::list_queue))
         .routes(routes!(instances::get_instance))
+        .routes(routes!(telemetry::instance_telemetry))
         .routes(routes!(instances::stop_instance))
         .routes(routes!(instances::instance_logs))
         .routes(routes!(agent::register))
