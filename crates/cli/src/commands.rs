@@ -9,8 +9,8 @@ use std::process::ExitCode;
 use anyhow::{anyhow, bail, Result};
 use chrono::Utc;
 use flotilla_core::api::{
-    ApiKey, CreateApiKey, CreateTenant, CreatedApiKey, GpuTypeView, Instance, Me, Node, QuotaView,
-    Tenant,
+    ApiKey, CreateApiKey, CreateTenant, CreatedApiKey, GpuTypeView, Instance, InstanceTelemetry,
+    Me, Node, QuotaView, Tenant,
 };
 use flotilla_core::catalog::Catalog;
 use flotilla_core::id::{InstanceId, KeyId, TenantId};
@@ -355,6 +355,53 @@ pub async fn ps(ctx: &Ctx, args: PsArgs) -> Result<ExitCode> {
         ]);
     }
     print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla top`: the latest readings of an instance's GPUs.
+pub async fn top(ctx: &Ctx, id: &str) -> Result<ExitCode> {
+    let id = instance_id(id)?;
+    let raw = ctx
+        .client
+        .get(&format!("/v1/instances/{id}/telemetry"), &[])
+        .await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let t: InstanceTelemetry = decode(raw)?;
+    if t.gpus.is_empty() {
+        outln!(
+            "{id}: no GPU readings (it holds no GPU now, its GPUs are simulated, \
+             or its node has not reported recently)"
+        )?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let dash = || "-".to_string();
+    let mut table_ = table([
+        "GPU", "DEVICE", "UTIL", "MEM UTIL", "MEMORY", "TEMP", "POWER", "SM CLOCK",
+    ]);
+    for g in &t.gpus {
+        let memory = match (g.fb_used_mib, g.fb_free_mib) {
+            (Some(used), Some(free)) => format!("{used} / {} MiB", used + free),
+            (Some(used), None) => format!("{used} MiB"),
+            _ => dash(),
+        };
+        table_.add_row([
+            g.index.to_string(),
+            g.device_name.clone(),
+            g.gpu_util_pct.map_or_else(dash, |v| format!("{v}%")),
+            g.mem_copy_util_pct.map_or_else(dash, |v| format!("{v}%")),
+            memory,
+            g.temperature_c.map_or_else(dash, |v| format!("{v} C")),
+            g.power_w.map_or_else(dash, |v| format!("{v:.0} W")),
+            g.sm_clock_mhz.map_or_else(dash, |v| format!("{v} MHz")),
+        ]);
+    }
+    print_table(&table_)?;
+    if let Some(at) = t.at {
+        outln!("read {} ago", age(Utc::now(), at))?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 

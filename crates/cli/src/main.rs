@@ -81,6 +81,12 @@ enum Command {
         #[arg(long, short = 'f')]
         follow: bool,
     },
+    /// Show what an instance's GPUs are doing: utilisation, memory,
+    /// temperature, power (read through NVML by its node's agent).
+    Top {
+        /// Instance id.
+        id: String,
+    },
     /// Stop an instance.
     Stop {
         /// Instance id.
@@ -302,6 +308,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Logs { id, follow } => commands::logs(&ctx, &id, follow).await,
         Command::Stop { id } => commands::stop(&ctx, &id).await,
         Command::Explain { id } if id.trim().starts_with("job_") => jobs::explain(&ctx, &id).await,
+        Command::Top { id } => commands::top(&ctx, &id).await,
         Command::Explain { id } => commands::explain(&ctx, &id).await,
         Command::Jobs { command } => jobs::dispatch(&ctx, command).await,
         Command::Usage { from, to, csv } => commands::usage(&ctx, from, to, csv).await,

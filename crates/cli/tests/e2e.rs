@@ -460,6 +460,10 @@ fn up_quick_start_and_ctrl_c() {
         env.get(&key, &format!("/v1/instances/{id}"))["state"] == "running"
     });
     assert!(quick(&["ps"]).contains(&id));
+    // Simulated GPUs have no driver: `top` says there is nothing to read
+    // rather than showing invented numbers.
+    let top = quick(&["top", &id]);
+    assert!(top.contains("no GPU readings"), "{top}");
 
     // Ctrl-C: the work is stopped and recorded, then everything exits.
     send_signal(&up.0, nix::sys::signal::Signal::SIGINT);

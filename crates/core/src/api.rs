@@ -459,6 +459,25 @@ pub struct GpuSample {
     pub sm_clock_mhz: Option<u32>,
 }
 
+/// The latest telemetry of the GPUs an instance holds
+/// (`GET /v1/instances/{id}/telemetry`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct InstanceTelemetry {
+    /// The instance.
+    pub instance_id: InstanceId,
+    /// Node it runs on, once placed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<NodeId>,
+    /// When the node's agent sent these readings; absent when there are
+    /// none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<DateTime<Utc>>,
+    /// One sample per GPU it holds. Empty while it holds none (pending or
+    /// ended), on simulated GPUs (no driver to read), or when its node has
+    /// not reported within the heartbeat timeout.
+    pub gpus: Vec<GpuSample>,
+}
+
 impl SyncRequest {
     /// Most GPU samples one sync may carry (the largest nodes have 16).
     pub const MAX_GPU_SAMPLES: usize = 64;

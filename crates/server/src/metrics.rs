@@ -88,10 +88,7 @@ const FIELDS: &[Field] = &[
 pub async fn metrics(State(st): State<AppState>, caller: Caller) -> ApiResult<Response> {
     caller.require(&[Role::Operator], "read the metrics")?;
     let nodes = all_nodes(&st).await?;
-    let since = st.now()
-        - chrono::Duration::from_std(st.config().heartbeat_timeout)
-            .unwrap_or(chrono::Duration::seconds(15));
-    let telemetry = st.telemetry_since(since);
+    let telemetry = st.fresh_telemetry();
     let body = render(&nodes, &telemetry).map_err(ApiError::internal)?;
     Ok(([(CONTENT_TYPE, CONTENT)], body).into_response())
 }

@@ -96,6 +96,15 @@ impl AppState {
         map.clone()
     }
 
+    /// The telemetry of every node heard from within the heartbeat
+    /// timeout: an older reading describes a node that may be gone, and is
+    /// dropped rather than shown as current.
+    pub fn fresh_telemetry(&self) -> HashMap<NodeId, Telemetry> {
+        let timeout = chrono::Duration::from_std(self.config().heartbeat_timeout)
+            .unwrap_or(chrono::Duration::seconds(15));
+        self.telemetry_since(self.now() - timeout)
+    }
+
     fn telemetry_map(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, Telemetry>> {
         // A panic while holding the lock cannot leave the map half-written
         // (each update is one insert), so a poisoned lock is still usable.

@@ -1,7 +1,8 @@
 //! `/metrics` over real HTTP: GPU telemetry sent with an agent's sync comes
 //! out under the DCGM exporter's names and labels, with the instance that
 //! holds each GPU; capacity gauges follow the store; bad samples are refused
-//! naming the field; only operators may scrape.
+//! naming the field; only operators may scrape, and a tenant reads its own
+//! instance's GPUs at `/v1/instances/{id}/telemetry`.
 
 use std::time::Duration;
 
@@ -187,6 +188,34 @@ async fn telemetry_is_exported_under_dcgm_names_with_the_holding_instance() {
         series(&text, "flotilla_nodes", &[("state", "ready")]),
         Some(1.0)
     );
+
+    // The tenant sees its own instance's GPU, and only that one.
+    let t = s
+        .ok(
+            &member,
+            Method::GET,
+            &format!("/v1/instances/{inst_id}/telemetry"),
+            None,
+        )
+        .await;
+    assert_eq!(t["node_id"], node.as_str(), "{t}");
+    let gpus = t["gpus"].as_array().unwrap();
+    assert_eq!(gpus.len(), 1, "{t}");
+    assert_eq!(gpus[0]["uuid"], held.as_str());
+    assert_eq!(gpus[0]["gpu_util_pct"], 87);
+    assert_eq!(gpus[0]["power_w"], 512.25);
+    assert!(t["at"].is_string(), "{t}");
+    let stranger_tenant = s.create_tenant("other").await;
+    let stranger = s.key(&stranger_tenant, "tenant_member").await;
+    let (status, _) = s
+        .call(
+            &stranger,
+            Method::GET,
+            &format!("/v1/instances/{inst_id}/telemetry"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
 
     // Tenants' keys may not scrape: the labels name their instances.
     let (status, _, _) = scrape(&s, &member).await;

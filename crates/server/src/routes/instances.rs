@@ -117,7 +117,7 @@ pub async fn list_queue(
     }))
 }
 
-async fn visible(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<Instance> {
+pub(crate) async fn visible(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<Instance> {
     let id = path_id(raw, "instance_id", InstanceId::parse)?;
     let inst = st.store().instance(&id).await?;
     if !caller.sees(&inst.tenant_id) {

@@ -27,6 +27,7 @@ pub mod nodes;
 pub mod payouts;
 pub mod prices;
 pub mod pools;
+pub mod telemetry;
 pub mod tenants;
 pub mod usage;
 
@@ -91,6 +92,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         ))
         .routes(routes!(instances::list_queue))
         .routes(routes!(instances::get_instance))
+        .routes(routes!(telemetry::instance_telemetry))
         .routes(routes!(instances::stop_instance))
         .routes(routes!(instances::instance_logs))
         .routes(routes!(jobs::list_jobs, jobs::create_job))
