@@ -8,6 +8,8 @@
 //! change is conditional on the state and attempt the caller saw, so two
 //! passes racing change it once.
 
+use std::collections::BTreeMap;
+
 use chrono::{DateTime, Utc};
 use flotilla_core::api::{Job, JobEvent, JobMember};
 use flotilla_core::id::{InstanceId, JobId, TenantId};
@@ -378,6 +380,21 @@ impl Store {
                 );
             }
             out.push(RunningJob { job: j, members });
+        }
+        Ok(out)
+    }
+
+    /// Time limits (seconds) of the running jobs that have one.
+    pub async fn running_time_limits(&self) -> Result<BTreeMap<JobId, u64>> {
+        let rows = sqlx::query("SELECT id, spec FROM jobs WHERE state = 'running'")
+            .fetch_all(self.pool())
+            .await?;
+        let mut out = BTreeMap::new();
+        for r in &rows {
+            let spec: JobSpec = json(&r.try_get::<String, _>("spec")?, "job spec")?;
+            if let Some(t) = spec.time_limit_s {
+                out.insert(JobId::from_trusted(r.try_get("id")?), t);
+            }
         }
         Ok(out)
     }

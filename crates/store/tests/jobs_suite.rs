@@ -94,6 +94,7 @@ fn spec(gpus: u32, nodes: u32) -> JobSpec {
         restart_policy: RestartPolicy::OnFailure,
         max_retries: 1,
         locality: Default::default(),
+        time_limit_s: None,
     }
 }
 
