@@ -29,7 +29,7 @@ fn state_of(s: &str) -> Result<InstanceState> {
     InstanceState::parse(s).ok_or_else(|| StoreError::Corrupt(format!("instance state `{s}`")))
 }
 
-fn instance(row: &AnyRow) -> Result<Instance> {
+pub(crate) fn instance(row: &AnyRow) -> Result<Instance> {
     let billing: String = row.try_get("billing_class")?;
     let node: Option<String> = row.try_get("node_id")?;
     let exit: Option<i64> = row.try_get("exit_code")?;
