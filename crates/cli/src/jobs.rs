@@ -295,7 +295,7 @@ fn describe(j: &Job) -> Vec<String> {
             s.billing_class.as_str()
         ),
         format!(
-            "members placed: {}; time limit: {}; restart: {} (max retries {}); attempts {}, failures {}{}",
+            "locality: {}; time limit: {}; restart: {} (max retries {}); attempts {}, failures {}{}",
             s.locality.as_str(),
             s.time_limit_s.map_or("none".to_string(), |t| format!("{t} s")),
             s.restart_policy.as_str(),
