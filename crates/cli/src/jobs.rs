@@ -108,6 +108,10 @@ pub struct SubmitArgs {
     /// Keep every member in one pool or one region.
     #[arg(long, value_parser = parse_locality, default_value = "any", value_name = "any|same-pool|same-region")]
     pub locality: Locality,
+    /// Longest one attempt may run, in seconds; then the job fails. A
+    /// limit lets the job start early, in capacity held for later work.
+    #[arg(long = "time-limit", value_name = "SECONDS")]
+    pub time_limit_s: Option<u64>,
     /// Wait for the job to end; exit 0 only if it succeeded.
     #[arg(long, short = 'w')]
     pub wait: bool,
@@ -171,6 +175,7 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
         restart_policy: args.restart,
         max_retries: args.max_retries,
         locality: args.locality,
+        time_limit_s: args.time_limit_s,
     };
     let raw = ctx.client.post("/v1/jobs", &req).await?;
     let job: Job = decode(raw.clone())?;
@@ -290,8 +295,9 @@ fn describe(j: &Job) -> Vec<String> {
             s.billing_class.as_str()
         ),
         format!(
-            "members placed: {}; restart: {} (max retries {}); attempts {}, failures {}{}",
+            "locality: {}; time limit: {}; restart: {} (max retries {}); attempts {}, failures {}{}",
             s.locality.as_str(),
+            s.time_limit_s.map_or("none".to_string(), |t| format!("{t} s")),
             s.restart_policy.as_str(),
             s.max_retries,
             j.attempts,

@@ -133,6 +133,8 @@ impl Locality {
 pub const MAX_NODES: u32 = 64;
 /// Most retries one job may ask for.
 pub const MAX_RETRIES: u32 = 100;
+/// Longest time limit: 30 days.
+pub const MAX_TIME_LIMIT_S: u64 = 30 * 24 * 3600;
 /// Retries an `on_failure` job gets when it does not say.
 pub const DEFAULT_RETRIES: u32 = 3;
 /// Prefix of the variables Flotilla sets for job members; users cannot
@@ -196,6 +198,12 @@ pub struct CreateJob {
     /// one pool or one region.
     #[serde(default)]
     pub locality: Locality,
+    /// Longest one attempt may run, in seconds (1 to 30 days). Members
+    /// still running then are stopped and the job fails, without retry.
+    /// Knowing when a job ends at the latest lets the scheduler backfill it
+    /// ahead of a waiting head, and plan that head's start.
+    #[serde(default)]
+    pub time_limit_s: Option<u64>,
 }
 
 /// A validated job request: what the store keeps and every member is
@@ -237,6 +245,9 @@ pub struct JobSpec {
     /// Where the members may go relative to each other.
     #[serde(default)]
     pub locality: Locality,
+    /// Longest one attempt may run, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_limit_s: Option<u64>,
 }
 
 impl JobSpec {
@@ -305,6 +316,14 @@ impl CreateJob {
             }
             (RestartPolicy::OnFailure, Some(n)) => n,
         };
+        if let Some(t) = self.time_limit_s {
+            if t == 0 || t > MAX_TIME_LIMIT_S {
+                return Err(FieldError::new(
+                    "time_limit_s",
+                    format!("must be between 1 and {MAX_TIME_LIMIT_S} seconds, got {t}"),
+                ));
+            }
+        }
         let member = CreateInstance {
             name: self.name,
             gpus: per,
@@ -337,6 +356,7 @@ impl CreateJob {
             restart_policy: self.restart_policy,
             max_retries,
             locality: self.locality,
+            time_limit_s: self.time_limit_s,
         })
     }
 }
@@ -374,6 +394,12 @@ pub struct JobProgress {
     pub failures: u32,
     /// A cancel was asked for.
     pub cancel_requested: bool,
+    /// The job's time limit per attempt, for the reason.
+    pub time_limit_s: Option<u64>,
+    /// When the current attempt must end (ms), from its time limit.
+    pub deadline_ms: Option<u64>,
+    /// Now (ms).
+    pub now_ms: u64,
 }
 
 /// What [`step`] needs of one member of the current attempt.
@@ -427,6 +453,13 @@ pub enum JobStep {
     },
 }
 
+fn time_limit(job: &JobProgress) -> String {
+    match job.time_limit_s {
+        Some(t) => format!("time limit of {t} s reached"),
+        None => "time limit reached".to_string(),
+    }
+}
+
 fn describe(m: &MemberStatus) -> String {
     match (m.state, m.exit_code) {
         (InstanceState::Failed, Some(c)) => format!("rank {} failed (exit code {c})", m.rank),
@@ -439,11 +472,13 @@ fn describe(m: &MemberStatus) -> String {
 /// job) stops the others; once every member is final, the job succeeds
 /// when all exited 0, is requeued when a member was preempted (the
 /// preemption reaches every member first), restarts on failure while
-/// retries remain, and fails otherwise. A cancel wins over everything.
+/// retries remain, and fails otherwise. A cancel wins over everything; an
+/// attempt past its time limit is stopped and the job fails, without retry.
 /// A `lost` member counts as failed: the gang is stopped (the lost member
 /// included, which ends it at once) rather than left hanging on a node
 /// that may never return.
 pub fn step(job: &JobProgress, members: &[MemberStatus]) -> JobStep {
+    let overdue = job.deadline_ms.is_some_and(|d| job.now_ms >= d);
     let live: Vec<usize> = members
         .iter()
         .enumerate()
@@ -486,6 +521,16 @@ pub fn step(job: &JobProgress, members: &[MemberStatus]) -> JobStep {
                 }
             };
         }
+        if overdue {
+            return if unstopped.is_empty() {
+                JobStep::Wait
+            } else {
+                JobStep::Stop {
+                    members: unstopped,
+                    reason: format!("{}: stopping every member", time_limit(job)),
+                }
+            };
+        }
         if let Some(b) = broken {
             if !unstopped.is_empty() {
                 return JobStep::Stop {
@@ -522,6 +567,12 @@ pub fn step(job: &JobProgress, members: &[MemberStatus]) -> JobStep {
             reason: format!("all {} members exited 0", members.len()),
         };
     };
+    if overdue {
+        return JobStep::Finish {
+            state: JobState::Failed,
+            reason: time_limit(job),
+        };
+    }
     let what = describe(b);
     if job.restart_policy == RestartPolicy::OnFailure && job.failures < job.max_retries {
         JobStep::Requeue {
@@ -568,6 +619,7 @@ mod tests {
             restart_policy: RestartPolicy::OnFailure,
             max_retries: None,
             locality: Locality::Any,
+            time_limit_s: None,
         }
     }
 
@@ -697,7 +749,52 @@ mod tests {
             max_retries: max,
             failures,
             cancel_requested: false,
+            time_limit_s: None,
+            deadline_ms: None,
+            now_ms: 0,
         }
+    }
+
+    #[test]
+    fn an_attempt_past_its_time_limit_is_stopped_and_fails_without_retry() {
+        let mut j = job(RestartPolicy::OnFailure, 3, 0);
+        j.deadline_ms = Some(1_000);
+        j.now_ms = 999;
+        assert_eq!(step(&j, &[m(0, Running), m(1, Running)]), JobStep::Wait);
+        j.now_ms = 1_000;
+        match step(&j, &[m(0, Running), m(1, Succeeded)]) {
+            JobStep::Stop { members, reason } => {
+                assert_eq!(members, vec![0]);
+                assert!(
+                    reason.starts_with("time limit reached: stopping"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            step(&j, &[m(0, Stopped), m(1, Succeeded)]),
+            JobStep::Finish {
+                state: JobState::Failed,
+                ..
+            }
+        ));
+        // Everything succeeded just in time: it succeeded.
+        assert!(matches!(
+            step(&j, &[m(0, Succeeded), m(1, Succeeded)]),
+            JobStep::Finish {
+                state: JobState::Succeeded,
+                ..
+            }
+        ));
+        let bad = CreateJob {
+            time_limit_s: Some(0),
+            ..req()
+        };
+        assert_eq!(
+            bad.validate(&Catalog::default()).unwrap_err().field,
+            "time_limit_s"
+        );
     }
 
     #[test]

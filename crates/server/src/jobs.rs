@@ -12,16 +12,29 @@ use flotilla_store::StoreError;
 
 use crate::state::AppState;
 
+fn ms_of(t: chrono::DateTime<chrono::Utc>) -> u64 {
+    t.timestamp_millis().max(0) as u64
+}
+
 /// One pass over the running jobs. Returns how many changed.
 pub async fn jobs_pass(st: &AppState) -> Result<usize, StoreError> {
     let mut changed = 0;
     for rj in st.store().running_jobs().await? {
         let j = &rj.job;
+        // The attempt started when its members were placed (created).
+        let placed = rj.members.iter().map(|m| m.created_at).min();
+        let deadline_ms = match (placed, j.spec.time_limit_s) {
+            (Some(at), Some(limit)) => Some(ms_of(at).saturating_add(limit.saturating_mul(1000))),
+            _ => None,
+        };
         let progress = JobProgress {
             restart_policy: j.spec.restart_policy,
             max_retries: j.spec.max_retries,
             failures: j.failures,
             cancel_requested: j.cancel_requested,
+            time_limit_s: j.spec.time_limit_s,
+            deadline_ms,
+            now_ms: ms_of(st.now()),
         };
         let members: Vec<MemberStatus> = rj
             .members

@@ -19,7 +19,7 @@ use flotilla_sched::gang::{place_gang, Gang, GangDecision, Locality};
 use flotilla_sched::preempt::{
     self, GangPreemptDecision, PreemptConfig, PreemptDecision, Preemptor,
 };
-use flotilla_sched::queue::{self, Reservation};
+use flotilla_sched::queue::{self, Reservation, Running};
 use flotilla_sched::{
     Allocation, Cluster, Decision, Engine, GpuDemand, ModelSet, ModelTable, NodeSpec, Policy,
     Request, TargetWorkload, Tier,
@@ -62,6 +62,20 @@ pub struct Held {
     pub borrowed: bool,
     /// Run start (ms): the work a preemption throws away grows with it.
     pub started_ms: u64,
+}
+
+/// Running work that must end by a known time (a job past its time limit
+/// is stopped): what lets a reservation know when the head can start.
+#[derive(Debug, Clone)]
+pub struct Ending {
+    /// Node it runs on.
+    pub node: NodeId,
+    /// Model of its GPUs there.
+    pub model: String,
+    /// GPUs it holds there.
+    pub gpus: Vec<GpuId>,
+    /// When it ends at the latest (ms).
+    pub end_ms: u64,
 }
 
 /// Plans one pass of the scheduler over a snapshot.
@@ -319,12 +333,15 @@ impl PassPlanner {
     }
 
     /// The reservation of a blocked queue head (`members` identical members
-    /// of `req`), as `flotilla-sched` computes it: with no expected end
-    /// known for running work, every node that could ever host a member is
-    /// held for the head, and only work on other nodes may be backfilled
-    /// ([`PassPlanner::backfill_allowed`]). `None` when the head could not
+    /// of `req`), as `flotilla-sched` computes it: running work that must
+    /// end by a known time (`ending`) is released in end order until the
+    /// head fits; the head's start and nodes follow. When it needs capacity
+    /// held by work of unknown length, every node that could ever host a
+    /// member is held for it, and only work on other nodes may be
+    /// backfilled ([`PassPlanner::backfill_allowed`]). `None` when the head could not
     /// fit even on an empty pool (too big, or no allowed model), so that
     /// an impossible request never blocks the queue behind it.
+    #[allow(clippy::too_many_arguments)] // the head's shape, scope and quota, and the pool's state
     pub fn reserve(
         &mut self,
         snapshot: &[NodeSnapshot],
@@ -332,6 +349,7 @@ impl PassPlanner {
         members: usize,
         within: JobLocality,
         model_allowed: impl Fn(&str) -> bool,
+        ending: &[Ending],
         now_ms: u64,
     ) -> Option<Reservation> {
         let per = req.gpus.max(1) as usize;
@@ -367,10 +385,29 @@ impl PassPlanner {
                 .filter_map(|m| self.models.get(m)),
         );
         let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
+        let running: Vec<Running> = ending
+            .iter()
+            .filter_map(|e| {
+                let p = self.engine_placement(&Placement {
+                    node: e.node.clone(),
+                    model: e.model.clone(),
+                    gpus: e.gpus.clone(),
+                })?;
+                Some(Running {
+                    request: Request::new(
+                        GpuDemand::whole(u16::try_from(p.gpus.len()).unwrap_or(u16::MAX)),
+                        0,
+                        0,
+                    ),
+                    placement: p,
+                    expected_end_ms: Some(e.end_ms),
+                })
+            })
+            .collect();
         Some(queue::reserve(
             &mut self.engine,
             &self.cluster,
-            &[],
+            &running,
             &gang,
             now_ms,
             &mut self.rng,
@@ -384,9 +421,12 @@ impl PassPlanner {
         reservation: &mut Reservation,
         req: &PlacementRequest,
         plan: &Placement,
+        ends_by_ms: Option<u64>,
     ) -> bool {
         match self.engine_placement(plan) {
-            Some(p) => reservation.admit_backfill(&sched_request(req, ModelSet::Any), &p, None),
+            Some(p) => {
+                reservation.admit_backfill(&sched_request(req, ModelSet::Any), &p, ends_by_ms)
+            }
             None => false,
         }
     }
@@ -827,7 +867,15 @@ mod tests {
         let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 5);
         // Two H100s fit on node 1 once it empties: it is held for the head.
         let mut r = p
-            .reserve(&snap, &req(2, &["H100"]), 1, JobLocality::Any, |_| true, 0)
+            .reserve(
+                &snap,
+                &req(2, &["H100"]),
+                1,
+                JobLocality::Any,
+                |_| true,
+                &[],
+                0,
+            )
             .expect("could fit once work ends");
         let small = req(1, &[]);
         let on_h100 = Placement {
@@ -840,8 +888,8 @@ mod tests {
             model: "L4".into(),
             gpus: vec![snap[1].gpus[0].id.clone()],
         };
-        assert!(!p.backfill_allowed(&mut r, &small, &on_h100));
-        assert!(p.backfill_allowed(&mut r, &small, &on_l4));
+        assert!(!p.backfill_allowed(&mut r, &small, &on_h100, None));
+        assert!(p.backfill_allowed(&mut r, &small, &on_l4, None));
         let outside = p
             .place_outside(&small, 1, JobLocality::Any, |_| true, &r)
             .unwrap();
@@ -854,10 +902,26 @@ mod tests {
             .is_none());
         // Three H100s exist nowhere: no reservation, nothing held.
         assert!(p
-            .reserve(&snap, &req(3, &["H100"]), 1, JobLocality::Any, |_| true, 0)
+            .reserve(
+                &snap,
+                &req(3, &["H100"]),
+                1,
+                JobLocality::Any,
+                |_| true,
+                &[],
+                0
+            )
             .is_none());
         assert!(p
-            .reserve(&snap, &req(1, &["H100"]), 3, JobLocality::Any, |_| true, 0)
+            .reserve(
+                &snap,
+                &req(1, &["H100"]),
+                3,
+                JobLocality::Any,
+                |_| true,
+                &[],
+                0
+            )
             .is_none());
         assert!(p
             .reserve(
@@ -866,9 +930,49 @@ mod tests {
                 2,
                 JobLocality::Any,
                 |m| m != "H100",
+                &[],
                 0
             )
             .is_none());
+    }
+
+    #[test]
+    fn work_that_ends_before_the_head_starts_backfills_on_its_nodes() {
+        // Node 1: 3 H100s, one held by a job ending at t=100 s.
+        let snap = vec![node(
+            1,
+            true,
+            &[("H100", false), ("H100", true), ("H100", true)],
+        )];
+        let mut p = PassPlanner::new(Policy::Flotilla, &Catalog::default(), &snap, &[], 5);
+        let ending = [Ending {
+            node: snap[0].id.clone(),
+            model: "H100".into(),
+            gpus: vec![snap[0].gpus[0].id.clone()],
+            end_ms: 100_000,
+        }];
+        let mut r = p
+            .reserve(
+                &snap,
+                &req(3, &[]),
+                1,
+                JobLocality::Any,
+                |_| true,
+                &ending,
+                0,
+            )
+            .unwrap();
+        assert_eq!(r.start_ms, Some(100_000));
+        let one = Placement {
+            node: snap[0].id.clone(),
+            model: "H100".into(),
+            gpus: vec![snap[0].gpus[1].id.clone()],
+        };
+        // Ends at 60 s, before the head's start: allowed.
+        assert!(p.backfill_allowed(&mut r, &req(1, &[]), &one, Some(60_000)));
+        // Unknown or later end: it would delay the head.
+        assert!(!p.backfill_allowed(&mut r, &req(1, &[]), &one, None));
+        assert!(!p.backfill_allowed(&mut r, &req(1, &[]), &one, Some(200_000)));
     }
 
     #[test]

@@ -19,7 +19,7 @@ use flotilla_store::instances::{HeldInstance, PendingInstance};
 use flotilla_store::jobs::QueuedJob;
 use flotilla_store::StoreError;
 
-use crate::placement::{Held, PassPlanner};
+use crate::placement::{Ending, Held, PassPlanner};
 use crate::state::AppState;
 
 /// How far back the queue's fair share looks at GPU usage.
@@ -232,6 +232,27 @@ fn choose_victims<'a>(
     Vec::new()
 }
 
+/// Job members whose job has a time limit: they end by then (the job loop
+/// stops them), which lets a reservation plan the head's start.
+async fn endings(st: &AppState, held: &[HeldInstance]) -> Result<Vec<Ending>, StoreError> {
+    if !held.iter().any(|h| h.job_id.is_some()) {
+        return Ok(Vec::new());
+    }
+    let limits = st.store().running_time_limits().await?;
+    Ok(held
+        .iter()
+        .filter_map(|h| {
+            let limit = limits.get(h.job_id.as_ref()?)?;
+            Some(Ending {
+                node: h.node_id.clone(),
+                model: h.gpu_model.clone(),
+                gpus: h.gpu_ids.clone(),
+                end_ms: ms_of(h.created_at).saturating_add(limit.saturating_mul(1000)),
+            })
+        })
+        .collect())
+}
+
 /// Which of `held` run on borrowed capacity: per tenant, oldest first,
 /// the instances beyond its guaranteed GPUs (all of them without a
 /// guarantee). Borrowed work is what a tenant within its guarantee may
@@ -388,10 +409,16 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 planner.rebuild(&snapshot);
             }
             let mut plans = plans;
+            // A time-limited job ends by then: it may backfill ahead of the
+            // head wherever it is gone before the head's start.
+            let job_end = job
+                .spec
+                .time_limit_s
+                .map(|t| ms_of(now).saturating_add(t.saturating_mul(1000)));
             if let (Some((head, r)), true) = (reservation.as_mut(), mine.is_empty()) {
                 let delays = plans.as_ref().is_ok_and(|ps| {
                     !ps.iter()
-                        .all(|plan| planner.backfill_allowed(r, &req, plan))
+                        .all(|plan| planner.backfill_allowed(r, &req, plan, job_end))
                 });
                 if delays {
                     let fits = |m: &str| quota.model_fits(usage, m, job.spec.gpus);
@@ -513,6 +540,10 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                         st.store().set_job_reason(&job.id, &reason, now).await?;
                     }
                     if reservation.is_none() && !waiting {
+                        if held.is_none() {
+                            held = Some(st.store().held_instances().await?);
+                        }
+                        let ending = endings(st, held.as_deref().unwrap_or_default()).await?;
                         reservation = planner
                             .reserve(
                                 &snapshot,
@@ -520,6 +551,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                                 members,
                                 job.spec.locality,
                                 |m| quota.model_fits(usage, m, job.spec.gpus),
+                                &ending,
                                 ms_of(now),
                             )
                             .map(|r| (job.id.to_string(), r));
@@ -556,7 +588,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
         if let (Some((head, r)), true) = (reservation.as_mut(), mine.is_empty()) {
             let delays = attempt
                 .as_ref()
-                .is_ok_and(|plan| !planner.backfill_allowed(r, &req, plan));
+                .is_ok_and(|plan| !planner.backfill_allowed(r, &req, plan, None));
             if delays {
                 let fits = |m: &str| quota.model_fits(usage, m, p.gpus);
                 match planner
@@ -665,6 +697,10 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 // Waiting for its own victims, its GPUs are promised to it
                 // already; otherwise it becomes the head others wait behind.
                 if reservation.is_none() && !reason.starts_with("waiting for preempted") {
+                    if held.is_none() {
+                        held = Some(st.store().held_instances().await?);
+                    }
+                    let ending = endings(st, held.as_deref().unwrap_or_default()).await?;
                     reservation = planner
                         .reserve(
                             &snapshot,
@@ -672,6 +708,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             1,
                             JobLocality::Any,
                             |m| quota.model_fits(usage, m, p.gpus),
+                            &ending,
                             ms_of(now),
                         )
                         .map(|r| (p.id.to_string(), r));

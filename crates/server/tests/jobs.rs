@@ -714,3 +714,118 @@ async fn a_tier_one_job_preempts_spot_work_on_every_node_it_needs() {
     placed.sort();
     assert_eq!(placed, all);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_past_its_time_limit_is_stopped_and_the_job_fails() {
+    let (s, key, provider, _) = setup(1, 1).await;
+    let (status, e) = s
+        .call(
+            &key,
+            Method::POST,
+            "/v1/jobs",
+            Some(json!({"gpus": 1, "command": ["x"], "time_limit_s": 0})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{e}");
+    assert_eq!(e["error"]["details"]["field"], "time_limit_s");
+    let id = s
+        .submit(
+            &key,
+            json!({"gpus": 1, "command": ["x"], "time_limit_s": 1, "restart_policy": "on_failure"}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    s.report(&provider, &j, 0, running()).await;
+    let m = current(&j, 0)["instance_id"].as_str().unwrap().to_string();
+    let mut i = Value::Null;
+    for _ in 0..200 {
+        i = s.instance(&key, &m).await;
+        if i["stop_requested"] == true {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(i["stop_requested"], true, "{i}");
+    s.report(&provider, &j, 0, exited(143, true)).await;
+    let j = s
+        .wait_job(&key, &id, "failed", |j| j["state"] == "failed")
+        .await;
+    assert_eq!(j["state_reason"], "time limit of 1 s reached", "{j}");
+    assert_eq!(j["attempts"], 1, "no retry after a time limit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_ends_before_the_head_can_start_is_backfilled_ahead_of_it() {
+    let (s, key, provider, nodes) = setup(1, 3).await;
+    // A long job holds one GPU for at most an hour.
+    let long = s
+        .submit(
+            &key,
+            json!({"gpus": 1, "command": ["x"], "time_limit_s": 3600}),
+        )
+        .await;
+    let j = s
+        .wait_job(&key, &long, "running", |j| j["state"] == "running")
+        .await;
+    s.report(&provider, &j, 0, running()).await;
+    // The head needs all three GPUs: it can start in an hour at the latest.
+    let (status, b) = s
+        .call(
+            &key,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 3, "command": ["big"]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{b}");
+    let head = b["id"].as_str().unwrap().to_string();
+    for _ in 0..200 {
+        let h = s.instance(&key, &head).await;
+        if h["state_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("waiting for GPUs")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    // A one-minute job ends long before: it runs now, on the head's node.
+    let short = s
+        .submit(
+            &key,
+            json!({"gpus": 1, "command": ["y"], "time_limit_s": 60}),
+        )
+        .await;
+    let sj = s
+        .wait_job(&key, &short, "running", |j| j["state"] == "running")
+        .await;
+    assert_eq!(current(&sj, 0)["node_id"], nodes[0].as_str());
+    // Work of unknown length would delay the head: it waits behind it.
+    let (status, b) = s
+        .call(
+            &key,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 1, "command": ["z"]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{b}");
+    let open_ended = b["id"].as_str().unwrap().to_string();
+    let mut i = Value::Null;
+    for _ in 0..200 {
+        i = s.instance(&key, &open_ended).await;
+        if i["state_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("waiting behind")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(i["state_reason"].as_str().unwrap().contains(&head), "{i}");
+    assert_eq!(i["state"], "pending");
+}

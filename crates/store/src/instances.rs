@@ -29,7 +29,7 @@ fn state_of(s: &str) -> Result<InstanceState> {
     InstanceState::parse(s).ok_or_else(|| StoreError::Corrupt(format!("instance state `{s}`")))
 }
 
-fn instance(row: &AnyRow) -> Result<Instance> {
+pub(crate) fn instance(row: &AnyRow) -> Result<Instance> {
     let billing: String = row.try_get("billing_class")?;
     let node: Option<String> = row.try_get("node_id")?;
     let exit: Option<i64> = row.try_get("exit_code")?;
@@ -287,6 +287,11 @@ pub struct HeldInstance {
     pub since: DateTime<Utc>,
     /// The job it is a member of: preempting it preempts the whole gang.
     pub job_id: Option<JobId>,
+    /// Model of its GPUs.
+    pub gpu_model: String,
+    /// When it was placed (created, for a job member: members are created
+    /// placed), which a time limit counts from.
+    pub created_at: DateTime<Utc>,
 }
 
 /// GPU usage of one instance that ran recently, for fair share.
@@ -941,6 +946,8 @@ impl Store {
                 preempted_by: i.preempted_by,
                 since: i.started_at.unwrap_or(i.created_at),
                 job_id: i.job.map(|j| j.job_id),
+                gpu_model: i.gpu_model.unwrap_or_default(),
+                created_at: i.created_at,
             });
         }
         Ok(out)

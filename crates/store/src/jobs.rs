@@ -8,6 +8,8 @@
 //! change is conditional on the state and attempt the caller saw, so two
 //! passes racing change it once.
 
+use std::collections::BTreeMap;
+
 use chrono::{DateTime, Utc};
 use flotilla_core::api::{Job, JobEvent, JobMember};
 use flotilla_core::id::{InstanceId, JobId, TenantId};
@@ -87,7 +89,7 @@ pub struct QueuedJob {
 /// What the job loop needs of a running job and its current members.
 #[derive(Debug, Clone)]
 pub struct RunningJob {
-    /// The job (members: the current attempt's only, by rank).
+    /// The job (its `members` and `events` are left empty).
     pub job: Job,
     /// The current members' instances, by rank.
     pub members: Vec<flotilla_core::api::Instance>,
@@ -355,29 +357,46 @@ impl Store {
         self.job(id).await
     }
 
-    /// Running jobs with their current attempt's members.
+    /// Running jobs with their current attempt's members (without their
+    /// events, which the job rule does not read): two queries whatever the
+    /// number of jobs, as the job loop runs this on every pass.
     pub async fn running_jobs(&self) -> Result<Vec<RunningJob>> {
         let rows = sqlx::query("SELECT * FROM jobs WHERE state = 'running' ORDER BY id")
             .fetch_all(self.pool())
             .await?;
-        let mut out = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let j = job(r)?;
-            let ids = sqlx::query(
-                "SELECT id FROM instances WHERE job_id = $1 AND job_attempt = $2 ORDER BY job_rank",
-            )
-            .bind(j.id.as_str())
-            .bind(i64::from(j.attempts))
+        let member_rows = sqlx::query(
+            "SELECT i.* FROM instances i JOIN jobs j ON i.job_id = j.id AND i.job_attempt = j.attempt \
+             WHERE j.state = 'running' ORDER BY i.job_id, i.job_rank",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        let mut members: BTreeMap<JobId, Vec<flotilla_core::api::Instance>> = BTreeMap::new();
+        for r in &member_rows {
+            let i = crate::instances::instance(r)?;
+            if let Some(m) = &i.job {
+                members.entry(m.job_id.clone()).or_default().push(i);
+            }
+        }
+        rows.iter()
+            .map(|r| {
+                let j = job(r)?;
+                let members = members.remove(&j.id).unwrap_or_default();
+                Ok(RunningJob { job: j, members })
+            })
+            .collect()
+    }
+
+    /// Time limits (seconds) of the running jobs that have one.
+    pub async fn running_time_limits(&self) -> Result<BTreeMap<JobId, u64>> {
+        let rows = sqlx::query("SELECT id, spec FROM jobs WHERE state = 'running'")
             .fetch_all(self.pool())
             .await?;
-            let mut members = Vec::with_capacity(ids.len());
-            for i in &ids {
-                members.push(
-                    self.instance(&InstanceId::from_trusted(i.try_get("id")?))
-                        .await?,
-                );
+        let mut out = BTreeMap::new();
+        for r in &rows {
+            let spec: JobSpec = json(&r.try_get::<String, _>("spec")?, "job spec")?;
+            if let Some(t) = spec.time_limit_s {
+                out.insert(JobId::from_trusted(r.try_get("id")?), t);
             }
-            out.push(RunningJob { job: j, members });
         }
         Ok(out)
     }

@@ -32,6 +32,7 @@ flotilla_testkit::backend_suite!(
     job_lifecycle_through_restart_and_cancel,
     a_gang_is_scheduled_whole_or_not_at_all,
     a_preempted_member_is_not_requeued_alone,
+    preemptors_are_promised_their_victims_gpus_and_limits_are_read,
 );
 
 async fn tenant(s: &Store, name: &str) -> TenantId {
@@ -94,6 +95,7 @@ fn spec(gpus: u32, nodes: u32) -> JobSpec {
         restart_policy: RestartPolicy::OnFailure,
         max_retries: 1,
         locality: Default::default(),
+        time_limit_s: None,
     }
 }
 
@@ -309,4 +311,66 @@ async fn a_preempted_member_is_not_requeued_alone(s: &Store) {
     assert_eq!(i.preempted_by.as_ref(), Some(&by));
     let pending = s.pending_instances(10).await.unwrap();
     assert!(pending.is_empty(), "{pending:?}");
+}
+
+async fn preemptors_are_promised_their_victims_gpus_and_limits_are_read(s: &Store) {
+    let t = tenant(s, "promise").await;
+    let a = node(s, &t, "qa", 2).await;
+    // A running, time-limited job of two members on the node.
+    let id = JobId::generate(1, rnd());
+    let limited = JobSpec {
+        time_limit_s: Some(60),
+        ..spec(2, 2)
+    };
+    s.create_job(&id, &t, &limited, t0()).await.unwrap();
+    let snap = s.placement_snapshot().await.unwrap();
+    let gpus: Vec<_> = snap[0].gpus.iter().map(|g| g.id.clone()).collect();
+    let p0 = Placement {
+        node: a.clone(),
+        model: "H100".into(),
+        gpus: vec![gpus[0].clone()],
+    };
+    let p1 = Placement {
+        gpus: vec![gpus[1].clone()],
+        ..p0.clone()
+    };
+    let m = ids(2);
+    s.schedule_job(&id, 0, &[p0, p1], &m, t0()).await.unwrap();
+    let limits = s.running_time_limits().await.unwrap();
+    assert_eq!(limits.get(&id), Some(&60));
+    let held = s.held_instances().await.unwrap();
+    assert!(held
+        .iter()
+        .all(|h| h.job_id.as_ref() == Some(&id) && h.gpu_model == "H100"));
+
+    // A queued job preempts rank 0, a pending instance rank 1.
+    let by_job = JobId::generate(2, rnd());
+    s.create_job(&by_job, &t, &spec(1, 1), t0()).await.unwrap();
+    let by_inst = InstanceId::generate(2, rnd());
+    let one = flotilla_core::instance::InstanceSpec {
+        name: None,
+        gpus: 1,
+        gpu_types: vec![],
+        cpu_milli: 1000,
+        memory_mb: 1024,
+        command: vec!["x".into()],
+        env: BTreeMap::new(),
+        workdir: None,
+        billing_class: BillingClass::OnDemand,
+        priority: 0,
+        tier: 1,
+        preemptible: false,
+    };
+    s.create_instance(&by_inst, &t, &one, t0()).await.unwrap();
+    let wj = flotilla_core::id::WorkId::Job(by_job.clone());
+    let wi = flotilla_core::id::WorkId::Instance(by_inst.clone());
+    assert!(s.preempt(&m[0], &wj, t0()).await.unwrap());
+    assert!(s.preempt(&m[1], &wi, t0()).await.unwrap());
+    let promised = s.promised_gpus().await.unwrap();
+    assert_eq!(promised.get(&wj), Some(&vec![gpus[0].clone()]));
+    assert_eq!(promised.get(&wi), Some(&vec![gpus[1].clone()]));
+    // Once the preemptor is no longer waiting, nothing is promised to it.
+    s.cancel_job(&by_job, t0()).await.unwrap();
+    s.request_stop(&by_inst, t0()).await.unwrap();
+    assert!(s.promised_gpus().await.unwrap().is_empty());
 }

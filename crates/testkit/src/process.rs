@@ -194,7 +194,11 @@ impl Home {
 
     /// Starts `flotilla agent` with simulated GPUs and the server's token.
     pub fn agent(&self, name: &str, simulate: &str) -> Proc {
-        let token = std::fs::read_to_string(self.data().join("agent.token")).expect("agent token");
+        let path = self.data().join("agent.token");
+        wait_until("the agent token", Duration::from_secs(20), || {
+            std::fs::read_to_string(&path).is_ok_and(|t| !t.trim().is_empty())
+        });
+        let token = std::fs::read_to_string(&path).expect("agent token");
         let child = self
             .cmd()
             .args(["agent", "--server", &self.url(), "--token", token.trim()])
@@ -238,13 +242,13 @@ impl Home {
     /// The operator key the first start saved.
     pub fn operator_key(&self) -> String {
         let path = self.dir.path().join("config/credentials.json");
-        // The server saves it just after it starts answering: on a loaded
-        // machine a caller can get there first.
-        wait_until("credentials saved", Duration::from_secs(10), || {
-            path.exists()
+        // The server answers before its first-start bootstrap has saved
+        // the file: wait for it to be whole.
+        let read = || -> Option<Value> { serde_json::from_slice(&std::fs::read(&path).ok()?).ok() };
+        wait_until("the saved credentials", Duration::from_secs(20), || {
+            read().is_some_and(|c| c["api_key"].is_string())
         });
-        let creds: Value = serde_json::from_slice(&std::fs::read(path).expect("credentials file"))
-            .expect("credentials JSON");
+        let creds = read().expect("credentials JSON");
         creds["api_key"].as_str().expect("api_key").to_string()
     }
 
