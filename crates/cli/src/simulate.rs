@@ -184,8 +184,11 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         }
     ));
     md.push_str(&format!(
-        "- oracle (perfect-foresight lower bound, see docs/autoscaling.md): {:.1} GPU-s, peak {} replicas\n\n",
+        "- oracle (perfect-foresight lower bound, see docs/autoscaling.md): {:.1} GPU-s for a cold start fixed at {} s (the ratio column); strict bound {:.1} GPU-s for the shortest cold start ({} s); peak {} replicas\n\n",
         cmp.oracle.gpu_ms as f64 / 1000.0,
+        cmp.oracle.cold_start_ms / 1000,
+        cmp.strict_oracle.gpu_ms as f64 / 1000.0,
+        cmp.strict_oracle.cold_start_ms / 1000,
         cmp.oracle.peak_replicas
     ));
     md.push_str(&table);
