@@ -100,6 +100,8 @@ fn main() -> Result<(), Error> {
     }
     traces.push(Scenario::ViralSpike.trace(a.seed)?);
     traces.push(Scenario::BlackFriday.trace(a.seed)?);
+    traces.push(Scenario::OnOff.trace(a.seed)?);
+    traces.push(Scenario::Diurnal.trace(a.seed)?);
 
     let mut rows: Vec<Row> = Vec::new();
     let mut notes = String::new();
