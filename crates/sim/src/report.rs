@@ -2,10 +2,10 @@
 //! render the rows as Markdown and JSON. Numbers are rounded and formatted
 //! explicitly, so the same inputs and seed give byte-identical output.
 
-use flotilla_core::catalog::Catalog;
 use rust_decimal::Decimal;
 use serde::Serialize;
 
+use crate::cost::Pricing;
 use crate::engine::{simulate, SimConfig, SimResult};
 use crate::oracle::{lower_bound, Oracle};
 use crate::policies::{build, Endpoint, PolicyKind};
@@ -31,7 +31,11 @@ pub struct Row {
     pub p95_ms: u64,
     pub p99_ms: u64,
     pub e2e_p99_ms: u64,
+    /// Replica GPU time at the on-demand price.
     pub cost: Decimal,
+    /// With a node pool: node GPU time, on-demand and spot at their prices.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node_cost: Option<Decimal>,
     pub cold_starts: u64,
     pub scaling_actions: u64,
     pub dropped: u64,
@@ -47,6 +51,8 @@ pub struct Comparison {
     pub oracle: Oracle,
     /// The strict oracle (cold start = the shortest the model draws).
     pub strict_oracle: Oracle,
+    /// The prices costs were computed with.
+    pub pricing: Pricing,
     pub results: Vec<SimResult>,
     pub rows: Vec<Row>,
 }
@@ -81,9 +87,10 @@ pub fn compare(
     };
     let oracle = lower_bound(trace, &cfg.service, cfg.slo_ms, cfg.cold_start.median_ms());
     let strict_oracle = lower_bound(trace, &cfg.service, cfg.slo_ms, cfg.cold_start.min_ms());
-    let price = Catalog::default()
-        .get(&cfg.service.gpu)
-        .map_or(Decimal::ZERO, |m| m.list_price_per_hour);
+    let pricing = match &cfg.prices {
+        Some(v) => Pricing::from_version(v, &cfg.service.gpu)?,
+        None => Pricing::list(&cfg.service.gpu)?,
+    };
     let mut results = Vec::new();
     let mut rows = Vec::new();
     for &kind in policies {
@@ -91,7 +98,8 @@ pub fn compare(
         let r = simulate(trace, policy.as_mut(), cfg, &mut |d, t| {
             progress(kind.as_str(), d, t)
         });
-        let cost = (Decimal::from(r.gpu_ms) * price / Decimal::from(3_600_000u64)).round_dp(2);
+        let cost = pricing.on_demand(r.gpu_ms);
+        let node_cost = r.node_gpu_ms.map(|(od, spot)| pricing.nodes(od, spot));
         rows.push(Row {
             trace: trace.name.clone(),
             policy: r.policy.clone(),
@@ -110,6 +118,7 @@ pub fn compare(
             p99_ms: r.ttft.p99,
             e2e_p99_ms: r.e2e.p99,
             cost,
+            node_cost,
             cold_starts: r.cold_starts,
             scaling_actions: r.scaling_actions,
             dropped: r.dropped,
@@ -122,6 +131,7 @@ pub fn compare(
         requests: trace.len() as u64,
         oracle,
         strict_oracle,
+        pricing,
         results,
         rows,
     })

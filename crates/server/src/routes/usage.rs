@@ -15,10 +15,8 @@ use axum::Json;
 use chrono::{DateTime, Duration, Utc};
 use flotilla_billing::invoice::{build_invoice, Invoice, InvoiceInput};
 use flotilla_billing::meter::UsageEvent;
-use flotilla_billing::price::{
-    OnDemandPrice, PriceBook, PriceVersion, Schedule, ServerlessPrices, SpotBand, SpotSeries,
-};
-use flotilla_billing::{BillingError, Currency, Period};
+use flotilla_billing::price::{PriceBook, SpotSeries};
+use flotilla_billing::{BillingError, Period};
 use flotilla_core::catalog::Catalog;
 use flotilla_core::id::{InvoiceId, TenantId};
 use flotilla_core::tenant::Role;
@@ -318,57 +316,11 @@ pub async fn list_usage(
     Ok(Json(UsagePage { items, next_cursor }))
 }
 
-/// The price book used until the operator-editable catalog lands: version
-/// 1, in force since the epoch, USD, on-demand and serverless GPU time at
-/// the catalog's list price per hour / 3600 (exact to 28 digits), no
-/// minimum, spot bands from 30% (idle pool) to 90% (full pool) of
-/// on-demand, requests, tokens, instance time and storage free.
+/// The price book used until the operator-editable catalog lands:
+/// [`flotilla_billing::price::list_price_book`] (shared with the
+/// autoscaling simulator, so both price GPU time alike).
 pub fn default_price_book(catalog: &Catalog) -> Result<PriceBook, BillingError> {
-    let hour = Decimal::from(3600);
-    let mut on_demand = BTreeMap::new();
-    let mut serverless = BTreeMap::new();
-    let mut spot = BTreeMap::new();
-    for m in catalog.models() {
-        let per_second = m
-            .list_price_per_hour
-            .checked_div(hour)
-            .ok_or(BillingError::Overflow { what: "price" })?;
-        on_demand.insert(
-            m.name.clone(),
-            OnDemandPrice {
-                per_gpu_second: per_second,
-                minimum_seconds: 0,
-            },
-        );
-        serverless.insert(m.name.clone(), per_second);
-        // Spot trades between 30% and 90% of on-demand with pool use.
-        spot.insert(
-            m.name.clone(),
-            SpotBand {
-                floor: per_second * Decimal::new(3, 1),
-                ceiling: per_second * Decimal::new(9, 1),
-            },
-        );
-    }
-    let free = || Schedule::Flat {
-        unit_price: Decimal::ZERO,
-    };
-    PriceBook::new(PriceVersion {
-        version: 1,
-        effective_from: DateTime::<Utc>::UNIX_EPOCH,
-        currency: Currency::usd(),
-        on_demand,
-        spot,
-        serverless: ServerlessPrices {
-            per_request: free(),
-            per_million_input_tokens: free(),
-            per_million_output_tokens: free(),
-            per_gpu_second: serverless,
-        },
-        reserved_offers: Vec::new(),
-        per_instance_second: Decimal::ZERO,
-        per_storage_gb_second: Decimal::ZERO,
-    })
+    flotilla_billing::price::list_price_book(catalog)
 }
 
 /// The spot prices in force: until the server records a series from pool
