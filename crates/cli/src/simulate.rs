@@ -24,7 +24,8 @@ pub struct SimulateArgs {
     #[arg(long, value_name = "FILE", required_unless_present = "scenario")]
     trace: Option<PathBuf>,
     /// A built-in scenario instead of a trace: `viral-spike` (100 → 10,000
-    /// requests/hour) or `black-friday` (a 10× step).
+    /// requests/hour), `black-friday` (a 10× step), `on-off` (30 s bursts
+    /// between lulls of 20 s to 5 min) or `diurnal` (a 24-hour cycle).
     #[arg(long, value_name = "NAME", conflicts_with = "trace")]
     scenario: Option<String>,
     /// Policies to compare, comma-separated: flotilla,hpa,keda,kpa,ray.
