@@ -6,7 +6,8 @@
 //! for prefill then decode ([`service`]). Replicas start after a cold start
 //! drawn from a measured shape ([`coldstart`]), optionally on nodes of a
 //! [`nodes::NodePool`] grown and shrunk through a
-//! [`nodes::CapacityProvider`]. The replica count comes from the real
+//! [`nodes::CapacityProvider`] and placed on by the real `flotilla-sched`
+//! engine. The replica count comes from the real
 //! `flotilla-scale` policies ([`policies`]), called with the virtual `now`
 //! at each policy's own cadence, exactly as the live server calls them with
 //! the wall clock. [`oracle`] computes a perfect-foresight lower bound on
