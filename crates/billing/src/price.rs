@@ -12,6 +12,7 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Duration, Utc};
+use flotilla_core::catalog::Catalog;
 use flotilla_core::id::TenantId;
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
@@ -406,6 +407,61 @@ impl PriceBook {
             .filter(|t| from < *t && *t < to)
             .collect()
     }
+}
+
+/// The price book of a GPU catalog's list prices (what the server uses
+/// until the operator-editable catalog lands, and what the autoscaling
+/// simulator prices GPU time with): version
+/// 1, in force since the epoch, USD, on-demand and serverless GPU time at
+/// the catalog's list price per hour / 3600 (exact to 28 digits), no
+/// minimum, spot bands from 30% (idle pool) to 90% (full pool) of
+/// on-demand, requests, tokens, instance time and storage free.
+pub fn list_price_book(catalog: &Catalog) -> Result<PriceBook> {
+    let hour = Decimal::from(3600);
+    let mut on_demand = BTreeMap::new();
+    let mut serverless = BTreeMap::new();
+    let mut spot = BTreeMap::new();
+    for m in catalog.models() {
+        let per_second = m
+            .list_price_per_hour
+            .checked_div(hour)
+            .ok_or(BillingError::Overflow { what: "price" })?;
+        on_demand.insert(
+            m.name.clone(),
+            OnDemandPrice {
+                per_gpu_second: per_second,
+                minimum_seconds: 0,
+            },
+        );
+        serverless.insert(m.name.clone(), per_second);
+        // Spot trades between 30% and 90% of on-demand with pool use.
+        spot.insert(
+            m.name.clone(),
+            SpotBand {
+                floor: per_second * Decimal::new(3, 1),
+                ceiling: per_second * Decimal::new(9, 1),
+            },
+        );
+    }
+    let free = || Schedule::Flat {
+        unit_price: Decimal::ZERO,
+    };
+    PriceBook::new(PriceVersion {
+        version: 1,
+        effective_from: DateTime::<Utc>::UNIX_EPOCH,
+        currency: Currency::usd(),
+        on_demand,
+        spot,
+        serverless: ServerlessPrices {
+            per_request: free(),
+            per_million_input_tokens: free(),
+            per_million_output_tokens: free(),
+            per_gpu_second: serverless,
+        },
+        reserved_offers: Vec::new(),
+        per_instance_second: Decimal::ZERO,
+        per_storage_gb_second: Decimal::ZERO,
+    })
 }
 
 /// The spot price at pool utilisation `u` (0 = idle, 1 = full): linear
@@ -804,6 +860,22 @@ impl CreditGrant {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_list_price_book_prices_every_catalog_model() {
+        let c = Catalog::default();
+        let book = list_price_book(&c).unwrap();
+        let v = book.latest();
+        assert_eq!(v.on_demand.len(), c.models().len());
+        for m in c.models() {
+            let od = v.on_demand(&m.name).unwrap().per_gpu_second;
+            let back = od * Decimal::from(3600);
+            assert!((back - m.list_price_per_hour).abs() < Decimal::new(1, 20));
+            assert_eq!(v.spot[&m.name].floor, od * Decimal::new(3, 1));
+            assert_eq!(v.serverless_gpu_second(&m.name).unwrap(), od);
+        }
+    }
+
     use super::*;
     use std::str::FromStr;
 

@@ -24,7 +24,8 @@ pub struct SimulateArgs {
     #[arg(long, value_name = "FILE", required_unless_present = "scenario")]
     trace: Option<PathBuf>,
     /// A built-in scenario instead of a trace: `viral-spike` (100 → 10,000
-    /// requests/hour) or `black-friday` (a 10× step).
+    /// requests/hour), `black-friday` (a 10× step), `on-off` (30 s bursts
+    /// between lulls of 20 s to 5 min) or `diurnal` (a 24-hour cycle).
     #[arg(long, value_name = "NAME", conflicts_with = "trace")]
     scenario: Option<String>,
     /// Policies to compare, comma-separated: flotilla,hpa,keda,kpa,ray.
@@ -184,9 +185,20 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         }
     ));
     md.push_str(&format!(
-        "- oracle (perfect-foresight lower bound, see docs/autoscaling.md): {:.1} GPU-s, peak {} replicas\n\n",
+        "- oracle (perfect-foresight lower bound, see docs/autoscaling.md): {:.1} GPU-s for a cold start fixed at {} s (the ratio column); strict bound {:.1} GPU-s for the shortest cold start ({} s); peak {} replicas\n",
         cmp.oracle.gpu_ms as f64 / 1000.0,
+        cmp.oracle.cold_start_ms / 1000,
+        cmp.strict_oracle.gpu_ms as f64 / 1000.0,
+        cmp.strict_oracle.cold_start_ms / 1000,
         cmp.oracle.peak_replicas
+    ));
+    let pr = &cmp.pricing;
+    md.push_str(&format!(
+        "- costs: billing price book version {}, {} {} per GPU-second on demand, {} spot (band floor)\n\n",
+        pr.version,
+        pr.currency,
+        pr.on_demand_per_gpu_second.round_dp(6),
+        pr.spot_per_gpu_second.round_dp(6)
     ));
     md.push_str(&table);
     md.push('\n');
@@ -194,14 +206,15 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
         md.push_str(
             "Node pool (8-GPU nodes; GPU-seconds of whole nodes, from request to release):\n\n",
         );
-        md.push_str("| policy | on-demand node GPU-s | spot node GPU-s | spot preemptions |\n|---|---:|---:|---:|\n");
-        for r in &cmp.results {
+        md.push_str("| policy | on-demand node GPU-s | spot node GPU-s | node cost | spot preemptions |\n|---|---:|---:|---:|---:|\n");
+        for (r, row) in cmp.results.iter().zip(&cmp.rows) {
             let (od, spot) = r.node_gpu_ms.unwrap_or((0, 0));
             md.push_str(&format!(
-                "| {} | {:.1} | {:.1} | {} |\n",
+                "| {} | {:.1} | {:.1} | {} | {} |\n",
                 r.policy,
                 od as f64 / 1000.0,
                 spot as f64 / 1000.0,
+                row.node_cost.unwrap_or_default(),
                 r.preemptions
             ));
         }

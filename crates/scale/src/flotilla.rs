@@ -17,22 +17,37 @@
 //!    `a = λ·s` slots busy (the offered load in Erlangs). Slots are the
 //!    servers of this queue, so square-root staffing applies to them:
 //!    `a + β·√a` slots (`β` = 1 by default), `ceil(· / C)` replicas.
-//! 3. **Keep the recent peak.** The highest concurrency (in flight +
-//!    queued) seen over the peak window (300 s by default, Kubernetes'
-//!    scale-down stabilisation) is kept as capacity: traffic that burst
-//!    once within a few cold starts is likely to burst again, and a burst
-//!    met by a replica that is still starting is a burst of SLO misses.
-//!    This is also the scale-down stabiliser.
-//! 4. **Backlog.** Requests in flight need `ceil(in_flight / C)` replicas
+//! 3. **Keep the recent peak.** The highest demand seen over the peak
+//!    window (300 s by default, Kubernetes' scale-down stabilisation) is
+//!    kept as capacity: traffic that burst once within a few cold starts is
+//!    likely to burst again, and a burst met by a replica that is still
+//!    starting is a burst of SLO misses. Demand is in slots: requests in
+//!    flight, plus each queued request weighed by `min(1, s / SLO)` — the
+//!    share of a slot it needs to be started within the SLO (a queue of
+//!    short requests is drained by a fraction of its length in slots;
+//!    counting it whole kept several times the capacity a burst needs).
+//! 4. **Keep levels that recur, by cost.** Past the peak window, replica
+//!    level `j` is still kept while demand keeps climbing back to it often
+//!    enough: the long-run rate `λ_j` of climbs to `j` (after a dip of at
+//!    least one SLO; shorter dips are within one request's wait) goes
+//!    through step 6's trade-off, and the level stays while the expected
+//!    penalty of a cold level over one cold start exceeds its idle cost.
+//!    This is the scale-down counterpart of scale to zero: bursts that
+//!    recur at intervals longer than the peak window but shorter than the
+//!    break-even no longer find their capacity gone.
+//! 5. **Backlog.** Requests in flight need `ceil(in_flight / C)` replicas
 //!    now; requests waiting are worked off over one cold start (a replica
 //!    started now helps no sooner): `ceil(queued·s / (C·H))` more, at least
-//!    one. The largest of forecast, peak and backlog wins.
+//!    one. The largest of forecast, peak, recurring level and backlog wins.
 //!
 //! (First version: the peak was of arrival rates in SLO-long buckets and
 //! the headroom `β·√R` in replicas; measured in the simulator, headroom in
-//! replicas over-provisions by `√C` and rate peaks miss the hold time.)
+//! replicas over-provisions by `√C` and rate peaks miss the hold time.
+//! Second version: the peak counted queued requests whole, and the peak
+//! window was the only memory of bursts; see docs/autoscaling.md for the
+//! measurements on every trace.)
 //!
-//! 5. **Scale to zero by cost.** When one replica or fewer is needed, no
+//! 6. **Scale to zero by cost.** When one replica or fewer is needed, no
 //!    request is in flight or queued and none has arrived for `min_idle`,
 //!    the policy compares, over the next horizon `H`: the idle cost of one
 //!    warm replica, `gpus × price × H`, with the expected cost of going
@@ -171,7 +186,7 @@ impl FlotillaConfig {
         Ok(())
     }
 
-    /// Step 5's two sides for a long-run arrival rate `rate` (requests per
+    /// Step 6's two sides for a long-run arrival rate `rate` (requests per
     /// second): `(idle cost of one warm replica over the cold-start
     /// horizon, expected penalty of being cold over it)`. Scale to zero
     /// only when the first is larger.
@@ -218,6 +233,14 @@ pub struct Flotilla {
     /// Sliding maximum of the observed concurrency (in flight + queued)
     /// over the peak window: a monotone deque of `(time, concurrency)`.
     peak_demand: VecDeque<(u64, f64)>,
+    /// Per replica level `j` (index `j − 1`): the long-run rate (per
+    /// second) at which demand climbs back to `j` replicas or more after at
+    /// least one cold start below, and since when it has been below (`None`
+    /// while at or above).
+    level_rate: Vec<f64>,
+    level_down_since: Vec<Option<u64>>,
+    /// When `level_rate` was last decayed.
+    level_at_ms: Option<u64>,
 }
 
 impl Flotilla {
@@ -238,6 +261,9 @@ impl Flotilla {
             last_tick_ms: None,
             last: None,
             peak_demand: VecDeque::new(),
+            level_rate: Vec::new(),
+            level_down_since: Vec::new(),
+            level_at_ms: None,
         })
     }
 
@@ -268,7 +294,10 @@ impl Flotilla {
         while self.buckets.front().is_some_and(|(i, _)| *i < oldest) {
             self.buckets.pop_front();
         }
-        let demand = obs.concurrency();
+        let hold_s = f64::from(self.cfg.service.max_concurrency) / self.cfg.service.service_rate;
+        let drain = (hold_s * 1000.0 / self.cfg.slo_ms).min(1.0);
+        let demand = f64::from(obs.in_flight) + f64::from(obs.queued) * drain;
+        self.count_level_climbs(now, demand);
         while self.peak_demand.back().is_some_and(|(_, d)| *d <= demand) {
             self.peak_demand.pop_back();
         }
@@ -303,6 +332,59 @@ impl Flotilla {
             }
             Some(_) => {}
         }
+    }
+
+    /// Step 4's bookkeeping: decay every level's climb rate to `now`, then
+    /// count a climb for each level `demand` reaches after one cold start or
+    /// more below it. Shorter dips are noise the peak window already covers:
+    /// only a lull a replica could have been stopped and restarted across
+    /// is a lull the level survives.
+    fn count_level_climbs(&mut self, now: u64, demand: f64) {
+        let tau_s = self.cfg.long_time_constant_ms as f64 / 1000.0;
+        if let Some(t0) = self.level_at_ms {
+            let keep = (-(now.saturating_sub(t0) as f64 / 1000.0) / tau_s).exp();
+            for r in &mut self.level_rate {
+                *r *= keep;
+            }
+        }
+        self.level_at_ms = Some(now);
+        let c = f64::from(self.cfg.service.max_concurrency);
+        let level = ceil_u32(demand / c).min(self.bounds.max()) as usize;
+        if level > self.level_rate.len() {
+            self.level_rate.resize(level, 0.0);
+            // A level never reached before was below since the start.
+            self.level_down_since.resize(level, Some(0));
+        }
+        let h = self.cfg.slo_ms as u64;
+        for (j, (rate, down)) in self
+            .level_rate
+            .iter_mut()
+            .zip(self.level_down_since.iter_mut())
+            .enumerate()
+        {
+            if j < level {
+                if down.is_some_and(|since| now.saturating_sub(since) >= h) {
+                    *rate += 1.0 / tau_s;
+                }
+                *down = None;
+            } else if down.is_none() {
+                *down = Some(now);
+            }
+        }
+    }
+
+    /// Step 4: the highest replica level worth keeping through a lull —
+    /// the highest `j` whose climbs recur often enough that, over one cold
+    /// start, the expected penalty of having let it go exceeds its idle
+    /// cost (the scale-to-zero trade-off, per level).
+    pub fn recurring_level(&self) -> u32 {
+        self.level_rate
+            .iter()
+            .rposition(|&rate| {
+                let (idle, penalty) = self.cfg.zero_tradeoff(rate);
+                penalty > idle
+            })
+            .map_or(0, |i| u32::try_from(i + 1).unwrap_or(u32::MAX))
     }
 
     /// Peak arrival rate over the recent window, per second, averaged over
@@ -341,7 +423,8 @@ impl Flotilla {
         } else {
             0
         }
-        .max(ceil_u32(self.peak_demand() / c));
+        .max(ceil_u32(self.peak_demand() / c))
+        .max(self.recurring_level());
         let queued = f64::from(obs.queued);
         let by_backlog = ceil_u32(f64::from(obs.in_flight) / c).saturating_add(if queued > 0.0 {
             ceil_u32(queued * hold_s / (c * horizon_s)).max(1)
@@ -560,5 +643,63 @@ mod tests {
         c.miss_cost = 0.0;
         let ds = sparse_then_quiet(c, 30);
         assert_eq!(ds.last().map(|d| d.replicas), Some(0));
+    }
+
+    #[test]
+    fn a_queue_of_short_requests_counts_by_its_share_of_the_slo() {
+        // Requests hold a slot 8 / 16 = 0.5 s; SLO 2 s: each queued one
+        // needs a quarter of a slot to start in time. 256 queued = 64
+        // slots = 8 replicas (counted whole they would ask for 32).
+        let mut c = cfg();
+        c.service.service_rate = 16.0;
+        let mut f = Flotilla::new(c, Bounds::new(0, 100).unwrap()).unwrap();
+        let o = Observation {
+            queued: 256,
+            requests_total: 256,
+            ..Observation::default()
+        };
+        assert_eq!(f.decide(0, &o).replicas, 8);
+    }
+
+    #[test]
+    fn recurring_bursts_keep_their_level_through_the_lull() {
+        // A burst needing 5 replicas every 120 s: past the 300 s peak
+        // window the level still recurs often enough to keep.
+        let mut f = Flotilla::new(cfg(), Bounds::new(0, 100).unwrap()).unwrap();
+        let burst = |total| Observation {
+            ready: 5,
+            in_flight: 40,
+            requests_total: total,
+            ..Observation::default()
+        };
+        let quiet = |total| Observation {
+            ready: 5,
+            requests_total: total,
+            ..Observation::default()
+        };
+        let mut total = 0;
+        for s in 0..1_800u64 {
+            let o = if s % 120 < 10 {
+                total += 4;
+                burst(total)
+            } else {
+                quiet(total)
+            };
+            f.decide(s * 1000, &o);
+        }
+        assert!(f.recurring_level() >= 5, "{}", f.recurring_level());
+        // Silence: the level decays and goes after the break-even.
+        let mut last = 5;
+        for s in 1_800..6_000u64 {
+            last = f.decide(s * 1000, &quiet(total)).replicas;
+        }
+        assert!(last <= 1, "{last}");
+        // A single burst long ago is not a pattern.
+        let mut g = Flotilla::new(cfg(), Bounds::new(0, 100).unwrap()).unwrap();
+        g.decide(0, &burst(40));
+        for s in 1..400u64 {
+            g.decide(s * 1000, &quiet(40));
+        }
+        assert_eq!(g.recurring_level(), 0);
     }
 }

@@ -24,8 +24,8 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::trace::TraceLayer;
 
 pub mod auth;
-pub mod budgets;
 pub mod autoscale;
+pub mod budgets;
 pub mod error;
 pub mod extract;
 pub mod idempotency;

@@ -9,16 +9,13 @@
 //! prices, checks budgets and delivers their webhooks, on its own task so
 //! that a slow webhook receiver never delays placement.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use chrono::{DateTime, Duration, Utc};
 use flotilla_billing::invoice::{build_invoice, Draft, Invoice, InvoiceInput};
-use flotilla_billing::price::{
-    OnDemandPrice, PriceBook, PriceVersion, Schedule, ServerlessPrices, SpotBand, SpotSeries,
-};
-use flotilla_billing::{BillingError, Currency, Period};
+use flotilla_billing::price::{PriceBook, PriceVersion, SpotSeries};
+use flotilla_billing::{BillingError, Period};
 use flotilla_core::catalog::Catalog;
 use flotilla_core::id::{InvoiceId, TenantId};
 use flotilla_store::{Store, StoreError};
@@ -68,51 +65,7 @@ impl From<RatingError> for ApiError {
 /// requests, tokens, instance time and storage free. It is stored as
 /// version 1 the first time prices are read, so later versions follow it.
 pub fn default_price_book(catalog: &Catalog) -> Result<PriceBook, BillingError> {
-    let hour = Decimal::from(3600);
-    let mut on_demand = BTreeMap::new();
-    let mut serverless = BTreeMap::new();
-    let mut spot = BTreeMap::new();
-    for m in catalog.models() {
-        let per_second = m
-            .list_price_per_hour
-            .checked_div(hour)
-            .ok_or(BillingError::Overflow { what: "price" })?;
-        on_demand.insert(
-            m.name.clone(),
-            OnDemandPrice {
-                per_gpu_second: per_second,
-                minimum_seconds: 0,
-            },
-        );
-        serverless.insert(m.name.clone(), per_second);
-        // Spot trades between 30% and 90% of on-demand with pool use.
-        spot.insert(
-            m.name.clone(),
-            SpotBand {
-                floor: per_second * Decimal::new(3, 1),
-                ceiling: per_second * Decimal::new(9, 1),
-            },
-        );
-    }
-    let free = || Schedule::Flat {
-        unit_price: Decimal::ZERO,
-    };
-    PriceBook::new(PriceVersion {
-        version: 1,
-        effective_from: DateTime::<Utc>::UNIX_EPOCH,
-        currency: Currency::usd(),
-        on_demand,
-        spot,
-        serverless: ServerlessPrices {
-            per_request: free(),
-            per_million_input_tokens: free(),
-            per_million_output_tokens: free(),
-            per_gpu_second: serverless,
-        },
-        reserved_offers: Vec::new(),
-        per_instance_second: Decimal::ZERO,
-        per_storage_gb_second: Decimal::ZERO,
-    })
+    flotilla_billing::price::list_price_book(catalog)
 }
 
 /// The stored catalog, every version; the default one is stored first as
@@ -369,6 +322,8 @@ impl Drop for Running {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
     use flotilla_billing::meter::UsageEvent;
 

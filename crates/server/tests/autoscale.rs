@@ -34,7 +34,13 @@ impl Live {
         let boot = bootstrap(&store, dir.path()).await.unwrap();
         let clock = ManualClock::new(Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap());
         let (tx, rx) = tokio::sync::watch::channel(false);
-        let st = AppState::new(store, ServerConfig::default(), Arc::new(clock.clone()), rx);
+        // 400 metric reports in a burst: the per-key rate limit (real
+        // clock) must not be what the test measures.
+        let config = ServerConfig {
+            rate_limit_per_second: 10_000,
+            ..ServerConfig::default()
+        };
+        let st = AppState::new(store, config, Arc::new(clock.clone()), rx);
         Self {
             st,
             clock,

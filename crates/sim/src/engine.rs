@@ -77,6 +77,9 @@ pub struct SimConfig {
     /// cold, empty start. Latency, GPU time and the series count from the
     /// trace's start only. 0 disables it.
     pub warmup_ms: u64,
+    /// The price version GPU time is costed from; `None`: the billing
+    /// crate's list-price book of the built-in catalog.
+    pub prices: Option<flotilla_billing::price::PriceVersion>,
 }
 
 impl SimConfig {
@@ -93,6 +96,7 @@ impl SimConfig {
             tier: 2,
             node_pool: None,
             warmup_ms: 0,
+            prices: None,
         }
     }
 }

@@ -6,11 +6,13 @@
 //! for prefill then decode ([`service`]). Replicas start after a cold start
 //! drawn from a measured shape ([`coldstart`]), optionally on nodes of a
 //! [`nodes::NodePool`] grown and shrunk through a
-//! [`nodes::CapacityProvider`]. The replica count comes from the real
+//! [`nodes::CapacityProvider`] and placed on by the real `flotilla-sched`
+//! engine. The replica count comes from the real
 //! `flotilla-scale` policies ([`policies`]), called with the virtual `now`
 //! at each policy's own cadence, exactly as the live server calls them with
 //! the wall clock. [`oracle`] computes a perfect-foresight lower bound on
-//! the GPU-seconds any policy needs; [`report`] renders the comparison.
+//! the GPU-seconds any policy needs; [`cost`] prices GPU time from the
+//! billing crate's price book; [`report`] renders the comparison.
 //!
 //! Determinism: the only randomness is a `rand_chacha` generator seeded by
 //! the caller, nothing iterates a hash map, and reports format numbers
@@ -19,6 +21,7 @@
 //! files and return plain data.
 
 pub mod coldstart;
+pub mod cost;
 pub mod engine;
 pub mod nodes;
 pub mod oracle;
@@ -60,6 +63,12 @@ pub enum SimError {
     Invalid {
         field: &'static str,
         message: String,
+    },
+    /// The price book has no price for the simulated GPU type.
+    #[error("prices: {source}")]
+    Pricing {
+        #[source]
+        source: flotilla_billing::BillingError,
     },
     /// A policy rejected its configuration.
     #[error("policy {policy}: {source}")]

@@ -3,9 +3,12 @@
 //!
 //! A provider is whatever hands out nodes — a cloud API, a bare-metal
 //! inventory, the simulator's [`SimulatedProvider`]. The pool asks it for a
-//! node when no node has a free GPU, bin-packs replicas onto nodes (best
-//! fit: the fullest node that still has room, so whole nodes free up to be
-//! removed), removes a node once it has been idle for a grace period, and
+//! node when no node has a free GPU, places replicas onto nodes through the
+//! real placement engine (`flotilla-sched`, best-fit scorer: the fullest
+//! node that still has room, so whole nodes free up to be removed; the
+//! pool's nodes are a `sched` cluster snapshot kept in step with grants,
+//! releases and preemptions), removes a node once it has been idle for a
+//! grace period, and
 //! never removes a node that runs tier-1 work. Tier-1 replicas run on
 //! on-demand nodes only; other tiers try spot first and fall back to
 //! on-demand. Everything here is pure: the provider's randomness comes from
@@ -16,6 +19,12 @@ use std::collections::BTreeMap;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
+
+use flotilla_sched::score::BestFit;
+use flotilla_sched::{
+    Cluster, Decision, Engine, GpuDemand, ModelId, ModelSet, ModelTable, NodeSpec, Placement,
+    Request as SchedRequest,
+};
 
 use crate::coldstart::ColdStartModel;
 
@@ -54,6 +63,10 @@ pub enum CapacityError {
     /// No spot capacity is on offer right now.
     #[error("no spot {gpu} capacity available")]
     NoSpot { gpu: String },
+    /// The placement engine refused a step the pool's bookkeeping expected
+    /// to succeed (a bug, reported rather than a panic).
+    #[error("placement: {0}")]
+    Placement(String),
 }
 
 /// Something that hands out GPU nodes. Pure: `now_ms` is the caller's
@@ -217,16 +230,71 @@ pub struct NodePool<P> {
     /// Idle time after which an empty node is released.
     pub idle_grace_ms: u64,
     nodes: Vec<Node>,
+    /// The same nodes as the placement engine sees them (cluster index =
+    /// pool index; gone nodes are cordoned). On-demand and spot nodes are
+    /// two models of the snapshot so that tier-1 replicas can ask for
+    /// on-demand ones only.
+    cluster: Cluster,
+    engine: Engine,
+    on_demand: ModelId,
+    spot: ModelId,
+    /// Devices in use per node (every replica takes one whole GPU).
+    devices: Vec<Vec<u16>>,
+    /// Tie-breaking of the placement engine.
+    rng: ChaCha8Rng,
+}
+
+fn placement_error(e: flotilla_sched::Error) -> CapacityError {
+    CapacityError::Placement(e.to_string())
+}
+
+/// One replica's demand: one whole GPU.
+fn replica() -> SchedRequest {
+    SchedRequest::new(GpuDemand::whole(1), 0, 0)
 }
 
 impl<P: CapacityProvider> NodePool<P> {
     /// An empty pool of `gpu` nodes.
     pub fn new(provider: P, gpu: impl Into<String>, idle_grace_ms: u64) -> Self {
+        let gpu = gpu.into();
+        let mut models = ModelTable::default();
+        // Two names cannot fail to intern in an empty table.
+        let on_demand = models.intern(&gpu).unwrap_or_default();
+        let spot = models.intern(&format!("{gpu} (spot)")).unwrap_or(1);
         Self {
             provider,
-            gpu: gpu.into(),
+            gpu,
             idle_grace_ms,
             nodes: Vec::new(),
+            cluster: Cluster::new(models),
+            engine: Engine::new(Box::new(BestFit)),
+            on_demand,
+            spot,
+            devices: Vec::new(),
+            rng: ChaCha8Rng::seed_from_u64(0x5eed_b1a5),
+        }
+    }
+
+    /// Ask the placement engine for a GPU for one replica of `tier`.
+    fn decide(&mut self, tier1: bool) -> Option<Placement> {
+        let mut req = replica();
+        if tier1 {
+            req = req.with_models(ModelSet::of([self.on_demand]));
+        }
+        match self.engine.decide(&self.cluster, &req, &mut self.rng) {
+            Decision::Placed(p) => Some(p),
+            Decision::Unschedulable(_) => None,
+        }
+    }
+
+    /// Node `i` is gone: the engine must not place on it any more.
+    fn cordon(&mut self, i: usize) {
+        if let Ok(idx) = u32::try_from(i) {
+            // Every pool node is in the cluster; nothing to report otherwise.
+            let _ = self.cluster.set_cordoned(idx, true);
+        }
+        if let Some(d) = self.devices.get_mut(i) {
+            d.clear();
         }
     }
 
@@ -240,17 +308,8 @@ impl<P: CapacityProvider> NodePool<P> {
     /// Returns the pool index of the node and when it is (or was) ready.
     pub fn place(&mut self, now_ms: u64, tier: u8) -> Result<(usize, u64), CapacityError> {
         let tier1 = tier <= 1;
-        let best = self
-            .nodes
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| {
-                n.gone_ms.is_none() && n.used < n.grant.gpus && !(tier1 && n.grant.spot)
-            })
-            .min_by_key(|(i, n)| (n.grant.gpus - n.used, *i))
-            .map(|(i, _)| i);
-        let i = match best {
-            Some(i) => i,
+        let placement = match self.decide(tier1) {
+            Some(p) => p,
             None => {
                 let mut grant = Err(CapacityError::NoCapacity {
                     gpu: self.gpu.clone(),
@@ -269,17 +328,40 @@ impl<P: CapacityProvider> NodePool<P> {
                     };
                     grant = self.provider.provision(now_ms, &want);
                 }
+                let grant = grant?;
+                let spec = NodeSpec {
+                    model: Some(if grant.spot {
+                        self.spot
+                    } else {
+                        self.on_demand
+                    }),
+                    gpus: u16::try_from(grant.gpus).unwrap_or(u16::MAX),
+                    cpu_milli: 0,
+                    mem_mib: 0,
+                };
+                self.cluster.add_node(spec).map_err(placement_error)?;
                 self.nodes.push(Node {
-                    grant: grant?,
+                    grant,
                     requested_ms: now_ms,
                     used: 0,
                     tier1: 0,
                     idle_since_ms: None,
                     gone_ms: None,
                 });
-                self.nodes.len() - 1
+                self.devices.push(Vec::new());
+                self.decide(tier1)
+                    .ok_or_else(|| CapacityError::NoCapacity {
+                        gpu: self.gpu.clone(),
+                    })?
             }
         };
+        self.cluster
+            .commit(&replica(), &placement)
+            .map_err(placement_error)?;
+        let i = placement.node as usize;
+        if let (Some(d), Some(&gpu)) = (self.devices.get_mut(i), placement.gpus.first()) {
+            d.push(gpu);
+        }
         let n = &mut self.nodes[i];
         n.used += 1;
         n.tier1 += u32::from(tier1);
@@ -289,6 +371,15 @@ impl<P: CapacityProvider> NodePool<P> {
 
     /// A replica of `tier` left node `i`.
     pub fn free(&mut self, now_ms: u64, i: usize, tier: u8) {
+        // Replicas are interchangeable whole GPUs: free any device in use.
+        if let Some(gpu) = self.devices.get_mut(i).and_then(Vec::pop) {
+            let p = Placement {
+                node: u32::try_from(i).unwrap_or(u32::MAX),
+                gpus: vec![gpu],
+            };
+            // The device was committed by `place`; the release cannot fail.
+            let _ = self.cluster.release(&replica(), &p);
+        }
         if let Some(n) = self.nodes.get_mut(i) {
             n.used = n.used.saturating_sub(1);
             if tier <= 1 {
@@ -303,18 +394,21 @@ impl<P: CapacityProvider> NodePool<P> {
     /// Release nodes idle for the grace period; never one with tier-1
     /// work. Returns how many were released.
     pub fn reap(&mut self, now_ms: u64) -> usize {
-        let mut released = 0;
-        for n in &mut self.nodes {
+        let mut gone = Vec::new();
+        for (i, n) in self.nodes.iter_mut().enumerate() {
             let idle_long = n
                 .idle_since_ms
                 .is_some_and(|t| now_ms.saturating_sub(t) >= self.idle_grace_ms);
             if n.gone_ms.is_none() && n.used == 0 && n.tier1 == 0 && idle_long {
                 self.provider.release(now_ms, n.grant.node);
                 n.gone_ms = Some(now_ms);
-                released += 1;
+                gone.push(i);
             }
         }
-        released
+        for &i in &gone {
+            self.cordon(i);
+        }
+        gone.len()
     }
 
     /// The provider took node `i` back (spot preemption).
@@ -325,17 +419,23 @@ impl<P: CapacityProvider> NodePool<P> {
                 n.gone_ms = Some(now_ms);
                 n.used = 0;
                 n.tier1 = 0;
+                self.cordon(i);
             }
         }
     }
 
     /// Close every node at `end_ms`.
     pub fn close(&mut self, end_ms: u64) {
-        for n in &mut self.nodes {
+        let mut gone = Vec::new();
+        for (i, n) in self.nodes.iter_mut().enumerate() {
             if n.gone_ms.is_none() {
                 self.provider.release(end_ms, n.grant.node);
                 n.gone_ms = Some(end_ms);
+                gone.push(i);
             }
+        }
+        for i in gone {
+            self.cordon(i);
         }
     }
 
@@ -478,5 +578,34 @@ mod tests {
         ));
         let (od, spot) = pool.gpu_ms(10);
         assert_eq!((od, spot), (2 * 2 * 10, 0));
+    }
+
+    /// Whole GPUs free on node `i` as the placement engine sees them.
+    fn engine_free(pool: &NodePool<SimulatedProvider>, i: usize) -> usize {
+        let state = pool.cluster.state_of(i as u32).unwrap();
+        state.gpus_with_at_least(1_000)
+    }
+
+    #[test]
+    fn the_engine_snapshot_follows_the_pool() {
+        let mut pool = NodePool::new(SimulatedProvider::new(cfg(10, 1.0), 1), "H100", 0);
+        let (a, _) = pool.place(0, 2).unwrap();
+        let (b, _) = pool.place(0, 2).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(engine_free(&pool, a), 0);
+        // A freed GPU is placed on again before a new node is asked for.
+        pool.free(1_000, a, 2);
+        assert_eq!(engine_free(&pool, a), 1);
+        assert_eq!(pool.place(2_000, 2).unwrap().0, a);
+        assert_eq!(pool.nodes().len(), 1);
+        // A preempted node is cordoned: the next replica gets a new node.
+        pool.preempted(3_000, a);
+        assert!(pool.cluster.state_of(a as u32).unwrap().cordoned);
+        let (c, _) = pool.place(3_000, 2).unwrap();
+        assert_ne!(c, a);
+        assert_eq!(engine_free(&pool, c), 1);
+        // Frees on the gone node do not touch the snapshot.
+        pool.free(4_000, a, 2);
+        assert_eq!(pool.place(4_000, 2).unwrap().0, c);
     }
 }

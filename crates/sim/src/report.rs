@@ -2,10 +2,10 @@
 //! render the rows as Markdown and JSON. Numbers are rounded and formatted
 //! explicitly, so the same inputs and seed give byte-identical output.
 
-use flotilla_core::catalog::Catalog;
 use rust_decimal::Decimal;
 use serde::Serialize;
 
+use crate::cost::Pricing;
 use crate::engine::{simulate, SimConfig, SimResult};
 use crate::oracle::{lower_bound, Oracle};
 use crate::policies::{build, Endpoint, PolicyKind};
@@ -20,13 +20,22 @@ pub struct Row {
     pub slo_ms: u64,
     pub slo_attainment_pct: f64,
     pub gpu_seconds: f64,
+    /// The fixed-delay oracle: the bound for a cold start fixed at the
+    /// setting's median. The ratio column divides by it.
     pub oracle_gpu_seconds: f64,
     pub cost_ratio_to_oracle: f64,
+    /// The strict oracle: the bound for the shortest cold start the model
+    /// can draw, valid for every draw of the cold starts.
+    pub strict_oracle_gpu_seconds: f64,
     pub p50_ms: u64,
     pub p95_ms: u64,
     pub p99_ms: u64,
     pub e2e_p99_ms: u64,
+    /// Replica GPU time at the on-demand price.
     pub cost: Decimal,
+    /// With a node pool: node GPU time, on-demand and spot at their prices.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node_cost: Option<Decimal>,
     pub cold_starts: u64,
     pub scaling_actions: u64,
     pub dropped: u64,
@@ -38,7 +47,12 @@ pub struct Row {
 pub struct Comparison {
     pub trace: String,
     pub requests: u64,
+    /// The fixed-delay oracle (cold start = the model's median).
     pub oracle: Oracle,
+    /// The strict oracle (cold start = the shortest the model draws).
+    pub strict_oracle: Oracle,
+    /// The prices costs were computed with.
+    pub pricing: Pricing,
     pub results: Vec<SimResult>,
     pub rows: Vec<Row>,
 }
@@ -71,10 +85,12 @@ pub fn compare(
         slo_ms: cfg.slo_ms,
         max_replicas,
     };
-    let oracle = lower_bound(trace, &cfg.service, cfg.slo_ms, cfg.cold_start.min_ms());
-    let price = Catalog::default()
-        .get(&cfg.service.gpu)
-        .map_or(Decimal::ZERO, |m| m.list_price_per_hour);
+    let oracle = lower_bound(trace, &cfg.service, cfg.slo_ms, cfg.cold_start.median_ms());
+    let strict_oracle = lower_bound(trace, &cfg.service, cfg.slo_ms, cfg.cold_start.min_ms());
+    let pricing = match &cfg.prices {
+        Some(v) => Pricing::from_version(v, &cfg.service.gpu)?,
+        None => Pricing::list(&cfg.service.gpu)?,
+    };
     let mut results = Vec::new();
     let mut rows = Vec::new();
     for &kind in policies {
@@ -82,7 +98,8 @@ pub fn compare(
         let r = simulate(trace, policy.as_mut(), cfg, &mut |d, t| {
             progress(kind.as_str(), d, t)
         });
-        let cost = (Decimal::from(r.gpu_ms) * price / Decimal::from(3_600_000u64)).round_dp(2);
+        let cost = pricing.on_demand(r.gpu_ms);
+        let node_cost = r.node_gpu_ms.map(|(od, spot)| pricing.nodes(od, spot));
         rows.push(Row {
             trace: trace.name.clone(),
             policy: r.policy.clone(),
@@ -95,11 +112,13 @@ pub fn compare(
             } else {
                 round(r.gpu_ms as f64 / oracle.gpu_ms as f64, 3)
             },
+            strict_oracle_gpu_seconds: round(strict_oracle.gpu_ms as f64 / 1000.0, 1),
             p50_ms: r.ttft.p50,
             p95_ms: r.ttft.p95,
             p99_ms: r.ttft.p99,
             e2e_p99_ms: r.e2e.p99,
             cost,
+            node_cost,
             cold_starts: r.cold_starts,
             scaling_actions: r.scaling_actions,
             dropped: r.dropped,
@@ -111,6 +130,8 @@ pub fn compare(
         trace: trace.name.clone(),
         requests: trace.len() as u64,
         oracle,
+        strict_oracle,
+        pricing,
         results,
         rows,
     })
@@ -119,12 +140,12 @@ pub fn compare(
 /// The Markdown table of `rows` (one header, one line per row).
 pub fn markdown_table(rows: &[Row]) -> String {
     let mut s = String::from(
-        "| trace | policy | SLO attainment % | TTFT p50 ms | p95 ms | p99 ms | e2e p99 ms | GPU-s | oracle GPU-s | ratio to oracle | cost | cold starts | scaling actions | dropped |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| trace | policy | SLO attainment % | TTFT p50 ms | p95 ms | p99 ms | e2e p99 ms | GPU-s | oracle GPU-s (fixed delay) | ratio to oracle | strict oracle GPU-s | cost | cold starts | scaling actions | dropped |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         s.push_str(&format!(
-            "| {} | {} | {:.3} | {} | {} | {} | {} | {:.1} | {:.1} | {:.3} | {} | {} | {} | {} |\n",
+            "| {} | {} | {:.3} | {} | {} | {} | {} | {:.1} | {:.1} | {:.3} | {:.1} | {} | {} | {} | {} |\n",
             r.trace,
             r.policy,
             r.slo_attainment_pct,
@@ -135,6 +156,7 @@ pub fn markdown_table(rows: &[Row]) -> String {
             r.gpu_seconds,
             r.oracle_gpu_seconds,
             r.cost_ratio_to_oracle,
+            r.strict_oracle_gpu_seconds,
             r.cost,
             r.cold_starts,
             r.scaling_actions,

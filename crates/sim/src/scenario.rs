@@ -23,6 +23,13 @@ pub enum Scenario {
     /// A Black-Friday day: 2 hours at a base rate of 1,000 requests/hour,
     /// a 10× step held for 4 hours, 2 hours back at the base.
     BlackFriday,
+    /// Bursty on/off traffic for 2 hours: 30-second bursts at 10,000
+    /// requests/hour separated by near-silences (100/hour) of 20 s, 45 s,
+    /// 90 s and 300 s in turn — some shorter, some longer than a cold start.
+    OnOff,
+    /// A diurnal day: 24 hours of a sinusoidal rate between 400 and 3,600
+    /// requests/hour, lowest at 02:00 and highest at 14:00.
+    Diurnal,
 }
 
 impl std::str::FromStr for Scenario {
@@ -31,9 +38,13 @@ impl std::str::FromStr for Scenario {
         match s {
             "viral-spike" => Ok(Self::ViralSpike),
             "black-friday" => Ok(Self::BlackFriday),
+            "on-off" => Ok(Self::OnOff),
+            "diurnal" => Ok(Self::Diurnal),
             _ => Err(SimError::invalid(
                 "scenario",
-                format!("unknown scenario {s:?}; expected viral-spike or black-friday"),
+                format!(
+                    "unknown scenario {s:?}; expected viral-spike, black-friday, on-off or diurnal"
+                ),
             )),
         }
     }
@@ -45,6 +56,8 @@ impl Scenario {
         match self {
             Self::ViralSpike => "viral-spike",
             Self::BlackFriday => "black-friday",
+            Self::OnOff => "on-off",
+            Self::Diurnal => "diurnal",
         }
     }
 
@@ -68,6 +81,25 @@ impl Scenario {
                 (21_601, 1_000.0),
                 (28_800, 1_000.0),
             ],
+            Self::OnOff => {
+                let (mut knots, mut t) = (Vec::new(), 0u64);
+                for gap in [20u64, 45, 90, 300].iter().cycle() {
+                    if t >= 7_200 {
+                        break;
+                    }
+                    knots.extend([(t, 10_000.0), (t + 29, 10_000.0)]);
+                    knots.extend([(t + 30, 100.0), (t + 29 + gap, 100.0)]);
+                    t += 30 + gap;
+                }
+                knots
+            }
+            Self::Diurnal => (0..=48u64)
+                .map(|i| {
+                    let hours = i as f64 / 2.0;
+                    let phase = (hours - 8.0) / 24.0 * std::f64::consts::TAU;
+                    (i * 1_800, 2_000.0 + 1_600.0 * phase.sin())
+                })
+                .collect(),
         }
     }
 

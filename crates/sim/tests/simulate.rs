@@ -128,9 +128,40 @@ fn every_policy_spends_at_least_the_oracle() {
     let c = SimConfig::new(s, ColdStartModel::lognormal(60_000), 2_000);
     let cmp = compare(&t, &PolicyKind::ALL, &c, 500, &mut |_, _, _| {}).unwrap();
     assert!(cmp.oracle.gpu_ms > 0);
+    assert!(cmp.strict_oracle.gpu_ms <= cmp.oracle.gpu_ms);
+    for r in &cmp.rows {
+        // Random cold starts: only the strict bound holds for every draw.
+        assert!(r.gpu_seconds >= r.strict_oracle_gpu_seconds, "{r:?}");
+        assert!(r.slo_attainment_pct > 50.0, "{r:?}");
+    }
+    // Cold starts fixed at 60 s: the fixed-delay bound holds too.
+    let s = ServiceModel::for_gpu("H100").unwrap();
+    let c = SimConfig::new(s, ColdStartModel::fixed(60_000), 2_000);
+    let cmp = compare(&t, &PolicyKind::ALL, &c, 500, &mut |_, _, _| {}).unwrap();
+    assert_eq!(cmp.oracle, cmp.strict_oracle);
     for r in &cmp.rows {
         assert!(r.cost_ratio_to_oracle >= 1.0, "{r:?}");
-        assert!(r.slo_attainment_pct > 50.0, "{r:?}");
+    }
+}
+
+#[test]
+fn fixed_delay_oracle_holds_on_bursty_traffic() {
+    // On/off traffic: 20 s bursts every 50 s, silences shorter than the
+    // 60 s cold start, where the fixed-delay bound is far above the strict.
+    let s = ServiceModel::for_gpu("H100").unwrap();
+    let mut reqs = Vec::new();
+    for burst in 0..60u64 {
+        for i in 0..400u64 {
+            reqs.push(req(burst * 50_000 + i * 50, 2_000, 40));
+        }
+    }
+    let t = Trace::new("onoff", reqs).unwrap();
+    let c = SimConfig::new(s.clone(), ColdStartModel::fixed(60_000), 2_000);
+    let cmp = compare(&t, &PolicyKind::ALL, &c, 500, &mut |_, _, _| {}).unwrap();
+    let strict = flotilla_sim::oracle::lower_bound(&t, &s, 2_000, 3_000);
+    assert!(cmp.oracle.gpu_ms > strict.gpu_ms);
+    for r in &cmp.rows {
+        assert!(r.cost_ratio_to_oracle >= 1.0, "{r:?}");
     }
 }
 

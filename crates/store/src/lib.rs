@@ -17,14 +17,14 @@ use sqlx::{AnyPool, Executor, SqlitePool};
 pub mod budgets;
 pub mod idempotency;
 pub mod instances;
-pub mod jobs;
 pub mod invoices;
+pub mod jobs;
 pub mod keys;
 pub mod logs;
 pub mod nodes;
+pub mod pools;
 pub mod prices;
 pub mod providers;
-pub mod pools;
 pub mod tenants;
 pub mod usage;
 

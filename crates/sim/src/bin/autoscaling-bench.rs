@@ -100,6 +100,8 @@ fn main() -> Result<(), Error> {
     }
     traces.push(Scenario::ViralSpike.trace(a.seed)?);
     traces.push(Scenario::BlackFriday.trace(a.seed)?);
+    traces.push(Scenario::OnOff.trace(a.seed)?);
+    traces.push(Scenario::Diurnal.trace(a.seed)?);
 
     let mut rows: Vec<Row> = Vec::new();
     let mut notes = String::new();
@@ -108,15 +110,19 @@ fn main() -> Result<(), Error> {
         let started = Instant::now();
         let c = compare(&scaled, &PolicyKind::ALL, &cfg, 1_000, &mut |_, _, _| {})?;
         notes.push_str(&format!(
-            "- `{}`: {} requests × {k} = {} over {:.1} h; oracle peak {} replicas; oracle {:.0} GPU-s (envelope {:.0}, work {:.0}); 5 policies in {:.1} s\n",
+            "- `{}`: {} requests × {k} = {} over {:.1} h; oracle peak {} replicas; fixed-delay oracle ({} s) {:.0} GPU-s (envelope {:.0}, work {:.0}, work with cold starts {:.0}); strict oracle ({} s) {:.0} GPU-s; 5 policies in {:.1} s\n",
             t.name,
             t.len(),
             scaled.len(),
             scaled.duration_ms() as f64 / 3_600_000.0,
             c.oracle.peak_replicas,
+            c.oracle.cold_start_ms / 1000,
             c.oracle.gpu_ms as f64 / 1000.0,
             c.oracle.envelope_ms as f64 / 1000.0,
             c.oracle.work_ms as f64 / 1000.0,
+            c.oracle.work_cold_ms as f64 / 1000.0,
+            c.strict_oracle.cold_start_ms / 1000,
+            c.strict_oracle.gpu_ms as f64 / 1000.0,
             started.elapsed().as_secs_f64(),
         ));
         eprintln!("{}", markdown_table(&c.rows));
