@@ -232,33 +232,11 @@ impl PassPlanner {
         req: &PlacementRequest,
         model_allowed: impl Fn(&str) -> bool,
     ) -> Result<Placement, String> {
-        let allowed = ModelSet::of(
-            self.slots
-                .iter()
-                .map(|s| s.model.as_str())
-                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
-                .filter(|m| model_allowed(m))
-                .filter_map(|m| self.models.get(m)),
-        );
-        let sreq = sched_request(req, allowed);
+        let sreq = self.engine_request(req, &model_allowed);
         match self.engine.decide(&self.cluster, &sreq, &mut self.rng) {
-            Decision::Placed(p) => {
-                let slot = self
-                    .slots
-                    .get(p.node as usize)
-                    .ok_or_else(|| "internal: engine named an unknown node".to_string())?;
-                let gpus = p
-                    .gpus
-                    .iter()
-                    .map(|&d| slot.gpus.get(usize::from(d)).cloned())
-                    .collect::<Option<Vec<GpuId>>>()
-                    .ok_or_else(|| "internal: engine named an unknown gpu".to_string())?;
-                Ok(Placement {
-                    node: slot.node.clone(),
-                    model: slot.model.clone(),
-                    gpus,
-                })
-            }
+            Decision::Placed(p) => self
+                .store_placement(&p)
+                .ok_or_else(|| "internal: engine named an unknown node or gpu".to_string()),
             Decision::Unschedulable(why) => match first_fit(snapshot, req, model_allowed) {
                 Err(per_node) => Err(per_node.to_string()),
                 Ok(_) => Err(format!("0/{} node slots fit: {why}", self.slots.len())),
@@ -277,35 +255,18 @@ impl PassPlanner {
         within: JobLocality,
         model_allowed: impl Fn(&str) -> bool,
     ) -> Result<Vec<Placement>, String> {
-        let allowed = ModelSet::of(
-            self.slots
-                .iter()
-                .map(|s| s.model.as_str())
-                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
-                .filter(|m| model_allowed(m))
-                .filter_map(|m| self.models.get(m)),
+        let gang = Gang::uniform(
+            self.engine_request(req, &model_allowed),
+            members,
+            locality(within),
         );
-        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
         match place_gang(&mut self.engine, &self.cluster, &gang, &mut self.rng) {
             GangDecision::Placed(plan) => plan
                 .members
                 .iter()
                 .map(|p| {
-                    let slot = self
-                        .slots
-                        .get(p.node as usize)
-                        .ok_or_else(|| "internal: engine named an unknown node".to_string())?;
-                    let gpus = p
-                        .gpus
-                        .iter()
-                        .map(|&d| slot.gpus.get(usize::from(d)).cloned())
-                        .collect::<Option<Vec<GpuId>>>()
-                        .ok_or_else(|| "internal: engine named an unknown gpu".to_string())?;
-                    Ok(Placement {
-                        node: slot.node.clone(),
-                        model: slot.model.clone(),
-                        gpus,
-                    })
+                    self.store_placement(p)
+                        .ok_or_else(|| "internal: engine named an unknown node or gpu".to_string())
                 })
                 .collect(),
             GangDecision::Unschedulable(why) => {
@@ -376,15 +337,11 @@ impl PassPlanner {
         if !room.values().any(|&r| r >= members) {
             return None;
         }
-        let allowed = ModelSet::of(
-            self.slots
-                .iter()
-                .map(|s| s.model.as_str())
-                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
-                .filter(|m| model_allowed(m))
-                .filter_map(|m| self.models.get(m)),
+        let gang = Gang::uniform(
+            self.engine_request(req, &model_allowed),
+            members,
+            locality(within),
         );
-        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
         let running: Vec<Running> = ending
             .iter()
             .filter_map(|e| {
@@ -446,15 +403,11 @@ impl PassPlanner {
         for &n in &reservation.nodes {
             let _ = outside.set_cordoned(n, true);
         }
-        let allowed = ModelSet::of(
-            self.slots
-                .iter()
-                .map(|s| s.model.as_str())
-                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
-                .filter(|m| model_allowed(m))
-                .filter_map(|m| self.models.get(m)),
+        let gang = Gang::uniform(
+            self.engine_request(req, &model_allowed),
+            members,
+            locality(within),
         );
-        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
         let GangDecision::Placed(plan) =
             place_gang(&mut self.engine, &outside, &gang, &mut self.rng)
         else {
@@ -462,19 +415,7 @@ impl PassPlanner {
         };
         plan.members
             .iter()
-            .map(|p| {
-                let slot = self.slots.get(p.node as usize)?;
-                let gpus = p
-                    .gpus
-                    .iter()
-                    .map(|&d| slot.gpus.get(usize::from(d)).cloned())
-                    .collect::<Option<Vec<GpuId>>>()?;
-                Some(Placement {
-                    node: slot.node.clone(),
-                    model: slot.model.clone(),
-                    gpus,
-                })
-            })
+            .map(|p| self.store_placement(p))
             .collect()
     }
 
@@ -498,6 +439,41 @@ impl PassPlanner {
                 node: u32::try_from(i).ok()?,
                 gpus: devs?,
             })
+        })
+    }
+
+    /// The engine's request for `req`: the models it accepts, narrowed to
+    /// those `model_allowed` admits (quota) and the pass knows.
+    fn engine_request(
+        &self,
+        req: &PlacementRequest,
+        model_allowed: &impl Fn(&str) -> bool,
+    ) -> Request {
+        let allowed = ModelSet::of(
+            self.slots
+                .iter()
+                .map(|s| s.model.as_str())
+                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
+                .filter(|m| model_allowed(m))
+                .filter_map(|m| self.models.get(m)),
+        );
+        sched_request(req, allowed)
+    }
+
+    /// An engine placement in the store's terms: the node and the GPU ids
+    /// behind the engine's slot and device indices; `None` if the engine
+    /// named a slot or device this pass does not have.
+    fn store_placement(&self, p: &flotilla_sched::Placement) -> Option<Placement> {
+        let slot = self.slots.get(p.node as usize)?;
+        let gpus = p
+            .gpus
+            .iter()
+            .map(|&d| slot.gpus.get(usize::from(d)).cloned())
+            .collect::<Option<Vec<GpuId>>>()?;
+        Some(Placement {
+            node: slot.node.clone(),
+            model: slot.model.clone(),
+            gpus,
         })
     }
 
@@ -560,15 +536,7 @@ impl PassPlanner {
         if !allocations.iter().any(|a| who.may_evict(a)) {
             return None;
         }
-        let allowed = ModelSet::of(
-            self.slots
-                .iter()
-                .map(|s| s.model.as_str())
-                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
-                .filter(|m| model_allowed(m))
-                .filter_map(|m| self.models.get(m)),
-        );
-        let sreq = sched_request(req, allowed);
+        let sreq = self.engine_request(req, &model_allowed);
         let decision = preempt::plan(
             &mut self.engine,
             &self.cluster,
@@ -590,20 +558,7 @@ impl PassPlanner {
             PreemptDecision::Fits(p) => (Vec::new(), p),
             PreemptDecision::Impossible(_) => return None,
         };
-        let slot = self.slots.get(p.node as usize)?;
-        let gpus = p
-            .gpus
-            .iter()
-            .map(|&d| slot.gpus.get(usize::from(d)).cloned())
-            .collect::<Option<Vec<GpuId>>>()?;
-        Some((
-            victims,
-            Placement {
-                node: slot.node.clone(),
-                model: slot.model.clone(),
-                gpus,
-            },
-        ))
+        Some((victims, self.store_placement(&p)?))
     }
 
     /// [`PassPlanner::preempt`] for a gang: which of `held` to preempt so
@@ -624,15 +579,11 @@ impl PassPlanner {
         if !allocations.iter().any(|a| who.may_evict(a)) {
             return None;
         }
-        let allowed = ModelSet::of(
-            self.slots
-                .iter()
-                .map(|s| s.model.as_str())
-                .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
-                .filter(|m| model_allowed(m))
-                .filter_map(|m| self.models.get(m)),
+        let gang = Gang::uniform(
+            self.engine_request(req, &model_allowed),
+            members,
+            locality(within),
         );
-        let gang = Gang::uniform(sched_request(req, allowed), members, locality(within));
         let decision = preempt::plan_gang(
             &mut self.engine,
             &self.cluster,
@@ -657,19 +608,7 @@ impl PassPlanner {
         let placements = plan
             .members
             .iter()
-            .map(|p| {
-                let slot = self.slots.get(p.node as usize)?;
-                let gpus = p
-                    .gpus
-                    .iter()
-                    .map(|&d| slot.gpus.get(usize::from(d)).cloned())
-                    .collect::<Option<Vec<GpuId>>>()?;
-                Some(Placement {
-                    node: slot.node.clone(),
-                    model: slot.model.clone(),
-                    gpus,
-                })
-            })
+            .map(|p| self.store_placement(p))
             .collect::<Option<Vec<_>>>()?;
         Some((victims, placements))
     }
