@@ -63,6 +63,12 @@ pub struct ServerArgs {
     /// gpupacking, gpuclustering or random.
     #[arg(long, default_value = "flotilla", value_name = "POLICY", value_parser = parse_policy)]
     pub placement_policy: flotilla_sched::Policy,
+    /// Let budget webhooks reach loopback, private, link-local,
+    /// unique-local and unspecified addresses (a receiver on this host or
+    /// the operator's network). Off by default: a tenant admin sets the
+    /// URL, and the server must not be made to call inward.
+    #[arg(long)]
+    pub webhook_allow_private: bool,
 }
 
 fn parse_policy(s: &str) -> Result<flotilla_sched::Policy, String> {
@@ -81,6 +87,7 @@ impl ServerArgs {
             heartbeat_timeout: std::time::Duration::from_secs(self.heartbeat_timeout),
             rate_limit_per_second: self.rate_limit,
             placement_policy: self.placement_policy,
+            webhook_allow_private: self.webhook_allow_private,
             ..Default::default()
         }
     }

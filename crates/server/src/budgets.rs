@@ -22,6 +22,7 @@ use serde_json::json;
 use crate::error::ApiError;
 use crate::pricing::{draft_invoice, RatingError};
 use crate::state::AppState;
+use crate::webhook_target::{self, TargetError};
 
 /// Attempts per webhook delivery before it is marked failed.
 pub const MAX_ATTEMPTS: u32 = 8;
@@ -108,16 +109,15 @@ pub async fn check_budgets(st: &AppState) -> Result<usize, RatingError> {
 
 /// Delivers due webhooks: POSTs each alert with its `Flotilla-Signature`
 /// (HMAC-SHA256 with the budget's secret), and records the attempt: a 2xx
-/// answer delivers it, anything else is retried with backoff.
+/// answer delivers it, anything else is retried with backoff. A target
+/// that resolves into the operator's network is never contacted and the
+/// delivery is marked failed (unless `webhook_allow_private`).
 pub async fn deliver_webhooks(st: &AppState) -> Result<usize, RatingError> {
     let due = st.store().due_deliveries(st.now(), 50).await?;
     if due.is_empty() {
         return Ok(0);
     }
-    let http = reqwest::Client::builder()
-        .timeout(DELIVERY_TIMEOUT)
-        .user_agent("flotilla-webhooks")
-        .build()?;
+    let allow_private = st.config().webhook_allow_private;
     let mut secrets: BTreeMap<TenantId, Option<String>> = BTreeMap::new();
     let mut delivered = 0;
     for d in due {
@@ -144,6 +144,25 @@ pub async fn deliver_webhooks(st: &AppState) -> Result<usize, RatingError> {
                 )
                 .await?;
             continue;
+        };
+        let http = match delivery_client(&d.url, allow_private).await {
+            Ok(c) => c,
+            Err(e) => {
+                // A target inside the operator's network is refused for
+                // good; a name that does not resolve may later.
+                let next = match e {
+                    DeliveryTarget::Refused(_) => None,
+                    DeliveryTarget::Unresolved(_) | DeliveryTarget::Client(_) => {
+                        next_attempt(d.attempts + 1, now)
+                    }
+                };
+                let error = e.to_string();
+                tracing::warn!(delivery = %d.id, error = %error, "webhook target refused");
+                st.store()
+                    .record_delivery_attempt(&d.id, false, None, Some(&error), next, now)
+                    .await?;
+                continue;
+            }
         };
         let signature = sign_webhook(secret.as_bytes(), now, d.body.as_bytes())?;
         let result = http
@@ -178,6 +197,47 @@ pub async fn deliver_webhooks(st: &AppState) -> Result<usize, RatingError> {
         }
     }
     Ok(delivered)
+}
+
+/// Why a delivery was not attempted.
+#[derive(Debug, thiserror::Error)]
+enum DeliveryTarget {
+    /// The URL is not http(s), or reaches the operator's network.
+    #[error("{0}")]
+    Refused(TargetError),
+    /// The host does not resolve now.
+    #[error("{0}")]
+    Unresolved(TargetError),
+    /// The HTTP client could not be built.
+    #[error("webhook client: {0}")]
+    Client(#[from] reqwest::Error),
+}
+
+/// An HTTP client for one delivery to `url`: its host is resolved and
+/// every address checked (`webhook_target`) first, and the client connects
+/// only to those addresses, so a second, different DNS answer (rebinding)
+/// cannot redirect the POST inward. Redirects are not followed: a public
+/// receiver answering 30x to an internal address would be the same hole.
+async fn delivery_client(
+    url: &str,
+    allow_private: bool,
+) -> Result<reqwest::Client, DeliveryTarget> {
+    let parsed =
+        reqwest::Url::parse(url).map_err(|_| DeliveryTarget::Refused(TargetError::NotHttp))?;
+    let (host, addrs) = webhook_target::resolve(&parsed, allow_private)
+        .await
+        .map_err(|e| match e {
+            TargetError::Unresolved { .. } => DeliveryTarget::Unresolved(e),
+            _ => DeliveryTarget::Refused(e),
+        })?;
+    let mut b = reqwest::Client::builder()
+        .timeout(DELIVERY_TIMEOUT)
+        .user_agent("flotilla-webhooks")
+        .redirect(reqwest::redirect::Policy::none());
+    if host.parse::<std::net::IpAddr>().is_err() {
+        b = b.resolve_to_addrs(&host, &addrs);
+    }
+    Ok(b.build()?)
 }
 
 /// The hard cap at instance creation: spot or preemptible work of tier 2
