@@ -17,7 +17,7 @@
 //! [`Store::usage_rollup`] reads those few rows, which rate to the same
 //! invoice (see its documentation for why that is exact).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use chrono::{DateTime, Duration, SubsecRound, Utc};
 use flotilla_billing::meter::{
@@ -428,17 +428,20 @@ type NodeRollKey<'a> = (&'a str, &'a str, &'static str, &'static str, i64, i64);
 const NODE_ROLLUP_COLS: usize = 8;
 
 /// The sums one batch adds: per tenant (`usage_rollup`, what invoices
-/// read) and per node (`usage_node_rollup`, what payouts read).
+/// read) and per node (`usage_node_rollup`, what payouts read), and the
+/// tenants it recorded new events for (`usage_marks`).
 #[derive(Default)]
 struct BatchSums<'a> {
     tenant: HashMap<RollKey<'a>, (i64, i64)>,
     node: HashMap<NodeRollKey<'a>, (i64, i64)>,
+    marked: BTreeSet<&'a str>,
 }
 
 /// Adds a newly inserted event to the batch's rollup sums, if its amount is
 /// summed there: to its tenant's, and, for GPU time on a node, to the
 /// node's.
 fn add_to_rollup<'a>(sums: &mut BatchSums<'a>, f: &'a Flat<'a>) -> Result<()> {
+    sums.marked.insert(f.e.key.tenant.as_str());
     let Some(amount) = f.amount_int.filter(|a| *a <= ROLLUP_MAX) else {
         return Ok(());
     };
@@ -584,6 +587,37 @@ macro_rules! bind_node_rollup {
 /// with nothing to add), in key order so that concurrent batches lock
 /// rows in the same order.
 async fn upsert_rollup(tx: &mut LedgerTx, sums: &BatchSums<'_>, chunk: usize) -> Result<()> {
+    // One bump per tenant with new events (sorted: same lock order).
+    let marked: Vec<&str> = sums.marked.iter().copied().collect();
+    for part in marked.chunks(chunk.max(1)) {
+        let mut sql = String::from("INSERT INTO usage_marks (tenant_id, appended) VALUES ");
+        for i in 0..part.len() {
+            if i > 0 {
+                sql.push(',');
+            }
+            match tx {
+                LedgerTx::Any(_) => sql.push_str(&format!("(${}, 1)", i + 1)),
+                LedgerTx::Sqlite(_) => sql.push_str("(?, 1)"),
+            }
+        }
+        sql.push_str(" ON CONFLICT (tenant_id) DO UPDATE SET appended = usage_marks.appended + 1");
+        match tx {
+            LedgerTx::Any(tx) => {
+                let mut q = sqlx::query(&sql);
+                for t in part {
+                    q = q.bind(*t);
+                }
+                q.execute(&mut **tx).await?;
+            }
+            LedgerTx::Sqlite(tx) => {
+                let mut q = sqlx::query(&sql);
+                for t in part {
+                    q = q.bind(*t);
+                }
+                q.execute(&mut **tx).await?;
+            }
+        }
+    }
     let mut nodes: Vec<_> = sums.node.iter().collect();
     nodes.sort_unstable_by(|a, b| a.0.cmp(b.0));
     for part in nodes.chunks(chunk.max(1)) {
@@ -1116,6 +1150,22 @@ impl Store {
             events,
             stored_events,
         })
+    }
+
+    /// Every tenant's usage mark: a counter bumped by each append that
+    /// recorded new events for it. A mark that moved means new usage.
+    pub async fn usage_marks(&self) -> Result<HashMap<TenantId, i64>> {
+        let rows = sqlx::query("SELECT tenant_id, appended FROM usage_marks")
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    TenantId::from_trusted(r.try_get("tenant_id")?),
+                    r.try_get("appended")?,
+                ))
+            })
+            .collect()
     }
 
     /// Every stored event of `tenant` whose usage touches the period

@@ -51,6 +51,7 @@ flotilla_testkit::backend_suite!(
     resent_duplicates_leave_the_rollup_unchanged,
     listing_walks_every_event_once,
     node_rollup_pays_providers_like_every_event,
+    usage_marks_move_only_with_new_events,
 );
 
 async fn tenant(s: &Store) -> TenantId {
@@ -664,4 +665,44 @@ async fn node_rollup_pays_providers_like_every_event(s: &Store) {
     let r = s.append_usage(&again, long(), now).await.unwrap();
     assert_eq!(r.accepted, 0);
     assert_eq!(check().await, gross);
+}
+
+/// Budget checks rate only tenants whose mark moved: a batch with new
+/// events bumps each of its tenants' marks once; re-sends and refused
+/// events move nothing.
+async fn usage_marks_move_only_with_new_events(s: &Store) {
+    let now = day() + Duration::hours(23);
+    let (a, b) = (tenant(s).await, tenant(s).await);
+    let mark = |m: &std::collections::HashMap<TenantId, i64>, t: &TenantId| m.get(t).copied();
+    assert_eq!(mark(&s.usage_marks().await.unwrap(), &a), None);
+    let batch = vec![
+        gpu(&a, "m1", "inst_1", 0, 60, 1),
+        gpu(&a, "m2", "inst_1", 60, 120, 1),
+        gpu(&b, "m1", "inst_2", 0, 60, 1),
+    ];
+    s.append_usage(&batch, long(), now).await.unwrap();
+    let m = s.usage_marks().await.unwrap();
+    assert_eq!((mark(&m, &a), mark(&m, &b)), (Some(1), Some(1)));
+    // The same batch again: duplicates only.
+    let r = s.append_usage(&batch, long(), now).await.unwrap();
+    assert_eq!(r.accepted, 0);
+    assert_eq!(s.usage_marks().await.unwrap(), m);
+    // A conflicting re-send is refused and moves nothing either.
+    let mut conflict = batch[0].clone();
+    conflict.amount = Decimal::from(7);
+    let r = s.append_usage(&[conflict], long(), now).await.unwrap();
+    assert_eq!(r.rejected.len(), 1);
+    assert_eq!(s.usage_marks().await.unwrap(), m);
+    // New usage of a, mixed with b's duplicate in the same chunk.
+    let r = s
+        .append_usage(
+            &[batch[2].clone(), gpu(&a, "m3", "inst_1", 120, 180, 1)],
+            long(),
+            now,
+        )
+        .await
+        .unwrap();
+    assert_eq!((r.accepted, r.duplicates), (1, 1));
+    let m2 = s.usage_marks().await.unwrap();
+    assert_eq!((mark(&m2, &a), mark(&m2, &b)), (Some(2), Some(1)));
 }

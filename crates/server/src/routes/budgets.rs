@@ -225,6 +225,7 @@ pub async fn set_budget(
         updated_at: now,
     };
     st.store().set_budget(&stored).await?;
+    st.billing().budgets.touch([&stored.budget.tenant]);
     tracing::info!(tenant = %stored.budget.tenant, limit = %stored.budget.limit, hard_cap = stored.budget.hard_cap, "budget set");
     Ok(Json(view(&st, stored).await?))
 }
