@@ -63,6 +63,32 @@ pub struct ServerArgs {
     /// gpupacking, gpuclustering or random.
     #[arg(long, default_value = "flotilla", value_name = "POLICY", value_parser = parse_policy)]
     pub placement_policy: flotilla_sched::Policy,
+    /// Let budget webhooks reach loopback, private, link-local,
+    /// unique-local and unspecified addresses (a receiver on this host or
+    /// the operator's network). Off by default: a tenant admin sets the
+    /// URL, and the server must not be made to call inward.
+    #[arg(long)]
+    pub webhook_allow_private: bool,
+    /// Seconds between billing steps: spot prices recorded, budgets
+    /// checked, webhooks delivered.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub billing_every: u64,
+    /// Percent of a provider's gross revenue the operator keeps in payout
+    /// statements: a decimal from 0 to 100, e.g. `15` or `12.5`.
+    #[arg(long, default_value = "15", value_name = "PERCENT", value_parser = parse_fee_percent)]
+    pub operator_fee_percent: rust_decimal::Decimal,
+}
+
+/// An operator fee: a plain decimal between 0 and 100 inclusive.
+fn parse_fee_percent(s: &str) -> Result<rust_decimal::Decimal, String> {
+    let d: rust_decimal::Decimal = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a decimal number (e.g. 15 or 12.5)"))?;
+    if d.is_sign_negative() || d > rust_decimal::Decimal::ONE_HUNDRED {
+        return Err(format!("must be between 0 and 100, got {s}"));
+    }
+    Ok(d.normalize())
 }
 
 fn parse_policy(s: &str) -> Result<flotilla_sched::Policy, String> {
@@ -81,6 +107,9 @@ impl ServerArgs {
             heartbeat_timeout: std::time::Duration::from_secs(self.heartbeat_timeout),
             rate_limit_per_second: self.rate_limit,
             placement_policy: self.placement_policy,
+            webhook_allow_private: self.webhook_allow_private,
+            billing_every: std::time::Duration::from_secs(self.billing_every),
+            operator_fee_percent: self.operator_fee_percent,
             ..Default::default()
         }
     }

@@ -470,6 +470,47 @@ mod tests {
     }
 
     #[test]
+    fn billing_flags_of_the_server_are_validated() {
+        let cli = parse(&[
+            "server",
+            "--billing-every",
+            "5",
+            "--operator-fee-percent",
+            "12.50",
+            "--webhook-allow-private",
+        ])
+        .unwrap();
+        let Command::Server(a) = cli.command else {
+            panic!("not server")
+        };
+        assert_eq!(a.billing_every, 5);
+        assert_eq!(a.operator_fee_percent.to_string(), "12.5");
+        assert!(a.webhook_allow_private);
+        let Command::Up(a) = parse(&["up"]).unwrap().command else {
+            panic!("not up")
+        };
+        assert_eq!(
+            (
+                a.server.billing_every,
+                a.server.operator_fee_percent.to_string()
+            ),
+            (30, "15".to_string())
+        );
+        assert!(!a.server.webhook_allow_private, "refused unless asked for");
+        for (flag, value, says) in [
+            ("--operator-fee-percent", "101", "between 0 and 100"),
+            ("--operator-fee-percent", "-1", "between 0 and 100"),
+            ("--operator-fee-percent", "ten", "not a decimal"),
+            ("--billing-every", "0", "0"),
+            ("--billing-every", "3601", "3601"),
+        ] {
+            let arg = format!("{flag}={value}");
+            let e = parse(&["server", &arg]).unwrap_err().to_string();
+            assert!(e.contains(flag) && e.contains(says), "{flag} {value}: {e}");
+        }
+    }
+
+    #[test]
     fn subcommands_with_optional_actions() {
         let cli = parse(&["quota", "set", "--gpus-total", "none", "--gpu", "H100=2"]).unwrap();
         let Command::Quota {

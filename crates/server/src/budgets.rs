@@ -7,7 +7,7 @@
 //! `sign_webhook`); this module reads spend from the ledger, keeps the
 //! alert state in the store and talks HTTP.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use axum::http::StatusCode;
 use chrono::{DateTime, Datelike, Duration, Utc};
@@ -22,6 +22,7 @@ use serde_json::json;
 use crate::error::ApiError;
 use crate::pricing::{draft_invoice, RatingError};
 use crate::state::AppState;
+use crate::webhook_target::{self, TargetError};
 
 /// Attempts per webhook delivery before it is marked failed.
 pub const MAX_ATTEMPTS: u32 = 8;
@@ -64,18 +65,132 @@ pub async fn spend(st: &AppState, tenant: &TenantId) -> Result<Decimal, RatingEr
     Ok(draft.invoice.total())
 }
 
-/// Checks every budget against this month's spend; each threshold newly
+/// How often every budget is rated even without a known change: the
+/// safety net for what changes spend without new usage or a call to this
+/// replica (a credit expiring, terms or budgets set through another
+/// replica). An hour bounds how late such an alert can be.
+pub const FULL_CHECK_EVERY: Duration = Duration::hours(1);
+
+/// Which tenants' spend may have changed since the last budget check, so
+/// that a check rates only those instead of every budgeted tenant's month.
+/// New usage is seen in the store's usage marks (bumped by every append
+/// that records events, whoever made it: this server, another replica, a
+/// tool writing to the store); the rest is touched here by what changes
+/// spend on this server: a budget set, terms added (one tenant), a price
+/// version published (everyone). In memory: a restart starts with a full
+/// check.
+#[derive(Debug, Default)]
+pub struct BudgetWatch(std::sync::Mutex<WatchState>);
+
+#[derive(Debug, Default)]
+struct WatchState {
+    dirty: BTreeSet<TenantId>,
+    all: bool,
+    last_full: Option<DateTime<Utc>>,
+    /// The usage marks as of the last check.
+    seen: HashMap<TenantId, i64>,
+}
+
+/// The budgets one check rates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// Every budget.
+    All,
+    /// Only these tenants' (possibly none).
+    Only(BTreeSet<TenantId>),
+}
+
+impl Scope {
+    fn covers(&self, t: &TenantId) -> bool {
+        match self {
+            Scope::All => true,
+            Scope::Only(set) => set.contains(t),
+        }
+    }
+}
+
+impl BudgetWatch {
+    fn state(&self) -> std::sync::MutexGuard<'_, WatchState> {
+        // Every update is a whole insert or swap: a poisoned lock holds
+        // nothing half-written.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `tenants`' spend may have changed.
+    pub fn touch<'a>(&self, tenants: impl IntoIterator<Item = &'a TenantId>) {
+        let mut s = self.state();
+        for t in tenants {
+            if !s.dirty.contains(t) {
+                s.dirty.insert(t.clone());
+            }
+        }
+    }
+
+    /// Everyone's spend may have changed (prices).
+    pub fn touch_all(&self) {
+        self.state().all = true;
+    }
+
+    /// The scope of a check at `now`, forgetting what it covers: every
+    /// budget on the first check, when the month changed since the last
+    /// full check (spend restarts, and monthly commitments bill from the
+    /// first day), when prices changed, and at least every `full_every`;
+    /// else only the tenants touched since the last check and those whose
+    /// usage mark moved (`marks`: the store's, read for this check).
+    pub fn take(
+        &self,
+        now: DateTime<Utc>,
+        full_every: Duration,
+        marks: HashMap<TenantId, i64>,
+    ) -> Scope {
+        let mut s = self.state();
+        for (t, m) in &marks {
+            if s.seen.get(t) != Some(m) {
+                s.dirty.insert(t.clone());
+            }
+        }
+        s.seen = marks;
+        let full = s.all
+            || s.last_full.is_none_or(|l| {
+                now - l >= full_every || (l.year(), l.month()) != (now.year(), now.month())
+            });
+        if full {
+            s.all = false;
+            s.last_full = Some(now);
+            s.dirty.clear();
+            Scope::All
+        } else {
+            Scope::Only(std::mem::take(&mut s.dirty))
+        }
+    }
+}
+
+/// Checks budgets against this month's spend; each threshold newly
 /// crossed is recorded once (the store's key) and, when the budget has a
-/// webhook, queued for delivery in the same transaction.
+/// webhook, queued for delivery in the same transaction. Only the budgets
+/// of tenants whose spend may have changed are rated (`BudgetWatch`),
+/// except on a full check.
 pub async fn check_budgets(st: &AppState) -> Result<usize, RatingError> {
     let now = st.now();
     let period = month_of(now)?;
+    let watch = &st.billing().budgets;
+    let scope = watch.take(now, FULL_CHECK_EVERY, st.store().usage_marks().await?);
+    if scope == Scope::Only(BTreeSet::new()) {
+        return Ok(0);
+    }
     let mut raised = 0;
     for b in st.store().budgets().await? {
         let tenant = b.budget.tenant.clone();
+        if !scope.covers(&tenant) {
+            continue;
+        }
         let spend = match spend(st, &tenant).await {
             Ok(s) => s,
             Err(e) => {
+                // Rated again next check.
+                watch.touch([&tenant]);
                 tracing::warn!(tenant = %tenant, error = %e, "cannot rate spend for the budget");
                 continue;
             }
@@ -108,16 +223,15 @@ pub async fn check_budgets(st: &AppState) -> Result<usize, RatingError> {
 
 /// Delivers due webhooks: POSTs each alert with its `Flotilla-Signature`
 /// (HMAC-SHA256 with the budget's secret), and records the attempt: a 2xx
-/// answer delivers it, anything else is retried with backoff.
+/// answer delivers it, anything else is retried with backoff. A target
+/// that resolves into the operator's network is never contacted and the
+/// delivery is marked failed (unless `webhook_allow_private`).
 pub async fn deliver_webhooks(st: &AppState) -> Result<usize, RatingError> {
     let due = st.store().due_deliveries(st.now(), 50).await?;
     if due.is_empty() {
         return Ok(0);
     }
-    let http = reqwest::Client::builder()
-        .timeout(DELIVERY_TIMEOUT)
-        .user_agent("flotilla-webhooks")
-        .build()?;
+    let allow_private = st.config().webhook_allow_private;
     let mut secrets: BTreeMap<TenantId, Option<String>> = BTreeMap::new();
     let mut delivered = 0;
     for d in due {
@@ -144,6 +258,25 @@ pub async fn deliver_webhooks(st: &AppState) -> Result<usize, RatingError> {
                 )
                 .await?;
             continue;
+        };
+        let http = match delivery_client(&d.url, allow_private).await {
+            Ok(c) => c,
+            Err(e) => {
+                // A target inside the operator's network is refused for
+                // good; a name that does not resolve may later.
+                let next = match e {
+                    DeliveryTarget::Refused(_) => None,
+                    DeliveryTarget::Unresolved(_) | DeliveryTarget::Client(_) => {
+                        next_attempt(d.attempts + 1, now)
+                    }
+                };
+                let error = e.to_string();
+                tracing::warn!(delivery = %d.id, error = %error, "webhook target refused");
+                st.store()
+                    .record_delivery_attempt(&d.id, false, None, Some(&error), next, now)
+                    .await?;
+                continue;
+            }
         };
         let signature = sign_webhook(secret.as_bytes(), now, d.body.as_bytes())?;
         let result = http
@@ -178,6 +311,47 @@ pub async fn deliver_webhooks(st: &AppState) -> Result<usize, RatingError> {
         }
     }
     Ok(delivered)
+}
+
+/// Why a delivery was not attempted.
+#[derive(Debug, thiserror::Error)]
+enum DeliveryTarget {
+    /// The URL is not http(s), or reaches the operator's network.
+    #[error("{0}")]
+    Refused(TargetError),
+    /// The host does not resolve now.
+    #[error("{0}")]
+    Unresolved(TargetError),
+    /// The HTTP client could not be built.
+    #[error("webhook client: {0}")]
+    Client(#[from] reqwest::Error),
+}
+
+/// An HTTP client for one delivery to `url`: its host is resolved and
+/// every address checked (`webhook_target`) first, and the client connects
+/// only to those addresses, so a second, different DNS answer (rebinding)
+/// cannot redirect the POST inward. Redirects are not followed: a public
+/// receiver answering 30x to an internal address would be the same hole.
+async fn delivery_client(
+    url: &str,
+    allow_private: bool,
+) -> Result<reqwest::Client, DeliveryTarget> {
+    let parsed =
+        reqwest::Url::parse(url).map_err(|_| DeliveryTarget::Refused(TargetError::NotHttp))?;
+    let (host, addrs) = webhook_target::resolve(&parsed, allow_private)
+        .await
+        .map_err(|e| match e {
+            TargetError::Unresolved { .. } => DeliveryTarget::Unresolved(e),
+            _ => DeliveryTarget::Refused(e),
+        })?;
+    let mut b = reqwest::Client::builder()
+        .timeout(DELIVERY_TIMEOUT)
+        .user_agent("flotilla-webhooks")
+        .redirect(reqwest::redirect::Policy::none());
+    if host.parse::<std::net::IpAddr>().is_err() {
+        b = b.resolve_to_addrs(&host, &addrs);
+    }
+    Ok(b.build()?)
 }
 
 /// The hard cap at instance creation: spot or preemptible work of tier 2
@@ -257,6 +431,72 @@ pub fn budget_exceeded(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use chrono::TimeZone;
+
+    #[test]
+    fn budget_checks_rate_only_touched_tenants_between_full_checks() {
+        let w = BudgetWatch::default();
+        let t0 = Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap();
+        let hour = Duration::hours(1);
+        let (a, b, c) = (
+            TenantId::generate(1, 1),
+            TenantId::generate(2, 2),
+            TenantId::generate(3, 3),
+        );
+        let none = || Scope::Only(BTreeSet::new());
+        let marks = |m: &[(&TenantId, i64)]| -> HashMap<TenantId, i64> {
+            m.iter().map(|(t, n)| ((*t).clone(), *n)).collect()
+        };
+        let m1 = marks(&[(&c, 4)]);
+        assert_eq!(
+            w.take(t0, hour, m1.clone()),
+            Scope::All,
+            "the first check is full"
+        );
+        let s = |secs| t0 + Duration::seconds(secs);
+        assert_eq!(w.take(s(30), hour, m1.clone()), none(), "nothing moved");
+        w.touch([&a, &a]);
+        assert_eq!(
+            w.take(s(60), hour, m1.clone()),
+            Scope::Only(BTreeSet::from([a.clone()]))
+        );
+        assert_eq!(w.take(s(90), hour, m1), none(), "forgotten once taken");
+        // Usage recorded for c (its mark moved) and, for the first time, b.
+        assert_eq!(
+            w.take(s(100), hour, marks(&[(&c, 5), (&b, 1)])),
+            Scope::Only(BTreeSet::from([b.clone(), c.clone()]))
+        );
+        assert_eq!(w.take(s(110), hour, marks(&[(&c, 5), (&b, 1)])), none());
+        w.touch([&b]);
+        w.touch_all();
+        assert_eq!(
+            w.take(s(120), hour, HashMap::new()),
+            Scope::All,
+            "prices changed"
+        );
+        assert_eq!(
+            w.take(s(150), hour, HashMap::new()),
+            none(),
+            "b was covered"
+        );
+        assert_eq!(
+            w.take(s(120 + 3600), hour, HashMap::new()),
+            Scope::All,
+            "an hour after the last full one"
+        );
+        // The month turns at midnight UTC: full, even within the hour.
+        let w = BudgetWatch::default();
+        let eve = Utc.with_ymd_and_hms(2026, 11, 30, 23, 59, 0).unwrap();
+        assert_eq!(w.take(eve, hour, HashMap::new()), Scope::All);
+        assert_eq!(
+            w.take(eve + Duration::seconds(30), hour, HashMap::new()),
+            none()
+        );
+        assert_eq!(
+            w.take(eve + Duration::seconds(90), hour, HashMap::new()),
+            Scope::All
+        );
+    }
 
     #[test]
     fn retries_back_off_doubling_then_give_up() {

@@ -37,6 +37,7 @@ pub mod pricing;
 pub mod reconcile;
 pub mod routes;
 pub mod state;
+pub mod webhook_target;
 
 use crate::state::{AppState, SystemClock};
 
@@ -57,6 +58,11 @@ pub struct ServerConfig {
     pub billing_every: Duration,
     /// Percent of a provider's gross revenue the operator keeps.
     pub operator_fee_percent: rust_decimal::Decimal,
+    /// Whether budget webhooks may reach loopback, private, link-local,
+    /// unique-local and unspecified addresses (see `webhook_target`); off
+    /// so that a tenant cannot make the server call into the operator's
+    /// network.
+    pub webhook_allow_private: bool,
 }
 
 impl Default for ServerConfig {
@@ -68,6 +74,7 @@ impl Default for ServerConfig {
             placement_policy: flotilla_sched::Policy::Flotilla,
             billing_every: Duration::from_secs(30),
             operator_fee_percent: rust_decimal::Decimal::from(15),
+            webhook_allow_private: false,
         }
     }
 }

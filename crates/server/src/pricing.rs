@@ -258,6 +258,8 @@ pub async fn record_spot_prices(
 pub struct Runtime {
     last: Mutex<Option<DateTime<Utc>>>,
     running: AtomicBool,
+    /// Tenants whose spend may have changed since the last budget check.
+    pub budgets: crate::budgets::BudgetWatch,
 }
 
 impl Runtime {

@@ -14,10 +14,12 @@ use reqwest::{Method, StatusCode};
 use rust_decimal::Decimal;
 use serde_json::{json, Value};
 
-/// Billing steps every 100 ms instead of 30 s.
+/// Billing steps every 100 ms instead of 30 s; webhooks may reach the
+/// receiver on 127.0.0.1.
 fn quick() -> ServerConfig {
     ServerConfig {
         billing_every: StdDuration::from_millis(100),
+        webhook_allow_private: true,
         ..fast()
     }
 }
@@ -635,8 +637,16 @@ type Received = Arc<Mutex<Vec<(String, String)>>>;
 /// A real HTTP receiver on an ephemeral port that fails its first
 /// request with 500 (to exercise retries) and accepts the rest.
 async fn receiver() -> (String, Received) {
+    let (url, got, _) = counting_receiver().await;
+    (url, got)
+}
+
+/// [`receiver`], also counting every request it got (the first, refused,
+/// included).
+async fn counting_receiver() -> (String, Received, Arc<std::sync::atomic::AtomicUsize>) {
     let got: Received = Arc::default();
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = calls.clone();
     let app = axum::Router::new().route(
         "/hook",
         axum::routing::post({
@@ -662,7 +672,7 @@ async fn receiver() -> (String, Received) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
-    (format!("http://{addr}/hook"), got)
+    (format!("http://{addr}/hook"), got, counter)
 }
 
 #[tokio::test]
@@ -816,6 +826,102 @@ async fn budgets_alert_by_signed_webhook_and_the_hard_cap_spares_tier_one() {
         .unwrap()
         .iter()
         .all(|i| i["state"] != "stopped" && i["state"] != "preempted"));
+}
+
+#[tokio::test]
+async fn webhooks_never_reach_the_operators_network_unless_allowed() {
+    let s = start(ServerConfig {
+        webhook_allow_private: false,
+        ..quick()
+    })
+    .await;
+    let acme = s.create_tenant("acme").await;
+    let admin = s.key(&acme, "tenant_admin").await;
+    let secret = "whsec-0123456789abcdef";
+    // Refused when the budget is set, naming the field.
+    for url in [
+        "http://127.0.0.1:8080/hook",
+        "http://[::1]/hook",
+        "http://10.0.0.7/hook",
+        "http://172.20.1.1/hook",
+        "http://192.168.0.1/hook",
+        "http://169.254.169.254/latest/meta-data",
+        "http://[fd12::1]/hook",
+        "http://[fe80::1]/hook",
+        "http://0.0.0.0:7420/hook",
+        "http://[::ffff:127.0.0.1]/hook",
+        "http://0x7f.1/hook",
+        "http://localhost:7420/hook",
+    ] {
+        let body = json!({"limit": "1", "webhook_url": url, "webhook_secret": secret});
+        let (st, b) = s.call(&admin, Method::PUT, "/v1/budget", Some(body)).await;
+        assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{url}: {b}");
+        assert_eq!(b["error"]["details"]["field"], "webhook_url", "{b}");
+        assert!(
+            b["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--webhook-allow-private"),
+            "{b}"
+        );
+    }
+
+    // A budget stored before the rule (or a name that resolved elsewhere
+    // when it was set): delivery resolves the name again, finds loopback,
+    // never connects, and marks the delivery failed.
+    let (url, _, calls) = counting_receiver().await;
+    let port = url.rsplit(':').next().unwrap().trim_end_matches("/hook");
+    let by_name = format!("http://localhost:{port}/hook");
+    s.store
+        .set_budget(&flotilla_store::budgets::StoredBudget {
+            budget: flotilla_billing::budget::Budget {
+                tenant: flotilla_core::id::TenantId::parse(&acme, "tenant").unwrap(),
+                limit: Decimal::ONE,
+                currency: "USD".into(),
+                thresholds: vec![50],
+                hard_cap: false,
+            },
+            webhook_url: Some(by_name),
+            webhook_secret: Some(secret.into()),
+            updated_at: Utc::now(),
+        })
+        .await
+        .unwrap();
+    let end = Utc::now().trunc_subsecs(0) - Duration::seconds(5);
+    ingest(
+        &s,
+        &[gpu_event(
+            &acme,
+            "p1",
+            "H100",
+            1,
+            "on_demand",
+            end - Duration::hours(1),
+            end,
+            None,
+        )],
+    )
+    .await;
+    let member = s.key(&acme, "tenant_member").await;
+    wait_until("the delivery to be refused", || async {
+        let view = s.ok(&member, Method::GET, "/v1/budget", None).await;
+        view["deliveries"]
+            .as_array()
+            .is_some_and(|d| d.len() == 1 && d[0]["state"] == "failed")
+    })
+    .await;
+    let view = s.ok(&member, Method::GET, "/v1/budget", None).await;
+    let d = &view["deliveries"][0];
+    assert_eq!(d["attempts"], 1, "refused for good, not retried: {d}");
+    assert!(
+        d["last_error"].as_str().unwrap().contains("a loopback"),
+        "{d}"
+    );
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the receiver was never called"
+    );
 }
 
 #[tokio::test]

@@ -2,7 +2,9 @@
 //! through `append_usage` (the ledger rules, dedup and conflict detection
 //! included) against a plain batched INSERT of the same rows into a table
 //! of the same shape in the same database, and the time to rate one
-//! tenant's month (the rollup table kept at ingestion + `build_invoice`), on SQLite and, when it
+//! tenant's month (the rollup table kept at ingestion + `build_invoice`)
+//! and a provider's payout statement of the same events (the node rollup
+//! table kept at ingestion + `payout_statement`), on SQLite and, when it
 //! answers, PostgreSQL. Writes `metering.json` and `metering.md` into
 //! `$FLOTILLA_BENCH_OUT` (default `bench/results`).
 //!
@@ -18,9 +20,12 @@ use std::time::Instant;
 use chrono::{DateTime, Duration, Utc};
 use flotilla_billing::invoice::{build_invoice, InvoiceInput};
 use flotilla_billing::meter::{EventKey, GpuShare, Meter, Subject, SubjectKind, UsageEvent};
+use flotilla_billing::payout::{payout_statement, PayoutPolicy};
 use flotilla_billing::price::{PriceBook, PriceVersion, SpotSeries};
 use flotilla_billing::Period;
-use flotilla_core::id::{InvoiceId, TenantId};
+use flotilla_core::api::{DiscoveredGpu, RegisterNode};
+use flotilla_core::catalog::Vendor;
+use flotilla_core::id::{GpuId, InvoiceId, NodeId, ProviderId, TenantId};
 use flotilla_core::instance::BillingClass;
 use flotilla_store::{Backend, Store};
 use rust_decimal::Decimal;
@@ -43,7 +48,7 @@ fn jan() -> DateTime<Utc> {
 /// Event `i` of a tenant: one-minute slices of 200 instances (agents
 /// meter per slice), every tenth a MIG share, every seventh spot-free
 /// reserved-free on-demand A100.
-fn event(t: &TenantId, source: &str, i: usize) -> UsageEvent {
+fn event(t: &TenantId, source: &str, i: usize, node: Option<&NodeId>) -> UsageEvent {
     let subject = i % 200;
     let minute = (i / 200) as i64;
     let start = jan() + Duration::minutes(minute % (60 * 24 * 30));
@@ -77,7 +82,7 @@ fn event(t: &TenantId, source: &str, i: usize) -> UsageEvent {
         start,
         end: start + Duration::minutes(1),
         amount: Decimal::from(1 + (subject % 4) as u32),
-        node: None,
+        node: node.cloned(),
         corrects: None,
     }
 }
@@ -288,6 +293,8 @@ struct Row {
     invoice_s: f64,
     rollup_rows: usize,
     load_events_per_s: f64,
+    payout_s: f64,
+    payout_rows: usize,
 }
 
 async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize) -> Row {
@@ -305,7 +312,9 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
         .await
         .expect("tenant");
 
-    let events: Vec<UsageEvent> = (0..ingest).map(|i| event(&t, "agent:bench", i)).collect();
+    let events: Vec<UsageEvent> = (0..ingest)
+        .map(|i| event(&t, "agent:bench", i, None))
+        .collect();
     let t0 = Instant::now();
     for b in events.chunks(BATCH) {
         let out = store.append_usage(b, grace, now).await.expect("append");
@@ -324,12 +333,48 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
     };
     drop(events);
 
-    // The invoice tenant, loaded through the same ledger path.
+    // The invoice tenant, loaded through the same ledger path, on a
+    // provider's node: the same events make the provider's payout.
+    let provider = store
+        .provider_for_tenant(&t, &ProviderId::generate(4, 4), jan())
+        .await
+        .expect("provider");
+    let node = store
+        .register_node(
+            &t,
+            &RegisterNode {
+                name: "bench-node".into(),
+                region: None,
+                pool: None,
+                cpu_milli: 1000,
+                memory_mb: 1024,
+                simulated: true,
+                gpus: vec![DiscoveredGpu {
+                    index: 0,
+                    model: "H100".into(),
+                    uuid: "GPU-0".into(),
+                    memory_mib: 81920,
+                    vendor: Vendor::Nvidia,
+                }],
+                agent_version: "bench".into(),
+            },
+            || (NodeId::generate(5, 5), vec![GpuId::generate(6, 6)]),
+            jan(),
+        )
+        .await
+        .expect("node")
+        .id;
+    store
+        .set_node_provider(&node, Some(&provider))
+        .await
+        .expect("node provider");
     let t1 = Instant::now();
     let mut i = 0;
     while i < invoice {
         let n = BATCH.min(invoice - i);
-        let b: Vec<UsageEvent> = (i..i + n).map(|k| event(&t2, "agent:inv", k)).collect();
+        let b: Vec<UsageEvent> = (i..i + n)
+            .map(|k| event(&t2, "agent:inv", k, Some(&node)))
+            .collect();
         store.append_usage(&b, grace, now).await.expect("load");
         i += n;
     }
@@ -339,6 +384,9 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
         let pool = sqlx::AnyPool::connect(url).await.expect("connect");
         pool.execute("ANALYZE usage_events").await.expect("analyze");
         pool.execute("ANALYZE usage_rollup").await.expect("analyze");
+        pool.execute("ANALYZE usage_node_rollup")
+            .await
+            .expect("analyze");
         pool.close().await;
     }
     let period = Period::month(2025, 1).expect("month");
@@ -370,8 +418,35 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
         draft.invoice.lines().len(),
         rollup.events.len()
     );
+    // The provider's payout statement of the same month: every tenant's
+    // usage on its nodes (here the invoice tenant's 10M events), read from
+    // `usage_node_rollup`, priced and less the operator's fee.
+    let t3 = Instant::now();
+    let owners = store.node_providers().await.expect("owners");
+    let on_nodes = store.usage_on_nodes(period).await.expect("node rollup");
+    let statement = payout_statement(
+        &provider,
+        period,
+        &owners,
+        &on_nodes.events,
+        &book,
+        &SpotSeries::new(),
+        &PayoutPolicy {
+            operator_fee_percent: Decimal::from(15),
+        },
+    )
+    .expect("payout");
+    let payout_s = t3.elapsed().as_secs_f64();
+    assert_eq!(on_nodes.stored_events as usize, invoice);
+    eprintln!(
+        "{store_name}: payout gross {} from {} node rollup rows in {payout_s:.3} s",
+        statement.gross,
+        on_nodes.events.len()
+    );
     store.close().await;
     Row {
+        payout_s,
+        payout_rows: on_nodes.events.len(),
         store: store_name,
         events_per_s,
         raw_insert_events_per_s,
@@ -425,6 +500,9 @@ async fn main() {
                 "invoice_10m_extrapolated": r.invoice_events != 10_000_000,
                 "rollup_rows": r.rollup_rows,
                 "ledger_load_events_per_s": r.load_events_per_s.round(),
+                "payout_10m_events_s": (r.payout_s * extrapolate * 1000.0).round() / 1000.0,
+                "payout_measured_s": (r.payout_s * 1000.0).round() / 1000.0,
+                "payout_node_rollup_rows": r.payout_rows,
                 "ingest_events": ingest,
             })
         })
@@ -436,12 +514,12 @@ async fn main() {
     )
     .expect("write json");
     let mut md = String::from(
-        "| store | events/s (append_usage) | raw INSERT events/s | ratio | raw INSERT, `Any` driver | invoice of 10M events (s) | measured on | rollup rows |\n\
-         | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |\n",
+        "| store | events/s (append_usage) | raw INSERT events/s | ratio | raw INSERT, `Any` driver | invoice of 10M events (s) | measured on | rollup rows | payout of 10M events (s) | node rollup rows |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |\n",
     );
     for r in &rows {
         md.push_str(&format!(
-            "| {} | {:.0} | {:.0} | {:.2} | {} | {:.2}{} | {} events in {:.3} s | {} |\n",
+            "| {} | {:.0} | {:.0} | {:.2} | {} | {:.2}{} | {} events in {:.3} s | {} | {:.2}{} | {} |\n",
             r.store,
             r.events_per_s,
             r.raw_insert_events_per_s,
@@ -457,6 +535,13 @@ async fn main() {
             r.invoice_events,
             r.invoice_s,
             r.rollup_rows,
+            r.payout_s * extrapolate,
+            if r.invoice_events == 10_000_000 {
+                String::new()
+            } else {
+                " (extrapolated, linear)".to_string()
+            },
+            r.payout_rows,
         ));
     }
     std::fs::write(format!("{out}/metering.table.md"), md).expect("write md");

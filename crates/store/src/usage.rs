@@ -17,7 +17,7 @@
 //! [`Store::usage_rollup`] reads those few rows, which rate to the same
 //! invoice (see its documentation for why that is exact).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use chrono::{DateTime, Duration, SubsecRound, Utc};
 use flotilla_billing::meter::{
@@ -421,13 +421,45 @@ type RollKey<'a> = (
 
 const ROLLUP_COLS: usize = 9;
 
+/// The key of a `usage_node_rollup` row (migration 0009): node, meter
+/// detail, billing class, subject kind, start and end.
+type NodeRollKey<'a> = (&'a str, &'a str, &'static str, &'static str, i64, i64);
+
+const NODE_ROLLUP_COLS: usize = 8;
+
+/// The sums one batch adds: per tenant (`usage_rollup`, what invoices
+/// read) and per node (`usage_node_rollup`, what payouts read), and the
+/// tenants it recorded new events for (`usage_marks`).
+#[derive(Default)]
+struct BatchSums<'a> {
+    tenant: HashMap<RollKey<'a>, (i64, i64)>,
+    node: HashMap<NodeRollKey<'a>, (i64, i64)>,
+    marked: BTreeSet<&'a str>,
+}
+
 /// Adds a newly inserted event to the batch's rollup sums, if its amount is
-/// summed there.
-fn add_to_rollup<'a>(roll: &mut HashMap<RollKey<'a>, (i64, i64)>, f: &'a Flat<'a>) -> Result<()> {
+/// summed there: to its tenant's, and, for GPU time on a node, to the
+/// node's.
+fn add_to_rollup<'a>(sums: &mut BatchSums<'a>, f: &'a Flat<'a>) -> Result<()> {
+    sums.marked.insert(f.e.key.tenant.as_str());
     let Some(amount) = f.amount_int.filter(|a| *a <= ROLLUP_MAX) else {
         return Ok(());
     };
     let e = f.e;
+    if let (Some(node), "gpu_seconds") = (&e.node, f.meter) {
+        let key: NodeRollKey<'a> = (
+            node.as_str(),
+            f.meter_detail.as_str(),
+            e.billing_class.as_str(),
+            f.subject_kind,
+            ms(e.start),
+            ms(e.end),
+        );
+        let slot = sums.node.entry(key).or_insert((0, 0));
+        slot.0 += amount;
+        slot.1 += 1;
+    }
+    let roll = &mut sums.tenant;
     let key: RollKey<'a> = (
         e.key.tenant.as_str(),
         f.meter_detail.as_str(),
@@ -500,15 +532,111 @@ macro_rules! bind_rollup {
     }};
 }
 
-/// Adds the batch's sums to `usage_rollup`: one multi-row upsert (more
-/// only past `chunk` rows), in key order so that concurrent batches lock
+fn node_upsert_sql(rows: usize, positional: bool) -> String {
+    let mut sql = String::from(
+        "INSERT INTO usage_node_rollup (node_id, meter_detail, billing_class, subject_kind, \
+         start_ms, end_ms, total, n) VALUES ",
+    );
+    for r in 0..rows {
+        if r > 0 {
+            sql.push(',');
+        }
+        sql.push('(');
+        for c in 0..NODE_ROLLUP_COLS {
+            if c > 0 {
+                sql.push(',');
+            }
+            if positional {
+                sql.push('?');
+            } else {
+                sql.push('$');
+                sql.push_str(&(r * NODE_ROLLUP_COLS + c + 1).to_string());
+            }
+        }
+        sql.push(')');
+    }
+    sql.push_str(
+        " ON CONFLICT (node_id, meter_detail, billing_class, subject_kind, start_ms, end_ms) \
+         DO UPDATE SET total = usage_node_rollup.total + excluded.total, \
+         n = usage_node_rollup.n + excluded.n",
+    );
+    sql
+}
+
+/// Binds node rollup rows to a query of either driver.
+macro_rules! bind_node_rollup {
+    ($q:expr, $rows:expr) => {{
+        let mut q = $q;
+        for ((node, m, c, k, s, end), (total, n)) in $rows {
+            q = q
+                .bind(*node)
+                .bind(*m)
+                .bind(*c)
+                .bind(*k)
+                .bind(*s)
+                .bind(*end)
+                .bind(*total)
+                .bind(*n);
+        }
+        q
+    }};
+}
+
+/// Adds the batch's sums to `usage_rollup` and `usage_node_rollup`: one
+/// multi-row upsert each (more only past `chunk` rows; none for a table
+/// with nothing to add), in key order so that concurrent batches lock
 /// rows in the same order.
-async fn upsert_rollup(
-    tx: &mut LedgerTx,
-    roll: &HashMap<RollKey<'_>, (i64, i64)>,
-    chunk: usize,
-) -> Result<()> {
-    let mut rows: Vec<_> = roll.iter().collect();
+async fn upsert_rollup(tx: &mut LedgerTx, sums: &BatchSums<'_>, chunk: usize) -> Result<()> {
+    // One bump per tenant with new events (sorted: same lock order).
+    let marked: Vec<&str> = sums.marked.iter().copied().collect();
+    for part in marked.chunks(chunk.max(1)) {
+        let mut sql = String::from("INSERT INTO usage_marks (tenant_id, appended) VALUES ");
+        for i in 0..part.len() {
+            if i > 0 {
+                sql.push(',');
+            }
+            match tx {
+                LedgerTx::Any(_) => sql.push_str(&format!("(${}, 1)", i + 1)),
+                LedgerTx::Sqlite(_) => sql.push_str("(?, 1)"),
+            }
+        }
+        sql.push_str(" ON CONFLICT (tenant_id) DO UPDATE SET appended = usage_marks.appended + 1");
+        match tx {
+            LedgerTx::Any(tx) => {
+                let mut q = sqlx::query(&sql);
+                for t in part {
+                    q = q.bind(*t);
+                }
+                q.execute(&mut **tx).await?;
+            }
+            LedgerTx::Sqlite(tx) => {
+                let mut q = sqlx::query(&sql);
+                for t in part {
+                    q = q.bind(*t);
+                }
+                q.execute(&mut **tx).await?;
+            }
+        }
+    }
+    let mut nodes: Vec<_> = sums.node.iter().collect();
+    nodes.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    for part in nodes.chunks(chunk.max(1)) {
+        match tx {
+            LedgerTx::Any(tx) => {
+                let sql = node_upsert_sql(part.len(), false);
+                bind_node_rollup!(sqlx::query(&sql), part)
+                    .execute(&mut **tx)
+                    .await?;
+            }
+            LedgerTx::Sqlite(tx) => {
+                let sql = node_upsert_sql(part.len(), true);
+                bind_node_rollup!(sqlx::query(&sql), part)
+                    .execute(&mut **tx)
+                    .await?;
+            }
+        }
+    }
+    let mut rows: Vec<_> = sums.tenant.iter().collect();
     rows.sort_unstable_by(|a, b| a.0.cmp(b.0));
     for part in rows.chunks(chunk.max(1)) {
         match tx {
@@ -719,7 +847,7 @@ impl Store {
         let mut probe: Vec<(usize, &UsageEvent)> = Vec::new();
         let mut inserted_in_probed = 0u64;
         // The new integer events of the batch, summed by rollup row.
-        let mut roll: HashMap<RollKey<'_>, (i64, i64)> = HashMap::new();
+        let mut roll = BatchSums::default();
         let mut rest: &[Flat<'_>] = fresh;
         while !rest.is_empty() {
             let rows = statement_rows(rest.len(), chunk_len);
@@ -865,23 +993,179 @@ impl Store {
         Ok(known)
     }
 
-    /// Every tenant's stored events served by a provider's node whose usage
-    /// touches the period, sorted by key: what provider payouts are computed
-    /// from. Corrections are kept (they apply at rating). Usage on the
-    /// operator's own nodes is not read.
-    pub async fn usage_on_nodes(&self, period: Period) -> Result<Vec<UsageEvent>> {
+    /// The GPU usage that providers' nodes carried in the period, summed
+    /// into events that give the same payout statements as every tenant's
+    /// stored events on those nodes would (`payout_statement`), whatever
+    /// the number of events: read from `usage_node_rollup` (migration
+    /// 0009), which `append_usage` keeps, plus the few events it does not
+    /// sum (fractional or huge amounts), read one by one.
+    ///
+    /// Why this is exact: a payout prices an event's GPU time at list
+    /// price by model, share, billing class, subject kind and interval,
+    /// linearly in its amount; tenant, subject and source change nothing.
+    /// Corrections are applied as `effective_events` applies them to a
+    /// tenant's events: every event of the window named by a correction of
+    /// the window (any tenant's, with or without a node) is taken out of
+    /// its group. The correction itself counts where it ran, like any
+    /// event. Summed events have synthetic keys (the nil tenant, source
+    /// `node-rollup`) and no corrections.
+    pub async fn usage_on_nodes(&self, period: Period) -> Result<Rollup> {
+        const PROVIDER_NODES: &str =
+            "node_id IN (SELECT id FROM nodes WHERE provider_id IS NOT NULL)";
+        type NodeGroup = (String, String, String, String, i64, i64);
         let rows = sqlx::query(&format!(
-            "SELECT {EVENT_COLUMNS} FROM usage_events WHERE node_id IN \
-             (SELECT id FROM nodes WHERE provider_id IS NOT NULL) AND start_ms < $1 \
-             AND end_ms >= $2"
+            "SELECT node_id, meter_detail, billing_class, subject_kind, start_ms, end_ms, total, \
+             n FROM usage_node_rollup WHERE {PROVIDER_NODES} AND start_ms < $1 AND end_ms >= $2"
         ))
         .bind(ms(period.end))
         .bind(ms(period.start))
         .fetch_all(self.pool())
         .await?;
-        let mut out = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
-        out.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(out)
+        let mut groups: BTreeMap<NodeGroup, i128> = BTreeMap::new();
+        let mut stored_events: u64 = 0;
+        for r in &rows {
+            let key: NodeGroup = (
+                r.try_get("node_id")?,
+                r.try_get("meter_detail")?,
+                r.try_get("billing_class")?,
+                r.try_get("subject_kind")?,
+                r.try_get("start_ms")?,
+                r.try_get("end_ms")?,
+            );
+            let (total, n): (i64, i64) = (r.try_get("total")?, r.try_get("n")?);
+            stored_events += n.max(0) as u64;
+            *groups.entry(key).or_insert(0) += i128::from(total);
+        }
+        let window = "start_ms < $1 AND end_ms >= $2";
+        // Written like the partial index `usage_events_node_unrolled`'s
+        // condition, so that it is used.
+        let unrolled = sqlx::query(&format!(
+            "SELECT {EVENT_COLUMNS} FROM usage_events WHERE {window} AND node_id IS NOT NULL \
+             AND meter = 'gpu_seconds' AND (amount_int IS NULL OR amount_int > 1099511627776) \
+             AND {PROVIDER_NODES}"
+        ))
+        .bind(ms(period.end))
+        .bind(ms(period.start))
+        .fetch_all(self.pool())
+        .await?;
+        let mut singles: BTreeMap<EventKey, UsageEvent> = BTreeMap::new();
+        for r in &unrolled {
+            let e = decode(r)?;
+            stored_events += 1;
+            singles.insert(e.key.clone(), e);
+        }
+        let voids = sqlx::query(&format!(
+            "SELECT DISTINCT tenant_id, corrects_source, corrects_id FROM usage_events \
+             WHERE {window} AND corrects_id IS NOT NULL"
+        ))
+        .bind(ms(period.end))
+        .bind(ms(period.start))
+        .fetch_all(self.pool())
+        .await?;
+        if !voids.is_empty() {
+            let voided: Vec<EventKey> = voids
+                .iter()
+                .map(|r| {
+                    let t: String = r.try_get("tenant_id")?;
+                    Ok(EventKey {
+                        tenant: TenantId::from_trusted(t),
+                        source: r.try_get("corrects_source")?,
+                        id: r.try_get("corrects_id")?,
+                    })
+                })
+                .collect::<Result<_>>()?;
+            let mut conn = self.pool().acquire().await?;
+            for (k, e) in fetch_keys(&mut conn, voided.iter()).await? {
+                if !(e.start < period.end && e.end >= period.start) {
+                    continue;
+                }
+                if singles.remove(&k).is_some() {
+                    continue;
+                }
+                let (Some(node), Some(amount)) = (&e.node, e.amount.to_i64()) else {
+                    continue;
+                };
+                let key: NodeGroup = (
+                    node.as_str().to_string(),
+                    to_json(&e.meter),
+                    e.billing_class.as_str().to_string(),
+                    subject_kind_str(e.subject.kind).to_string(),
+                    ms(e.start),
+                    ms(e.end),
+                );
+                // Absent: not a provider's node, or not GPU time.
+                if let Some(slot) = groups.get_mut(&key) {
+                    *slot -= i128::from(amount);
+                }
+            }
+        }
+        let nil = TenantId::generate(0, 0);
+        let mut events = Vec::with_capacity(groups.len() + singles.len());
+        let mut meters: HashMap<String, Meter> = HashMap::new();
+        let mut n = 0u64;
+        for ((node, detail, class, kind, start_ms, end_ms), total) in groups {
+            let meter = match meters.get(&detail) {
+                Some(m) => m.clone(),
+                None => {
+                    let m: Meter = json(&detail, "usage meter")?;
+                    meters.insert(detail.clone(), m.clone());
+                    m
+                }
+            };
+            let class = BillingClass::parse(&class)
+                .ok_or_else(|| StoreError::Corrupt(format!("usage billing class `{class}`")))?;
+            let kind = parse_subject_kind(&kind)?;
+            let node = NodeId::from_trusted(node);
+            let mut left = total;
+            while left > 0 {
+                let part = left.min(i128::from(MAX_UNITS));
+                left -= part;
+                n += 1;
+                events.push(UsageEvent {
+                    key: EventKey {
+                        tenant: nil.clone(),
+                        source: "node-rollup".into(),
+                        id: format!("{n:012}"),
+                    },
+                    subject: Subject {
+                        kind,
+                        id: "rollup".into(),
+                    },
+                    meter: meter.clone(),
+                    billing_class: class,
+                    start: at(start_ms),
+                    end: at(end_ms),
+                    amount: Decimal::from(part as i64),
+                    node: Some(node.clone()),
+                    corrects: None,
+                });
+            }
+        }
+        events.extend(singles.into_values().map(|mut e| {
+            // Voiding is already applied.
+            e.corrects = None;
+            e
+        }));
+        Ok(Rollup {
+            events,
+            stored_events,
+        })
+    }
+
+    /// Every tenant's usage mark: a counter bumped by each append that
+    /// recorded new events for it. A mark that moved means new usage.
+    pub async fn usage_marks(&self) -> Result<HashMap<TenantId, i64>> {
+        let rows = sqlx::query("SELECT tenant_id, appended FROM usage_marks")
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    TenantId::from_trusted(r.try_get("tenant_id")?),
+                    r.try_get("appended")?,
+                ))
+            })
+            .collect()
     }
 
     /// Every stored event of `tenant` whose usage touches the period

@@ -8,12 +8,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Duration, Utc};
 use flotilla_billing::invoice::{build_invoice, InvoiceInput};
+use flotilla_billing::meter::effective_events;
 use flotilla_billing::meter::{
     EventKey, GpuShare, MemoryLedger, Meter, Subject, SubjectKind, UsageEvent,
 };
+use flotilla_billing::payout::{payout_statement, PayoutPolicy};
 use flotilla_billing::price::{PriceBook, PriceVersion, SpotSeries};
 use flotilla_billing::{Ledger, Period};
-use flotilla_core::id::{InvoiceId, TenantId};
+use flotilla_core::api::{DiscoveredGpu, RegisterNode};
+use flotilla_core::catalog::Vendor;
+use flotilla_core::id::{GpuId, InvoiceId, NodeId, ProviderId, TenantId};
 use flotilla_core::instance::BillingClass;
 use flotilla_store::Store;
 use rust_decimal::Decimal;
@@ -46,6 +50,8 @@ flotilla_testkit::backend_suite!(
     rollup_rates_to_the_same_invoice_as_every_event,
     resent_duplicates_leave_the_rollup_unchanged,
     listing_walks_every_event_once,
+    node_rollup_pays_providers_like_every_event,
+    usage_marks_move_only_with_new_events,
 );
 
 async fn tenant(s: &Store) -> TenantId {
@@ -487,4 +493,216 @@ async fn listing_walks_every_event_once(s: &Store) {
         .await
         .unwrap();
     assert!(none.is_empty());
+}
+
+/// A node registered by `owner` (a provider tenant) with one H100.
+async fn node_of(s: &Store, owner: &TenantId) -> NodeId {
+    let req = RegisterNode {
+        name: format!("n{}", rnd()),
+        region: None,
+        pool: None,
+        cpu_milli: 1000,
+        memory_mb: 1024,
+        simulated: true,
+        gpus: vec![DiscoveredGpu {
+            index: 0,
+            model: "H100".into(),
+            uuid: "GPU-0".into(),
+            memory_mib: 81920,
+            vendor: Vendor::Nvidia,
+        }],
+        agent_version: "t".into(),
+    };
+    s.register_node(
+        owner,
+        &req,
+        || (NodeId::generate(1, rnd()), vec![GpuId::generate(1, rnd())]),
+        day(),
+    )
+    .await
+    .unwrap()
+    .id
+}
+
+/// Payouts read `usage_node_rollup` (summed at ingestion) and give the
+/// statements that every tenant's effective events would: across
+/// tenants, shares, models, endpoints, nodes of two providers and of the
+/// operator, and corrections (one that names no node voids an event on a
+/// provider's node all the same), also after whole re-sends.
+async fn node_rollup_pays_providers_like_every_event(s: &Store) {
+    let now = day() + Duration::hours(23);
+    let (pa, pb) = (tenant(s).await, tenant(s).await);
+    let prov_a = s
+        .provider_for_tenant(&pa, &ProviderId::generate(1, rnd()), day())
+        .await
+        .unwrap();
+    let prov_b = s
+        .provider_for_tenant(&pb, &ProviderId::generate(1, rnd()), day())
+        .await
+        .unwrap();
+    let (a1, a2, b1, own) = (
+        node_of(s, &pa).await,
+        node_of(s, &pa).await,
+        node_of(s, &pb).await,
+        node_of(s, &pa).await,
+    );
+    for (n, p) in [(&a1, &prov_a), (&a2, &prov_a), (&b1, &prov_b)] {
+        s.set_node_provider(n, Some(p)).await.unwrap();
+    }
+    let tenants = [tenant(s).await, tenant(s).await, tenant(s).await];
+    let nodes = [Some(&a1), Some(&a2), Some(&b1), Some(&own), None];
+    let mut evs = Vec::new();
+    for (ti, t) in tenants.iter().enumerate() {
+        for sub in 0..6 {
+            for m in 0..40 {
+                let mut e = gpu(
+                    t,
+                    &format!("g{sub}-{m}"),
+                    &format!("inst_{sub}"),
+                    m * 60 - 120,
+                    m * 60 - 60,
+                    1 + ((sub + ti) % 3) as u32,
+                );
+                // Tenants share nodes, so slices sum across tenants.
+                let at = [0, 1, 2, 3, 2, 0][sub];
+                e.node = if ti == 2 && sub == 1 {
+                    nodes[4]
+                } else {
+                    nodes[at]
+                }
+                .cloned();
+                if sub % 3 == 0 {
+                    e.meter = Meter::GpuSeconds {
+                        model: "H100".into(),
+                        share: GpuShare::Mig {
+                            profile: "3g.40gb".into(),
+                        },
+                    };
+                }
+                if sub == 4 {
+                    e.meter = Meter::GpuSeconds {
+                        model: "A100-80GB".into(),
+                        share: GpuShare::Whole,
+                    };
+                }
+                if sub == 5 {
+                    e.subject.kind = SubjectKind::Endpoint;
+                }
+                evs.push(e);
+            }
+        }
+        // Non-GPU usage on a provider's node pays nothing.
+        let mut req = gpu(t, "req", "ep_1", 10, 20, 1);
+        req.meter = Meter::Requests;
+        req.amount = Decimal::from(500);
+        req.node = Some(a1.clone());
+        evs.push(req);
+    }
+    // Corrections: one on the same node restating half a slice, one that
+    // names no node voiding a slice on a provider's node.
+    let on_node = evs
+        .iter()
+        .position(|e| e.node.as_ref() == Some(&a1))
+        .unwrap();
+    let mut fix = evs[on_node].clone();
+    fix.key.id = "fix-1".into();
+    fix.end = fix.start + Duration::seconds(30);
+    fix.corrects = Some(evs[on_node].key.clone());
+    let on_b = evs
+        .iter()
+        .position(|e| e.node.as_ref() == Some(&b1))
+        .unwrap();
+    let mut void = evs[on_b].clone();
+    void.key.id = "fix-2".into();
+    void.node = None;
+    void.amount = Decimal::ONE;
+    void.corrects = Some(evs[on_b].key.clone());
+    evs.push(fix);
+    evs.push(void);
+    let r = s.append_usage(&evs, long(), now).await.unwrap();
+    assert_eq!(r.rejected, vec![]);
+
+    let period = Period::new(day(), day() + Duration::days(1)).unwrap();
+    let book = book(0);
+    let spot = SpotSeries::new();
+    let owners = s.node_providers().await.unwrap();
+    let policy = PayoutPolicy {
+        operator_fee_percent: Decimal::from(15),
+    };
+    // The reference: every tenant's events, corrections applied per
+    // tenant, then paid out.
+    let mut every = Vec::new();
+    for t in &tenants {
+        every.extend(effective_events(&s.usage_for(t, period).await.unwrap()).unwrap());
+    }
+    let check = || async {
+        let rolled = s.usage_on_nodes(period).await.unwrap();
+        let on_provider_gpu = evs
+            .iter()
+            .filter(|e| {
+                matches!(e.meter, Meter::GpuSeconds { .. })
+                    && e.node.as_ref().is_some_and(|n| owners.contains_key(n))
+                    && e.start < period.end
+                    && e.end >= period.start
+            })
+            .count();
+        assert_eq!(rolled.stored_events as usize, on_provider_gpu);
+        assert!(rolled.events.len() < on_provider_gpu / 2, "summed");
+        let mut gross = Decimal::ZERO;
+        for p in [&prov_a, &prov_b] {
+            let want = payout_statement(p, period, &owners, &every, &book, &spot, &policy).unwrap();
+            let got = payout_statement(p, period, &owners, &rolled.events, &book, &spot, &policy)
+                .unwrap();
+            assert_eq!(got, want);
+            assert!(want.gross > Decimal::ZERO);
+            gross += want.gross;
+        }
+        gross
+    };
+    let gross = check().await;
+    // Re-sending everything (reversed) adds nothing.
+    let again: Vec<UsageEvent> = evs.iter().rev().cloned().collect();
+    let r = s.append_usage(&again, long(), now).await.unwrap();
+    assert_eq!(r.accepted, 0);
+    assert_eq!(check().await, gross);
+}
+
+/// Budget checks rate only tenants whose mark moved: a batch with new
+/// events bumps each of its tenants' marks once; re-sends and refused
+/// events move nothing.
+async fn usage_marks_move_only_with_new_events(s: &Store) {
+    let now = day() + Duration::hours(23);
+    let (a, b) = (tenant(s).await, tenant(s).await);
+    let mark = |m: &std::collections::HashMap<TenantId, i64>, t: &TenantId| m.get(t).copied();
+    assert_eq!(mark(&s.usage_marks().await.unwrap(), &a), None);
+    let batch = vec![
+        gpu(&a, "m1", "inst_1", 0, 60, 1),
+        gpu(&a, "m2", "inst_1", 60, 120, 1),
+        gpu(&b, "m1", "inst_2", 0, 60, 1),
+    ];
+    s.append_usage(&batch, long(), now).await.unwrap();
+    let m = s.usage_marks().await.unwrap();
+    assert_eq!((mark(&m, &a), mark(&m, &b)), (Some(1), Some(1)));
+    // The same batch again: duplicates only.
+    let r = s.append_usage(&batch, long(), now).await.unwrap();
+    assert_eq!(r.accepted, 0);
+    assert_eq!(s.usage_marks().await.unwrap(), m);
+    // A conflicting re-send is refused and moves nothing either.
+    let mut conflict = batch[0].clone();
+    conflict.amount = Decimal::from(7);
+    let r = s.append_usage(&[conflict], long(), now).await.unwrap();
+    assert_eq!(r.rejected.len(), 1);
+    assert_eq!(s.usage_marks().await.unwrap(), m);
+    // New usage of a, mixed with b's duplicate in the same chunk.
+    let r = s
+        .append_usage(
+            &[batch[2].clone(), gpu(&a, "m3", "inst_1", 120, 180, 1)],
+            long(),
+            now,
+        )
+        .await
+        .unwrap();
+    assert_eq!((r.accepted, r.duplicates), (1, 1));
+    let m2 = s.usage_marks().await.unwrap();
+    assert_eq!((mark(&m2, &a), mark(&m2, &b)), (Some(2), Some(1)));
 }

@@ -22,6 +22,7 @@ use crate::pricing::price_book;
 use crate::routes::prices::billing_field;
 use crate::routes::usage::target_tenant;
 use crate::state::AppState;
+use crate::webhook_target::{self, TargetError};
 
 /// A budget as the API shows it (the webhook secret is never shown).
 #[derive(Debug, Serialize, ToSchema)]
@@ -99,6 +100,34 @@ pub async fn get_budget(
     Ok(Json(view(&st, b).await?))
 }
 
+/// How long setting a budget waits for the webhook host to resolve.
+const RESOLVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Refuses (422, `webhook_url`) a webhook that is, or already resolves
+/// to, an address inside the operator's network, unless the operator
+/// allows those. A name that does not resolve (yet) is accepted: every
+/// delivery resolves and checks it again, and connects only to the
+/// addresses it checked.
+async fn check_webhook_target(st: &AppState, url: &reqwest::Url) -> ApiResult<()> {
+    if st.config().webhook_allow_private {
+        return Ok(());
+    }
+    match tokio::time::timeout(RESOLVE_TIMEOUT, webhook_target::resolve(url, false)).await {
+        Ok(Err(e @ (TargetError::Private { .. } | TargetError::NotHttp))) => Err(ApiError::field(
+            FieldError::new("webhook_url", e.to_string()),
+        )),
+        Ok(Err(TargetError::Unresolved { host, reason })) => {
+            tracing::info!(host = %host, reason = %reason, "webhook host does not resolve yet; checked again at delivery");
+            Ok(())
+        }
+        Ok(Ok(_)) => Ok(()),
+        Err(_) => {
+            tracing::info!(url = %url, "webhook host did not resolve in time; checked again at delivery");
+            Ok(())
+        }
+    }
+}
+
 /// A budget to set.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -116,7 +145,10 @@ pub struct SetBudget {
     /// never refused, and running work is never stopped.
     #[serde(default)]
     pub hard_cap: bool,
-    /// `http://` or `https://` URL alerts are POSTed to.
+    /// `http://` or `https://` URL alerts are POSTed to. It must reach a
+    /// public address: loopback, private, link-local, unique-local and
+    /// unspecified addresses (literal, or what the name resolves to) are
+    /// refused unless the server runs with `--webhook-allow-private`.
     pub webhook_url: Option<String>,
     /// The HMAC-SHA256 key that signs deliveries (16 to 256 characters);
     /// required with `webhook_url`.
@@ -143,12 +175,16 @@ pub async fn set_budget(
     match (&req.webhook_url, &req.webhook_secret) {
         (Some(url), Some(secret)) => {
             let ok_scheme = url.starts_with("http://") || url.starts_with("https://");
-            if !ok_scheme || url.len() > 2048 || reqwest::Url::parse(url).is_err() {
+            let parsed = reqwest::Url::parse(url)
+                .ok()
+                .filter(|_| ok_scheme && url.len() <= 2048);
+            let Some(parsed) = parsed else {
                 return Err(ApiError::field(FieldError::new(
                     "webhook_url",
                     "must be an http:// or https:// URL of at most 2048 characters",
                 )));
-            }
+            };
+            check_webhook_target(&st, &parsed).await?;
             if !(16..=256).contains(&secret.len()) {
                 return Err(ApiError::field(FieldError::new(
                     "webhook_secret",
@@ -189,6 +225,7 @@ pub async fn set_budget(
         updated_at: now,
     };
     st.store().set_budget(&stored).await?;
+    st.billing().budgets.touch([&stored.budget.tenant]);
     tracing::info!(tenant = %stored.budget.tenant, limit = %stored.budget.limit, hard_cap = stored.budget.hard_cap, "budget set");
     Ok(Json(view(&st, stored).await?))
 }

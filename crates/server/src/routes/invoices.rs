@@ -373,6 +373,8 @@ pub async fn add_term(
     let tenant = visible_tenant(&st, &caller, &raw).await?;
     caller.require(&[], "add billing terms")?;
     let now = st.now();
+    // Terms change the month's spend: its budget is rated again.
+    let touched = tenant.clone();
     let stored = match req {
         NewTerm::Commitment {
             id,
@@ -472,5 +474,6 @@ pub async fn add_term(
         }
     }
     .map_err(ApiError::internal)?;
+    st.billing().budgets.touch([&touched]);
     Ok((StatusCode::CREATED, Json(stored)))
 }

@@ -89,7 +89,9 @@ pub async fn get_payouts(
     let book = price_book(st.store(), st.catalog(), now).await?;
     let spot = spot_series(st.store(), &book, period.end).await?;
     let owners = st.store().node_providers().await?;
-    let events = st.store().usage_on_nodes(period).await?;
+    // Summed per node and interval at ingestion: a month of millions of
+    // events reads a few rows per node.
+    let events = st.store().usage_on_nodes(period).await?.events;
     let policy = PayoutPolicy {
         operator_fee_percent: st.config().operator_fee_percent,
     };

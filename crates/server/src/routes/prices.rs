@@ -98,6 +98,7 @@ pub async fn publish_prices(
     let version: PriceVersion = parse_json(&bytes)?;
     book.publish(version.clone(), now).map_err(billing_field)?;
     st.store().insert_price_version(&version, now).await?;
+    st.billing().budgets.touch_all();
     tracing::info!(version = version.version, effective_from = %version.effective_from, key = %caller.key_id, "price version published");
     Ok((StatusCode::CREATED, Json(version)))
 }
