@@ -332,6 +332,8 @@ enum DeliveryTarget {
 /// only to those addresses, so a second, different DNS answer (rebinding)
 /// cannot redirect the POST inward. Redirects are not followed: a public
 /// receiver answering 30x to an internal address would be the same hole.
+/// No HTTP proxy is used (`HTTP_PROXY` and the like are ignored): a proxy
+/// would resolve the name itself, after the check.
 async fn delivery_client(
     url: &str,
     allow_private: bool,
@@ -347,7 +349,8 @@ async fn delivery_client(
     let mut b = reqwest::Client::builder()
         .timeout(DELIVERY_TIMEOUT)
         .user_agent("flotilla-webhooks")
-        .redirect(reqwest::redirect::Policy::none());
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy();
     if host.parse::<std::net::IpAddr>().is_err() {
         b = b.resolve_to_addrs(&host, &addrs);
     }
