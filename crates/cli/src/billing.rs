@@ -9,6 +9,7 @@ use chrono::Utc;
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
+use crate::client;
 use crate::commands::Ctx;
 use crate::output::{outln, print_json, print_table, table};
 
@@ -327,8 +328,21 @@ pub async fn budget(
             ctx.client.put("/v1/budget", &body).await?
         }
         None => {
-            let q: Vec<(&str, String)> = tenant.map(|t| ("tenant", t)).into_iter().collect();
-            ctx.client.get("/v1/budget", &q).await?
+            let q: Vec<(&str, String)> = tenant.iter().map(|t| ("tenant", t.clone())).collect();
+            match ctx.client.get("/v1/budget", &q).await {
+                Ok(raw) => raw,
+                // No budget is a state, not a failure: say so and how to
+                // set one.
+                Err(e) if client::is_not_found(&e) && !ctx.json => {
+                    outln!(
+                        "no budget set for {}: nothing is alerted or capped \
+                         (set one with `flotilla budget set --limit AMOUNT`)",
+                        tenant.as_deref().unwrap_or("your tenant")
+                    )?;
+                    return Ok(ExitCode::SUCCESS);
+                }
+                Err(e) => return Err(e),
+            }
         }
     };
     if ctx.json {

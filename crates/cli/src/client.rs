@@ -88,6 +88,15 @@ pub fn is_conflict(e: &anyhow::Error) -> bool {
     )
 }
 
+/// Whether the server answered 404: the resource does not exist (or is
+/// another tenant's).
+pub fn is_not_found(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<ClientError>(),
+        Some(ClientError::Api { status, .. }) if *status == 404
+    )
+}
+
 /// Whether an error from this module may pass when tried again.
 pub fn is_transient(e: &anyhow::Error) -> bool {
     e.downcast_ref::<ClientError>()
