@@ -98,7 +98,10 @@ fn billing_commands_round_trip_through_the_api() {
         String::from_utf8_lossy(&bad.stderr)
     );
 
-    // Budget: set, then shown with this month's spend.
+    // Budget: none yet is a state, not an error; then set, and shown
+    // with this month's spend.
+    let none = text(&home.cli(Some(&admin), &["budget"]));
+    assert!(none.contains("no budget set"), "{none}");
     let out = text(&home.cli(
         Some(&admin),
         &["budget", "set", "--limit", "250", "--hard-cap"],
