@@ -232,6 +232,25 @@ fn choose_victims<'a>(
     Vec::new()
 }
 
+/// Preempts `victims` for `by` (each gets its notice); the ids of those
+/// it preempted. One that no longer holds GPUs, is already stopping or is
+/// not preemptible is skipped ([`flotilla_store::Store::preempt`]).
+async fn preempt_all(
+    st: &AppState,
+    victims: &[&HeldInstance],
+    by: &WorkId,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<Vec<String>, StoreError> {
+    let mut ids = Vec::new();
+    for h in victims {
+        if st.store().preempt(&h.id, by, now).await? {
+            tracing::info!(victim = %h.id, %by, "instance preempted");
+            ids.push(h.id.to_string());
+        }
+    }
+    Ok(ids)
+}
+
 /// Job members whose job has a time limit: they end by then (the job loop
 /// stops them), which lets a reservation plan the head's start.
 async fn endings(st: &AppState, held: &[HeldInstance]) -> Result<Vec<Ending>, StoreError> {
@@ -519,14 +538,8 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                                 )
                                 .map(|(v, _)| v)
                         });
-                        let mut ids = Vec::new();
-                        for h in victims {
-                            if st.store().preempt(&h.id, &me, now).await? {
-                                tracing::info!(victim = %h.id, by = %job.id, "instance preempted for a job");
-                                ids.push(h.id.to_string());
-                                preempted += 1;
-                            }
-                        }
+                        let ids = preempt_all(st, &victims, &me, now).await?;
+                        preempted += ids.len();
                         if !ids.is_empty() {
                             reason = format!(
                                 "waiting for preempted instances to stop: {}",
@@ -671,15 +684,9 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             .map(|(v, _)| v)
                     });
                     if !victims.is_empty() {
-                        let mut ids = Vec::new();
                         let me = WorkId::Instance(p.id.clone());
-                        for h in victims {
-                            if st.store().preempt(&h.id, &me, now).await? {
-                                tracing::info!(victim = %h.id, by = %p.id, "instance preempted");
-                                ids.push(h.id.to_string());
-                                preempted += 1;
-                            }
-                        }
+                        let ids = preempt_all(st, &victims, &me, now).await?;
+                        preempted += ids.len();
                         if !ids.is_empty() {
                             reason = format!(
                                 "waiting for preempted instances to stop: {}",
