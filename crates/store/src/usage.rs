@@ -261,19 +261,16 @@ fn rejection(index: usize, e: &UsageEvent, err: BillingError) -> Rejection {
     }
 }
 
-/// A multi-row INSERT of `rows` events; `positional`: `?` parameters (the
-/// native SQLite driver), else `$N` (the `Any` driver, PostgreSQL).
-fn insert_sql(rows: usize, positional: bool) -> String {
-    let mut sql = String::with_capacity(64 + rows * COLS * 6);
-    sql.push_str("INSERT INTO usage_events (");
-    sql.push_str(EVENT_COLUMNS);
-    sql.push_str(") VALUES ");
+/// Appends the VALUES tuples of a multi-row statement: `rows` tuples of
+/// `cols` parameters, `?` when `positional` (the native SQLite driver), else
+/// numbered `$1, $2, …` (the `Any` driver, PostgreSQL).
+fn push_values(sql: &mut String, rows: usize, cols: usize, positional: bool) {
     for r in 0..rows {
         if r > 0 {
             sql.push(',');
         }
         sql.push('(');
-        for c in 0..COLS {
+        for c in 0..cols {
             if c > 0 {
                 sql.push(',');
             }
@@ -281,11 +278,21 @@ fn insert_sql(rows: usize, positional: bool) -> String {
                 sql.push('?');
             } else {
                 sql.push('$');
-                sql.push_str(&(r * COLS + c + 1).to_string());
+                sql.push_str(&(r * cols + c + 1).to_string());
             }
         }
         sql.push(')');
     }
+}
+
+/// A multi-row INSERT of `rows` events; `positional`: `?` parameters (the
+/// native SQLite driver), else `$N` (the `Any` driver, PostgreSQL).
+fn insert_sql(rows: usize, positional: bool) -> String {
+    let mut sql = String::with_capacity(64 + rows * COLS * 6);
+    sql.push_str("INSERT INTO usage_events (");
+    sql.push_str(EVENT_COLUMNS);
+    sql.push_str(") VALUES ");
+    push_values(&mut sql, rows, COLS, positional);
     sql.push_str(" ON CONFLICT (tenant_id, source, event_id) DO NOTHING");
     sql
 }
@@ -486,24 +493,7 @@ fn upsert_sql(rows: usize, positional: bool) -> String {
         "INSERT INTO usage_rollup (tenant_id, meter_detail, billing_class, subject_kind, subj, \
          s, end_ms, total, n) VALUES ",
     );
-    for r in 0..rows {
-        if r > 0 {
-            sql.push(',');
-        }
-        sql.push('(');
-        for c in 0..ROLLUP_COLS {
-            if c > 0 {
-                sql.push(',');
-            }
-            if positional {
-                sql.push('?');
-            } else {
-                sql.push('$');
-                sql.push_str(&(r * ROLLUP_COLS + c + 1).to_string());
-            }
-        }
-        sql.push(')');
-    }
+    push_values(&mut sql, rows, ROLLUP_COLS, positional);
     sql.push_str(
         " ON CONFLICT (tenant_id, meter_detail, billing_class, subject_kind, subj, s, end_ms) \
          DO UPDATE SET total = usage_rollup.total + excluded.total, \
@@ -537,24 +527,7 @@ fn node_upsert_sql(rows: usize, positional: bool) -> String {
         "INSERT INTO usage_node_rollup (node_id, meter_detail, billing_class, subject_kind, \
          start_ms, end_ms, total, n) VALUES ",
     );
-    for r in 0..rows {
-        if r > 0 {
-            sql.push(',');
-        }
-        sql.push('(');
-        for c in 0..NODE_ROLLUP_COLS {
-            if c > 0 {
-                sql.push(',');
-            }
-            if positional {
-                sql.push('?');
-            } else {
-                sql.push('$');
-                sql.push_str(&(r * NODE_ROLLUP_COLS + c + 1).to_string());
-            }
-        }
-        sql.push(')');
-    }
+    push_values(&mut sql, rows, NODE_ROLLUP_COLS, positional);
     sql.push_str(
         " ON CONFLICT (node_id, meter_detail, billing_class, subject_kind, start_ms, end_ms) \
          DO UPDATE SET total = usage_node_rollup.total + excluded.total, \
