@@ -8,7 +8,7 @@
 //! change is conditional on the state and attempt the caller saw, so two
 //! passes racing change it once.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
 use flotilla_core::api::{Job, JobEvent, JobMember};
@@ -154,46 +154,74 @@ impl Store {
         Ok(j)
     }
 
+    /// Fills one job's members (every attempt's) and events.
     async fn fill(&self, j: &mut Job) -> Result<()> {
+        self.fill_all(std::slice::from_mut(j)).await
+    }
+
+    /// Fills the members and events of `jobs` (sorted by id) in two
+    /// queries over their id range, rather than two per job.
+    async fn fill_all(&self, jobs: &mut [Job]) -> Result<()> {
+        let (Some(lo), Some(hi)) = (jobs.first(), jobs.last()) else {
+            return Ok(());
+        };
+        let (lo, hi) = (lo.id.to_string(), hi.id.to_string());
+        let mut members: HashMap<String, Vec<JobMember>> = jobs
+            .iter()
+            .map(|j| (j.id.to_string(), Vec::new()))
+            .collect();
         let rows = sqlx::query(
-            "SELECT id, state, node_id, exit_code, job_rank, job_attempt FROM instances \
-             WHERE job_id = $1 ORDER BY job_attempt, job_rank",
+            "SELECT id, job_id, state, node_id, exit_code, job_rank, job_attempt FROM instances \
+             WHERE job_id >= $1 AND job_id <= $2 ORDER BY job_id, job_attempt, job_rank",
         )
-        .bind(j.id.as_str())
+        .bind(&lo)
+        .bind(&hi)
         .fetch_all(self.pool())
         .await?;
-        j.members = rows
+        for r in &rows {
+            // The range may hold jobs of other tenants or states: skip them.
+            let Some(list) = members.get_mut(&r.try_get::<String, _>("job_id")?) else {
+                continue;
+            };
+            let s: String = r.try_get("state")?;
+            let exit: Option<i64> = r.try_get("exit_code")?;
+            list.push(JobMember {
+                rank: small(r.try_get::<Option<i64>, _>("job_rank")?.unwrap_or(0)),
+                attempt: small(r.try_get::<Option<i64>, _>("job_attempt")?.unwrap_or(0)),
+                instance_id: InstanceId::from_trusted(r.try_get("id")?),
+                state: InstanceState::parse(&s)
+                    .ok_or_else(|| StoreError::Corrupt(format!("instance state `{s}`")))?,
+                node_id: r
+                    .try_get::<Option<String>, _>("node_id")?
+                    .map(flotilla_core::id::NodeId::from_trusted),
+                exit_code: exit.map(|c| c.clamp(i32::MIN as i64, i32::MAX as i64) as i32),
+            });
+        }
+        let mut events: HashMap<String, Vec<JobEvent>> = jobs
             .iter()
-            .map(|r| {
-                let s: String = r.try_get("state")?;
-                let exit: Option<i64> = r.try_get("exit_code")?;
-                Ok(JobMember {
-                    rank: small(r.try_get::<Option<i64>, _>("job_rank")?.unwrap_or(0)),
-                    attempt: small(r.try_get::<Option<i64>, _>("job_attempt")?.unwrap_or(0)),
-                    instance_id: InstanceId::from_trusted(r.try_get("id")?),
-                    state: InstanceState::parse(&s)
-                        .ok_or_else(|| StoreError::Corrupt(format!("instance state `{s}`")))?,
-                    node_id: r
-                        .try_get::<Option<String>, _>("node_id")?
-                        .map(flotilla_core::id::NodeId::from_trusted),
-                    exit_code: exit.map(|c| c.clamp(i32::MIN as i64, i32::MAX as i64) as i32),
-                })
-            })
-            .collect::<Result<_>>()?;
-        let rows = sqlx::query("SELECT * FROM job_events WHERE job_id = $1 ORDER BY seq")
-            .bind(j.id.as_str())
-            .fetch_all(self.pool())
-            .await?;
-        j.events = rows
-            .iter()
-            .map(|r| {
-                Ok(JobEvent {
-                    state: state_of(&r.try_get::<String, _>("state")?)?,
-                    reason: r.try_get("reason")?,
-                    at: at(r.try_get("at")?),
-                })
-            })
-            .collect::<Result<_>>()?;
+            .map(|j| (j.id.to_string(), Vec::new()))
+            .collect();
+        let rows = sqlx::query(
+            "SELECT * FROM job_events WHERE job_id >= $1 AND job_id <= $2 ORDER BY job_id, seq",
+        )
+        .bind(&lo)
+        .bind(&hi)
+        .fetch_all(self.pool())
+        .await?;
+        for r in &rows {
+            let Some(list) = events.get_mut(&r.try_get::<String, _>("job_id")?) else {
+                continue;
+            };
+            list.push(JobEvent {
+                state: state_of(&r.try_get::<String, _>("state")?)?,
+                reason: r.try_get("reason")?,
+                at: at(r.try_get("at")?),
+            });
+        }
+        for j in jobs.iter_mut() {
+            j.members = members.remove(j.id.as_str()).unwrap_or_default();
+            j.events = events.remove(j.id.as_str()).unwrap_or_default();
+        }
         Ok(())
     }
 
@@ -216,9 +244,7 @@ impl Store {
         .await?;
         let items = rows.iter().map(job).collect::<Result<Vec<_>>>()?;
         let mut page = PageOf::from_overfetch(items, page, |j| j.id.to_string());
-        for j in &mut page.items {
-            self.fill(j).await?;
-        }
+        self.fill_all(&mut page.items).await?;
         Ok(page)
     }
 

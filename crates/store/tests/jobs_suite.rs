@@ -33,6 +33,7 @@ flotilla_testkit::backend_suite!(
     a_gang_is_scheduled_whole_or_not_at_all,
     a_preempted_member_is_not_requeued_alone,
     preemptors_are_promised_their_victims_gpus_and_limits_are_read,
+    a_page_of_jobs_carries_each_jobs_own_members_and_events,
 );
 
 async fn tenant(s: &Store, name: &str) -> TenantId {
@@ -373,4 +374,60 @@ async fn preemptors_are_promised_their_victims_gpus_and_limits_are_read(s: &Stor
     s.cancel_job(&by_job, t0()).await.unwrap();
     s.request_stop(&by_inst, t0()).await.unwrap();
     assert!(s.promised_gpus().await.unwrap().is_empty());
+}
+
+/// A listed page reads members and events for its id range at once: each
+/// job must still get exactly its own, even with another tenant's jobs
+/// between them in id order.
+async fn a_page_of_jobs_carries_each_jobs_own_members_and_events(s: &Store) {
+    let a = tenant(s, "pages-a").await;
+    let b = tenant(s, "pages-b").await;
+    let n1 = node(s, &a, "p1", 2).await;
+    let n2 = node(s, &a, "p2", 2).await;
+    // Ids in creation order: a's first, b's, a's second.
+    let (j1, jb, j2) = (
+        JobId::generate(10, rnd()),
+        JobId::generate(11, rnd()),
+        JobId::generate(12, rnd()),
+    );
+    s.create_job(&j1, &a, &spec(2, 2), t0()).await.unwrap();
+    s.create_job(&jb, &b, &spec(2, 1), t0()).await.unwrap();
+    s.create_job(&j2, &a, &spec(2, 1), t0()).await.unwrap();
+    let p = plans(s, 1, &[n1.clone(), n2.clone()]).await;
+    let m1 = ids(2);
+    s.schedule_job(&j1, 0, &p, &m1, t0()).await.unwrap();
+    let pb = plans(s, 1, std::slice::from_ref(&n1)).await;
+    let mb = ids(1);
+    s.schedule_job(&jb, 0, &pb, &mb, t0()).await.unwrap();
+    s.cancel_job(&j2, t0()).await.unwrap();
+
+    let page = s
+        .list_jobs(Some(&a), None, &PageReq::new(None, 10))
+        .await
+        .unwrap();
+    let listed: Vec<&JobId> = page.items.iter().map(|j| &j.id).collect();
+    assert_eq!(listed, vec![&j1, &j2]);
+    let members: Vec<&InstanceId> = page.items[0]
+        .members
+        .iter()
+        .map(|m| &m.instance_id)
+        .collect();
+    assert_eq!(members.len(), 2);
+    assert!(members.iter().all(|m| m1.contains(m)), "{members:?}");
+    assert!(page.items[1].members.is_empty());
+    let states = |j: &flotilla_core::api::Job| j.events.iter().map(|e| e.state).collect::<Vec<_>>();
+    assert_eq!(
+        states(&page.items[0]),
+        vec![JobState::Queued, JobState::Running]
+    );
+    assert_eq!(
+        states(&page.items[1]),
+        vec![JobState::Queued, JobState::Cancelled]
+    );
+    // The same as reading each alone.
+    for j in &page.items {
+        let one = s.job(&j.id).await.unwrap();
+        assert_eq!(one.members.len(), j.members.len());
+        assert_eq!(one.events.len(), j.events.len());
+    }
 }
