@@ -26,6 +26,7 @@ pub mod kpa;
 pub mod observe;
 pub mod policy;
 pub mod ray;
+pub mod vertical;
 
 pub use flotilla::{ColdStart, Flotilla, FlotillaConfig, ServiceModel};
 pub use hpa::{
@@ -36,6 +37,7 @@ pub use kpa::{Kpa, KpaConfig};
 pub use observe::{Aggregation, Latency, Observation, Signal};
 pub use policy::{Bounds, Decision, Policy, Reason};
 pub use ray::{RayServe, RayServeConfig};
+pub use vertical::{GpuClass, Move, Vertical, VerticalConfig, VerticalSignals};
 
 /// Errors of this crate: all are invalid configuration, caught when a
 /// policy is built so that deciding never fails.
