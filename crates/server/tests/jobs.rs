@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use flotilla_core::api::{ObservedInstance, ObservedPhase};
+use flotilla_core::api::ObservedPhase;
 use flotilla_testkit::server::{fast, TestServer};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -64,33 +64,6 @@ impl Server {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
         panic!("{id} never {what}: {}", self.job(key, id).await);
-    }
-
-    /// One agent sync of `node` reporting `observed`; its assignments.
-    async fn sync(
-        &self,
-        key: &str,
-        node: &str,
-        observed: Vec<(String, ObservedPhase)>,
-    ) -> Vec<Value> {
-        let observed: Vec<ObservedInstance> = observed
-            .into_iter()
-            .map(|(id, phase)| ObservedInstance {
-                instance_id: serde_json::from_value(json!(id)).unwrap(),
-                phase,
-                at: chrono::Utc::now(),
-            })
-            .collect();
-        self.ok(
-            key,
-            Method::POST,
-            &format!("/v1/agent/nodes/{node}/sync"),
-            Some(json!({"observed": observed, "wait_ms": 0})),
-        )
-        .await["assignments"]
-            .as_array()
-            .unwrap()
-            .clone()
     }
 
     /// Reports `phase` for `member` from the node it runs on.

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use flotilla_core::api::{ObservedInstance, ObservedPhase};
+use flotilla_core::api::ObservedPhase;
 use flotilla_testkit::server::{fast, TestServer};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -36,33 +36,6 @@ impl Server {
     /// A node of `gpus` H100s.
     async fn node(&self, key: &str, name: &str, gpus: u32) -> String {
         self.register_node(key, name, &[("H100", gpus)]).await
-    }
-
-    /// One agent sync reporting `observed`; the node's assignments.
-    async fn sync(
-        &self,
-        key: &str,
-        node: &str,
-        observed: Vec<(String, ObservedPhase)>,
-    ) -> Vec<Value> {
-        let observed: Vec<ObservedInstance> = observed
-            .into_iter()
-            .map(|(id, phase)| ObservedInstance {
-                instance_id: serde_json::from_value(json!(id)).unwrap(),
-                phase,
-                at: chrono::Utc::now(),
-            })
-            .collect();
-        self.ok(
-            key,
-            Method::POST,
-            &format!("/v1/agent/nodes/{node}/sync"),
-            Some(json!({"observed": observed, "wait_ms": 0})),
-        )
-        .await["assignments"]
-            .as_array()
-            .unwrap()
-            .clone()
     }
 
     async fn instance(&self, key: &str, id: &str) -> Value {

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use flotilla_core::api::{ObservedInstance, ObservedPhase};
+use flotilla_core::api::ObservedPhase;
 use flotilla_testkit::server::{fast, TestServer};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -37,24 +37,6 @@ async fn wait_for(
     panic!("{id} never {what}: {}", instance(s, key, id).await);
 }
 
-async fn sync(s: &TestServer, key: &str, node: &str, observed: Vec<(String, ObservedPhase)>) {
-    let observed: Vec<ObservedInstance> = observed
-        .into_iter()
-        .map(|(id, phase)| ObservedInstance {
-            instance_id: serde_json::from_value(json!(id)).unwrap(),
-            phase,
-            at: chrono::Utc::now(),
-        })
-        .collect();
-    s.ok(
-        key,
-        Method::POST,
-        &format!("/v1/agent/nodes/{node}/sync"),
-        Some(json!({"observed": observed, "wait_ms": 0})),
-    )
-    .await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpus_freed_by_a_preemption_go_to_the_preemptor_not_a_third_party() {
     let s = flotilla_testkit::server::start(fast()).await;
@@ -78,8 +60,7 @@ async fn gpus_freed_by_a_preemption_go_to_the_preemptor_not_a_third_party() {
         i["state"] == "scheduled"
     })
     .await;
-    sync(
-        &s,
+    s.sync(
         &provider,
         &node,
         vec![(victim.clone(), ObservedPhase::Running { pid: 1 })],
@@ -102,8 +83,7 @@ async fn gpus_freed_by_a_preemption_go_to_the_preemptor_not_a_third_party() {
     .await;
     let q = s.ok(&s.operator, Method::GET, "/v1/queue", None).await;
     assert_eq!(q["items"][0]["instance"]["id"], urgent.as_str(), "{q}");
-    sync(
-        &s,
+    s.sync(
         &provider,
         &node,
         vec![(
@@ -204,8 +184,7 @@ async fn work_within_its_guarantee_reclaims_borrowed_capacity() {
         i["state"] == "scheduled"
     })
     .await;
-    sync(
-        &s,
+    s.sync(
         &provider,
         &node,
         vec![(lent.clone(), ObservedPhase::Running { pid: 1 })],
@@ -250,8 +229,7 @@ async fn work_within_its_guarantee_reclaims_borrowed_capacity() {
     })
     .await;
     assert_eq!(v["preempted_by"], mine.as_str());
-    sync(
-        &s,
+    s.sync(
         &provider,
         &node,
         vec![(
@@ -289,8 +267,7 @@ async fn backfill_goes_around_the_blocked_head_and_never_delays_it() {
         i["state"] == "scheduled"
     })
     .await;
-    sync(
-        &s,
+    s.sync(
         &provider,
         &big,
         vec![(running.clone(), ObservedPhase::Running { pid: 1 })],
@@ -329,8 +306,7 @@ async fn backfill_goes_around_the_blocked_head_and_never_delays_it() {
     assert_eq!(instance(&s, &key, &second).await["state"], "pending");
 
     // The running work ends: the head starts at once on the freed node.
-    sync(
-        &s,
+    s.sync(
         &provider,
         &big,
         vec![(

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use flotilla_core::api::{DiscoveredGpu, RegisterNode};
+use flotilla_core::api::{DiscoveredGpu, ObservedInstance, ObservedPhase, RegisterNode};
 use flotilla_core::catalog::Vendor;
 use flotilla_server::{bootstrap, open_store, serve, ServerConfig, Store};
 use reqwest::{Method, StatusCode};
@@ -166,6 +166,34 @@ impl TestServer {
             )
             .await;
         k["secret"].as_str().expect("key secret").to_string()
+    }
+
+    /// One agent sync of `node` reporting `observed` (instance id, phase),
+    /// answered at once; the node's assignments.
+    pub async fn sync(
+        &self,
+        key: &str,
+        node: &str,
+        observed: Vec<(String, ObservedPhase)>,
+    ) -> Vec<Value> {
+        let observed: Vec<ObservedInstance> = observed
+            .into_iter()
+            .map(|(id, phase)| ObservedInstance {
+                instance_id: serde_json::from_value(json!(id)).expect("an instance id"),
+                phase,
+                at: chrono::Utc::now(),
+            })
+            .collect();
+        self.ok(
+            key,
+            Method::POST,
+            &format!("/v1/agent/nodes/{node}/sync"),
+            Some(json!({"observed": observed, "wait_ms": 0})),
+        )
+        .await["assignments"]
+            .as_array()
+            .expect("assignments")
+            .clone()
     }
 
     /// Registers a node with simulated GPUs (`[("H100", 4), ("L40S", 2)]`)
