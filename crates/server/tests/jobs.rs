@@ -44,6 +44,20 @@ impl Server {
         b["id"].as_str().unwrap().to_string()
     }
 
+    /// Submits a job, waits for it to be placed and reports every member
+    /// of its first attempt running, as its agents would; its id and state.
+    async fn start_job(&self, key: &str, provider: &str, body: Value) -> (String, Value) {
+        let id = self.submit(key, body).await;
+        let j = self
+            .wait_job(key, &id, "running", |j| j["state"] == "running")
+            .await;
+        let ranks = j["spec"]["nodes"].as_u64().expect("spec.nodes") as usize;
+        for r in 0..ranks {
+            self.report(provider, &j, r, running()).await;
+        }
+        (id, j)
+    }
+
     async fn job(&self, key: &str, id: &str) -> Value {
         self.ok(key, Method::GET, &format!("/v1/jobs/{id}"), None)
             .await
@@ -233,18 +247,7 @@ async fn a_gang_is_placed_whole_across_two_nodes_or_not_at_all() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_member_stops_the_gang_which_restarts_until_it_succeeds_or_runs_out() {
     let (s, key, provider, _) = setup(2, 1).await;
-    let id = s
-        .submit(
-            &key,
-            json!({"gpus": 2, "nodes": 2, "command": ["train"], "restart_policy": "on_failure", "max_retries": 1}),
-        )
-        .await;
-    let j = s
-        .wait_job(&key, &id, "running", |j| j["state"] == "running")
-        .await;
-    for r in 0..2 {
-        s.report(&provider, &j, r, running()).await;
-    }
+    let (id, j) = s.start_job(&key, &provider, json!({"gpus": 2, "nodes": 2, "command": ["train"], "restart_policy": "on_failure", "max_retries": 1})).await;
     // Rank 1 fails: rank 0 is told to stop.
     s.report(&provider, &j, 1, exited(3, false)).await;
     let r0 = current(&j, 0)["instance_id"].as_str().unwrap().to_string();
@@ -345,15 +348,13 @@ async fn a_failing_member_stops_the_gang_which_restarts_until_it_succeeds_or_run
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_stops_every_member() {
     let (s, key, provider, _) = setup(2, 1).await;
-    let id = s
-        .submit(&key, json!({"gpus": 2, "nodes": 2, "command": ["train"]}))
+    let (id, j) = s
+        .start_job(
+            &key,
+            &provider,
+            json!({"gpus": 2, "nodes": 2, "command": ["train"]}),
+        )
         .await;
-    let j = s
-        .wait_job(&key, &id, "running", |j| j["state"] == "running")
-        .await;
-    for r in 0..2 {
-        s.report(&provider, &j, r, running()).await;
-    }
     let c = s
         .ok(&key, Method::POST, &format!("/v1/jobs/{id}/cancel"), None)
         .await;
@@ -383,18 +384,13 @@ async fn preempting_one_member_requeues_the_whole_job() {
     let (s, key, provider, _) = setup(2, 1).await;
     let t2 = s.create_tenant("serving").await;
     let dedicated = s.key(&t2, "tenant_member").await;
-    let id = s
-        .submit(
+    let (id, j) = s
+        .start_job(
             &key,
+            &provider,
             json!({"gpus": 2, "nodes": 2, "command": ["train"], "billing_class": "spot"}),
         )
         .await;
-    let j = s
-        .wait_job(&key, &id, "running", |j| j["state"] == "running")
-        .await;
-    for r in 0..2 {
-        s.report(&provider, &j, r, running()).await;
-    }
     let (status, b) = s
         .call(
             &dedicated,
@@ -541,18 +537,13 @@ async fn preemption_spares_a_gang_when_a_lone_instance_makes_room() {
         .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     // ...and a younger spot gang fill the node.
-    let id = s
-        .submit(
+    let (_, j) = s
+        .start_job(
             &key,
+            &provider,
             json!({"gpus": 2, "nodes": 2, "command": ["train"], "billing_class": "spot"}),
         )
         .await;
-    let j = s
-        .wait_job(&key, &id, "running", |j| j["state"] == "running")
-        .await;
-    for r in 0..2 {
-        s.report(&provider, &j, r, running()).await;
-    }
     let (status, b) = s
         .call(
             &dedicated,
