@@ -37,8 +37,8 @@ use rand::Rng;
 use crate::alloc::{Allocation, AllocationId, Tenant, Tier};
 use crate::filter::{check, Explanation};
 use crate::gang::{
-    place_gang, restricted, scope_nodes, scopes_by_free, Gang, GangDecision, GangPlacement,
-    Locality,
+    close_host, place_gang, restricted, scope_nodes, scopes_by_free, Gang, GangDecision,
+    GangPlacement, Locality,
 };
 use crate::request::Request;
 use crate::select::{Decision, Engine, Placement};
@@ -70,9 +70,21 @@ impl Preemptor {
         if victim.tier == Tier::Dedicated || !victim.preemptible {
             return false;
         }
-        self.tier < victim.tier
-            || self.priority > victim.priority
-            || (self.reclaiming && victim.borrowed && victim.tenant != self.tenant)
+        // Lexicographic, as the queue orders work (crate::queue::order):
+        // were "a better tier or a higher priority" enough, a tier-2 work
+        // of priority 0 and a tier-3 work of priority 5 could each evict
+        // the other, and whichever the queue placed first would be
+        // preempted by the other on the next pass.
+        // Reclaiming a guarantee takes borrowed capacity back from work
+        // that does not outrank the reclaimer (Kueue's "lower or equal
+        // priority" reclaim): the same rank order again, so that work
+        // the queue placed first is never reclaimed by work behind it.
+        let outranks = self.tier < victim.tier
+            || (self.tier == victim.tier && self.priority > victim.priority);
+        let not_outranked = self.tier < victim.tier
+            || (self.tier == victim.tier && self.priority >= victim.priority);
+        outranks
+            || (self.reclaiming && not_outranked && victim.borrowed && victim.tenant != self.tenant)
     }
 }
 
@@ -268,6 +280,9 @@ pub fn plan_gang<R: Rng + ?Sized>(
         for (i, req) in gang.members.iter().enumerate() {
             if let Decision::Placed(p) = engine.decide(&scratch, req, rng) {
                 if scratch.commit(req, &p).is_ok() {
+                    if gang.spread {
+                        close_host(&mut scratch, p.node);
+                    }
                     members.push(p);
                     continue;
                 }
@@ -283,6 +298,9 @@ pub fn plan_gang<R: Rng + ?Sized>(
                 Ok((victims, c)) => {
                     match evict_and_place(engine, &mut scratch, &left, &victims, req, rng) {
                         Some(p) if scratch.commit(req, &p).is_ok() => {
+                            if gang.spread {
+                                close_host(&mut scratch, p.node);
+                            }
                             evicted.extend(victims.iter().map(|&v| left_idx[v]));
                             cost = cost.add(c);
                             members.push(p);

@@ -1,7 +1,8 @@
 //! The queue: in what order pending work is tried, and when smaller work
 //! may jump ahead of a blocked head (backfill).
 //!
-//! Order ([`order`]): priority first (higher first); within a priority,
+//! Order ([`order`]): tier first (tier 1 first), then priority (higher
+//! first), the lexicographic rank preemption also uses; within a level,
 //! weighted fair share across tenants; then FIFO by submission time.
 //!
 //! Fair share is dominant-resource fairness (DRF) over *recent* usage: each
@@ -9,7 +10,9 @@
 //! with a configurable half-life, so last week's burst does not starve a
 //! tenant today but last hour's does count. A tenant's dominant share is its
 //! largest usage fraction across the three resources, divided by its weight
-//! (tenant weight × the weight of the item's tier). Within a priority the
+//! (tenant weight × the weight of the item's tier; within one level every
+//! item has the same tier, so the tier weight scales all tenants alike and
+//! only matters to callers comparing shares across tiers). Within a level the
 //! queue interleaves tenants by progressive filling: it repeatedly takes the
 //! oldest item of the tenant with the lowest dominant share, then charges
 //! that tenant the item's projected usage (demand × expected runtime, or a
@@ -169,6 +172,19 @@ impl FairShareState {
         }
     }
 
+    /// Counts work `tenant` holds now the way [`order`] counts an item it
+    /// picks: `held` for `runtime_ms` more. Without it, placing some of a
+    /// tenant's work would lower that tenant's projected usage on the next
+    /// pass (the placed items are no longer queued) and reorder the rest:
+    /// the pass planner calls this for running work so that a plan
+    /// applied and planned again decides the same ([`crate::pass`]).
+    pub fn project(&mut self, tenant: Tenant, held: Resources, runtime_ms: u64) {
+        let t = self.entry(tenant);
+        for (u, r) in t.usage.iter_mut().zip(held.as_array()) {
+            *u += r as f64 * runtime_ms as f64;
+        }
+    }
+
     /// `tenant`'s decayed usage at `now_ms` (resource·ms).
     fn usage_at(&self, tenant: Tenant, now_ms: u64) -> [f64; 3] {
         let f = self.decay(now_ms.saturating_sub(self.as_of_ms));
@@ -215,10 +231,14 @@ pub struct QueueItem {
 /// equal keys fall back to submission time, then index.
 pub fn order(pending: &[QueueItem], usage: &FairShareState, now_ms: u64) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..pending.len()).collect();
+    // Levels: tier (1 first), then priority (higher first), the same
+    // lexicographic rank preemption uses (crate::preempt::Preemptor), so
+    // the queue never places work ahead of work that would then evict it.
     idx.sort_by(|&a, &b| {
         let (x, y) = (&pending[a], &pending[b]);
-        y.priority
-            .cmp(&x.priority)
+        x.tier
+            .cmp(&y.tier)
+            .then(y.priority.cmp(&x.priority))
             .then(x.submitted_ms.cmp(&y.submitted_ms))
             .then(a.cmp(&b))
     });
@@ -226,10 +246,10 @@ pub fn order(pending: &[QueueItem], usage: &FairShareState, now_ms: u64) -> Vec<
     let mut out = Vec::with_capacity(pending.len());
     let mut start = 0;
     while start < idx.len() {
-        let prio = pending[idx[start]].priority;
+        let level = (pending[idx[start]].tier, pending[idx[start]].priority);
         let end = idx[start..]
             .iter()
-            .position(|&i| pending[i].priority != prio)
+            .position(|&i| (pending[i].tier, pending[i].priority) != level)
             .map_or(idx.len(), |p| start + p);
         // Per tenant, FIFO (idx is already in submission order).
         let mut queues: BTreeMap<Tenant, std::collections::VecDeque<usize>> = BTreeMap::new();
