@@ -792,24 +792,6 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
         );
     }
     share.advance(snap.now_ms);
-    // Work running now counts as an item picked for its remaining time
-    // (see FairShareState::project).
-    for r in &snap.running {
-        let runtime = r
-            .ends_by_ms
-            .map_or(snap.fair_share.default_runtime_ms, |e| {
-                e.saturating_sub(snap.now_ms)
-            });
-        share.project(
-            r.tenant,
-            Resources {
-                gpu_milli: held_milli(r),
-                cpu_milli: 0,
-                mem_mib: 0,
-            },
-            runtime,
-        );
-    }
     for (&t, p) in &snap.tenants {
         if p.weight > 0.0 && p.weight.is_finite() {
             let _ = share.set_weight(t, p.weight);
@@ -834,7 +816,30 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
             }
         })
         .collect();
-    let order = queue::order(&items, &share, snap.now_ms);
+    // Work running now counts as an item picked at its own rank for its
+    // remaining time (see queue::order_with_running).
+    let running_items: Vec<QueueItem> = snap
+        .running
+        .iter()
+        .map(|r| QueueItem {
+            tenant: r.tenant,
+            tier: r.tier,
+            priority: r.priority,
+            submitted_ms: r.started_ms,
+            demand: Resources {
+                gpu_milli: held_milli(r),
+                cpu_milli: 0,
+                mem_mib: 0,
+            },
+            expected_runtime_ms: Some(
+                r.ends_by_ms
+                    .map_or(snap.fair_share.default_runtime_ms, |e| {
+                        e.saturating_sub(snap.now_ms)
+                    }),
+            ),
+        })
+        .collect();
+    let order = queue::order_with_running(&items, &running_items, &share, snap.now_ms);
     let mut picker = Picker::new(snap, &order);
     // Fragmentation-aware scorers measure against this pass's mix.
     let shapes: Vec<Request> = snap
@@ -862,7 +867,26 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
         .iter()
         .any(|a| a.preemptible && a.tier != Tier::Dedicated && a.borrowed);
 
+    // The scorer's cache is per cluster: one engine for the pool, one for
+    // the pool outside the head's machines, one for scratch copies (gangs,
+    // reservations), so that none of them flushes another's.
+    let mut engine_out = Engine::new(snap.policy.scorer(&workload));
+    let mut engine_scratch = Engine::new(snap.policy.scorer(&workload));
+    // Offers of victims per preemptor rank (tier, priority, singles only),
+    // built on first use; victims chosen leave every offer.
+    let mut offers: HashMap<(Tier, i32, bool), Offer> = HashMap::new();
+    // Within one pass the pool only fills (and victims only leave the
+    // offers), so a shape that found no room, no room outside the head's
+    // machines, or no victims, finds none later in the pass either.
+    let mut no_fit: HashMap<ShapeKey, String> = HashMap::new();
+    let mut no_fit_outside: std::collections::HashSet<ShapeKey> = Default::default();
+    let mut no_victims: std::collections::HashSet<(ShapeKey, Tier, i32, Option<Tenant>)> =
+        Default::default();
+    // The pool with the head's machines cordoned, kept in step with it.
+    let mut outside: Option<Cluster> = None;
+
     let mut reservation: Option<(WorkKey, Reservation)> = None;
+    let mut head_ask: (Tenant, u64) = (0, 0);
     while let Some(qi) = picker.next(snap, &held) {
         let w = &snap.queue[qi];
         out.order.push(w.key);
@@ -875,11 +899,22 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
         let policy = snap.tenants.get(&w.tenant);
         let unlimited = TenantPolicy::unlimited();
         let policy = policy.unwrap_or(&unlimited);
-        let h = held.get(&w.tenant).cloned().unwrap_or_default();
+        let empty = Held::default();
+        let h = held.get(&w.tenant).unwrap_or(&empty);
         let ask = w.gpu.milli() * members as u64;
+        // The head's reservation holds its tenant's quota for it too:
+        // otherwise the tenant's later work could take the quota the head
+        // waits with, and the head would lose its place on the next pass.
+        let head_quota = match &reservation {
+            Some((_, _)) if head_ask.0 == w.tenant => head_ask.1,
+            _ => 0,
+        };
         let used = QuotaUse {
             guaranteed_milli: h.guaranteed,
-            borrowed_milli: h.total.saturating_sub(h.guaranteed),
+            borrowed_milli: h
+                .total
+                .saturating_sub(h.guaranteed)
+                .saturating_add(head_quota),
         };
         let admission = quota::admit(&policy.quota, &used, ask, u64::MAX);
         let borrowed_now = match admission {
@@ -898,211 +933,339 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
         let req = Request::new(demand, w.cpu_milli, w.mem_mib).with_models(models);
         let mut gang = Gang::uniform(req, members, w.locality);
         gang.spread = w.spread && members > 1;
+        let shape = ShapeKey {
+            req,
+            members,
+            locality: w.locality,
+            spread: gang.spread,
+        };
 
         // Its promised capacity is offered to it alone.
         let mine = promised.remove(&w.key).unwrap_or_default();
         for (r, p) in &mine {
             let _ = pool.cluster.release(r, p);
+            if let Some(o) = outside.as_mut() {
+                let _ = o.release(r, p);
+            }
         }
-        let mut decision = place_gang(&mut engine, &pool.cluster, &gang, &mut rng);
+        let cached = if mine.is_empty() {
+            no_fit.get(&shape).cloned()
+        } else {
+            None
+        };
+        let mut decision = match &cached {
+            Some(_) => None,
+            None => place(
+                &mut engine,
+                &mut engine_scratch,
+                &pool.cluster,
+                &gang,
+                &mut rng,
+            ),
+        };
         let mut backfilled = false;
-        if let (GangDecision::Placed(p), Some((head, res)), true) =
+        let mut behind: Option<WorkKey> = None;
+        if let (Some(p), Some((head, res)), true) =
             (&decision, reservation.as_mut(), mine.is_empty())
         {
             let ends = w.max_runtime_ms.map(|t| snap.now_ms.saturating_add(t));
             let mut trial = res.clone();
-            let fine = p
-                .members
-                .iter()
-                .all(|m| trial.admit_backfill(&req, m, ends));
-            if fine {
+            if p.iter().all(|m| trial.admit_backfill(&req, m, ends)) {
                 *res = trial;
                 backfilled = true;
             } else {
-                // Try around the head's nodes.
-                let mut outside = pool.cluster.clone();
-                for &n in &res.nodes {
-                    let _ = outside.set_cordoned(n, true);
-                }
-                match place_gang(&mut engine, &outside, &gang, &mut rng) {
-                    GangDecision::Placed(q) => {
-                        decision = GangDecision::Placed(q);
+                let around = match outside.as_ref() {
+                    Some(o) if !no_fit_outside.contains(&shape) => {
+                        place(&mut engine_out, &mut engine_scratch, o, &gang, &mut rng)
+                    }
+                    _ => None,
+                };
+                match around {
+                    Some(q) => {
+                        decision = Some(q);
                         backfilled = true;
                     }
-                    GangDecision::Unschedulable(_) => {
-                        let head = *head;
-                        for (r, p) in mine {
-                            let _ = pool.cluster.commit(&r, &p);
-                        }
-                        out.waiting.push((w.key, Wait::BehindHead(head)));
-                        continue;
+                    None => {
+                        // It fits only where it would delay the head: as
+                        // far as the head allows, it fits nowhere (it may
+                        // still preempt off the head's machines, as it
+                        // would on the next pass).
+                        no_fit_outside.insert(shape);
+                        behind = Some(*head);
+                        decision = None;
                     }
                 }
             }
         }
-        match decision {
-            GangDecision::Placed(p) => {
-                let mut placed = Vec::with_capacity(members);
-                let mut ok = true;
-                let ends = w.max_runtime_ms.map(|t| snap.now_ms.saturating_add(t));
-                for m in &p.members {
-                    match (pool.cluster.commit(&req, m), pool.member(m, &req)) {
-                        (Ok(()), Some(mp)) => placed.push(mp),
-                        _ => ok = false,
-                    }
-                    // A later head's reservation counts on its end, as it
-                    // will once this runs.
-                    if ends.is_some() {
-                        ending.push(Running {
-                            request: req,
-                            placement: m.clone(),
-                            expected_end_ms: ends,
-                        });
-                    }
+        if let Some(p) = decision {
+            let mut placed = Vec::with_capacity(members);
+            let mut ok = true;
+            let ends = w.max_runtime_ms.map(|t| snap.now_ms.saturating_add(t));
+            for m in &p {
+                match (pool.cluster.commit(&req, m), pool.member(m, &req)) {
+                    (Ok(()), Some(mp)) => placed.push(mp),
+                    _ => ok = false,
                 }
-                debug_assert!(ok, "the engine proposed a placement that does not fit");
-                if !ok {
-                    out.waiting.push((
-                        w.key,
-                        Wait::NoFit("internal: inconsistent placement".into()),
-                    ));
-                    continue;
+                if let Some(o) = outside.as_mut() {
+                    let _ = o.commit(&req, m);
                 }
-                let e = held.entry(w.tenant).or_default();
-                e.total = e.total.saturating_add(ask);
-                if !borrowed_now {
-                    e.guaranteed = e.guaranteed.saturating_add(ask);
+                // A later head's reservation counts on its end, as it
+                // will once this runs.
+                if ends.is_some() {
+                    ending.push(Running {
+                        request: req,
+                        placement: m.clone(),
+                        expected_end_ms: ends,
+                    });
                 }
-                for m in &placed {
-                    let sum: u64 = m.gpus.iter().map(|&(_, x)| u64::from(x)).sum();
-                    *e.per_model.entry(m.model.clone()).or_default() += sum;
-                }
-                out.placements.push(Placed {
-                    key: w.key,
-                    members: placed,
-                    borrowed: borrowed_now,
-                    backfilled,
-                });
             }
-            GangDecision::Unschedulable(why) => {
-                // Mask its promised capacity again: it waits for the rest.
-                for (r, p) in &mine {
-                    let _ = pool.cluster.commit(r, p);
-                }
-                if !mine.is_empty() {
-                    promised.insert(w.key, mine);
-                }
-                let waiting_on = stopping_for.get(&w.key).cloned().unwrap_or_default();
-                if !waiting_on.is_empty() {
-                    out.waiting.push((w.key, Wait::VictimsStopping(waiting_on)));
+            debug_assert!(ok, "the engine proposed a placement that does not fit");
+            if !ok {
+                out.waiting.push((
+                    w.key,
+                    Wait::NoFit("internal: inconsistent placement".into()),
+                ));
+                continue;
+            }
+            let e = held.entry(w.tenant).or_default();
+            e.total = e.total.saturating_add(ask);
+            if !borrowed_now {
+                e.guaranteed = e.guaranteed.saturating_add(ask);
+            }
+            for m in &placed {
+                let sum: u64 = m.gpus.iter().map(|&(_, x)| u64::from(x)).sum();
+                *e.per_model.entry(m.model.clone()).or_default() += sum;
+            }
+            out.placements.push(Placed {
+                key: w.key,
+                members: placed,
+                borrowed: borrowed_now,
+                backfilled,
+            });
+            continue;
+        }
+
+        // It fits nowhere now. Mask its promised capacity again: it waits
+        // for the rest.
+        for (r, p) in &mine {
+            let _ = pool.cluster.commit(r, p);
+            if let Some(o) = outside.as_mut() {
+                let _ = o.commit(r, p);
+            }
+        }
+        if !mine.is_empty() {
+            promised.insert(w.key, mine);
+        }
+        let waiting_on = stopping_for.get(&w.key).cloned().unwrap_or_default();
+        if !waiting_on.is_empty() {
+            out.waiting.push((w.key, Wait::VictimsStopping(waiting_on)));
+            continue;
+        }
+        let who = Preemptor {
+            tenant: w.tenant,
+            tier: w.tier,
+            priority: w.priority,
+            // Only a real guarantee, and only for GPUs, reclaims.
+            reclaiming: matches!(admission, Admission::Guaranteed)
+                && policy.quota.guaranteed_milli > 0
+                && ask > 0,
+        };
+        let may_preempt = weakest_tier.is_some_and(|t| w.tier < t)
+            || lowest_priority.is_some_and(|p| w.priority > p)
+            || (who.reclaiming && any_borrowed);
+        let victim_key = (
+            shape,
+            w.tier,
+            w.priority,
+            who.reclaiming.then_some(w.tenant),
+        );
+        let mut victims: Vec<usize> = Vec::new();
+        if may_preempt && !no_victims.contains(&victim_key) {
+            // Single-member work first: preempting a gang's member stops
+            // the whole gang, on other machines too.
+            for singles_only in [true, false] {
+                let offer = offers
+                    .entry((w.tier, w.priority, singles_only))
+                    .or_insert_with(|| {
+                        Offer::build(&allocations, &alloc_work, |a, wi| {
+                            !stopping[wi]
+                                && (!singles_only || single[wi])
+                                && Preemptor {
+                                    reclaiming: false,
+                                    ..who
+                                }
+                                .may_evict(a)
+                        })
+                    });
+                // Reclaiming adds borrowed work of other tenants that the
+                // rank alone does not reach.
+                let extra: Vec<Allocation>;
+                let extra_map: Vec<usize>;
+                let (list, map): (&[Allocation], &[usize]) = if who.reclaiming {
+                    let mut map = offer.work.clone();
+                    let mut list = offer.list.clone();
+                    for (a, &wi) in allocations.iter().zip(&alloc_work) {
+                        if !stopping[wi]
+                            && (!singles_only || single[wi])
+                            && who.may_evict(a)
+                            && !offer.has(wi)
+                        {
+                            list.push(Allocation {
+                                id: list.len() as u64,
+                                ..a.clone()
+                            });
+                            map.push(wi);
+                        }
+                    }
+                    extra = list;
+                    extra_map = map;
+                    (&extra, &extra_map)
+                } else {
+                    (&offer.list, &offer.work)
+                };
+                if list.is_empty() {
                     continue;
                 }
-                let who = Preemptor {
-                    tenant: w.tenant,
-                    tier: w.tier,
-                    priority: w.priority,
-                    // Only a real guarantee, and only for GPUs, reclaims.
-                    reclaiming: matches!(admission, Admission::Guaranteed)
-                        && policy.quota.guaranteed_milli > 0
-                        && ask > 0,
-                };
-                let may_preempt = weakest_tier.is_some_and(|t| w.tier < t)
-                    || lowest_priority.is_some_and(|p| w.priority > p)
-                    || (who.reclaiming && any_borrowed);
-                let mut victims: Vec<usize> = Vec::new();
-                // Behind a blocked head, work may preempt only to start
-                // where it cannot delay the head: off the head's nodes.
-                let outside = reservation.as_ref().map(|(_, res)| {
-                    let mut c = pool.cluster.clone();
-                    for &n in &res.nodes {
-                        let _ = c.set_cordoned(n, true);
-                    }
-                    c
-                });
-                if may_preempt {
-                    // Single-member work first: preempting a gang's member
-                    // stops the whole gang, on other machines too.
-                    for singles_only in [true, false] {
-                        let offered: Vec<usize> = (0..allocations.len())
-                            .filter(|&a| !stopping[alloc_work[a]])
-                            .filter(|&a| !singles_only || single[alloc_work[a]])
-                            .filter(|&a| who.may_evict(&allocations[a]))
-                            .collect();
-                        if offered.is_empty() {
-                            continue;
-                        }
-                        let offer: Vec<Allocation> = offered
-                            .iter()
-                            .enumerate()
-                            .map(|(i, &a)| Allocation {
-                                id: i as u64,
-                                ..allocations[a].clone()
+                // Only victims on machines that could host the work once
+                // emptied are worth a look.
+                let count = req.gpu.gpu_count();
+                let eligible = |c: &Cluster| -> Vec<&Allocation> {
+                    list.iter()
+                        .filter(|a| a.preemptible)
+                        .filter(|a| {
+                            c.node(a.placement.node).is_some_and(|n| {
+                                !n.cordoned
+                                    && (count == 0 || req.models.allows(n.spec.model))
+                                    && n.spec.gpus >= count
+                                    && n.spec.cpu_milli >= req.cpu_milli
+                                    && n.spec.mem_mib >= req.mem_mib
                             })
-                            .collect();
+                        })
+                        .collect()
+                };
+                let found: Option<Vec<u64>> = match (members, outside.as_mut()) {
+                    // Behind a blocked head, work may preempt only to start
+                    // where it cannot delay the head: off its machines.
+                    (1, Some(o)) if w.locality == Locality::Any => preempt_one(
+                        &mut engine_out,
+                        &eligible(o),
+                        o,
+                        &req,
+                        &who,
+                        &snap.preempt,
+                        snap.now_ms,
+                        &mut rng,
+                    ),
+                    (1, None) if w.locality == Locality::Any => preempt_one(
+                        &mut engine,
+                        &eligible(&pool.cluster),
+                        &mut pool.cluster,
+                        &req,
+                        &who,
+                        &snap.preempt,
+                        snap.now_ms,
+                        &mut rng,
+                    ),
+                    _ => {
                         let d = preempt::plan_gang(
-                            &mut engine,
+                            &mut engine_scratch,
                             outside.as_ref().unwrap_or(&pool.cluster),
-                            &offer,
+                            list,
                             &gang,
                             &who,
                             &snap.preempt,
                             snap.now_ms,
                             &mut rng,
                         );
-                        if let GangPreemptDecision::Preempt(p) = d {
-                            victims = p
-                                .evictions
-                                .iter()
-                                .map(|e| alloc_work[offered[e.allocation as usize]])
-                                .collect();
-                            victims.sort_unstable();
-                            victims.dedup();
-                            break;
+                        match d {
+                            GangPreemptDecision::Preempt(p) => {
+                                Some(p.evictions.iter().map(|e| e.allocation).collect())
+                            }
+                            _ => None,
                         }
                     }
-                }
-                if !victims.is_empty() {
-                    let keys: Vec<WorkKey> = victims.iter().map(|&v| snap.running[v].key).collect();
-                    stopping_for.insert(w.key, keys.clone());
-                    for &v in &victims {
-                        stopping[v] = true;
-                        out.preemptions.push(Preemption {
-                            victim: snap.running[v].key,
-                            by: w.key,
-                            notice_ms: snap.preempt.notice_ms,
-                        });
-                    }
-                    out.waiting.push((w.key, Wait::VictimsStopping(keys)));
-                    continue;
-                }
-                let text = if members == 1 {
-                    pool.explain(&req).to_string()
-                } else {
-                    gang_text(&why, w.locality, &snap.nodes, &pool)
                 };
-                out.waiting.push((w.key, Wait::NoFit(text)));
-                if reservation.is_none() && could_fit_empty(&pool, &gang) {
-                    let mut r = queue::reserve(
-                        &mut engine,
-                        &pool.cluster,
-                        &ending,
-                        &gang,
-                        snap.now_ms,
-                        &mut rng,
-                    );
-                    // The engine nodes of a reserved machine share its CPU
-                    // and memory: hold the whole machine.
-                    let mut nodes: Vec<u32> = r
-                        .nodes
+                if let Some(ids) = found {
+                    victims = ids
                         .iter()
-                        .flat_map(|&n| pool.cluster.host_nodes(n))
+                        .filter_map(|&id| map.get(id as usize).copied())
                         .collect();
-                    nodes.sort_unstable();
-                    nodes.dedup();
-                    r.nodes = nodes;
-                    reservation = Some((w.key, r));
+                    victims.sort_unstable();
+                    victims.dedup();
+                    break;
                 }
             }
+            if victims.is_empty() {
+                no_victims.insert(victim_key);
+            }
+        }
+        if !victims.is_empty() {
+            let keys: Vec<WorkKey> = victims.iter().map(|&v| snap.running[v].key).collect();
+            stopping_for.insert(w.key, keys.clone());
+            for &v in &victims {
+                stopping[v] = true;
+                out.preemptions.push(Preemption {
+                    victim: snap.running[v].key,
+                    by: w.key,
+                    notice_ms: snap.preempt.notice_ms,
+                });
+            }
+            for o in offers.values_mut() {
+                o.remove(&victims);
+            }
+            out.waiting.push((w.key, Wait::VictimsStopping(keys)));
+            continue;
+        }
+        if let Some(head) = behind {
+            out.waiting.push((w.key, Wait::BehindHead(head)));
+            continue;
+        }
+        let text = match cached {
+            Some(t) => t,
+            None => {
+                let t = if members == 1 {
+                    pool.explain(&req).to_string()
+                } else {
+                    match place_gang(&mut engine_scratch, &pool.cluster, &gang, &mut rng) {
+                        GangDecision::Unschedulable(why) => {
+                            gang_text(&why, w.locality, &snap.nodes, &pool)
+                        }
+                        GangDecision::Placed(_) => "it fits only with its promised GPUs".into(),
+                    }
+                };
+                if mine_was_empty(&promised, w.key) {
+                    no_fit.insert(shape, t.clone());
+                }
+                t
+            }
+        };
+        out.waiting.push((w.key, Wait::NoFit(text)));
+        if reservation.is_none() && could_fit_empty(&pool, &gang) {
+            let mut r = queue::reserve(
+                &mut engine_scratch,
+                &pool.cluster,
+                &ending,
+                &gang,
+                snap.now_ms,
+                &mut rng,
+            );
+            // The engine nodes of a reserved machine share its CPU and
+            // memory: hold the whole machine.
+            let mut nodes: Vec<u32> = r
+                .nodes
+                .iter()
+                .flat_map(|&n| pool.cluster.host_nodes(n))
+                .collect();
+            nodes.sort_unstable();
+            nodes.dedup();
+            r.nodes = nodes;
+            let mut o = pool.cluster.clone();
+            for &n in &r.nodes {
+                let _ = o.set_cordoned(n, true);
+            }
+            outside = Some(o);
+            reservation = Some((w.key, r));
+            head_ask = (w.tenant, ask);
         }
     }
     out.reservation = reservation.map(|(work, r)| {
@@ -1118,6 +1281,115 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
         }
     });
     Ok(out)
+}
+
+/// What makes two works the same to placement within one pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ShapeKey {
+    req: Request,
+    members: usize,
+    locality: Locality,
+    spread: bool,
+}
+
+/// Where a work goes on `cluster`, every member or none. One member
+/// anywhere is one engine decision on the cluster itself (no copy); a gang
+/// is placed on a scratch copy by the scratch engine.
+fn place(
+    engine: &mut Engine,
+    scratch_engine: &mut Engine,
+    cluster: &Cluster,
+    gang: &Gang,
+    rng: &mut ChaCha8Rng,
+) -> Option<Vec<Placement>> {
+    if gang.members.len() == 1 && gang.locality == Locality::Any {
+        return match engine.decide(cluster, &gang.members[0], rng) {
+            crate::select::Decision::Placed(p) => Some(vec![p]),
+            crate::select::Decision::Unschedulable(_) => None,
+        };
+    }
+    match place_gang(scratch_engine, cluster, gang, rng) {
+        GangDecision::Placed(p) => Some(p.members),
+        GangDecision::Unschedulable(_) => None,
+    }
+}
+
+/// The victims (ids into `offer`) whose eviction lets `req` start,
+/// planned on `cluster` in place ([`preempt::plan_in_place`]).
+#[allow(clippy::too_many_arguments)]
+fn preempt_one(
+    engine: &mut Engine,
+    offer: &[&Allocation],
+    cluster: &mut Cluster,
+    req: &Request,
+    who: &Preemptor,
+    config: &PreemptConfig,
+    now_ms: u64,
+    rng: &mut ChaCha8Rng,
+) -> Option<Vec<u64>> {
+    match preempt::plan_in_place(engine, cluster, offer, req, who, config, now_ms, rng) {
+        preempt::PreemptDecision::Preempt(p) => {
+            Some(p.evictions.iter().map(|e| e.allocation).collect())
+        }
+        _ => None,
+    }
+}
+
+/// Whether `key` has no promised capacity left in `promised` (it had none
+/// to begin with when absent).
+fn mine_was_empty(promised: &BTreeMap<WorkKey, Vec<(Request, Placement)>>, key: WorkKey) -> bool {
+    !promised.contains_key(&key)
+}
+
+/// Victims offered to preemptors of one rank: allocations with ids equal
+/// to their position, and the running work each belongs to.
+#[derive(Debug, Default)]
+struct Offer {
+    list: Vec<Allocation>,
+    work: Vec<usize>,
+    works: std::collections::HashSet<usize>,
+}
+
+impl Offer {
+    fn build(
+        allocations: &[Allocation],
+        alloc_work: &[usize],
+        keep: impl Fn(&Allocation, usize) -> bool,
+    ) -> Offer {
+        let mut o = Offer::default();
+        for (a, &wi) in allocations.iter().zip(alloc_work) {
+            if keep(a, wi) {
+                o.list.push(Allocation {
+                    id: o.list.len() as u64,
+                    ..a.clone()
+                });
+                o.work.push(wi);
+                o.works.insert(wi);
+            }
+        }
+        o
+    }
+
+    fn has(&self, wi: usize) -> bool {
+        self.works.contains(&wi)
+    }
+
+    /// Takes the allocations of `works` (chosen as victims) out of the
+    /// offer, in place: they stop being preemptible, which every
+    /// preemption check reads first.
+    fn remove(&mut self, works: &[usize]) {
+        if !works.iter().any(|w| self.works.contains(w)) {
+            return;
+        }
+        for w in works {
+            self.works.remove(w);
+        }
+        for (a, wi) in self.list.iter_mut().zip(&self.work) {
+            if works.contains(wi) {
+                a.preemptible = false;
+            }
+        }
+    }
 }
 
 /// Hands out the queue in order, one level (tier, priority) at a time,

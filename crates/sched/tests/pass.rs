@@ -697,7 +697,7 @@ proptest! {
         let p = plan(&s).unwrap();
         let next = apply(&s, &p);
         let again = plan(&next).unwrap();
-        prop_assert!(again.placements.is_empty(), "new placements: {:?}\nfirst: {:?}", again.placements, p);
+        prop_assert!(again.placements.is_empty(), "new placements: {:?}\nfirst: {:?}\nagain: {:?}", again.placements, p, again);
         prop_assert!(again.preemptions.is_empty(), "new preemptions: {:?}\nfirst: {:?}\nagain: {:?}", again.preemptions, p, again);
     }
 
