@@ -50,7 +50,7 @@ impl GpuShare {
     pub fn fits(&self, g: &GpuSlot) -> bool {
         match self {
             Self::Whole => !g.mig_mode && g.free,
-            Self::Fraction { milli } => !g.mig_mode && g.free_milli >= *milli,
+            Self::Fraction { milli } => !g.mig_mode && g.available_milli() >= *milli,
             Self::Mig(p) => {
                 g.mig_mode
                     && g.mig_compute_free >= p.compute_slices
@@ -117,6 +117,17 @@ impl GpuSlot {
             mig_compute_free: MIG_COMPUTE_SLICES,
             mig_memory_free: MIG_MEMORY_SLICES,
             ..Self::whole(id, index, model, true)
+        }
+    }
+
+    /// Milli-GPU that may still be placed here. A slot marked taken
+    /// (`free` false) whose milli says otherwise was marked by a caller
+    /// that only knows whole GPUs: it counts as full.
+    pub fn available_milli(&self) -> u16 {
+        if !self.free && self.free_milli >= MILLI_PER_GPU {
+            0
+        } else {
+            self.free_milli
         }
     }
 
@@ -301,7 +312,7 @@ fn check_node(
     // free for whole-GPU work.
     match req.share {
         GpuShare::Whole => chosen.sort_by_key(|g| g.index),
-        _ => chosen.sort_by_key(|g| (g.free_milli, g.index)),
+        _ => chosen.sort_by_key(|g| (g.available_milli(), g.index)),
     }
     Ok(Placement {
         node: node.id.clone(),

@@ -86,10 +86,10 @@ fn engine_model(model: &str, mig: bool) -> String {
 /// 7, memory of 8), so a GPU whose memory slices are gone looks full.
 fn engine_free(g: &GpuSlot) -> u16 {
     if !g.mig_mode {
-        return g.free_milli;
+        return g.available_milli();
     }
     let of = |free: u8, total: u8| (u32::from(free) * 1000 / u32::from(total.max(1))) as u16;
-    g.free_milli
+    g.available_milli()
         .min(of(
             g.mig_compute_free,
             flotilla_core::catalog::MIG_COMPUTE_SLICES,

@@ -498,9 +498,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             }
                             if let Some((_, u)) = quotas.get_mut(&job.tenant_id) {
                                 for plan in &plans {
-                                    u.gpus_total += req.gpus;
-                                    *u.gpus_per_model.entry(plan.model.clone()).or_default() +=
-                                        req.gpus;
+                                    u.add(Some(&plan.model), req.gpus, 1000);
                                 }
                             }
                         }
@@ -601,6 +599,8 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
             quotas.insert(p.tenant_id.clone(), (q, u));
         }
         let (quota, usage) = &quotas[&p.tenant_id];
+        // Shares count by their share against limits and the guarantee.
+        let milli = u64::from(p.gpus) * u64::from(p.share.milli());
         let now = st.now();
         // The GPUs its victims released are this one's alone: offered to
         // it, and to no one else (they stay masked for the others).
@@ -612,7 +612,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
             set_free(&mut snapshot, &mine, true);
             planner.rebuild(&snapshot);
         }
-        let attempt = planner.place(&snapshot, &req, |m| quota.model_fits(usage, m, p.gpus));
+        let attempt = planner.place(&snapshot, &req, |m| quota.model_fits_milli(usage, m, milli));
         if !mine.is_empty() && attempt.is_err() {
             set_free(&mut snapshot, &mine, false);
             planner.rebuild(&snapshot);
@@ -625,7 +625,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 .as_ref()
                 .is_ok_and(|plan| !planner.backfill_allowed(r, &req, plan, None));
             if delays {
-                let fits = |m: &str| quota.model_fits(usage, m, p.gpus);
+                let fits = |m: &str| quota.model_fits_milli(usage, m, milli);
                 match planner
                     .place_outside(&req, 1, JobLocality::Any, fits, r)
                     .and_then(|mut v| v.pop())
@@ -650,8 +650,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                     take(&mut snapshot, &req, &plan);
                     planner.committed(&snapshot, &req, &plan);
                     if let Some((_, u)) = quotas.get_mut(&p.tenant_id) {
-                        u.gpus_total += p.gpus;
-                        *u.gpus_per_model.entry(plan.model.clone()).or_default() += p.gpus;
+                        u.add(Some(&plan.model), p.gpus, p.share.milli());
                     }
                 }
                 Err(StoreError::Conflict(why)) => {
@@ -692,13 +691,13 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                         priority: p.priority,
                         // Within its guarantee, it may take back capacity
                         // other tenants borrowed.
-                        reclaiming: quota.within_guarantee(usage, p.gpus),
+                        reclaiming: quota.within_guarantee_milli(usage, milli),
                     };
                     let victims = choose_victims(all, &borrowed, &mut tenants, |offered| {
                         planner
                             .preempt(
                                 &req,
-                                |m| quota.model_fits(usage, m, p.gpus),
+                                |m| quota.model_fits_milli(usage, m, milli),
                                 offered,
                                 who,
                                 ms_of(now),
@@ -736,7 +735,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             &req,
                             1,
                             JobLocality::Any,
-                            |m| quota.model_fits(usage, m, p.gpus),
+                            |m| quota.model_fits_milli(usage, m, milli),
                             &ending,
                             ms_of(now),
                         )

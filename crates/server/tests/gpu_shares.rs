@@ -280,3 +280,36 @@ async fn a_half_share_is_invoiced_at_half_a_gpu_second_per_second() {
     }
     panic!("no line of {want} GPU-seconds for the half share; last: {last}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_count_a_share_by_its_share() {
+    let s = flotilla_testkit::server::start(fast()).await;
+    let t = s.create_tenant("small").await;
+    let member = s.key(&t, "tenant_member").await;
+    let (status, b) = s
+        .call(
+            &s.operator,
+            Method::PUT,
+            &format!("/v1/tenants/{t}/quota"),
+            Some(json!({"gpus_total": 1})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{b}");
+    let half = json!({"gpus": 1, "gpu_fraction": 0.5, "command": ["x"]});
+    create(&s, &member, half.clone()).await;
+    create(&s, &member, half.clone()).await;
+    let (status, e) = s
+        .call(&member, Method::POST, "/v1/instances", Some(half))
+        .await;
+    assert!(
+        status.is_client_error(),
+        "a third half exceeds one GPU: {e}"
+    );
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("gpus_total"),
+        "{e}"
+    );
+}

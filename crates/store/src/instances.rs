@@ -504,7 +504,11 @@ pub(crate) async fn insert_pending(
         .await?;
     let quota = crate::tenants::quota(&q)?;
     let committed = crate::tenants::committed_in(&mut **tx, tenant).await?;
-    quota.admit(&committed, &spec.gpu_types, spec.gpus)?;
+    quota.admit_milli(
+        &committed,
+        &spec.gpu_types,
+        u64::from(spec.gpus) * u64::from(spec.share.milli()),
+    )?;
     sqlx::query(
         "INSERT INTO instances (id, tenant_id, name, state, state_reason, gpus, gpu_types, cpu_milli, memory_mb, \
          command, env, workdir, billing_class, created_at, updated_at, priority, tier, preemptible, requeued_from) \
