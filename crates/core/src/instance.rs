@@ -251,7 +251,7 @@ pub fn validate_share(
         }
         (Some(f), None) => {
             let milli = f * 1000.0;
-            if !f.is_finite() || milli < 1.0 - 1e-9 || milli > 1000.0 + 1e-9 {
+            if !f.is_finite() || !(1.0 - 1e-9..=1000.0 + 1e-9).contains(&milli) {
                 return Err(FieldError::new(
                     "gpu_fraction",
                     format!("must be between 0.001 and 1, got {f}"),
