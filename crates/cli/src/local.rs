@@ -92,7 +92,7 @@ fn parse_fee_percent(s: &str) -> Result<rust_decimal::Decimal, String> {
 }
 
 fn parse_policy(s: &str) -> Result<flotilla_sched::Policy, String> {
-    flotilla_server::placement::parse_policy(s).ok_or_else(|| {
+    flotilla_server::schedule::parse_policy(s).ok_or_else(|| {
         let names: Vec<String> = flotilla_sched::Policy::ALL
             .iter()
             .map(|p| p.name().to_lowercase())

@@ -64,8 +64,10 @@ pub enum GpuAsk {
     Whole(u16),
     /// A share of one GPU in milli-GPU (1..=999); a GPU not in MIG mode.
     Fraction(u16),
-    /// One MIG instance of this profile on a GPU in MIG mode.
-    Mig(MigProfile),
+    /// One MIG instance on a GPU in MIG mode, taking this many milli-GPU
+    /// of it as the caller's MIG geometry counts it (see
+    /// [`GpuAsk::mig_profile`] for the compute-slice count alone).
+    Mig(u16),
 }
 
 impl GpuAsk {
@@ -76,8 +78,18 @@ impl GpuAsk {
             GpuAsk::Whole(n) if n > 0 => GpuDemand::whole(n),
             GpuAsk::Whole(_) => return Err(Error::InvalidRequest("whole gpus: at least 1")),
             GpuAsk::Fraction(m) => GpuDemand::share(m)?,
-            GpuAsk::Mig(p) => p.demand(),
+            GpuAsk::Mig(m) if m >= MILLI => GpuDemand::whole(1),
+            GpuAsk::Mig(m) => GpuDemand::share(m)?,
         })
+    }
+
+    /// A MIG instance of `profile`, counted by its compute slices
+    /// ([`MigProfile::milli`]). A caller that knows the GPU's memory slices
+    /// too should count the larger of the two fractions, and give MIG-mode
+    /// GPUs the smaller of their free fractions, so that what fits here
+    /// fits the hardware.
+    pub fn mig_profile(profile: MigProfile) -> GpuAsk {
+        GpuAsk::Mig(profile.milli())
     }
 
     /// Milli-GPU one member holds.
@@ -1566,7 +1578,7 @@ impl fmt::Display for GpuAsk {
             GpuAsk::None => f.write_str("no GPU"),
             GpuAsk::Whole(n) => write!(f, "{n} GPU"),
             GpuAsk::Fraction(m) => write!(f, "{}.{:03} GPU", m / 1000, m % 1000),
-            GpuAsk::Mig(p) => write!(f, "MIG {p}"),
+            GpuAsk::Mig(m) => write!(f, "MIG instance of {}.{:03} GPU", m / 1000, m % 1000),
         }
     }
 }

@@ -32,10 +32,10 @@ pub mod idempotency;
 pub mod jobs;
 pub mod metering;
 pub mod metrics;
-pub mod placement;
 pub mod pricing;
 pub mod reconcile;
 pub mod routes;
+pub mod schedule;
 pub mod state;
 pub mod webhook_target;
 

@@ -65,7 +65,7 @@ async fn two_half_shares_share_one_gpu_and_a_third_waits() {
     let waiting = wait_for(&s, &member, &c, "told why it waits", |i| {
         i["state_reason"]
             .as_str()
-            .is_some_and(|r| r.contains("no GPU with room for the share"))
+            .is_some_and(|r| r.contains("too little free GPU share"))
     })
     .await;
     assert_eq!(waiting["state"], "pending", "{waiting}");

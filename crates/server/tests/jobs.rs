@@ -513,7 +513,8 @@ async fn a_gang_kept_in_one_region_lands_there_or_says_why_not() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn preemption_spares_a_gang_when_a_lone_instance_makes_room() {
-    let (s, key, provider, nodes) = setup(1, 3).await;
+    // Three one-GPU machines: the gang's two members need two of them.
+    let (s, key, provider, _) = setup(3, 1).await;
     let t2 = s.create_tenant("serving").await;
     let dedicated = s.key(&t2, "tenant_member").await;
     // An older spot instance (more GPU time lost if preempted)...
@@ -527,13 +528,16 @@ async fn preemption_spares_a_gang_when_a_lone_instance_makes_room() {
         .await;
     assert_eq!(status, StatusCode::CREATED, "{b}");
     let lone = b["id"].as_str().unwrap().to_string();
+    let mut placed = Value::Null;
     for _ in 0..200 {
-        if s.instance(&key, &lone).await["state"] == "scheduled" {
+        placed = s.instance(&key, &lone).await;
+        if placed["state"] == "scheduled" {
             break;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    s.sync(&provider, &nodes[0], vec![(lone.clone(), running())])
+    let its_node = placed["node_id"].as_str().unwrap().to_string();
+    s.sync(&provider, &its_node, vec![(lone.clone(), running())])
         .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     // ...and a younger spot gang fill the node.
@@ -792,4 +796,36 @@ async fn a_job_that_ends_before_the_head_can_start_is_backfilled_ahead_of_it() {
     }
     assert!(i["state_reason"].as_str().unwrap().contains(&head), "{i}");
     assert_eq!(i["state"], "pending");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_of_a_job_land_on_as_many_distinct_nodes() {
+    // One machine has room for both members; `--nodes 2` means two
+    // machines, as Slurm's -N does.
+    let (s, key, _provider, nodes) = setup(2, 2).await;
+    let id = s
+        .submit(&key, json!({"gpus": 2, "nodes": 2, "command": ["train"]}))
+        .await;
+    let j = s
+        .wait_job(&key, &id, "running", |j| j["state"] == "running")
+        .await;
+    let mut on: Vec<String> = (0..2)
+        .map(|r| current(&j, r)["node_id"].as_str().unwrap().to_string())
+        .collect();
+    on.sort();
+    let mut want = nodes.clone();
+    want.sort();
+    assert_eq!(on, want, "{j}");
+    // A third member has no third machine: the job waits and says why.
+    let id = s
+        .submit(&key, json!({"gpus": 3, "nodes": 3, "command": ["train"]}))
+        .await;
+    let j = s
+        .wait_job(&key, &id, "told why it waits", |j| {
+            j["state_reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("waiting for GPUs: gang of 3"))
+        })
+        .await;
+    assert_eq!(j["state"], "queued", "{j}");
 }

@@ -456,6 +456,10 @@ pub struct HeldInstance {
     pub created_at: DateTime<Utc>,
     /// Milli-GPU it holds of each of its GPUs (1000: whole GPUs).
     pub milli_per_gpu: u16,
+    /// CPU it holds on its node, milli-cores.
+    pub cpu_milli: u32,
+    /// Memory it holds on its node, MiB.
+    pub memory_mb: u64,
 }
 
 /// GPU usage of one instance that ran recently, for fair share.
@@ -1130,6 +1134,8 @@ impl Store {
             let Some(node_id) = i.node_id else { continue };
             out.push(HeldInstance {
                 milli_per_gpu: share_of(r)?.milli(),
+                cpu_milli: i.cpu_milli,
+                memory_mb: i.memory_mb,
                 id: i.id,
                 tenant_id: i.tenant_id,
                 node_id,

@@ -188,6 +188,22 @@ impl Store {
             .collect()
     }
 
+    /// Every tenant's quota that sets anything (a limit, a guarantee or a
+    /// weight): what one scheduling pass needs, in one read. Tenants absent
+    /// from the map have no quota.
+    pub async fn quotas(&self) -> Result<BTreeMap<TenantId, Quota>> {
+        let rows = sqlx::query(
+            "SELECT id, quota_gpus_total, quota_gpus_per_model, quota_gpus_guaranteed, fair_share_weight \
+             FROM tenants WHERE quota_gpus_total IS NOT NULL OR quota_gpus_per_model <> '{}' \
+             OR quota_gpus_guaranteed IS NOT NULL OR fair_share_weight IS NOT NULL",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|r| Ok((TenantId::from_trusted(r.try_get("id")?), quota(r)?)))
+            .collect()
+    }
+
     /// Replaces a tenant's quota.
     pub async fn set_quota(&self, id: &TenantId, q: &Quota, now: DateTime<Utc>) -> Result<()> {
         let per: BTreeMap<&String, &u32> = q.gpus_per_model.iter().collect();

@@ -2,6 +2,8 @@
 //! scheduled whole in one transaction (or not at all), settling at an
 //! attempt, cancel, and preempted members that are not requeued alone.
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -11,7 +13,7 @@ use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId};
 use flotilla_core::instance::{BillingClass, InstanceState};
 use flotilla_core::job::{JobSpec, JobState, RestartPolicy};
-use flotilla_core::placement::{first_fit, Placement, PlacementRequest};
+use flotilla_core::placement::{Placement, PlacementRequest};
 use flotilla_core::quota::Quota;
 use flotilla_store::instances::Applied;
 use flotilla_store::{PageReq, Store, StoreError};
@@ -115,7 +117,7 @@ async fn plans(s: &Store, per: u32, nodes: &[NodeId]) -> Vec<Placement> {
         .iter()
         .map(|n| {
             let one: Vec<_> = snap.iter().filter(|x| &x.id == n).cloned().collect();
-            first_fit(&one, &req, |_| true).unwrap()
+            support::first_fitting(&one, &req).unwrap()
         })
         .collect()
 }

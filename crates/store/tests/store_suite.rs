@@ -2,6 +2,8 @@
 //! when `FLOTILLA_TEST_DATABASE_URL` is set (CI sets it). Each PostgreSQL
 //! test gets a database of its own, so tests run in parallel.
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -12,7 +14,7 @@ use flotilla_core::api::{
 use flotilla_core::catalog::{Catalog, Vendor};
 use flotilla_core::id::{GpuId, InstanceId, KeyId, NodeId, TenantId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
-use flotilla_core::placement::{first_fit, GpuShare, Placement, PlacementRequest};
+use flotilla_core::placement::{GpuShare, Placement, PlacementRequest};
 use flotilla_core::quota::Quota;
 use flotilla_core::tenant::Role;
 use flotilla_store::idempotency::Claim;
@@ -132,9 +134,9 @@ async fn place(s: &Store, id: &InstanceId, now: DateTime<Utc>) -> Result<(), Sto
         memory_mb: inst.memory_mb,
         share: GpuShare::Whole,
     };
-    match first_fit(&snap, &req, |_| true) {
-        Ok(p) => s.schedule_instance(id, &p, now).await,
-        Err(e) => Err(StoreError::Conflict(e.to_string())),
+    match support::first_fitting(&snap, &req) {
+        Some(p) => s.schedule_instance(id, &p, now).await,
+        None => Err(StoreError::Conflict("no node fits".into())),
     }
 }
 
@@ -446,7 +448,7 @@ async fn gpus_are_never_allocated_twice_under_races(s: &Store) {
                     memory_mb: 1,
                     share: GpuShare::Whole,
                 };
-                let plan = first_fit(&snap, &req, |_| true).unwrap();
+                let plan = support::first_fitting(&snap, &req).unwrap();
                 s.schedule_instance(&id, &plan, t0()).await
             })
         })
@@ -528,7 +530,7 @@ async fn race_shares(
                 };
                 // Where placement sees no room, ask the store anyway: its
                 // own check must refuse.
-                let plan = first_fit(&snap, &req, |_| true).unwrap_or_else(|_| Placement {
+                let plan = support::first_fitting(&snap, &req).unwrap_or_else(|| Placement {
                     node: snap[0].id.clone(),
                     model: "H100".into(),
                     gpus: vec![snap[0].gpus[0].id.clone()],

@@ -501,19 +501,13 @@ fn pass_row(nodes: usize, queued: usize) -> Row {
     }
     let queue: Vec<QueuedWork> = (0..queued)
         .map(|k| {
-            let gpu =
-                match rng.gen_range(0..100) {
-                    0..=39 => GpuAsk::Whole(1),
-                    40..=54 => GpuAsk::Whole(2),
-                    55..=64 => GpuAsk::Whole(8),
-                    65..=84 => GpuAsk::Fraction([250, 500][rng.gen_range(0..2)]),
-                    _ => GpuAsk::Mig("1g.10gb".parse().unwrap_or(
-                        flotilla_sched::mig::MigProfile {
-                            slices: 1,
-                            mem_gb: 10,
-                        },
-                    )),
-                };
+            let gpu = match rng.gen_range(0..100) {
+                0..=39 => GpuAsk::Whole(1),
+                40..=54 => GpuAsk::Whole(2),
+                55..=64 => GpuAsk::Whole(8),
+                65..=84 => GpuAsk::Fraction([250, 500][rng.gen_range(0..2)]),
+                _ => GpuAsk::Mig(142),
+            };
             let members = if rng.gen_bool(0.05) { 4 } else { 1 };
             QueuedWork {
                 key: 1_000_000 + k as u64,

@@ -118,11 +118,11 @@ pub async fn list_queue(
     State(st): State<AppState>,
     caller: Caller,
 ) -> ApiResult<Json<Page<QueueEntry>>> {
-    let order = crate::reconcile::queue_all(&st).await?;
+    let order = crate::schedule::queue_all(&st).await?;
     let mut items = Vec::new();
     for (i, q) in order.iter().enumerate() {
         // Jobs are listed by GET /v1/jobs/queue; they count in positions.
-        let crate::reconcile::Queued::Instance(p) = q else {
+        let crate::schedule::Queued::Instance(p) = q else {
             continue;
         };
         if !caller.sees(&p.tenant_id) {

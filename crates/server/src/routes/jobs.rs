@@ -13,7 +13,7 @@ use super::{page, page_req, path_id};
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{serde_urlencoded_query, ApiJson, Pagination};
-use crate::reconcile::Queued;
+use crate::schedule::Queued;
 use crate::state::AppState;
 
 const WORK_ROLES: [Role; 2] = [Role::TenantAdmin, Role::TenantMember];
@@ -131,7 +131,7 @@ pub async fn job_queue(
     State(st): State<AppState>,
     caller: Caller,
 ) -> ApiResult<Json<Page<JobQueueEntry>>> {
-    let order = crate::reconcile::queue_all(&st).await?;
+    let order = crate::schedule::queue_all(&st).await?;
     let mut items = Vec::new();
     for (i, q) in order.iter().enumerate() {
         let Queued::Job(j) = q else { continue };

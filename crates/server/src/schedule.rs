@@ -1,0 +1,562 @@
+//! The scheduling pass, the server's side of it, in three steps that never
+//! climb back: [`gather`] reads one snapshot from the store, the pure
+//! planner ([`flotilla_sched::pass::plan`], the code the simulator and the
+//! benchmark also run) decides, and [`apply`] writes the plan through the
+//! store's conditional writes. Nothing here decides: a placement, a victim,
+//! a reservation or a reason comes out of the planner or nowhere.
+//!
+//! Every write is conditional (a GPU, share or MIG slice taken meanwhile
+//! makes it a `Conflict`), so a pass may be cut at any line, lose a race
+//! with another writer, or be replayed: what it failed to write is decided
+//! again on the next pass, from the store as it then is.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Duration as ChronoDuration, Utc};
+use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId, WorkId};
+use flotilla_core::job::Locality as JobLocality;
+use flotilla_core::placement::{GpuShare, Placement};
+use flotilla_core::quota::Quota;
+use flotilla_sched::gang::Locality;
+use flotilla_sched::pass::{
+    self, GpuAsk, GpuSnap, Hold, NodeSnap, Plan, Promise, QueuedWork, RunningWork, Snapshot,
+    TenantPolicy, UsageSpan, WorkKey,
+};
+use flotilla_sched::preempt::PreemptConfig;
+use flotilla_sched::queue::FairShareConfig;
+use flotilla_sched::{Policy, Tier};
+use flotilla_store::instances::PendingInstance;
+use flotilla_store::jobs::QueuedJob;
+use flotilla_store::StoreError;
+
+use crate::state::AppState;
+
+/// How far back the queue's fair share looks at GPU usage.
+const FAIR_SHARE_WINDOW_H: i64 = 24;
+
+/// The most pending instances, and queued jobs, one pass reads (oldest
+/// first). The planner takes 10,000 works on 1,000 nodes in about a
+/// quarter of a second (`scripts/bench placement`).
+const QUEUE_READ: u32 = 5_000;
+
+fn ms_of(t: DateTime<Utc>) -> u64 {
+    t.timestamp_millis().max(0) as u64
+}
+
+/// Parses a policy name as `flotilla server --placement-policy` takes it.
+pub fn parse_policy(name: &str) -> Option<Policy> {
+    Policy::ALL
+        .into_iter()
+        .find(|p| p.name().eq_ignore_ascii_case(name))
+}
+
+/// One piece of queued work: a pending instance (a work of one member) or
+/// a queued job (a gang placed whole).
+#[derive(Debug, Clone)]
+pub enum Queued {
+    /// A pending instance.
+    Instance(PendingInstance),
+    /// A queued job.
+    Job(QueuedJob),
+}
+
+impl Queued {
+    fn work_id(&self) -> WorkId {
+        match self {
+            Queued::Instance(p) => WorkId::Instance(p.id.clone()),
+            Queued::Job(j) => WorkId::Job(j.id.clone()),
+        }
+    }
+
+    fn state_reason(&self) -> &str {
+        match self {
+            Queued::Instance(p) => &p.state_reason,
+            Queued::Job(j) => &j.state_reason,
+        }
+    }
+}
+
+/// What a planner key stands for.
+#[derive(Debug, Clone)]
+enum Work {
+    Queued(Box<Queued>),
+    /// Running work: its id (an instance, or the job whose members these
+    /// are) and its member instances.
+    Running(WorkId, Vec<InstanceId>),
+}
+
+/// A snapshot and the ids behind its indices.
+#[derive(Debug)]
+pub struct Gathered {
+    /// The planner's input.
+    pub input: Snapshot,
+    /// By planner key.
+    works: Vec<Work>,
+    /// By snapshot node index: the node and its GPU ids by GPU index.
+    nodes: Vec<(NodeId, Vec<GpuId>)>,
+}
+
+/// Dense tenant indices: the planner reasons in integers.
+#[derive(Debug, Default)]
+struct Tenants(BTreeMap<TenantId, u32>);
+
+impl Tenants {
+    fn index(&mut self, t: &TenantId) -> u32 {
+        let next = u32::try_from(self.0.len()).unwrap_or(u32::MAX);
+        *self.0.entry(t.clone()).or_insert(next)
+    }
+}
+
+fn tier_of(n: u8) -> Tier {
+    Tier::from_number(n).unwrap_or(Tier::Dedicated)
+}
+
+fn ask_of(share: &GpuShare, gpus: u32) -> GpuAsk {
+    match share {
+        GpuShare::Whole if gpus == 0 => GpuAsk::None,
+        GpuShare::Whole => GpuAsk::Whole(u16::try_from(gpus).unwrap_or(u16::MAX)),
+        GpuShare::Fraction { milli } => GpuAsk::Fraction(*milli),
+        GpuShare::Mig(p) => GpuAsk::Mig(mig_milli(p.compute_slices, p.memory_slices).0),
+    }
+}
+
+/// A MIG instance of `compute` compute and `memory` memory slices as
+/// milli-GPU, rounded down, counted both ways: `(the larger, the smaller)`
+/// of the two fractions. An instance asks for the larger and a MIG-mode
+/// GPU offers the smaller of its free fractions, so whatever the planner
+/// fits also fits the GPU's geometry, which the store checks again when it
+/// writes (rounding down keeps seven 1g slices within 1000).
+fn mig_milli(compute: u8, memory: u8) -> (u16, u16) {
+    use flotilla_core::catalog::{MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
+    let c = u32::from(compute.min(MIG_COMPUTE_SLICES)) * 1000 / u32::from(MIG_COMPUTE_SLICES);
+    let m = u32::from(memory.min(MIG_MEMORY_SLICES)) * 1000 / u32::from(MIG_MEMORY_SLICES);
+    (c.max(m) as u16, c.min(m) as u16)
+}
+
+fn locality_of(l: JobLocality) -> Locality {
+    match l {
+        JobLocality::Any => Locality::Any,
+        JobLocality::SamePool => Locality::SameDomain,
+        JobLocality::SameRegion => Locality::SameRegion,
+    }
+}
+
+/// A tenant's quota in the planner's terms (milli-GPU).
+fn policy_of(q: &Quota) -> TenantPolicy {
+    let guaranteed = u64::from(q.gpus_guaranteed.unwrap_or(0)) * 1000;
+    let limit = q.gpus_total.map_or(u64::MAX, |t| u64::from(t) * 1000);
+    TenantPolicy {
+        quota: flotilla_sched::quota::Quota {
+            guaranteed_milli: guaranteed,
+            burst_milli: limit.saturating_sub(guaranteed),
+        },
+        per_model_milli: q
+            .gpus_per_model
+            .iter()
+            .map(|(m, n)| (m.clone(), u64::from(*n) * 1000))
+            .collect(),
+        weight: f64::from(q.weight_or_default()),
+    }
+}
+
+/// Reads everything one pass looks at.
+pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
+    let store = st.store();
+    let now = st.now();
+    let now_ms = ms_of(now);
+    let mut tenants = Tenants::default();
+    let mut works: Vec<Work> = Vec::new();
+
+    // Machines and their GPUs.
+    let snapshot = store.placement_snapshot().await?;
+    let mut node_index: BTreeMap<NodeId, usize> = BTreeMap::new();
+    let mut gpu_index: BTreeMap<GpuId, (usize, u16)> = BTreeMap::new();
+    let mut nodes = Vec::with_capacity(snapshot.len());
+    let mut snap_nodes = Vec::with_capacity(snapshot.len());
+    for (i, n) in snapshot.iter().enumerate() {
+        node_index.insert(n.id.clone(), i);
+        let mut ids = Vec::with_capacity(n.gpus.len());
+        let mut gpus = Vec::with_capacity(n.gpus.len());
+        for (gi, g) in n.gpus.iter().enumerate() {
+            gpu_index.insert(g.id.clone(), (i, u16::try_from(gi).unwrap_or(u16::MAX)));
+            ids.push(g.id.clone());
+            gpus.push(GpuSnap {
+                model: g.model.clone(),
+                mig: g.mig_mode,
+                free_milli: if g.mig_mode {
+                    mig_milli(g.mig_compute_free, g.mig_memory_free).1
+                } else {
+                    g.free_milli
+                },
+            });
+        }
+        nodes.push((n.id.clone(), ids));
+        let cpu = u32::try_from(n.cpu_milli_free).unwrap_or(u32::MAX);
+        snap_nodes.push(NodeSnap {
+            ready: n.ready,
+            cordoned: n.cordoned,
+            region: n.region.clone(),
+            pool: n.pool.clone(),
+            // Totals are the free capacity plus what running work holds,
+            // added below.
+            cpu_total_milli: cpu,
+            mem_total_mib: n.memory_mb_free,
+            cpu_free_milli: cpu,
+            mem_free_mib: n.memory_mb_free,
+            gpus,
+        });
+    }
+
+    // Queued work.
+    let mut queued: Vec<Queued> = store
+        .pending_instances(QUEUE_READ)
+        .await?
+        .into_iter()
+        .map(Queued::Instance)
+        .collect();
+    queued.extend(
+        store
+            .queued_jobs(QUEUE_READ)
+            .await?
+            .into_iter()
+            .map(Queued::Job),
+    );
+    let mut queue = Vec::with_capacity(queued.len());
+    let mut key_of: BTreeMap<WorkId, WorkKey> = BTreeMap::new();
+    for q in queued {
+        let key = works.len() as WorkKey;
+        key_of.insert(q.work_id(), key);
+        queue.push(match &q {
+            Queued::Instance(p) => QueuedWork {
+                key,
+                tenant: tenants.index(&p.tenant_id),
+                tier: tier_of(p.tier),
+                priority: p.priority,
+                submitted_ms: ms_of(p.created_at),
+                members: 1,
+                spread: false,
+                locality: Locality::Any,
+                gpu: ask_of(&p.share, p.gpus),
+                models: p.gpu_types.clone(),
+                cpu_milli: p.cpu_milli,
+                mem_mib: p.memory_mb,
+                max_runtime_ms: None,
+            },
+            Queued::Job(j) => QueuedWork {
+                key,
+                tenant: tenants.index(&j.tenant_id),
+                tier: tier_of(j.spec.tier),
+                priority: j.spec.priority,
+                submitted_ms: ms_of(j.created_at),
+                members: u16::try_from(j.spec.nodes.max(1)).unwrap_or(u16::MAX),
+                // `--nodes N`: N members on N machines, as Slurm's -N.
+                spread: true,
+                locality: locality_of(j.spec.locality),
+                gpu: ask_of(&GpuShare::Whole, j.spec.gpus_per_member()),
+                models: j.spec.gpu_types.clone(),
+                cpu_milli: j.spec.cpu_milli,
+                mem_mib: j.spec.memory_mb,
+                max_runtime_ms: j.spec.time_limit_s.map(|s| s.saturating_mul(1000)),
+            },
+        });
+        works.push(Work::Queued(Box::new(q)));
+    }
+
+    // Running work: a job's members are one work.
+    let held = store.held_instances().await?;
+    let limits = if held.iter().any(|h| h.job_id.is_some()) {
+        store.running_time_limits().await?
+    } else {
+        BTreeMap::new()
+    };
+    let mut running: Vec<RunningWork> = Vec::new();
+    let mut running_of: BTreeMap<WorkId, usize> = BTreeMap::new();
+    for h in &held {
+        let Some(&node) = node_index.get(&h.node_id) else {
+            continue;
+        };
+        let id = match &h.job_id {
+            Some(j) => WorkId::Job(j.clone()),
+            None => WorkId::Instance(h.id.clone()),
+        };
+        let gpus: Vec<(u16, u16)> = h
+            .gpu_ids
+            .iter()
+            .filter_map(|g| gpu_index.get(g).map(|&(_, gi)| (gi, h.milli_per_gpu)))
+            .collect();
+        let n = &mut snap_nodes[node];
+        n.cpu_total_milli = n.cpu_total_milli.saturating_add(h.cpu_milli);
+        n.mem_total_mib = n.mem_total_mib.saturating_add(h.memory_mb);
+        let hold = Hold {
+            node,
+            gpus,
+            cpu_milli: h.cpu_milli,
+            mem_mib: h.memory_mb,
+        };
+        let ends = h
+            .job_id
+            .as_ref()
+            .and_then(|j| limits.get(j))
+            .map(|s| ms_of(h.created_at).saturating_add(s.saturating_mul(1000)));
+        match running_of.get(&id) {
+            Some(&r) => {
+                let w = &mut running[r];
+                w.members.push(hold);
+                w.stopping |= h.stop_requested;
+                w.started_ms = w.started_ms.min(ms_of(h.since));
+                if let Work::Running(_, members) = &mut works[w.key as usize] {
+                    members.push(h.id.clone());
+                }
+            }
+            None => {
+                let key = works.len() as WorkKey;
+                running_of.insert(id.clone(), running.len());
+                running.push(RunningWork {
+                    key,
+                    tenant: tenants.index(&h.tenant_id),
+                    tier: tier_of(h.tier),
+                    priority: h.priority,
+                    preemptible: h.preemptible,
+                    started_ms: ms_of(h.since),
+                    ends_by_ms: ends,
+                    stopping: h.stop_requested,
+                    preempted_by: h.preempted_by.as_ref().and_then(|b| key_of.get(b).copied()),
+                    members: vec![hold],
+                });
+                works.push(Work::Running(id, vec![h.id.clone()]));
+            }
+        }
+    }
+
+    // Capacity its victims released, promised to a waiting preemptor.
+    let mut promises = Vec::new();
+    for (by, gpus) in store.promised_gpus().await? {
+        let Some(&to) = key_of.get(&by) else { continue };
+        for g in gpus {
+            let Some(&(node, gi)) = gpu_index.get(&g) else {
+                continue;
+            };
+            let free = snap_nodes[node].gpus[usize::from(gi)].free_milli;
+            if free > 0 {
+                promises.push(Promise {
+                    node,
+                    gpu: gi,
+                    milli: free,
+                    to,
+                });
+            }
+        }
+    }
+
+    // Quotas, weights and recent use.
+    let policies: BTreeMap<u32, TenantPolicy> = store
+        .quotas()
+        .await?
+        .iter()
+        .map(|(t, q)| (tenants.index(t), policy_of(q)))
+        .collect();
+    let since = now - ChronoDuration::hours(FAIR_SHARE_WINDOW_H);
+    let usage = store
+        .recent_usage(since)
+        .await?
+        .iter()
+        .map(|u| UsageSpan {
+            tenant: tenants.index(&u.tenant_id),
+            gpu_milli: u64::from(u.gpus) * u64::from(u.milli_per_gpu),
+            from_ms: ms_of(u.started_at.max(since)),
+            to_ms: ms_of(u.finished_at.unwrap_or(now).min(now)),
+        })
+        .collect();
+
+    Ok(Gathered {
+        input: Snapshot {
+            now_ms,
+            // Seeded from the clock so ties spread over time, yet a pass
+            // replayed with the same inputs and time decides the same.
+            seed: now_ms,
+            policy: st.config().placement_policy,
+            nodes: snap_nodes,
+            running,
+            promises,
+            queue,
+            tenants: policies,
+            usage,
+            fair_share: FairShareConfig::default(),
+            preempt: PreemptConfig::default(),
+        },
+        works,
+        nodes,
+    })
+}
+
+impl Gathered {
+    /// The id a key names, as reasons print it.
+    fn name(&self, key: WorkKey) -> String {
+        match self.works.get(key as usize) {
+            Some(Work::Queued(q)) => q.work_id().to_string(),
+            Some(Work::Running(id, _)) => id.to_string(),
+            None => format!("work {key}"),
+        }
+    }
+
+    fn placement(&self, m: &pass::MemberPlacement, share: &GpuShare) -> Option<Placement> {
+        let (node, ids) = self.nodes.get(m.node)?;
+        let gpus = m
+            .gpus
+            .iter()
+            .map(|&(g, _)| ids.get(usize::from(g)).cloned())
+            .collect::<Option<Vec<_>>>()?;
+        Some(Placement {
+            node: node.clone(),
+            model: m.model.clone(),
+            gpus,
+            share: share.clone(),
+        })
+    }
+
+    /// The queued work in the order the plan tried it.
+    pub fn in_order(&self, plan: &Plan) -> Vec<Queued> {
+        plan.order
+            .iter()
+            .filter_map(|&k| match self.works.get(k as usize) {
+                Some(Work::Queued(q)) => Some((**q).clone()),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// What one pass did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Applied {
+    /// Works placed (an instance, or a whole job).
+    pub placed: usize,
+    /// Victims told to stop.
+    pub preempted: usize,
+    /// Writes that lost a race and wait for the next pass.
+    pub conflicts: usize,
+}
+
+/// Writes `plan`: placements, preemptions, reasons. A write that lost a
+/// race (`Conflict`, `NotFound`) is left for the next pass.
+pub async fn apply(st: &AppState, g: &Gathered, plan: &Plan) -> Result<Applied, StoreError> {
+    let store = st.store();
+    let now = st.now();
+    let mut done = Applied::default();
+    for p in &plan.placements {
+        let Some(Work::Queued(q)) = g.works.get(p.key as usize) else {
+            continue;
+        };
+        let outcome = match &**q {
+            Queued::Instance(inst) => {
+                let Some(at) = p.members.first().and_then(|m| g.placement(m, &inst.share)) else {
+                    continue;
+                };
+                store.schedule_instance(&inst.id, &at, now).await.map(|()| {
+                    tracing::info!(instance = %inst.id, node = %at.node, gpus = at.gpus.len(),
+                        backfill = p.backfilled, "instance scheduled");
+                })
+            }
+            Queued::Job(j) => {
+                let Some(plans) = p
+                    .members
+                    .iter()
+                    .map(|m| g.placement(m, &GpuShare::Whole))
+                    .collect::<Option<Vec<_>>>()
+                else {
+                    continue;
+                };
+                let ids: Vec<InstanceId> = plans
+                    .iter()
+                    .map(|_| {
+                        let (t, r) = st.ids();
+                        InstanceId::generate(t, r)
+                    })
+                    .collect();
+                store
+                    .schedule_job(&j.id, j.attempt, &plans, &ids, now)
+                    .await
+                    .map(|_| {
+                        tracing::info!(job = %j.id, members = plans.len(), attempt = j.attempt + 1,
+                            backfill = p.backfilled, "job gang scheduled");
+                    })
+            }
+        };
+        match outcome {
+            Ok(()) => done.placed += 1,
+            Err(StoreError::Conflict(_) | StoreError::NotFound(_)) => {
+                tracing::debug!(work = %q.work_id(), "placement lost a race; retrying next pass");
+                done.conflicts += 1;
+            }
+            Err(StoreError::Quota(e)) => {
+                set_reason(st, q, &format!("over quota: {e}"), now).await?;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    for pre in &plan.preemptions {
+        let Some(Work::Running(_, members)) = g.works.get(pre.victim as usize) else {
+            continue;
+        };
+        let by = match g.works.get(pre.by as usize) {
+            Some(Work::Queued(q)) => q.work_id(),
+            _ => continue,
+        };
+        for m in members {
+            if store.preempt(m, &by, now).await? {
+                tracing::info!(victim = %m, %by, "preempted");
+                done.preempted += 1;
+            }
+        }
+    }
+    for (key, wait) in &plan.waiting {
+        let Some(Work::Queued(q)) = g.works.get(*key as usize) else {
+            continue;
+        };
+        let reason = wait.describe(|k| g.name(k));
+        if reason != q.state_reason() {
+            set_reason(st, q, &reason, now).await?;
+        }
+    }
+    Ok(done)
+}
+
+async fn set_reason(
+    st: &AppState,
+    q: &Queued,
+    reason: &str,
+    now: DateTime<Utc>,
+) -> Result<(), StoreError> {
+    match q {
+        Queued::Instance(p) => st.store().set_pending_reason(&p.id, reason, now).await,
+        Queued::Job(j) => st.store().set_job_reason(&j.id, reason, now).await,
+    }
+}
+
+/// One scheduling pass: gather, plan, apply. Returns how many works it
+/// placed.
+pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
+    let g = gather(st).await?;
+    if g.input.queue.is_empty() {
+        return Ok(0);
+    }
+    let plan = pass::plan(&g.input).map_err(|e| StoreError::Corrupt(format!("planner: {e}")))?;
+    let done = apply(st, &g, &plan).await?;
+    if done.placed > 0 || done.preempted > 0 {
+        st.notify_change();
+    }
+    Ok(done.placed)
+}
+
+/// Pending instances and queued jobs in the order the scheduler tries
+/// them: tier, then priority, then weighted fair share across tenants,
+/// then FIFO (see `flotilla_sched::queue`). Computed by the planner from
+/// the store, so it needs no loop state and survives restarts.
+pub async fn queue_all(st: &AppState) -> Result<Vec<Queued>, StoreError> {
+    let g = gather(st).await?;
+    if g.input.queue.is_empty() {
+        return Ok(Vec::new());
+    }
+    let plan = pass::plan(&g.input).map_err(|e| StoreError::Corrupt(format!("planner: {e}")))?;
+    Ok(g.in_order(&plan))
+}
