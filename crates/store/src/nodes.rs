@@ -69,7 +69,7 @@ impl Store {
         mut new_ids: impl FnMut() -> (NodeId, Vec<GpuId>),
         now: DateTime<Utc>,
     ) -> Result<RegisteredNode> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let existing = sqlx::query("SELECT id, owner_tenant_id FROM nodes WHERE name = $1")
             .bind(&req.name)
             .fetch_optional(&mut *tx)
@@ -223,15 +223,19 @@ impl Store {
     }
 
     /// Sets a node unreachable if it is still stale; true when changed.
+    /// In a transaction of its own so that, on a fenced store, a deposed
+    /// leader cannot mark a node it would then fail to declare lost.
     pub async fn mark_node_unreachable(&self, id: &NodeId, cutoff: DateTime<Utc>) -> Result<bool> {
+        let mut tx = self.begin().await?;
         let n = sqlx::query(
             "UPDATE nodes SET state = 'unreachable' WHERE id = $1 AND state = 'ready' AND last_heartbeat_at < $2",
         )
         .bind(id.as_str())
         .bind(ms(cutoff))
-        .execute(self.pool())
+        .execute(&mut *tx)
         .await?
         .rows_affected();
+        tx.commit().await?;
         Ok(n > 0)
     }
 
