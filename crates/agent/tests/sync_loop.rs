@@ -172,6 +172,7 @@ impl Mock {
             let reg = Registered {
                 node_id,
                 heartbeat_interval_ms: 5_000,
+                lease_ms: None,
             };
             return (200, serde_json::to_string(&reg).unwrap());
         }
@@ -215,6 +216,7 @@ impl Mock {
             let resp = SyncResponse {
                 assignments,
                 reregister: false,
+                lease_ms: None,
             };
             return (200, serde_json::to_string(&resp).unwrap());
         }

@@ -107,6 +107,38 @@ impl Store {
         lease(&row)
     }
 
+    /// Hands the lease from `from` to `to` whether or not it ran out, under
+    /// a new token: for a holder known to be gone (its process ended) that
+    /// could not give it back. Returns the lease as it stands afterwards
+    /// (unchanged when `from` no longer holds it).
+    pub async fn take_over_lease(
+        &self,
+        name: &str,
+        from: &str,
+        to: &str,
+        ttl: chrono::Duration,
+        now: DateTime<Utc>,
+    ) -> Result<Lease> {
+        let mut tx = self.pool().begin().await?;
+        sqlx::query(
+            "UPDATE leases SET holder = $3, token = token + 1, expires_at = $4, acquired_at = $5 \
+             WHERE name = $1 AND holder = $2",
+        )
+        .bind(name)
+        .bind(from)
+        .bind(to)
+        .bind(ms(now + ttl))
+        .bind(ms(now))
+        .execute(&mut *tx)
+        .await?;
+        let row = sqlx::query("SELECT * FROM leases WHERE name = $1")
+            .bind(name)
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        lease(&row)
+    }
+
     /// Gives the lease up at once if `holder` holds it (a clean shutdown),
     /// so another replica need not wait for it to run out. The token is
     /// kept; the next grant increments it.

@@ -65,6 +65,14 @@ async fn a_lease_changes_hands_only_once_it_ran_out(s: &Store) {
     let a = s.acquire_lease(LEADER, "a", ttl, t3).await.unwrap();
     assert_eq!(a.token, 4);
     assert_eq!(s.lease(LEADER).await.unwrap(), Some(a));
+    // A holder known to be gone is taken over before its lease runs out,
+    // under a new token; a stale take-over (from someone who no longer
+    // holds) changes nothing.
+    let c = s.take_over_lease(LEADER, "a", "c", ttl, t3).await.unwrap();
+    assert!(c.held_by("c", t3));
+    assert_eq!(c.token, 5);
+    let again = s.take_over_lease(LEADER, "a", "d", ttl, t3).await.unwrap();
+    assert_eq!((again.holder.as_str(), again.token), ("c", 5));
 }
 
 async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::Placement) {
@@ -170,10 +178,7 @@ async fn a_write_under_a_stale_token_is_refused(s: &Store) {
         deposed.request_stop(&id, later).await,
         Err(StoreError::Fenced { .. })
     ));
-    assert_eq!(
-        s.instance(&id).await.unwrap().state,
-        InstanceState::Pending
-    );
+    assert_eq!(s.instance(&id).await.unwrap().state, InstanceState::Pending);
     // A store fenced on a lease that was never granted cannot write.
     assert!(matches!(
         s.fenced("never-granted", 1)
