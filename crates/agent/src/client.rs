@@ -28,7 +28,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time for a request that is not a long-poll.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 /// Slack on top of the long-poll wait before a sync is given up.
-const LONG_POLL_SLACK: Duration = Duration::from_secs(15);
+pub const LONG_POLL_SLACK: Duration = Duration::from_secs(15);
 
 /// A failed call.
 #[derive(Debug, thiserror::Error)]
@@ -174,6 +174,19 @@ impl Client {
         req: &SyncRequest,
     ) -> Result<SyncResponse, ClientError> {
         let timeout = Duration::from_millis(req.wait_ms) + LONG_POLL_SLACK;
+        self.sync_within(node_id, req, timeout).await
+    }
+
+    /// [`Client::sync`], given up (a transport error, which moves the next
+    /// call to the next server) after `timeout`: a server that accepted
+    /// the connection but stopped answering must not hold the agent past
+    /// its node lease.
+    pub async fn sync_within(
+        &self,
+        node_id: &NodeId,
+        req: &SyncRequest,
+        timeout: Duration,
+    ) -> Result<SyncResponse, ClientError> {
         let path = format!("/v1/agent/nodes/{node_id}/sync");
         let resp = self.post(&path, req, timeout).await?;
         decode(resp).await

@@ -195,7 +195,13 @@ pub async fn run(
 
     tokio::pin!(shutdown);
     tokio::select! {
-        registered = agent.register(true) => agent.node = Some(registered?),
+        registered = agent.register(true) => {
+            let registered = registered?;
+            // Known from the start, so the first syncs are timed for it; it
+            // only begins to count with the first sync that succeeds.
+            agent.shared.node_lease().length = registered.lease_ms.filter(|ms| *ms > 0).map(Duration::from_millis);
+            agent.node = Some(registered);
+        }
         () = &mut shutdown => return Ok(()),
     }
     let shipper = tokio::spawn(ship_logs_forever(shared.clone(), client));
@@ -419,14 +425,15 @@ impl Agent {
             let changed = &self.shared.wakers.changed;
             // What the request below reports covers every change so far.
             consume_permit(changed).await;
+            let (wait_ms, timeout) = self.sync_timing(&node);
             let req = SyncRequest {
                 observed: self.observed(),
-                wait_ms: self.config.sync_wait_ms.min(node.heartbeat_interval_ms),
+                wait_ms,
                 gpus: self.telemetry.sample(),
             };
             let sent = Instant::now();
             let result = tokio::select! {
-                result = self.client.sync(&node.node_id, &req) => result,
+                result = self.client.sync_within(&node.node_id, &req, timeout) => result,
                 () = changed.notified() => {
                     tracing::debug!("local change, resending sync");
                     continue;
@@ -461,6 +468,25 @@ impl Agent {
                     tokio::time::sleep(backoff.failed(&error)).await;
                 }
             }
+        }
+    }
+
+    /// The long-poll wait to ask for, and when to give a sync up. Under a
+    /// node lease both are half a heartbeat interval: the lease counts from
+    /// when a sync was sent, so a server that stops answering mid-poll must
+    /// leave time to fail over to another before the lease runs out.
+    fn sync_timing(&self, node: &Registered) -> (u64, Duration) {
+        let interval = node.heartbeat_interval_ms;
+        if self.shared.node_lease().length.is_some() {
+            let half = (interval / 2).max(1);
+            (
+                self.config.sync_wait_ms.min(half),
+                Duration::from_millis(self.config.sync_wait_ms.min(half) + half)
+                    .min(Duration::from_millis(self.config.sync_wait_ms) + client::LONG_POLL_SLACK),
+            )
+        } else {
+            let wait = self.config.sync_wait_ms.min(interval);
+            (wait, Duration::from_millis(wait) + client::LONG_POLL_SLACK)
         }
     }
 
