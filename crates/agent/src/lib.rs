@@ -497,7 +497,7 @@ impl Agent {
         self.shared
             .lock()
             .iter()
-            .filter(|(_, t)| !t.orphaned && !(t.fenced && t.running()))
+            .filter(|(_, t)| !(t.orphaned || (t.fenced && t.running())))
             .map(|(id, t)| t.observed(id))
             .collect()
     }

@@ -182,8 +182,11 @@ fn expected_gpu_seconds(inst: &Value, end: DateTime<Utc>) -> i64 {
     inst["gpus"].as_i64().unwrap_or(0) * (ceil - floor)
 }
 
+/// One instance's hold on GPUs: id, GPU ids, from, to.
+type Holding = (String, Vec<String>, DateTime<Utc>, DateTime<Utc>);
+
 /// When each instance held its GPUs: from placement to its final state.
-fn holdings(instances: &[Value]) -> Vec<(String, Vec<String>, DateTime<Utc>, DateTime<Utc>)> {
+fn holdings(instances: &[Value]) -> Vec<Holding> {
     instances
         .iter()
         .filter_map(|i| {
