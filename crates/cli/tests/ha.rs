@@ -11,8 +11,10 @@
 //!   the job's member itself, and only then does the job run elsewhere;
 //!   each copy is billed for the time it ran.
 //!
-//! They need PostgreSQL (`FLOTILLA_TEST_DATABASE_URL`); without it they say
-//! so and pass, like the store suite's PostgreSQL half.
+//! - SQLite is one server: a second one on the same file refuses to start.
+//!
+//! All but the last need PostgreSQL (`FLOTILLA_TEST_DATABASE_URL`); without
+//! it they say so and pass, like the store suite's PostgreSQL half.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -309,6 +311,26 @@ fn three_servers_survive_a_kill_9_of_the_leader() {
         took <= interval * 2,
         "a lost leader is replaced within two heartbeat intervals, took {took:?}"
     );
+    // A clean stop gives the lease back: the last replica leads at once
+    // rather than after the lease ran out.
+    let next = (0..3)
+        .find(|&i| i != old && leaders(&urls[i..=i]) == [0])
+        .unwrap();
+    let mut stopped = servers[next].take().unwrap();
+    send_signal(&stopped.0, nix::sys::signal::Signal::SIGTERM);
+    let stopped_at = Instant::now();
+    let last = (0..3).find(|&i| i != old && i != next).unwrap();
+    wait_until("the last replica leads", Duration::from_secs(30), || {
+        leaders(&urls[last..=last]) == [0]
+    });
+    let handed = stopped_at.elapsed();
+    eprintln!("lease handed over after {handed:?}");
+    assert!(
+        handed < interval,
+        "a released lease is taken within a try ({handed:?})"
+    );
+    assert!(stopped.0.wait().unwrap().success());
+    let survivors = vec![urls[last].clone()];
     let at_kill = acked.lock().unwrap().len();
     wait_until(
         "creates through the new leader",
@@ -604,4 +626,45 @@ fn a_node_cut_off_past_its_lease_stops_its_work_before_it_runs_elsewhere() {
     );
     let all = all_instances(&urls, &key);
     assert_no_gpu_held_twice(&all);
+}
+
+#[test]
+fn sqlite_runs_one_server_and_says_so() {
+    let mut env = Home::new(BIN);
+    env.heartbeat_timeout = 3;
+    let _first = env.server();
+    wait_until("the first server leads", Duration::from_secs(30), || {
+        health(&env.url()).is_some_and(|h| h["role"] == "leader" && h["backend"] == "sqlite")
+    });
+    let port = free_port();
+    let mut second = env
+        .cmd()
+        .args(["server", "--bind", &format!("127.0.0.1:{port}")])
+        .arg("--data-dir")
+        .arg(env.data())
+        .args(["--heartbeat-timeout", "3"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = second.try_wait().unwrap() {
+            break s;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            let _ = second.kill();
+            panic!("a second server on one SQLite file kept running");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut second.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
+    assert!(
+        err.contains("another flotilla server") && err.contains("SQLite runs one server"),
+        "{err}"
+    );
+    // The first one never stopped leading.
+    assert_eq!(health(&env.url()).unwrap()["role"], "leader");
 }
