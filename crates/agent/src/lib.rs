@@ -472,13 +472,16 @@ impl Agent {
     }
 
     /// The long-poll wait to ask for, and when to give a sync up. Under a
-    /// node lease both are half a heartbeat interval: the lease counts from
-    /// when a sync was sent, so a server that stops answering mid-poll must
-    /// leave time to fail over to another before the lease runs out.
+    /// node lease both are half a heartbeat interval (a quarter lease at
+    /// most): the lease counts from when a sync was sent, so a server that
+    /// stops answering mid-poll must leave time to fail over to another
+    /// before the lease runs out.
     fn sync_timing(&self, node: &Registered) -> (u64, Duration) {
         let interval = node.heartbeat_interval_ms;
-        if self.shared.node_lease().length.is_some() {
-            let half = (interval / 2).max(1);
+        let lease = self.shared.node_lease().length;
+        if let Some(lease) = lease {
+            let quarter = u64::try_from(lease.as_millis() / 4).unwrap_or(u64::MAX);
+            let half = (interval / 2).min(quarter).max(1);
             (
                 self.config.sync_wait_ms.min(half),
                 Duration::from_millis(self.config.sync_wait_ms.min(half) + half)
