@@ -67,20 +67,23 @@ pub fn simulated_gpus(
     let parsed = parse_simulated_gpus(spec, catalog).map_err(DiscoveryError::InvalidSpec)?;
     let mut gpus = Vec::new();
     let mut index = 0u32;
-    for (count, name) in parsed {
-        let model = catalog.get(&name).ok_or_else(|| {
+    for entry in parsed {
+        let model = catalog.get(&entry.model).ok_or_else(|| {
             DiscoveryError::InvalidSpec(FieldError::new(
                 "simulate_gpus",
-                format!("unknown GPU model `{name}`"),
+                format!("unknown GPU model `{}`", entry.model),
             ))
         })?;
-        for _ in 0..count {
+        for _ in 0..entry.count {
             gpus.push(DiscoveredGpu {
                 index,
                 model: model.name.clone(),
                 uuid: simulated_uuid(node_name, index),
                 memory_mib: u64::from(model.memory_gib) * 1024,
                 vendor: model.vendor,
+                // Parsing allowed `:mig` only on models with a MIG geometry,
+                // so the simulated GPU offers that model's profiles.
+                mig_mode: entry.mig,
             });
             index += 1;
         }
@@ -154,6 +157,7 @@ fn nvml_gpus(catalog: &Catalog) -> Result<Vec<DiscoveredGpu>, DiscoveryError> {
                 uuid,
                 memory_mib,
                 vendor: model.vendor,
+                mig_mode: false,
             }),
             None => tracing::warn!(
                 index,
@@ -244,9 +248,17 @@ mod tests {
     }
 
     #[test]
+    fn simulated_mig_mode_is_per_entry() {
+        let c = Catalog::default();
+        let gpus = discover(Some("1xH100:mig,1xH100"), "node-a", &c).unwrap();
+        let modes: Vec<(u32, bool)> = gpus.iter().map(|g| (g.index, g.mig_mode)).collect();
+        assert_eq!(modes, vec![(0, true), (1, false)]);
+    }
+
+    #[test]
     fn bad_specs_are_rejected_with_the_field() {
         let c = Catalog::default();
-        for spec in ["", "0xH100", "4xNOPE", "99xH100"] {
+        for spec in ["", "0xH100", "4xNOPE", "99xH100", "1xL40S:mig"] {
             match discover(Some(spec), "n", &c) {
                 Err(DiscoveryError::InvalidSpec(e)) => assert_eq!(e.field, "simulate_gpus"),
                 other => panic!("{spec:?}: expected InvalidSpec, got {other:?}"),

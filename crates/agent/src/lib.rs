@@ -604,6 +604,7 @@ impl Agent {
             gpu_indices: a.gpu_indices,
             gpu_uuids: a.gpu_uuids,
             vendors,
+            gpu_slices: a.gpu_slices,
         };
         let work = match runtime::spawn(&spec, self.shared.wakers.clone()) {
             Ok(p) => Work::Process(p),

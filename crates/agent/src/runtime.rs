@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use flotilla_core::api::{LogLine, LogStream};
+use flotilla_core::api::{GpuSlice, LogLine, LogStream};
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::InstanceId;
 use nix::sys::signal::{killpg, Signal};
@@ -50,6 +50,9 @@ pub struct SpawnSpec {
     pub gpu_uuids: Vec<String>,
     /// Vendors of those GPUs (decides which selection variables are set).
     pub vendors: Vec<Vendor>,
+    /// What it holds of each GPU when it shares them (fractions, MIG
+    /// instances); empty for whole GPUs.
+    pub gpu_slices: Vec<GpuSlice>,
 }
 
 /// Who to wake when something happens to a process.
@@ -169,17 +172,35 @@ fn lost_exit() -> Exit {
 }
 
 /// The environment variables that give an instance its GPUs.
+///
+/// Shares: a MIG instance is selected by its MIG device name in
+/// `CUDA_VISIBLE_DEVICES` (CUDA then sees that instance only, with the
+/// profile's compute and memory). A fraction sees its GPU and is held to
+/// its share by MPS: `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` limits the SMs its
+/// contexts may use and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` caps the device
+/// memory it may allocate (both honoured when the node runs the MPS control
+/// daemon); `FLOTILLA_GPU_MEMORY_LIMIT_MIB` states the cap for frameworks
+/// that limit themselves (e.g. a PyTorch memory fraction).
 pub fn device_env(
     instance_id: &InstanceId,
     gpu_indices: &[u32],
     gpu_uuids: &[String],
     vendors: &[Vendor],
+    slices: &[GpuSlice],
 ) -> Vec<(String, String)> {
-    let indices = gpu_indices
+    let mig: Vec<&str> = slices
         .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
+        .filter_map(|s| s.mig_device.as_deref())
+        .collect();
+    let indices = if mig.is_empty() {
+        gpu_indices
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    } else {
+        mig.join(",")
+    };
     let mut env = vec![
         ("CUDA_VISIBLE_DEVICES".to_string(), indices.clone()),
         ("NVIDIA_VISIBLE_DEVICES".to_string(), indices.clone()),
@@ -192,6 +213,32 @@ pub fn device_env(
         instance_id.as_str().to_string(),
     ));
     env.push(("FLOTILLA_GPU_UUIDS".to_string(), gpu_uuids.join(",")));
+    if let Some(slice) = slices.first() {
+        if let Some(profile) = &slice.mig_profile {
+            env.push(("FLOTILLA_MIG_PROFILE".to_string(), profile.clone()));
+        } else {
+            // Whole percent, at least 1: MPS takes an integer.
+            let percent = ((slice.milli + 5) / 10).clamp(1, 100);
+            env.push((
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_string(),
+                percent.to_string(),
+            ));
+            env.push((
+                "FLOTILLA_GPU_FRACTION".to_string(),
+                format!("{}", f64::from(slice.milli) / 1000.0),
+            ));
+            if let Some(mib) = slice.memory_limit_mib {
+                // Device 0 of the devices the workload sees: its one GPU.
+                env.push((
+                    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_string(),
+                    format!("0={mib}M"),
+                ));
+            }
+        }
+        if let Some(mib) = slice.memory_limit_mib {
+            env.push(("FLOTILLA_GPU_MEMORY_LIMIT_MIB".to_string(), mib.to_string()));
+        }
+    }
     env
 }
 
@@ -234,6 +281,7 @@ pub fn spawn(spec: &SpawnSpec, wakers: Wakers) -> Result<Process, SpawnError> {
             &spec.gpu_indices,
             &spec.gpu_uuids,
             &spec.vendors,
+            &spec.gpu_slices,
         ))
         .current_dir(&spec.workdir)
         .stdin(Stdio::null())
@@ -549,6 +597,7 @@ mod tests {
             gpu_indices: vec![1, 3],
             gpu_uuids: vec!["GPU-a".into(), "GPU-b".into()],
             vendors: vec![Vendor::Nvidia, Vendor::Nvidia],
+            gpu_slices: Vec::new(),
         }
     }
 
@@ -645,13 +694,67 @@ mod tests {
     #[tokio::test]
     async fn amd_gpus_get_rocr_visible_devices() {
         let id = InstanceId::generate(1, 1);
-        let env = device_env(&id, &[0, 2], &["u0".into(), "u2".into()], &[Vendor::Amd]);
+        let env = device_env(
+            &id,
+            &[0, 2],
+            &["u0".into(), "u2".into()],
+            &[Vendor::Amd],
+            &[],
+        );
         assert!(env.contains(&("ROCR_VISIBLE_DEVICES".into(), "0,2".into())));
         assert!(env.contains(&("CUDA_VISIBLE_DEVICES".into(), "0,2".into())));
         assert!(env.contains(&("FLOTILLA_INSTANCE_ID".into(), id.to_string())));
-        let env = device_env(&id, &[], &[], &[]);
+        let env = device_env(&id, &[], &[], &[], &[]);
         assert!(env.contains(&("CUDA_VISIBLE_DEVICES".into(), String::new())));
         assert!(!env.iter().any(|(k, _)| k == "ROCR_VISIBLE_DEVICES"));
+    }
+
+    #[test]
+    fn shares_get_mig_devices_or_mps_limits() {
+        let id = InstanceId::generate(1, 1);
+        let gpu = flotilla_core::id::GpuId::generate(1, 7);
+        let mig = GpuSlice {
+            gpu_id: gpu.clone(),
+            milli: 142,
+            mig_profile: Some("1g.10gb".into()),
+            mig_device: Some("MIG-GPU-a/2/0".into()),
+            memory_limit_mib: Some(10_240),
+        };
+        let env = device_env(&id, &[3], &["GPU-a".into()], &[Vendor::Nvidia], &[mig]);
+        let get = |env: &[(String, String)], k: &str| {
+            env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+        };
+        assert_eq!(
+            get(&env, "CUDA_VISIBLE_DEVICES").as_deref(),
+            Some("MIG-GPU-a/2/0")
+        );
+        assert_eq!(
+            get(&env, "FLOTILLA_MIG_PROFILE").as_deref(),
+            Some("1g.10gb")
+        );
+        assert_eq!(get(&env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"), None);
+        let quarter = GpuSlice {
+            gpu_id: gpu,
+            milli: 250,
+            mig_profile: None,
+            mig_device: None,
+            memory_limit_mib: Some(20_480),
+        };
+        let env = device_env(&id, &[3], &["GPU-a".into()], &[Vendor::Nvidia], &[quarter]);
+        assert_eq!(get(&env, "CUDA_VISIBLE_DEVICES").as_deref(), Some("3"));
+        assert_eq!(
+            get(&env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE").as_deref(),
+            Some("25")
+        );
+        assert_eq!(
+            get(&env, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT").as_deref(),
+            Some("0=20480M")
+        );
+        assert_eq!(
+            get(&env, "FLOTILLA_GPU_MEMORY_LIMIT_MIB").as_deref(),
+            Some("20480")
+        );
+        assert_eq!(get(&env, "FLOTILLA_GPU_FRACTION").as_deref(), Some("0.25"));
     }
 
     #[tokio::test]

@@ -245,6 +245,7 @@ fn assignment(n: u128, script: &str) -> Assignment {
         workdir: None,
         gpu_indices: vec![1],
         gpu_uuids: vec!["GPU-x".into()],
+        gpu_slices: Vec::new(),
         stop: false,
         stop_grace_ms: 5_000,
     }

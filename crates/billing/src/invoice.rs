@@ -16,7 +16,9 @@ use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 
 use crate::error::BillingError;
-use crate::meter::{effective_events, Meter, SubjectKind, UsageEvent, UNIT_MS_PER_GPU_SECOND};
+use crate::meter::{
+    effective_events, GpuShare, Meter, SubjectKind, UsageEvent, UNIT_MS_PER_GPU_SECOND,
+};
 use crate::money::{self, Currency, Period};
 use crate::price::{
     split_reserved, Commitment, CreditGrant, Discount, DiscountScope, Payment, PriceBook,
@@ -109,6 +111,10 @@ pub struct InvoiceLine {
     pub description: String,
     /// GPU model, for GPU lines.
     pub model: Option<String>,
+    /// The share of a GPU or the MIG profile the line bills (`0.5 × H100`,
+    /// `H100 1g.10gb`); absent for whole GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<String>,
     /// Units charged (exact, never rounded).
     pub quantity: Decimal,
     /// `gpu_second`, `request`, `million_input_tokens`, the currency code
@@ -258,6 +264,9 @@ pub struct Draft {
 struct LineKey {
     kind: LineKind,
     model: Option<String>,
+    /// The GPU share or MIG profile the line is for (`0.5 × H100`,
+    /// `H100 1g.10gb`); `None` for whole GPUs.
+    share: Option<String>,
     price_version: Option<u32>,
     price_point_at: Option<DateTime<Utc>>,
     reference: Option<String>,
@@ -294,6 +303,7 @@ fn gpu_key(kind: LineKind, model: &str, version: u32, unit_price: Decimal) -> Li
     LineKey {
         kind,
         model: Some(model.to_string()),
+        share: None,
         price_version: Some(version),
         price_point_at: None,
         reference: None,
@@ -421,11 +431,20 @@ pub fn build_invoice(input: InvoiceInput<'_>) -> Result<Draft> {
     let events = effective_events(input.events.iter().filter(|e| &e.key.tenant == tenant))?;
     let mut lines = Lines::default();
 
-    // 1. Reserved split, per model.
-    let mut pooled: BTreeMap<String, Vec<RateInterval>> = BTreeMap::new();
+    // 1. Reserved split, per model. Shares of a model without commitments
+    // get lines of their own, named by the share; a model under commitment
+    // pools every share, as the commitment covers GPU time of any share.
+    let mut commitments: Vec<&Commitment> = input
+        .commitments
+        .iter()
+        .filter(|c| &c.tenant == tenant && c.start < to && c.end > from)
+        .collect();
+    commitments.sort_by(|a, b| (a.start, &a.id).cmp(&(b.start, &b.id)));
+    let committed: BTreeSet<&str> = commitments.iter().map(|c| c.model.as_str()).collect();
+    let mut pooled: BTreeMap<(String, Option<String>), Vec<RateInterval>> = BTreeMap::new();
     let mut minimum: BTreeMap<(String, String), (i128, DateTime<Utc>)> = BTreeMap::new();
     for e in &events {
-        let Meter::GpuSeconds { model, .. } = &e.meter else {
+        let Meter::GpuSeconds { model, share } = &e.meter else {
             continue;
         };
         if e.subject.kind == SubjectKind::Endpoint || e.billing_class == BillingClass::Spot {
@@ -437,11 +456,19 @@ pub fn build_invoice(input: InvoiceInput<'_>) -> Result<Draft> {
             continue;
         }
         let units = e.gpu_units()?.unwrap_or(0);
-        pooled.entry(model.clone()).or_default().push(RateInterval {
-            start: e.start,
-            end: e.end,
-            units,
-        });
+        let label = if committed.contains(model.as_str()) {
+            None
+        } else {
+            share_label(model, share)
+        };
+        pooled
+            .entry((model.clone(), label))
+            .or_default()
+            .push(RateInterval {
+                start: e.start,
+                end: e.end,
+                units,
+            });
         let within = e.gpu_unit_ms_within(from, to)?;
         if e.billing_class == BillingClass::OnDemand && within > 0 {
             let m = minimum
@@ -451,20 +478,16 @@ pub fn build_invoice(input: InvoiceInput<'_>) -> Result<Draft> {
             m.1 = m.1.min(e.start.max(from));
         }
     }
-    let mut commitments: Vec<&Commitment> = input
-        .commitments
-        .iter()
-        .filter(|c| &c.tenant == tenant && c.start < to && c.end > from)
-        .collect();
-    commitments.sort_by(|a, b| (a.start, &a.id).cmp(&(b.start, &b.id)));
-    let mut models: BTreeSet<String> = pooled.keys().cloned().collect();
-    models.extend(commitments.iter().map(|c| c.model.clone()));
-    for model in models {
-        let usage = pooled.get(&model).map(Vec::as_slice).unwrap_or(&[]);
+    let mut models: BTreeSet<(String, Option<String>)> = pooled.keys().cloned().collect();
+    models.extend(commitments.iter().map(|c| (c.model.clone(), None)));
+    for key in models {
+        let usage = pooled.get(&key).map(Vec::as_slice).unwrap_or(&[]);
+        let (model, share) = key;
+        // Labelled shares exist only for models without commitments.
         let mine: Vec<&Commitment> = commitments
             .iter()
             .copied()
-            .filter(|c| c.model == model)
+            .filter(|c| c.model == model && share.is_none())
             .collect();
         let capacity: Vec<RateInterval> = mine
             .iter()
@@ -485,7 +508,9 @@ pub fn build_invoice(input: InvoiceInput<'_>) -> Result<Draft> {
                     LineKind::OnDemand
                 };
                 let price = v.on_demand(&model)?.per_gpu_second;
-                lines.gpu(gpu_key(kind, &model, v.version, price), seg.overage_unit_ms);
+                let mut k = gpu_key(kind, &model, v.version, price);
+                k.share = share.clone();
+                lines.gpu(k, seg.overage_unit_ms);
             }
             // Share the covered usage among the commitments active here.
             let mut left = seg.usage_units;
@@ -620,6 +645,7 @@ pub fn build_invoice(input: InvoiceInput<'_>) -> Result<Draft> {
                 let key = LineKey {
                     kind,
                     model: None,
+                    share: None,
                     price_version: Some(version),
                     price_point_at: None,
                     reference: None,
@@ -690,6 +716,7 @@ pub fn build_invoice(input: InvoiceInput<'_>) -> Result<Draft> {
             )
             .to_lowercase(),
             model: None,
+            share: None,
             quantity: base,
             unit: currency.code.clone(),
             unit_price: money::tidy(unit_price),
@@ -746,6 +773,7 @@ pub fn build_invoice(input: InvoiceInput<'_>) -> Result<Draft> {
             description: format!("{:?} credit {} (balance before {})", g.kind, g.id, balance)
                 .to_lowercase(),
             model: None,
+            share: None,
             quantity: Decimal::ONE,
             unit: "credit".into(),
             unit_price: -take,
@@ -774,10 +802,24 @@ pub fn build_invoice(input: InvoiceInput<'_>) -> Result<Draft> {
     })
 }
 
+/// How an invoice line names a share of `model`: `0.5 × H100`,
+/// `H100 1g.10gb`; `None` for whole GPUs.
+fn share_label(model: &str, share: &GpuShare) -> Option<String> {
+    match share {
+        GpuShare::Whole => None,
+        GpuShare::Milli { milli } => Some(format!(
+            "{} × {model}",
+            Decimal::new(i64::from(*milli), 3).normalize()
+        )),
+        GpuShare::Mig { profile } => Some(format!("{model} {profile}")),
+    }
+}
+
 fn make_line(k: &LineKey, quantity: Decimal, amount: Decimal) -> InvoiceLine {
-    let mut description = match &k.model {
-        Some(m) => format!("{m} {}", k.kind.label()),
-        None => k.kind.label().to_string(),
+    let mut description = match (&k.share, &k.model) {
+        (Some(s), _) => format!("{s} {}", k.kind.label()),
+        (None, Some(m)) => format!("{m} {}", k.kind.label()),
+        (None, None) => k.kind.label().to_string(),
     };
     if let Some(r) = &k.reference {
         description.push_str(&format!(" ({r})"));
@@ -798,6 +840,7 @@ fn make_line(k: &LineKey, quantity: Decimal, amount: Decimal) -> InvoiceLine {
         kind: k.kind,
         description,
         model: k.model.clone(),
+        share: k.share.clone(),
         quantity: money::tidy(quantity),
         unit: k.unit.to_string(),
         unit_price: money::tidy(k.unit_price),

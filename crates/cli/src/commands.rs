@@ -154,6 +154,13 @@ pub struct RunArgs {
     /// Acceptable GPU models, comma-separated (default: any).
     #[arg(long = "gpu-type", value_delimiter = ',', value_name = "MODEL[,MODEL]")]
     pub gpu_types: Vec<String>,
+    /// A share of one GPU instead of whole GPUs (0.001-1, e.g. 0.25): a
+    /// thread percentage and a memory cap of that share, billed by share.
+    #[arg(long, value_name = "SHARE", conflicts_with = "mig")]
+    pub gpu_fraction: Option<f64>,
+    /// One MIG instance of this profile (e.g. 1g.10gb) on a GPU in MIG mode.
+    #[arg(long, value_name = "PROFILE")]
+    pub mig: Option<String>,
     /// CPU in thousandths of a core (default 1000).
     #[arg(long, value_name = "MILLI")]
     pub cpu: Option<u32>,
@@ -256,6 +263,8 @@ pub async fn run(ctx: &Ctx, args: RunArgs) -> Result<ExitCode> {
         priority: args.priority,
         tier: args.tier,
         preemptible: args.preemptible.then_some(true),
+        gpu_fraction: args.gpu_fraction,
+        mig_profile: args.mig,
     };
     // Take over Ctrl-C before the instance exists, so an interrupt right
     // after the create still stops it.

@@ -100,6 +100,12 @@ pub fn instance_gpus(inst: &Instance) -> String {
         None if inst.gpu_types.is_empty() => "any".to_string(),
         None => inst.gpu_types.join("|"),
     };
+    if let Some(f) = inst.gpu_fraction {
+        return format!("{f} × {model}");
+    }
+    if let Some(p) = &inst.mig_profile {
+        return format!("{model} {p}");
+    }
     format!("{}x{model}", inst.gpus)
 }
 

@@ -144,9 +144,38 @@ pub struct Gpu {
     pub uuid: String,
     /// Memory in MiB.
     pub memory_mib: u64,
-    /// Instance holding it, if any (hidden from other tenants).
+    /// Instance holding it whole, if any (hidden from other tenants).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_id: Option<InstanceId>,
+    /// In MIG mode: it takes MIG profiles only, never whole or fractional
+    /// work.
+    #[serde(default)]
+    pub mig_mode: bool,
+    /// Milli-GPU held by work on it (whole GPUs, fractions or MIG
+    /// instances), 0..=1000.
+    #[serde(default)]
+    pub used_milli: u32,
+}
+
+/// What one piece of work holds of one GPU: the whole of it, a fraction or
+/// a MIG instance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct GpuSlice {
+    /// The GPU.
+    pub gpu_id: GpuId,
+    /// Its share in milli-GPU (1000: the whole GPU; MIG: slices / 7,
+    /// rounded down).
+    pub milli: u32,
+    /// The MIG profile, for a MIG instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_profile: Option<String>,
+    /// The MIG device as `CUDA_VISIBLE_DEVICES` names it
+    /// (`MIG-<gpu uuid>/<gpu instance>/<compute instance>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_device: Option<String>,
+    /// GPU memory the work may use, in MiB (fractions and MIG instances).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_limit_mib: Option<u64>,
 }
 
 /// A node.
@@ -230,6 +259,16 @@ pub struct Instance {
     pub gpu_model: Option<String>,
     /// GPUs it holds (or held), once scheduled.
     pub gpu_ids: Vec<GpuId>,
+    /// The share of one GPU asked for (absent: whole GPUs or MIG).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_fraction: Option<f64>,
+    /// The MIG profile asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_profile: Option<String>,
+    /// What it holds (or held) of each of its GPUs, once scheduled: which
+    /// slice of a shared GPU is its.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_slices: Vec<GpuSlice>,
     /// Exit status, once exited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
@@ -334,6 +373,10 @@ pub struct DiscoveredGpu {
     pub memory_mib: u64,
     /// Vendor.
     pub vendor: Vendor,
+    /// The GPU is in MIG mode (NVML's current mode, or a simulated
+    /// `1xH100:mig`): it takes MIG profiles only.
+    #[serde(default)]
+    pub mig_mode: bool,
 }
 
 /// Sent by an agent when it starts, and again when the server forgot it.
@@ -544,6 +587,10 @@ pub struct Assignment {
     pub gpu_indices: Vec<u32>,
     /// Their UUIDs, in the same order.
     pub gpu_uuids: Vec<String>,
+    /// What it holds of each GPU when it shares them (fractions, MIG);
+    /// empty for whole GPUs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_slices: Vec<GpuSlice>,
     /// The server wants it stopped (SIGTERM, grace, SIGKILL).
     pub stop: bool,
     /// Grace between SIGTERM and SIGKILL, in milliseconds.

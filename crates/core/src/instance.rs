@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::catalog::Catalog;
 use crate::error::FieldError;
+use crate::placement::GpuShare;
 
 /// Where an instance is in its life. Every change is recorded with a
 /// timestamp and a reason.
@@ -131,10 +132,13 @@ pub const MAX_ENV_VARS: usize = 256;
 
 /// Variables the agent sets itself; a user may not override them, or the
 /// instance could see GPUs it does not own.
-pub const RESERVED_ENV: [&str; 3] = [
+pub const RESERVED_ENV: [&str; 5] = [
     "CUDA_VISIBLE_DEVICES",
     "NVIDIA_VISIBLE_DEVICES",
     "ROCR_VISIBLE_DEVICES",
+    // A fraction's MPS limits: overriding them would take more than the share.
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
 ];
 
 /// What a tenant asks for when creating an instance.
@@ -180,6 +184,18 @@ pub struct CreateInstance {
     /// `spot`. Tier 1 cannot be preemptible.
     #[serde(default)]
     pub preemptible: Option<bool>,
+    /// A share of one GPU instead of whole GPUs, in 0.001..=1 (steps of
+    /// 0.001): the instance shares a GPU that is not in MIG mode with other
+    /// fractions, gets that part of its compute (MPS thread percentage) and
+    /// of its memory (a memory cap), and is billed that share. `gpus` must
+    /// be 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_fraction: Option<f64>,
+    /// One MIG instance of this profile (e.g. `1g.10gb`) on a GPU in MIG
+    /// mode, instead of whole GPUs. The profile must exist on one of
+    /// `gpu_types` (or, when absent, on some catalog model). `gpus` must be 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_profile: Option<String>,
 }
 
 /// Largest absolute queue priority.
@@ -212,6 +228,89 @@ pub struct InstanceSpec {
     pub tier: u8,
     /// May be preempted.
     pub preemptible: bool,
+    /// Whole GPUs, a fraction of one, or one MIG instance.
+    pub share: GpuShare,
+}
+
+/// Checks a share request (`gpu_fraction` or `mig_profile`) and narrows
+/// `gpu_types` to the models that offer a MIG profile. Returns the share.
+pub fn validate_share(
+    catalog: &Catalog,
+    gpus: u32,
+    gpu_types: &mut Vec<String>,
+    gpu_fraction: Option<f64>,
+    mig_profile: Option<&str>,
+) -> Result<GpuShare, FieldError> {
+    let share = match (gpu_fraction, mig_profile) {
+        (None, None) => return Ok(GpuShare::Whole),
+        (Some(_), Some(_)) => {
+            return Err(FieldError::new(
+                "mig_profile",
+                "ask for either gpu_fraction or mig_profile, not both",
+            ))
+        }
+        (Some(f), None) => {
+            let milli = f * 1000.0;
+            if !f.is_finite() || !(1.0 - 1e-9..=1000.0 + 1e-9).contains(&milli) {
+                return Err(FieldError::new(
+                    "gpu_fraction",
+                    format!("must be between 0.001 and 1, got {f}"),
+                ));
+            }
+            if (milli - milli.round()).abs() > 1e-6 {
+                return Err(FieldError::new(
+                    "gpu_fraction",
+                    format!("must be a multiple of 0.001, got {f}"),
+                ));
+            }
+            // Range-checked above: 1..=1000.
+            match milli.round() as u16 {
+                1000 => GpuShare::Whole,
+                m => GpuShare::Fraction { milli: m },
+            }
+        }
+        (None, Some(name)) => {
+            let with_mig: Vec<&str> = catalog
+                .models()
+                .iter()
+                .filter(|m| m.mig_geometry.is_some())
+                .map(|m| m.name.as_str())
+                .collect();
+            let Some((profile, models)) = catalog.mig_profile(name) else {
+                return Err(FieldError::new(
+                    "mig_profile",
+                    format!(
+                        "`{name}` is not a MIG profile of any catalog model; models with MIG: {}",
+                        with_mig.join(", ")
+                    ),
+                ));
+            };
+            let offering: Vec<String> = models.iter().map(|m| m.name.clone()).collect();
+            if gpu_types.is_empty() {
+                *gpu_types = offering;
+            } else {
+                let asked = gpu_types.join(", ");
+                gpu_types.retain(|t| offering.contains(t));
+                if gpu_types.is_empty() {
+                    return Err(FieldError::new(
+                        "mig_profile",
+                        format!(
+                            "{asked} offers no MIG profile `{name}`; it exists on: {}",
+                            offering.join(", ")
+                        ),
+                    ));
+                }
+            }
+            GpuShare::Mig(profile)
+        }
+    };
+    if gpus != 1 && share != GpuShare::Whole {
+        return Err(FieldError::new(
+            "gpus",
+            format!("a GPU share is part of one GPU: gpus must be 1, got {gpus}"),
+        ));
+    }
+    Ok(share)
 }
 
 fn valid_env_name(k: &str) -> bool {
@@ -243,6 +342,13 @@ impl CreateInstance {
                 gpu_types.push(name);
             }
         }
+        let share = validate_share(
+            catalog,
+            self.gpus,
+            &mut gpu_types,
+            self.gpu_fraction,
+            self.mig_profile.as_deref(),
+        )?;
         let cpu_milli = self.cpu_milli.unwrap_or(1000);
         if cpu_milli == 0 || cpu_milli > 1_024_000 {
             return Err(FieldError::new(
@@ -337,6 +443,7 @@ impl CreateInstance {
             priority,
             tier,
             preemptible,
+            share,
         })
     }
 }
@@ -359,6 +466,8 @@ mod tests {
             priority: None,
             tier: None,
             preemptible: None,
+            gpu_fraction: None,
+            mig_profile: None,
         }
     }
 
@@ -441,6 +550,7 @@ mod tests {
             ),
         ];
         cases_sched(&mut cases);
+        cases_share(&mut cases);
         for (r, field) in cases {
             assert_eq!(r.validate(&c).unwrap_err().field, field);
         }
@@ -475,6 +585,97 @@ mod tests {
             },
             "preemptible",
         ));
+    }
+
+    fn cases_share(cases: &mut Vec<(CreateInstance, &str)>) {
+        let one = || CreateInstance { gpus: 1, ..req() };
+        for (f, field) in [
+            (0.0, "gpu_fraction"),
+            (1.5, "gpu_fraction"),
+            (0.0005, "gpu_fraction"),
+        ] {
+            cases.push((
+                CreateInstance {
+                    gpu_fraction: Some(f),
+                    ..one()
+                },
+                field,
+            ));
+        }
+        cases.push((
+            CreateInstance {
+                gpu_fraction: Some(0.5),
+                ..req()
+            },
+            "gpus",
+        ));
+        // A profile of no model, a profile the asked model lacks, a model
+        // without MIG, and both kinds of share at once.
+        for (types, profile) in [
+            (vec!["h100"], "9g.1gb"),
+            (vec!["H200"], "1g.10gb"),
+            (vec!["L40S"], "1g.10gb"),
+        ] {
+            cases.push((
+                CreateInstance {
+                    gpu_types: types.into_iter().map(String::from).collect(),
+                    mig_profile: Some(profile.into()),
+                    ..one()
+                },
+                "mig_profile",
+            ));
+        }
+        cases.push((
+            CreateInstance {
+                gpu_fraction: Some(0.5),
+                mig_profile: Some("1g.10gb".into()),
+                ..one()
+            },
+            "mig_profile",
+        ));
+    }
+
+    #[test]
+    fn shares_validate_and_mig_narrows_the_models() {
+        let c = Catalog::default();
+        let s = CreateInstance {
+            gpus: 1,
+            gpu_fraction: Some(0.25),
+            ..req()
+        }
+        .validate(&c)
+        .unwrap();
+        assert_eq!(s.share, GpuShare::Fraction { milli: 250 });
+        let s = CreateInstance {
+            gpus: 1,
+            gpu_fraction: Some(1.0),
+            ..req()
+        }
+        .validate(&c)
+        .unwrap();
+        assert_eq!(s.share, GpuShare::Whole);
+        let s = CreateInstance {
+            gpus: 1,
+            gpu_types: vec![],
+            mig_profile: Some("1G.10GB".into()),
+            ..req()
+        }
+        .validate(&c)
+        .unwrap();
+        assert_eq!(s.gpu_types, vec!["A100-80GB".to_string(), "H100".into()]);
+        match s.share {
+            GpuShare::Mig(p) => assert_eq!((p.name.as_str(), p.compute_slices), ("1g.10gb", 1)),
+            other => panic!("{other:?}"),
+        }
+        let s = CreateInstance {
+            gpus: 1,
+            gpu_types: vec!["L40S".into(), "H100".into()],
+            mig_profile: Some("3g.40gb".into()),
+            ..req()
+        }
+        .validate(&c)
+        .unwrap();
+        assert_eq!(s.gpu_types, vec!["H100".to_string()]);
     }
 
     #[test]

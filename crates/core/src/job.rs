@@ -337,6 +337,9 @@ impl CreateJob {
             priority: self.priority,
             tier: self.tier,
             preemptible: self.preemptible,
+            // Job members take whole GPUs; shares are for instances.
+            gpu_fraction: None,
+            mig_profile: None,
         }
         .validate(catalog)?;
         Ok(JobSpec {

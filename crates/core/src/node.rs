@@ -31,23 +31,45 @@ impl NodeState {
     }
 }
 
-/// Parses a simulated inventory such as `4xH100,2xL40S` into
-/// `(count, canonical model)` pairs.
+/// One entry of a simulated inventory: `count` GPUs of `model`, in MIG
+/// mode or not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimulatedGpus {
+    /// How many.
+    pub count: u32,
+    /// Canonical catalog model.
+    pub model: String,
+    /// In MIG mode (`:mig` after the model).
+    pub mig: bool,
+}
+
+/// Parses a simulated inventory such as `4xH100,2xL40S` or `1xH100:mig`
+/// (GPUs in MIG mode; only models with a MIG geometry in the catalog).
 pub fn parse_simulated_gpus(
     spec: &str,
     catalog: &crate::catalog::Catalog,
-) -> Result<Vec<(u32, String)>, crate::FieldError> {
+) -> Result<Vec<SimulatedGpus>, crate::FieldError> {
     let field = "simulate_gpus";
     let mut out = Vec::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (count, model) = match part.split_once(['x', 'X']) {
+        let (gpus, mig) = match part.rsplit_once(':') {
+            Some((g, mode)) if mode.trim().eq_ignore_ascii_case("mig") => (g.trim(), true),
+            Some((_, mode)) => {
+                return Err(crate::FieldError::new(
+                    field,
+                    format!("unknown mode `{mode}` in `{part}`; the only mode is `mig`"),
+                ))
+            }
+            None => (part, false),
+        };
+        let (count, model) = match gpus.split_once(['x', 'X']) {
             Some((n, m)) if !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()) => {
                 let n: u32 = n
                     .parse()
                     .map_err(|_| crate::FieldError::new(field, format!("bad count in `{part}`")))?;
                 (n, m)
             }
-            _ => (1, part),
+            _ => (1, gpus),
         };
         if count == 0 || count > 64 {
             return Err(crate::FieldError::new(
@@ -55,10 +77,24 @@ pub fn parse_simulated_gpus(
                 format!("count in `{part}` must be between 1 and 64"),
             ));
         }
-        out.push((count, catalog.resolve(model, field)?));
+        let model = catalog.resolve(model, field)?;
+        if mig
+            && catalog
+                .get(&model)
+                .is_some_and(|m| m.mig_geometry.is_none())
+        {
+            return Err(crate::FieldError::new(
+                field,
+                format!("{model} has no MIG geometry in the catalog: `:mig` is not possible"),
+            ));
+        }
+        out.push(SimulatedGpus { count, model, mig });
     }
     if out.is_empty() {
-        return Err(crate::FieldError::new(field, "expected e.g. 4xH100,2xL40S"));
+        return Err(crate::FieldError::new(
+            field,
+            "expected e.g. 4xH100,2xL40S or 1xH100:mig",
+        ));
     }
     Ok(out)
 }
@@ -71,10 +107,25 @@ mod tests {
     #[test]
     fn simulated_inventory_parses() {
         let c = Catalog::default();
+        let g = |count, model: &str, mig| SimulatedGpus {
+            count,
+            model: model.into(),
+            mig,
+        };
         assert_eq!(
             parse_simulated_gpus("4xH100, 2xl40s,T4", &c).unwrap(),
-            vec![(4, "H100".into()), (2, "L40S".into()), (1, "T4".into())]
+            vec![g(4, "H100", false), g(2, "L40S", false), g(1, "T4", false)]
         );
+        assert_eq!(
+            parse_simulated_gpus("1xH100:mig,2xA100-40GB:MIG,H200", &c).unwrap(),
+            vec![
+                g(1, "H100", true),
+                g(2, "A100-40GB", true),
+                g(1, "H200", false)
+            ]
+        );
+        assert!(parse_simulated_gpus("1xL40S:mig", &c).is_err());
+        assert!(parse_simulated_gpus("1xH100:fast", &c).is_err());
         assert!(parse_simulated_gpus("0xH100", &c).is_err());
         assert!(parse_simulated_gpus("4xNOPE", &c).is_err());
         assert!(parse_simulated_gpus("", &c).is_err());

@@ -5,7 +5,74 @@
 
 use std::collections::BTreeMap;
 
+use crate::catalog::{MigProfile, MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use crate::id::{GpuId, NodeId};
+
+/// One whole GPU in milli-GPU.
+pub const MILLI_PER_GPU: u16 = 1000;
+
+/// How much of one GPU a piece of work takes. Whole GPUs are the legacy
+/// and default case; a fraction shares a GPU that is not in MIG mode with
+/// other fractions (MPS, with a thread percentage and a memory cap); a MIG
+/// profile takes one hardware instance of a GPU in MIG mode. A GPU never
+/// mixes MIG instances with whole or fractional work.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum GpuShare {
+    /// Whole GPUs, `gpus` of them.
+    #[default]
+    Whole,
+    /// `milli` thousandths of one GPU, 1..=999.
+    Fraction {
+        /// Thousandths of one GPU.
+        milli: u16,
+    },
+    /// One MIG instance of this profile.
+    Mig(MigProfile),
+}
+
+impl GpuShare {
+    /// Milli-GPU it takes of each GPU it is on (MIG: rounded down, see
+    /// [`MigProfile::milli`]).
+    pub fn milli(&self) -> u16 {
+        match self {
+            Self::Whole => MILLI_PER_GPU,
+            Self::Fraction { milli } => *milli,
+            Self::Mig(p) => p.milli(),
+        }
+    }
+
+    /// Whether it needs a GPU in MIG mode.
+    pub fn is_mig(&self) -> bool {
+        matches!(self, Self::Mig(_))
+    }
+
+    /// Whether a GPU in the state `g` describes can take one of it now.
+    pub fn fits(&self, g: &GpuSlot) -> bool {
+        match self {
+            Self::Whole => !g.mig_mode && g.free,
+            Self::Fraction { milli } => !g.mig_mode && g.available_milli() >= *milli,
+            Self::Mig(p) => {
+                g.mig_mode
+                    && g.mig_compute_free >= p.compute_slices
+                    && g.mig_memory_free >= p.memory_slices
+            }
+        }
+    }
+
+    /// How it reads on an invoice line or a placement reason: `H100`,
+    /// `0.5 × H100`, `H100 1g.10gb`.
+    pub fn label(&self, model: &str) -> String {
+        match self {
+            Self::Whole => model.to_string(),
+            Self::Fraction { milli } => {
+                let whole = milli / MILLI_PER_GPU;
+                let frac = format!("{:03}", milli % MILLI_PER_GPU);
+                format!("{whole}.{} × {model}", frac.trim_end_matches('0'))
+            }
+            Self::Mig(p) => format!("{model} {}", p.name),
+        }
+    }
+}
 
 /// One GPU as placement sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,8 +83,63 @@ pub struct GpuSlot {
     pub index: u32,
     /// Catalog model name.
     pub model: String,
-    /// Whether no instance holds it.
+    /// Whether nothing holds any of it (a whole GPU may go here).
     pub free: bool,
+    /// Milli-GPU not held by any work, 0..=1000.
+    pub free_milli: u16,
+    /// The GPU is in MIG mode: it takes MIG profiles only.
+    pub mig_mode: bool,
+    /// MIG compute slices not held (0 when not in MIG mode).
+    pub mig_compute_free: u8,
+    /// MIG memory slices not held (0 when not in MIG mode).
+    pub mig_memory_free: u8,
+}
+
+impl GpuSlot {
+    /// A GPU not in MIG mode, entirely free or entirely held.
+    pub fn whole(id: GpuId, index: u32, model: impl Into<String>, free: bool) -> Self {
+        Self {
+            id,
+            index,
+            model: model.into(),
+            free,
+            free_milli: if free { MILLI_PER_GPU } else { 0 },
+            mig_mode: false,
+            mig_compute_free: 0,
+            mig_memory_free: 0,
+        }
+    }
+
+    /// A GPU in MIG mode with nothing on it.
+    pub fn mig(id: GpuId, index: u32, model: impl Into<String>) -> Self {
+        Self {
+            mig_mode: true,
+            mig_compute_free: MIG_COMPUTE_SLICES,
+            mig_memory_free: MIG_MEMORY_SLICES,
+            ..Self::whole(id, index, model, true)
+        }
+    }
+
+    /// Milli-GPU that may still be placed here. A slot marked taken
+    /// (`free` false) whose milli says otherwise was marked by a caller
+    /// that only knows whole GPUs: it counts as full.
+    pub fn available_milli(&self) -> u16 {
+        if !self.free && self.free_milli >= MILLI_PER_GPU {
+            0
+        } else {
+            self.free_milli
+        }
+    }
+
+    /// This GPU after one `share` more is placed on it.
+    pub fn take(&mut self, share: &GpuShare) {
+        self.free = false;
+        self.free_milli = self.free_milli.saturating_sub(share.milli());
+        if let GpuShare::Mig(p) = share {
+            self.mig_compute_free = self.mig_compute_free.saturating_sub(p.compute_slices);
+            self.mig_memory_free = self.mig_memory_free.saturating_sub(p.memory_slices);
+        }
+    }
 }
 
 /// One node as placement sees it.
@@ -52,6 +174,8 @@ pub struct PlacementRequest {
     pub cpu_milli: u64,
     /// Memory in MiB.
     pub memory_mb: u64,
+    /// Whole GPUs, or a share of one (then `gpus` is 1).
+    pub share: GpuShare,
 }
 
 /// Where the instance goes.
@@ -63,6 +187,8 @@ pub struct Placement {
     pub model: String,
     /// The chosen GPUs, by ascending index.
     pub gpus: Vec<GpuId>,
+    /// What it takes of each of them.
+    pub share: GpuShare,
 }
 
 /// Why no node fits, as counts per reason.
@@ -100,6 +226,10 @@ pub mod reason {
     pub const MODEL_NOT_ALLOWED: &str = "GPU model not allowed";
     /// Has the model but not enough of it free.
     pub const TOO_FEW_FREE_GPUS: &str = "too few free GPUs";
+    /// Has the model, but no GPU of it has room for the share asked for.
+    pub const NO_ROOM_FOR_SHARE: &str = "no GPU with room for the share";
+    /// A MIG profile was asked for and no GPU of the model is in MIG mode.
+    pub const NO_MIG_GPU: &str = "no GPU in MIG mode";
     /// Not enough CPU left.
     pub const CPU: &str = "too little free CPU";
     /// Not enough memory left.
@@ -143,10 +273,12 @@ fn check_node(
     }
     let mut free_by_model: BTreeMap<&str, Vec<&GpuSlot>> = BTreeMap::new();
     let mut any_allowed = false;
+    let mut any_mig = false;
     for g in &node.gpus {
         if allowed(&g.model) {
             any_allowed = true;
-            if g.free {
+            any_mig |= g.mig_mode;
+            if req.share.fits(g) {
                 free_by_model.entry(&g.model).or_default().push(g);
             }
         }
@@ -154,6 +286,11 @@ fn check_node(
     if !any_allowed {
         return Err(reason::MODEL_NOT_ALLOWED);
     }
+    let too_few = match req.share {
+        GpuShare::Whole => reason::TOO_FEW_FREE_GPUS,
+        GpuShare::Mig(_) if !any_mig => reason::NO_MIG_GPU,
+        _ => reason::NO_ROOM_FOR_SHARE,
+    };
     // Prefer the request's own order of models, then catalog order.
     let pick = req
         .models
@@ -162,7 +299,7 @@ fn check_node(
         .chain(free_by_model.iter())
         .find(|(_, gpus)| gpus.len() >= req.gpus as usize);
     let Some((model, gpus)) = pick else {
-        return Err(reason::TOO_FEW_FREE_GPUS);
+        return Err(too_few);
     };
     if node.cpu_milli_free < req.cpu_milli {
         return Err(reason::CPU);
@@ -171,7 +308,12 @@ fn check_node(
         return Err(reason::MEMORY);
     }
     let mut chosen: Vec<&GpuSlot> = gpus.clone();
-    chosen.sort_by_key(|g| g.index);
+    // Shares pack: the fullest GPU that still has room, so whole GPUs stay
+    // free for whole-GPU work.
+    match req.share {
+        GpuShare::Whole => chosen.sort_by_key(|g| g.index),
+        _ => chosen.sort_by_key(|g| (g.available_milli(), g.index)),
+    }
     Ok(Placement {
         node: node.id.clone(),
         model: model.to_string(),
@@ -180,6 +322,7 @@ fn check_node(
             .take(req.gpus as usize)
             .map(|g| g.id.clone())
             .collect(),
+        share: req.share.clone(),
     })
 }
 
@@ -200,11 +343,13 @@ mod tests {
             gpus: models
                 .iter()
                 .enumerate()
-                .map(|(i, (m, free))| GpuSlot {
-                    id: GpuId::generate(n, (n as u128) << 8 | i as u128),
-                    index: i as u32,
-                    model: m.to_string(),
-                    free: *free,
+                .map(|(i, (m, free))| {
+                    GpuSlot::whole(
+                        GpuId::generate(n, (n as u128) << 8 | i as u128),
+                        i as u32,
+                        *m,
+                        *free,
+                    )
                 })
                 .collect(),
         }
@@ -216,6 +361,7 @@ mod tests {
             models: models.iter().map(|s| s.to_string()).collect(),
             cpu_milli: 1000,
             memory_mb: 1024,
+            share: GpuShare::Whole,
         }
     }
 
@@ -258,6 +404,57 @@ mod tests {
         let nodes = vec![node(1, &[("H100", true)]), node(2, &[("L4", true)])];
         let p = first_fit(&nodes, &req(1, &[]), |m| m != "H100").unwrap();
         assert_eq!(p.model, "L4");
+    }
+
+    fn h100_profile(name: &str) -> MigProfile {
+        crate::catalog::Catalog::default()
+            .get("H100")
+            .and_then(|m| m.mig_geometry.as_ref()?.profile(name).cloned())
+            .unwrap()
+    }
+
+    #[test]
+    fn fractions_pack_and_never_land_on_mig_gpus() {
+        let mut nodes = vec![node(1, &[("H100", true), ("H100", true)])];
+        nodes[0].gpus[0].mig_mode = true;
+        let half = PlacementRequest {
+            share: GpuShare::Fraction { milli: 500 },
+            ..req(1, &[])
+        };
+        let p = first_fit(&nodes, &half, |_| true).unwrap();
+        assert_eq!(p.gpus, vec![nodes[0].gpus[1].id.clone()]);
+        nodes[0].gpus[1].take(&half.share);
+        let q = first_fit(&nodes, &half, |_| true).unwrap();
+        assert_eq!(q.gpus, p.gpus, "the second half shares the GPU");
+        nodes[0].gpus[1].take(&half.share);
+        let e = first_fit(&nodes, &half, |_| true).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "0/1 nodes fit: 1 no GPU with room for the share"
+        );
+        assert_eq!(half.share.label("H100"), "0.5 × H100");
+        assert_eq!(GpuShare::Fraction { milli: 250 }.label("T4"), "0.25 × T4");
+    }
+
+    #[test]
+    fn mig_profiles_go_to_mig_gpus_within_their_geometry() {
+        let mut nodes = vec![node(1, &[("H100", true)])];
+        let one = PlacementRequest {
+            share: GpuShare::Mig(h100_profile("1g.20gb")),
+            ..req(1, &[])
+        };
+        let e = first_fit(&nodes, &one, |_| true).unwrap_err();
+        assert_eq!(e.to_string(), "0/1 nodes fit: 1 no GPU in MIG mode");
+        nodes[0].gpus[0] = GpuSlot::mig(nodes[0].gpus[0].id.clone(), 0, "H100");
+        // 1g.20gb takes 2 of 8 memory slices: four fit, not seven.
+        for _ in 0..4 {
+            let p = first_fit(&nodes, &one, |_| true).unwrap();
+            nodes[0].gpus[0].take(&p.share);
+        }
+        assert!(first_fit(&nodes, &one, |_| true).is_err());
+        let whole = req(1, &[]);
+        assert!(first_fit(&nodes, &whole, |_| true).is_err());
+        assert_eq!(one.share.label("H100"), "H100 1g.20gb");
     }
 
     proptest! {

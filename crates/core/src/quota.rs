@@ -36,10 +36,55 @@ pub const MAX_WEIGHT: u32 = 1000;
 /// GPUs a tenant's live instances hold now.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Usage {
-    /// All GPUs held.
+    /// All GPUs held (shares summed, rounded up to whole GPUs).
     pub gpus_total: u32,
-    /// GPUs held by model.
+    /// GPUs held by model (likewise).
     pub gpus_per_model: BTreeMap<String, u32>,
+    /// Milli-GPU held, a share counted by its share (a 0.25 share is 250):
+    /// what the limits are checked against, so two half shares fit a
+    /// one-GPU quota. Kept by [`Usage::add`].
+    #[serde(default)]
+    pub gpu_milli_total: u64,
+    /// Milli-GPU held by model.
+    #[serde(default)]
+    pub gpu_milli_per_model: BTreeMap<String, u64>,
+}
+
+fn whole_gpus(milli: u64) -> u32 {
+    u32::try_from(milli.div_ceil(1000)).unwrap_or(u32::MAX)
+}
+
+impl Usage {
+    /// Counts `count` GPUs of `milli_per_gpu` each (1000: whole GPUs) of
+    /// `model` (`None`: not known yet, only the total counts).
+    pub fn add(&mut self, model: Option<&str>, count: u32, milli_per_gpu: u16) {
+        let milli = u64::from(count) * u64::from(milli_per_gpu);
+        self.gpu_milli_total = self.total_milli() + milli;
+        self.gpus_total = whole_gpus(self.gpu_milli_total);
+        if let Some(m) = model {
+            let held = self.model_milli(m) + milli;
+            self.gpu_milli_per_model.insert(m.to_string(), held);
+            self.gpus_per_model.insert(m.to_string(), whole_gpus(held));
+        }
+    }
+
+    /// Milli-GPU held in total. A usage written with whole GPUs only (no
+    /// milli recorded) counts 1000 per GPU.
+    pub fn total_milli(&self) -> u64 {
+        if self.gpu_milli_total == 0 {
+            u64::from(self.gpus_total) * 1000
+        } else {
+            self.gpu_milli_total
+        }
+    }
+
+    /// Milli-GPU of `model` held, with the same rule.
+    pub fn model_milli(&self, model: &str) -> u64 {
+        match self.gpu_milli_per_model.get(model) {
+            Some(&m) if m > 0 => m,
+            _ => u64::from(self.gpus_per_model.get(model).copied().unwrap_or(0)) * 1000,
+        }
+    }
 }
 
 impl Quota {
@@ -72,8 +117,13 @@ impl Quota {
     /// Whether `count` more GPUs on top of `usage` stay within the
     /// guarantee (such work may reclaim borrowed capacity).
     pub fn within_guarantee(&self, usage: &Usage, count: u32) -> bool {
+        self.within_guarantee_milli(usage, u64::from(count) * 1000)
+    }
+
+    /// [`Quota::within_guarantee`] for `milli` more milli-GPU (a share).
+    pub fn within_guarantee_milli(&self, usage: &Usage, milli: u64) -> bool {
         self.gpus_guaranteed
-            .is_some_and(|g| usage.gpus_total.saturating_add(count) <= g)
+            .is_some_and(|g| usage.total_milli() + milli <= u64::from(g) * 1000)
     }
 
     /// Checks a request for `count` GPUs of any of `models` (empty: any
@@ -82,13 +132,24 @@ impl Quota {
     /// reported. Placement later only picks models that fit
     /// ([`Quota::model_fits`]).
     pub fn admit(&self, usage: &Usage, models: &[String], count: u32) -> Result<(), QuotaExceeded> {
+        self.admit_milli(usage, models, u64::from(count) * 1000)
+    }
+
+    /// [`Quota::admit`] for `milli` milli-GPU: a share counts its share, so
+    /// four 0.25 shares fit a quota of one GPU and a fifth does not.
+    pub fn admit_milli(
+        &self,
+        usage: &Usage,
+        models: &[String],
+        milli: u64,
+    ) -> Result<(), QuotaExceeded> {
         if let Some(limit) = self.gpus_total {
-            if usage.gpus_total.saturating_add(count) > limit {
+            if usage.total_milli() + milli > u64::from(limit) * 1000 {
                 return Err(QuotaExceeded {
                     quota: "gpus_total".into(),
                     limit,
-                    in_use: usage.gpus_total,
-                    requested: count,
+                    in_use: whole_gpus(usage.total_milli()),
+                    requested: whole_gpus(milli),
                 });
             }
         }
@@ -97,7 +158,7 @@ impl Quota {
         }
         let mut first_block = None;
         for m in models {
-            match self.block(usage, m, count) {
+            match self.block(usage, m, milli) {
                 None => return Ok(()),
                 Some(e) => {
                     first_block.get_or_insert(e);
@@ -109,17 +170,22 @@ impl Quota {
 
     /// Whether `count` more GPUs of `model` stay within its limit.
     pub fn model_fits(&self, usage: &Usage, model: &str, count: u32) -> bool {
-        self.block(usage, model, count).is_none()
+        self.model_fits_milli(usage, model, u64::from(count) * 1000)
     }
 
-    fn block(&self, usage: &Usage, model: &str, count: u32) -> Option<QuotaExceeded> {
+    /// [`Quota::model_fits`] for `milli` milli-GPU (a share).
+    pub fn model_fits_milli(&self, usage: &Usage, model: &str, milli: u64) -> bool {
+        self.block(usage, model, milli).is_none()
+    }
+
+    fn block(&self, usage: &Usage, model: &str, milli: u64) -> Option<QuotaExceeded> {
         let limit = *self.gpus_per_model.get(model)?;
-        let in_use = usage.gpus_per_model.get(model).copied().unwrap_or(0);
-        (in_use.saturating_add(count) > limit).then(|| QuotaExceeded {
+        let in_use = usage.model_milli(model);
+        (in_use + milli > u64::from(limit) * 1000).then(|| QuotaExceeded {
             quota: format!("gpus_per_model.{model}"),
             limit,
-            in_use,
-            requested: count,
+            in_use: whole_gpus(in_use),
+            requested: whole_gpus(milli),
         })
     }
 }
@@ -132,7 +198,39 @@ mod tests {
         Usage {
             gpus_total: total,
             gpus_per_model: per.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            ..Default::default()
         }
+    }
+
+    #[test]
+    fn shares_count_by_their_share() {
+        let q = Quota {
+            gpus_total: Some(1),
+            gpus_per_model: [("H100".to_string(), 1)].into(),
+            gpus_guaranteed: Some(1),
+            ..Default::default()
+        };
+        let mut u = Usage::default();
+        let h100 = ["H100".to_string()];
+        for _ in 0..3 {
+            assert!(q.admit_milli(&u, &h100, 250).is_ok());
+            u.add(Some("H100"), 1, 250);
+        }
+        assert_eq!((u.gpus_total, u.gpus_per_model["H100"]), (1, 1));
+        assert!(q.model_fits_milli(&u, "H100", 250));
+        assert!(q.within_guarantee_milli(&u, 250));
+        u.add(None, 1, 250);
+        let e = q.admit_milli(&u, &h100, 1).unwrap_err();
+        assert_eq!(
+            (e.quota.as_str(), e.in_use, e.requested),
+            ("gpus_total", 1, 1)
+        );
+        assert!(
+            q.model_fits_milli(&u, "H100", 250),
+            "the fourth is not yet an H100"
+        );
+        u.add(Some("H100"), 1, 1000);
+        assert_eq!((u.gpus_total, u.gpus_per_model["H100"]), (2, 2), "{u:?}");
     }
 
     #[test]

@@ -12,6 +12,9 @@ use crate::snapshot::NodeState;
 /// `explain` command can count them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Reason {
+    /// The node's heartbeats stopped (the pass planner counts such nodes;
+    /// the engine never sees them).
+    Unreachable,
     Cordoned,
     NoGpus,
     ModelNotAllowed,
@@ -22,7 +25,8 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
+        Reason::Unreachable,
         Reason::Cordoned,
         Reason::NoGpus,
         Reason::ModelNotAllowed,
@@ -34,6 +38,7 @@ impl Reason {
 
     pub fn label(self) -> &'static str {
         match self {
+            Reason::Unreachable => "unreachable",
             Reason::Cordoned => "cordoned",
             Reason::NoGpus => "no GPUs",
             Reason::ModelNotAllowed => "GPU model not allowed",

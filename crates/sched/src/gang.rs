@@ -72,6 +72,9 @@ impl Locality {
 pub struct Gang {
     pub members: Vec<Request>,
     pub locality: Locality,
+    /// Every member on a machine of its own, as Slurm's `-N` asks: a job of
+    /// N members on N distinct hosts ([`crate::snapshot::Node::host`]).
+    pub spread: bool,
 }
 
 impl Gang {
@@ -80,7 +83,23 @@ impl Gang {
         Gang {
             members: vec![member; k],
             locality,
+            spread: false,
         }
+    }
+
+    /// The same gang with every member on its own machine.
+    pub fn spread(mut self) -> Self {
+        self.spread = true;
+        self
+    }
+}
+
+/// After a member of a spread gang landed on `node`, no other member may
+/// use that machine: cordons its host on the scratch cluster.
+pub(crate) fn close_host(scratch: &mut Cluster, node: u32) {
+    for n in scratch.host_nodes(node) {
+        // In range: host_nodes only names nodes of the cluster.
+        let _ = scratch.set_cordoned(n, true);
     }
 }
 
@@ -176,7 +195,7 @@ pub fn place_gang<R: Rng + ?Sized>(
     };
     if gang.locality == Locality::Any {
         let mut scratch = cluster.clone();
-        return match place_members(engine, &mut scratch, &gang.members, None, rng) {
+        return match place_members(engine, &mut scratch, gang, None, rng) {
             Ok(members) => GangDecision::Placed(GangPlacement {
                 members,
                 scope: None,
@@ -199,7 +218,7 @@ pub fn place_gang<R: Rng + ?Sized>(
         expl.scopes_tried += 1;
         let mut scratch = restricted(cluster, gang.locality, scope);
         let nodes: Vec<u32> = scope_nodes(cluster, gang.locality, scope);
-        match place_members(engine, &mut scratch, &gang.members, Some(&nodes), rng) {
+        match place_members(engine, &mut scratch, gang, Some(&nodes), rng) {
             Ok(members) => {
                 return GangDecision::Placed(GangPlacement {
                     members,
@@ -223,12 +242,12 @@ pub fn place_gang<R: Rng + ?Sized>(
 pub(crate) fn place_members<R: Rng + ?Sized>(
     engine: &mut Engine,
     scratch: &mut Cluster,
-    members: &[Request],
+    gang: &Gang,
     scope: Option<&[u32]>,
     rng: &mut R,
 ) -> Result<Vec<Placement>, GangFailure> {
-    let mut placed = Vec::with_capacity(members.len());
-    for (i, req) in members.iter().enumerate() {
+    let mut placed = Vec::with_capacity(gang.members.len());
+    for (i, req) in gang.members.iter().enumerate() {
         let fail = |why| GangFailure {
             scope: None,
             member: i,
@@ -241,6 +260,9 @@ pub(crate) fn place_members<R: Rng + ?Sized>(
                 // if it did, report it rather than hand out a bad plan.
                 if scratch.commit(req, &p).is_err() {
                     return Err(fail(explain_in(scratch, req, scope)));
+                }
+                if gang.spread {
+                    close_host(scratch, p.node);
                 }
                 placed.push(p);
             }

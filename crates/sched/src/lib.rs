@@ -34,6 +34,7 @@ pub mod filter;
 pub mod frag;
 pub mod gang;
 pub mod mig;
+pub mod pass;
 pub mod preempt;
 pub mod queue;
 pub mod quota;

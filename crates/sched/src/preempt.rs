@@ -37,8 +37,8 @@ use rand::Rng;
 use crate::alloc::{Allocation, AllocationId, Tenant, Tier};
 use crate::filter::{check, Explanation};
 use crate::gang::{
-    place_gang, restricted, scope_nodes, scopes_by_free, Gang, GangDecision, GangPlacement,
-    Locality,
+    close_host, place_gang, restricted, scope_nodes, scopes_by_free, Gang, GangDecision,
+    GangPlacement, Locality,
 };
 use crate::request::Request;
 use crate::select::{Decision, Engine, Placement};
@@ -70,9 +70,21 @@ impl Preemptor {
         if victim.tier == Tier::Dedicated || !victim.preemptible {
             return false;
         }
-        self.tier < victim.tier
-            || self.priority > victim.priority
-            || (self.reclaiming && victim.borrowed && victim.tenant != self.tenant)
+        // Lexicographic, as the queue orders work (crate::queue::order):
+        // were "a better tier or a higher priority" enough, a tier-2 work
+        // of priority 0 and a tier-3 work of priority 5 could each evict
+        // the other, and whichever the queue placed first would be
+        // preempted by the other on the next pass.
+        // Reclaiming a guarantee takes borrowed capacity back from work
+        // that does not outrank the reclaimer (Kueue's "lower or equal
+        // priority" reclaim): the same rank order again, so that work
+        // the queue placed first is never reclaimed by work behind it.
+        let outranks = self.tier < victim.tier
+            || (self.tier == victim.tier && self.priority > victim.priority);
+        let not_outranked = self.tier < victim.tier
+            || (self.tier == victim.tier && self.priority >= victim.priority);
+        outranks
+            || (self.reclaiming && not_outranked && victim.borrowed && victim.tenant != self.tenant)
     }
 }
 
@@ -224,6 +236,64 @@ pub fn plan<R: Rng + ?Sized>(
     }
 }
 
+/// [`plan`] without copying the cluster: the victims' capacity is released
+/// on `cluster` for the placement attempt and committed back before this
+/// returns, so on return `cluster` is as it was. For callers that plan many
+/// preemptions over a large cluster (the pass planner, [`crate::pass`]),
+/// where a copy per attempt would dominate.
+#[allow(clippy::too_many_arguments)]
+pub fn plan_in_place<R: Rng + ?Sized>(
+    engine: &mut Engine,
+    cluster: &mut Cluster,
+    all: &[&Allocation],
+    req: &Request,
+    who: &Preemptor,
+    config: &PreemptConfig,
+    now_ms: u64,
+    rng: &mut R,
+) -> PreemptDecision {
+    if let Decision::Placed(p) = engine.decide(cluster, req, rng) {
+        return PreemptDecision::Fits(p);
+    }
+    let Some((victims, cost)) = cheapest_set(cluster, all, req, who, now_ms) else {
+        return PreemptDecision::Impossible(PreemptExplanation::default());
+    };
+    let mut released = Vec::with_capacity(victims.len());
+    let mut ok = true;
+    for &v in &victims {
+        match all.get(v) {
+            Some(a) if cluster.release(&a.request, &a.placement).is_ok() => released.push(*a),
+            _ => {
+                ok = false;
+                break;
+            }
+        }
+    }
+    let placed = if ok {
+        match engine.decide(cluster, req, rng) {
+            Decision::Placed(p) => Some(p),
+            Decision::Unschedulable(_) => None,
+        }
+    } else {
+        None
+    };
+    for a in released.iter().rev() {
+        // Undoes the release above: it cannot fail.
+        let _ = cluster.commit(&a.request, &a.placement);
+    }
+    match placed {
+        Some(placement) => PreemptDecision::Preempt(PreemptionPlan {
+            evictions: notices(all, &victims, config),
+            placement,
+            cost,
+        }),
+        // No explanation: the caller planning many preemptions explains
+        // with its own counts, and this one would cost a pass over the
+        // cluster per failed attempt.
+        None => PreemptDecision::Impossible(PreemptExplanation::default()),
+    }
+}
+
 /// Plans evictions that let a whole gang fit: members are placed in order,
 /// each without eviction if it can be, else with the cheapest eviction on
 /// one node. For a domain or region constraint every domain is tried and the
@@ -268,6 +338,9 @@ pub fn plan_gang<R: Rng + ?Sized>(
         for (i, req) in gang.members.iter().enumerate() {
             if let Decision::Placed(p) = engine.decide(&scratch, req, rng) {
                 if scratch.commit(req, &p).is_ok() {
+                    if gang.spread {
+                        close_host(&mut scratch, p.node);
+                    }
                     members.push(p);
                     continue;
                 }
@@ -283,6 +356,9 @@ pub fn plan_gang<R: Rng + ?Sized>(
                 Ok((victims, c)) => {
                     match evict_and_place(engine, &mut scratch, &left, &victims, req, rng) {
                         Some(p) if scratch.commit(req, &p).is_ok() => {
+                            if gang.spread {
+                                close_host(&mut scratch, p.node);
+                            }
                             evicted.extend(victims.iter().map(|&v| left_idx[v]));
                             cost = cost.add(c);
                             members.push(p);
@@ -398,8 +474,52 @@ fn state_without(node: &Node, all: &[&Allocation], gone: &[usize]) -> Option<Nod
     Some(state)
 }
 
+/// Whether `req` fits on `node` once `gone` have left: [`check`] on
+/// [`state_without`], computed on the stack for nodes of up to 16 GPUs
+/// (every real server), since the victim search asks it for every subset
+/// of candidates it tries.
 fn fits_without(node: &Node, all: &[&Allocation], gone: &[usize], req: &Request) -> bool {
-    state_without(node, all, gone).is_some_and(|s| check(&s, req).is_ok())
+    const STACK: usize = 16;
+    let n = node.gpu_free.len();
+    if n > STACK {
+        return state_without(node, all, gone).is_some_and(|s| check(&s, req).is_ok());
+    }
+    if node.cordoned {
+        return false;
+    }
+    let count = usize::from(req.gpu.gpu_count());
+    if count > 0
+        && (node.spec.model.is_none() || n == 0 || !req.models.allows(node.spec.model) || n < count)
+    {
+        return false;
+    }
+    let mut gpus = [0u16; STACK];
+    gpus[..n].copy_from_slice(&node.gpu_free);
+    let mut cpu = u64::from(node.cpu_free);
+    let mut mem = node.mem_free;
+    for &g in gone {
+        let Some(a) = all.get(g) else { return false };
+        cpu += u64::from(a.request.cpu_milli);
+        mem = mem.saturating_add(a.request.mem_mib);
+        let per = a.request.gpu.per_gpu_milli();
+        for &d in &a.placement.gpus {
+            let Some(f) = gpus[..n].get_mut(usize::from(d)) else {
+                return false;
+            };
+            *f = f.saturating_add(per);
+            if *f > MILLI {
+                return false;
+            }
+        }
+    }
+    if cpu > u64::from(node.spec.cpu_milli) || mem > node.spec.mem_mib {
+        return false;
+    }
+    if cpu < u64::from(req.cpu_milli) || mem < req.mem_mib {
+        return false;
+    }
+    let per = req.gpu.per_gpu_milli();
+    count == 0 || gpus[..n].iter().filter(|&&f| f >= per).count() >= count
 }
 
 /// The cheapest sufficient victim set on any one node: victims as indices
@@ -411,8 +531,35 @@ fn cheapest(
     who: &Preemptor,
     now_ms: u64,
 ) -> Result<(Vec<usize>, Cost), PreemptExplanation> {
+    cheapest_set(cluster, all, req, who, now_ms).ok_or_else(|| explain(cluster, all, req))
+}
+
+/// [`cheapest`] without the explanation of a failure.
+fn cheapest_set(
+    cluster: &Cluster,
+    all: &[&Allocation],
+    req: &Request,
+    who: &Preemptor,
+    now_ms: u64,
+) -> Option<(Vec<usize>, Cost)> {
     let mut best: Option<(Cost, u32, Vec<usize>)> = None;
-    for (node_idx, on_node) in by_node(all) {
+    // Grouped by node with one sort (a map per call would allocate a
+    // vector per node).
+    let mut order: Vec<(u32, usize)> = all
+        .iter()
+        .enumerate()
+        .map(|(i, a)| (a.placement.node, i))
+        .collect();
+    order.sort_unstable();
+    let mut on_node: Vec<usize> = Vec::new();
+    let mut k = 0;
+    while k < order.len() {
+        let node_idx = order[k].0;
+        on_node.clear();
+        while k < order.len() && order[k].0 == node_idx {
+            on_node.push(order[k].1);
+            k += 1;
+        }
         let Some(node) = cluster.node(node_idx) else {
             continue;
         };
@@ -436,13 +583,10 @@ fn cheapest(
             }
         }
     }
-    match best {
-        Some((cost, _, mut set)) => {
-            set.sort_unstable();
-            Ok((set, cost))
-        }
-        None => Err(explain(cluster, all, req)),
-    }
+    best.map(|(cost, _, mut set)| {
+        set.sort_unstable();
+        (set, cost)
+    })
 }
 
 /// The cheapest subset of `cands` (sorted by cost) after whose eviction

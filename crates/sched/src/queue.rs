@@ -1,7 +1,8 @@
 //! The queue: in what order pending work is tried, and when smaller work
 //! may jump ahead of a blocked head (backfill).
 //!
-//! Order ([`order`]): priority first (higher first); within a priority,
+//! Order ([`order`]): tier first (tier 1 first), then priority (higher
+//! first), the lexicographic rank preemption also uses; within a level,
 //! weighted fair share across tenants; then FIFO by submission time.
 //!
 //! Fair share is dominant-resource fairness (DRF) over *recent* usage: each
@@ -9,7 +10,9 @@
 //! with a configurable half-life, so last week's burst does not starve a
 //! tenant today but last hour's does count. A tenant's dominant share is its
 //! largest usage fraction across the three resources, divided by its weight
-//! (tenant weight × the weight of the item's tier). Within a priority the
+//! (tenant weight × the weight of the item's tier; within one level every
+//! item has the same tier, so the tier weight scales all tenants alike and
+//! only matters to callers comparing shares across tiers). Within a level the
 //! queue interleaves tenants by progressive filling: it repeatedly takes the
 //! oldest item of the tenant with the lowest dominant share, then charges
 //! that tenant the item's projected usage (demand × expected runtime, or a
@@ -32,9 +35,9 @@ use rand::Rng;
 
 use crate::alloc::{Resources, Tenant, Tier};
 use crate::filter::check;
-use crate::gang::{place_gang, Gang, GangDecision};
+use crate::gang::{place_gang, Gang, GangDecision, GangExplanation, GangPlacement, Locality};
 use crate::request::{GpuDemand, Request};
-use crate::select::{Engine, Placement};
+use crate::select::{Decision, Engine, Placement};
 use crate::snapshot::{Cluster, Node, NodeState};
 use crate::{Error, MILLI};
 
@@ -214,11 +217,35 @@ pub struct QueueItem {
 /// The order in which to try `pending`: indices into it. Deterministic:
 /// equal keys fall back to submission time, then index.
 pub fn order(pending: &[QueueItem], usage: &FairShareState, now_ms: u64) -> Vec<usize> {
+    order_with_running(pending, &[], usage, now_ms)
+}
+
+/// [`order`], with the work running now (`running`, as items: its demand
+/// and its remaining runtime) counted in each tenant's projected usage from
+/// the level of its own rank on, as if the queue had just picked it there.
+/// Why: placing work moves it from the queue to `running`; counted this way
+/// it weighs on exactly the same items on the next pass as it did when it
+/// was picked, so a plan applied and planned again keeps its order (the
+/// pass planner, [`crate::pass`]). Running work of a lower rank does not
+/// weigh on a higher level, as queued work of a lower rank does not either.
+pub fn order_with_running(
+    pending: &[QueueItem],
+    running: &[QueueItem],
+    usage: &FairShareState,
+    now_ms: u64,
+) -> Vec<usize> {
+    let mut held: Vec<&QueueItem> = running.iter().collect();
+    held.sort_by_key(|r| (r.tier, std::cmp::Reverse(r.priority)));
+    let mut next_held = 0;
     let mut idx: Vec<usize> = (0..pending.len()).collect();
+    // Levels: tier (1 first), then priority (higher first), the same
+    // lexicographic rank preemption uses (crate::preempt::Preemptor), so
+    // the queue never places work ahead of work that would then evict it.
     idx.sort_by(|&a, &b| {
         let (x, y) = (&pending[a], &pending[b]);
-        y.priority
-            .cmp(&x.priority)
+        x.tier
+            .cmp(&y.tier)
+            .then(y.priority.cmp(&x.priority))
             .then(x.submitted_ms.cmp(&y.submitted_ms))
             .then(a.cmp(&b))
     });
@@ -226,10 +253,26 @@ pub fn order(pending: &[QueueItem], usage: &FairShareState, now_ms: u64) -> Vec<
     let mut out = Vec::with_capacity(pending.len());
     let mut start = 0;
     while start < idx.len() {
-        let prio = pending[idx[start]].priority;
+        let level = (pending[idx[start]].tier, pending[idx[start]].priority);
+        let rank = (level.0, std::cmp::Reverse(level.1));
+        while let Some(r) = held.get(next_held) {
+            if (r.tier, std::cmp::Reverse(r.priority)) > rank {
+                break;
+            }
+            let run = r
+                .expected_runtime_ms
+                .unwrap_or(usage.config.default_runtime_ms) as f64;
+            let u = projected
+                .entry(r.tenant)
+                .or_insert_with(|| usage.usage_at(r.tenant, now_ms));
+            for (x, d) in u.iter_mut().zip(r.demand.as_array()) {
+                *x += d as f64 * run;
+            }
+            next_held += 1;
+        }
         let end = idx[start..]
             .iter()
-            .position(|&i| pending[i].priority != prio)
+            .position(|&i| (pending[i].tier, pending[i].priority) != level)
             .map_or(idx.len(), |p| start + p);
         // Per tenant, FIFO (idx is already in submission order).
         let mut queues: BTreeMap<Tenant, std::collections::VecDeque<usize>> = BTreeMap::new();
@@ -337,7 +380,26 @@ pub fn reserve<R: Rng + ?Sized>(
             let _ = scratch.release(&r.request, &r.placement);
             k += 1;
         }
-        if let GangDecision::Placed(p) = place_gang(engine, &scratch, head, rng) {
+        // One member anywhere needs no scratch copy per attempt: a
+        // decision on `scratch` itself (a reservation may try once per
+        // distinct end time, thousands of times).
+        let attempt = match head.members.as_slice() {
+            [one] if head.locality == Locality::Any => match engine.decide(&scratch, one, rng) {
+                Decision::Placed(p) => GangDecision::Placed(GangPlacement {
+                    members: vec![p],
+                    scope: None,
+                }),
+                Decision::Unschedulable(_) => GangDecision::Unschedulable(GangExplanation {
+                    locality: Locality::Any,
+                    members: 1,
+                    scopes_tried: 0,
+                    scopes_too_small: 0,
+                    best: None,
+                }),
+            },
+            _ => place_gang(engine, &scratch, head, rng),
+        };
+        if let GangDecision::Placed(p) = attempt {
             let mut nodes: Vec<u32> = p.members.iter().map(|m| m.node).collect();
             nodes.sort_unstable();
             nodes.dedup();

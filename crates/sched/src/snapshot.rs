@@ -183,7 +183,35 @@ pub struct Node {
     pub domain: u32,
     /// Region, with the same convention and for the same reason as `domain`.
     pub region: u32,
+    /// The machine this engine node is part of; 0 means "a machine of its
+    /// own". A machine with GPUs of several models is several engine nodes
+    /// (one per model, since a node has one model) that share the machine's
+    /// CPU and memory: [`Cluster::commit`] and [`Cluster::release`] move
+    /// CPU and memory on every node of the host, so neither is promised
+    /// twice. Also what a gang that spreads its members counts as one node
+    /// ([`crate::gang::Gang::spread`]).
+    pub host: u32,
     class: u32,
+}
+
+impl Node {
+    /// The host key: nodes with the same key are one machine.
+    pub fn host_key(&self, idx: u32) -> HostKey {
+        if self.host == 0 {
+            HostKey::Alone(idx)
+        } else {
+            HostKey::Shared(self.host)
+        }
+    }
+}
+
+/// Which machine an engine node belongs to (see [`Node::host`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum HostKey {
+    /// A machine of one engine node, named by its index.
+    Alone(u32),
+    /// A machine shared by the engine nodes with this host id.
+    Shared(u32),
 }
 
 impl Node {
@@ -223,6 +251,8 @@ pub struct Cluster {
     active_pos: Vec<u32>,
     /// Node indices per GPU model: the node type index.
     by_model: Vec<Vec<u32>>,
+    /// Engine nodes per host id (only hosts with an id, see [`Node::host`]).
+    hosts: HashMap<u32, Vec<u32>>,
     gpu_capacity_milli: u64,
     gpu_free_milli: u64,
     uid: u64,
@@ -247,6 +277,7 @@ impl Clone for Cluster {
             active: self.active.clone(),
             active_pos: self.active_pos.clone(),
             by_model: self.by_model.clone(),
+            hosts: self.hosts.clone(),
             gpu_capacity_milli: self.gpu_capacity_milli,
             gpu_free_milli: self.gpu_free_milli,
             uid: next_uid(),
@@ -267,6 +298,7 @@ impl Cluster {
             active: Vec::new(),
             active_pos: Vec::new(),
             by_model,
+            hosts: HashMap::new(),
             gpu_capacity_milli: 0,
             gpu_free_milli: 0,
             uid: next_uid(),
@@ -301,6 +333,7 @@ impl Cluster {
             tags: 0,
             domain: 0,
             region: 0,
+            host: 0,
             class: 0,
             spec,
         };
@@ -396,6 +429,60 @@ impl Cluster {
         Ok(())
     }
 
+    /// Makes `idx` part of machine `host` (non-zero), which it shares with
+    /// the other nodes of that host ([`Node::host`]). The caller adds every
+    /// node of a host with the machine's free CPU and memory, so they start
+    /// equal; commits and releases keep them equal.
+    pub fn set_host(&mut self, idx: u32, host: u32) -> Result<(), Error> {
+        if host == 0 {
+            return Err(Error::InvalidRequest("host 0 means no host"));
+        }
+        let node = self
+            .nodes
+            .get_mut(idx as usize)
+            .ok_or(Error::UnknownNode(idx))?;
+        if node.host != 0 {
+            return Err(Error::InvalidRequest("a node's host is set once"));
+        }
+        node.host = host;
+        self.hosts.entry(host).or_default().push(idx);
+        Ok(())
+    }
+
+    /// The engine nodes of the machine `idx` is part of, `idx` included.
+    pub fn host_nodes(&self, idx: u32) -> Vec<u32> {
+        match self.node(idx) {
+            Some(n) if n.host != 0 => self.hosts.get(&n.host).cloned().unwrap_or_default(),
+            Some(_) => vec![idx],
+            None => Vec::new(),
+        }
+    }
+
+    /// Moves CPU and memory on the other nodes of `idx`'s host by the same
+    /// amount as on `idx` (`take`: taken, else given back).
+    fn share_with_host(&mut self, idx: u32, cpu: u32, mem: u64, take: bool) {
+        let host = self.nodes[idx as usize].host;
+        if host == 0 {
+            return;
+        }
+        let siblings: Vec<u32> = self
+            .hosts
+            .get(&host)
+            .map(|v| v.iter().copied().filter(|&s| s != idx).collect())
+            .unwrap_or_default();
+        for s in siblings {
+            let n = &mut self.nodes[s as usize];
+            if take {
+                n.cpu_free = n.cpu_free.saturating_sub(cpu);
+                n.mem_free = n.mem_free.saturating_sub(mem);
+            } else {
+                n.cpu_free = n.cpu_free.saturating_add(cpu).min(n.spec.cpu_milli);
+                n.mem_free = n.mem_free.saturating_add(mem).min(n.spec.mem_mib);
+            }
+            self.reclassify(s);
+        }
+    }
+
     /// Undoes [`Cluster::commit`] of `req` at `placement`: the work ended or
     /// was preempted. Refuses (changing nothing) to free more than a node
     /// has, so an inconsistent release cannot push a GPU past 1000 milli.
@@ -446,6 +533,7 @@ impl Cluster {
         }
         self.gpu_free_milli += u64::from(req.gpu.total_milli());
         self.reclassify(node_idx);
+        self.share_with_host(node_idx, req.cpu_milli, req.mem_mib, false);
         Ok(())
     }
 
@@ -491,6 +579,7 @@ impl Cluster {
         node.tags |= req.gpu.tag();
         self.gpu_free_milli -= u64::from(req.gpu.total_milli());
         self.reclassify(node_idx);
+        self.share_with_host(node_idx, req.cpu_milli, req.mem_mib, true);
         Ok(())
     }
 

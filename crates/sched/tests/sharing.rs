@@ -90,7 +90,11 @@ proptest! {
             }
         }
         let before = fingerprint(&c);
-        let gang = Gang { members, locality };
+        let gang = Gang {
+            members,
+            locality,
+            spread: false,
+        };
         match place_gang(&mut e, &c, &gang, &mut rng) {
             GangDecision::Placed(p) => {
                 prop_assert_eq!(fingerprint(&c), before.clone());

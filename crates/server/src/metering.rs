@@ -99,7 +99,7 @@ pub fn usage(
             id: inst.id.to_string(),
         },
         model,
-        share: GpuShare::Whole,
+        share: share_of(inst),
         gpus,
         billing_class: inst.billing_class,
         start: from,
@@ -118,6 +118,24 @@ pub fn usage(
         }
     };
     Ok((events, reached))
+}
+
+/// What one unit of the instance's GPU meter is: a fraction bills its
+/// share (a 0.25 share accrues 0.25 GPU-seconds a second), a MIG instance
+/// its compute slices of 7, whole GPUs one GPU each.
+pub fn share_of(inst: &Instance) -> GpuShare {
+    if let Some(profile) = &inst.mig_profile {
+        return GpuShare::Mig {
+            profile: profile.clone(),
+        };
+    }
+    match inst.gpu_fraction {
+        // Stored in milli, so the round trip through f64 is exact.
+        Some(f) => GpuShare::Milli {
+            milli: (f * 1000.0).round().clamp(1.0, 1000.0) as u32,
+        },
+        None => GpuShare::Whole,
+    }
 }
 
 /// Meters every instance that needs it. Returns the events appended.
@@ -185,6 +203,9 @@ mod tests {
             node_id: None,
             gpu_model: Some("H100".into()),
             gpu_ids: vec![],
+            gpu_fraction: None,
+            mig_profile: None,
+            gpu_slices: vec![],
             exit_code: None,
             stop_requested: false,
             priority: 0,
@@ -243,6 +264,41 @@ mod tests {
             .map(|e| e.key.id.clone())
             .collect();
         assert_eq!(keys.len(), first.len() + rest.len(), "no slice twice");
+    }
+
+    #[test]
+    fn a_half_share_accrues_half_a_gpu_second_per_second() {
+        use InstanceState::*;
+        let half = Instance {
+            gpus: 1,
+            gpu_fraction: Some(0.5),
+            ..inst(
+                Succeeded,
+                &[(Pending, 0), (Running, 10), (Succeeded, 130)],
+                Some(130),
+            )
+        };
+        let (events, _) = usage(&half, &window(&half, None), t(200)).unwrap();
+        let gpu_units: i128 = events
+            .iter()
+            .map(|e| e.gpu_unit_ms_within(t(0), t(1000)).unwrap())
+            .sum();
+        // 120 s at 0.5 GPU: 60 GPU-seconds of 7000 units each.
+        assert_eq!(
+            gpu_units,
+            60 * flotilla_billing::meter::UNIT_MS_PER_GPU_SECOND
+        );
+        let mig = Instance {
+            gpu_fraction: None,
+            mig_profile: Some("1g.10gb".into()),
+            ..half
+        };
+        assert_eq!(
+            share_of(&mig),
+            GpuShare::Mig {
+                profile: "1g.10gb".into()
+            }
+        );
     }
 
     #[test]

@@ -8,14 +8,28 @@
 //! model, each seeing the node's whole free CPU and memory; after a
 //! placement on such a node the cluster is rebuilt, so CPU and memory are
 //! never promised twice.
+//!
+//! GPU shares: each GPU enters the engine with its real free milli-GPU, and
+//! a fraction is the engine's `GpuDemand::Share`, so fractions are placed by
+//! the configured policy like any other request. GPUs in MIG mode become
+//! engine nodes of their own, under a MIG-capable engine model `<model>/mig`
+//! (`ModelTable::set_mig_capable`); a MIG profile is asked of those only
+//! (`sched::mig::mig_request`) and whole or fractional work only of the
+//! others, which is how a GPU never mixes the two. The engine counts MIG
+//! compute as milli-GPU and not memory slices, so its choice is checked
+//! against the GPU's MIG geometry and, where that fails, the pass falls
+//! back to core's first fit.
 
 use std::collections::{BTreeMap, HashSet};
 
 use flotilla_core::catalog::Catalog;
 use flotilla_core::id::{GpuId, NodeId};
 use flotilla_core::job::Locality as JobLocality;
-use flotilla_core::placement::{first_fit, NodeSnapshot, Placement, PlacementRequest};
+use flotilla_core::placement::{
+    first_fit, GpuShare, GpuSlot, NodeSnapshot, Placement, PlacementRequest, MILLI_PER_GPU,
+};
 use flotilla_sched::gang::{place_gang, Gang, GangDecision, Locality};
+use flotilla_sched::mig::{mig_request, MigProfile as EngineMigProfile};
 use flotilla_sched::preempt::{
     self, GangPreemptDecision, PreemptConfig, PreemptDecision, Preemptor,
 };
@@ -27,6 +41,18 @@ use flotilla_sched::{
 use rand_chacha::rand_core::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+/// Whether every GPU of `plan` can still take its share in `snapshot`.
+fn fits_snapshot(snapshot: &[NodeSnapshot], plan: &Placement) -> bool {
+    snapshot
+        .iter()
+        .filter(|n| n.id == plan.node)
+        .flat_map(|n| &n.gpus)
+        .filter(|g| plan.gpus.contains(&g.id))
+        .filter(|g| plan.share.fits(g))
+        .count()
+        == plan.gpus.len()
+}
+
 /// Parses a policy name as `flotilla server --placement-policy` takes it.
 pub fn parse_policy(name: &str) -> Option<Policy> {
     Policy::ALL
@@ -34,13 +60,44 @@ pub fn parse_policy(name: &str) -> Option<Policy> {
         .find(|p| p.name().eq_ignore_ascii_case(name))
 }
 
-/// One engine node: a real node's GPUs of one model.
+/// One engine node: a real node's GPUs of one model, all in MIG mode or
+/// none.
 #[derive(Debug, Clone)]
 struct Slot {
     node: NodeId,
     model: String,
+    /// The GPUs are in MIG mode (engine model `<model>/mig`).
+    mig: bool,
     /// GPU ids by the engine's device index.
     gpus: Vec<GpuId>,
+}
+
+/// The engine's model name for GPUs of `model`, in MIG mode or not.
+fn engine_model(model: &str, mig: bool) -> String {
+    if mig {
+        format!("{model}/mig")
+    } else {
+        model.to_string()
+    }
+}
+
+/// What the engine may count as free on `g`: its free milli-GPU; for a GPU
+/// in MIG mode no more than its scarcer kind of slice allows (compute of
+/// 7, memory of 8), so a GPU whose memory slices are gone looks full.
+fn engine_free(g: &GpuSlot) -> u16 {
+    if !g.mig_mode {
+        return g.available_milli();
+    }
+    let of = |free: u8, total: u8| (u32::from(free) * 1000 / u32::from(total.max(1))) as u16;
+    g.available_milli()
+        .min(of(
+            g.mig_compute_free,
+            flotilla_core::catalog::MIG_COMPUTE_SLICES,
+        ))
+        .min(of(
+            g.mig_memory_free,
+            flotilla_core::catalog::MIG_MEMORY_SLICES,
+        ))
 }
 
 /// Work holding GPUs, as preemption sees it.
@@ -62,6 +119,8 @@ pub struct Held {
     pub borrowed: bool,
     /// Run start (ms): the work a preemption throws away grows with it.
     pub started_ms: u64,
+    /// Milli-GPU it holds of each GPU (1000: whole GPUs).
+    pub milli_per_gpu: u16,
 }
 
 /// Running work that must end by a known time (a job past its time limit
@@ -118,10 +177,19 @@ impl std::fmt::Debug for PassPlanner {
     }
 }
 
+/// The engine's demand for `share` of `count` GPUs.
+fn demand(count: u32, share: &GpuShare) -> GpuDemand {
+    let count = u16::try_from(count).unwrap_or(u16::MAX);
+    match share {
+        GpuShare::Whole => GpuDemand::whole(count),
+        // 1..=999 share, 142..=1000 profile: both accepted by `share`.
+        other => GpuDemand::share(other.milli()).unwrap_or(GpuDemand::Whole { count: 1 }),
+    }
+}
+
 fn sched_request(req: &PlacementRequest, models: ModelSet) -> Request {
-    let count = u16::try_from(req.gpus).unwrap_or(u16::MAX);
     Request::new(
-        GpuDemand::whole(count),
+        demand(req.gpus, &req.share),
         u32::try_from(req.cpu_milli).unwrap_or(u32::MAX),
         req.memory_mb,
     )
@@ -142,6 +210,11 @@ impl PassPlanner {
         for m in catalog.models() {
             // The catalog is far below the engine's 64-model limit.
             let _ = models.intern(&m.name);
+        }
+        for m in catalog.models().iter().filter(|m| m.mig_geometry.is_some()) {
+            if let Ok(id) = models.intern(&engine_model(&m.name, true)) {
+                let _ = models.set_mig_capable(id, true);
+            }
         }
         let shapes: Vec<Request> = expected
             .iter()
@@ -173,16 +246,18 @@ impl PassPlanner {
         let mut slots = Vec::new();
         self.mixed.clear();
         for n in snapshot.iter().filter(|n| n.ready) {
-            let mut by_model: BTreeMap<&str, Vec<&flotilla_core::placement::GpuSlot>> =
-                BTreeMap::new();
+            let mut by_model: BTreeMap<(&str, bool), Vec<&GpuSlot>> = BTreeMap::new();
             for g in &n.gpus {
-                by_model.entry(g.model.as_str()).or_default().push(g);
+                by_model
+                    .entry((g.model.as_str(), g.mig_mode))
+                    .or_default()
+                    .push(g);
             }
             if by_model.len() > 1 {
                 self.mixed.insert(n.id.clone());
             }
-            for (model, mut gpus) in by_model {
-                let Some(mid) = self.models.get(model) else {
+            for ((model, mig), mut gpus) in by_model {
+                let Some(mid) = self.models.get(&engine_model(model, mig)) else {
                     continue;
                 };
                 gpus.sort_by_key(|g| g.index);
@@ -200,19 +275,29 @@ impl PassPlanner {
                 }
                 let _ = cluster.set_region(idx, scope_of(&mut self.regions, &n.region));
                 let _ = cluster.set_domain(idx, scope_of(&mut self.pools, &n.pool));
-                let one = Request::new(GpuDemand::whole(1), 0, 0);
                 for (d, g) in gpus.iter().enumerate() {
-                    if !g.free {
-                        let taken = flotilla_sched::Placement {
-                            node: idx,
-                            gpus: vec![u16::try_from(d).unwrap_or(u16::MAX)],
-                        };
-                        let _ = cluster.commit(&one, &taken);
+                    // A GPU some work holds all of is taken whole; one
+                    // partly held keeps its free share for fractions.
+                    let free = if g.free {
+                        MILLI_PER_GPU
+                    } else {
+                        engine_free(g)
+                    };
+                    let used = MILLI_PER_GPU.saturating_sub(free);
+                    if used == 0 {
+                        continue;
                     }
+                    let held = GpuDemand::share(used).unwrap_or(GpuDemand::Whole { count: 1 });
+                    let taken = flotilla_sched::Placement {
+                        node: idx,
+                        gpus: vec![u16::try_from(d).unwrap_or(u16::MAX)],
+                    };
+                    let _ = cluster.commit(&Request::new(held, 0, 0), &taken);
                 }
                 slots.push(Slot {
                     node: n.id.clone(),
                     model: model.to_string(),
+                    mig,
                     gpus: gpus.iter().map(|g| g.id.clone()).collect(),
                 });
             }
@@ -234,11 +319,23 @@ impl PassPlanner {
     ) -> Result<Placement, String> {
         let sreq = self.engine_request(req, &model_allowed);
         match self.engine.decide(&self.cluster, &sreq, &mut self.rng) {
-            Decision::Placed(p) => self
-                .store_placement(&p)
-                .ok_or_else(|| "internal: engine named an unknown node or gpu".to_string()),
+            Decision::Placed(p) => {
+                let plan = self
+                    .store_placement(&p, &req.share)
+                    .ok_or_else(|| "internal: engine named an unknown node or gpu".to_string())?;
+                if !req.share.is_mig() || fits_snapshot(snapshot, &plan) {
+                    return Ok(plan);
+                }
+                // The engine does not see MIG memory slices: where its
+                // choice has compute but not memory left, take the first
+                // GPU that has both.
+                first_fit(snapshot, req, model_allowed).map_err(|e| e.to_string())
+            }
             Decision::Unschedulable(why) => match first_fit(snapshot, req, model_allowed) {
                 Err(per_node) => Err(per_node.to_string()),
+                // Only core's full check of a MIG geometry can see a fit
+                // the engine's coarser model misses.
+                Ok(plan) if req.share.is_mig() => Ok(plan),
                 Ok(_) => Err(format!("0/{} node slots fit: {why}", self.slots.len())),
             },
         }
@@ -265,7 +362,7 @@ impl PassPlanner {
                 .members
                 .iter()
                 .map(|p| {
-                    self.store_placement(p)
+                    self.store_placement(p, &req.share)
                         .ok_or_else(|| "internal: engine named an unknown node or gpu".to_string())
                 })
                 .collect(),
@@ -349,6 +446,7 @@ impl PassPlanner {
                     node: e.node.clone(),
                     model: e.model.clone(),
                     gpus: e.gpus.clone(),
+                    share: GpuShare::Whole,
                 })?;
                 Some(Running {
                     request: Request::new(
@@ -415,14 +513,14 @@ impl PassPlanner {
         };
         plan.members
             .iter()
-            .map(|p| self.store_placement(p))
+            .map(|p| self.store_placement(p, &req.share))
             .collect()
     }
 
     /// `plan` in the engine's terms (engine node, device indices).
     fn engine_placement(&self, plan: &Placement) -> Option<flotilla_sched::Placement> {
         self.slots.iter().enumerate().find_map(|(i, s)| {
-            if s.node != plan.node || s.model != plan.model {
+            if s.node != plan.node || s.model != plan.model || s.mig != plan.share.is_mig() {
                 return None;
             }
             let devs: Option<Vec<u16>> = plan
@@ -449,21 +547,44 @@ impl PassPlanner {
         req: &PlacementRequest,
         model_allowed: &impl Fn(&str) -> bool,
     ) -> Request {
+        let mig = req.share.is_mig();
         let allowed = ModelSet::of(
             self.slots
                 .iter()
+                .filter(|s| s.mig == mig)
                 .map(|s| s.model.as_str())
                 .filter(|m| req.models.is_empty() || req.models.iter().any(|a| a == m))
                 .filter(|m| model_allowed(m))
-                .filter_map(|m| self.models.get(m)),
+                .filter_map(|m| self.models.get(&engine_model(m, mig))),
         );
-        sched_request(req, allowed)
+        match &req.share {
+            GpuShare::Mig(p) => {
+                let Ok(profile) = EngineMigProfile::new(
+                    p.compute_slices,
+                    u16::try_from(p.memory_mib / 1024).unwrap_or(u16::MAX),
+                ) else {
+                    return sched_request(req, ModelSet::Only(0));
+                };
+                mig_request(
+                    profile,
+                    allowed,
+                    &self.models,
+                    u32::try_from(req.cpu_milli).unwrap_or(u32::MAX),
+                    req.memory_mb,
+                )
+            }
+            _ => sched_request(req, allowed),
+        }
     }
 
     /// An engine placement in the store's terms: the node and the GPU ids
     /// behind the engine's slot and device indices; `None` if the engine
     /// named a slot or device this pass does not have.
-    fn store_placement(&self, p: &flotilla_sched::Placement) -> Option<Placement> {
+    fn store_placement(
+        &self,
+        p: &flotilla_sched::Placement,
+        share: &GpuShare,
+    ) -> Option<Placement> {
         let slot = self.slots.get(p.node as usize)?;
         let gpus = p
             .gpus
@@ -474,6 +595,7 @@ impl PassPlanner {
             node: slot.node.clone(),
             model: slot.model.clone(),
             gpus,
+            share: share.clone(),
         })
     }
 
@@ -500,6 +622,11 @@ impl PassPlanner {
             });
             let Some((si, devs)) = found else { continue };
             let count = u16::try_from(devs.len()).unwrap_or(u16::MAX);
+            let held = if h.milli_per_gpu < MILLI_PER_GPU && count == 1 {
+                GpuDemand::share(h.milli_per_gpu).unwrap_or(GpuDemand::whole(count))
+            } else {
+                GpuDemand::whole(count)
+            };
             allocations.push(Allocation {
                 id: i as u64,
                 tenant: h.tenant,
@@ -507,7 +634,7 @@ impl PassPlanner {
                 priority: h.priority,
                 preemptible: h.preemptible,
                 borrowed: h.borrowed,
-                request: Request::new(GpuDemand::whole(count), 0, 0),
+                request: Request::new(held, 0, 0),
                 placement: flotilla_sched::Placement {
                     node: u32::try_from(si).unwrap_or(u32::MAX),
                     gpus: devs,
@@ -558,7 +685,7 @@ impl PassPlanner {
             PreemptDecision::Fits(p) => (Vec::new(), p),
             PreemptDecision::Impossible(_) => return None,
         };
-        Some((victims, self.store_placement(&p)?))
+        Some((victims, self.store_placement(&p, &req.share)?))
     }
 
     /// [`PassPlanner::preempt`] for a gang: which of `held` to preempt so
@@ -608,7 +735,7 @@ impl PassPlanner {
         let placements = plan
             .members
             .iter()
-            .map(|p| self.store_placement(p))
+            .map(|p| self.store_placement(p, &req.share))
             .collect::<Option<Vec<_>>>()?;
         Some((victims, placements))
     }
@@ -621,7 +748,9 @@ impl PassPlanner {
         req: &PlacementRequest,
         plan: &Placement,
     ) {
-        if self.mixed.contains(&plan.node) {
+        // A share changes a GPU's free milli (and MIG slices) in ways only
+        // the snapshot states exactly: rebuild from it.
+        if self.mixed.contains(&plan.node) || plan.share != GpuShare::Whole {
             return self.rebuild(snapshot);
         }
         let found = self.slots.iter().enumerate().find_map(|(i, s)| {
@@ -660,7 +789,6 @@ impl PassPlanner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flotilla_core::placement::GpuSlot;
 
     fn node(n: u64, ready: bool, gpus: &[(&str, bool)]) -> NodeSnapshot {
         NodeSnapshot {
@@ -674,11 +802,13 @@ mod tests {
             gpus: gpus
                 .iter()
                 .enumerate()
-                .map(|(i, (m, free))| GpuSlot {
-                    id: GpuId::generate(n, (u128::from(n) << 8) | i as u128),
-                    index: i as u32,
-                    model: m.to_string(),
-                    free: *free,
+                .map(|(i, (m, free))| {
+                    GpuSlot::whole(
+                        GpuId::generate(n, (u128::from(n) << 8) | i as u128),
+                        i as u32,
+                        *m,
+                        *free,
+                    )
                 })
                 .collect(),
         }
@@ -690,6 +820,7 @@ mod tests {
             models: models.iter().map(|s| s.to_string()).collect(),
             cpu_milli: 1000,
             memory_mb: 1024,
+            share: GpuShare::Whole,
         }
     }
 
@@ -821,11 +952,13 @@ mod tests {
             node: snap[0].id.clone(),
             model: "H100".into(),
             gpus: vec![snap[0].gpus[1].id.clone()],
+            share: GpuShare::Whole,
         };
         let on_l4 = Placement {
             node: snap[1].id.clone(),
             model: "L4".into(),
             gpus: vec![snap[1].gpus[0].id.clone()],
+            share: GpuShare::Whole,
         };
         assert!(!p.backfill_allowed(&mut r, &small, &on_h100, None));
         assert!(p.backfill_allowed(&mut r, &small, &on_l4, None));
@@ -906,6 +1039,7 @@ mod tests {
             node: snap[0].id.clone(),
             model: "H100".into(),
             gpus: vec![snap[0].gpus[1].id.clone()],
+            share: GpuShare::Whole,
         };
         // Ends at 60 s, before the head's start: allowed.
         assert!(p.backfill_allowed(&mut r, &req(1, &[]), &one, Some(60_000)));

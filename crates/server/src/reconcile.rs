@@ -10,7 +10,7 @@ use chrono::Duration as ChronoDuration;
 use flotilla_core::id::TenantId;
 use flotilla_core::id::{GpuId, InstanceId, WorkId};
 use flotilla_core::job::Locality as JobLocality;
-use flotilla_core::placement::{NodeSnapshot, Placement, PlacementRequest};
+use flotilla_core::placement::{GpuShare, NodeSnapshot, Placement, PlacementRequest};
 use flotilla_core::quota::{Quota, Usage};
 use flotilla_sched::preempt::Preemptor;
 use flotilla_sched::queue::{self, FairShareConfig, FairShareState, QueueItem, Reservation};
@@ -47,6 +47,7 @@ fn member_request(j: &QueuedJob) -> PlacementRequest {
         models: j.spec.gpu_types.clone(),
         cpu_milli: u64::from(j.spec.cpu_milli),
         memory_mb: j.spec.memory_mb,
+        share: GpuShare::Whole,
     }
 }
 
@@ -72,7 +73,7 @@ impl Queued {
                 p.tier,
                 p.priority,
                 p.created_at,
-                u64::from(p.gpus),
+                u64::from(p.gpus) * u64::from(p.share.milli()),
                 u64::from(p.cpu_milli),
                 p.memory_mb,
             ),
@@ -81,7 +82,7 @@ impl Queued {
                 j.spec.tier,
                 j.spec.priority,
                 j.created_at,
-                u64::from(j.spec.gpus),
+                u64::from(j.spec.gpus) * 1000,
                 u64::from(j.spec.cpu_milli) * u64::from(j.spec.nodes),
                 j.spec.memory_mb * u64::from(j.spec.nodes),
             ),
@@ -92,7 +93,8 @@ impl Queued {
             priority,
             submitted_ms: ms_of(created),
             demand: Resources {
-                gpu_milli: gpus * 1000,
+                // Already in milli-GPU: a share counts as its share.
+                gpu_milli: gpus,
                 cpu_milli: cpu,
                 mem_mib: mem,
             },
@@ -165,7 +167,7 @@ pub async fn queue_all(st: &AppState) -> Result<Vec<Queued>, StoreError> {
         let from = ms_of(u.started_at.max(since));
         let to = ms_of(u.finished_at.unwrap_or(now).min(now));
         let held = Resources {
-            gpu_milli: u64::from(u.gpus) * 1000,
+            gpu_milli: u64::from(u.gpus) * u64::from(u.milli_per_gpu),
             cpu_milli: 0,
             mem_mib: 0,
         };
@@ -218,6 +220,7 @@ fn choose_victims<'a>(
                 preemptible: h.preemptible,
                 borrowed: borrowed.contains(&h.id),
                 started_ms: ms_of(h.since),
+                milli_per_gpu: h.milli_per_gpu,
             })
             .collect();
         let victims: Vec<&HeldInstance> = plan(&offered)
@@ -320,16 +323,34 @@ async fn promised_snapshot(
             if g.free {
                 freed.insert(g.id.clone());
             }
-            g.free = false;
+            set_slot_free(g, false);
         }
     }
     Ok((snapshot, freed))
 }
 
+/// Shows a GPU as entirely taken (`free` false), or entirely free: used
+/// only on GPUs that are entirely free in the store, to mask and unmask
+/// them.
+fn set_slot_free(g: &mut flotilla_core::placement::GpuSlot, free: bool) {
+    let whole = if g.mig_mode {
+        flotilla_core::placement::GpuSlot::mig(g.id.clone(), g.index, g.model.clone())
+    } else {
+        flotilla_core::placement::GpuSlot::whole(g.id.clone(), g.index, g.model.clone(), true)
+    };
+    if free {
+        *g = whole;
+    } else {
+        g.take(&GpuShare::Whole);
+        g.mig_compute_free = 0;
+        g.mig_memory_free = 0;
+    }
+}
+
 fn set_free(snapshot: &mut [NodeSnapshot], gpus: &[&GpuId], free: bool) {
     for g in snapshot.iter_mut().flat_map(|n| n.gpus.iter_mut()) {
         if gpus.contains(&&g.id) {
-            g.free = free;
+            set_slot_free(g, free);
         }
     }
 }
@@ -341,7 +362,7 @@ fn take(snapshot: &mut [NodeSnapshot], req: &PlacementRequest, plan: &Placement)
         n.cpu_milli_free = n.cpu_milli_free.saturating_sub(req.cpu_milli);
         n.memory_mb_free = n.memory_mb_free.saturating_sub(req.memory_mb);
         for g in n.gpus.iter_mut().filter(|g| plan.gpus.contains(&g.id)) {
-            g.free = false;
+            g.take(&plan.share);
         }
     }
 }
@@ -369,6 +390,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                     models: p.gpu_types.clone(),
                     cpu_milli: u64::from(p.cpu_milli),
                     memory_mb: p.memory_mb,
+                    share: p.share.clone(),
                 });
                 pending.push(Some(p));
             }
@@ -476,9 +498,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             }
                             if let Some((_, u)) = quotas.get_mut(&job.tenant_id) {
                                 for plan in &plans {
-                                    u.gpus_total += req.gpus;
-                                    *u.gpus_per_model.entry(plan.model.clone()).or_default() +=
-                                        req.gpus;
+                                    u.add(Some(&plan.model), req.gpus, 1000);
                                 }
                             }
                         }
@@ -579,6 +599,8 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
             quotas.insert(p.tenant_id.clone(), (q, u));
         }
         let (quota, usage) = &quotas[&p.tenant_id];
+        // Shares count by their share against limits and the guarantee.
+        let milli = u64::from(p.gpus) * u64::from(p.share.milli());
         let now = st.now();
         // The GPUs its victims released are this one's alone: offered to
         // it, and to no one else (they stay masked for the others).
@@ -590,7 +612,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
             set_free(&mut snapshot, &mine, true);
             planner.rebuild(&snapshot);
         }
-        let attempt = planner.place(&snapshot, &req, |m| quota.model_fits(usage, m, p.gpus));
+        let attempt = planner.place(&snapshot, &req, |m| quota.model_fits_milli(usage, m, milli));
         if !mine.is_empty() && attempt.is_err() {
             set_free(&mut snapshot, &mine, false);
             planner.rebuild(&snapshot);
@@ -603,7 +625,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 .as_ref()
                 .is_ok_and(|plan| !planner.backfill_allowed(r, &req, plan, None));
             if delays {
-                let fits = |m: &str| quota.model_fits(usage, m, p.gpus);
+                let fits = |m: &str| quota.model_fits_milli(usage, m, milli);
                 match planner
                     .place_outside(&req, 1, JobLocality::Any, fits, r)
                     .and_then(|mut v| v.pop())
@@ -628,8 +650,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                     take(&mut snapshot, &req, &plan);
                     planner.committed(&snapshot, &req, &plan);
                     if let Some((_, u)) = quotas.get_mut(&p.tenant_id) {
-                        u.gpus_total += p.gpus;
-                        *u.gpus_per_model.entry(plan.model.clone()).or_default() += p.gpus;
+                        u.add(Some(&plan.model), p.gpus, p.share.milli());
                     }
                 }
                 Err(StoreError::Conflict(why)) => {
@@ -670,13 +691,13 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                         priority: p.priority,
                         // Within its guarantee, it may take back capacity
                         // other tenants borrowed.
-                        reclaiming: quota.within_guarantee(usage, p.gpus),
+                        reclaiming: quota.within_guarantee_milli(usage, milli),
                     };
                     let victims = choose_victims(all, &borrowed, &mut tenants, |offered| {
                         planner
                             .preempt(
                                 &req,
-                                |m| quota.model_fits(usage, m, p.gpus),
+                                |m| quota.model_fits_milli(usage, m, milli),
                                 offered,
                                 who,
                                 ms_of(now),
@@ -714,7 +735,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             &req,
                             1,
                             JobLocality::Any,
-                            |m| quota.model_fits(usage, m, p.gpus),
+                            |m| quota.model_fits_milli(usage, m, milli),
                             &ending,
                             ms_of(now),
                         )

@@ -13,6 +13,7 @@ use flotilla_core::catalog::Vendor;
 use flotilla_core::clock::ManualClock;
 use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
+use flotilla_core::placement::GpuShare;
 use flotilla_server::reconcile::{liveness_pass, schedule_pass};
 use flotilla_server::state::AppState;
 use flotilla_server::ServerConfig;
@@ -47,6 +48,7 @@ async fn a_deposed_leader_cannot_place_or_declare_nodes_lost(s: &Store) {
             uuid: "GPU-n1-0".into(),
             memory_mib: 81920,
             vendor: Vendor::Nvidia,
+            mig_mode: false,
         }],
         agent_version: "test".into(),
     };
@@ -74,6 +76,7 @@ async fn a_deposed_leader_cannot_place_or_declare_nodes_lost(s: &Store) {
         priority: 0,
         tier: 1,
         preemptible: false,
+        share: GpuShare::Whole,
     };
     s.create_instance(&id, &tenant, &spec, t0).await.unwrap();
 

@@ -355,6 +355,7 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
                     uuid: "GPU-0".into(),
                     memory_mib: 81920,
                     vendor: Vendor::Nvidia,
+                    mig_mode: false,
                 }],
                 agent_version: "bench".into(),
             },

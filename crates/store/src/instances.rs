@@ -8,11 +8,12 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use flotilla_core::api::{
-    Assignment, Instance, InstanceEvent, JobMembership, ObservedInstance, ObservedPhase,
+    Assignment, GpuSlice, Instance, InstanceEvent, JobMembership, ObservedInstance, ObservedPhase,
 };
+use flotilla_core::catalog::{MigProfile, MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId, WorkId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
-use flotilla_core::placement::Placement;
+use flotilla_core::placement::{GpuShare, Placement, MILLI_PER_GPU};
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
 
@@ -36,6 +37,7 @@ pub(crate) fn instance(row: &AnyRow) -> Result<Instance> {
     let started: Option<i64> = row.try_get("started_at")?;
     let finished: Option<i64> = row.try_get("finished_at")?;
     let gpu_ids: Vec<String> = json(&row.try_get::<String, _>("gpu_ids")?, "gpu_ids")?;
+    let share = share_of(row)?;
     Ok(Instance {
         id: InstanceId::from_trusted(row.try_get("id")?),
         tenant_id: TenantId::from_trusted(row.try_get("tenant_id")?),
@@ -56,6 +58,15 @@ pub(crate) fn instance(row: &AnyRow) -> Result<Instance> {
         node_id: node.map(NodeId::from_trusted),
         gpu_model: row.try_get("gpu_model")?,
         gpu_ids: gpu_ids.into_iter().map(GpuId::from_trusted).collect(),
+        gpu_fraction: match share {
+            GpuShare::Fraction { milli } => Some(f64::from(milli) / 1000.0),
+            _ => None,
+        },
+        mig_profile: match share {
+            GpuShare::Mig(p) => Some(p.name),
+            _ => None,
+        },
+        gpu_slices: json(&row.try_get::<String, _>("gpu_slices")?, "gpu_slices")?,
         exit_code: exit.map(|c| c.clamp(i32::MIN as i64, i32::MAX as i64) as i32),
         stop_requested: row.try_get::<i64, _>("stop_requested")? != 0,
         priority: row
@@ -74,6 +85,29 @@ pub(crate) fn instance(row: &AnyRow) -> Result<Instance> {
         started_at: started.map(at),
         finished_at: finished.map(at),
         events: Vec::new(),
+    })
+}
+
+/// The share an instance row asked for (whole GPUs when none).
+pub(crate) fn share_of(row: &AnyRow) -> Result<GpuShare> {
+    let small = |v: Option<i64>| v.unwrap_or(0).clamp(0, i64::from(u8::MAX)) as u8;
+    if let Some(name) = row.try_get::<Option<String>, _>("mig_profile")? {
+        return Ok(GpuShare::Mig(MigProfile {
+            name,
+            compute_slices: small(row.try_get("mig_compute")?),
+            memory_slices: small(row.try_get("mig_memory")?),
+            memory_mib: row
+                .try_get::<Option<i64>, _>("mig_memory_mib")?
+                .unwrap_or(0)
+                .max(0) as u64,
+        }));
+    }
+    Ok(match row.try_get::<Option<i64>, _>("share_milli")? {
+        Some(m) if (1..i64::from(MILLI_PER_GPU)).contains(&m) => GpuShare::Fraction {
+            // In 1..1000 by the guard.
+            milli: m as u16,
+        },
+        _ => GpuShare::Whole,
     })
 }
 
@@ -145,35 +179,145 @@ async fn transition(
         return Ok(false);
     }
     if !to.holds_gpus() {
-        sqlx::query("UPDATE gpus SET instance_id = NULL WHERE instance_id = $1")
-            .bind(id.as_str())
-            .execute(&mut **tx)
-            .await?;
+        release_gpus(tx, id).await?;
     }
     add_event(tx, id, to, reason, now).await?;
     Ok(true)
 }
 
-/// Takes each GPU for `id` only if no instance holds it. Returns the first
-/// GPU that was taken already; the caller rolls the transaction back.
+/// Gives back everything `id` holds: its share of each GPU (and the MIG
+/// slices), its allocation rows, and the GPUs it held whole.
+async fn release_gpus(tx: &mut Transaction<'static, Any>, id: &InstanceId) -> Result<()> {
+    sqlx::query(
+        "UPDATE gpus SET \
+         used_milli = used_milli - (SELECT a.milli FROM gpu_allocations a WHERE a.gpu_id = gpus.id AND a.instance_id = $1), \
+         used_mig_compute = used_mig_compute - (SELECT a.mig_compute FROM gpu_allocations a WHERE a.gpu_id = gpus.id AND a.instance_id = $1), \
+         used_mig_memory = used_mig_memory - (SELECT a.mig_memory FROM gpu_allocations a WHERE a.gpu_id = gpus.id AND a.instance_id = $1) \
+         WHERE id IN (SELECT gpu_id FROM gpu_allocations WHERE instance_id = $1)",
+    )
+    .bind(id.as_str())
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query("DELETE FROM gpu_allocations WHERE instance_id = $1")
+        .bind(id.as_str())
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query("UPDATE gpus SET instance_id = NULL WHERE instance_id = $1")
+        .bind(id.as_str())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Takes `share` of each GPU for `id`, each with one conditional UPDATE of
+/// the GPU row that checks its capacity (1000 milli; for a GPU in MIG mode
+/// also its compute and memory slices) and its mode (MIG profiles only on
+/// GPUs in MIG mode, whole and fractional work only on the others), then
+/// records the allocation. The UPDATE holds the GPU row until commit, so
+/// concurrent placements on one GPU serialise and each sees the others'
+/// sums. `Ok(Err(gpu))` names the first GPU that had no room; the caller
+/// rolls the transaction back.
 async fn claim_gpus(
     tx: &mut Transaction<'static, Any>,
     id: &InstanceId,
     gpus: &[&str],
-) -> Result<Option<String>> {
+    share: &GpuShare,
+) -> Result<std::result::Result<Vec<GpuSlice>, String>> {
+    let mut slices = Vec::with_capacity(gpus.len());
     for g in gpus {
-        let n =
-            sqlx::query("UPDATE gpus SET instance_id = $1 WHERE id = $2 AND instance_id IS NULL")
-                .bind(id.as_str())
-                .bind(*g)
-                .execute(&mut **tx)
-                .await?
-                .rows_affected();
-        if n != 1 {
-            return Ok(Some(g.to_string()));
+        let milli = i64::from(share.milli());
+        let (compute, memory) = match share {
+            GpuShare::Mig(p) => (i64::from(p.compute_slices), i64::from(p.memory_slices)),
+            _ => (0, 0),
+        };
+        let n = match share {
+            GpuShare::Whole => sqlx::query(
+                "UPDATE gpus SET instance_id = $1, used_milli = 1000 \
+                 WHERE id = $2 AND instance_id IS NULL AND used_milli = 0 AND mig_mode = 0",
+            )
+            .bind(id.as_str())
+            .bind(*g),
+            GpuShare::Fraction { .. } => sqlx::query(
+                "UPDATE gpus SET used_milli = used_milli + $1 \
+                 WHERE id = $2 AND instance_id IS NULL AND mig_mode = 0 AND used_milli + $1 <= 1000",
+            )
+            .bind(milli)
+            .bind(*g),
+            GpuShare::Mig(_) => sqlx::query(
+                "UPDATE gpus SET used_milli = used_milli + $1, used_mig_compute = used_mig_compute + $2, \
+                 used_mig_memory = used_mig_memory + $3 \
+                 WHERE id = $4 AND instance_id IS NULL AND mig_mode = 1 AND used_milli + $1 <= 1000 \
+                 AND used_mig_compute + $2 <= $5 AND used_mig_memory + $3 <= $6",
+            )
+            .bind(milli)
+            .bind(compute)
+            .bind(memory)
+            .bind(*g)
+            .bind(i64::from(MIG_COMPUTE_SLICES))
+            .bind(i64::from(MIG_MEMORY_SLICES)),
         }
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+        if n != 1 {
+            return Ok(Err(g.to_string()));
+        }
+        let gpu = sqlx::query("SELECT uuid, memory_mib FROM gpus WHERE id = $1")
+            .bind(*g)
+            .fetch_one(&mut **tx)
+            .await?;
+        let uuid: String = gpu.try_get("uuid")?;
+        let gpu_memory = gpu.try_get::<i64, _>("memory_mib")?.max(0) as u64;
+        // A MIG instance gets the lowest GPU-instance number free on its
+        // GPU; the row lock taken above makes the choice race-free.
+        let slot = if share.is_mig() {
+            let taken = sqlx::query(
+                "SELECT mig_slot FROM gpu_allocations WHERE gpu_id = $1 AND mig_slot IS NOT NULL",
+            )
+            .bind(*g)
+            .fetch_all(&mut **tx)
+            .await?
+            .iter()
+            .map(|r| r.try_get::<i64, _>("mig_slot"))
+            .collect::<std::result::Result<Vec<i64>, _>>()?;
+            (1..).find(|s| !taken.contains(s))
+        } else {
+            None
+        };
+        let profile = match share {
+            GpuShare::Mig(p) => Some(p),
+            _ => None,
+        };
+        sqlx::query(
+            "INSERT INTO gpu_allocations (gpu_id, instance_id, milli, mig_profile, mig_compute, mig_memory, mig_slot) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(*g)
+        .bind(id.as_str())
+        .bind(milli)
+        .bind(profile.map(|p| p.name.clone()))
+        .bind(compute)
+        .bind(memory)
+        .bind(slot)
+        .execute(&mut **tx)
+        .await?;
+        slices.push(GpuSlice {
+            gpu_id: GpuId::from_trusted(g.to_string()),
+            milli: u32::from(share.milli()),
+            mig_profile: profile.map(|p| p.name.clone()),
+            // The GPU-instance number and compute instance 0, in the form
+            // CUDA accepts in CUDA_VISIBLE_DEVICES.
+            mig_device: slot.map(|s| format!("MIG-{uuid}/{s}/0")),
+            memory_limit_mib: match share {
+                GpuShare::Whole => None,
+                GpuShare::Fraction { milli } => {
+                    Some(gpu_memory * u64::from(*milli) / u64::from(MILLI_PER_GPU))
+                }
+                GpuShare::Mig(p) => Some(p.memory_mib),
+            },
+        });
     }
-    Ok(None)
+    Ok(Ok(slices))
 }
 
 /// Scheduled → starting: the agent picked the instance up.
@@ -203,19 +347,35 @@ pub(crate) async fn schedule_in(
     now: DateTime<Utc>,
 ) -> Result<()> {
     let ids: Vec<&str> = plan.gpus.iter().map(|g| g.as_str()).collect();
-    if let Some(g) = claim_gpus(tx, id, &ids).await? {
-        return Err(StoreError::Conflict(format!("gpu {g} is no longer free")));
-    }
-    let reason = format!(
-        "placed on {} ({}x{})",
-        plan.node,
-        plan.gpus.len(),
-        plan.model
-    );
-    sqlx::query("UPDATE instances SET node_id = $1, gpu_model = $2, gpu_ids = $3 WHERE id = $4 AND state = 'pending'")
+    let slices = match claim_gpus(tx, id, &ids, &plan.share).await? {
+        Ok(slices) => slices,
+        Err(g) => {
+            let what = match plan.share {
+                GpuShare::Whole => "is no longer free".to_string(),
+                _ => format!("has no room for {}", plan.share.label(&plan.model)),
+            };
+            return Err(StoreError::Conflict(format!("gpu {g} {what}")));
+        }
+    };
+    let reason = match &plan.share {
+        GpuShare::Whole => format!(
+            "placed on {} ({}x{})",
+            plan.node,
+            plan.gpus.len(),
+            plan.model
+        ),
+        share => format!("placed on {} ({})", plan.node, share.label(&plan.model)),
+    };
+    // Whole GPUs need no slice description: the GPU ids say it all.
+    let slices = match plan.share {
+        GpuShare::Whole => Vec::new(),
+        _ => slices,
+    };
+    sqlx::query("UPDATE instances SET node_id = $1, gpu_model = $2, gpu_ids = $3, gpu_slices = $4 WHERE id = $5 AND state = 'pending'")
             .bind(plan.node.as_str())
             .bind(&plan.model)
             .bind(to_json(&ids))
+            .bind(to_json(&slices))
             .bind(id.as_str())
             .execute(&mut **tx)
             .await?;
@@ -260,6 +420,8 @@ pub struct PendingInstance {
     pub tier: u8,
     /// Creation time (FIFO within equal priority and share).
     pub created_at: DateTime<Utc>,
+    /// Whole GPUs, a fraction of one or a MIG instance.
+    pub share: GpuShare,
 }
 
 /// What preemption planning needs of an instance holding GPUs.
@@ -292,6 +454,8 @@ pub struct HeldInstance {
     /// When it was placed (created, for a job member: members are created
     /// placed), which a time limit counts from.
     pub created_at: DateTime<Utc>,
+    /// Milli-GPU it holds of each of its GPUs (1000: whole GPUs).
+    pub milli_per_gpu: u16,
 }
 
 /// GPU usage of one instance that ran recently, for fair share.
@@ -301,6 +465,8 @@ pub struct RecentUsage {
     pub tenant_id: TenantId,
     /// GPUs held.
     pub gpus: u32,
+    /// Milli-GPU held of each (1000: whole GPUs): fair share counts shares.
+    pub milli_per_gpu: u16,
     /// Start of its run.
     pub started_at: DateTime<Utc>,
     /// End of its run; `None` while it runs.
@@ -338,7 +504,11 @@ pub(crate) async fn insert_pending(
         .await?;
     let quota = crate::tenants::quota(&q)?;
     let committed = crate::tenants::committed_in(&mut **tx, tenant).await?;
-    quota.admit(&committed, &spec.gpu_types, spec.gpus)?;
+    quota.admit_milli(
+        &committed,
+        &spec.gpu_types,
+        u64::from(spec.gpus) * u64::from(spec.share.milli()),
+    )?;
     sqlx::query(
         "INSERT INTO instances (id, tenant_id, name, state, state_reason, gpus, gpu_types, cpu_milli, memory_mb, \
          command, env, workdir, billing_class, created_at, updated_at, priority, tier, preemptible, requeued_from) \
@@ -363,13 +533,33 @@ pub(crate) async fn insert_pending(
     .bind(requeued_from.map(|r| r.as_str().to_string()))
     .execute(&mut **tx)
     .await?;
+    let (milli, profile) = match &spec.share {
+        GpuShare::Whole => (None, None),
+        GpuShare::Fraction { milli } => (Some(i64::from(*milli)), None),
+        GpuShare::Mig(p) => (None, Some(p)),
+    };
+    if milli.is_some() || profile.is_some() {
+        sqlx::query(
+            "UPDATE instances SET share_milli = $1, mig_profile = $2, mig_compute = $3, mig_memory = $4, \
+             mig_memory_mib = $5 WHERE id = $6",
+        )
+        .bind(milli)
+        .bind(profile.map(|p| p.name.clone()))
+        .bind(profile.map(|p| i64::from(p.compute_slices)))
+        .bind(profile.map(|p| i64::from(p.memory_slices)))
+        .bind(profile.map(|p| p.memory_mib as i64))
+        .bind(id.as_str())
+        .execute(&mut **tx)
+        .await?;
+    }
     add_event(tx, id, InstanceState::Pending, reason, now).await?;
     Ok(())
 }
 
 /// The spec an instance was created with, to requeue it unchanged.
-fn spec_of(i: &Instance) -> InstanceSpec {
+fn spec_of(i: &Instance, share: GpuShare) -> InstanceSpec {
     InstanceSpec {
+        share,
         name: i.name.clone(),
         gpus: i.gpus,
         gpu_types: i.gpu_types.clone(),
@@ -504,6 +694,7 @@ impl Store {
             .map(|r| {
                 let i = instance(r)?;
                 Ok(PendingInstance {
+                    share: share_of(r)?,
                     id: i.id,
                     tenant_id: i.tenant_id,
                     gpus: i.gpus,
@@ -598,7 +789,8 @@ impl Store {
     ) -> Result<Applied> {
         use InstanceState::*;
         let row = sqlx::query(
-            "SELECT state, node_id, stop_requested, gpu_ids, preempted_by, job_id FROM instances WHERE id = $1",
+            "SELECT state, node_id, stop_requested, gpu_ids, preempted_by, job_id, share_milli, mig_profile, \
+             mig_compute, mig_memory, mig_memory_mib FROM instances WHERE id = $1",
         )
         .bind(obs.instance_id.as_str())
         .fetch_optional(self.pool())
@@ -632,7 +824,8 @@ impl Store {
                 // GPUs back, unless someone else holds them now.
                 let gpu_ids: Vec<String> = json(&row.try_get::<String, _>("gpu_ids")?, "gpu_ids")?;
                 let gpu_ids: Vec<&str> = gpu_ids.iter().map(String::as_str).collect();
-                let ok = claim_gpus(&mut tx, id, &gpu_ids).await?.is_none();
+                let share = share_of(&row)?;
+                let ok = claim_gpus(&mut tx, id, &gpu_ids, &share).await?.is_ok();
                 if ok {
                     transition(
                         &mut tx,
@@ -735,6 +928,7 @@ impl Store {
                     workdir: i.workdir,
                     gpu_indices: held.iter().map(|(idx, _)| *idx).collect(),
                     gpu_uuids: held.into_iter().map(|(_, u)| u).collect(),
+                    gpu_slices: i.gpu_slices,
                     stop: i.stop_requested,
                     stop_grace_ms: if i.preempted_by.is_some() {
                         PREEMPT_NOTICE_MS
@@ -901,7 +1095,7 @@ impl Store {
             tx,
             &new,
             &inst.tenant_id,
-            &spec_of(&inst),
+            &spec_of(&inst, share_of(&row)?),
             Some(old),
             &reason,
             now,
@@ -935,6 +1129,7 @@ impl Store {
             let i = instance(r)?;
             let Some(node_id) = i.node_id else { continue };
             out.push(HeldInstance {
+                milli_per_gpu: share_of(r)?.milli(),
                 id: i.id,
                 tenant_id: i.tenant_id,
                 node_id,
@@ -981,7 +1176,8 @@ impl Store {
     /// queue's fair share.
     pub async fn recent_usage(&self, since: DateTime<Utc>) -> Result<Vec<RecentUsage>> {
         let rows = sqlx::query(
-            "SELECT tenant_id, gpus, started_at, finished_at FROM instances \
+            "SELECT tenant_id, gpus, share_milli, mig_profile, mig_compute, mig_memory, mig_memory_mib, \
+             started_at, finished_at FROM instances \
              WHERE started_at IS NOT NULL AND (finished_at IS NULL OR finished_at > $1)",
         )
         .bind(ms(since))
@@ -994,6 +1190,7 @@ impl Store {
                 Ok(RecentUsage {
                     tenant_id: TenantId::from_trusted(r.try_get("tenant_id")?),
                     gpus: r.try_get::<i64, _>("gpus")?.clamp(0, u32::MAX as i64) as u32,
+                    milli_per_gpu: share_of(r)?.milli(),
                     started_at: at(started),
                     finished_at: finished.map(at),
                 })

@@ -363,6 +363,7 @@ impl Store {
                 priority: j.spec.priority,
                 tier: j.spec.tier,
                 preemptible: j.spec.preemptible,
+                share: flotilla_core::placement::GpuShare::Whole,
             };
             let why = format!("rank {rank} of {id}, attempt {next}");
             crate::instances::insert_pending(&mut tx, member, &j.tenant_id, &spec, None, &why, now)

@@ -4,9 +4,10 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use flotilla_core::api::{DiscoveredGpu, Gpu, Node, RegisterNode};
+use flotilla_core::catalog::{MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
 use flotilla_core::node::NodeState;
-use flotilla_core::placement::{GpuSlot, NodeSnapshot};
+use flotilla_core::placement::{GpuSlot, NodeSnapshot, MILLI_PER_GPU};
 use sqlx::any::AnyRow;
 use sqlx::Row;
 
@@ -24,6 +25,8 @@ fn gpu(row: &AnyRow) -> Result<(NodeId, Gpu)> {
             uuid: row.try_get("uuid")?,
             memory_mib: row.try_get::<i64, _>("memory_mib")?.max(0) as u64,
             instance_id: inst.map(InstanceId::from_trusted),
+            mig_mode: row.try_get::<i64, _>("mig_mode")? != 0,
+            used_milli: row.try_get::<i64, _>("used_milli")?.clamp(0, 1000) as u32,
         },
     ))
 }
@@ -137,7 +140,7 @@ impl Store {
         }
         let wanted: BTreeMap<u32, &DiscoveredGpu> = req.gpus.iter().map(|g| (g.index, g)).collect();
         for (idx, g) in &have {
-            if !wanted.contains_key(idx) && g.instance_id.is_none() {
+            if !wanted.contains_key(idx) && g.instance_id.is_none() && g.used_milli == 0 {
                 sqlx::query("DELETE FROM gpus WHERE id = $1")
                     .bind(g.id.as_str())
                     .execute(&mut *tx)
@@ -146,19 +149,26 @@ impl Store {
         }
         for (idx, d) in wanted {
             if let Some(g) = have.get(&idx) {
-                sqlx::query("UPDATE gpus SET model = $1, uuid = $2, memory_mib = $3 WHERE id = $4")
-                    .bind(&d.model)
-                    .bind(&d.uuid)
-                    .bind(d.memory_mib as i64)
-                    .bind(g.id.as_str())
-                    .execute(&mut *tx)
-                    .await?;
+                // The MIG mode changes only on an idle GPU: work placed for
+                // one mode never finds itself on a GPU of the other.
+                sqlx::query(
+                    "UPDATE gpus SET model = $1, uuid = $2, memory_mib = $3, \
+                     mig_mode = CASE WHEN used_milli = 0 THEN $4 ELSE mig_mode END WHERE id = $5",
+                )
+                .bind(&d.model)
+                .bind(&d.uuid)
+                .bind(d.memory_mib as i64)
+                .bind(i64::from(d.mig_mode))
+                .bind(g.id.as_str())
+                .execute(&mut *tx)
+                .await?;
             } else {
                 let gid = fresh_gpu_ids
                     .pop()
                     .ok_or_else(|| StoreError::Conflict("not enough gpu ids supplied".into()))?;
                 sqlx::query(
-                    "INSERT INTO gpus (id, node_id, idx, model, uuid, memory_mib) VALUES ($1, $2, $3, $4, $5, $6)",
+                    "INSERT INTO gpus (id, node_id, idx, model, uuid, memory_mib, mig_mode) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7)",
                 )
                 .bind(gid.as_str())
                 .bind(id.as_str())
@@ -166,6 +176,7 @@ impl Store {
                 .bind(&d.model)
                 .bind(&d.uuid)
                 .bind(d.memory_mib as i64)
+                .bind(i64::from(d.mig_mode))
                 .execute(&mut *tx)
                 .await?;
             }
@@ -345,11 +356,21 @@ impl Store {
         let mut gpus: BTreeMap<NodeId, Vec<GpuSlot>> = BTreeMap::new();
         for r in &gpu_rows {
             let (nid, g) = gpu(r)?;
+            let slices = |col: &str, of: u8| -> Result<u8> {
+                let used = r.try_get::<i64, _>(col)?.clamp(0, i64::from(of));
+                // Clamped to 0..=of above.
+                Ok(if g.mig_mode { of - used as u8 } else { 0 })
+            };
             gpus.entry(nid).or_default().push(GpuSlot {
+                free: g.instance_id.is_none() && g.used_milli == 0,
+                // used_milli is clamped to 0..=1000 when read.
+                free_milli: MILLI_PER_GPU - g.used_milli as u16,
+                mig_mode: g.mig_mode,
+                mig_compute_free: slices("used_mig_compute", MIG_COMPUTE_SLICES)?,
+                mig_memory_free: slices("used_mig_memory", MIG_MEMORY_SLICES)?,
                 id: g.id,
                 index: g.index,
                 model: g.model,
-                free: g.instance_id.is_none(),
             });
         }
         nodes

@@ -31,28 +31,32 @@ pub(crate) fn quota(row: &AnyRow) -> Result<Quota> {
     })
 }
 
+/// Milli-GPU one GPU of an instance row takes: a MIG profile its compute
+/// slices of 7 (rounded down, as placement counts them), a fraction its
+/// share, whole GPUs 1000. Quotas count shares by their share.
+const MILLI_PER_GPU_SQL: &str = "(CASE WHEN mig_compute IS NOT NULL THEN (mig_compute * 1000) / 7 \
+     WHEN share_milli IS NOT NULL THEN share_milli ELSE 1000 END)";
+
 /// GPUs held by a tenant's live instances. Usable inside a transaction.
 pub(crate) async fn usage_in<'c, E>(exec: E, tenant: &TenantId) -> Result<Usage>
 where
     E: sqlx::Executor<'c, Database = sqlx::Any>,
 {
-    let rows = sqlx::query(
-        "SELECT gpu_model, CAST(SUM(gpus) AS BIGINT) AS n FROM instances \
+    let rows = sqlx::query(&format!(
+        "SELECT gpu_model, CAST(SUM(gpus * {MILLI_PER_GPU_SQL}) AS BIGINT) AS milli FROM instances \
          WHERE tenant_id = $1 AND state IN ('scheduled', 'starting', 'running') \
          GROUP BY gpu_model",
-    )
+    ))
     .bind(tenant.as_str())
     .fetch_all(exec)
     .await?;
     let mut usage = Usage::default();
     for r in rows {
         let model: Option<String> = r.try_get("gpu_model")?;
-        let n: i64 = r.try_get("n")?;
-        let n = n.clamp(0, u32::MAX as i64) as u32;
-        usage.gpus_total += n;
-        if let Some(m) = model {
-            *usage.gpus_per_model.entry(m).or_default() += n;
-        }
+        let milli: i64 = r.try_get("milli")?;
+        // Counted as that many thousandths of one GPU.
+        let milli = milli.clamp(0, u32::MAX as i64) as u32;
+        usage.add(model.as_deref(), milli, 1);
     }
     Ok(usage)
 }
@@ -63,12 +67,12 @@ pub(crate) async fn committed_in<'c, E>(exec: E, tenant: &TenantId) -> Result<Us
 where
     E: sqlx::Executor<'c, Database = sqlx::Any>,
 {
-    let rows = sqlx::query(
-        "SELECT gpu_model, gpu_types, gpus FROM instances \
+    let rows = sqlx::query(&format!(
+        "SELECT gpu_model, gpu_types, gpus, {MILLI_PER_GPU_SQL} AS milli FROM instances \
          WHERE tenant_id = $1 AND state IN ('pending', 'scheduled', 'starting', 'running') \
-         UNION ALL SELECT CAST(NULL AS TEXT) AS gpu_model, gpu_types, gpus FROM jobs \
+         UNION ALL SELECT CAST(NULL AS TEXT) AS gpu_model, gpu_types, gpus, 1000 AS milli FROM jobs \
          WHERE tenant_id = $1 AND state = 'queued'",
-    )
+    ))
     .bind(tenant.as_str())
     .fetch_all(exec)
     .await?;
@@ -76,7 +80,8 @@ where
     for r in rows {
         let n: i64 = r.try_get("gpus")?;
         let n = n.clamp(0, u32::MAX as i64) as u32;
-        usage.gpus_total += n;
+        let milli: i64 = r.try_get("milli")?;
+        let milli = milli.clamp(1, 1000) as u16;
         let model: Option<String> = r.try_get("gpu_model")?;
         let model = match model {
             Some(m) => Some(m),
@@ -86,9 +91,7 @@ where
                 (types.len() == 1).then(|| types[0].clone())
             }
         };
-        if let Some(m) = model {
-            *usage.gpus_per_model.entry(m).or_default() += n;
-        }
+        usage.add(model.as_deref(), n, milli);
     }
     Ok(usage)
 }

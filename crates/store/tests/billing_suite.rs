@@ -375,6 +375,7 @@ async fn providers_own_nodes(s: &Store) {
             uuid: "GPU-0".into(),
             memory_mib: 81920,
             vendor: Vendor::Nvidia,
+            mig_mode: false,
         }],
         agent_version: "t".into(),
     };

@@ -50,6 +50,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: u32) -> NodeId {
             uuid: format!("GPU-{name}-{index}"),
             memory_mib: 81920,
             vendor: Vendor::Nvidia,
+            mig_mode: false,
         })
         .collect::<Vec<_>>();
     let req = RegisterNode {
@@ -108,6 +109,7 @@ async fn plans(s: &Store, per: u32, nodes: &[NodeId]) -> Vec<Placement> {
         models: vec![],
         cpu_milli: 1000,
         memory_mb: 1024,
+        share: flotilla_core::placement::GpuShare::Whole,
     };
     nodes
         .iter()
@@ -330,6 +332,7 @@ async fn preemptors_are_promised_their_victims_gpus_and_limits_are_read(s: &Stor
         node: a.clone(),
         model: "H100".into(),
         gpus: vec![gpus[0].clone()],
+        share: flotilla_core::placement::GpuShare::Whole,
     };
     let p1 = Placement {
         gpus: vec![gpus[1].clone()],
@@ -361,6 +364,7 @@ async fn preemptors_are_promised_their_victims_gpus_and_limits_are_read(s: &Stor
         priority: 0,
         tier: 1,
         preemptible: false,
+        share: flotilla_core::placement::GpuShare::Whole,
     };
     s.create_instance(&by_inst, &t, &one, t0()).await.unwrap();
     let wj = flotilla_core::id::WorkId::Job(by_job.clone());

@@ -10,7 +10,7 @@ use flotilla_core::api::{DiscoveredGpu, RegisterNode};
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
-use flotilla_core::placement::{first_fit, PlacementRequest};
+use flotilla_core::placement::{first_fit, GpuShare, PlacementRequest};
 use flotilla_store::leases::LEADER;
 use flotilla_store::{Store, StoreError};
 
@@ -87,6 +87,7 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
             uuid: format!("GPU-fence-{index}"),
             memory_mib: 81920,
             vendor: Vendor::Nvidia,
+            mig_mode: false,
         })
         .collect();
     let req = RegisterNode {
@@ -125,6 +126,7 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
         priority: 0,
         tier: 1,
         preemptible: false,
+        share: GpuShare::Whole,
     };
     let id = InstanceId::generate(1, rnd());
     s.create_instance(&id, &tenant, &spec, t0()).await.unwrap();
@@ -134,6 +136,7 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
         models: vec!["H100".into()],
         cpu_milli: 1000,
         memory_mb: 1024,
+        share: GpuShare::Whole,
     };
     let plan = first_fit(&snap, &req, |_| true).unwrap();
     (id, plan)

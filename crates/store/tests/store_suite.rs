@@ -9,10 +9,10 @@ use chrono::{DateTime, Duration, Utc};
 use flotilla_core::api::{
     DiscoveredGpu, LogLine, LogStream, ObservedInstance, ObservedPhase, RegisterNode,
 };
-use flotilla_core::catalog::Vendor;
+use flotilla_core::catalog::{Catalog, Vendor};
 use flotilla_core::id::{GpuId, InstanceId, KeyId, NodeId, TenantId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
-use flotilla_core::placement::{first_fit, PlacementRequest};
+use flotilla_core::placement::{first_fit, GpuShare, Placement, PlacementRequest};
 use flotilla_core::quota::Quota;
 use flotilla_core::tenant::Role;
 use flotilla_store::idempotency::Claim;
@@ -39,6 +39,8 @@ flotilla_testkit::backend_suite!(
     node_registration_is_idempotent_by_name,
     instance_lifecycle_and_gpu_release,
     gpus_are_never_allocated_twice_under_races,
+    fractions_never_exceed_a_gpu_under_races,
+    mig_instances_never_exceed_the_geometry_under_races,
     quota_is_enforced_at_create,
     lost_instances_reattach_or_fail,
     logs_are_deduplicated_by_seq,
@@ -65,12 +67,22 @@ fn spec(gpus: u32, types: &[&str]) -> InstanceSpec {
         priority: 0,
         tier: 2,
         preemptible: true,
+        share: GpuShare::Whole,
     }
+}
+
+fn mig(profile: &str) -> GpuShare {
+    GpuShare::Mig(Catalog::default().mig_profile(profile).unwrap().0)
 }
 
 async fn node(s: &Store, owner: &TenantId, name: &str, gpus: &[(&str, u32)]) -> NodeId {
     let mut list = Vec::new();
     for (model, n) in gpus {
+        // `H100:mig`: GPUs in MIG mode.
+        let (model, mig) = match model.strip_suffix(":mig") {
+            Some(m) => (m, true),
+            None => (*model, false),
+        };
         for _ in 0..*n {
             let index = list.len() as u32;
             list.push(DiscoveredGpu {
@@ -79,6 +91,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: &[(&str, u32)]) -> 
                 uuid: format!("GPU-{name}-{index}"),
                 memory_mib: 81920,
                 vendor: Vendor::Nvidia,
+                mig_mode: mig,
             });
         }
     }
@@ -117,6 +130,7 @@ async fn place(s: &Store, id: &InstanceId, now: DateTime<Utc>) -> Result<(), Sto
         models: inst.gpu_types.clone(),
         cpu_milli: inst.cpu_milli as u64,
         memory_mb: inst.memory_mb,
+        share: GpuShare::Whole,
     };
     match first_fit(&snap, &req, |_| true) {
         Ok(p) => s.schedule_instance(id, &p, now).await,
@@ -430,6 +444,7 @@ async fn gpus_are_never_allocated_twice_under_races(s: &Store) {
                     models: vec![],
                     cpu_milli: 1,
                     memory_mb: 1,
+                    share: GpuShare::Whole,
                 };
                 let plan = first_fit(&snap, &req, |_| true).unwrap();
                 s.schedule_instance(&id, &plan, t0()).await
@@ -467,6 +482,167 @@ async fn gpus_are_never_allocated_twice_under_races(s: &Store) {
         }
     }
     assert_eq!(scheduled, 8);
+}
+
+/// Creates `n` instances of `share` and has each place itself from the
+/// same stale snapshot (task `i` preferring GPU `i % spread`), all at
+/// once. Returns the instances and whether each won.
+async fn race_shares(
+    s: &Store,
+    t: &TenantId,
+    share: &GpuShare,
+    n: u64,
+    spread: usize,
+) -> Vec<(InstanceId, bool)> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id = InstanceId::generate(i, rnd());
+        let spec = InstanceSpec {
+            gpus: 1,
+            share: share.clone(),
+            ..spec(1, &["H100"])
+        };
+        s.create_instance(&id, t, &spec, t0()).await.unwrap();
+        ids.push(id);
+    }
+    let snap = s.placement_snapshot().await.unwrap();
+    let tasks: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let s = s.clone();
+            let id = id.clone();
+            let mut snap = snap.clone();
+            let share = share.clone();
+            snap[0].gpus.rotate_left(i % spread);
+            for (k, g) in snap[0].gpus.iter_mut().enumerate() {
+                g.index = k as u32;
+            }
+            tokio::spawn(async move {
+                let req = PlacementRequest {
+                    gpus: 1,
+                    models: vec![],
+                    cpu_milli: 1,
+                    memory_mb: 1,
+                    share,
+                };
+                // Where placement sees no room, ask the store anyway: its
+                // own check must refuse.
+                let plan = first_fit(&snap, &req, |_| true).unwrap_or_else(|_| Placement {
+                    node: snap[0].id.clone(),
+                    model: "H100".into(),
+                    gpus: vec![snap[0].gpus[0].id.clone()],
+                    share: req.share.clone(),
+                });
+                s.schedule_instance(&id, &plan, t0()).await
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for (id, task) in ids.into_iter().zip(tasks) {
+        let won = match task.await.unwrap() {
+            Ok(()) => true,
+            Err(StoreError::Conflict(_)) => false,
+            Err(e) => panic!("unexpected error: {e}"),
+        };
+        out.push((id, won));
+    }
+    out
+}
+
+async fn fractions_never_exceed_a_gpu_under_races(s: &Store) {
+    let t = tenant(s, "fractions").await;
+    let n = node(s, &t, "frac-node", &[("H100", 2)]).await;
+    // 0.3 each: three fit a GPU (900 milli), a fourth would make 1200.
+    let third = GpuShare::Fraction { milli: 300 };
+    let raced = race_shares(s, &t, &third, 12, 2).await;
+    assert_eq!(raced.iter().filter(|(_, w)| *w).count(), 6, "three per GPU");
+    let node = s.node(&n).await.unwrap();
+    for g in &node.gpus {
+        assert_eq!(g.used_milli, 900, "{}", g.id);
+        assert!(g.instance_id.is_none(), "no one holds a shared GPU whole");
+    }
+    let mut per_gpu: BTreeMap<GpuId, u32> = BTreeMap::new();
+    for (id, won) in &raced {
+        let i = s.instance(id).await.unwrap();
+        if *won {
+            assert_eq!(i.gpu_fraction, Some(0.3));
+            assert_eq!(i.gpu_slices.len(), 1);
+            let slice = &i.gpu_slices[0];
+            assert_eq!(slice.milli, 300);
+            assert_eq!(slice.memory_limit_mib, Some(81920 * 3 / 10));
+            *per_gpu.entry(slice.gpu_id.clone()).or_default() += slice.milli;
+        } else {
+            assert_eq!(i.state, InstanceState::Pending, "losers stay pending");
+        }
+    }
+    assert!(per_gpu.values().all(|&m| m == 900), "{per_gpu:?}");
+    // A whole GPU, a MIG instance or a share too big finds no room.
+    for share in [
+        GpuShare::Whole,
+        mig("1g.10gb"),
+        GpuShare::Fraction { milli: 101 },
+    ] {
+        let raced = race_shares(s, &t, &share, 1, 1).await;
+        assert!(!raced[0].1, "{share:?} placed on a shared GPU");
+    }
+    // Ending one share gives its 300 milli back.
+    let (first, _) = raced.iter().find(|(_, w)| *w).unwrap();
+    let failed = observed(
+        first,
+        ObservedPhase::FailedToStart {
+            reason: "gone".into(),
+        },
+    );
+    s.apply_observed(&n, &failed, t0()).await.unwrap();
+    let node = s.node(&n).await.unwrap();
+    let used: Vec<u32> = node.gpus.iter().map(|g| g.used_milli).collect();
+    assert_eq!(used.iter().sum::<u32>(), 1500, "{used:?}");
+}
+
+async fn mig_instances_never_exceed_the_geometry_under_races(s: &Store) {
+    let t = tenant(s, "mig").await;
+    let n = node(s, &t, "mig-node", &[("H100:mig", 1)]).await;
+    // 1g.20gb takes 1 of 7 compute slices but 2 of 8 memory slices: the
+    // memory runs out after four, well before 1000 milli (4 x 142).
+    let raced = race_shares(s, &t, &mig("1g.20gb"), 10, 1).await;
+    assert_eq!(raced.iter().filter(|(_, w)| *w).count(), 4);
+    let node = s.node(&n).await.unwrap();
+    assert!(node.gpus[0].mig_mode);
+    assert_eq!(node.gpus[0].used_milli, 4 * 142);
+    let mut devices = Vec::new();
+    for (id, won) in &raced {
+        let i = s.instance(id).await.unwrap();
+        if *won {
+            assert_eq!(i.mig_profile.as_deref(), Some("1g.20gb"));
+            let slice = &i.gpu_slices[0];
+            assert_eq!(slice.memory_limit_mib, Some(20 * 1024));
+            devices.push(slice.mig_device.clone().unwrap());
+        }
+    }
+    devices.sort();
+    let uuid = &node.gpus[0].uuid;
+    let want: Vec<String> = (1..=4).map(|gi| format!("MIG-{uuid}/{gi}/0")).collect();
+    assert_eq!(devices, want, "one GPU instance number each");
+    // Neither whole nor fractional work lands on a GPU in MIG mode, even
+    // with compute to spare; 1g.10gb needs one memory slice and none is left.
+    for share in [GpuShare::Whole, GpuShare::Fraction { milli: 100 }] {
+        assert!(!race_shares(s, &t, &share, 1, 1).await[0].1, "{share:?}");
+    }
+    let tiny = race_shares(s, &t, &mig("1g.10gb"), 1, 1).await;
+    assert!(!tiny[0].1, "memory slices are all taken");
+    // Ending one frees its slot and slices for the next.
+    let (first, _) = raced.iter().find(|(_, w)| *w).unwrap();
+    let gone = observed(first, ObservedPhase::FailedToStart { reason: "x".into() });
+    s.apply_observed(&n, &gone, t0()).await.unwrap();
+    let again = race_shares(s, &t, &mig("1g.10gb"), 2, 1).await;
+    assert_eq!(
+        again.iter().filter(|(_, w)| *w).count(),
+        2,
+        "two 1-slice instances"
+    );
+    let node = s.node(&n).await.unwrap();
+    assert_eq!(node.gpus[0].used_milli, 5 * 142);
 }
 
 async fn quota_is_enforced_at_create(s: &Store) {

@@ -510,6 +510,7 @@ async fn node_of(s: &Store, owner: &TenantId) -> NodeId {
             uuid: "GPU-0".into(),
             memory_mib: 81920,
             vendor: Vendor::Nvidia,
+            mig_mode: false,
         }],
         agent_version: "t".into(),
     };

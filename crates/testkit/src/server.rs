@@ -196,11 +196,15 @@ impl TestServer {
             .clone()
     }
 
-    /// Registers a node with simulated GPUs (`[("H100", 4), ("L40S", 2)]`)
-    /// through the agent protocol; its id.
+    /// Registers a node with simulated GPUs (`[("H100", 4), ("L40S", 2)]`;
+    /// `"H100:mig"` for GPUs in MIG mode) through the agent protocol; its id.
     pub async fn register_node(&self, key: &str, name: &str, gpus: &[(&str, u32)]) -> String {
         let mut list = Vec::new();
         for (model, n) in gpus {
+            let (model, mig) = match model.strip_suffix(":mig") {
+                Some(m) => (m, true),
+                None => (*model, false),
+            };
             for _ in 0..*n {
                 let index = list.len() as u32;
                 list.push(DiscoveredGpu {
@@ -209,6 +213,7 @@ impl TestServer {
                     uuid: format!("GPU-{name}-{index}"),
                     memory_mib: 81920,
                     vendor: Vendor::Nvidia,
+                    mig_mode: mig,
                 });
             }
         }

@@ -44,6 +44,7 @@ struct Args {
     json: Option<PathBuf>,
     table: Option<PathBuf>,
     throughput: bool,
+    pass_only: bool,
     trace_dir: PathBuf,
 }
 
@@ -56,6 +57,7 @@ fn parse_args() -> Result<Args, String> {
         json: None,
         table: None,
         throughput: true,
+        pass_only: false,
         trace_dir: std::env::var_os("FLOTILLA_TRACE_DIR")
             .map_or_else(|| PathBuf::from(DEFAULT_TRACE_DIR), PathBuf::from),
     };
@@ -75,10 +77,11 @@ fn parse_args() -> Result<Args, String> {
             "--json" => a.json = Some(PathBuf::from(val()?)),
             "--table" => a.table = Some(PathBuf::from(val()?)),
             "--no-throughput" => a.throughput = false,
+            "--pass-only" => a.pass_only = true,
             "--trace-dir" => a.trace_dir = PathBuf::from(val()?),
             "-h" | "--help" => {
                 return Err("usage: placement-bench [--seeds N] [--jobs N] [--traces default,gpushare40] \
-                            [--policies FGD,Flotilla] [--json PATH] [--table PATH] [--no-throughput] [--trace-dir DIR]"
+                            [--policies FGD,Flotilla] [--json PATH] [--table PATH] [--no-throughput] [--pass-only] [--trace-dir DIR]"
                     .into())
             }
             other => return Err(format!("unknown argument {other}")),
@@ -239,6 +242,8 @@ struct Row {
     alloc_130: Option<f64>,
     frag_90: Option<f64>,
     decisions_per_s: f64,
+    /// Milliseconds of one planner pass (the pass row only).
+    pass_ms: Option<f64>,
 }
 
 fn mean(xs: &[f64]) -> f64 {
@@ -344,6 +349,7 @@ fn trace_benchmark(args: &Args) -> Result<Option<Vec<Row>>, String> {
                 alloc_130: Some(mean(&a130)),
                 frag_90: Some(mean(&f90)),
                 decisions_per_s: decisions as f64 / secs.max(1e-9),
+                pass_ms: None,
             });
         }
     }
@@ -414,6 +420,176 @@ fn throughput(nodes: usize) -> Row {
         alloc_130: None,
         frag_90: None,
         decisions_per_s: reqs.len() as f64 / secs.max(1e-9),
+        pass_ms: None,
+    }
+}
+
+/// One pass of the planner (`flotilla_sched::pass::plan`) over `queued`
+/// waiting works on `nodes` machines of 8 GPUs, three quarters of the GPUs
+/// held by running work (a third of it preemptible spot work), from 40
+/// tenants with guarantees; the median of 5 passes on one core.
+fn pass_row(nodes: usize, queued: usize) -> Row {
+    use flotilla_sched::gang::Locality;
+    use flotilla_sched::pass::{
+        plan, GpuAsk, GpuSnap, Hold, NodeSnap, QueuedWork, RunningWork, Snapshot, TenantPolicy,
+    };
+    use flotilla_sched::preempt::PreemptConfig;
+    use flotilla_sched::queue::FairShareConfig;
+    use flotilla_sched::quota::Quota;
+    use flotilla_sched::Tier;
+
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let models = ["H100", "A100", "L40S", "A10"];
+    let mut snap_nodes = Vec::with_capacity(nodes);
+    let mut running = Vec::new();
+    for i in 0..nodes {
+        let model = models[i % models.len()];
+        // Every tenth A100/H100 machine runs its GPUs in MIG mode.
+        let mig = i % 10 == 0 && (model == "H100" || model == "A100");
+        let mut n = NodeSnap {
+            ready: true,
+            cordoned: false,
+            region: format!("r{}", i % 3),
+            pool: format!("p{}", i % 12),
+            cpu_total_milli: 128_000,
+            mem_total_mib: 1_048_576,
+            cpu_free_milli: 128_000,
+            mem_free_mib: 1_048_576,
+            gpus: (0..8)
+                .map(|_| GpuSnap {
+                    model: model.into(),
+                    mig,
+                    free_milli: 1000,
+                })
+                .collect(),
+        };
+        for g in 0..8u16 {
+            if rng.gen_bool(0.75) {
+                let milli = if mig {
+                    142
+                } else if rng.gen_bool(0.3) {
+                    500
+                } else {
+                    1000
+                };
+                n.gpus[usize::from(g)].free_milli -= milli;
+                n.cpu_free_milli -= 8000;
+                n.mem_free_mib -= 65_536;
+                let spot = rng.gen_bool(0.33);
+                running.push(RunningWork {
+                    key: running.len() as u64,
+                    tenant: rng.gen_range(0..40),
+                    tier: if spot { Tier::Shared } else { Tier::Dedicated },
+                    priority: 0,
+                    preemptible: spot,
+                    started_ms: rng.gen_range(0..3_600_000),
+                    ends_by_ms: rng
+                        .gen_bool(0.3)
+                        .then(|| rng.gen_range(3_600_000..7_200_000)),
+                    stopping: false,
+                    preempted_by: None,
+                    members: vec![Hold {
+                        node: i,
+                        gpus: vec![(g, milli)],
+                        cpu_milli: 8000,
+                        mem_mib: 65_536,
+                    }],
+                });
+            }
+        }
+        snap_nodes.push(n);
+    }
+    let queue: Vec<QueuedWork> = (0..queued)
+        .map(|k| {
+            let gpu =
+                match rng.gen_range(0..100) {
+                    0..=39 => GpuAsk::Whole(1),
+                    40..=54 => GpuAsk::Whole(2),
+                    55..=64 => GpuAsk::Whole(8),
+                    65..=84 => GpuAsk::Fraction([250, 500][rng.gen_range(0..2)]),
+                    _ => GpuAsk::Mig("1g.10gb".parse().unwrap_or(
+                        flotilla_sched::mig::MigProfile {
+                            slices: 1,
+                            mem_gb: 10,
+                        },
+                    )),
+                };
+            let members = if rng.gen_bool(0.05) { 4 } else { 1 };
+            QueuedWork {
+                key: 1_000_000 + k as u64,
+                tenant: rng.gen_range(0..40),
+                tier: [Tier::Dedicated, Tier::Shared, Tier::Queued][rng.gen_range(0..3)],
+                priority: rng.gen_range(-1..=1),
+                submitted_ms: 3_600_000 + k as u64,
+                members,
+                spread: members > 1,
+                locality: Locality::Any,
+                gpu,
+                models: if rng.gen_bool(0.3) {
+                    vec![models[rng.gen_range(0..models.len())].to_string()]
+                } else {
+                    Vec::new()
+                },
+                cpu_milli: 8000,
+                mem_mib: 65_536,
+                max_runtime_ms: rng.gen_bool(0.3).then_some(1_800_000),
+            }
+        })
+        .collect();
+    let tenants = (0..40u32)
+        .map(|t| {
+            (
+                t,
+                TenantPolicy {
+                    quota: Quota {
+                        guaranteed_milli: 40_000,
+                        burst_milli: 400_000,
+                    },
+                    per_model_milli: BTreeMap::new(),
+                    weight: 1.0 + f64::from(t % 3),
+                },
+            )
+        })
+        .collect();
+    let snap = Snapshot {
+        now_ms: 3_700_000,
+        seed: 7,
+        policy: Policy::Flotilla,
+        nodes: snap_nodes,
+        running,
+        promises: Vec::new(),
+        queue,
+        tenants,
+        usage: Vec::new(),
+        fair_share: FairShareConfig::default(),
+        preempt: PreemptConfig::default(),
+    };
+    let mut times = Vec::new();
+    let mut summary = (0, 0);
+    for _ in 0..5 {
+        let start = Instant::now();
+        let p = match plan(&snap) {
+            Ok(p) => p,
+            Err(e) => panic!("planner refused the benchmark snapshot: {e}"),
+        };
+        times.push(start.elapsed().as_secs_f64() * 1000.0);
+        summary = (p.placements.len(), p.preemptions.len());
+    }
+    times.sort_by(f64::total_cmp);
+    let ms = times[times.len() / 2];
+    eprintln!(
+        "placement-bench: pass over {queued} queued on {nodes} nodes: {ms:.1} ms (placed {}, preempted {})",
+        summary.0, summary.1
+    );
+    Row {
+        trace: format!("pass-{}k-nodes-{}k-queued", nodes / 1000, queued / 1000),
+        policy: "Flotilla".into(),
+        seeds: 1,
+        alloc_100: None,
+        alloc_130: None,
+        frag_90: None,
+        decisions_per_s: queued as f64 / (ms / 1000.0).max(1e-9),
+        pass_ms: Some(ms),
     }
 }
 
@@ -428,7 +604,7 @@ fn to_json(rows: &[Row]) -> String {
         let _ = writeln!(
             s,
             "  {{\"trace\": \"{}\", \"policy\": \"{}\", \"seeds\": {}, \"gpu_alloc_pct_at_100\": {}, \
-             \"gpu_alloc_pct_at_130\": {}, \"frag_pct_at_90\": {}, \"decisions_per_s\": {:.0}}}{}",
+             \"gpu_alloc_pct_at_130\": {}, \"frag_pct_at_90\": {}, \"decisions_per_s\": {:.0}, \"pass_ms\": {}}}{}",
             r.trace,
             r.policy,
             r.seeds,
@@ -436,6 +612,7 @@ fn to_json(rows: &[Row]) -> String {
             opt(r.alloc_130, 2),
             opt(r.frag_90, 2),
             r.decisions_per_s,
+            opt(r.pass_ms, 1),
             if i + 1 < rows.len() { "," } else { "" }
         );
     }
@@ -493,7 +670,10 @@ fn to_table(rows: &[Row]) -> String {
             }
         }
     }
-    let tp: Vec<&Row> = rows.iter().filter(|r| r.alloc_130.is_none()).collect();
+    let tp: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.alloc_130.is_none() && r.pass_ms.is_none())
+        .collect();
     if !tp.is_empty() {
         s.push_str("\n| throughput scenario | policy | decisions/s (one core) | µs/decision |\n|---|---|---:|---:|\n");
         for r in tp {
@@ -507,6 +687,15 @@ fn to_table(rows: &[Row]) -> String {
             );
         }
     }
+    for r in rows.iter().filter(|r| r.pass_ms.is_some()) {
+        let _ = write!(
+            s,
+            "\n| planner pass | policy | ms per pass (one core, median of 5) | target |\n|---|---|---:|---:|\n| {} | {} | {} | ≤ 250 |\n",
+            r.trace,
+            r.policy,
+            opt(r.pass_ms, 1)
+        );
+    }
     s
 }
 
@@ -518,6 +707,11 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if args.pass_only {
+        let rows = vec![pass_row(1_000, 10_000)];
+        print!("{}", to_table(&rows));
+        return;
+    }
     let mut rows = match trace_benchmark(&args) {
         Ok(Some(rows)) => rows,
         Ok(None) => return,
@@ -530,6 +724,7 @@ fn main() {
         for n in [1_000, 10_000, 50_000] {
             rows.push(throughput(n));
         }
+        rows.push(pass_row(1_000, 10_000));
     }
     let table = to_table(&rows);
     print!("{table}");

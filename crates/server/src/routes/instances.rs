@@ -9,8 +9,10 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use flotilla_core::api::{Instance, LogLine, Page, QueueEntry};
 use flotilla_core::id::InstanceId;
-use flotilla_core::instance::{CreateInstance, InstanceState};
+use flotilla_core::instance::{CreateInstance, InstanceSpec, InstanceState};
+use flotilla_core::placement::GpuShare;
 use flotilla_core::tenant::Role;
+use flotilla_core::FieldError;
 use serde::Deserialize;
 
 use super::{page, page_req, path_id};
@@ -63,6 +65,7 @@ pub async fn create_instance(
 ) -> ApiResult<(StatusCode, Json<Instance>)> {
     caller.require(&WORK_ROLES, "create instances")?;
     let spec = req.validate(st.catalog())?;
+    mig_mode_available(&st, &spec).await?;
     // A hard-capped budget refuses new spot/preemptible work (never tier 1).
     crate::budgets::admit_instance(&st, &caller.tenant_id, &spec).await?;
     let (t, r) = st.ids();
@@ -74,6 +77,34 @@ pub async fn create_instance(
     tracing::info!(instance = %inst.id, tenant = %inst.tenant_id, gpus = inst.gpus, "instance created");
     st.notify_change();
     Ok((StatusCode::CREATED, Json(inst)))
+}
+
+/// A MIG profile needs a GPU in MIG mode: when no registered GPU of the
+/// models offering the profile is in MIG mode, the request could never be
+/// placed (MIG mode is node configuration an operator sets, not something
+/// the scheduler can change), so it is refused, naming `mig_profile`, rather
+/// than left pending forever.
+async fn mig_mode_available(st: &AppState, spec: &InstanceSpec) -> ApiResult<()> {
+    let GpuShare::Mig(profile) = &spec.share else {
+        return Ok(());
+    };
+    let snapshot = st.store().placement_snapshot().await?;
+    let any = snapshot
+        .iter()
+        .flat_map(|n| &n.gpus)
+        .any(|g| g.mig_mode && spec.gpu_types.contains(&g.model));
+    if any {
+        return Ok(());
+    }
+    Err(FieldError::new(
+        "mig_profile",
+        format!(
+            "no {} GPU is in MIG mode, so no MIG instance `{}` can be placed; ask for whole GPUs or a gpu_fraction instead",
+            spec.gpu_types.join(" or "),
+            profile.name
+        ),
+    )
+    .into())
 }
 
 /// Pending instances of the caller's tenant (operators: all) in the order

@@ -1,0 +1,1572 @@
+//! One scheduling pass as a pure function: a [`Snapshot`] in, a [`Plan`]
+//! out. Nomad's scheduler is the model: the caller loads an immutable view
+//! of the pool, the queue and the tenants, calls [`plan`], and applies the
+//! plan with conditional writes (the server in one transaction; the
+//! simulator to its own model). The planner never reads a clock or a
+//! store, so a pass replayed with the same snapshot decides the same.
+//!
+//! What one pass decides, in queue order ([`crate::queue::order`]: priority,
+//! then weighted fair share over recent GPU time, then FIFO):
+//! - **placements**: every member of a work on a machine and GPUs, whole,
+//!   as a milli-GPU share, or as a MIG slice, all members or none
+//!   ([`crate::gang`]); members of a spread work on distinct machines;
+//! - **preemptions**: when work fits nowhere, the cheapest set of running
+//!   work it outranks ([`crate::preempt`]), each victim with its notice;
+//!   the preemptor waits for them and their capacity is promised to it
+//!   ([`Promise`]);
+//! - **a reservation** for the first work that fits nowhere (the head):
+//!   work behind it may start only where it cannot delay the head (EASY
+//!   backfill, [`crate::queue::reserve`]);
+//! - **a reason** ([`Wait`]) for every work left waiting.
+//!
+//! Machines with GPUs of several models become one engine node per model
+//! sharing the machine's CPU and memory ([`crate::snapshot::Node::host`]).
+//! A GPU in MIG mode is a GPU of a distinct engine model (`H100` in MIG
+//! mode is the MIG-capable model `H100/mig`), so MIG profiles land only on
+//! MIG-mode GPUs and whole GPUs and fractions only on the others.
+//!
+//! Quotas are one model, [`crate::quota`]: a guarantee and a limit in
+//! milli-GPU per tenant, plus optional per-model limits. Work within its
+//! tenant's guarantee may reclaim capacity other tenants borrowed; what a
+//! tenant holds beyond its guarantee is borrowed ([`borrowed`]).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::alloc::{Allocation, Resources, Tenant, Tier};
+use crate::filter::{check, Explanation, Reason};
+use crate::gang::{place_gang, Gang, GangDecision, Locality};
+use crate::mig::MigProfile;
+use crate::preempt::{self, GangPreemptDecision, PreemptConfig, Preemptor};
+use crate::queue::{self, FairShareConfig, FairShareState, QueueItem, Reservation, Running};
+use crate::quota::{self, Admission, Denial, Quota, QuotaUse};
+use crate::request::{GpuDemand, ModelSet, Request};
+use crate::score::Policy;
+use crate::select::{Engine, Placement};
+use crate::snapshot::{Cluster, ModelId, ModelTable, NodeSpec};
+use crate::{Error, TargetWorkload, MILLI};
+
+/// The caller's name for a piece of work (queued or running), opaque here.
+pub type WorkKey = u64;
+
+/// The suffix that makes a MIG-mode GPU's engine model (`H100/mig`).
+pub const MIG_SUFFIX: &str = "/mig";
+
+/// What each member of a work asks of GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GpuAsk {
+    /// No GPU (CPU-only work).
+    None,
+    /// `n` whole GPUs of one model on one machine.
+    Whole(u16),
+    /// A share of one GPU in milli-GPU (1..=999); a GPU not in MIG mode.
+    Fraction(u16),
+    /// One MIG instance of this profile on a GPU in MIG mode.
+    Mig(MigProfile),
+}
+
+impl GpuAsk {
+    /// The engine's demand for it.
+    fn demand(self) -> Result<GpuDemand, Error> {
+        Ok(match self {
+            GpuAsk::None => GpuDemand::None,
+            GpuAsk::Whole(n) if n > 0 => GpuDemand::whole(n),
+            GpuAsk::Whole(_) => return Err(Error::InvalidRequest("whole gpus: at least 1")),
+            GpuAsk::Fraction(m) => GpuDemand::share(m)?,
+            GpuAsk::Mig(p) => p.demand(),
+        })
+    }
+
+    /// Milli-GPU one member holds.
+    pub fn milli(self) -> u64 {
+        self.demand().map_or(0, |d| u64::from(d.total_milli()))
+    }
+}
+
+/// One GPU of a machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuSnap {
+    /// Catalog model name.
+    pub model: String,
+    /// In MIG mode: takes MIG profiles only.
+    pub mig: bool,
+    /// Milli-GPU no work holds (0..=1000). Promised capacity is free here
+    /// and listed in [`Snapshot::promises`].
+    pub free_milli: u16,
+}
+
+/// One machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeSnap {
+    /// Heartbeats arrive; an unready machine takes nothing.
+    pub ready: bool,
+    /// Taken out of scheduling by an operator.
+    pub cordoned: bool,
+    /// Region (gangs may be kept within one).
+    pub region: String,
+    /// Node pool (the topology domain a gang may be kept within).
+    pub pool: String,
+    /// CPU the machine offers, milli-cores.
+    pub cpu_total_milli: u32,
+    /// Memory the machine offers, MiB.
+    pub mem_total_mib: u64,
+    /// CPU no work holds, milli-cores (work in [`Snapshot::running`] and
+    /// anything else the caller counts as taken).
+    pub cpu_free_milli: u32,
+    /// Memory no work holds, MiB.
+    pub mem_free_mib: u64,
+    /// Its GPUs; a GPU is named by its index here.
+    pub gpus: Vec<GpuSnap>,
+}
+
+/// What one member of running work holds: GPUs of one machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    /// Index into [`Snapshot::nodes`].
+    pub node: usize,
+    /// `(GPU index on the node, milli-GPU held)`.
+    pub gpus: Vec<(u16, u16)>,
+    /// CPU it holds there, milli-cores.
+    pub cpu_milli: u32,
+    /// Memory it holds there, MiB.
+    pub mem_mib: u64,
+}
+
+/// Work holding GPUs now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunningWork {
+    pub key: WorkKey,
+    pub tenant: Tenant,
+    pub tier: Tier,
+    pub priority: i32,
+    /// Accepted being preempted.
+    pub preemptible: bool,
+    /// When it started (ms): the work a preemption throws away grows with it.
+    pub started_ms: u64,
+    /// When it will have ended at the latest (a time limit), if known: what
+    /// lets a reservation plan the head's start.
+    pub ends_by_ms: Option<u64>,
+    /// Already told to stop (preempted, or stopping): never chosen again;
+    /// its capacity goes to whoever preempted it.
+    pub stopping: bool,
+    /// The work it was preempted for, while it still holds its GPUs: that
+    /// work waits for it rather than preempting more.
+    pub preempted_by: Option<WorkKey>,
+    /// One hold per member.
+    pub members: Vec<Hold>,
+}
+
+/// Free capacity set aside for a preemptor: its victims released it, and
+/// no one else may take it until the preemptor is placed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Promise {
+    pub node: usize,
+    pub gpu: u16,
+    pub milli: u16,
+    pub to: WorkKey,
+}
+
+/// Waiting work: an instance is a work of one member, a job of several.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueuedWork {
+    pub key: WorkKey,
+    pub tenant: Tenant,
+    pub tier: Tier,
+    pub priority: i32,
+    pub submitted_ms: u64,
+    /// Members, all placed or none (at least 1).
+    pub members: u16,
+    /// Every member on a machine of its own.
+    pub spread: bool,
+    /// Where members may go relative to each other.
+    pub locality: Locality,
+    /// Per member.
+    pub gpu: GpuAsk,
+    /// Acceptable GPU models; empty: any.
+    pub models: Vec<String>,
+    /// Per member.
+    pub cpu_milli: u32,
+    /// Per member.
+    pub mem_mib: u64,
+    /// How long it runs at most once started (a time limit), if known:
+    /// work that ends before the head's start may backfill on its nodes.
+    pub max_runtime_ms: Option<u64>,
+}
+
+/// A tenant's quota and fair-share weight. Tenants absent from
+/// [`Snapshot::tenants`] have no guarantee, no limit and weight 1.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TenantPolicy {
+    /// Guarantee and burst, milli-GPU ([`crate::quota`]).
+    pub quota: Quota,
+    /// Most milli-GPU of one model, by catalog name.
+    pub per_model_milli: BTreeMap<String, u64>,
+    /// Fair-share weight (> 0).
+    pub weight: f64,
+}
+
+impl TenantPolicy {
+    /// No guarantee, no limit, weight 1.
+    pub fn unlimited() -> Self {
+        TenantPolicy {
+            quota: Quota {
+                guaranteed_milli: 0,
+                burst_milli: u64::MAX,
+            },
+            per_model_milli: BTreeMap::new(),
+            weight: 1.0,
+        }
+    }
+}
+
+/// GPU time a tenant used recently, for fair share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UsageSpan {
+    pub tenant: Tenant,
+    pub gpu_milli: u64,
+    pub from_ms: u64,
+    pub to_ms: u64,
+}
+
+/// Everything one pass looks at.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// The pass's time.
+    pub now_ms: u64,
+    /// Seeds tie-breaking: the same snapshot and seed plan the same.
+    pub seed: u64,
+    /// The scoring policy.
+    pub policy: Policy,
+    pub nodes: Vec<NodeSnap>,
+    pub running: Vec<RunningWork>,
+    pub promises: Vec<Promise>,
+    /// Waiting work, in any order.
+    pub queue: Vec<QueuedWork>,
+    pub tenants: BTreeMap<Tenant, TenantPolicy>,
+    /// Recent GPU use, for the queue's fair share.
+    pub usage: Vec<UsageSpan>,
+    pub fair_share: FairShareConfig,
+    pub preempt: PreemptConfig,
+}
+
+/// Where one member goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberPlacement {
+    /// Index into [`Snapshot::nodes`].
+    pub node: usize,
+    /// Catalog model of its GPUs.
+    pub model: String,
+    /// `(GPU index on the node, milli-GPU)`; empty for CPU-only work.
+    pub gpus: Vec<(u16, u16)>,
+}
+
+/// A work placed by this pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    pub key: WorkKey,
+    /// In member order.
+    pub members: Vec<MemberPlacement>,
+    /// Beyond its tenant's guarantee: may be reclaimed by preemption.
+    pub borrowed: bool,
+    /// Started ahead of a blocked head, where it cannot delay it.
+    pub backfilled: bool,
+}
+
+/// A victim told to stop so that `by` can start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Preemption {
+    pub victim: WorkKey,
+    pub by: WorkKey,
+    /// SIGTERM now, SIGKILL after this.
+    pub notice_ms: u64,
+}
+
+/// Why a work is still waiting after the pass. [`Wait::describe`] words it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Wait {
+    /// Its tenant's quota does not admit it now.
+    OverQuota(Denial),
+    /// It fits nowhere now; the text counts machines per reason.
+    NoFit(String),
+    /// Its victims were told to stop (this pass or before) and still hold
+    /// the capacity promised to it.
+    VictimsStopping(Vec<WorkKey>),
+    /// It fits, but only where it would delay the head of the queue.
+    BehindHead(WorkKey),
+}
+
+impl Wait {
+    /// The reason as the API shows it, naming works through `name`.
+    pub fn describe(&self, name: impl Fn(WorkKey) -> String) -> String {
+        match self {
+            Wait::OverQuota(d) => format!("over quota: {d}"),
+            Wait::NoFit(why) => format!("waiting for GPUs: {why}"),
+            Wait::VictimsStopping(v) => format!(
+                "waiting for preempted instances to stop: {}",
+                v.iter().map(|k| name(*k)).collect::<Vec<_>>().join(", ")
+            ),
+            Wait::BehindHead(h) => format!(
+                "waiting behind {}: it is first in the queue and holds the nodes this would fit \
+                 on until it can start (backfill only where it cannot delay it)",
+                name(*h)
+            ),
+        }
+    }
+
+    /// A stable label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Wait::OverQuota(_) => "over_quota",
+            Wait::NoFit(_) => "no_fit",
+            Wait::VictimsStopping(_) => "victims_stopping",
+            Wait::BehindHead(_) => "behind_head",
+        }
+    }
+}
+
+/// The blocked head's reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeadReservation {
+    pub work: WorkKey,
+    /// When it is expected to start; `None` when that depends on work of
+    /// unknown length.
+    pub start_ms: Option<u64>,
+    /// Machines held for it (indices into [`Snapshot::nodes`]).
+    pub nodes: Vec<usize>,
+}
+
+/// What one pass decided.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Plan {
+    /// The queue in the order it was tried.
+    pub order: Vec<WorkKey>,
+    pub placements: Vec<Placed>,
+    pub preemptions: Vec<Preemption>,
+    pub reservation: Option<HeadReservation>,
+    /// Every queued work not placed, with its reason, in queue order.
+    pub waiting: Vec<(WorkKey, Wait)>,
+}
+
+impl Plan {
+    /// The reason `key` waits, if it does.
+    pub fn wait_of(&self, key: WorkKey) -> Option<&Wait> {
+        self.waiting.iter().find(|(k, _)| *k == key).map(|(_, w)| w)
+    }
+}
+
+/// One engine node: the GPUs of one model (and MIG mode) of a machine.
+#[derive(Debug, Clone)]
+struct Slot {
+    node: usize,
+    model: String,
+    /// Device index in the engine node -> GPU index on the machine.
+    gpus: Vec<u16>,
+}
+
+/// The pass's model of the pool.
+struct Pool {
+    cluster: Cluster,
+    slots: Vec<Slot>,
+    /// (machine, GPU index) -> (slot, device index).
+    device: HashMap<(usize, u16), (u32, u16)>,
+    /// Engine models by catalog model name, plain and MIG.
+    plain: BTreeMap<String, ModelId>,
+    mig: BTreeMap<String, ModelId>,
+    /// Each ready machine's first engine node.
+    first_slot: HashMap<usize, u32>,
+    /// Machines (ready or not), for explanations.
+    machines: usize,
+    unready: usize,
+}
+
+fn share_request(milli: u16) -> Request {
+    if milli >= MILLI {
+        Request::new(GpuDemand::whole(1), 0, 0)
+    } else {
+        // milli is 1..=999 here; share() accepts it.
+        Request::new(
+            GpuDemand::share(milli.max(1)).unwrap_or(GpuDemand::whole(1)),
+            0,
+            0,
+        )
+    }
+}
+
+impl Pool {
+    fn build(nodes: &[NodeSnap], running: &[RunningWork]) -> Result<Pool, Error> {
+        let mut models = ModelTable::default();
+        let mut plain = BTreeMap::new();
+        let mut mig = BTreeMap::new();
+        for g in nodes.iter().flat_map(|n| &n.gpus) {
+            if g.mig {
+                if !mig.contains_key(&g.model) {
+                    let id = models.intern(&format!("{}{MIG_SUFFIX}", g.model))?;
+                    models.set_mig_capable(id, true)?;
+                    mig.insert(g.model.clone(), id);
+                }
+            } else if !plain.contains_key(&g.model) {
+                plain.insert(g.model.clone(), models.intern(&g.model)?);
+            }
+        }
+        let mut cluster = Cluster::new(models);
+        let mut slots = Vec::new();
+        let mut device = HashMap::new();
+        let mut first_slot: HashMap<usize, u32> = HashMap::new();
+        let mut unready = 0;
+        for (i, n) in nodes.iter().enumerate() {
+            if !n.ready {
+                unready += 1;
+                continue;
+            }
+            let mut groups: BTreeMap<(bool, &str), Vec<u16>> = BTreeMap::new();
+            for (gi, g) in n.gpus.iter().enumerate() {
+                let gi = u16::try_from(gi).map_err(|_| Error::InvalidRequest("too many gpus"))?;
+                groups
+                    .entry((g.mig, g.model.as_str()))
+                    .or_default()
+                    .push(gi);
+            }
+            let host = u32::try_from(i + 1).map_err(|_| Error::InvalidRequest("too many nodes"))?;
+            let mut add = |model: Option<ModelId>, gpus: Vec<u16>, name: &str| {
+                let spec = NodeSpec {
+                    model,
+                    gpus: u16::try_from(gpus.len()).unwrap_or(u16::MAX),
+                    cpu_milli: n.cpu_total_milli.max(n.cpu_free_milli),
+                    mem_mib: n.mem_total_mib.max(n.mem_free_mib),
+                };
+                let idx = cluster.add_node(spec)?;
+                cluster.set_cordoned(idx, n.cordoned)?;
+                cluster.set_host(idx, host)?;
+                first_slot.entry(i).or_insert(idx);
+                for (d, &gi) in gpus.iter().enumerate() {
+                    device.insert((i, gi), (idx, d as u16));
+                }
+                slots.push(Slot {
+                    node: i,
+                    model: name.to_string(),
+                    gpus,
+                });
+                Ok::<(), Error>(())
+            };
+            if groups.is_empty() {
+                add(None, Vec::new(), "")?;
+            }
+            for ((is_mig, model), gpus) in groups {
+                let id = if is_mig { mig[model] } else { plain[model] };
+                add(Some(id), gpus, model)?;
+            }
+        }
+        let mut pool = Pool {
+            cluster,
+            slots,
+            device,
+            plain,
+            mig,
+            first_slot,
+            machines: nodes.len(),
+            unready,
+        };
+        // What running work holds, then whatever else is taken (work the
+        // caller did not list, capacity it keeps back), so the engine's free
+        // capacity equals the snapshot's.
+        for m in running.iter().flat_map(|r| &r.members) {
+            match pool.hold(m) {
+                Some((req, at)) => {
+                    let _ = pool.cluster.commit(&req, &at);
+                }
+                None => {
+                    // Several partial GPUs: each share on its own, CPU and
+                    // memory with the first.
+                    for (k, &(g, milli)) in m.gpus.iter().enumerate() {
+                        if let Some(&(s, d)) = pool.device.get(&(m.node, g)) {
+                            let mut req = share_request(milli);
+                            if k == 0 {
+                                req.cpu_milli = m.cpu_milli;
+                                req.mem_mib = m.mem_mib;
+                            }
+                            let at = Placement {
+                                node: s,
+                                gpus: vec![d],
+                            };
+                            let _ = pool.cluster.commit(&req, &at);
+                        }
+                    }
+                }
+            }
+        }
+        for (&(i, gi), &(s, d)) in &pool.device {
+            let want = nodes[i].gpus[usize::from(gi)].free_milli.min(MILLI);
+            let have = pool
+                .cluster
+                .node(s)
+                .map_or(0, |n| n.gpu_free[usize::from(d)]);
+            if have > want {
+                pool.cluster.commit(
+                    &share_request(have - want),
+                    &Placement {
+                        node: s,
+                        gpus: vec![d],
+                    },
+                )?;
+            }
+        }
+        for (&i, &s) in &pool.first_slot {
+            let n = &nodes[i];
+            let Some(e) = pool.cluster.node(s) else {
+                continue;
+            };
+            let cpu = e.cpu_free.saturating_sub(n.cpu_free_milli);
+            let mem = e.mem_free.saturating_sub(n.mem_free_mib);
+            if cpu > 0 || mem > 0 {
+                pool.cluster.commit(
+                    &Request::new(GpuDemand::None, cpu, mem),
+                    &Placement {
+                        node: s,
+                        gpus: Vec::new(),
+                    },
+                )?;
+            }
+        }
+        // Regions and pools as the engine's scope numbers, from 1.
+        let mut regions: BTreeMap<&str, u32> = BTreeMap::new();
+        let mut pools: BTreeMap<&str, u32> = BTreeMap::new();
+        for (si, s) in pool.slots.iter().enumerate() {
+            let n = &nodes[s.node];
+            let next = regions.len() as u32 + 1;
+            let r = *regions.entry(n.region.as_str()).or_insert(next);
+            let next = pools.len() as u32 + 1;
+            let p = *pools.entry(n.pool.as_str()).or_insert(next);
+            pool.cluster.set_region(si as u32, r)?;
+            pool.cluster.set_domain(si as u32, p)?;
+        }
+        Ok(pool)
+    }
+
+    /// The engine models `w` accepts given its tenant's per-model room.
+    fn models_for(&self, w: &QueuedWork, room: impl Fn(&str) -> bool) -> ModelSet {
+        let table = match w.gpu {
+            GpuAsk::Mig(_) => &self.mig,
+            _ => &self.plain,
+        };
+        ModelSet::of(
+            table
+                .iter()
+                .filter(|(m, _)| w.models.is_empty() || w.models.iter().any(|a| a == *m))
+                .filter(|(m, _)| room(m))
+                .map(|(_, &id)| id),
+        )
+    }
+
+    /// A machine-level placement of an engine placement.
+    fn member(&self, p: &Placement, req: &Request) -> Option<MemberPlacement> {
+        let slot = self.slots.get(p.node as usize)?;
+        let per = req.gpu.per_gpu_milli();
+        let gpus = p
+            .gpus
+            .iter()
+            .map(|&d| slot.gpus.get(usize::from(d)).map(|&g| (g, per)))
+            .collect::<Option<Vec<_>>>()?;
+        Some(MemberPlacement {
+            node: slot.node,
+            model: slot.model.clone(),
+            gpus,
+        })
+    }
+
+    /// The engine placement and request of a hold, if the pool has its
+    /// GPUs on one engine node (a hold of several partial GPUs is not
+    /// representable and is left out: never a victim, never released).
+    fn hold(&self, h: &Hold) -> Option<(Request, Placement)> {
+        let mut slot = None;
+        let mut devs = Vec::with_capacity(h.gpus.len());
+        for &(g, _) in &h.gpus {
+            let &(s, d) = self.device.get(&(h.node, g))?;
+            if slot.is_some_and(|x| x != s) {
+                return None;
+            }
+            slot = Some(s);
+            devs.push(d);
+        }
+        if h.gpus.is_empty() {
+            slot = self.first_slot.get(&h.node).copied();
+        }
+        let slot = slot?;
+        let whole = h.gpus.iter().all(|&(_, m)| m >= MILLI);
+        let gpu = match (whole, h.gpus.as_slice()) {
+            (_, []) => GpuDemand::None,
+            (true, _) => GpuDemand::whole(u16::try_from(h.gpus.len()).ok()?),
+            (false, [(_, m)]) => GpuDemand::share(*m).ok()?,
+            _ => return None,
+        };
+        Some((
+            Request::new(gpu, h.cpu_milli, h.mem_mib),
+            Placement {
+                node: slot,
+                gpus: devs,
+            },
+        ))
+    }
+
+    /// Why `req` fits on no machine, counting machines (not engine nodes):
+    /// each machine reports the reason of its engine node that came
+    /// closest to fitting.
+    fn explain(&self, req: &Request) -> Explanation {
+        let mut best: BTreeMap<usize, Reason> = BTreeMap::new();
+        for (si, s) in self.slots.iter().enumerate() {
+            let Some(state) = self.cluster.state_of(si as u32) else {
+                continue;
+            };
+            let r = match check(state, req) {
+                Ok(()) => continue,
+                Err(r) => r,
+            };
+            let e = best.entry(s.node).or_insert(r);
+            if (r as usize) > (*e as usize) {
+                *e = r;
+            }
+        }
+        let mut why = Explanation::default();
+        for r in best.values() {
+            why.add(*r, 1);
+        }
+        // Machines whose every engine node fits (possible when the work
+        // failed only for a later member) are counted as short of share.
+        let fitting = self
+            .machines
+            .saturating_sub(self.unready)
+            .saturating_sub(best.len());
+        if fitting > 0 {
+            why.add(Reason::TooLittleGpuShare, fitting);
+        }
+        if self.unready > 0 {
+            why.add(Reason::Unreachable, self.unready);
+        }
+        why
+    }
+}
+
+/// Which of `running` hold borrowed capacity: per tenant, oldest first, the
+/// work beyond the tenant's guarantee (everything, without a guarantee).
+/// Returns a flag per entry of `running`.
+pub fn borrowed(running: &[RunningWork], tenants: &BTreeMap<Tenant, TenantPolicy>) -> Vec<bool> {
+    let mut by_tenant: BTreeMap<Tenant, Vec<usize>> = BTreeMap::new();
+    for (i, r) in running.iter().enumerate() {
+        by_tenant.entry(r.tenant).or_default().push(i);
+    }
+    let mut out = vec![false; running.len()];
+    for (t, mut list) in by_tenant {
+        list.sort_by_key(|&i| (running[i].started_ms, running[i].key));
+        let guaranteed = tenants.get(&t).map_or(0, |p| p.quota.guaranteed_milli);
+        let mut used = 0u64;
+        for i in list {
+            used = used.saturating_add(held_milli(&running[i]));
+            out[i] = used > guaranteed;
+        }
+    }
+    out
+}
+
+fn held_milli(r: &RunningWork) -> u64 {
+    r.members
+        .iter()
+        .flat_map(|m| &m.gpus)
+        .map(|&(_, m)| u64::from(m))
+        .sum()
+}
+
+/// What each tenant holds: total and per model, milli-GPU.
+#[derive(Debug, Default, Clone)]
+struct Held {
+    total: u64,
+    guaranteed: u64,
+    per_model: BTreeMap<String, u64>,
+}
+
+/// Plans one pass. Errors only on a snapshot the engine cannot model
+/// (more than 64 GPU models, a GPU index past `u16`); a work that cannot
+/// be placed is a [`Wait`], never an error.
+pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
+    let mut pool = Pool::build(&snap.nodes, &snap.running)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(snap.seed);
+    let mut out = Plan::default();
+
+    // Running work as the engine's allocations (one per member).
+    let borrowed_flags = borrowed(&snap.running, &snap.tenants);
+    let mut allocations: Vec<Allocation> = Vec::new();
+    let mut alloc_work: Vec<usize> = Vec::new();
+    let mut ending: Vec<Running> = Vec::new();
+    let mut held: BTreeMap<Tenant, Held> = BTreeMap::new();
+    for (wi, r) in snap.running.iter().enumerate() {
+        let h = held.entry(r.tenant).or_default();
+        let milli = held_milli(r);
+        h.total = h.total.saturating_add(milli);
+        if !borrowed_flags[wi] {
+            h.guaranteed = h.guaranteed.saturating_add(milli);
+        }
+        for m in &r.members {
+            if let Some(g) = m.gpus.first() {
+                if let Some(model) = snap
+                    .nodes
+                    .get(m.node)
+                    .and_then(|n| n.gpus.get(usize::from(g.0)))
+                {
+                    let sum: u64 = m.gpus.iter().map(|&(_, x)| u64::from(x)).sum();
+                    *h.per_model.entry(model.model.clone()).or_default() += sum;
+                }
+            }
+            let Some((request, placement)) = pool.hold(m) else {
+                continue;
+            };
+            if let Some(end) = r.ends_by_ms {
+                ending.push(Running {
+                    request,
+                    placement: placement.clone(),
+                    expected_end_ms: Some(end),
+                });
+            }
+            allocations.push(Allocation {
+                id: allocations.len() as u64,
+                tenant: r.tenant,
+                tier: r.tier,
+                priority: r.priority,
+                preemptible: r.preemptible,
+                borrowed: borrowed_flags[wi],
+                request,
+                placement,
+                started_ms: r.started_ms,
+            });
+            alloc_work.push(wi);
+        }
+    }
+    let mut stopping: Vec<bool> = snap.running.iter().map(|r| r.stopping).collect();
+    let single: Vec<bool> = snap.running.iter().map(|r| r.members.len() == 1).collect();
+
+    // Promised capacity is masked for everyone but its preemptor.
+    let mut promised: BTreeMap<WorkKey, Vec<(Request, Placement)>> = BTreeMap::new();
+    for p in &snap.promises {
+        let Some(&(s, d)) = pool.device.get(&(p.node, p.gpu)) else {
+            continue;
+        };
+        let req = share_request(p.milli);
+        let at = Placement {
+            node: s,
+            gpus: vec![d],
+        };
+        if pool.cluster.commit(&req, &at).is_ok() {
+            promised.entry(p.to).or_default().push((req, at));
+        }
+    }
+    // Victims still holding their GPUs, per preemptor.
+    let mut stopping_for: BTreeMap<WorkKey, Vec<WorkKey>> = BTreeMap::new();
+    for r in &snap.running {
+        if let Some(by) = r.preempted_by {
+            stopping_for.entry(by).or_default().push(r.key);
+        }
+    }
+
+    // Queue order.
+    let capacity = pool.cluster.gpu_capacity_milli().max(1);
+    let mut share = FairShareState::new(
+        snap.fair_share,
+        Resources {
+            gpu_milli: capacity,
+            cpu_milli: 0,
+            mem_mib: 0,
+        },
+    )?;
+    let mut spans = snap.usage.clone();
+    spans.sort_by_key(|u| (u.to_ms, u.from_ms, u.tenant));
+    for u in &spans {
+        share.charge(
+            u.tenant,
+            Resources {
+                gpu_milli: u.gpu_milli,
+                cpu_milli: 0,
+                mem_mib: 0,
+            },
+            u.from_ms,
+            u.to_ms.max(u.from_ms),
+        );
+    }
+    share.advance(snap.now_ms);
+    for (&t, p) in &snap.tenants {
+        if p.weight > 0.0 && p.weight.is_finite() {
+            let _ = share.set_weight(t, p.weight);
+        }
+    }
+    let items: Vec<QueueItem> = snap
+        .queue
+        .iter()
+        .map(|w| {
+            let n = u64::from(w.members.max(1));
+            QueueItem {
+                tenant: w.tenant,
+                tier: w.tier,
+                priority: w.priority,
+                submitted_ms: w.submitted_ms,
+                demand: Resources {
+                    gpu_milli: w.gpu.milli() * n,
+                    cpu_milli: u64::from(w.cpu_milli) * n,
+                    mem_mib: w.mem_mib * n,
+                },
+                expected_runtime_ms: w.max_runtime_ms,
+            }
+        })
+        .collect();
+    // Work running now counts as an item picked at its own rank for its
+    // remaining time (see queue::order_with_running).
+    let running_items: Vec<QueueItem> = snap
+        .running
+        .iter()
+        .map(|r| QueueItem {
+            tenant: r.tenant,
+            tier: r.tier,
+            priority: r.priority,
+            submitted_ms: r.started_ms,
+            demand: Resources {
+                gpu_milli: held_milli(r),
+                cpu_milli: 0,
+                mem_mib: 0,
+            },
+            expected_runtime_ms: Some(
+                r.ends_by_ms
+                    .map_or(snap.fair_share.default_runtime_ms, |e| {
+                        e.saturating_sub(snap.now_ms)
+                    }),
+            ),
+        })
+        .collect();
+    let order = queue::order_with_running(&items, &running_items, &share, snap.now_ms);
+    let mut picker = Picker::new(snap, &order);
+    // Fragmentation-aware scorers measure against this pass's mix.
+    let shapes: Vec<Request> = snap
+        .queue
+        .iter()
+        .filter_map(|w| w.gpu.demand().ok().map(|d| Request::new(d, 0, 0)))
+        .collect();
+    let workload =
+        TargetWorkload::from_gpu_requests(shapes.iter(), TargetWorkload::DEFAULT_COVERAGE);
+    let mut engine = Engine::new(snap.policy.scorer(&workload));
+
+    // A fast bound for preemption: whether any victim could be evicted by
+    // anyone of a tier / priority.
+    let weakest_tier = allocations
+        .iter()
+        .filter(|a| a.preemptible && a.tier != Tier::Dedicated)
+        .map(|a| a.tier)
+        .max();
+    let lowest_priority = allocations
+        .iter()
+        .filter(|a| a.preemptible && a.tier != Tier::Dedicated)
+        .map(|a| a.priority)
+        .min();
+    let any_borrowed = allocations
+        .iter()
+        .any(|a| a.preemptible && a.tier != Tier::Dedicated && a.borrowed);
+
+    // The scorer's cache is per cluster: one engine for the pool, one for
+    // the pool outside the head's machines, one for scratch copies (gangs,
+    // reservations), so that none of them flushes another's.
+    let mut engine_out = Engine::new(snap.policy.scorer(&workload));
+    let mut engine_scratch = Engine::new(snap.policy.scorer(&workload));
+    // Offers of victims per preemptor rank (tier, priority, singles only),
+    // built on first use; victims chosen leave every offer.
+    let mut offers: HashMap<(Tier, i32, bool), Offer> = HashMap::new();
+    // Within one pass the pool only fills (and victims only leave the
+    // offers), so a shape that found no room, no room outside the head's
+    // machines, or no victims, finds none later in the pass either.
+    let mut no_fit: HashMap<ShapeKey, String> = HashMap::new();
+    let mut no_fit_outside: std::collections::HashSet<ShapeKey> = Default::default();
+    let mut no_victims: std::collections::HashSet<(ShapeKey, Tier, i32, Option<Tenant>)> =
+        Default::default();
+    // The pool with the head's machines cordoned, kept in step with it.
+    let mut outside: Option<Cluster> = None;
+
+    let mut reservation: Option<(WorkKey, Reservation)> = None;
+    let mut head_ask: (Tenant, u64) = (0, 0);
+    while let Some(qi) = picker.next(snap, &held) {
+        let w = &snap.queue[qi];
+        out.order.push(w.key);
+        let members = usize::from(w.members.max(1));
+        let Ok(demand) = w.gpu.demand() else {
+            out.waiting
+                .push((w.key, Wait::NoFit("the GPU request is not valid".into())));
+            continue;
+        };
+        let policy = snap.tenants.get(&w.tenant);
+        let unlimited = TenantPolicy::unlimited();
+        let policy = policy.unwrap_or(&unlimited);
+        let empty = Held::default();
+        let h = held.get(&w.tenant).unwrap_or(&empty);
+        let ask = w.gpu.milli() * members as u64;
+        // The head's reservation holds its tenant's quota for it too:
+        // otherwise the tenant's later work could take the quota the head
+        // waits with, and the head would lose its place on the next pass.
+        let head_quota = match &reservation {
+            Some((_, _)) if head_ask.0 == w.tenant => head_ask.1,
+            _ => 0,
+        };
+        let used = QuotaUse {
+            guaranteed_milli: h.guaranteed,
+            borrowed_milli: h
+                .total
+                .saturating_sub(h.guaranteed)
+                .saturating_add(head_quota),
+        };
+        let admission = quota::admit(&policy.quota, &used, ask, u64::MAX);
+        let borrowed_now = match admission {
+            Admission::Denied(d) => {
+                out.waiting.push((w.key, Wait::OverQuota(d)));
+                continue;
+            }
+            Admission::Guaranteed => false,
+            Admission::Borrowed => true,
+        };
+        let models = pool.models_for(w, |m| {
+            policy.per_model_milli.get(m).is_none_or(|&limit| {
+                h.per_model.get(m).copied().unwrap_or(0).saturating_add(ask) <= limit
+            })
+        });
+        let req = Request::new(demand, w.cpu_milli, w.mem_mib).with_models(models);
+        let mut gang = Gang::uniform(req, members, w.locality);
+        gang.spread = w.spread && members > 1;
+        let shape = ShapeKey {
+            req,
+            members,
+            locality: w.locality,
+            spread: gang.spread,
+        };
+
+        // Its promised capacity is offered to it alone.
+        let mine = promised.remove(&w.key).unwrap_or_default();
+        for (r, p) in &mine {
+            let _ = pool.cluster.release(r, p);
+            if let Some(o) = outside.as_mut() {
+                let _ = o.release(r, p);
+            }
+        }
+        let cached = if mine.is_empty() {
+            no_fit.get(&shape).cloned()
+        } else {
+            None
+        };
+        let mut decision = match &cached {
+            Some(_) => None,
+            None => place(
+                &mut engine,
+                &mut engine_scratch,
+                &pool.cluster,
+                &gang,
+                &mut rng,
+            ),
+        };
+        let mut backfilled = false;
+        let mut behind: Option<WorkKey> = None;
+        if let (Some(p), Some((head, res)), true) =
+            (&decision, reservation.as_mut(), mine.is_empty())
+        {
+            let ends = w.max_runtime_ms.map(|t| snap.now_ms.saturating_add(t));
+            let mut trial = res.clone();
+            if p.iter().all(|m| trial.admit_backfill(&req, m, ends)) {
+                *res = trial;
+                backfilled = true;
+            } else {
+                let around = match outside.as_ref() {
+                    Some(o) if !no_fit_outside.contains(&shape) => {
+                        place(&mut engine_out, &mut engine_scratch, o, &gang, &mut rng)
+                    }
+                    _ => None,
+                };
+                match around {
+                    Some(q) => {
+                        decision = Some(q);
+                        backfilled = true;
+                    }
+                    None => {
+                        // It fits only where it would delay the head: as
+                        // far as the head allows, it fits nowhere (it may
+                        // still preempt off the head's machines, as it
+                        // would on the next pass).
+                        no_fit_outside.insert(shape);
+                        behind = Some(*head);
+                        decision = None;
+                    }
+                }
+            }
+        }
+        if let Some(p) = decision {
+            let mut placed = Vec::with_capacity(members);
+            let mut ok = true;
+            let ends = w.max_runtime_ms.map(|t| snap.now_ms.saturating_add(t));
+            for m in &p {
+                match (pool.cluster.commit(&req, m), pool.member(m, &req)) {
+                    (Ok(()), Some(mp)) => placed.push(mp),
+                    _ => ok = false,
+                }
+                if let Some(o) = outside.as_mut() {
+                    let _ = o.commit(&req, m);
+                }
+                // A later head's reservation counts on its end, as it
+                // will once this runs.
+                if ends.is_some() {
+                    ending.push(Running {
+                        request: req,
+                        placement: m.clone(),
+                        expected_end_ms: ends,
+                    });
+                }
+            }
+            debug_assert!(ok, "the engine proposed a placement that does not fit");
+            if !ok {
+                out.waiting.push((
+                    w.key,
+                    Wait::NoFit("internal: inconsistent placement".into()),
+                ));
+                continue;
+            }
+            let e = held.entry(w.tenant).or_default();
+            e.total = e.total.saturating_add(ask);
+            if !borrowed_now {
+                e.guaranteed = e.guaranteed.saturating_add(ask);
+            }
+            for m in &placed {
+                let sum: u64 = m.gpus.iter().map(|&(_, x)| u64::from(x)).sum();
+                *e.per_model.entry(m.model.clone()).or_default() += sum;
+            }
+            out.placements.push(Placed {
+                key: w.key,
+                members: placed,
+                borrowed: borrowed_now,
+                backfilled,
+            });
+            continue;
+        }
+
+        // It fits nowhere now. Mask its promised capacity again: it waits
+        // for the rest.
+        for (r, p) in &mine {
+            let _ = pool.cluster.commit(r, p);
+            if let Some(o) = outside.as_mut() {
+                let _ = o.commit(r, p);
+            }
+        }
+        if !mine.is_empty() {
+            promised.insert(w.key, mine);
+        }
+        let waiting_on = stopping_for.get(&w.key).cloned().unwrap_or_default();
+        if !waiting_on.is_empty() {
+            out.waiting.push((w.key, Wait::VictimsStopping(waiting_on)));
+            continue;
+        }
+        let who = Preemptor {
+            tenant: w.tenant,
+            tier: w.tier,
+            priority: w.priority,
+            // Only a real guarantee, and only for GPUs, reclaims.
+            reclaiming: matches!(admission, Admission::Guaranteed)
+                && policy.quota.guaranteed_milli > 0
+                && ask > 0,
+        };
+        let may_preempt = weakest_tier.is_some_and(|t| w.tier < t)
+            || lowest_priority.is_some_and(|p| w.priority > p)
+            || (who.reclaiming && any_borrowed);
+        let victim_key = (
+            shape,
+            w.tier,
+            w.priority,
+            who.reclaiming.then_some(w.tenant),
+        );
+        let mut victims: Vec<usize> = Vec::new();
+        if may_preempt && !no_victims.contains(&victim_key) {
+            // Single-member work first: preempting a gang's member stops
+            // the whole gang, on other machines too.
+            for singles_only in [true, false] {
+                let offer = offers
+                    .entry((w.tier, w.priority, singles_only))
+                    .or_insert_with(|| {
+                        Offer::build(&allocations, &alloc_work, |a, wi| {
+                            !stopping[wi]
+                                && (!singles_only || single[wi])
+                                && Preemptor {
+                                    reclaiming: false,
+                                    ..who
+                                }
+                                .may_evict(a)
+                        })
+                    });
+                // Reclaiming adds borrowed work of other tenants that the
+                // rank alone does not reach.
+                let extra: Vec<Allocation>;
+                let extra_map: Vec<usize>;
+                let (list, map): (&[Allocation], &[usize]) = if who.reclaiming {
+                    let mut map = offer.work.clone();
+                    let mut list = offer.list.clone();
+                    for (a, &wi) in allocations.iter().zip(&alloc_work) {
+                        if !stopping[wi]
+                            && (!singles_only || single[wi])
+                            && who.may_evict(a)
+                            && !offer.has(wi)
+                        {
+                            list.push(Allocation {
+                                id: list.len() as u64,
+                                ..a.clone()
+                            });
+                            map.push(wi);
+                        }
+                    }
+                    extra = list;
+                    extra_map = map;
+                    (&extra, &extra_map)
+                } else {
+                    (&offer.list, &offer.work)
+                };
+                if list.is_empty() {
+                    continue;
+                }
+                // Only victims on machines that could host the work once
+                // emptied are worth a look.
+                let count = req.gpu.gpu_count();
+                let eligible = |c: &Cluster| -> Vec<&Allocation> {
+                    list.iter()
+                        .filter(|a| a.preemptible)
+                        .filter(|a| {
+                            c.node(a.placement.node).is_some_and(|n| {
+                                !n.cordoned
+                                    && (count == 0 || req.models.allows(n.spec.model))
+                                    && n.spec.gpus >= count
+                                    && n.spec.cpu_milli >= req.cpu_milli
+                                    && n.spec.mem_mib >= req.mem_mib
+                            })
+                        })
+                        .collect()
+                };
+                let found: Option<Vec<u64>> = match (members, outside.as_mut()) {
+                    // Behind a blocked head, work may preempt only to start
+                    // where it cannot delay the head: off its machines.
+                    (1, Some(o)) if w.locality == Locality::Any => preempt_one(
+                        &mut engine_out,
+                        &eligible(o),
+                        o,
+                        &req,
+                        &who,
+                        &snap.preempt,
+                        snap.now_ms,
+                        &mut rng,
+                    ),
+                    (1, None) if w.locality == Locality::Any => preempt_one(
+                        &mut engine,
+                        &eligible(&pool.cluster),
+                        &mut pool.cluster,
+                        &req,
+                        &who,
+                        &snap.preempt,
+                        snap.now_ms,
+                        &mut rng,
+                    ),
+                    _ => {
+                        let d = preempt::plan_gang(
+                            &mut engine_scratch,
+                            outside.as_ref().unwrap_or(&pool.cluster),
+                            list,
+                            &gang,
+                            &who,
+                            &snap.preempt,
+                            snap.now_ms,
+                            &mut rng,
+                        );
+                        match d {
+                            GangPreemptDecision::Preempt(p) => {
+                                Some(p.evictions.iter().map(|e| e.allocation).collect())
+                            }
+                            _ => None,
+                        }
+                    }
+                };
+                if let Some(ids) = found {
+                    victims = ids
+                        .iter()
+                        .filter_map(|&id| map.get(id as usize).copied())
+                        .collect();
+                    victims.sort_unstable();
+                    victims.dedup();
+                    break;
+                }
+            }
+            if victims.is_empty() {
+                no_victims.insert(victim_key);
+            }
+        }
+        if !victims.is_empty() {
+            let keys: Vec<WorkKey> = victims.iter().map(|&v| snap.running[v].key).collect();
+            stopping_for.insert(w.key, keys.clone());
+            for &v in &victims {
+                stopping[v] = true;
+                out.preemptions.push(Preemption {
+                    victim: snap.running[v].key,
+                    by: w.key,
+                    notice_ms: snap.preempt.notice_ms,
+                });
+            }
+            for o in offers.values_mut() {
+                o.remove(&victims);
+            }
+            out.waiting.push((w.key, Wait::VictimsStopping(keys)));
+            continue;
+        }
+        if let Some(head) = behind {
+            out.waiting.push((w.key, Wait::BehindHead(head)));
+            continue;
+        }
+        let text = match cached {
+            Some(t) => t,
+            None => {
+                let t = if members == 1 {
+                    pool.explain(&req).to_string()
+                } else {
+                    match place_gang(&mut engine_scratch, &pool.cluster, &gang, &mut rng) {
+                        GangDecision::Unschedulable(why) => {
+                            gang_text(&why, w.locality, &snap.nodes, &pool)
+                        }
+                        GangDecision::Placed(_) => "it fits only with its promised GPUs".into(),
+                    }
+                };
+                if mine_was_empty(&promised, w.key) {
+                    no_fit.insert(shape, t.clone());
+                }
+                t
+            }
+        };
+        out.waiting.push((w.key, Wait::NoFit(text)));
+        if reservation.is_none() && could_fit_empty(&pool, &gang) {
+            let mut r = queue::reserve(
+                &mut engine_scratch,
+                &pool.cluster,
+                &ending,
+                &gang,
+                snap.now_ms,
+                &mut rng,
+            );
+            // The engine nodes of a reserved machine share its CPU and
+            // memory: hold the whole machine.
+            let mut nodes: Vec<u32> = r
+                .nodes
+                .iter()
+                .flat_map(|&n| pool.cluster.host_nodes(n))
+                .collect();
+            nodes.sort_unstable();
+            nodes.dedup();
+            r.nodes = nodes;
+            let mut o = pool.cluster.clone();
+            for &n in &r.nodes {
+                let _ = o.set_cordoned(n, true);
+            }
+            outside = Some(o);
+            reservation = Some((w.key, r));
+            head_ask = (w.tenant, ask);
+        }
+    }
+    out.reservation = reservation.map(|(work, r)| {
+        let nodes: BTreeSet<usize> = r
+            .nodes
+            .iter()
+            .filter_map(|&n| pool.slots.get(n as usize).map(|s| s.node))
+            .collect();
+        HeadReservation {
+            work,
+            start_ms: r.start_ms,
+            nodes: nodes.into_iter().collect(),
+        }
+    });
+    Ok(out)
+}
+
+/// What makes two works the same to placement within one pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ShapeKey {
+    req: Request,
+    members: usize,
+    locality: Locality,
+    spread: bool,
+}
+
+/// Where a work goes on `cluster`, every member or none. One member
+/// anywhere is one engine decision on the cluster itself (no copy); a gang
+/// is placed on a scratch copy by the scratch engine.
+fn place(
+    engine: &mut Engine,
+    scratch_engine: &mut Engine,
+    cluster: &Cluster,
+    gang: &Gang,
+    rng: &mut ChaCha8Rng,
+) -> Option<Vec<Placement>> {
+    if gang.members.len() == 1 && gang.locality == Locality::Any {
+        return match engine.decide(cluster, &gang.members[0], rng) {
+            crate::select::Decision::Placed(p) => Some(vec![p]),
+            crate::select::Decision::Unschedulable(_) => None,
+        };
+    }
+    match place_gang(scratch_engine, cluster, gang, rng) {
+        GangDecision::Placed(p) => Some(p.members),
+        GangDecision::Unschedulable(_) => None,
+    }
+}
+
+/// The victims (ids into `offer`) whose eviction lets `req` start,
+/// planned on `cluster` in place ([`preempt::plan_in_place`]).
+#[allow(clippy::too_many_arguments)]
+fn preempt_one(
+    engine: &mut Engine,
+    offer: &[&Allocation],
+    cluster: &mut Cluster,
+    req: &Request,
+    who: &Preemptor,
+    config: &PreemptConfig,
+    now_ms: u64,
+    rng: &mut ChaCha8Rng,
+) -> Option<Vec<u64>> {
+    match preempt::plan_in_place(engine, cluster, offer, req, who, config, now_ms, rng) {
+        preempt::PreemptDecision::Preempt(p) => {
+            Some(p.evictions.iter().map(|e| e.allocation).collect())
+        }
+        _ => None,
+    }
+}
+
+/// Whether `key` has no promised capacity left in `promised` (it had none
+/// to begin with when absent).
+fn mine_was_empty(promised: &BTreeMap<WorkKey, Vec<(Request, Placement)>>, key: WorkKey) -> bool {
+    !promised.contains_key(&key)
+}
+
+/// Victims offered to preemptors of one rank: allocations with ids equal
+/// to their position, and the running work each belongs to.
+#[derive(Debug, Default)]
+struct Offer {
+    list: Vec<Allocation>,
+    work: Vec<usize>,
+    works: std::collections::HashSet<usize>,
+}
+
+impl Offer {
+    fn build(
+        allocations: &[Allocation],
+        alloc_work: &[usize],
+        keep: impl Fn(&Allocation, usize) -> bool,
+    ) -> Offer {
+        let mut o = Offer::default();
+        for (a, &wi) in allocations.iter().zip(alloc_work) {
+            if keep(a, wi) {
+                o.list.push(Allocation {
+                    id: o.list.len() as u64,
+                    ..a.clone()
+                });
+                o.work.push(wi);
+                o.works.insert(wi);
+            }
+        }
+        o
+    }
+
+    fn has(&self, wi: usize) -> bool {
+        self.works.contains(&wi)
+    }
+
+    /// Takes the allocations of `works` (chosen as victims) out of the
+    /// offer, in place: they stop being preemptible, which every
+    /// preemption check reads first.
+    fn remove(&mut self, works: &[usize]) {
+        if !works.iter().any(|w| self.works.contains(w)) {
+            return;
+        }
+        for w in works {
+            self.works.remove(w);
+        }
+        for (a, wi) in self.list.iter_mut().zip(&self.work) {
+            if works.contains(wi) {
+                a.preemptible = false;
+            }
+        }
+    }
+}
+
+/// Hands out the queue in order, one level (tier, priority) at a time,
+/// and within a level the first work whose tenant's guarantee covers it
+/// given what the tenant holds *now* (this pass's placements included)
+/// before the rest: placed after borrowing work of its level, such work
+/// would reclaim that capacity by preemption on the next pass. Only the
+/// head of each guaranteed tenant is looked at, so a step costs the number
+/// of tenants with a guarantee, not the queue's length.
+struct Picker {
+    /// Queue indices in fair-share order, per level, levels in order.
+    levels: Vec<Vec<usize>>,
+    level: usize,
+    /// Positions (in the current level) not yet handed out.
+    left: BTreeSet<usize>,
+    /// Per tenant with a guarantee, its positions in the current level.
+    guaranteed: BTreeMap<Tenant, std::collections::VecDeque<usize>>,
+}
+
+impl Picker {
+    fn new(snap: &Snapshot, order: &[usize]) -> Picker {
+        let mut levels: Vec<Vec<usize>> = Vec::new();
+        let mut last = None;
+        for &i in order {
+            let w = &snap.queue[i];
+            let key = (w.tier, w.priority);
+            if last != Some(key) {
+                levels.push(Vec::new());
+                last = Some(key);
+            }
+            if let Some(l) = levels.last_mut() {
+                l.push(i);
+            }
+        }
+        let mut p = Picker {
+            levels,
+            level: 0,
+            left: BTreeSet::new(),
+            guaranteed: BTreeMap::new(),
+        };
+        p.enter(snap, 0);
+        p
+    }
+
+    fn enter(&mut self, snap: &Snapshot, level: usize) {
+        self.level = level;
+        self.left.clear();
+        self.guaranteed.clear();
+        let Some(items) = self.levels.get(level) else {
+            return;
+        };
+        for (pos, &i) in items.iter().enumerate() {
+            self.left.insert(pos);
+            let t = snap.queue[i].tenant;
+            if snap
+                .tenants
+                .get(&t)
+                .is_some_and(|p| p.quota.guaranteed_milli > 0)
+            {
+                self.guaranteed.entry(t).or_default().push_back(pos);
+            }
+        }
+    }
+
+    fn next(&mut self, snap: &Snapshot, held: &BTreeMap<Tenant, Held>) -> Option<usize> {
+        while self.left.is_empty() {
+            if self.level + 1 >= self.levels.len() {
+                return None;
+            }
+            self.enter(snap, self.level + 1);
+        }
+        let items = &self.levels[self.level];
+        let mut best: Option<usize> = None;
+        for (t, q) in &mut self.guaranteed {
+            while q.front().is_some_and(|p| !self.left.contains(p)) {
+                q.pop_front();
+            }
+            let Some(&pos) = q.front() else { continue };
+            let w = &snap.queue[items[pos]];
+            let g = snap.tenants.get(t).map_or(0, |p| p.quota.guaranteed_milli);
+            let h = held.get(t).map_or(0, |h| h.total);
+            let ask = w.gpu.milli() * u64::from(w.members.max(1));
+            if h.saturating_add(ask) <= g && best.is_none_or(|b| pos < b) {
+                best = Some(pos);
+            }
+        }
+        let pos = best.or_else(|| self.left.first().copied())?;
+        self.left.remove(&pos);
+        Some(items[pos])
+    }
+}
+
+/// Whether the gang could be placed on an empty pool (its scope's ready,
+/// uncordoned machines, emptied): work that never could is not allowed
+/// to hold the queue behind it.
+fn could_fit_empty(pool: &Pool, gang: &Gang) -> bool {
+    let Some(req) = gang.members.first() else {
+        return true;
+    };
+    let per_gpu = req.gpu.per_gpu_milli().max(1);
+    let count = req.gpu.gpu_count().max(1);
+    // Members that fit per scope (and per host when spread).
+    let mut room: BTreeMap<u32, BTreeMap<u32, usize>> = BTreeMap::new();
+    for (si, n) in pool.cluster.nodes().iter().enumerate() {
+        if n.cordoned || (!req.models.allows(n.spec.model) && req.gpu.gpu_count() > 0) {
+            continue;
+        }
+        if n.spec.cpu_milli < req.cpu_milli || n.spec.mem_mib < req.mem_mib {
+            continue;
+        }
+        let per_node = if req.gpu.gpu_count() == 0 {
+            usize::MAX / 4
+        } else {
+            let gpus_fit = usize::from(MILLI / per_gpu) * usize::from(n.spec.gpus);
+            gpus_fit / usize::from(count)
+        };
+        let scope = gang.locality.scope_of(n);
+        let host = pool.slots.get(si).map_or(si as u32, |s| s.node as u32);
+        let e = room.entry(scope).or_default().entry(host).or_default();
+        *e = e.saturating_add(per_node);
+    }
+    room.values().any(|hosts| {
+        let total: usize = hosts
+            .values()
+            .map(|&k| if gang.spread { k.min(1) } else { k })
+            .fold(0usize, |a, b| a.saturating_add(b));
+        total >= gang.members.len()
+    })
+}
+
+/// A gang's failure in words, with regions and pools by their names.
+fn gang_text(
+    why: &crate::gang::GangExplanation,
+    locality: Locality,
+    nodes: &[NodeSnap],
+    pool: &Pool,
+) -> String {
+    let mut text = why.to_string();
+    if let Some(scope) = why.best.as_ref().and_then(|b| b.scope) {
+        // Scope numbers were given in slot order: find a slot with it.
+        let name = pool
+            .slots
+            .iter()
+            .enumerate()
+            .find(|(si, _)| {
+                pool.cluster
+                    .node(*si as u32)
+                    .is_some_and(|n| locality.scope_of(n) == scope)
+            })
+            .map(|(_, s)| match locality {
+                Locality::SameRegion => nodes[s.node].region.clone(),
+                _ => nodes[s.node].pool.clone(),
+            });
+        if let Some(name) = name {
+            let noun = match locality {
+                Locality::SameRegion => "region",
+                _ => "domain",
+            };
+            text = text.replace(
+                &format!("closest: {noun} {scope},"),
+                &format!("closest: {noun} {name},"),
+            );
+        }
+    }
+    if locality == Locality::SameDomain {
+        text = text.replace("domain", "pool");
+    }
+    format!("{text} (of {} machines)", nodes.len())
+}
+
+impl fmt::Display for GpuAsk {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GpuAsk::None => f.write_str("no GPU"),
+            GpuAsk::Whole(n) => write!(f, "{n} GPU"),
+            GpuAsk::Fraction(m) => write!(f, "{}.{:03} GPU", m / 1000, m % 1000),
+            GpuAsk::Mig(p) => write!(f, "MIG {p}"),
+        }
+    }
+}
