@@ -5,9 +5,14 @@
 //! and ships the instances' output.
 //!
 //! The agent must never restart a process on its own: an instance id it has
-//! seen once is never spawned again by this agent process, and losing the
-//! server only pauses reporting, never the work. It must never report an
-//! instance as exited before the server accepted all of its log lines.
+//! seen once is never spawned again by this agent process. Losing the
+//! server pauses reporting; the work goes on for as long as the node's
+//! lease (which the server states in every sync answer) lasts, counted from
+//! the last sync that succeeded. Past it the agent stops the work itself
+//! (SIGTERM, then SIGKILL before the lease ends), because the server then
+//! declares it lost and may restart it elsewhere: a job must never run
+//! twice. It must never report an instance as exited before the server
+//! accepted all of its log lines.
 //!
 //! Modules: [`discovery`] (what the node offers), [`runtime`] (process
 //! supervision and log capture), [`client`] (HTTP to the server); this file
@@ -63,6 +68,8 @@ const LOG_FLUSH_DEADLINE: Duration = Duration::from_secs(60);
 /// Least time between two syncs unless something changed here, so a server
 /// that answers at once cannot spin the loop.
 const MIN_SYNC_SPACING: Duration = Duration::from_millis(200);
+/// How often the lease watchdog looks at the node's lease.
+const LEASE_CHECK: Duration = Duration::from_millis(100);
 
 /// How the agent runs.
 #[derive(Clone)]
@@ -188,16 +195,24 @@ pub async fn run(
 
     tokio::pin!(shutdown);
     tokio::select! {
-        registered = agent.register(true) => agent.node = Some(registered?),
+        registered = agent.register(true) => {
+            let registered = registered?;
+            // Known from the start, so the first syncs are timed for it; it
+            // only begins to count with the first sync that succeeds.
+            agent.shared.node_lease().length = registered.lease_ms.filter(|ms| *ms > 0).map(Duration::from_millis);
+            agent.node = Some(registered);
+        }
         () = &mut shutdown => return Ok(()),
     }
-    let shipper = tokio::spawn(ship_logs_forever(shared, client));
+    let shipper = tokio::spawn(ship_logs_forever(shared.clone(), client));
+    let watchdog = tokio::spawn(fence_forever(shared));
     tokio::select! {
         () = agent.sync_forever() => {}
         () = &mut shutdown => {}
     }
     tracing::info!("agent shutting down");
     shipper.abort();
+    watchdog.abort();
     agent.shutdown().await;
     tracing::info!("agent stopped");
     Ok(())
@@ -225,6 +240,8 @@ struct Tracked {
     /// Its exit is reported although output is still unshipped (see
     /// [`LOG_FLUSH_DEADLINE`]).
     flush_given_up: bool,
+    /// Stopped by the agent because the node's lease ran out.
+    fenced: bool,
 }
 
 impl Tracked {
@@ -269,17 +286,77 @@ impl Tracked {
     }
 }
 
-/// State shared by the sync loop and the log shipper.
+/// The node's lease as the agent keeps it: how long it lasts, and until
+/// when (by this process's monotonic clock) the last successful sync keeps
+/// it. `None` until a server states one (an older server has none).
+#[derive(Debug, Default, Clone, Copy)]
+struct NodeLease {
+    length: Option<Duration>,
+    until: Option<Instant>,
+}
+
+impl NodeLease {
+    /// A sync sent at `sent` succeeded, stating `lease_ms`. The lease is
+    /// counted from the send: the server recorded the heartbeat after it,
+    /// so the agent's deadline never falls after the server's.
+    fn renewed(&mut self, sent: Instant, lease_ms: Option<u64>) {
+        if let Some(ms) = lease_ms.filter(|ms| *ms > 0) {
+            let length = Duration::from_millis(ms);
+            self.length = Some(length);
+            self.until = Some(sent + length);
+        }
+    }
+
+    /// When to begin stopping work, and the grace to give it so that it is
+    /// gone by the end of the lease: a quarter of the lease before its end.
+    fn stop_from(&self) -> Option<(Instant, Duration)> {
+        let (length, until) = (self.length?, self.until?);
+        let lead = length / 4;
+        Some((until.checked_sub(lead).unwrap_or(until), lead))
+    }
+}
+
+/// State shared by the sync loop, the log shipper and the lease watchdog.
 #[derive(Default)]
 struct Shared {
     instances: Mutex<BTreeMap<InstanceId, Tracked>>,
     wakers: Wakers,
+    lease: Mutex<NodeLease>,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, BTreeMap<InstanceId, Tracked>> {
         // No critical section panics half-way, so a poisoned map is intact.
         self.instances.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn node_lease(&self) -> MutexGuard<'_, NodeLease> {
+        self.lease.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops every running instance when the node's lease is about to run
+    /// out (see [`NodeLease::stop_from`]); returns how many it stopped.
+    fn fence_if_due(&self, now: Instant) -> usize {
+        let Some((from, lead)) = self.node_lease().stop_from() else {
+            return 0;
+        };
+        if now < from {
+            return 0;
+        }
+        let mut stopped = 0;
+        for (id, t) in self.lock().iter_mut() {
+            if t.fenced || !t.running() {
+                continue;
+            }
+            if let Some(p) = t.process() {
+                let grace = t.grace.min(lead);
+                tracing::warn!(instance_id = %id, pid = p.pid(), grace_ms = grace.as_millis() as u64, "node lease running out without a sync: stopping the instance");
+                p.stop(grace);
+                t.fenced = true;
+                stopped += 1;
+            }
+        }
+        stopped
     }
 
     /// Every process whose output may still need shipping.
@@ -342,17 +419,21 @@ impl Agent {
                 }
                 continue;
             };
+            // A sync after a long silence (this process was paused, say)
+            // must not report work its lease no longer covers as running.
+            self.shared.fence_if_due(Instant::now());
             let changed = &self.shared.wakers.changed;
             // What the request below reports covers every change so far.
             consume_permit(changed).await;
+            let (wait_ms, timeout) = self.sync_timing(&node);
             let req = SyncRequest {
                 observed: self.observed(),
-                wait_ms: self.config.sync_wait_ms.min(node.heartbeat_interval_ms),
+                wait_ms,
                 gpus: self.telemetry.sample(),
             };
             let sent = Instant::now();
             let result = tokio::select! {
-                result = self.client.sync(&node.node_id, &req) => result,
+                result = self.client.sync_within(&node.node_id, &req, timeout) => result,
                 () = changed.notified() => {
                     tracing::debug!("local change, resending sync");
                     continue;
@@ -366,6 +447,7 @@ impl Agent {
                 }
                 Ok(resp) => {
                     backoff.succeeded();
+                    self.shared.node_lease().renewed(sent, resp.lease_ms);
                     self.apply(resp.assignments);
                     let elapsed = sent.elapsed();
                     if elapsed < MIN_SYNC_SPACING {
@@ -389,12 +471,36 @@ impl Agent {
         }
     }
 
-    /// Every instance to report (orphans excluded).
+    /// The long-poll wait to ask for, and when to give a sync up. Under a
+    /// node lease both are half a heartbeat interval (a quarter lease at
+    /// most): the lease counts from when a sync was sent, so a server that
+    /// stops answering mid-poll must leave time to fail over to another
+    /// before the lease runs out.
+    fn sync_timing(&self, node: &Registered) -> (u64, Duration) {
+        let interval = node.heartbeat_interval_ms;
+        let lease = self.shared.node_lease().length;
+        if let Some(lease) = lease {
+            let quarter = u64::try_from(lease.as_millis() / 4).unwrap_or(u64::MAX);
+            let half = (interval / 2).min(quarter).max(1);
+            (
+                self.config.sync_wait_ms.min(half),
+                Duration::from_millis(self.config.sync_wait_ms.min(half) + half)
+                    .min(Duration::from_millis(self.config.sync_wait_ms) + client::LONG_POLL_SLACK),
+            )
+        } else {
+            let wait = self.config.sync_wait_ms.min(interval);
+            (wait, Duration::from_millis(wait) + client::LONG_POLL_SLACK)
+        }
+    }
+
+    /// Every instance to report: orphans excluded, and work stopped for
+    /// the lease until it has exited (the server must not take it back
+    /// as running).
     fn observed(&self) -> Vec<ObservedInstance> {
         self.shared
             .lock()
             .iter()
-            .filter(|(_, t)| !t.orphaned)
+            .filter(|(_, t)| !(t.orphaned || (t.fenced && t.running())))
             .map(|(id, t)| t.observed(id))
             .collect()
     }
@@ -519,6 +625,7 @@ impl Agent {
                 orphaned: false,
                 flush_waiting_since: None,
                 flush_given_up: false,
+                fenced: false,
             },
         );
         self.shared.wakers.changed.notify_one();
@@ -583,6 +690,18 @@ impl Agent {
             Ok(Err(error)) => tracing::warn!(%error, "could not report final state"),
             Err(_) => tracing::warn!("timed out reporting final state"),
         }
+    }
+}
+
+/// The lease watchdog: apart from the sync loop, so that a sync stuck on a
+/// server that stopped answering cannot delay it.
+async fn fence_forever(shared: Arc<Shared>) {
+    loop {
+        let stopped = shared.fence_if_due(Instant::now());
+        if stopped > 0 {
+            shared.wakers.changed.notify_one();
+        }
+        tokio::time::sleep(LEASE_CHECK).await;
     }
 }
 
@@ -706,6 +825,24 @@ mod tests {
         assert_eq!(delays, vec![250, 500, 1000, 2000, 4000, 5000, 5000]);
         b.succeeded();
         assert_eq!(b.failed(&err()), BACKOFF_MIN);
+    }
+
+    #[test]
+    fn the_lease_is_counted_from_the_send_and_work_stops_before_its_end() {
+        let t0 = Instant::now();
+        let mut l = NodeLease::default();
+        assert!(l.stop_from().is_none(), "no lease stated, nothing to fence");
+        l.renewed(t0, None);
+        assert!(l.stop_from().is_none());
+        l.renewed(t0, Some(8_000));
+        let (from, grace) = l.stop_from().unwrap();
+        assert_eq!(grace, Duration::from_secs(2));
+        assert_eq!(from, t0 + Duration::from_secs(6));
+        assert!(from + grace <= t0 + Duration::from_secs(8));
+        // A later sync moves it; a sync from an older server keeps it.
+        l.renewed(t0 + Duration::from_secs(5), Some(8_000));
+        l.renewed(t0 + Duration::from_secs(6), None);
+        assert_eq!(l.stop_from().unwrap().0, t0 + Duration::from_secs(11));
     }
 
     #[test]

@@ -34,6 +34,8 @@ struct MockState {
     forget_node_once: bool,
     /// The assignments last answered.
     last_sent: Option<Vec<Assignment>>,
+    /// The node lease stated to the agent (`None`: an older server).
+    lease_ms: Option<u64>,
 }
 
 #[derive(Clone, Default)]
@@ -172,6 +174,7 @@ impl Mock {
             let reg = Registered {
                 node_id,
                 heartbeat_interval_ms: 5_000,
+                lease_ms: self.with(|s| s.lease_ms),
             };
             return (200, serde_json::to_string(&reg).unwrap());
         }
@@ -215,6 +218,7 @@ impl Mock {
             let resp = SyncResponse {
                 assignments,
                 reregister: false,
+                lease_ms: self.with(|s| s.lease_ms),
             };
             return (200, serde_json::to_string(&resp).unwrap());
         }
@@ -459,5 +463,85 @@ async fn bad_key_fails_the_first_registration() {
     .unwrap();
     let err = result.unwrap_err();
     assert!(format!("{err:#}").contains("401"), "{err:#}");
+    server.abort();
+}
+
+/// Under a node lease, a server that goes away for longer than the lease
+/// gets the work stopped by the agent itself, before the lease ends; back,
+/// the server hears it exited, and the agent never starts it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_stops_its_work_when_its_lease_runs_out() {
+    let mock = Mock::default();
+    let lease = Duration::from_millis(2_000);
+    mock.with(|s| s.lease_ms = Some(lease.as_millis() as u64));
+    let addr: SocketAddr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let server = mock.serve(addr).await;
+    let dir = tempfile::tempdir().unwrap();
+    let a = assignment(41, "sleep 600");
+    let a_id = a.instance_id.clone();
+    mock.set_assignments(|v| v.push(a.clone()));
+    let mut config =
+        flotilla_agent::AgentConfig::new(format!("http://{addr}"), "secret", "n", dir.path());
+    config.simulate_gpus = Some("2xH100".into());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(flotilla_agent::run(config, async {
+        let _ = stop_rx.await;
+    }));
+    mock.wait_for("a runs", Duration::from_secs(10), |s| {
+        s.syncs
+            .last()
+            .and_then(|o| o.iter().find(|o| o.instance_id == a_id))
+            .is_some_and(|o| pid_of(o).is_some())
+    })
+    .await;
+    let pid = pid_of(&mock.latest(&a_id).unwrap()).unwrap();
+    // Under a lease the long-poll is half the interval: syncs keep coming.
+    let syncs = mock.with(|s| s.syncs.len());
+    mock.wait_for("another sync", Duration::from_secs(10), |s| {
+        s.syncs.len() > syncs
+    })
+    .await;
+
+    server.abort();
+    let cut = tokio::time::Instant::now();
+    while !gone(pid) {
+        assert!(
+            cut.elapsed() < lease + Duration::from_secs(2),
+            "the work outlived the node's lease"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stopped_after = cut.elapsed();
+    // Not before a quarter lease before its end (the last sync may have
+    // been sent up to half an interval before the cut).
+    assert!(
+        stopped_after >= lease / 4,
+        "stopped too early: {stopped_after:?}"
+    );
+
+    let server = mock.serve(addr).await;
+    mock.wait_for("its exit is reported", Duration::from_secs(20), |s| {
+        s.syncs.last().is_some_and(|o| {
+            o.iter()
+                .any(|o| o.instance_id == a_id && matches!(o.phase, ObservedPhase::Exited { .. }))
+        })
+    })
+    .await;
+    // The server still lists it (it has not declared it lost yet): the
+    // agent does not start it again.
+    let later = mock.with(|s| s.syncs.len());
+    mock.wait_for("a few more syncs", Duration::from_secs(20), |s| {
+        s.syncs.len() >= later + 2
+    })
+    .await;
+    assert!(matches!(
+        mock.latest(&a_id).map(|o| o.phase),
+        Some(ObservedPhase::Exited { .. })
+    ));
+    let _ = stop_tx.send(());
+    agent.await.unwrap().unwrap();
     server.abort();
 }

@@ -512,8 +512,17 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     if args.token.trim().is_empty() {
         bail!("--token is empty: pass the server's agent token");
     }
+    // Several comma-separated URLs are replicas of one control plane: the
+    // agent fails over between them.
     let server_url = server_url
-        .map(|s| config::normalize_server(&s))
+        .map(|s| {
+            s.split(',')
+                .filter(|u| !u.trim().is_empty())
+                .map(config::normalize_server)
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .filter(|s| !s.is_empty())
         .unwrap_or_else(|| config::DEFAULT_SERVER.to_string());
     let work_dir = match args.work_dir {
         Some(w) => w,

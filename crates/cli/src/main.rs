@@ -31,7 +31,8 @@ use crate::local::{AgentArgs, ServerArgs, UpArgs};
 #[command(name = "flotilla", version, propagate_version = true)]
 struct Cli {
     /// API server URL (default: the saved credentials', else
-    /// http://127.0.0.1:7420).
+    /// http://127.0.0.1:7420). `flotilla agent` takes several, comma
+    /// separated (replicas on one database), and fails over between them.
     #[arg(long, global = true, env = "FLOTILLA_SERVER", value_name = "URL")]
     server: Option<String>,
     /// API key (default: the saved credentials').

@@ -412,6 +412,11 @@ pub struct Registered {
     pub node_id: NodeId,
     /// How often to sync, at least.
     pub heartbeat_interval_ms: u64,
+    /// The node's lease: an agent that could not sync for this long stops
+    /// its work itself, because the server then restarts it elsewhere.
+    /// Absent from servers without node leases.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u64>,
 }
 
 /// What the agent observed of one instance.
@@ -601,6 +606,10 @@ pub struct SyncResponse {
     /// The node is unknown (e.g. the database was reset): register again.
     #[serde(default)]
     pub reregister: bool,
+    /// The node's lease (see [`Registered::lease_ms`]), counted from when
+    /// the agent sent this sync.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u64>,
 }
 
 /// Log lines pushed by an agent.

@@ -195,7 +195,9 @@ pub async fn run(st: AppState, tick: Duration) {
         if *shutdown.borrow() {
             return;
         }
-        if let Err(e) = scaler.pass(&st).await {
+        if !st.leads() {
+            // See `reconcile::run`: a lapsed lease makes no decisions.
+        } else if let Err(e) = scaler.pass(&st).await {
             tracing::warn!(error = %e, "autoscaling pass failed; retrying");
         }
         tokio::select! {

@@ -30,6 +30,7 @@ pub mod error;
 pub mod extract;
 pub mod idempotency;
 pub mod jobs;
+pub mod leader;
 pub mod metering;
 pub mod metrics;
 pub mod pricing;
@@ -76,6 +77,35 @@ impl Default for ServerConfig {
             operator_fee_percent: rust_decimal::Decimal::from(15),
             webhook_allow_private: false,
         }
+    }
+}
+
+impl ServerConfig {
+    /// How often agents sync at least: a third of the heartbeat timeout,
+    /// so a node misses two syncs before it is given up.
+    pub fn heartbeat_interval(&self) -> Duration {
+        (self.heartbeat_timeout / 3).max(Duration::from_millis(200))
+    }
+
+    /// The leader lease's time to live: one heartbeat interval. Renewed
+    /// every third of it, and tried for by followers as often, so a lost
+    /// leader is replaced within 4/3 of an interval (under two).
+    pub fn leader_lease(&self) -> Duration {
+        self.heartbeat_interval()
+    }
+
+    /// A node's lease: an agent that has not synced for this long stops
+    /// its work itself. It is the heartbeat timeout.
+    pub fn node_lease(&self) -> Duration {
+        self.heartbeat_timeout
+    }
+
+    /// How long past a node's lease the server waits before it declares
+    /// the node's work lost and lets it run elsewhere: one heartbeat
+    /// interval, for the agent's kill to land and for clock skew between
+    /// replicas.
+    pub fn node_lease_margin(&self) -> Duration {
+        self.heartbeat_interval()
     }
 }
 
@@ -216,6 +246,7 @@ pub fn app(state: AppState) -> Router {
         }),
     )
     .route("/healthz", get(health))
+    .route("/v1/health", get(health_json))
     .route("/metrics", get(metrics::metrics))
     .fallback(|| async { error::ApiError::not_found("route") })
     .method_not_allowed_fallback(|| async {
@@ -255,9 +286,45 @@ async fn health(axum::extract::State(st): axum::extract::State<AppState>) -> imp
     }
 }
 
-/// Serves the API on `listener`, with the reconcile loops, until
-/// `shutdown` resolves; then stops taking requests, ends long-polls and
-/// log streams, and returns.
+/// `GET /v1/health`: whether the database answers, and this replica's part
+/// (`leader` runs the control loops; a `follower` serves the API and names
+/// the leader while its lease is current). No key needed, like `/healthz`:
+/// load balancers and operators' probes read it.
+async fn health_json(
+    axum::extract::State(st): axum::extract::State<AppState>,
+) -> impl IntoResponse {
+    let database = st.store().ping().await.is_ok();
+    let (role, leader, token) = match st.leadership() {
+        state::Leadership::Leader { token, .. } if st.leads() => {
+            ("leader", Some(st.replica().to_string()), Some(token))
+        }
+        state::Leadership::Leader { .. } => ("follower", None, None),
+        state::Leadership::Follower { leader } => ("follower", leader, None),
+    };
+    let body = serde_json::json!({
+        "status": if database { "ok" } else { "database unavailable" },
+        "replica": st.replica(),
+        "role": role,
+        "leader": leader,
+        "token": token,
+        "backend": match st.store().backend() {
+            flotilla_store::Backend::Sqlite => "sqlite",
+            flotilla_store::Backend::Postgres => "postgres",
+        },
+    });
+    let status = if database {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body))
+}
+
+/// Serves the API on `listener` until `shutdown` resolves, and runs the
+/// reconcile loops while this replica holds the leader lease
+/// ([`leader`]); then stops taking requests, ends long-polls and log
+/// streams, gives the lease back, and returns. On SQLite it first takes
+/// the lease, and fails when another server holds it.
 pub async fn serve(
     store: Store,
     config: ServerConfig,
@@ -266,11 +333,15 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let tick = config.reconcile_tick;
+    let lease = config.leader_lease();
     let state = AppState::new(store.clone(), config, Arc::new(SystemClock), stop_rx);
-    let loops = tokio::spawn(reconcile::run(state.clone(), tick));
-    let autoscaling = tokio::spawn(autoscale::run(state.clone(), tick));
+    let me = state.replica().to_string();
+    if store.backend() == flotilla_store::Backend::Sqlite {
+        leader::claim_single(&store, &me, lease).await?;
+    }
+    let leading = tokio::spawn(leader::run(state.clone(), tick, me));
     let addr = listener.local_addr().ok();
-    tracing::info!(addr = ?addr, "serving the api");
+    tracing::info!(addr = ?addr, replica = %state.replica(), "serving the api");
     axum::serve(listener, app(state))
         .with_graceful_shutdown(async move {
             shutdown.await;
@@ -278,8 +349,7 @@ pub async fn serve(
         })
         .await
         .context("http server failed")?;
-    let _ = loops.await;
-    let _ = autoscaling.await;
+    let _ = leading.await;
     store.close().await;
     tracing::info!("server stopped");
     Ok(())

@@ -89,7 +89,7 @@ pub async fn metrics(State(st): State<AppState>, caller: Caller) -> ApiResult<Re
     caller.require(&[Role::Operator], "read the metrics")?;
     let nodes = all_nodes(&st).await?;
     let telemetry = st.fresh_telemetry();
-    let body = render(&nodes, &telemetry).map_err(ApiError::internal)?;
+    let body = render_replica(&nodes, &telemetry, Some(st.leads())).map_err(ApiError::internal)?;
     Ok(([(CONTENT_TYPE, CONTENT)], body).into_response())
 }
 
@@ -111,7 +111,26 @@ pub fn render(
     nodes: &[Node],
     telemetry: &HashMap<flotilla_core::id::NodeId, Telemetry>,
 ) -> Result<String, std::fmt::Error> {
+    render_replica(nodes, telemetry, None)
+}
+
+/// [`render`], plus the `flotilla_leader` gauge (1 on the replica that
+/// runs the control loops, 0 on the others) when `leader` is given.
+pub fn render_replica(
+    nodes: &[Node],
+    telemetry: &HashMap<flotilla_core::id::NodeId, Telemetry>,
+    leader: Option<bool>,
+) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::default();
+    if let Some(leads) = leader {
+        let g = Gauge::<f64, AtomicU64>::default();
+        g.set(if leads { 1.0 } else { 0.0 });
+        registry.register(
+            "flotilla_leader",
+            "1 on the server replica that holds the leader lease and runs the control loops, else 0",
+            g,
+        );
+    }
 
     // Capacity, from the store: every GPU is free, allocated, or
     // unavailable (its node not ready or cordoned).

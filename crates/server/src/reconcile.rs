@@ -13,21 +13,30 @@ use crate::schedule::schedule_pass;
 use crate::state::AppState;
 
 /// Marks nodes whose heartbeats stopped as unreachable and their work
-/// lost. After a restart the server first waits one timeout, so agents get
-/// the chance to sync before they are declared gone.
+/// lost, once their lease ran out and a margin more
+/// ([`crate::ServerConfig::node_lease`], `node_lease_margin`): by then an
+/// agent that could not reach the control plane has stopped that work
+/// itself, so a job restarted elsewhere never runs twice. A lost copy is
+/// billed until its lease ran out (when its agent had stopped it at the
+/// latest), not until the server noticed. After a restart the server first
+/// waits one lease, so agents get the chance to sync before they are
+/// declared gone.
 pub async fn liveness_pass(st: &AppState) -> Result<usize, StoreError> {
     let now = st.now();
-    let timeout = ChronoDuration::from_std(st.config().heartbeat_timeout)
-        .unwrap_or(ChronoDuration::seconds(15));
-    if now - st.started_at() < timeout {
+    let lease =
+        ChronoDuration::from_std(st.config().node_lease()).unwrap_or(ChronoDuration::seconds(15));
+    let margin = ChronoDuration::from_std(st.config().node_lease_margin())
+        .unwrap_or(ChronoDuration::seconds(5));
+    if now - st.started_at() < lease {
         return Ok(0);
     }
-    let cutoff = now - timeout;
+    let cutoff = now - lease - margin;
     let mut lost = 0;
-    for node in st.store().stale_nodes(cutoff).await? {
+    for (node, last) in st.store().stale_nodes_since(cutoff).await? {
         if st.store().mark_node_unreachable(&node, cutoff).await? {
-            let ids = st.store().mark_node_lost(&node, now).await?;
-            tracing::warn!(node = %node, lost = ids.len(), "node unreachable: heartbeats stopped");
+            let stopped_by = (last + lease).min(now);
+            let ids = st.store().mark_node_lost(&node, stopped_by).await?;
+            tracing::warn!(node = %node, lost = ids.len(), "node unreachable: its lease ran out");
             lost += ids.len();
         }
     }
@@ -51,6 +60,15 @@ pub async fn run(st: AppState, tick: Duration) {
     loop {
         if *shutdown.borrow() {
             return;
+        }
+        if !st.leads() {
+            // The lease ran out by this process's clock before the election
+            // loop stopped this one: a pass now would only be refused.
+            tokio::select! {
+                _ = shutdown.changed() => {}
+                _ = tokio::time::sleep(tick) => {}
+            }
+            continue;
         }
         if let Err(e) = crate::jobs::jobs_pass(&st).await {
             tracing::warn!(error = %e, "job pass failed; retrying");

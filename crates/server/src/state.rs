@@ -29,7 +29,6 @@ impl Clock for SystemClock {
 }
 
 struct Inner {
-    store: Store,
     catalog: Catalog,
     config: ServerConfig,
     clock: Arc<dyn Clock>,
@@ -42,6 +41,29 @@ struct Inner {
     /// sync replaces, so it lives in memory, not in the store: after a
     /// restart it is back within one sync interval.
     telemetry: Mutex<HashMap<NodeId, Telemetry>>,
+    /// Whether this replica leads (runs the loops), and who does.
+    leadership: watch::Sender<Leadership>,
+    /// This replica's name in the leader lease.
+    replica: String,
+}
+
+/// This replica's part among the servers on one database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Leadership {
+    /// Runs the control loops, its writes fenced with `token`.
+    Leader {
+        /// The fencing token of its term.
+        token: i64,
+        /// Until when its lease is surely still valid by this process's
+        /// monotonic clock (the lease's TTL counted from when the renewal
+        /// that granted it was sent).
+        valid_until: tokio::time::Instant,
+    },
+    /// Serves the API only; `leader` holds the lease (when known).
+    Follower {
+        /// The leader's replica id, while its lease is current.
+        leader: Option<String>,
+    },
 }
 
 /// One node's last GPU readings and when they arrived.
@@ -53,9 +75,14 @@ pub struct Telemetry {
     pub gpus: Vec<GpuSample>,
 }
 
-/// Cheap to clone; shared by every handler and loop.
+/// Cheap to clone; shared by every handler and loop. The store is kept
+/// beside the shared part so that the leader's loops can run on a clone
+/// whose store is fenced with their term's token ([`AppState::fenced`]).
 #[derive(Clone)]
-pub struct AppState(Arc<Inner>);
+pub struct AppState {
+    inner: Arc<Inner>,
+    store: Store,
+}
 
 impl AppState {
     /// Builds the state. `shutdown` turns true when the server stops.
@@ -69,18 +96,57 @@ impl AppState {
         let burst = NonZeroU32::new(config.rate_limit_per_second.saturating_mul(2).max(1))
             .unwrap_or(NonZeroU32::MIN);
         let started_at = clock.now();
-        Self(Arc::new(Inner {
+        Self {
             store,
-            catalog: Catalog::default(),
-            limiter: RateLimiter::keyed(Quota::per_second(per_s).allow_burst(burst)),
-            config,
-            clock,
-            changes: watch::channel(0).0,
-            shutdown,
-            started_at,
-            billing: crate::pricing::Runtime::default(),
-            telemetry: Mutex::default(),
-        }))
+            inner: Arc::new(Inner {
+                catalog: Catalog::default(),
+                limiter: RateLimiter::keyed(Quota::per_second(per_s).allow_burst(burst)),
+                config,
+                clock,
+                changes: watch::channel(0).0,
+                shutdown,
+                started_at,
+                billing: crate::pricing::Runtime::default(),
+                telemetry: Mutex::default(),
+                leadership: watch::channel(Leadership::Follower { leader: None }).0,
+                replica: crate::leader::replica_id(),
+            }),
+        }
+    }
+
+    /// The same state, its store's writes fenced with the leader lease's
+    /// `token`: what the leader's loops run on, so that once another
+    /// replica took the lease their writes are refused.
+    pub fn fenced(&self, token: i64) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            store: self.store.fenced(flotilla_store::leases::LEADER, token),
+        }
+    }
+
+    /// This replica's name in the leader lease.
+    pub fn replica(&self) -> &str {
+        &self.inner.replica
+    }
+
+    /// This replica's part now.
+    pub fn leadership(&self) -> Leadership {
+        self.inner.leadership.borrow().clone()
+    }
+
+    /// Records this replica's part (the election loop's).
+    pub fn set_leadership(&self, l: Leadership) {
+        self.inner.leadership.send_if_modified(|now| {
+            let changed = *now != l;
+            *now = l;
+            changed
+        });
+    }
+
+    /// Whether this replica leads under a lease still valid now: the loops
+    /// skip a pass otherwise (their writes would be refused anyway).
+    pub fn leads(&self) -> bool {
+        matches!(self.leadership(), Leadership::Leader { valid_until, .. } if valid_until > tokio::time::Instant::now())
     }
 
     /// Keeps `gpus` as `node`'s latest telemetry.
@@ -108,7 +174,7 @@ impl AppState {
     fn telemetry_map(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, Telemetry>> {
         // A panic while holding the lock cannot leave the map half-written
         // (each update is one insert), so a poisoned lock is still usable.
-        self.0
+        self.inner
             .telemetry
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -116,37 +182,37 @@ impl AppState {
 
     /// The store.
     pub fn store(&self) -> &Store {
-        &self.0.store
+        &self.store
     }
 
     /// State of the periodic billing step.
     pub fn billing(&self) -> &crate::pricing::Runtime {
-        &self.0.billing
+        &self.inner.billing
     }
 
     /// The GPU catalog.
     pub fn catalog(&self) -> &Catalog {
-        &self.0.catalog
+        &self.inner.catalog
     }
 
     /// Settings.
     pub fn config(&self) -> &ServerConfig {
-        &self.0.config
+        &self.inner.config
     }
 
     /// Now, by the injected clock.
     pub fn now(&self) -> DateTime<Utc> {
-        self.0.clock.now()
+        self.inner.clock.now()
     }
 
     /// When this process started serving.
     pub fn started_at(&self) -> DateTime<Utc> {
-        self.0.started_at
+        self.inner.started_at
     }
 
     /// 429 when `key` has used up its requests.
     pub fn check_rate(&self, key: &str) -> Result<(), ApiError> {
-        match self.0.limiter.check_key(&key.to_string()) {
+        match self.inner.limiter.check_key(&key.to_string()) {
             Ok(()) => Ok(()),
             Err(not_until) => {
                 let wait = not_until.wait_time_from(DefaultClock::default().now());
@@ -158,23 +224,23 @@ impl AppState {
     /// Forgets rate-limit state of keys that have been idle long enough to
     /// be back at a full burst, so the limiter does not grow forever.
     pub fn prune_rate_limits(&self) {
-        self.0.limiter.retain_recent();
-        self.0.limiter.shrink_to_fit();
+        self.inner.limiter.retain_recent();
+        self.inner.limiter.shrink_to_fit();
     }
 
     /// Signals that instances, assignments or logs changed.
     pub fn notify_change(&self) {
-        self.0.changes.send_modify(|n| *n = n.wrapping_add(1));
+        self.inner.changes.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// A receiver of change signals.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
-        self.0.changes.subscribe()
+        self.inner.changes.subscribe()
     }
 
     /// A receiver that turns true when the server shuts down.
     pub fn shutdown_signal(&self) -> watch::Receiver<bool> {
-        self.0.shutdown.clone()
+        self.inner.shutdown.clone()
     }
 
     /// New ids: time from the injected clock, randomness from the OS.

@@ -148,7 +148,7 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<bool> {
         let body = to_json(alert);
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let n = sqlx::query(
             "INSERT INTO budget_alerts (tenant_id, period_start, threshold, body, created_at) \
              VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tenant_id, period_start, threshold) DO NOTHING",

@@ -602,7 +602,7 @@ impl Store {
         spec: &InstanceSpec,
         now: DateTime<Utc>,
     ) -> Result<Instance> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let locked = sqlx::query("UPDATE tenants SET updated_at = $1 WHERE id = $2")
             .bind(ms(now))
             .bind(tenant.as_str())
@@ -739,7 +739,7 @@ impl Store {
         plan: &Placement,
         now: DateTime<Utc>,
     ) -> Result<()> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         schedule_in(&mut tx, id, plan, now).await?;
         tx.commit().await?;
         Ok(())
@@ -750,7 +750,7 @@ impl Store {
     /// node is gone). Final: `Conflict`.
     pub async fn request_stop(&self, id: &InstanceId, now: DateTime<Utc>) -> Result<Instance> {
         let inst = self.instance(id).await?;
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         match inst.state {
             s if s.is_terminal() => {
                 return Err(StoreError::Conflict(format!(
@@ -812,7 +812,7 @@ impl Store {
         // A job member is not requeued alone: its job requeues the gang.
         let in_job = row.try_get::<Option<String>, _>("job_id")?.is_some();
         let id = &obs.instance_id;
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let changed = match (&obs.phase, state) {
             (_, s) if s.is_terminal() => false,
             (ObservedPhase::Starting, Scheduled) => mark_starting(&mut tx, id, now).await?,
@@ -967,7 +967,7 @@ impl Store {
             if !from.contains(&state) || except.contains(&id) {
                 continue;
             }
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.begin().await?;
             if transition(&mut tx, &id, state, to, reason, None, now).await? {
                 moved.push(id);
             }
@@ -1214,7 +1214,7 @@ impl Store {
         by: &WorkId,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let Some(row) = sqlx::query("SELECT state FROM instances WHERE id = $1")
             .bind(victim.as_str())
             .fetch_optional(&mut *tx)

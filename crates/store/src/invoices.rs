@@ -160,7 +160,7 @@ impl Store {
         let body = inv
             .to_json()
             .map_err(|e| StoreError::Corrupt(format!("invoice: {e}")))?;
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         sqlx::query(
             "INSERT INTO invoices (id, tenant_id, period_start, period_end, total, currency, body, \
              finalised_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",

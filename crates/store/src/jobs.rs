@@ -106,7 +106,7 @@ impl Store {
         spec: &JobSpec,
         now: DateTime<Utc>,
     ) -> Result<Job> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let q = sqlx::query(
             "UPDATE tenants SET updated_at = $1 WHERE id = $2 \
              RETURNING quota_gpus_total, quota_gpus_per_model, quota_gpus_guaranteed, fair_share_weight",
@@ -296,7 +296,7 @@ impl Store {
         ids: &[InstanceId],
         now: DateTime<Utc>,
     ) -> Result<Job> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let row = sqlx::query("SELECT * FROM jobs WHERE id = $1")
             .bind(id.as_str())
             .fetch_optional(&mut *tx)
@@ -441,7 +441,7 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<bool> {
         debug_assert!(to != JobState::Running);
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let n = sqlx::query(
             "UPDATE jobs SET state = $1, state_reason = $2, updated_at = $3, failures = failures + $4, \
              finished_at = $5 WHERE id = $6 AND state = 'running' AND attempt = $7",
@@ -467,7 +467,7 @@ impl Store {
     /// Records why a running job is changing (members being stopped or
     /// preempted) without changing its state.
     pub async fn note_job(&self, id: &JobId, reason: &str, now: DateTime<Utc>) -> Result<()> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let row = sqlx::query("SELECT state, state_reason FROM jobs WHERE id = $1")
             .bind(id.as_str())
             .fetch_one(&mut *tx)
@@ -491,7 +491,7 @@ impl Store {
     /// is flagged, and the job loop stops its members and ends it once
     /// they have stopped. `Conflict` when it already ended.
     pub async fn cancel_job(&self, id: &JobId, now: DateTime<Utc>) -> Result<Job> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let row = sqlx::query("SELECT state FROM jobs WHERE id = $1")
             .bind(id.as_str())
             .fetch_optional(&mut *tx)

@@ -20,6 +20,7 @@ pub mod instances;
 pub mod invoices;
 pub mod jobs;
 pub mod keys;
+pub mod leases;
 pub mod logs;
 pub mod nodes;
 pub mod pools;
@@ -55,6 +56,17 @@ pub enum StoreError {
     /// The database failed.
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
+    /// A fenced write (see [`Store::fenced`]) under a token the lease no
+    /// longer carries: the caller lost the lease and must stop writing.
+    #[error("lease `{lease}` is no longer held under token {token} (now {current:?})")]
+    Fenced {
+        /// The lease.
+        lease: String,
+        /// The caller's token.
+        token: i64,
+        /// The lease's token now (`None`: never granted).
+        current: Option<i64>,
+    },
     /// Migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
@@ -105,6 +117,9 @@ pub struct Store {
     /// in-memory SQLite database (a second pool would be another
     /// database) and for PostgreSQL.
     sqlite: Option<SqlitePool>,
+    /// Set on a store made by [`Store::fenced`]: its write transactions
+    /// check this lease token first.
+    fence: Option<std::sync::Arc<leases::Fence>>,
 }
 
 /// A page request: items after `after` (an id), at most `limit`.
@@ -209,6 +224,7 @@ impl Store {
             pool,
             backend,
             sqlite,
+            fence: None,
         })
     }
 

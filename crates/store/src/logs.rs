@@ -13,7 +13,7 @@ const CHUNK: usize = 500;
 impl Store {
     /// Appends lines; lines already stored (same seq) are ignored.
     pub async fn append_logs(&self, id: &InstanceId, lines: &[LogLine]) -> Result<()> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         for chunk in lines.chunks(CHUNK) {
             let mut sql = String::from(
                 "INSERT INTO instance_logs (instance_id, seq, stream, at, line) VALUES ",

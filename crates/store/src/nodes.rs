@@ -72,7 +72,7 @@ impl Store {
         mut new_ids: impl FnMut() -> (NodeId, Vec<GpuId>),
         now: DateTime<Utc>,
     ) -> Result<RegisteredNode> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let existing = sqlx::query("SELECT id, owner_tenant_id FROM nodes WHERE name = $1")
             .bind(&req.name)
             .fetch_optional(&mut *tx)
@@ -233,16 +233,47 @@ impl Store {
             .collect()
     }
 
-    /// Sets a node unreachable if it is still stale; true when changed.
+    /// Stale nodes (last heartbeat older than `cutoff`) with their last
+    /// heartbeat: ready ones, and unreachable ones still holding live
+    /// work (a leader deposed between marking a node unreachable and its
+    /// work lost leaves those for the next).
+    pub async fn stale_nodes_since(
+        &self,
+        cutoff: DateTime<Utc>,
+    ) -> Result<Vec<(NodeId, DateTime<Utc>)>> {
+        let rows = sqlx::query(
+            "SELECT id, last_heartbeat_at FROM nodes WHERE last_heartbeat_at < $1 AND (state = 'ready' \
+             OR (state = 'unreachable' AND EXISTS (SELECT 1 FROM instances i WHERE i.node_id = nodes.id \
+             AND i.state IN ('scheduled', 'starting', 'running'))))",
+        )
+        .bind(ms(cutoff))
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    NodeId::from_trusted(r.try_get("id")?),
+                    at(r.try_get("last_heartbeat_at")?),
+                ))
+            })
+            .collect()
+    }
+
+    /// Sets a node unreachable if it is still stale; true when it is (it
+    /// was ready, or unreachable already), false when it synced meanwhile.
+    /// In a transaction of its own so that, on a fenced store, a deposed
+    /// leader cannot mark a node it would then fail to declare lost.
     pub async fn mark_node_unreachable(&self, id: &NodeId, cutoff: DateTime<Utc>) -> Result<bool> {
+        let mut tx = self.begin().await?;
         let n = sqlx::query(
-            "UPDATE nodes SET state = 'unreachable' WHERE id = $1 AND state = 'ready' AND last_heartbeat_at < $2",
+            "UPDATE nodes SET state = 'unreachable' WHERE id = $1 AND state IN ('ready', 'unreachable') AND last_heartbeat_at < $2",
         )
         .bind(id.as_str())
         .bind(ms(cutoff))
-        .execute(self.pool())
+        .execute(&mut *tx)
         .await?
         .rows_affected();
+        tx.commit().await?;
         Ok(n > 0)
     }
 

@@ -810,8 +810,12 @@ impl Store {
         careful: bool,
     ) -> Result<Option<AppendOutcome>> {
         let mut tx = match self.sqlite_pool() {
-            Some(native) => LedgerTx::Sqlite(native.begin().await?),
-            None => LedgerTx::Any(self.pool().begin().await?),
+            Some(native) => {
+                let mut tx = native.begin().await?;
+                self.check_fence_sqlite(&mut tx).await?;
+                LedgerTx::Sqlite(tx)
+            }
+            None => LedgerTx::Any(self.begin().await?),
         };
         let chunk_len = insert_chunk(self.backend());
         let positional = matches!(tx, LedgerTx::Sqlite(_));

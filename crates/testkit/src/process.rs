@@ -170,8 +170,21 @@ impl Home {
 
     /// Starts `flotilla server` and waits until it answers.
     pub fn server(&self) -> Proc {
+        self.server_at(self.port)
+    }
+
+    /// Starts another `flotilla server` of this home (same data directory
+    /// and database: a replica) on `port`, logging to `server-PORT.log`,
+    /// and waits until it answers.
+    pub fn server_at(&self, port: u16) -> Proc {
+        let log = if port == self.port {
+            "server".to_string()
+        } else {
+            format!("server-{port}")
+        };
+        let url = format!("http://127.0.0.1:{port}");
         let mut c = self.cmd();
-        c.args(["server", "--bind", &format!("127.0.0.1:{}", self.port)])
+        c.args(["server", "--bind", &format!("127.0.0.1:{port}")])
             .arg("--data-dir")
             .arg(self.data())
             .args(["--heartbeat-timeout", &self.heartbeat_timeout.to_string()]);
@@ -179,13 +192,13 @@ impl Home {
             c.args(["--database-url", url]);
         }
         let child = c
-            .stdout(self.log("server"))
-            .stderr(self.log("server"))
+            .stdout(self.log(&log))
+            .stderr(self.log(&log))
             .spawn()
             .expect("start flotilla server");
         let server = Proc(child);
         wait_until("the server answers", Duration::from_secs(30), || {
-            http("GET", &format!("{}/healthz", self.url()), None, None)
+            http("GET", &format!("{url}/healthz"), None, None)
                 .map(|(s, _)| s == 200)
                 .unwrap_or(false)
         });
@@ -194,6 +207,12 @@ impl Home {
 
     /// Starts `flotilla agent` with simulated GPUs and the server's token.
     pub fn agent(&self, name: &str, simulate: &str) -> Proc {
+        self.agent_to(name, simulate, &self.url())
+    }
+
+    /// Starts `flotilla agent` reporting to `servers` (one URL, or several
+    /// comma-separated replicas), logging to `agent.log`.
+    pub fn agent_to(&self, name: &str, simulate: &str, servers: &str) -> Proc {
         let path = self.data().join("agent.token");
         wait_until("the agent token", Duration::from_secs(20), || {
             std::fs::read_to_string(&path).is_ok_and(|t| !t.trim().is_empty())
@@ -201,7 +220,7 @@ impl Home {
         let token = std::fs::read_to_string(&path).expect("agent token");
         let child = self
             .cmd()
-            .args(["agent", "--server", &self.url(), "--token", token.trim()])
+            .args(["agent", "--server", servers, "--token", token.trim()])
             .args(["--name", name, "--simulate-gpus", simulate, "--work-dir"])
             .arg(self.dir.path().join("agent"))
             .stdout(self.log("agent"))
@@ -260,9 +279,18 @@ impl Home {
         body
     }
 
-    /// Prints the last lines of the server's and agents' logs (on failure).
+    /// Prints the last lines of the servers' and agents' logs (on failure).
     pub fn dump_logs(&self) {
-        for name in ["server", "agent"] {
+        let mut names: Vec<String> = std::fs::read_dir(self.dir.path())
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .filter_map(|n| n.strip_suffix(".log").map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        for name in names {
             if let Ok(s) = std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))) {
                 let tail: Vec<&str> = s.lines().rev().take(40).collect();
                 eprintln!("--- {name} log (last lines) ---");

@@ -103,11 +103,17 @@ pub async fn register(
     Ok(Json(Registered {
         node_id: node.id,
         heartbeat_interval_ms: heartbeat_interval(&st).as_millis() as u64,
+        lease_ms: lease_ms(&st),
     }))
 }
 
 fn heartbeat_interval(st: &AppState) -> Duration {
-    (st.config().heartbeat_timeout / 3).max(Duration::from_millis(200))
+    st.config().heartbeat_interval()
+}
+
+/// The node lease the agent is told, in milliseconds.
+fn lease_ms(st: &AppState) -> Option<u64> {
+    u64::try_from(st.config().node_lease().as_millis()).ok()
 }
 
 async fn own_node(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<NodeId> {
@@ -157,6 +163,7 @@ pub async fn sync(
                     return Ok(Json(SyncResponse {
                         assignments: vec![],
                         reregister: true,
+                        lease_ms: lease_ms(&st),
                     }));
                 }
             }
@@ -208,6 +215,7 @@ pub async fn sync(
     Ok(Json(SyncResponse {
         assignments,
         reregister: false,
+        lease_ms: lease_ms(&st),
     }))
 }
 

@@ -1,0 +1,670 @@
+//! Several servers, one leader, as an operator runs them: real `flotilla
+//! server` processes on one PostgreSQL database, real agents given every
+//! server's URL, a client that tries each server in turn.
+//!
+//! - `kill -9` of the leader: another replica leads within two heartbeat
+//!   intervals, no GPU is ever held by two instances, every acknowledged
+//!   create runs, and each instance's usage is counted once.
+//! - A leader paused with SIGSTOP past its lease: another takes over, and
+//!   the resumed one steps down instead of placing anything.
+//! - A node cut off from the control plane past its lease: its agent stops
+//!   the job's member itself, and only then does the job run elsewhere;
+//!   each copy is billed for the time it ran.
+//!
+//! - SQLite is one server: a second one on the same file refuses to start.
+//!
+//! All but the last need PostgreSQL (`FLOTILLA_TEST_DATABASE_URL`); without
+//! it they say so and pass, like the store suite's PostgreSQL half.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Child;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use flotilla_testkit::process::{free_port, http, wait_until, Home, Proc};
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
+
+/// A home on a fresh PostgreSQL database, or `None` without one.
+fn pg_home(prefix: &str, heartbeat_timeout: u64) -> Option<Home> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let url = rt.block_on(flotilla_testkit::db::postgres_url(prefix))?;
+    let mut env = Home::new(BIN);
+    env.database_url = Some(url);
+    env.heartbeat_timeout = heartbeat_timeout;
+    Some(env)
+}
+
+fn send_signal(child: &Child, sig: nix::sys::signal::Signal) {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, sig).unwrap();
+}
+
+fn pid_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+}
+
+/// `GET /v1/health` of one server, if it answers.
+fn health(url: &str) -> Option<Value> {
+    match http("GET", &format!("{url}/v1/health"), None, None) {
+        Ok((200, v)) => Some(v),
+        _ => None,
+    }
+}
+
+/// The servers (by index) that say they lead.
+fn leaders(urls: &[String]) -> Vec<usize> {
+    (0..urls.len())
+        .filter(|&i| health(&urls[i]).is_some_and(|h| h["role"] == "leader"))
+        .collect()
+}
+
+/// The first answer to `method path` from any server, trying each in turn
+/// (the client's failover); `None` when none answered.
+fn call_any(
+    urls: &[String],
+    method: &str,
+    key: &str,
+    path: &str,
+    body: Option<&str>,
+) -> Option<(u16, Value)> {
+    urls.iter()
+        .find_map(|u| http(method, &format!("{u}{path}"), Some(key), body).ok())
+}
+
+fn get_any(urls: &[String], key: &str, path: &str) -> Value {
+    let (status, body) = call_any(urls, "GET", key, path, None).expect("some server answers");
+    assert_eq!(status, 200, "GET {path}: {body}");
+    body
+}
+
+/// A tenant and an admin key for it, made through the CLI.
+fn tenant(env: &Home, name: &str) -> (String, String) {
+    let op = env.operator_key();
+    let t = env.cli_json(Some(&op), &["tenants", "create", name]);
+    let id = t["id"].as_str().unwrap().to_string();
+    let k = env.cli_json(
+        Some(&op),
+        &["keys", "create", "--role", "tenant_admin", "--tenant", &id],
+    );
+    (id, k["secret"].as_str().unwrap().to_string())
+}
+
+fn free_h100(urls: &[String], key: &str) -> u64 {
+    get_any(urls, key, "/v1/gpu-types")["items"]
+        .as_array()
+        .and_then(|a| a.iter().find(|t| t["name"] == "H100"))
+        .and_then(|t| t["free"].as_u64())
+        .unwrap_or(0)
+}
+
+fn ts(v: &Value) -> Option<DateTime<Utc>> {
+    DateTime::parse_from_rfc3339(v.as_str()?)
+        .ok()
+        .map(|t| t.with_timezone(&Utc))
+}
+
+/// Every instance of the caller's tenant, all pages.
+fn all_instances(urls: &[String], key: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/v1/instances?limit=1000&cursor={c}"),
+            None => "/v1/instances?limit=1000".to_string(),
+        };
+        let page = get_any(urls, key, &path);
+        out.extend(page["items"].as_array().cloned().unwrap_or_default());
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_string()),
+            None => return out,
+        }
+    }
+}
+
+/// GPU-seconds billed per instance: the `gpu_seconds` events of the
+/// caller's tenant over the last hour, each once.
+fn billed_gpu_seconds(urls: &[String], key: &str) -> BTreeMap<String, i64> {
+    let now = Utc::now();
+    let from = (now - chrono::Duration::hours(1)).to_rfc3339();
+    let to = (now + chrono::Duration::hours(1)).to_rfc3339();
+    let mut out = BTreeMap::new();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut path = format!(
+            "/v1/usage?limit=1000&from={}&to={}",
+            urlencode(&from),
+            urlencode(&to)
+        );
+        if let Some(c) = &cursor {
+            path.push_str(&format!("&cursor={c}"));
+        }
+        let page = get_any(urls, key, &path);
+        for e in page["items"].as_array().cloned().unwrap_or_default() {
+            if e["meter"]["meter"] != "gpu_seconds" {
+                continue;
+            }
+            let k = format!("{}/{}", e["key"]["source"], e["key"]["id"]);
+            assert!(seen.insert(k.clone()), "event {k} listed twice");
+            let (Some(a), Some(b)) = (ts(&e["start"]), ts(&e["end"])) else {
+                panic!("event without times: {e}");
+            };
+            let gpus: i64 = e["amount"].as_str().unwrap_or("0").parse().unwrap_or(0);
+            *out.entry(e["subject"]["id"].as_str().unwrap_or("").to_string())
+                .or_insert(0) += gpus * (b - a).num_seconds();
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_string()),
+            None => return out,
+        }
+    }
+}
+
+fn urlencode(s: &str) -> String {
+    s.replace(':', "%3A").replace('+', "%2B")
+}
+
+/// What a finished instance should be billed: whole seconds from its start
+/// (floored) to its billing end (ceiled), times its GPUs.
+fn expected_gpu_seconds(inst: &Value, end: DateTime<Utc>) -> i64 {
+    let start = ts(&inst["started_at"]).expect("started");
+    let floor = start.timestamp();
+    let ceil = end.timestamp() + i64::from(end.timestamp_subsec_nanos() > 0);
+    inst["gpus"].as_i64().unwrap_or(0) * (ceil - floor)
+}
+
+/// One instance's hold on GPUs: id, GPU ids, from, to.
+type Holding = (String, Vec<String>, DateTime<Utc>, DateTime<Utc>);
+
+/// When each instance held its GPUs: from placement to its final state.
+fn holdings(instances: &[Value]) -> Vec<Holding> {
+    instances
+        .iter()
+        .filter_map(|i| {
+            let events = i["events"].as_array()?;
+            let from = events
+                .iter()
+                .find(|e| e["state"] == "scheduled")
+                .and_then(|e| ts(&e["at"]))?;
+            let to = ts(&i["finished_at"]).unwrap_or_else(Utc::now);
+            let gpus: Vec<String> = i["gpu_ids"]
+                .as_array()?
+                .iter()
+                .filter_map(|g| g.as_str().map(str::to_string))
+                .collect();
+            Some((i["id"].as_str()?.to_string(), gpus, from, to))
+        })
+        .collect()
+}
+
+/// No GPU held by two instances at once.
+fn assert_no_gpu_held_twice(instances: &[Value]) {
+    let h = holdings(instances);
+    for (i, (a, ga, fa, ta)) in h.iter().enumerate() {
+        for (b, gb, fb, tb) in &h[i + 1..] {
+            let shared = ga.iter().any(|g| gb.contains(g));
+            let overlap = fa < tb && fb < ta;
+            assert!(
+                !(shared && overlap),
+                "{a} ({fa}..{ta}) and {b} ({fb}..{tb}) held a GPU at once"
+            );
+        }
+    }
+}
+
+#[test]
+fn three_servers_survive_a_kill_9_of_the_leader() {
+    // Heartbeat interval 3 s: the leader lease lives 3 s.
+    let Some(env) = pg_home("ha", 9) else {
+        return;
+    };
+    let interval = Duration::from_secs(3);
+    let ports = [env.port, free_port(), free_port()];
+    let urls: Vec<String> = ports
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect();
+    // One after the other: the first start bootstraps the database.
+    let mut servers: Vec<Option<Proc>> = vec![Some(env.server_at(ports[0]))];
+    let op = env.operator_key();
+    servers.push(Some(env.server_at(ports[1])));
+    servers.push(Some(env.server_at(ports[2])));
+    let every = urls.join(",");
+    let _agents = [
+        env.agent_to("ha-a", "4xH100", &every),
+        env.agent_to("ha-b", "4xH100", &every),
+    ];
+    let (_tenant, key) = tenant(&env, "ha");
+    wait_until("one leader", Duration::from_secs(30), || {
+        leaders(&urls).len() == 1
+    });
+    wait_until("8 free H100s", Duration::from_secs(30), || {
+        free_h100(&urls, &key) == 8
+    });
+    let metrics = http("GET", &format!("{}/metrics", urls[0]), Some(&op), None)
+        .unwrap()
+        .1;
+    assert!(
+        metrics
+            .as_str()
+            .is_some_and(|m| m.contains("flotilla_leader")),
+        "{metrics}"
+    );
+
+    // The client: creates 1-GPU instances in a loop, trying each server in
+    // turn; keeps what was acknowledged.
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked: Arc<Mutex<Vec<String>>> = Arc::default();
+    let client = {
+        let (stop, acked, urls, key) = (stop.clone(), acked.clone(), urls.clone(), key.clone());
+        std::thread::spawn(move || {
+            let body = json!({"gpus": 1, "command": ["sleep", "1"]}).to_string();
+            while !stop.load(Ordering::Relaxed) {
+                if let Some((201 | 200, v)) =
+                    call_any(&urls, "POST", &key, "/v1/instances", Some(&body))
+                {
+                    if let Some(id) = v["id"].as_str() {
+                        acked.lock().unwrap().push(id.to_string());
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(150));
+            }
+        })
+    };
+    wait_until("some instances created", Duration::from_secs(30), || {
+        acked.lock().unwrap().len() >= 10
+    });
+    let old = leaders(&urls);
+    assert_eq!(old.len(), 1, "one leader");
+    let old = old[0];
+    let mut killed = servers[old].take().unwrap();
+    killed.0.kill().unwrap();
+    let killed_at = Instant::now();
+    killed.0.wait().unwrap();
+    let survivors: Vec<String> = (0..3)
+        .filter(|&i| i != old)
+        .map(|i| urls[i].clone())
+        .collect();
+    let mut took = None;
+    wait_until("a new leader", Duration::from_secs(30), || {
+        if leaders(&survivors).len() == 1 {
+            took = Some(killed_at.elapsed());
+            true
+        } else {
+            false
+        }
+    });
+    let took = took.unwrap();
+    eprintln!("new leader after {took:?}");
+    assert!(
+        took <= interval * 2,
+        "a lost leader is replaced within two heartbeat intervals, took {took:?}"
+    );
+    // A clean stop gives the lease back: the last replica leads at once
+    // rather than after the lease ran out.
+    let next = (0..3)
+        .find(|&i| i != old && leaders(&urls[i..=i]) == [0])
+        .unwrap();
+    let mut stopped = servers[next].take().unwrap();
+    send_signal(&stopped.0, nix::sys::signal::Signal::SIGTERM);
+    let stopped_at = Instant::now();
+    let last = (0..3).find(|&i| i != old && i != next).unwrap();
+    wait_until("the last replica leads", Duration::from_secs(30), || {
+        leaders(&urls[last..=last]) == [0]
+    });
+    let handed = stopped_at.elapsed();
+    eprintln!("lease handed over after {handed:?}");
+    assert!(
+        handed < interval,
+        "a released lease is taken within a try ({handed:?})"
+    );
+    assert!(stopped.0.wait().unwrap().success());
+    let survivors = vec![urls[last].clone()];
+    let at_kill = acked.lock().unwrap().len();
+    wait_until(
+        "creates through the new leader",
+        Duration::from_secs(60),
+        || acked.lock().unwrap().len() >= at_kill + 10,
+    );
+    stop.store(true, Ordering::Relaxed);
+    client.join().unwrap();
+
+    // Every acknowledged create ran, and ended.
+    let acked = acked.lock().unwrap().clone();
+    wait_until(
+        "every acknowledged instance ran to its end",
+        Duration::from_secs(180),
+        || {
+            let all = all_instances(&survivors, &key);
+            acked.iter().all(|id| {
+                all.iter()
+                    .any(|i| i["id"] == id.as_str() && i["state"] == "succeeded")
+            })
+        },
+    );
+    let all = all_instances(&survivors, &key);
+    for id in &acked {
+        let inst = all.iter().find(|i| i["id"] == id.as_str()).unwrap();
+        let states: Vec<&str> = inst["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e["state"].as_str())
+            .collect();
+        assert!(
+            states.contains(&"running") && !states.contains(&"lost"),
+            "{id}: {states:?}"
+        );
+    }
+    assert_no_gpu_held_twice(&all);
+
+    // Each instance's usage is counted once: exactly its run, in seconds.
+    let expected: BTreeMap<String, i64> = all
+        .iter()
+        .filter(|i| i["state"] == "succeeded")
+        .map(|i| {
+            let end = ts(&i["finished_at"]).unwrap();
+            (
+                i["id"].as_str().unwrap().to_string(),
+                expected_gpu_seconds(i, end),
+            )
+        })
+        .collect();
+    let mut billed = BTreeMap::new();
+    wait_until("usage metered", Duration::from_secs(60), || {
+        billed = billed_gpu_seconds(&survivors, &key);
+        expected.iter().all(|(id, _)| billed.contains_key(id))
+    });
+    for (id, want) in &expected {
+        assert_eq!(billed.get(id), Some(want), "usage of {id}");
+    }
+}
+
+#[test]
+fn a_paused_leader_steps_down_and_places_nothing() {
+    // Heartbeat interval 3 s: the leader lease lives 3 s.
+    let Some(env) = pg_home("hapause", 9) else {
+        return;
+    };
+    let ports = [env.port, free_port()];
+    let urls: Vec<String> = ports
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect();
+    let first = env.server_at(ports[0]);
+    let _op = env.operator_key();
+    let second = env.server_at(ports[1]);
+    let _agent = env.agent_to("pause-a", "2xH100", &urls.join(","));
+    let (_tenant, key) = tenant(&env, "pause");
+    wait_until("one leader", Duration::from_secs(30), || {
+        leaders(&urls) == [0]
+    });
+    wait_until("2 free H100s", Duration::from_secs(30), || {
+        free_h100(&urls, &key) == 2
+    });
+
+    send_signal(&first.0, nix::sys::signal::Signal::SIGSTOP);
+    let follower = [urls[1].clone()];
+    wait_until("the follower takes over", Duration::from_secs(30), || {
+        leaders(&follower) == [0]
+    });
+    // Work submitted meanwhile is placed by the new leader.
+    let body = json!({"gpus": 1, "command": ["sleep", "600"]}).to_string();
+    let (status, created) =
+        call_any(&follower, "POST", &key, "/v1/instances", Some(&body)).unwrap();
+    assert_eq!(status, 201, "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+    wait_until("placed by the new leader", Duration::from_secs(30), || {
+        get_any(&follower, &key, &format!("/v1/instances/{id}"))["state"] == "running"
+    });
+
+    // Resumed, the old leader finds its lease gone and steps down; the
+    // new one keeps leading.
+    send_signal(&first.0, nix::sys::signal::Signal::SIGCONT);
+    wait_until("the old leader steps down", Duration::from_secs(30), || {
+        health(&urls[0]).is_some_and(|h| h["role"] == "follower" && h["leader"].is_string())
+    });
+    let h0 = health(&urls[0]).unwrap();
+    let h1 = health(&urls[1]).unwrap();
+    assert_eq!(h0["leader"], h1["replica"], "{h0} {h1}");
+    assert_eq!(leaders(&urls), [1]);
+    // Work submitted through the old leader is placed by the new one, once.
+    let (status, created) =
+        call_any(&urls[..1], "POST", &key, "/v1/instances", Some(&body)).unwrap();
+    assert_eq!(status, 201, "{created}");
+    let id2 = created["id"].as_str().unwrap().to_string();
+    wait_until("the second instance runs", Duration::from_secs(30), || {
+        get_any(&urls, &key, &format!("/v1/instances/{id2}"))["state"] == "running"
+    });
+    let all = all_instances(&urls, &key);
+    assert_no_gpu_held_twice(&all);
+    assert_eq!(free_h100(&urls, &key), 0);
+    let log = std::fs::read_to_string(env.dir.path().join("server.log")).unwrap_or_default();
+    assert!(
+        log.contains("leader lease lost")
+            || log.contains("leader lease not renewed")
+            || log.contains("renewal timed out"),
+        "the resumed leader says it stopped its loops"
+    );
+    drop(second);
+}
+
+/// The job's member of `attempt`, as `(instance id, node id)`.
+fn member(job: &Value, attempt: u64) -> Option<(String, String)> {
+    job["members"].as_array()?.iter().find_map(|m| {
+        (m["attempt"].as_u64() == Some(attempt) && m["state"] == "running").then(|| {
+            (
+                m["instance_id"].as_str().unwrap_or("").to_string(),
+                m["node_id"].as_str().unwrap_or("").to_string(),
+            )
+        })
+    })
+}
+
+/// Timestamps (ms) a copy wrote while it ran.
+fn stamps(env: &Home, instance: &str) -> Vec<i64> {
+    std::fs::read_to_string(
+        env.dir
+            .path()
+            .join("agent/instances")
+            .join(instance)
+            .join("stamps"),
+    )
+    .unwrap_or_default()
+    .lines()
+    .filter_map(|l| l.trim().parse().ok())
+    .collect()
+}
+
+#[test]
+fn a_node_cut_off_past_its_lease_stops_its_work_before_it_runs_elsewhere() {
+    // Node lease 6 s; the server waits one interval (2 s) more.
+    let Some(env) = pg_home("halease", 6) else {
+        return;
+    };
+    let lease = Duration::from_secs(6);
+    let ports = [env.port, free_port()];
+    let urls: Vec<String> = ports
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect();
+    // The first server leads; the second only serves node A, so pausing it
+    // cuts node A off from the control plane and nothing else.
+    let _leader = env.server_at(ports[0]);
+    let _op = env.operator_key();
+    let cut = env.server_at(ports[1]);
+    let _a = env.agent_to("lease-a", "1xH100", &urls[1]);
+    let (_tenant, key) = tenant(&env, "lease");
+    wait_until("node A's GPU", Duration::from_secs(30), || {
+        free_h100(&urls, &key) == 1
+    });
+    let submitted = env.cli_json(
+        Some(&key),
+        &[
+            "jobs",
+            "submit",
+            "--gpus",
+            "1",
+            "--restart",
+            "on-failure",
+            "--max-retries",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "while :; do date +%s%3N >> stamps; sleep 0.1; done",
+        ],
+    );
+    let job_id = submitted["id"].as_str().unwrap().to_string();
+    let job_path = format!("/v1/jobs/{job_id}");
+    let mut first = None;
+    wait_until("the job runs on node A", Duration::from_secs(30), || {
+        first = member(&get_any(&urls, &key, &job_path), 1);
+        first.is_some()
+    });
+    let (old_id, node_a) = first.unwrap();
+    let old = get_any(&urls, &key, &format!("/v1/instances/{old_id}"));
+    let pid: u32 = old["state_reason"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("running as pid ")
+        .parse()
+        .unwrap();
+    let _b = env.agent_to("lease-b", "1xH100", &urls[0]);
+    wait_until("node B's GPU", Duration::from_secs(30), || {
+        free_h100(&urls, &key) == 1
+    });
+
+    send_signal(&cut.0, nix::sys::signal::Signal::SIGSTOP);
+    let paused = Instant::now();
+    let mut second = None;
+    wait_until(
+        "the job runs again elsewhere",
+        Duration::from_secs(60),
+        || {
+            second = member(&get_any(&urls[..1], &key, &job_path), 2);
+            second.is_some()
+        },
+    );
+    let (new_id, node_b) = second.unwrap();
+    assert_ne!(node_a, node_b);
+    assert!(
+        paused.elapsed() >= lease,
+        "restarted only after the node's lease ran out ({:?})",
+        paused.elapsed()
+    );
+    assert!(
+        !pid_alive(pid),
+        "node A's agent stopped the old copy itself"
+    );
+    wait_until("the new copy writes", Duration::from_secs(30), || {
+        !stamps(&env, &new_id).is_empty()
+    });
+    let (old_stamps, new_stamps) = (stamps(&env, &old_id), stamps(&env, &new_id));
+    let old_last = *old_stamps.last().expect("the old copy ran");
+    let new_first = new_stamps[0];
+    assert!(
+        old_last < new_first,
+        "the old copy stopped ({old_last}) before the new one started ({new_first})"
+    );
+
+    // Node A comes back; nothing of the old copy starts again.
+    send_signal(&cut.0, nix::sys::signal::Signal::SIGCONT);
+    wait_until("node A is back", Duration::from_secs(60), || {
+        get_any(&urls, &key, "/v1/gpu-types")["items"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|g| g["name"] == "H100" && g["free"] == 1))
+    });
+    assert_eq!(
+        stamps(&env, &old_id),
+        old_stamps,
+        "the old copy never ran again"
+    );
+
+    // Usage: the old copy is billed from its start to the end of its lease
+    // as the server counts it (from the last sync it received), which
+    // covers what it ran; it ends no later than the agent's stop lead (a
+    // quarter lease), one long-poll (a sync the server took but never
+    // answered; half an interval) and a second of slack after its last
+    // stamp.
+    let old = get_any(&urls, &key, &format!("/v1/instances/{old_id}"));
+    let lost_at = old["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["state"] == "lost")
+        .and_then(|e| ts(&e["at"]))
+        .expect("the old copy was declared lost");
+    let last_ran = DateTime::from_timestamp_millis(old_last).unwrap();
+    assert!(last_ran <= lost_at, "billed at least while it ran");
+    assert!(
+        lost_at - last_ran
+            <= chrono::Duration::from_std(lease / 4 + Duration::from_secs(2)).unwrap(),
+        "billed no longer than its lease allowed it to run: ran until {last_ran}, billed until {lost_at}"
+    );
+    let want_old = expected_gpu_seconds(&old, lost_at);
+    let mut billed = BTreeMap::new();
+    wait_until("the old copy's usage", Duration::from_secs(60), || {
+        billed = billed_gpu_seconds(&urls, &key);
+        billed.contains_key(&old_id)
+    });
+    assert_eq!(
+        billed.get(&old_id),
+        Some(&want_old),
+        "old copy billed exactly"
+    );
+    let all = all_instances(&urls, &key);
+    assert_no_gpu_held_twice(&all);
+}
+
+#[test]
+fn sqlite_runs_one_server_and_says_so() {
+    let mut env = Home::new(BIN);
+    env.heartbeat_timeout = 3;
+    let _first = env.server();
+    wait_until("the first server leads", Duration::from_secs(30), || {
+        health(&env.url()).is_some_and(|h| h["role"] == "leader" && h["backend"] == "sqlite")
+    });
+    let port = free_port();
+    let mut second = env
+        .cmd()
+        .args(["server", "--bind", &format!("127.0.0.1:{port}")])
+        .arg("--data-dir")
+        .arg(env.data())
+        .args(["--heartbeat-timeout", "3"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = second.try_wait().unwrap() {
+            break s;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            let _ = second.kill();
+            panic!("a second server on one SQLite file kept running");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut second.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
+    assert!(
+        err.contains("another flotilla server") && err.contains("SQLite runs one server"),
+        "{err}"
+    );
+    // The first one never stopped leading.
+    assert_eq!(health(&env.url()).unwrap()["role"], "leader");
+}
