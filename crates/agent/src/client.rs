@@ -1,123 +1,64 @@
-//! HTTP client of the agent protocol: registration, the long-poll sync and
-//! log upload, with the bearer key on every call and the server's JSON error
-//! body decoded into [`ClientError`].
+//! The agent's side of the agent protocol (registration, the long-poll
+//! sync and log upload) over `flotilla-client`, the one client of the API:
+//! its error type, and failover across the server URLs the agent was given
+//! (several control-plane replicas, comma-separated).
 //!
 //! This module must never retry, sleep or decide what an error means for
-//! the agent's work: it makes one request and says how it went
-//! ([`ClientError::is_retryable`] helps the caller choose). It never panics
-//! on a malformed answer.
+//! the agent's work: the client is built without retries (the agent's
+//! loops back off themselves, and stacking two backoffs would only slow
+//! recovery), each call is one try (on every server URL in turn while one
+//! cannot be reached or answers 503), and [`Retryable::is_retryable`] helps
+//! the caller choose. It never panics on a malformed answer.
 
-use std::time::Duration;
-
-use flotilla_core::api::{
-    ErrorBody, LogBatch, LogLine, RegisterNode, Registered, SyncRequest, SyncResponse,
-};
+use flotilla_client::RetryPolicy;
+use flotilla_core::api::{LogLine, RegisterNode, Registered, SyncRequest, SyncResponse};
 use flotilla_core::id::{InstanceId, NodeId};
-use reqwest::StatusCode;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 
-/// Time to establish a connection.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Time for a request that is not a long-poll.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
-/// Slack on top of the long-poll wait before a sync is given up.
-const LONG_POLL_SLACK: Duration = Duration::from_secs(15);
+/// A failed call: `flotilla-client`'s one error type.
+pub use flotilla_client::Error as ClientError;
 
-/// A failed call.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    /// The server could not be reached, or the connection broke.
-    #[error("server unreachable: {0}")]
-    Transport(#[source] reqwest::Error),
-    /// The server answered with an error status.
-    #[error("server answered {status}: {code}: {message}")]
-    Status {
-        /// HTTP status.
-        status: StatusCode,
-        /// The error code of the body (`not_found`, …), or empty.
-        code: String,
-        /// The message of the body, or the start of a non-JSON body.
-        message: String,
-    },
-    /// The server answered 2xx with a body that does not decode.
-    #[error("malformed answer from the server: {0}")]
-    Decode(#[source] serde_json::Error),
-    /// The client could not be built (bad TLS setup).
-    #[error("cannot build http client: {0}")]
-    Build(#[source] reqwest::Error),
-}
-
-impl ClientError {
+/// The agent's reading of a failed call.
+pub trait Retryable {
     /// Worth retrying later: transport errors, 5xx, 408, 429, malformed
     /// answers, and 401/403 (a key may be fixed on the server side without
     /// restarting the agent).
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool;
+}
+
+impl Retryable for ClientError {
+    fn is_retryable(&self) -> bool {
         match self {
-            Self::Transport(_) | Self::Decode(_) => true,
-            Self::Status { status, .. } => {
-                status.is_server_error()
-                    || matches!(
-                        *status,
-                        StatusCode::REQUEST_TIMEOUT
-                            | StatusCode::TOO_MANY_REQUESTS
-                            | StatusCode::UNAUTHORIZED
-                            | StatusCode::FORBIDDEN
-                    )
-            }
-            Self::Build(_) => false,
+            Self::Decode { .. } => true,
+            Self::Config { .. } => false,
+            e => e.is_transient() || e.is_auth(),
         }
     }
-
-    /// The server does not know the resource (node or instance).
-    pub fn is_not_found(&self) -> bool {
-        matches!(self, Self::Status { status, .. } if *status == StatusCode::NOT_FOUND)
-    }
-
-    /// The server refused the key.
-    pub fn is_auth(&self) -> bool {
-        matches!(self, Self::Status { status, .. }
-            if *status == StatusCode::UNAUTHORIZED || *status == StatusCode::FORBIDDEN)
-    }
 }
 
-/// A client of one Flotilla server.
+/// A client of the Flotilla servers the agent reports to.
 #[derive(Debug, Clone)]
-pub struct Client {
-    http: reqwest::Client,
-    base: String,
-    token: String,
-}
+pub struct Client(flotilla_client::Client);
 
 impl Client {
-    /// A client of `server_url` (e.g. `http://127.0.0.1:7420`; a trailing
-    /// `/` or `/v1` is tolerated) authenticating with `token`.
-    pub fn new(server_url: &str, token: &str) -> Result<Self, ClientError> {
-        let http = reqwest::Client::builder()
-            .connect_timeout(CONNECT_TIMEOUT)
+    /// A client of `server_urls` (one URL, or several comma-separated, e.g.
+    /// `http://10.0.0.1:7420,http://10.0.0.2:7420`; a trailing `/` or `/v1`
+    /// is tolerated) authenticating with `token`.
+    pub fn new(server_urls: &str, token: &str) -> Result<Self, ClientError> {
+        flotilla_client::Client::builder(server_urls, token)
+            .retry(RetryPolicy::none())
             .user_agent(concat!("flotilla-agent/", env!("CARGO_PKG_VERSION")))
             .build()
-            .map_err(ClientError::Build)?;
-        let trimmed = server_url.trim().trim_end_matches('/');
-        let base = trimmed.strip_suffix("/v1").unwrap_or(trimmed).to_string();
-        Ok(Self {
-            http,
-            base,
-            token: token.to_string(),
-        })
+            .map(Self)
     }
 
-    /// The server's base URL, without `/v1`.
+    /// The server that answered last, without `/v1`.
     pub fn base_url(&self) -> &str {
-        &self.base
+        self.0.current_server()
     }
 
     /// `POST /v1/agent/register`.
     pub async fn register(&self, node: &RegisterNode) -> Result<Registered, ClientError> {
-        let resp = self
-            .post("/v1/agent/register", node, REQUEST_TIMEOUT)
-            .await?;
-        decode(resp).await
+        self.0.register_node(node).await
     }
 
     /// `POST /v1/agent/nodes/{node_id}/sync`; the server may hold the answer
@@ -127,10 +68,7 @@ impl Client {
         node_id: &NodeId,
         req: &SyncRequest,
     ) -> Result<SyncResponse, ClientError> {
-        let timeout = Duration::from_millis(req.wait_ms) + LONG_POLL_SLACK;
-        let path = format!("/v1/agent/nodes/{node_id}/sync");
-        let resp = self.post(&path, req, timeout).await?;
-        decode(resp).await
+        self.0.sync_node(node_id, req).await
     }
 
     /// `POST /v1/agent/instances/{instance_id}/logs`.
@@ -139,51 +77,8 @@ impl Client {
         instance_id: &InstanceId,
         lines: Vec<LogLine>,
     ) -> Result<(), ClientError> {
-        let path = format!("/v1/agent/instances/{instance_id}/logs");
-        self.post(&path, &LogBatch { lines }, REQUEST_TIMEOUT)
-            .await?;
-        Ok(())
+        self.0.push_logs(instance_id, lines).await
     }
-
-    /// Sends a JSON POST; a non-2xx answer becomes [`ClientError::Status`].
-    async fn post<B: Serialize + ?Sized>(
-        &self,
-        path: &str,
-        body: &B,
-        timeout: Duration,
-    ) -> Result<reqwest::Response, ClientError> {
-        let resp = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .bearer_auth(&self.token)
-            .timeout(timeout)
-            .json(body)
-            .send()
-            .await
-            .map_err(ClientError::Transport)?;
-        if resp.status().is_success() {
-            return Ok(resp);
-        }
-        let status = resp.status();
-        let bytes = resp.bytes().await.unwrap_or_default();
-        Err(match serde_json::from_slice::<ErrorBody>(&bytes) {
-            Ok(body) => ClientError::Status {
-                status,
-                code: body.error.code,
-                message: body.error.message,
-            },
-            Err(_) => ClientError::Status {
-                status,
-                code: String::new(),
-                message: String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned(),
-            },
-        })
-    }
-}
-
-async fn decode<T: DeserializeOwned>(resp: reqwest::Response) -> Result<T, ClientError> {
-    let bytes = resp.bytes().await.map_err(ClientError::Transport)?;
-    serde_json::from_slice(&bytes).map_err(ClientError::Decode)
 }
 
 #[cfg(test)]
@@ -197,6 +92,7 @@ mod tests {
             "http://h:1/",
             "http://h:1/v1",
             "http://h:1/v1/",
+            " http://h:1/v1/ , http://h:2",
         ] {
             assert_eq!(Client::new(url, "t").unwrap().base_url(), "http://h:1");
         }
@@ -204,10 +100,12 @@ mod tests {
 
     #[test]
     fn retry_policy_follows_status() {
-        let err = |s: u16| ClientError::Status {
-            status: StatusCode::from_u16(s).unwrap(),
+        let err = |s: u16| ClientError::Api {
+            status: s,
             code: String::new(),
             message: String::new(),
+            field: None,
+            retry_after: None,
         };
         assert!(err(503).is_retryable());
         assert!(err(429).is_retryable());

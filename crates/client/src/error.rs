@@ -22,8 +22,10 @@ pub enum Error {
     /// The server answered with a non-2xx status. `code`, `message` and
     /// `field` come from its error body (`{"error": {"code", "message",
     /// "details": {"field"}}}`); a body that is not one gives the code
-    /// `http_<status>` and a message quoting the start of the body.
-    #[error("{message}")]
+    /// `http_<status>` and a message quoting the start of the body. Shown
+    /// as the message with the status and code after it, for logs; a
+    /// person-facing front end may show [`Error::message`] alone.
+    #[error("{}", api_message(*status, code, message))]
     Api {
         /// HTTP status.
         status: u16,
@@ -64,6 +66,15 @@ pub enum Error {
     },
 }
 
+fn api_message(status: u16, code: &str, message: &str) -> String {
+    if code.starts_with("http_") {
+        // The message already quotes the status.
+        message.to_string()
+    } else {
+        format!("{message} ({status} {code})")
+    }
+}
+
 fn transport_message(kind: TransportKind, server: &str, message: &str) -> String {
     match kind {
         TransportKind::Connect => format!("cannot reach the server at {server}"),
@@ -86,6 +97,15 @@ impl Error {
         match self {
             Self::Api { code, .. } => Some(code),
             _ => None,
+        }
+    }
+
+    /// The sentence for a person: the server's message for an answer, the
+    /// whole text otherwise.
+    pub fn message(&self) -> String {
+        match self {
+            Self::Api { message, .. } => message.clone(),
+            other => other.to_string(),
         }
     }
 
@@ -218,7 +238,11 @@ mod tests {
     fn error_bodies_give_code_message_and_field() {
         let body = br#"{"error":{"code":"invalid_field","message":"gpus: must be\nat least 1","details":{"field":"gpus"}}}"#;
         let e = Error::from_answer(422, body, None);
-        assert_eq!(e.to_string(), "gpus: must be at least 1");
+        assert_eq!(e.message(), "gpus: must be at least 1");
+        assert_eq!(
+            e.to_string(),
+            "gpus: must be at least 1 (422 invalid_field)"
+        );
         match &e {
             Error::Api {
                 status,

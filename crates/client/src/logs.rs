@@ -101,7 +101,7 @@ mod tests {
         assert_eq!((l.seq, l.line.as_str()), (3, "hi"));
         assert!(parse_ndjson_line(b"  \n").unwrap().is_none());
         let e = parse_ndjson_line(br#"{"error":{"code":"x","message":"boom"}}"#).unwrap_err();
-        assert_eq!(e.to_string(), "boom");
+        assert_eq!(e.message(), "boom");
         assert_eq!(e.code(), Some("x"));
         let e = parse_ndjson_line(b"{nope").unwrap_err();
         assert!(matches!(e, Error::Decode { .. }), "{e}");
