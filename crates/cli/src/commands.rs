@@ -212,12 +212,16 @@ pub fn parse_env(s: &str) -> std::result::Result<(String, String), String> {
 /// `flotilla queue`: pending instances in the order the scheduler tries
 /// them, with their position in the whole queue and why each waits.
 pub async fn queue(ctx: &Ctx) -> Result<ExitCode> {
-    let raw: Value = ctx.client.get("/v1/queue", &[]).await?;
-    let page: flotilla_core::api::Page<flotilla_core::api::QueueEntry> = decode(raw.clone())?;
+    // The entries as the server wrote them, for `--json`.
+    let raw: flotilla_core::api::Page<Value> = ctx.client.get("/v1/queue", &[]).await?;
     if ctx.json {
-        print_json(&raw["items"])?;
+        print_json(&raw.items)?;
         return Ok(ExitCode::SUCCESS);
     }
+    let page = flotilla_core::api::Page {
+        items: decode_all::<flotilla_core::api::QueueEntry>(raw.items)?,
+        next_cursor: raw.next_cursor,
+    };
     let now = Utc::now();
     let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
     for e in page.items {

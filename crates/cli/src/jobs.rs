@@ -355,12 +355,20 @@ pub async fn explain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 }
 
 async fn queue(ctx: &Ctx) -> Result<ExitCode> {
-    let raw: Value = ctx.client.get("/v1/jobs/queue", &[]).await?;
-    let page: Page<JobQueueEntry> = decode(raw.clone())?;
+    // The entries as the server wrote them, for `--json`.
+    let raw: Page<Value> = ctx.client.get("/v1/jobs/queue", &[]).await?;
     if ctx.json {
-        print_json(&raw["items"])?;
+        print_json(&raw.items)?;
         return Ok(ExitCode::SUCCESS);
     }
+    let page = Page {
+        items: raw
+            .items
+            .into_iter()
+            .map(decode::<JobQueueEntry>)
+            .collect::<Result<Vec<_>>>()?,
+        next_cursor: raw.next_cursor,
+    };
     let now = Utc::now();
     let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
     for e in page.items {
