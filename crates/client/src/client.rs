@@ -321,6 +321,8 @@ impl Client {
         if status.is_success() {
             return Ok(resp);
         }
+        // Only the delta-seconds form: the server writes no other, and an
+        // HTTP-date would need the wall clock to read.
         let retry_after = resp
             .headers()
             .get(header::RETRY_AFTER)
