@@ -41,7 +41,7 @@ use tokio::time::Instant;
 
 pub use discovery::{discover, nvml_available, DiscoveryError};
 
-use client::{Client, ClientError};
+use client::{Client, ClientError, Retryable};
 use runtime::{Process, SpawnSpec, Wakers};
 use telemetry::Telemetry;
 
@@ -74,7 +74,8 @@ const LEASE_CHECK: Duration = Duration::from_millis(100);
 /// How the agent runs.
 #[derive(Clone)]
 pub struct AgentConfig {
-    /// The server, e.g. `http://127.0.0.1:7420` (no trailing `/v1`).
+    /// The server, e.g. `http://127.0.0.1:7420` (no trailing `/v1`), or
+    /// several replicas of it, comma-separated: calls fail over between them.
     pub server_url: String,
     /// Bearer API key (provider or operator role).
     pub token: String,
@@ -809,10 +810,12 @@ mod tests {
     use super::*;
 
     fn err() -> ClientError {
-        ClientError::Status {
-            status: reqwest::StatusCode::SERVICE_UNAVAILABLE,
+        ClientError::Api {
+            status: 503,
             code: String::new(),
             message: String::new(),
+            field: None,
+            retry_after: None,
         }
     }
 

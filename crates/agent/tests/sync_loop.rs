@@ -545,3 +545,53 @@ async fn the_agent_stops_its_work_when_its_lease_runs_out() {
     agent.await.unwrap().unwrap();
     server.abort();
 }
+
+#[tokio::test]
+async fn agent_fails_over_to_the_next_server_url() {
+    // Two replicas of one control plane: two listeners on one shared state,
+    // as two servers on one database would be.
+    let mock = Mock::default();
+    let free = || {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let (a, b): (SocketAddr, SocketAddr) = (free(), free());
+    let first = mock.serve(a).await;
+    let second = mock.serve(b).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = flotilla_agent::AgentConfig::new(
+        format!("http://{a}, http://{b}/v1"),
+        "secret",
+        "node-ha",
+        dir.path(),
+    );
+    config.simulate_gpus = Some("1xT4".into());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(flotilla_agent::run(config, async {
+        let _ = stop_rx.await;
+    }));
+    mock.wait_for("a first sync", Duration::from_secs(20), |s| {
+        !s.syncs.is_empty()
+    })
+    .await;
+
+    // The first replica dies, dropping the long-poll: the agent carries on
+    // with the second, without registering again.
+    first.abort();
+    let before = mock.with(|s| s.syncs.len());
+    mock.wait_for(
+        "a sync through the second URL",
+        Duration::from_secs(30),
+        |s| s.syncs.len() > before,
+    )
+    .await;
+    assert_eq!(mock.with(|s| s.registrations.len()), 1);
+
+    let _ = stop_tx.send(());
+    tokio::time::timeout(Duration::from_secs(30), agent)
+        .await
+        .expect("agent stops")
+        .unwrap()
+        .unwrap();
+    second.abort();
+}

@@ -222,6 +222,45 @@ fn mac(secret: &[u8], t: i64, payload: &[u8]) -> Result<Hmac<Sha256>> {
     Ok(m)
 }
 
+/// Where a delivery is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeliveryState {
+    /// Waiting for its next attempt.
+    Pending,
+    /// The receiver answered 2xx.
+    Delivered,
+    /// Out of attempts.
+    Failed,
+}
+
+/// One webhook delivery and its log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delivery {
+    /// Delivery id.
+    pub id: String,
+    /// The tenant.
+    pub tenant: TenantId,
+    /// Receiver URL.
+    pub url: String,
+    /// The JSON body sent (the alert).
+    pub body: String,
+    /// Pending, delivered or failed.
+    pub state: DeliveryState,
+    /// Attempts made.
+    pub attempts: u32,
+    /// When the next attempt is due (pending only).
+    pub next_attempt_at: DateTime<Utc>,
+    /// HTTP status of the last attempt, if it got one.
+    pub last_status: Option<u16>,
+    /// Why the last attempt failed.
+    pub last_error: Option<String>,
+    /// When a receiver accepted it.
+    pub delivered_at: Option<DateTime<Utc>>,
+    /// When it was queued.
+    pub created_at: DateTime<Utc>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

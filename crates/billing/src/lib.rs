@@ -15,6 +15,7 @@
 //! rounded once, at the invoice line, half-even to the currency's minor
 //! units ([`Currency::round`]); totals are exact sums of rounded lines.
 
+pub mod api;
 pub mod budget;
 pub mod error;
 pub mod estimate;

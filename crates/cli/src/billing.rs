@@ -1,25 +1,24 @@
 //! Billing commands: `prices`, `invoices`, `budget`, `estimate`,
 //! `payouts`, and CSV export of usage and invoices. Each is a thin client
-//! of the API: it sends what was typed and prints what came back.
+//! of the API: it sends what was typed and prints what came back, read
+//! through the API's own types (`flotilla_billing::api` and billing's
+//! domain types), never by key.
 
 use std::process::ExitCode;
 
 use anyhow::{anyhow, bail, Context, Result};
 use chrono::Utc;
 use clap::{Args, Subcommand};
+use flotilla_billing::api::{BudgetView, Finalized, Payouts, PriceCatalog, SpotPrices, Terms};
+use flotilla_billing::estimate::{BillingModel, Estimate, EstimateOption};
+use flotilla_billing::invoice::{Invoice, InvoiceStatus};
+use flotilla_billing::price::{Commitment, CreditGrant, Discount, PriceVersion};
+use rust_decimal::Decimal;
 use serde_json::{json, Value};
 
-use crate::client;
+use crate::client::decode;
 use crate::commands::Ctx;
-use crate::output::{outln, print_json, print_table, table};
-
-fn s(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Null => String::new(),
-        other => other.to_string(),
-    }
-}
+use crate::output::{outln, print_json, print_table, table, wire};
 
 fn this_month() -> String {
     Utc::now().format("%Y-%m").to_string()
@@ -44,54 +43,49 @@ pub async fn prices(ctx: &Ctx, command: Option<PricesCommand>) -> Result<ExitCod
             .with_context(|| format!("reading {}", file.display()))?;
         let body: Value = serde_json::from_str(&text)
             .with_context(|| format!("{} is not JSON", file.display()))?;
-        let v = ctx.client.post("/v1/prices", &body).await?;
+        let raw: Value = ctx.client.post("/v1/prices", &body).await?;
         if ctx.json {
-            print_json(&v)?;
+            print_json(&raw)?;
         } else {
+            let v: PriceVersion = decode(raw)?;
             outln!(
                 "published price version {} (effective {})",
-                s(&v["version"]),
-                s(&v["effective_from"])
+                v.version,
+                wire(&v.effective_from)
             )?;
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let raw = ctx.client.get("/v1/prices", &[]).await?;
+    let raw: Value = ctx.client.get("/v1/prices", &[]).await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let in_force = raw["in_force"].as_u64().unwrap_or(0);
-    let versions = raw["versions"].as_array().cloned().unwrap_or_default();
+    let catalog: PriceCatalog = decode(raw)?;
+    let in_force = catalog.in_force;
     let mut t = table(["VERSION", "EFFECTIVE FROM", "STATE"]);
-    for v in &versions {
-        let n = v["version"].as_u64().unwrap_or(0);
-        let state = match n.cmp(&in_force) {
+    for v in &catalog.versions {
+        let state = match v.version.cmp(&in_force) {
             std::cmp::Ordering::Less => "past",
             std::cmp::Ordering::Equal => "in force",
             std::cmp::Ordering::Greater => "scheduled",
         };
-        t.add_row([n.to_string(), s(&v["effective_from"]), state.to_string()]);
+        t.add_row([
+            v.version.to_string(),
+            wire(&v.effective_from),
+            state.to_string(),
+        ]);
     }
     print_table(&t)?;
-    let Some(cur) = versions
-        .iter()
-        .find(|v| v["version"].as_u64() == Some(in_force))
-    else {
+    let Some(cur) = catalog.versions.iter().find(|v| v.version == in_force) else {
         return Ok(ExitCode::SUCCESS);
     };
-    let spot = ctx.client.get("/v1/prices/spot", &[]).await?;
-    let currency = s(&raw["currency"]);
-    outln!("\nversion {in_force}, prices in {currency} per GPU-hour")?;
-    let hour = |v: &Value| -> String {
-        s(v).parse::<rust_decimal::Decimal>()
-            .map(|d| {
-                (d * rust_decimal::Decimal::from(3600))
-                    .round_dp(4)
-                    .to_string()
-            })
-            .unwrap_or_default()
-    };
+    let spot: SpotPrices = ctx.client.get("/v1/prices/spot", &[]).await?;
+    outln!(
+        "\nversion {in_force}, prices in {} per GPU-hour",
+        catalog.currency
+    )?;
+    let hour = |d: Decimal| -> String { (d * Decimal::from(3600)).round_dp(4).to_string() };
     let mut t = table([
         "MODEL",
         "ON-DEMAND",
@@ -100,21 +94,25 @@ pub async fn prices(ctx: &Ctx, command: Option<PricesCommand>) -> Result<ExitCod
         "SPOT NOW",
         "SERVERLESS",
     ]);
-    for (model, od) in cur["on_demand"].as_object().into_iter().flatten() {
-        let now = spot["latest"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|p| p["model"] == model.as_str())
-            .map(|p| hour(&p["per_gpu_second"]))
+    for (model, od) in &cur.on_demand {
+        let now = spot
+            .latest
+            .iter()
+            .find(|p| &p.model == model)
+            .map(|p| hour(p.per_gpu_second))
             .unwrap_or_default();
+        let band = cur.spot.get(model);
         t.add_row([
             model.clone(),
-            hour(&od["per_gpu_second"]),
-            hour(&cur["spot"][model]["floor"]),
-            hour(&cur["spot"][model]["ceiling"]),
+            hour(od.per_gpu_second),
+            band.map(|b| hour(b.floor)).unwrap_or_default(),
+            band.map(|b| hour(b.ceiling)).unwrap_or_default(),
             now,
-            hour(&cur["serverless"]["per_gpu_second"][model]),
+            cur.serverless
+                .per_gpu_second
+                .get(model)
+                .map(|d| hour(*d))
+                .unwrap_or_default(),
         ]);
     }
     print_table(&t)?;
@@ -156,34 +154,41 @@ pub enum InvoicesCommand {
     },
 }
 
-fn print_invoice(raw: &Value) -> Result<()> {
-    let currency = s(&raw["currency"]["code"]);
-    let state = s(&raw["status"]["state"]);
+fn status_name(s: InvoiceStatus) -> &'static str {
+    match s {
+        InvoiceStatus::Draft => "draft",
+        InvoiceStatus::Finalised { .. } => "finalised",
+    }
+}
+
+fn print_invoice(inv: &Invoice) -> Result<()> {
+    let currency = &inv.currency().code;
+    let state = status_name(inv.status());
     outln!(
         "invoice {} for {} ({} to {}), {state}",
-        s(&raw["id"]),
-        s(&raw["tenant"]),
-        s(&raw["period"]["start"]),
-        s(&raw["period"]["end"])
+        inv.id(),
+        inv.tenant(),
+        wire(&inv.period().start),
+        wire(&inv.period().end)
     )?;
     let mut t = table(["LINE", "QUANTITY", "UNIT", "UNIT PRICE", "AMOUNT", "PRICE"]);
-    for l in raw["lines"].as_array().into_iter().flatten() {
-        let price = match (&l["price_version"], &l["price_point_at"]) {
-            (Value::Null, _) => s(&l["reference"]),
-            (v, Value::Null) => format!("v{}", s(v)),
-            (v, at) => format!("v{} spot@{}", s(v), s(at)),
+    for l in inv.lines() {
+        let price = match (l.price_version, l.price_point_at) {
+            (None, _) => l.reference.clone().unwrap_or_default(),
+            (Some(v), None) => format!("v{v}"),
+            (Some(v), Some(at)) => format!("v{v} spot@{}", wire(&at)),
         };
         t.add_row([
-            s(&l["description"]),
-            s(&l["quantity"]),
-            s(&l["unit"]),
-            s(&l["unit_price"]),
-            s(&l["amount"]),
+            l.description.clone(),
+            wire(&l.quantity),
+            l.unit.clone(),
+            wire(&l.unit_price),
+            wire(&l.amount),
             price,
         ]);
     }
     print_table(&t)?;
-    outln!("total: {} {currency}", s(&raw["total"]))?;
+    outln!("total: {} {currency}", wire(&inv.total()))?;
     Ok(())
 }
 
@@ -194,19 +199,20 @@ pub async fn invoices(ctx: &Ctx, command: Option<InvoicesCommand>) -> Result<Exi
             print!("{}", ctx.client.list_csv("/v1/invoices", &[]).await?);
         }
         InvoicesCommand::List { csv: false } => {
-            let items = ctx.client.list("/v1/invoices", &[], None).await?;
+            let items: Vec<Value> = ctx.client.list("/v1/invoices", &[], None).await?;
             if ctx.json {
                 print_json(&items)?;
                 return Ok(ExitCode::SUCCESS);
             }
             let mut t = table(["ID", "TENANT", "PERIOD", "STATUS", "TOTAL"]);
-            for i in &items {
+            for raw in items {
+                let i: Invoice = decode(raw)?;
                 t.add_row([
-                    s(&i["id"]),
-                    s(&i["tenant"]),
-                    s(&i["period"]["start"]).chars().take(7).collect(),
-                    s(&i["status"]["state"]),
-                    format!("{} {}", s(&i["total"]), s(&i["currency"]["code"])),
+                    i.id().to_string(),
+                    i.tenant().to_string(),
+                    wire(&i.period().start).chars().take(7).collect(),
+                    status_name(i.status()).to_string(),
+                    format!("{} {}", wire(&i.total()), i.currency().code),
                 ]);
             }
             print_table(&t)?;
@@ -220,23 +226,23 @@ pub async fn invoices(ctx: &Ctx, command: Option<InvoicesCommand>) -> Result<Exi
                 print!("{}", ctx.client.get_csv(&path, &[]).await?.0);
                 return Ok(ExitCode::SUCCESS);
             }
-            let raw = ctx.client.get(&path, &[]).await?;
+            let raw: Value = ctx.client.get(&path, &[]).await?;
             if ctx.json {
                 print_json(&raw)?;
             } else {
-                print_invoice(&raw)?;
+                print_invoice(&decode(raw)?)?;
             }
         }
         InvoicesCommand::Preview { period } => {
             let period = period.unwrap_or_else(this_month);
-            let raw = ctx
+            let raw: Value = ctx
                 .client
                 .get("/v1/invoices/preview", &[("period", period)])
                 .await?;
             if ctx.json {
                 print_json(&raw)?;
             } else {
-                print_invoice(&raw)?;
+                print_invoice(&decode(raw)?)?;
             }
         }
         InvoicesCommand::Finalize { period, tenant } => {
@@ -244,26 +250,27 @@ pub async fn invoices(ctx: &Ctx, command: Option<InvoicesCommand>) -> Result<Exi
             if let Some(t) = tenant {
                 body["tenant"] = json!(t);
             }
-            let raw = ctx.client.post("/v1/invoices/finalize", &body).await?;
+            let raw: Value = ctx.client.post("/v1/invoices/finalize", &body).await?;
             if ctx.json {
                 print_json(&raw)?;
                 return Ok(ExitCode::SUCCESS);
             }
+            let done: Finalized = decode(raw)?;
             let mut t = table(["TENANT", "INVOICE", "TOTAL", "RESULT"]);
-            for i in raw["finalised"].as_array().into_iter().flatten() {
+            for i in &done.finalised {
                 t.add_row([
-                    s(&i["tenant"]),
-                    s(&i["id"]),
-                    format!("{} {}", s(&i["total"]), s(&i["currency"]["code"])),
+                    i.tenant().to_string(),
+                    i.id().to_string(),
+                    format!("{} {}", wire(&i.total()), i.currency().code),
                     "finalised".into(),
                 ]);
             }
-            for k in raw["skipped"].as_array().into_iter().flatten() {
+            for k in &done.skipped {
                 t.add_row([
-                    s(&k["tenant"]),
+                    k.tenant.to_string(),
                     String::new(),
                     String::new(),
-                    s(&k["reason"]).replace('_', " "),
+                    k.reason.replace('_', " "),
                 ]);
             }
             print_table(&t)?;
@@ -312,7 +319,7 @@ pub async fn budget(
     tenant: Option<String>,
     command: Option<BudgetCommand>,
 ) -> Result<ExitCode> {
-    let raw = match command {
+    let raw: Value = match command {
         Some(BudgetCommand::Set(b)) => {
             let mut body = json!({ "limit": b.limit.to_string(), "hard_cap": b.hard_cap });
             if let Some(t) = &tenant {
@@ -333,7 +340,7 @@ pub async fn budget(
                 Ok(raw) => raw,
                 // No budget is a state, not a failure: say so and how to
                 // set one.
-                Err(e) if client::is_not_found(&e) && !ctx.json => {
+                Err(e) if e.is_not_found() && !ctx.json => {
                     outln!(
                         "no budget set for {}: nothing is alerted or capped \
                          (set one with `flotilla budget set --limit AMOUNT`)",
@@ -341,7 +348,7 @@ pub async fn budget(
                     )?;
                     return Ok(ExitCode::SUCCESS);
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         }
     };
@@ -349,53 +356,47 @@ pub async fn budget(
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let cur = s(&raw["currency"]);
+    let b: BudgetView = decode(raw)?;
+    let cur = &b.currency;
     outln!(
         "budget of {}: {} {cur} a month{}",
-        s(&raw["tenant"]),
-        s(&raw["limit"]),
-        if raw["hard_cap"] == true {
+        b.tenant,
+        wire(&b.limit),
+        if b.hard_cap {
             ", hard cap on spot and preemptible work"
         } else {
             ""
         }
     )?;
-    let thresholds: Vec<String> = raw["thresholds"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|t| format!("{}%", s(t)))
-        .collect();
+    let thresholds: Vec<String> = b.thresholds.iter().map(|t| format!("{t}%")).collect();
     outln!(
         "spent this month: {} {cur}; alerts at {}",
-        s(&raw["spend"]),
+        wire(&b.spend),
         thresholds.join(", ")
     )?;
-    if let Some(u) = raw["webhook_url"].as_str() {
+    if let Some(u) = &b.webhook_url {
         outln!("webhook: {u}")?;
     }
-    let alerts = raw["alerts"].as_array().cloned().unwrap_or_default();
-    if !alerts.is_empty() {
+    if !b.alerts.is_empty() {
         let mut t = table(["ALERT", "SPEND", "AT"]);
-        for a in &alerts {
+        for a in &b.alerts {
             t.add_row([
-                format!("{}%", s(&a["threshold_percent"])),
-                s(&a["spend"]),
-                s(&a["at"]),
+                format!("{}%", a.threshold_percent),
+                wire(&a.spend),
+                wire(&a.at),
             ]);
         }
         print_table(&t)?;
     }
-    let deliveries = raw["deliveries"].as_array().cloned().unwrap_or_default();
-    if !deliveries.is_empty() {
+    if !b.deliveries.is_empty() {
         let mut t = table(["DELIVERY", "STATE", "ATTEMPTS", "LAST"]);
-        for d in &deliveries {
-            let last = match (&d["last_status"], &d["last_error"]) {
-                (Value::Null, Value::Null) => String::new(),
-                (st, Value::Null) => s(st),
-                (_, e) => s(e),
+        for d in &b.deliveries {
+            let last = match (d.last_status, &d.last_error) {
+                (None, None) => String::new(),
+                (Some(st), None) => st.to_string(),
+                (_, Some(e)) => e.clone(),
             };
-            t.add_row([s(&d["id"]), s(&d["state"]), s(&d["attempts"]), last]);
+            t.add_row([d.id.clone(), wire(&d.state), d.attempts.to_string(), last]);
         }
         print_table(&t)?;
     }
@@ -439,7 +440,6 @@ pub struct EstimateArgs {
     gpu_seconds_per_request: rust_decimal::Decimal,
 }
 
-/// `flotilla estimate …`.
 pub async fn estimate(ctx: &Ctx, a: EstimateArgs) -> Result<ExitCode> {
     let body = match (a.rps, a.count) {
         (Some(rps), _) => json!({
@@ -466,38 +466,40 @@ pub async fn estimate(ctx: &Ctx, a: EstimateArgs) -> Result<ExitCode> {
             ))
         }
     };
-    let raw = ctx.client.post("/v1/estimates", &body).await?;
+    let raw: Value = ctx.client.post("/v1/estimates", &body).await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let cur = s(&raw["currency"]["code"]);
-    let model_name = |o: &Value| -> String {
-        let bm = &o["billing_model"];
-        match bm["kind"].as_str().unwrap_or("") {
-            "reserved" => format!("reserved {} days", s(&bm["term_days"])),
-            other => other.replace('_', "-"),
+    let est: Estimate = decode(raw)?;
+    let cur = &est.currency.code;
+    let model_name = |o: &EstimateOption| -> String {
+        match &o.billing_model {
+            BillingModel::Reserved { term_days, .. } => format!("reserved {term_days} days"),
+            BillingModel::OnDemand => "on-demand".to_string(),
+            BillingModel::Spot => "spot".to_string(),
+            BillingModel::Serverless => "serverless".to_string(),
         }
     };
     let mut t = table(["MODEL", "BILLING", "GPUS", "MONTHLY", "MEETS", "NOTE"]);
-    for o in raw["options"].as_array().into_iter().flatten() {
+    for o in &est.options {
         t.add_row([
-            s(&o["model"]),
+            o.model.clone(),
             model_name(o),
-            s(&o["gpus"]),
-            format!("{} {cur}", s(&o["monthly_cost"])),
-            if o["meets"] == true { "yes" } else { "no" }.to_string(),
-            s(&o["note"]),
+            o.gpus.to_string(),
+            format!("{} {cur}", wire(&o.monthly_cost)),
+            if o.meets { "yes" } else { "no" }.to_string(),
+            o.note.clone(),
         ]);
     }
     print_table(&t)?;
-    match raw["cheapest"].as_object() {
-        Some(_) => outln!(
+    match &est.cheapest {
+        Some(c) => outln!(
             "cheapest that meets it: {} {} at {} {cur} a month (30 days, price version {})",
-            s(&raw["cheapest"]["model"]),
-            model_name(&raw["cheapest"]),
-            s(&raw["cheapest"]["monthly_cost"]),
-            s(&raw["price_version"])
+            c.model,
+            model_name(c),
+            wire(&c.monthly_cost),
+            est.price_version
         )?,
         None => outln!("no option meets this workload")?,
     }
@@ -507,7 +509,7 @@ pub async fn estimate(ctx: &Ctx, a: EstimateArgs) -> Result<ExitCode> {
 /// `flotilla payouts`: provider payout statements of a month.
 pub async fn payouts(ctx: &Ctx, period: Option<String>) -> Result<ExitCode> {
     let period = period.unwrap_or_else(this_month);
-    let raw = ctx
+    let raw: Value = ctx
         .client
         .get("/v1/payouts", &[("period", period.clone())])
         .await?;
@@ -515,29 +517,29 @@ pub async fn payouts(ctx: &Ctx, period: Option<String>) -> Result<ExitCode> {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let items = raw["items"].as_array().cloned().unwrap_or_default();
-    if items.is_empty() {
+    let payouts: Payouts = decode(raw)?;
+    if payouts.items.is_empty() {
         outln!("no payouts for {period}")?;
     }
-    for p in &items {
-        let cur = s(&p["currency"]["code"]);
-        outln!("payout statement {period} for {}", s(&p["provider"]))?;
+    for p in &payouts.items {
+        let cur = &p.currency.code;
+        outln!("payout statement {period} for {}", p.provider)?;
         let mut t = table(["MODEL", "KIND", "GPU-SECONDS", "UNIT PRICE", "GROSS"]);
-        for l in p["lines"].as_array().into_iter().flatten() {
+        for l in &p.lines {
             t.add_row([
-                s(&l["model"]),
-                s(&l["kind"]),
-                s(&l["gpu_seconds"]),
-                s(&l["unit_price"]),
-                s(&l["gross"]),
+                l.model.clone(),
+                wire(&l.kind),
+                wire(&l.gpu_seconds),
+                wire(&l.unit_price),
+                wire(&l.gross),
             ]);
         }
         print_table(&t)?;
         outln!(
             "gross {} {cur}, operator fee {} {cur}, payout {} {cur}",
-            s(&p["gross"]),
-            s(&p["operator_fee"]),
-            s(&p["payout"])
+            wire(&p.gross),
+            wire(&p.operator_fee),
+            wire(&p.payout)
         )?;
     }
     Ok(ExitCode::SUCCESS)
@@ -615,14 +617,15 @@ pub async fn terms(
 ) -> Result<ExitCode> {
     let tenant = match tenant {
         Some(t) => t,
-        None => s(&ctx.client.me().await?["tenant"]["id"]),
+        None => ctx.client.me().await?.tenant.id.to_string(),
     };
     if !tenant.starts_with("ten_") {
         bail!("`{tenant}` is not a tenant id (ten_…)");
     }
     let path = format!("/v1/tenants/{tenant}/terms");
     if let Some(cmd) = command {
-        let body = match cmd {
+        // The answer is the term added, of the kind asked for.
+        let (kind, body) = match cmd {
             TermsCommand::Commitment {
                 id,
                 model,
@@ -631,78 +634,91 @@ pub async fn terms(
                 term_days,
                 payment,
                 discount,
-            } => json!({"kind": "commitment", "id": id, "model": model, "gpus": gpus,
+            } => (
+                "commitment",
+                json!({"kind": "commitment", "id": id, "model": model, "gpus": gpus,
                 "start": start, "term_days": term_days, "payment": payment,
                 "discount": discount.map(|d| d.to_string())}),
+            ),
             TermsCommand::Discount {
                 id,
                 percent,
                 scope,
                 from,
                 until,
-            } => json!({"kind": "discount", "id": id, "percent": percent.to_string(),
+            } => (
+                "discount",
+                json!({"kind": "discount", "id": id, "percent": percent.to_string(),
                 "scope": scope, "from": from, "until": until}),
+            ),
             TermsCommand::Credit {
                 id,
                 amount,
                 kind,
                 expires_at,
-            } => json!({"kind": "credit", "id": id, "amount": amount.to_string(),
+            } => (
+                "credit",
+                json!({"kind": "credit", "id": id, "amount": amount.to_string(),
                 "credit_kind": kind, "expires_at": expires_at}),
+            ),
         };
-        let v = ctx.client.post(&path, &body).await?;
+        let raw: Value = ctx.client.post(&path, &body).await?;
         if ctx.json {
-            print_json(&v)?;
-        } else {
-            outln!("added {} `{}`", s(&body["kind"]), s(&v["id"]))?;
+            print_json(&raw)?;
+            return Ok(ExitCode::SUCCESS);
         }
+        let id = match kind {
+            "commitment" => decode::<Commitment>(raw)?.id,
+            "discount" => decode::<Discount>(raw)?.id,
+            _ => decode::<CreditGrant>(raw)?.id,
+        };
+        outln!("added {kind} `{id}`")?;
         return Ok(ExitCode::SUCCESS);
     }
-    let raw = ctx.client.get(&path, &[]).await?;
+    let raw: Value = ctx.client.get(&path, &[]).await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
     }
+    let terms: Terms = decode(raw)?;
     let mut t = table(["TERM", "ID", "DETAIL"]);
-    for c in raw["commitments"].as_array().into_iter().flatten() {
+    for c in &terms.commitments {
         t.add_row([
             "commitment".to_string(),
-            s(&c["id"]),
+            c.id.clone(),
             format!(
                 "{}×{} {} to {}, {}, {} per GPU-second (price v{})",
-                s(&c["gpus"]),
-                s(&c["model"]),
-                s(&c["start"]),
-                s(&c["end"]),
-                s(&c["payment"]),
-                s(&c["per_gpu_second"]),
-                s(&c["price_version"])
+                c.gpus,
+                c.model,
+                wire(&c.start),
+                wire(&c.end),
+                wire(&c.payment),
+                wire(&c.per_gpu_second),
+                c.price_version
             ),
         ]);
     }
-    for d in raw["discounts"].as_array().into_iter().flatten() {
+    for d in &terms.discounts {
         t.add_row([
             "discount".to_string(),
-            s(&d["id"]),
+            d.id.clone(),
             format!(
                 "{}% off {} from {}",
-                s(&d["percent"]),
-                s(&d["scope"]),
-                s(&d["from"])
+                wire(&d.percent),
+                wire(&d.scope),
+                wire(&d.from)
             ),
         ]);
     }
-    for c in raw["credits"].as_array().into_iter().flatten() {
-        let id = s(&c["id"]);
-        let drawn = s(&raw["credit_drawn"][&id]);
+    for c in &terms.credits {
+        let drawn = terms
+            .credit_drawn
+            .get(&c.id)
+            .map_or_else(|| "0".to_string(), wire);
         t.add_row([
-            format!("{} credit", s(&c["kind"])),
-            id,
-            format!(
-                "{} granted, {} drawn",
-                s(&c["amount"]),
-                if drawn.is_empty() { "0".into() } else { drawn }
-            ),
+            format!("{} credit", wire(&c.kind)),
+            c.id.clone(),
+            format!("{} granted, {drawn} drawn", wire(&c.amount)),
         ]);
     }
     print_table(&t)?;

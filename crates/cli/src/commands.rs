@@ -8,6 +8,7 @@ use std::process::ExitCode;
 
 use anyhow::{anyhow, bail, Result};
 use chrono::Utc;
+use flotilla_billing::meter::{Meter, UsageEvent};
 use flotilla_core::api::{
     ApiKey, CreateApiKey, CreateTenant, CreatedApiKey, GpuTypeView, Instance, InstanceTelemetry,
     Me, Node, QuotaView, Tenant,
@@ -49,8 +50,8 @@ pub async fn login(server: Option<String>, api_key: Option<String>) -> Result<Ex
         .map(|k| k.trim().to_string())
         .filter(|k| !k.is_empty())
         .ok_or_else(|| anyhow!("login needs --api-key KEY (or FLOTILLA_API_KEY)"))?;
-    let client = Client::new(&server, &api_key)?;
-    let me: Me = decode(client.me().await?)?;
+    let client = crate::client::connect(&server, &api_key)?;
+    let me: Me = client.me().await?;
     let path = config::credentials_path()?;
     config::save(
         &path,
@@ -70,7 +71,7 @@ pub async fn login(server: Option<String>, api_key: Option<String>) -> Result<Ex
 
 /// `flotilla gpus`.
 pub async fn gpus(ctx: &Ctx) -> Result<ExitCode> {
-    let raw = ctx.client.list("/v1/gpu-types", &[], None).await?;
+    let raw: Vec<Value> = ctx.client.list("/v1/gpu-types", &[], None).await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
@@ -101,7 +102,7 @@ pub async fn gpus(ctx: &Ctx) -> Result<ExitCode> {
 
 /// `flotilla nodes`.
 pub async fn nodes(ctx: &Ctx) -> Result<ExitCode> {
-    let raw = ctx.client.list("/v1/nodes", &[], None).await?;
+    let raw: Vec<Value> = ctx.client.list("/v1/nodes", &[], None).await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
@@ -218,12 +219,16 @@ pub fn parse_env(s: &str) -> std::result::Result<(String, String), String> {
 /// `flotilla queue`: pending instances in the order the scheduler tries
 /// them, with their position in the whole queue and why each waits.
 pub async fn queue(ctx: &Ctx) -> Result<ExitCode> {
-    let raw = ctx.client.get("/v1/queue", &[]).await?;
-    let page: flotilla_core::api::Page<flotilla_core::api::QueueEntry> = decode(raw.clone())?;
+    // The entries as the server wrote them, for `--json`.
+    let raw: flotilla_core::api::Page<Value> = ctx.client.get("/v1/queue", &[]).await?;
     if ctx.json {
-        print_json(&raw["items"])?;
+        print_json(&raw.items)?;
         return Ok(ExitCode::SUCCESS);
     }
+    let page = flotilla_core::api::Page {
+        items: decode_all::<flotilla_core::api::QueueEntry>(raw.items)?,
+        next_cursor: raw.next_cursor,
+    };
     let now = Utc::now();
     let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
     for e in page.items {
@@ -273,7 +278,7 @@ pub async fn run(ctx: &Ctx, args: RunArgs) -> Result<ExitCode> {
     } else {
         Some(Signals::new()?)
     };
-    let raw = ctx.client.post("/v1/instances", &req).await?;
+    let raw: Value = ctx.client.post("/v1/instances", &req).await?;
     let inst: Instance = decode(raw.clone())?;
     eprintln!("instance {} created", inst.id);
     if args.detach {
@@ -331,7 +336,7 @@ pub async fn ps(ctx: &Ctx, args: PsArgs) -> Result<ExitCode> {
     // Finished instances are hidden unless asked for by --all or --state.
     let hide_final = !args.all && args.state.is_none();
     let server_limit = if hide_final { None } else { args.limit };
-    let raw = ctx
+    let raw: Vec<Value> = ctx
         .client
         .list("/v1/instances", &query, server_limit)
         .await?;
@@ -418,7 +423,7 @@ pub async fn top(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 pub async fn logs(ctx: &Ctx, id: &str, follow_it: bool) -> Result<ExitCode> {
     let id = instance_id(id)?;
     if follow_it {
-        let inst: Instance = decode(ctx.client.instance(id.as_str()).await?)?;
+        let inst: Instance = ctx.client.instance(id.as_str()).await?;
         let opts = FollowOptions {
             progress: false,
             json: ctx.json,
@@ -441,7 +446,10 @@ pub async fn logs(ctx: &Ctx, id: &str, follow_it: bool) -> Result<ExitCode> {
 /// `flotilla stop`.
 pub async fn stop(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = instance_id(id)?;
-    let raw = ctx.client.stop_instance(id.as_str()).await?;
+    let raw: Value = ctx
+        .client
+        .post(&format!("/v1/instances/{id}/stop"), &serde_json::json!({}))
+        .await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
@@ -458,7 +466,7 @@ pub async fn stop(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 /// `flotilla explain ID`.
 pub async fn explain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = instance_id(id)?;
-    let raw = ctx.client.get(&format!("/v1/instances/{id}"), &[]).await?;
+    let raw: Value = ctx.client.get(&format!("/v1/instances/{id}"), &[]).await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
@@ -547,35 +555,29 @@ pub async fn usage(
     if csv {
         return crate::billing::usage_csv(ctx, &query).await;
     }
-    let raw = ctx.client.list("/v1/usage", &query, None).await?;
+    let raw: Vec<Value> = ctx.client.list("/v1/usage", &query, None).await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
     }
     let mut t = table(["END", "SUBJECT", "METER", "CLASS", "AMOUNT", "SECONDS"]);
-    for e in &raw {
-        let meter = match e["meter"]["meter"].as_str().unwrap_or("") {
-            "gpu_seconds" => format!("gpu {}", e["meter"]["model"].as_str().unwrap_or("")),
-            other => other.replace('_', " "),
-        };
-        let secs = match (
-            e["start"]
-                .as_str()
-                .and_then(|s| chrono::DateTime::parse_from_rfc3339(s).ok()),
-            e["end"]
-                .as_str()
-                .and_then(|s| chrono::DateTime::parse_from_rfc3339(s).ok()),
-        ) {
-            (Some(a), Some(b)) => (b - a).num_seconds().to_string(),
-            _ => "-".into(),
+    for raw in raw {
+        let e: UsageEvent = decode(raw)?;
+        let meter = match &e.meter {
+            Meter::GpuSeconds { model, .. } => format!("gpu {model}"),
+            Meter::InstanceSeconds => "instance seconds".to_string(),
+            Meter::StorageGbSeconds => "storage gb seconds".to_string(),
+            Meter::Requests => "requests".to_string(),
+            Meter::InputTokens => "input tokens".to_string(),
+            Meter::OutputTokens => "output tokens".to_string(),
         };
         t.add_row([
-            e["end"].as_str().unwrap_or("").to_string(),
-            e["subject"]["id"].as_str().unwrap_or("").to_string(),
+            output::wire(&e.end),
+            e.subject.id.clone(),
             meter,
-            e["billing_class"].as_str().unwrap_or("").to_string(),
-            e["amount"].as_str().unwrap_or("").to_string(),
-            secs,
+            output::wire(&e.billing_class),
+            output::wire(&e.amount),
+            (e.end - e.start).num_seconds().to_string(),
         ]);
     }
     print_table(&t)?;
@@ -584,7 +586,7 @@ pub async fn usage(
 
 /// `flotilla tenants`.
 pub async fn tenants_list(ctx: &Ctx) -> Result<ExitCode> {
-    let raw = ctx.client.list("/v1/tenants", &[], None).await?;
+    let raw: Vec<Value> = ctx.client.list("/v1/tenants", &[], None).await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
@@ -616,7 +618,7 @@ pub async fn tenants_create(ctx: &Ctx, name: String) -> Result<ExitCode> {
 /// A tenant given by id (`ten_…`) or by name; `None` is the caller's own.
 async fn resolve_tenant(client: &Client, given: Option<&str>) -> Result<TenantId> {
     let Some(given) = given.map(str::trim) else {
-        let me: Me = decode(client.me().await?)?;
+        let me: Me = client.me().await?;
         return Ok(me.tenant.id);
     };
     if given.starts_with(TenantId::PREFIX) {
@@ -632,7 +634,7 @@ async fn resolve_tenant(client: &Client, given: Option<&str>) -> Result<TenantId
 
 /// `flotilla keys`.
 pub async fn keys_list(ctx: &Ctx) -> Result<ExitCode> {
-    let raw = ctx.client.list("/v1/keys", &[], None).await?;
+    let raw: Vec<Value> = ctx.client.list("/v1/keys", &[], None).await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
@@ -685,7 +687,7 @@ pub async fn keys_create(
         role,
         name: name.unwrap_or_default(),
     };
-    let raw = ctx.client.post("/v1/keys", &req).await?;
+    let raw: Value = ctx.client.post("/v1/keys", &req).await?;
     eprintln!("warning: the secret is shown only this once; store it now");
     if ctx.json {
         print_json(&raw)?;
@@ -853,7 +855,7 @@ pub async fn quota_set(
         }
     }
     quota.gpus_per_model = per;
-    let raw = ctx.client.put(&path, &quota).await?;
+    let raw: Value = ctx.client.put(&path, &quota).await?;
     print_quota(ctx, raw)
 }
 

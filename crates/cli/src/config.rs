@@ -117,15 +117,11 @@ fn private_file(path: &Path) -> std::io::Result<fs::File> {
     }
 }
 
-/// Normalises a server URL: adds `http://` when no scheme is given and
-/// drops trailing slashes.
+/// Normalises a server URL, or a comma-separated list of them (replicas
+/// the client fails over between): adds `http://` where no scheme is given
+/// and drops trailing slashes (and a trailing `/v1`).
 pub fn normalize_server(url: &str) -> String {
-    let url = url.trim().trim_end_matches('/');
-    if url.contains("://") {
-        url.to_string()
-    } else {
-        format!("http://{url}")
-    }
+    flotilla_client::parse_servers(url).join(",")
 }
 
 /// Resolves the server and key for a client command: flags and environment
@@ -213,6 +209,8 @@ mod tests {
         let saved = Some(creds());
         let c = resolve_with(Some("localhost:9000/"), None, saved.clone()).unwrap();
         assert_eq!(c.server, "http://localhost:9000");
+        let c = resolve_with(Some(" a:1/, https://b/v1 "), None, saved.clone()).unwrap();
+        assert_eq!(c.server, "http://a:1,https://b");
         assert_eq!(c.api_key, "flt_secret");
         let c = resolve_with(None, Some("flt_flag"), saved).unwrap();
         assert_eq!(

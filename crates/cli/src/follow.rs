@@ -15,7 +15,7 @@ use flotilla_core::instance::InstanceState;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::client::{self, decode, Client, LogFollow};
+use crate::client::{self, Client, LogFollow};
 use crate::local::Signals;
 use crate::output::state_line;
 
@@ -130,7 +130,7 @@ async fn poll_states(
     }
     loop {
         tokio::time::sleep(POLL_INTERVAL).await;
-        let Ok(inst) = client.instance(&id).await.and_then(decode::<Instance>) else {
+        let Ok(inst) = client.instance(&id).await else {
             continue;
         };
         report(&inst);
@@ -169,7 +169,7 @@ async fn next_line(
         }
     }
     match stream.as_mut() {
-        Some(s) => s.next().await,
+        Some(s) => Ok(s.next().await?),
         None => Ok(None),
     }
 }
@@ -241,7 +241,7 @@ pub async fn follow(
                 // The server ended the stream: normally because the
                 // instance is final. Check; otherwise reopen shortly.
                 stream = None;
-                match client.instance(&id).await.and_then(decode::<Instance>) {
+                match client.instance(&id).await {
                     Ok(inst) if inst.state.is_terminal() || inst.state == InstanceState::Lost => {
                         break inst;
                     }
@@ -254,7 +254,10 @@ pub async fn follow(
                     return Err(e);
                 }
                 if failing_since.is_none() && opts.progress {
-                    eprintln!("lost the connection to the server ({e:#}); reconnecting");
+                    eprintln!(
+                        "lost the connection to the server ({}); reconnecting",
+                        crate::error_line(&e)
+                    );
                 }
                 let since = *failing_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > GIVE_UP_AFTER {
@@ -273,8 +276,8 @@ pub async fn follow(
                 match client.stop_instance(&id).await {
                     Ok(_) => {}
                     // Already final: the stream ends by itself.
-                    Err(e) if client::is_conflict(&e) => {}
-                    Err(e) => eprintln!("error: stopping {id}: {e:#}"),
+                    Err(e) if e.is_conflict() => {}
+                    Err(e) => eprintln!("error: stopping {id}: {}", client::describe(&e)),
                 }
             }
             Event::FinalSeen => {

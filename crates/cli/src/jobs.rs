@@ -16,6 +16,7 @@ use crate::client::decode;
 use crate::commands::{parse_env, Billing, Ctx};
 use crate::follow::{self, FollowOptions};
 use crate::output::{age, one_line, outln, print_json, print_table, table};
+use serde_json::Value;
 
 /// `flotilla jobs` actions.
 #[derive(Debug, Subcommand)]
@@ -177,7 +178,7 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
         locality: args.locality,
         time_limit_s: args.time_limit_s,
     };
-    let raw = ctx.client.post("/v1/jobs", &req).await?;
+    let raw: Value = ctx.client.post("/v1/jobs", &req).await?;
     let job: Job = decode(raw.clone())?;
     if !args.wait {
         if ctx.json {
@@ -190,7 +191,7 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
     eprintln!("{} submitted; waiting for it to end", job.id);
     let mut last = (job.state, job.attempts);
     loop {
-        let raw = ctx.client.get(&format!("/v1/jobs/{}", job.id), &[]).await?;
+        let raw: Value = ctx.client.get(&format!("/v1/jobs/{}", job.id), &[]).await?;
         let j: Job = decode(raw.clone())?;
         if (j.state, j.attempts) != last {
             eprintln!(
@@ -239,7 +240,7 @@ async fn list(ctx: &Ctx, all: bool, state: Option<JobState>) -> Result<ExitCode>
         query.push(("state", s.as_str().to_string()));
     }
     let hide_final = !all && state.is_none();
-    let raw = ctx.client.list("/v1/jobs", &query, None).await?;
+    let raw: Vec<Value> = ctx.client.list("/v1/jobs", &query, None).await?;
     let mut shown = Vec::new();
     for v in raw {
         let j: Job = decode(v.clone())?;
@@ -271,7 +272,7 @@ async fn list(ctx: &Ctx, all: bool, state: Option<JobState>) -> Result<ExitCode>
 
 async fn get(ctx: &Ctx, id: &str) -> Result<(serde_json::Value, Job)> {
     let id = job_id(id)?;
-    let raw = ctx.client.get(&format!("/v1/jobs/{id}"), &[]).await?;
+    let raw: Value = ctx.client.get(&format!("/v1/jobs/{id}"), &[]).await?;
     let job = decode(raw.clone())?;
     Ok((raw, job))
 }
@@ -354,12 +355,20 @@ pub async fn explain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 }
 
 async fn queue(ctx: &Ctx) -> Result<ExitCode> {
-    let raw = ctx.client.get("/v1/jobs/queue", &[]).await?;
-    let page: Page<JobQueueEntry> = decode(raw.clone())?;
+    // The entries as the server wrote them, for `--json`.
+    let raw: Page<Value> = ctx.client.get("/v1/jobs/queue", &[]).await?;
     if ctx.json {
-        print_json(&raw["items"])?;
+        print_json(&raw.items)?;
         return Ok(ExitCode::SUCCESS);
     }
+    let page = Page {
+        items: raw
+            .items
+            .into_iter()
+            .map(decode::<JobQueueEntry>)
+            .collect::<Result<Vec<_>>>()?,
+        next_cursor: raw.next_cursor,
+    };
     let now = Utc::now();
     let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
     for e in page.items {
@@ -421,7 +430,7 @@ async fn logs(ctx: &Ctx, id: &str, rank: u32, follow_it: bool) -> Result<ExitCod
     };
     let mid = member.instance_id.to_string();
     if follow_it {
-        let inst: Instance = decode(ctx.client.instance(&mid).await?)?;
+        let inst: Instance = ctx.client.instance(&mid).await?;
         let opts = FollowOptions {
             progress: false,
             json: ctx.json,

@@ -30,10 +30,15 @@ use crate::local::{AgentArgs, ServerArgs, UpArgs};
 #[derive(Debug, Parser)]
 #[command(name = "flotilla", version, propagate_version = true)]
 struct Cli {
-    /// API server URL (default: the saved credentials', else
-    /// http://127.0.0.1:7420). `flotilla agent` takes several, comma
-    /// separated (replicas on one database), and fails over between them.
-    #[arg(long, global = true, env = "FLOTILLA_SERVER", value_name = "URL")]
+    /// API server URL, or several replicas' URLs comma-separated (requests
+    /// fail over between them); default: the saved credentials', else
+    /// http://127.0.0.1:7420.
+    #[arg(
+        long,
+        global = true,
+        env = "FLOTILLA_SERVER",
+        value_name = "URL[,URL…]"
+    )]
     server: Option<String>,
     /// API key (default: the saved credentials').
     #[arg(
@@ -265,10 +270,13 @@ fn fail(e: &anyhow::Error) -> ExitCode {
 
 /// The anyhow chain joined with ": ", on one line, without repeating a
 /// cause whose text its context already contains.
-fn error_line(e: &anyhow::Error) -> String {
+pub(crate) fn error_line(e: &anyhow::Error) -> String {
     let mut parts: Vec<String> = Vec::new();
     for cause in e.chain() {
-        let text = output::one_line(&cause.to_string());
+        let text = match cause.downcast_ref::<client::ClientError>() {
+            Some(ce) => output::one_line(&client::describe(ce)),
+            None => output::one_line(&cause.to_string()),
+        };
         if parts.last().is_some_and(|p| p.contains(&text)) || text.is_empty() {
             continue;
         }
@@ -297,7 +305,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
     }
     let creds = config::resolve(server.as_deref(), api_key.as_deref())?;
     let ctx = Ctx {
-        client: client::Client::new(&creds.server, &creds.api_key)?,
+        client: client::connect(&creds.server, &creds.api_key)?,
         json,
     };
     match command {

@@ -174,6 +174,17 @@ pub fn state_line(inst: &Instance, state: InstanceState, reason: &str) -> String
     }
 }
 
+/// A value as the API writes it (a time in RFC 3339, a decimal or an enum
+/// by its wire name, nothing for `null`), so tables show what `--json`
+/// shows.
+pub fn wire<T: serde::Serialize>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => s,
+        Ok(serde_json::Value::Null) | Err(_) => String::new(),
+        Ok(other) => other.to_string(),
+    }
+}
+
 /// Keeps a cell on one line: a reason with a newline would break the table.
 pub fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")

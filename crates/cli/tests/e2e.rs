@@ -588,3 +588,62 @@ fn silent_node_is_unreachable_then_stops_its_work() {
         free_h100(&env, &key) == 4
     });
 }
+
+#[test]
+fn cli_and_agent_fail_over_past_a_dead_server_url() {
+    let env = Env::new();
+    let _server = env.server();
+    let op = env.operator_key();
+    let dead = format!(
+        "http://127.0.0.1:{}",
+        flotilla_testkit::process::free_port()
+    );
+    let both = format!("{dead},{}", env.url());
+
+    // Nothing answers: the error names the server and what to do.
+    let out = env
+        .cmd()
+        .args(["--server", &dead, "nodes"])
+        .env("FLOTILLA_API_KEY", &op)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("cannot reach the server at {dead}"))
+            && err.contains("is `flotilla up` running?"),
+        "{err}"
+    );
+
+    // An agent given the dead URL first registers through the live one.
+    let token = std::fs::read_to_string(env.data().join("agent.token")).unwrap();
+    let _agent = Proc(
+        env.cmd()
+            .args(["agent", "--server", &both, "--token", token.trim()])
+            .args(["--name", "ha-node", "--simulate-gpus", "1xT4", "--work-dir"])
+            .arg(env.dir.path().join("agent"))
+            .stdout(env.log("agent"))
+            .stderr(env.log("agent"))
+            .spawn()
+            .unwrap(),
+    );
+    // The CLI, given the same list (here through FLOTILLA_SERVER), sees it.
+    wait_until(
+        "the node through the second URL",
+        Duration::from_secs(60),
+        || {
+            let out = env
+                .cmd()
+                .env("FLOTILLA_SERVER", &both)
+                .env("FLOTILLA_API_KEY", &op)
+                .args(["--json", "nodes"])
+                .output()
+                .unwrap();
+            out.status.success()
+                && serde_json::from_slice::<Value>(&out.stdout).is_ok_and(|v| {
+                    v.as_array()
+                        .is_some_and(|a| a.iter().any(|n| n["name"] == "ha-node"))
+                })
+        },
+    );
+}

@@ -19,6 +19,7 @@
 //! Each baseline module cites the published algorithm and defaults it
 //! follows and lists what it simplifies.
 
+pub mod builder;
 pub mod flotilla;
 pub mod hpa;
 pub mod keda;
@@ -28,6 +29,7 @@ pub mod policy;
 pub mod ray;
 pub mod vertical;
 
+pub use builder::{Endpoint, PolicyKind};
 pub use flotilla::{ColdStart, Flotilla, FlotillaConfig, ServiceModel};
 pub use hpa::{
     Hpa, HpaConfig, MetricSource, MetricTarget, ScalingPolicy, ScalingRules, SelectPolicy,
@@ -51,6 +53,19 @@ pub enum ScaleError {
     InvalidConfig {
         field: &'static str,
         reason: &'static str,
+    },
+    /// A policy name that is none of [`PolicyKind::ALL`].
+    #[error("unknown policy {name:?}; expected flotilla, hpa, keda, kpa or ray")]
+    UnknownPolicy { name: String },
+    /// A list of policies that names none.
+    #[error("no policy named")]
+    NoPolicy,
+    /// A policy rejected the configuration it was built from.
+    #[error("policy {policy}: {source}")]
+    Policy {
+        policy: &'static str,
+        #[source]
+        source: Box<ScaleError>,
     },
 }
 

@@ -1,6 +1,6 @@
 //! The autoscaling loop: each replica pool's policy — the same
 //! `flotilla-scale` state machine the simulator runs, built the same way
-//! (`flotilla_sim::policies::build`) — is called with the wall clock and an
+//! (`flotilla_scale::builder::build`) — is called with the wall clock and an
 //! observation made of the pool's last reported metrics and its replicas'
 //! states; the loop then starts or stops replica instances to match.
 //!
@@ -15,9 +15,8 @@ use std::time::Duration;
 use flotilla_core::api::{PoolMetrics, PoolPolicy, ReplicaPool};
 use flotilla_core::id::{InstanceId, ReplicaPoolId};
 use flotilla_core::instance::InstanceState;
+use flotilla_scale::builder::{build, Endpoint, PolicyKind};
 use flotilla_scale::{Decision, Latency, Observation, Policy};
-use flotilla_sim::policies::{build, Endpoint};
-use flotilla_sim::PolicyKind;
 use flotilla_store::pools::PoolMember;
 use flotilla_store::StoreError;
 

@@ -152,7 +152,7 @@ async fn same_decisions(kind: &str) {
         };
         let now = t0 + i as u64 * 1_000;
         let mut one: Vec<Decision> =
-            flotilla_sim::policies::replay(reference.as_mut(), &[(now, obs)]);
+            flotilla_scale::builder::replay(reference.as_mut(), &[(now, obs)]);
         sim.push(one.remove(0));
         starting = d.replicas;
     }

@@ -257,14 +257,15 @@ async fn a_failing_member_stops_the_gang_which_restarts_until_it_succeeds_or_run
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    let j1 = s.job(&key, &id).await;
-    assert!(
-        j1["state_reason"]
-            .as_str()
-            .unwrap()
-            .contains("rank 1 failed (exit code 3)"),
-        "{j1}"
-    );
+    // The job loop stops the members, then notes why: wait for the note.
+    let j1 = s
+        .wait_job(&key, &id, "explained", |j| {
+            j["state_reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("rank 1 failed (exit code 3)"))
+        })
+        .await;
+    assert_eq!(j1["state"], "running", "{j1}");
     s.report(&provider, &j, 0, exited(143, true)).await;
     // The gang is placed again as attempt 2, with one failure counted.
     let j = s

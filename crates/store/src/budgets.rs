@@ -8,7 +8,7 @@
 use chrono::{DateTime, Utc};
 use flotilla_billing::budget::{Budget, BudgetAlert};
 use flotilla_core::id::TenantId;
-use serde::{Deserialize, Serialize};
+
 use sqlx::Row;
 
 use crate::{at, json, ms, to_json, Result, Store};
@@ -26,61 +26,24 @@ pub struct StoredBudget {
     pub updated_at: DateTime<Utc>,
 }
 
-/// Where a delivery is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DeliveryState {
-    /// Waiting for its next attempt.
-    Pending,
-    /// The receiver answered 2xx.
-    Delivered,
-    /// Out of attempts.
-    Failed,
-}
+/// The delivery log's types live in billing, beside the budget alerts they
+/// deliver, so the API's answer can carry them without naming the store.
+pub use flotilla_billing::budget::{Delivery, DeliveryState};
 
-impl DeliveryState {
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Pending => "pending",
-            Self::Delivered => "delivered",
-            Self::Failed => "failed",
-        }
-    }
-
-    fn parse(s: &str) -> Self {
-        match s {
-            "delivered" => Self::Delivered,
-            "failed" => Self::Failed,
-            _ => Self::Pending,
-        }
+fn state_str(state: DeliveryState) -> &'static str {
+    match state {
+        DeliveryState::Pending => "pending",
+        DeliveryState::Delivered => "delivered",
+        DeliveryState::Failed => "failed",
     }
 }
 
-/// One webhook delivery and its log.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Delivery {
-    /// Delivery id.
-    pub id: String,
-    /// The tenant.
-    pub tenant: TenantId,
-    /// Receiver URL.
-    pub url: String,
-    /// The JSON body sent (the alert).
-    pub body: String,
-    /// Pending, delivered or failed.
-    pub state: DeliveryState,
-    /// Attempts made.
-    pub attempts: u32,
-    /// When the next attempt is due (pending only).
-    pub next_attempt_at: DateTime<Utc>,
-    /// HTTP status of the last attempt, if it got one.
-    pub last_status: Option<u16>,
-    /// Why the last attempt failed.
-    pub last_error: Option<String>,
-    /// When a receiver accepted it.
-    pub delivered_at: Option<DateTime<Utc>>,
-    /// When it was queued.
-    pub created_at: DateTime<Utc>,
+fn parse_state(s: &str) -> DeliveryState {
+    match s {
+        "delivered" => DeliveryState::Delivered,
+        "failed" => DeliveryState::Failed,
+        _ => DeliveryState::Pending,
+    }
 }
 
 fn delivery(r: &sqlx::any::AnyRow) -> Result<Delivery> {
@@ -92,7 +55,7 @@ fn delivery(r: &sqlx::any::AnyRow) -> Result<Delivery> {
         tenant: TenantId::from_trusted(r.try_get("tenant_id")?),
         url: r.try_get("url")?,
         body: r.try_get("body")?,
-        state: DeliveryState::parse(&r.try_get::<String, _>("state")?),
+        state: parse_state(&r.try_get::<String, _>("state")?),
         attempts: attempts.clamp(0, i64::from(u32::MAX)) as u32,
         next_attempt_at: at(r.try_get("next_attempt_at")?),
         last_status: status.and_then(|s| u16::try_from(s).ok()),
@@ -239,7 +202,7 @@ impl Store {
              next_attempt_at = $2, last_status = $3, last_error = $4, delivered_at = $5 \
              WHERE id = $6 AND state = 'pending'",
         )
-        .bind(state.as_str())
+        .bind(state_str(state))
         .bind(ms(next.unwrap_or(now)))
         .bind(status.map(i64::from))
         .bind(error)

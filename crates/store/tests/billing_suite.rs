@@ -39,7 +39,7 @@ fn day() -> DateTime<Utc> {
     DateTime::from_timestamp(1_736_467_200, 0).unwrap()
 }
 
-flotilla_testkit::backend_suite!(
+flotilla_testdb::backend_suite!(
     "billing":
     price_versions_and_spot_points_are_append_only,
     final_invoices_are_written_once_with_their_credit_draws,

@@ -29,7 +29,7 @@ fn t0() -> DateTime<Utc> {
     DateTime::from_timestamp(1_800_000_000, 0).unwrap()
 }
 
-flotilla_testkit::backend_suite!(
+flotilla_testdb::backend_suite!(
     "jobs":
     job_lifecycle_through_restart_and_cancel,
     a_gang_is_scheduled_whole_or_not_at_all,

@@ -2,6 +2,8 @@
 //! only once it ran out, its token grows with every new holding, and a
 //! fenced store's writes are refused once its token is stale.
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -10,7 +12,7 @@ use flotilla_core::api::{DiscoveredGpu, RegisterNode};
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
-use flotilla_core::placement::{first_fit, GpuShare, PlacementRequest};
+use flotilla_core::placement::{GpuShare, PlacementRequest};
 use flotilla_store::leases::LEADER;
 use flotilla_store::{Store, StoreError};
 
@@ -25,7 +27,7 @@ fn t0() -> DateTime<Utc> {
     DateTime::from_timestamp(1_800_000_000, 0).unwrap()
 }
 
-flotilla_testkit::backend_suite!(
+flotilla_testdb::backend_suite!(
     "leases":
     a_lease_changes_hands_only_once_it_ran_out,
     a_write_under_a_stale_token_is_refused,
@@ -138,7 +140,7 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
         memory_mb: 1024,
         share: GpuShare::Whole,
     };
-    let plan = first_fit(&snap, &req, |_| true).unwrap();
+    let plan = support::first_fitting(&snap, &req).unwrap();
     (id, plan)
 }
 

@@ -21,7 +21,7 @@ fn t0() -> DateTime<Utc> {
     DateTime::from_timestamp(1_800_000_000, 0).unwrap()
 }
 
-flotilla_testkit::backend_suite!(
+flotilla_testdb::backend_suite!(
     "pools":
     pools_keep_spec_metrics_decision_and_members,
 );

@@ -33,7 +33,7 @@ fn t0() -> DateTime<Utc> {
     DateTime::from_timestamp(1_800_000_000, 0).unwrap()
 }
 
-flotilla_testkit::backend_suite!(
+flotilla_testdb::backend_suite!(
     "store":
     tenants_and_quotas,
     keys_hash_lookup_and_revoke,

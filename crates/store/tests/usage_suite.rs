@@ -43,7 +43,7 @@ fn long() -> Duration {
     Duration::days(3)
 }
 
-flotilla_testkit::backend_suite!(
+flotilla_testdb::backend_suite!(
     "usage":
     duplicates_conflicts_and_late_events_follow_the_ledger_rules,
     a_ten_thousand_event_batch_is_counted_exactly,

@@ -2,8 +2,9 @@
 //! subject instead of re-implementing its set-up.
 //!
 //! - [`db`]: a fresh store on SQLite, and on PostgreSQL when
-//!   `FLOTILLA_TEST_DATABASE_URL` is set, plus [`backend_suite!`] which runs
-//!   one suite on both.
+//!   `FLOTILLA_TEST_DATABASE_URL` is set (from `flotilla-testdb`, which
+//!   also holds `backend_suite!`; the store's own tests use that crate so
+//!   they build no server).
 //! - [`server`]: the control plane in-process on an ephemeral port, with a
 //!   small client and helpers to make tenants, keys and nodes.
 //! - [`process`]: the real `flotilla` binary as server, agent and CLI in a
@@ -16,5 +17,4 @@ pub mod db;
 pub mod process;
 pub mod server;
 
-/// Re-exported for [`backend_suite!`].
-pub use flotilla_store;
+pub use flotilla_testdb::backend_suite;

@@ -77,6 +77,13 @@ pub async fn start(config: ServerConfig) -> TestServer {
 }
 
 impl TestServer {
+    /// `flotilla-client` for this server with `key`, for tests of the
+    /// typed client against the real server (the helpers below use plain
+    /// reqwest so that they test the server, not the client).
+    pub fn client(&self, key: &str) -> flotilla_client::Client {
+        flotilla_client::Client::new(&self.url, key).expect("a client of the test server")
+    }
+
     /// A request with a raw body and extra headers.
     pub async fn raw(
         &self,

@@ -4,14 +4,12 @@
 
 use axum::extract::State;
 use axum::Json;
-use chrono::{DateTime, Utc};
-use flotilla_billing::budget::{Budget, BudgetAlert, DEFAULT_THRESHOLDS};
-use flotilla_core::id::TenantId;
+use flotilla_billing::budget::{Budget, DEFAULT_THRESHOLDS};
 use flotilla_core::tenant::Role;
 use flotilla_core::FieldError;
-use flotilla_store::budgets::{Delivery, StoredBudget};
+use flotilla_store::budgets::StoredBudget;
 use rust_decimal::Decimal;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use utoipa::ToSchema;
 
 use crate::auth::Caller;
@@ -23,40 +21,7 @@ use crate::routes::prices::billing_field;
 use crate::routes::usage::target_tenant;
 use crate::state::AppState;
 use crate::webhook_target::{self, TargetError};
-
-/// A budget as the API shows it (the webhook secret is never shown).
-#[derive(Debug, Serialize, ToSchema)]
-pub struct BudgetView {
-    /// The tenant.
-    #[schema(value_type = String)]
-    pub tenant: TenantId,
-    /// Spend limit per month.
-    #[schema(value_type = String)]
-    pub limit: Decimal,
-    /// ISO currency of the limit (the catalog's).
-    pub currency: String,
-    /// Alert thresholds, percent of the limit.
-    pub thresholds: Vec<u32>,
-    /// Whether reaching the limit refuses new spot and preemptible work
-    /// (tier 2 and 3).
-    pub hard_cap: bool,
-    /// Where alerts are POSTed, signed with `Flotilla-Signature`.
-    pub webhook_url: Option<String>,
-    /// Start of this month (UTC).
-    #[schema(value_type = String)]
-    pub period_start: DateTime<Utc>,
-    /// What the tenant owes for this month so far (the draft invoice's
-    /// total).
-    #[schema(value_type = String)]
-    pub spend: Decimal,
-    /// Thresholds crossed this month, each recorded once.
-    #[schema(value_type = Vec<Object>)]
-    pub alerts: Vec<BudgetAlert>,
-    /// The newest webhook deliveries (at most 20) with their attempts,
-    /// state, last status or error.
-    #[schema(value_type = Vec<Object>)]
-    pub deliveries: Vec<Delivery>,
-}
+pub use flotilla_billing::api::BudgetView;
 
 #[derive(Deserialize)]
 struct TenantQuery {

@@ -20,7 +20,7 @@ use flotilla_core::id::{InvoiceId, TenantId};
 use flotilla_core::FieldError;
 use flotilla_store::PageReq;
 use rust_decimal::Decimal;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use utoipa::ToSchema;
 
 use crate::auth::Caller;
@@ -32,6 +32,7 @@ use crate::routes::path_id;
 use crate::routes::prices::billing_field;
 use crate::routes::usage::{grace, parse_month};
 use crate::state::AppState;
+pub use flotilla_billing::api::{Finalized, Skipped, Terms};
 
 /// Finalised invoices of the caller's tenant (operators: every tenant's),
 /// oldest first. Each is the stored invoice, byte for byte: `id`,
@@ -105,26 +106,6 @@ pub struct FinalizeRequest {
     /// One tenant (id); default: every tenant with something to bill.
     #[schema(value_type = Option<String>)]
     pub tenant: Option<TenantId>,
-}
-
-/// A tenant not finalised, and why.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct Skipped {
-    /// The tenant.
-    #[schema(value_type = String)]
-    pub tenant: TenantId,
-    /// `already_final` or `nothing_to_bill`.
-    pub reason: String,
-}
-
-/// What a finalisation did.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct Finalized {
-    /// Invoices finalised now.
-    #[schema(value_type = Vec<Object>)]
-    pub finalised: Vec<Invoice>,
-    /// Tenants left as they were.
-    pub skipped: Vec<Skipped>,
 }
 
 /// Finalises a month (operators): each tenant's usage is rated, marked
@@ -229,24 +210,6 @@ pub async fn finalize_invoices(
         out.finalised.push(inv);
     }
     Ok(Json(out))
-}
-
-/// A tenant's billing terms.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct Terms {
-    /// Reserved commitments: id, model, gpus, start, end, payment,
-    /// discount, price_version, per_gpu_second (locked).
-    #[schema(value_type = Vec<Object>)]
-    pub commitments: Vec<Commitment>,
-    /// Discounts: id, percent, scope, from, until.
-    #[schema(value_type = Vec<Object>)]
-    pub discounts: Vec<Discount>,
-    /// Credit grants: id, kind, amount, granted_at, expires_at.
-    #[schema(value_type = Vec<Object>)]
-    pub credits: Vec<CreditGrant>,
-    /// What finalised invoices drew from each grant, by grant id.
-    #[schema(value_type = Object)]
-    pub credit_drawn: std::collections::BTreeMap<String, Decimal>,
 }
 
 /// A new term for a tenant, by `kind`.

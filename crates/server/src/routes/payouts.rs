@@ -4,11 +4,10 @@
 
 use axum::extract::State;
 use axum::Json;
-use flotilla_billing::payout::{payout_statement, PayoutPolicy, PayoutStatement};
+use flotilla_billing::payout::{payout_statement, PayoutPolicy};
 use flotilla_core::id::ProviderId;
 use flotilla_core::tenant::Role;
-use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
+use serde::Deserialize;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
@@ -16,16 +15,7 @@ use crate::extract::serde_urlencoded_query;
 use crate::pricing::{price_book, spot_series, RatingError};
 use crate::routes::usage::parse_month;
 use crate::state::AppState;
-
-/// Payout statements of a month.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct Payouts {
-    /// One per provider: `provider`, `period`, `currency`, `lines` (model,
-    /// kind, gpu_seconds, unit_price, gross, price_version,
-    /// price_point_at), `gross`, `operator_fee`, `payout`.
-    #[schema(value_type = Vec<Object>)]
-    pub items: Vec<PayoutStatement>,
-}
+pub use flotilla_billing::api::Payouts;
 
 #[derive(Deserialize)]
 struct PayoutQuery {

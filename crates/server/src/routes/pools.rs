@@ -11,7 +11,7 @@ use flotilla_core::api::{CreateReplicaPool, PoolMetrics, ReplicaPool};
 use flotilla_core::id::ReplicaPoolId;
 use flotilla_core::tenant::Role;
 use flotilla_core::FieldError;
-use flotilla_sim::PolicyKind;
+use flotilla_scale::PolicyKind;
 
 use super::path_id;
 use crate::auth::Caller;

@@ -8,36 +8,18 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use flotilla_billing::estimate::{estimate, Estimate, Workload};
-use flotilla_billing::price::{PriceVersion, SpotPoint};
+use flotilla_billing::price::PriceVersion;
 use flotilla_billing::BillingError;
 use flotilla_core::tenant::Role;
 use flotilla_core::FieldError;
-use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
+use serde::Deserialize;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{parse_json, serde_urlencoded_query};
 use crate::pricing::{price_book, spot_series};
 use crate::state::AppState;
-
-/// The catalog: every version, and which is in force now.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct PriceCatalog {
-    /// The version in force now.
-    pub in_force: u32,
-    /// ISO currency of every price.
-    pub currency: String,
-    /// Every version, oldest first: `version`, `effective_from`,
-    /// `currency`, `on_demand` (per model: `per_gpu_second`,
-    /// `minimum_seconds`), `spot` (per model: `floor`, `ceiling`),
-    /// `serverless` (`per_request`, `per_million_input_tokens`,
-    /// `per_million_output_tokens` schedules, `per_gpu_second` per model),
-    /// `reserved_offers` (`term_days`, `discount`), `per_instance_second`,
-    /// `per_storage_gb_second`. Prices are decimal strings.
-    #[schema(value_type = Vec<Object>)]
-    pub versions: Vec<PriceVersion>,
-}
+pub use flotilla_billing::api::{PriceCatalog, SpotPrices};
 
 /// A billing error as a 422 naming its field.
 pub(crate) fn billing_field(err: BillingError) -> ApiError {
@@ -101,22 +83,6 @@ pub async fn publish_prices(
     st.billing().budgets.touch_all();
     tracing::info!(version = version.version, effective_from = %version.effective_from, key = %caller.key_id, "price version published");
     Ok((StatusCode::CREATED, Json(version)))
-}
-
-/// The latest recorded spot point of each model, and a model's history.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct SpotPrices {
-    /// Per model: `model`, `at` (in force from), `utilisation` of the
-    /// pool it was derived from, `per_gpu_second`, `price_version` (whose
-    /// band produced it).
-    #[schema(value_type = Vec<Object>)]
-    pub latest: Vec<SpotPoint>,
-    /// With `model`: its recorded points from `from` to `to`, oldest first.
-    #[schema(value_type = Vec<Object>)]
-    pub history: Vec<SpotPoint>,
-    /// With `model`, when more points follow: pass it as `from`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub next_from: Option<String>,
 }
 
 #[derive(Deserialize)]

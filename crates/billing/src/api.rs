@@ -1,0 +1,134 @@
+//! Wire types of the billing API (`/v1/prices`, `/v1/budget`,
+//! `/v1/invoices`, `/v1/tenants/{id}/terms`, `/v1/payouts`) that are not
+//! billing's domain types themselves: the server answers with them and the
+//! client reads them, so the two cannot drift apart. They live here rather
+//! than in `flotilla_core::api` because they carry billing's types
+//! (invoices, price versions, terms), which core cannot name.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use flotilla_core::id::TenantId;
+use rust_decimal::Decimal;
+use serde::{Deserialize, Serialize};
+
+use crate::budget::{BudgetAlert, Delivery};
+use crate::invoice::Invoice;
+use crate::payout::PayoutStatement;
+use crate::price::{Commitment, CreditGrant, Discount, PriceVersion, SpotPoint};
+
+/// The catalog: every version, and which is in force now.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PriceCatalog {
+    /// The version in force now.
+    pub in_force: u32,
+    /// ISO currency of every price.
+    pub currency: String,
+    /// Every version, oldest first: `version`, `effective_from`,
+    /// `currency`, `on_demand` (per model: `per_gpu_second`,
+    /// `minimum_seconds`), `spot` (per model: `floor`, `ceiling`),
+    /// `serverless` (`per_request`, `per_million_input_tokens`,
+    /// `per_million_output_tokens` schedules, `per_gpu_second` per model),
+    /// `reserved_offers` (`term_days`, `discount`), `per_instance_second`,
+    /// `per_storage_gb_second`. Prices are decimal strings.
+    #[schema(value_type = Vec<Object>)]
+    pub versions: Vec<PriceVersion>,
+}
+
+/// The latest recorded spot point of each model, and a model's history.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SpotPrices {
+    /// Per model: `model`, `at` (in force from), `utilisation` of the
+    /// pool it was derived from, `per_gpu_second`, `price_version` (whose
+    /// band produced it).
+    #[schema(value_type = Vec<Object>)]
+    pub latest: Vec<SpotPoint>,
+    /// With `model`: its recorded points from `from` to `to`, oldest first.
+    #[schema(value_type = Vec<Object>)]
+    pub history: Vec<SpotPoint>,
+    /// With `model`, when more points follow: pass it as `from`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_from: Option<String>,
+}
+
+/// A budget as the API shows it (the webhook secret is never shown).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct BudgetView {
+    /// The tenant.
+    #[schema(value_type = String)]
+    pub tenant: TenantId,
+    /// Spend limit per month.
+    #[schema(value_type = String)]
+    pub limit: Decimal,
+    /// ISO currency of the limit (the catalog's).
+    pub currency: String,
+    /// Alert thresholds, percent of the limit.
+    pub thresholds: Vec<u32>,
+    /// Whether reaching the limit refuses new spot and preemptible work
+    /// (tier 2 and 3).
+    pub hard_cap: bool,
+    /// Where alerts are POSTed, signed with `Flotilla-Signature`.
+    pub webhook_url: Option<String>,
+    /// Start of this month (UTC).
+    #[schema(value_type = String)]
+    pub period_start: DateTime<Utc>,
+    /// What the tenant owes for this month so far (the draft invoice's
+    /// total).
+    #[schema(value_type = String)]
+    pub spend: Decimal,
+    /// Thresholds crossed this month, each recorded once.
+    #[schema(value_type = Vec<Object>)]
+    pub alerts: Vec<BudgetAlert>,
+    /// The newest webhook deliveries (at most 20) with their attempts,
+    /// state, last status or error.
+    #[schema(value_type = Vec<Object>)]
+    pub deliveries: Vec<Delivery>,
+}
+
+/// A tenant not finalised, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Skipped {
+    /// The tenant.
+    #[schema(value_type = String)]
+    pub tenant: TenantId,
+    /// `already_final` or `nothing_to_bill`.
+    pub reason: String,
+}
+
+/// What a finalisation did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Finalized {
+    /// Invoices finalised now.
+    #[schema(value_type = Vec<Object>)]
+    pub finalised: Vec<Invoice>,
+    /// Tenants left as they were.
+    pub skipped: Vec<Skipped>,
+}
+
+/// A tenant's billing terms.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Terms {
+    /// Reserved commitments: id, model, gpus, start, end, payment,
+    /// discount, price_version, per_gpu_second (locked).
+    #[schema(value_type = Vec<Object>)]
+    pub commitments: Vec<Commitment>,
+    /// Discounts: id, percent, scope, from, until.
+    #[schema(value_type = Vec<Object>)]
+    pub discounts: Vec<Discount>,
+    /// Credit grants: id, kind, amount, granted_at, expires_at.
+    #[schema(value_type = Vec<Object>)]
+    pub credits: Vec<CreditGrant>,
+    /// What finalised invoices drew from each grant, by grant id.
+    #[schema(value_type = Object)]
+    pub credit_drawn: BTreeMap<String, Decimal>,
+}
+
+/// Payout statements of a month.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Payouts {
+    /// One per provider: `provider`, `period`, `currency`, `lines` (model,
+    /// kind, gpu_seconds, unit_price, gross, price_version,
+    /// price_point_at), `gross`, `operator_fee`, `payout`.
+    #[schema(value_type = Vec<Object>)]
+    pub items: Vec<PayoutStatement>,
+}

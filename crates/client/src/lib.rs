@@ -1,0 +1,35 @@
+//! The typed HTTP client of Flotilla's API, used by the CLI, the node agent
+//! and the test kit, so that every caller of the API speaks it the same way:
+//!
+//! - requests and answers are the API's own types (`flotilla_core::api`),
+//!   the ones the server serialises, so client and server cannot drift;
+//! - every failure is one [`Error`]: the server's error body decoded
+//!   (status, code, message and the offending field), a transport failure,
+//!   or an answer that does not decode;
+//! - one [`RetryPolicy`]: idempotent requests (GET, PUT, DELETE, and POSTs
+//!   that carry an `Idempotency-Key`, which this client adds to every POST
+//!   it makes) are retried with backoff on connection errors, 5xx and 429,
+//!   never sooner than a `Retry-After` asks;
+//! - failover: a client holds one or more server URLs (replicas of the
+//!   control plane); a request that cannot connect, or is answered 503, is
+//!   tried on the next URL, and the URL that answered is remembered for the
+//!   next request.
+//!
+//! This crate never prints, never reads the process environment and never
+//! decides what an error means for the caller's work; it only says what
+//! happened ([`Error::is_transient`] and friends help the caller choose).
+
+mod client;
+mod error;
+mod logs;
+mod retry;
+mod routes;
+
+pub use client::{idempotency_key, parse_servers, Builder, Client, LOG_PAGE_SIZE, PAGE_SIZE};
+pub use error::{Error, TransportKind};
+pub use logs::LogFollow;
+pub use retry::RetryPolicy;
+pub use routes::LONG_POLL_SLACK;
+
+/// The result of a client call.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
