@@ -97,7 +97,7 @@ fn three_mig_slices_run_at_once_on_one_simulated_h100_and_a_fraction_gets_mps_li
     );
     let numbers: Vec<&str> = devices
         .iter()
-        .map(|d| d.rsplitn(3, '/').nth(1).unwrap())
+        .map(|d| d.rsplit('/').nth(1).unwrap())
         .collect();
     assert_eq!(numbers, vec!["1", "2", "3"], "{devices:?}");
     for id in &ids {
