@@ -858,6 +858,51 @@ mod tests {
     }
 
     #[test]
+    fn fractions_share_a_gpu_through_the_engine_and_mig_stays_on_mig_gpus() {
+        let cat = Catalog::default();
+        let mut snap = vec![node(1, true, &[("H100", true), ("H100", true)])];
+        snap[0].gpus[1] = GpuSlot::mig(snap[0].gpus[1].id.clone(), 1, "H100");
+        let (plain, mig_gpu) = (snap[0].gpus[0].id.clone(), snap[0].gpus[1].id.clone());
+        let mut p = PassPlanner::new(Policy::Flotilla, &cat, &snap, &[], 3);
+        let place = |p: &mut PassPlanner, snap: &mut Vec<NodeSnapshot>, r: &PlacementRequest| {
+            let a = p.place(snap, r, |_| true)?;
+            for g in snap[0].gpus.iter_mut().filter(|g| a.gpus.contains(&g.id)) {
+                g.take(&a.share);
+            }
+            p.committed(snap, r, &a);
+            Ok::<_, String>(a)
+        };
+        let half = PlacementRequest {
+            share: GpuShare::Fraction { milli: 500 },
+            ..req(1, &[])
+        };
+        for _ in 0..2 {
+            let a = place(&mut p, &mut snap, &half).unwrap();
+            assert_eq!(
+                (a.gpus.clone(), a.share.clone()),
+                (vec![plain.clone()], half.share.clone())
+            );
+        }
+        let e = place(&mut p, &mut snap, &half).unwrap_err();
+        assert!(e.contains("no GPU with room for the share"), "{e}");
+        // 1g.20gb: compute for seven, memory for four.
+        let prof = cat.mig_profile("1g.20gb").unwrap().0;
+        let mig = PlacementRequest {
+            share: GpuShare::Mig(prof),
+            ..req(1, &[])
+        };
+        for _ in 0..4 {
+            let a = place(&mut p, &mut snap, &mig).unwrap();
+            assert_eq!(a.gpus, vec![mig_gpu.clone()]);
+        }
+        assert!(place(&mut p, &mut snap, &mig).is_err());
+        assert!(
+            place(&mut p, &mut snap, &req(1, &[])).is_err(),
+            "no whole GPU is left"
+        );
+    }
+
+    #[test]
     fn unreachable_nodes_and_quota_blocked_models_are_skipped() {
         let snap = vec![
             node(1, false, &[("H100", true)]),
