@@ -41,13 +41,13 @@ impl Tenants {
 }
 
 /// What one member of a job asks for.
-fn member_request(j: &QueuedJob) -> PlacementRequest {
+fn member_request(j: &QueuedJob, catalog: &flotilla_core::catalog::Catalog) -> PlacementRequest {
     PlacementRequest {
         gpus: j.spec.gpus_per_member(),
         models: j.spec.gpu_types.clone(),
         cpu_milli: u64::from(j.spec.cpu_milli),
         memory_mb: j.spec.memory_mb,
-        share: GpuShare::Whole,
+        share: j.spec.share(catalog),
     }
 }
 
@@ -66,7 +66,7 @@ pub enum Queued {
 }
 
 impl Queued {
-    fn item(&self, tenants: &mut Tenants) -> QueueItem {
+    fn item(&self, tenants: &mut Tenants, catalog: &flotilla_core::catalog::Catalog) -> QueueItem {
         let (tenant, tier, priority, created, gpus, cpu, mem) = match self {
             Queued::Instance(p) => (
                 &p.tenant_id,
@@ -82,7 +82,7 @@ impl Queued {
                 j.spec.tier,
                 j.spec.priority,
                 j.created_at,
-                u64::from(j.spec.gpus) * 1000,
+                u64::from(j.spec.gpus) * u64::from(j.spec.share(catalog).milli()),
                 u64::from(j.spec.cpu_milli) * u64::from(j.spec.nodes),
                 j.spec.memory_mb * u64::from(j.spec.nodes),
             ),
@@ -181,7 +181,10 @@ pub async fn queue_all(st: &AppState) -> Result<Vec<Queued>, StoreError> {
             let _ = share.set_weight(tenants.index(&t), f64::from(w));
         }
     }
-    let items: Vec<QueueItem> = pending.iter().map(|p| p.item(&mut tenants)).collect();
+    let items: Vec<QueueItem> = pending
+        .iter()
+        .map(|p| p.item(&mut tenants, st.catalog()))
+        .collect();
     let order = queue::order(&items, &share, now_ms);
     let mut slots: Vec<Option<Queued>> = pending.into_iter().map(Some).collect();
     Ok(order
@@ -395,7 +398,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                 pending.push(Some(p));
             }
             Queued::Job(j) => {
-                requests.push(member_request(&j));
+                requests.push(member_request(&j, st.catalog()));
                 pending.push(None);
                 jobs.push(j);
             }
@@ -498,7 +501,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
                             }
                             if let Some((_, u)) = quotas.get_mut(&job.tenant_id) {
                                 for plan in &plans {
-                                    u.add(Some(&plan.model), req.gpus, 1000);
+                                    u.add(Some(&plan.model), req.gpus, plan.share.milli());
                                 }
                             }
                         }
