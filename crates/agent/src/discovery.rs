@@ -150,6 +150,14 @@ fn nvml_gpus(catalog: &Catalog) -> Result<Vec<DiscoveredGpu>, DiscoveryError> {
             .map_err(query(format!("reading the memory of device {index}")))?
             .total
             / (1024 * 1024);
+        let (mig_mode, mig_devices) = nvml_mig(&device);
+        if mig_mode {
+            tracing::info!(
+                index,
+                mig_devices = ?mig_devices,
+                "gpu is in MIG mode: it takes MIG profiles only"
+            );
+        }
         match catalog.match_device(&name, memory_mib) {
             Some(model) => gpus.push(DiscoveredGpu {
                 index,
@@ -157,7 +165,7 @@ fn nvml_gpus(catalog: &Catalog) -> Result<Vec<DiscoveredGpu>, DiscoveryError> {
                 uuid,
                 memory_mib,
                 vendor: model.vendor,
-                mig_mode: false,
+                mig_mode,
             }),
             None => tracing::warn!(
                 index,
@@ -171,6 +179,28 @@ fn nvml_gpus(catalog: &Catalog) -> Result<Vec<DiscoveredGpu>, DiscoveryError> {
         tracing::warn!(devices = count, "nvml reports no usable gpu on this node");
     }
     Ok(gpus)
+}
+
+/// NVML's value of a current MIG mode that is on (`NVML_DEVICE_MIG_ENABLE`).
+const NVML_MIG_ENABLED: u32 = 1;
+
+/// A GPU's MIG state as NVML reports it: whether MIG mode is on now (not
+/// merely pending a reset), and the UUIDs of the MIG devices that exist on
+/// it. A GPU or driver without MIG support reports off and none; reading
+/// never changes the mode.
+fn nvml_mig(device: &nvml_wrapper::Device<'_>) -> (bool, Vec<String>) {
+    let on = device
+        .mig_mode()
+        .is_ok_and(|m| m.current == NVML_MIG_ENABLED);
+    if !on {
+        return (false, Vec::new());
+    }
+    let slots = device.mig_device_count().unwrap_or(0);
+    let devices = (0..slots)
+        .filter_map(|i| device.mig_device_by_index(i).ok())
+        .filter_map(|d| d.uuid().ok())
+        .collect();
+    (true, devices)
 }
 
 /// CPU capacity of this host in milli-cores.

@@ -26,8 +26,8 @@ fn real_gpus_are_discovered_and_matched_to_the_catalog() {
     assert!(!gpus.is_empty(), "NVML answers but no GPU was matched");
     for (i, gpu) in gpus.iter().enumerate() {
         eprintln!(
-            "gpu {}: {} {} MiB {}",
-            gpu.index, gpu.model, gpu.memory_mib, gpu.uuid
+            "gpu {}: {} {} MiB {} mig_mode={}",
+            gpu.index, gpu.model, gpu.memory_mib, gpu.uuid, gpu.mig_mode
         );
         let model = catalog
             .get(&gpu.model)
@@ -43,6 +43,13 @@ fn real_gpus_are_discovered_and_matched_to_the_catalog() {
             gpu.memory_mib * 10 >= nominal * 9 && gpu.memory_mib <= nominal + nominal / 10,
             "gpu {i}: {} MiB is far from the catalog's {nominal} MiB for {}",
             gpu.memory_mib,
+            gpu.model
+        );
+        // MIG mode is reported only where the catalog knows how the model
+        // partitions, or placement could not use it.
+        assert!(
+            !gpu.mig_mode || model.mig_geometry.is_some(),
+            "gpu {i}: {} reports MIG mode but the catalog has no MIG geometry for it",
             gpu.model
         );
         assert!(

@@ -23,7 +23,7 @@ use serde_json::Value;
 pub enum JobsCommand {
     /// Submit a job: a gang of `--nodes` members (ranks) of `--gpus /
     /// --nodes` GPUs each, placed all together or not at all.
-    Submit(SubmitArgs),
+    Submit(Box<SubmitArgs>),
     /// List jobs (finished ones with --all or --state).
     List {
         /// Include finished jobs.
@@ -71,6 +71,13 @@ pub struct SubmitArgs {
     /// Acceptable GPU models, comma-separated (default: any).
     #[arg(long = "gpu-type", value_delimiter = ',', value_name = "MODEL[,MODEL]")]
     pub gpu_types: Vec<String>,
+    /// Each member takes this share of one GPU (0.001-1); --gpus must then
+    /// equal --nodes.
+    #[arg(long, value_name = "SHARE", conflicts_with = "mig")]
+    pub gpu_fraction: Option<f64>,
+    /// Each member takes one MIG instance of this profile (e.g. 1g.10gb).
+    #[arg(long, value_name = "PROFILE")]
+    pub mig: Option<String>,
     /// CPU per member in thousandths of a core (default 1000).
     #[arg(long, value_name = "MILLI")]
     pub cpu: Option<u32>,
@@ -149,7 +156,7 @@ fn job_id(s: &str) -> Result<JobId> {
 /// Runs one `flotilla jobs` action.
 pub async fn dispatch(ctx: &Ctx, command: JobsCommand) -> Result<ExitCode> {
     match command {
-        JobsCommand::Submit(args) => submit(ctx, args).await,
+        JobsCommand::Submit(args) => submit(ctx, *args).await,
         JobsCommand::List { all, state } => list(ctx, all, state).await,
         JobsCommand::Show { id } => show(ctx, &id).await,
         JobsCommand::Queue => queue(ctx).await,
@@ -177,6 +184,8 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
         max_retries: args.max_retries,
         locality: args.locality,
         time_limit_s: args.time_limit_s,
+        gpu_fraction: args.gpu_fraction,
+        mig_profile: args.mig,
     };
     let raw: Value = ctx.client.post("/v1/jobs", &req).await?;
     let job: Job = decode(raw.clone())?;

@@ -114,7 +114,7 @@ pub fn instance_gpus(inst: &Instance) -> String {
 pub fn node_gpus(node: &Node) -> String {
     let mut models: Vec<(&str, u32, u32)> = Vec::new();
     for g in &node.gpus {
-        let free = u32::from(g.instance_id.is_none());
+        let free = u32::from(g.instance_id.is_none() && g.used_milli == 0);
         match models.iter_mut().find(|(m, _, _)| *m == g.model) {
             Some(entry) => {
                 entry.1 += 1;

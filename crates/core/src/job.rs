@@ -152,7 +152,7 @@ pub struct CreateJob {
     /// model on one node.
     pub gpus: u32,
     /// Members of the gang (ranks), placed all together or not at all
-    /// (default 1). Members may share a node when it has room for both.
+    /// (default 1), each on a node of its own, as Slurm's `-N` places them.
     #[serde(default)]
     pub nodes: Option<u32>,
     /// Acceptable GPU models (any of them); empty or absent: any model.
@@ -204,6 +204,14 @@ pub struct CreateJob {
     /// ahead of a waiting head, and plan that head's start.
     #[serde(default)]
     pub time_limit_s: Option<u64>,
+    /// Each member takes this share of one GPU (0.001..=1) instead of whole
+    /// GPUs; `gpus` must then equal `nodes` (one share per member).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_fraction: Option<f64>,
+    /// Each member takes one MIG instance of this profile; `gpus` must
+    /// equal `nodes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_profile: Option<String>,
 }
 
 /// A validated job request: what the store keeps and every member is
@@ -248,9 +256,34 @@ pub struct JobSpec {
     /// Longest one attempt may run, in seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_limit_s: Option<u64>,
+    /// Each member's share of one GPU, when members share GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_fraction: Option<f64>,
+    /// Each member's MIG profile (canonical name), when members take MIG
+    /// instances.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_profile: Option<String>,
 }
 
 impl JobSpec {
+    /// What each member takes of its GPUs: whole GPUs, a fraction of one,
+    /// or a MIG instance of the catalog's profile.
+    pub fn share(&self, catalog: &Catalog) -> crate::placement::GpuShare {
+        use crate::placement::GpuShare;
+        if let Some((p, _)) = self
+            .mig_profile
+            .as_deref()
+            .and_then(|n| catalog.mig_profile(n))
+        {
+            return GpuShare::Mig(p);
+        }
+        match self.gpu_fraction.map(|f| (f * 1000.0).round()) {
+            // Validated to 1..1000 milli.
+            Some(m) if (1.0..1000.0).contains(&m) => GpuShare::Fraction { milli: m as u16 },
+            _ => GpuShare::Whole,
+        }
+    }
+
     /// GPUs of one member.
     pub fn gpus_per_member(&self) -> u32 {
         self.gpus / self.nodes.max(1)
@@ -337,11 +370,17 @@ impl CreateJob {
             priority: self.priority,
             tier: self.tier,
             preemptible: self.preemptible,
-            // Job members take whole GPUs; shares are for instances.
-            gpu_fraction: None,
-            mig_profile: None,
+            gpu_fraction: self.gpu_fraction,
+            mig_profile: self.mig_profile,
         }
         .validate(catalog)?;
+        let (gpu_fraction, mig_profile) = match &member.share {
+            crate::placement::GpuShare::Whole => (None, None),
+            crate::placement::GpuShare::Fraction { milli } => {
+                (Some(f64::from(*milli) / 1000.0), None)
+            }
+            crate::placement::GpuShare::Mig(p) => (None, Some(p.name.clone())),
+        };
         Ok(JobSpec {
             name: member.name,
             gpus: self.gpus,
@@ -360,6 +399,8 @@ impl CreateJob {
             max_retries,
             locality: self.locality,
             time_limit_s: self.time_limit_s,
+            gpu_fraction,
+            mig_profile,
         })
     }
 }
@@ -623,6 +664,8 @@ mod tests {
             max_retries: None,
             locality: Locality::Any,
             time_limit_s: None,
+            gpu_fraction: None,
+            mig_profile: None,
         }
     }
 
@@ -646,6 +689,23 @@ mod tests {
         let c = Catalog::default();
         let cases = [
             (CreateJob { gpus: 7, ..req() }, "gpus"),
+            // A share is one GPU per member: 8 GPUs over 2 members is not.
+            (
+                CreateJob {
+                    gpu_fraction: Some(0.5),
+                    ..req()
+                },
+                "gpus",
+            ),
+            (
+                CreateJob {
+                    gpus: 2,
+                    gpu_types: vec!["L40S".into()],
+                    mig_profile: Some("1g.10gb".into()),
+                    ..req()
+                },
+                "mig_profile",
+            ),
             (CreateJob { gpus: 0, ..req() }, "gpus"),
             (CreateJob { gpus: 130, ..req() }, "gpus"),
             (

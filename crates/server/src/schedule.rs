@@ -252,7 +252,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
                 // `--nodes N`: N members on N machines, as Slurm's -N.
                 spread: true,
                 locality: locality_of(j.spec.locality),
-                gpu: ask_of(&GpuShare::Whole, j.spec.gpus_per_member()),
+                gpu: ask_of(&j.spec.share(st.catalog()), j.spec.gpus_per_member()),
                 models: j.spec.gpu_types.clone(),
                 cpu_milli: j.spec.cpu_milli,
                 mem_mib: j.spec.memory_mb,
@@ -458,10 +458,11 @@ pub async fn apply(st: &AppState, g: &Gathered, plan: &Plan) -> Result<Applied, 
                 })
             }
             Queued::Job(j) => {
+                let share = j.spec.share(st.catalog());
                 let Some(plans) = p
                     .members
                     .iter()
-                    .map(|m| g.placement(m, &GpuShare::Whole))
+                    .map(|m| g.placement(m, &share))
                     .collect::<Option<Vec<_>>>()
                 else {
                     continue;

@@ -313,3 +313,54 @@ async fn quotas_count_a_share_by_its_share() {
         "{e}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gang_of_half_shares_takes_a_half_on_each_of_its_nodes() {
+    let s = flotilla_testkit::server::start(fast()).await;
+    let (provider, _, member) = pool(&s, &[("H100", 1)]).await;
+    // `nodes: 2` means two machines, even where one GPU has room for both.
+    s.register_node(&provider, "n2", &[("H100", 1)]).await;
+    let (status, job) = s
+        .call(
+            &member,
+            Method::POST,
+            "/v1/jobs",
+            Some(json!({"gpus": 2, "nodes": 2, "gpu_fraction": 0.5, "command": ["train"]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{job}");
+    assert_eq!(job["spec"]["gpu_fraction"], 0.5, "{job}");
+    let id = job["id"].as_str().unwrap().to_string();
+    let mut members = Vec::new();
+    for _ in 0..800 {
+        let j = s
+            .ok(&member, Method::GET, &format!("/v1/jobs/{id}"), None)
+            .await;
+        let m = j["members"].as_array().cloned().unwrap_or_default();
+        if m.len() == 2 {
+            members = m;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(members.len(), 2, "both members placed");
+    let mut gpus = Vec::new();
+    for m in &members {
+        let i = instance(&s, &member, m["instance_id"].as_str().unwrap()).await;
+        assert_eq!(i["gpu_fraction"], 0.5, "{i}");
+        assert_eq!(i["gpu_slices"][0]["milli"], 500, "{i}");
+        gpus.push((i["node_id"].clone(), i["gpu_ids"][0].clone()));
+    }
+    assert_ne!(gpus[0].0, gpus[1].0, "one member per node: {gpus:?}");
+    // A MIG job with no GPU in MIG mode is refused like an instance.
+    let (status, e) = s
+        .call(
+            &member,
+            Method::POST,
+            "/v1/jobs",
+            Some(json!({"gpus": 1, "mig_profile": "1g.10gb", "command": ["x"]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{e}");
+    assert_eq!(e["error"]["details"]["field"], "mig_profile");
+}

@@ -363,7 +363,8 @@ impl Store {
                 priority: j.spec.priority,
                 tier: j.spec.tier,
                 preemptible: j.spec.preemptible,
-                share: flotilla_core::placement::GpuShare::Whole,
+                // What the planner placed it as: whole GPUs, or the job's share.
+                share: plan.share.clone(),
             };
             let why = format!("rank {rank} of {id}, attempt {next}");
             crate::instances::insert_pending(&mut tx, member, &j.tenant_id, &spec, None, &why, now)

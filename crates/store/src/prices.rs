@@ -164,7 +164,7 @@ impl Store {
     pub async fn gpu_pool_use(&self) -> Result<Vec<ModelUse>> {
         let rows = sqlx::query(
             "SELECT g.model, COUNT(*) AS total, \
-               CAST(SUM(CASE WHEN g.instance_id IS NULL THEN 0 ELSE 1 END) AS BIGINT) AS used \
+               CAST(SUM(CASE WHEN g.instance_id IS NULL AND g.used_milli = 0 THEN 0 ELSE 1 END) AS BIGINT) AS used \
              FROM gpus g JOIN nodes n ON n.id = g.node_id \
              WHERE n.state = 'ready' AND n.cordoned = 0 GROUP BY g.model ORDER BY g.model",
         )

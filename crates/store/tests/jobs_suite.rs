@@ -100,6 +100,8 @@ fn spec(gpus: u32, nodes: u32) -> JobSpec {
         max_retries: 1,
         locality: Default::default(),
         time_limit_s: None,
+        gpu_fraction: None,
+        mig_profile: None,
     }
 }
 

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use flotilla_core::api::{Instance, LogLine, Page, QueueEntry};
 use flotilla_core::id::InstanceId;
-use flotilla_core::instance::{CreateInstance, InstanceSpec, InstanceState};
+use flotilla_core::instance::{CreateInstance, InstanceState};
 use flotilla_core::placement::GpuShare;
 use flotilla_core::tenant::Role;
 use flotilla_core::FieldError;
@@ -65,7 +65,7 @@ pub async fn create_instance(
 ) -> ApiResult<(StatusCode, Json<Instance>)> {
     caller.require(&WORK_ROLES, "create instances")?;
     let spec = req.validate(st.catalog())?;
-    mig_mode_available(&st, &spec).await?;
+    mig_mode_available(&st, &spec.share, &spec.gpu_types).await?;
     // A hard-capped budget refuses new spot/preemptible work (never tier 1).
     crate::budgets::admit_instance(&st, &caller.tenant_id, &spec).await?;
     let (t, r) = st.ids();
@@ -84,15 +84,19 @@ pub async fn create_instance(
 /// placed (MIG mode is node configuration an operator sets, not something
 /// the scheduler can change), so it is refused, naming `mig_profile`, rather
 /// than left pending forever.
-async fn mig_mode_available(st: &AppState, spec: &InstanceSpec) -> ApiResult<()> {
-    let GpuShare::Mig(profile) = &spec.share else {
+pub(crate) async fn mig_mode_available(
+    st: &AppState,
+    share: &GpuShare,
+    gpu_types: &[String],
+) -> ApiResult<()> {
+    let GpuShare::Mig(profile) = share else {
         return Ok(());
     };
     let snapshot = st.store().placement_snapshot().await?;
     let any = snapshot
         .iter()
         .flat_map(|n| &n.gpus)
-        .any(|g| g.mig_mode && spec.gpu_types.contains(&g.model));
+        .any(|g| g.mig_mode && gpu_types.contains(&g.model));
     if any {
         return Ok(());
     }
@@ -100,7 +104,7 @@ async fn mig_mode_available(st: &AppState, spec: &InstanceSpec) -> ApiResult<()>
         "mig_profile",
         format!(
             "no {} GPU is in MIG mode, so no MIG instance `{}` can be placed; ask for whole GPUs or a gpu_fraction instead",
-            spec.gpu_types.join(" or "),
+            gpu_types.join(" or "),
             profile.name
         ),
     )

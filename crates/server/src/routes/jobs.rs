@@ -67,6 +67,7 @@ pub async fn create_job(
 ) -> ApiResult<(StatusCode, Json<Job>)> {
     caller.require(&WORK_ROLES, "submit jobs")?;
     let spec = req.validate(st.catalog())?;
+    super::instances::mig_mode_available(&st, &spec.share(st.catalog()), &spec.gpu_types).await?;
     let (t, r) = st.ids();
     let id = JobId::generate(t, r);
     let job = st
