@@ -146,26 +146,31 @@ impl From<Billing> for BillingClass {
     }
 }
 
-/// `flotilla run` options.
+/// What any work asks for: the arguments `flotilla run` (a work of one
+/// member, an instance) and `flotilla jobs submit` (a gang of `--nodes`
+/// members) share. One set, so the two commands cannot drift apart.
 #[derive(Debug, clap::Args)]
-pub struct RunArgs {
-    /// Whole GPUs, all of one model, on one node.
+pub struct WorkArgs {
+    /// Whole GPUs, all of one model, on one node; for a job, of the whole
+    /// job, divided evenly among its members.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub gpus: u32,
     /// Acceptable GPU models, comma-separated (default: any).
     #[arg(long = "gpu-type", value_delimiter = ',', value_name = "MODEL[,MODEL]")]
     pub gpu_types: Vec<String>,
     /// A share of one GPU instead of whole GPUs (0.001-1, e.g. 0.25): a
-    /// thread percentage and a memory cap of that share, billed by share.
+    /// thread percentage and a memory cap of that share, billed by share
+    /// (for a job, per member; --gpus must then equal --nodes).
     #[arg(long, value_name = "SHARE", conflicts_with = "mig")]
     pub gpu_fraction: Option<f64>,
-    /// One MIG instance of this profile (e.g. 1g.10gb) on a GPU in MIG mode.
+    /// One MIG instance of this profile (e.g. 1g.10gb) on a GPU in MIG mode
+    /// (for a job, per member).
     #[arg(long, value_name = "PROFILE")]
     pub mig: Option<String>,
-    /// CPU in thousandths of a core (default 1000).
+    /// CPU in thousandths of a core, per member (default 1000).
     #[arg(long, value_name = "MILLI")]
     pub cpu: Option<u32>,
-    /// Memory in MiB (default 1024).
+    /// Memory in MiB, per member (default 1024).
     #[arg(long, value_name = "MB")]
     pub memory: Option<u64>,
     /// Environment variable for the command (repeatable).
@@ -180,21 +185,19 @@ pub struct RunArgs {
     /// Billing class.
     #[arg(long, value_enum, default_value = "on-demand")]
     pub billing: Billing,
-    /// Queue priority, higher first (-1000..=1000, default 0). Higher
-    /// priority work may preempt preemptible work of lower priority.
+    /// Queue priority, higher first (-1000..=1000, default 0). Within a
+    /// tier, higher priority work may preempt preemptible work of lower
+    /// priority.
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub priority: Option<i32>,
     /// Service tier: 1 dedicated (never preempted), 2 shared/spot, 3
     /// queued (default: 2 for spot, 1 otherwise).
     #[arg(long, value_name = "1|2|3", value_parser = clap::value_parser!(u8).range(1..=3))]
     pub tier: Option<u8>,
-    /// Allow the scheduler to preempt this instance (with a 30 s notice,
-    /// then requeue it) for more important work (default: only for spot).
+    /// Allow the scheduler to preempt this work (with a 30 s notice, then
+    /// requeue it whole) for more important work (default: only for spot).
     #[arg(long)]
     pub preemptible: bool,
-    /// Print the instance id and return instead of following it.
-    #[arg(long, short = 'd')]
-    pub detach: bool,
     /// The program and its arguments (after `--`).
     #[arg(
         required = true,
@@ -203,6 +206,27 @@ pub struct RunArgs {
         value_name = "CMD"
     )]
     pub command: Vec<String>,
+}
+
+impl WorkArgs {
+    /// The GPU models, trimmed, empty entries dropped.
+    pub fn models(&self) -> Vec<String> {
+        self.gpu_types
+            .iter()
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty())
+            .collect()
+    }
+}
+
+/// `flotilla run` options: the work, and how to follow it.
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub work: WorkArgs,
+    /// Print the instance id and return instead of following it.
+    #[arg(long, short = 'd')]
+    pub detach: bool,
 }
 
 /// Parses `--env K=V`.
@@ -250,26 +274,22 @@ pub async fn queue(ctx: &Ctx) -> Result<ExitCode> {
 
 /// `flotilla run`.
 pub async fn run(ctx: &Ctx, args: RunArgs) -> Result<ExitCode> {
+    let w = args.work;
     let req = CreateInstance {
-        name: args.name,
-        gpus: args.gpus,
-        gpu_types: args
-            .gpu_types
-            .into_iter()
-            .map(|t| t.trim().to_string())
-            .filter(|t| !t.is_empty())
-            .collect(),
-        cpu_milli: args.cpu,
-        memory_mb: args.memory,
-        command: args.command,
-        env: args.env.into_iter().collect(),
-        workdir: args.workdir,
-        billing_class: args.billing.into(),
-        priority: args.priority,
-        tier: args.tier,
-        preemptible: args.preemptible.then_some(true),
-        gpu_fraction: args.gpu_fraction,
-        mig_profile: args.mig,
+        gpu_types: w.models(),
+        name: w.name,
+        gpus: w.gpus,
+        cpu_milli: w.cpu,
+        memory_mb: w.memory,
+        command: w.command,
+        env: w.env.into_iter().collect(),
+        workdir: w.workdir,
+        billing_class: w.billing.into(),
+        priority: w.priority,
+        tier: w.tier,
+        preemptible: w.preemptible.then_some(true),
+        gpu_fraction: w.gpu_fraction,
+        mig_profile: w.mig,
     };
     // Take over Ctrl-C before the instance exists, so an interrupt right
     // after the create still stops it.

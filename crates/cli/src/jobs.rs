@@ -13,7 +13,7 @@ use flotilla_core::id::JobId;
 use flotilla_core::job::{CreateJob, JobState, Locality, RestartPolicy};
 
 use crate::client::decode;
-use crate::commands::{parse_env, Billing, Ctx};
+use crate::commands::{Ctx, WorkArgs};
 use crate::follow::{self, FollowOptions};
 use crate::output::{age, one_line, outln, print_json, print_table, table};
 use serde_json::Value;
@@ -59,54 +59,15 @@ pub enum JobsCommand {
     },
 }
 
-/// `flotilla jobs submit` options.
+/// `flotilla jobs submit` options: the work (the arguments `flotilla run`
+/// takes, per member), and what makes it a gang.
 #[derive(Debug, clap::Args)]
 pub struct SubmitArgs {
-    /// GPUs of the whole job (divisible by --nodes).
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    pub gpus: u32,
-    /// Members of the gang (ranks), each on one node.
+    #[command(flatten)]
+    pub work: WorkArgs,
+    /// Members of the gang (ranks), each on a node of its own.
     #[arg(long, default_value_t = 1, value_name = "K")]
     pub nodes: u32,
-    /// Acceptable GPU models, comma-separated (default: any).
-    #[arg(long = "gpu-type", value_delimiter = ',', value_name = "MODEL[,MODEL]")]
-    pub gpu_types: Vec<String>,
-    /// Each member takes this share of one GPU (0.001-1); --gpus must then
-    /// equal --nodes.
-    #[arg(long, value_name = "SHARE", conflicts_with = "mig")]
-    pub gpu_fraction: Option<f64>,
-    /// Each member takes one MIG instance of this profile (e.g. 1g.10gb).
-    #[arg(long, value_name = "PROFILE")]
-    pub mig: Option<String>,
-    /// CPU per member in thousandths of a core (default 1000).
-    #[arg(long, value_name = "MILLI")]
-    pub cpu: Option<u32>,
-    /// Memory per member in MiB (default 1024).
-    #[arg(long, value_name = "MB")]
-    pub memory: Option<u64>,
-    /// Environment variable for every member (repeatable).
-    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
-    pub env: Vec<(String, String)>,
-    /// Working directory on the nodes (absolute).
-    #[arg(long, value_name = "DIR")]
-    pub workdir: Option<String>,
-    /// Display name (a DNS label).
-    #[arg(long)]
-    pub name: Option<String>,
-    /// Billing class of the members.
-    #[arg(long, value_enum, default_value = "on-demand")]
-    pub billing: Billing,
-    /// Queue priority, higher first (-1000..=1000, default 0).
-    #[arg(long, value_name = "N", allow_negative_numbers = true)]
-    pub priority: Option<i32>,
-    /// Service tier: 1 dedicated, 2 shared/spot, 3 queued (default: 2 for
-    /// spot, 1 otherwise).
-    #[arg(long, value_name = "1|2|3", value_parser = clap::value_parser!(u8).range(1..=3))]
-    pub tier: Option<u8>,
-    /// Allow the scheduler to preempt the job (every member gets the 30 s
-    /// notice, then the whole job is requeued).
-    #[arg(long)]
-    pub preemptible: bool,
     /// `never` or `on-failure` (restart the whole gang).
     #[arg(long, value_parser = parse_restart, default_value = "never", value_name = "never|on-failure")]
     pub restart: RestartPolicy,
@@ -123,14 +84,6 @@ pub struct SubmitArgs {
     /// Wait for the job to end; exit 0 only if it succeeded.
     #[arg(long, short = 'w')]
     pub wait: bool,
-    /// The program and its arguments (after `--`).
-    #[arg(
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_name = "CMD"
-    )]
-    pub command: Vec<String>,
 }
 
 fn parse_restart(s: &str) -> std::result::Result<RestartPolicy, String> {
@@ -166,26 +119,27 @@ pub async fn dispatch(ctx: &Ctx, command: JobsCommand) -> Result<ExitCode> {
 }
 
 async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
+    let w = args.work;
     let req = CreateJob {
-        name: args.name,
-        gpus: args.gpus,
+        gpu_types: w.models(),
+        name: w.name,
+        gpus: w.gpus,
         nodes: Some(args.nodes),
-        gpu_types: args.gpu_types,
-        cpu_milli: args.cpu,
-        memory_mb: args.memory,
-        command: args.command,
-        env: args.env.into_iter().collect(),
-        workdir: args.workdir,
-        billing_class: args.billing.into(),
-        priority: args.priority,
-        tier: args.tier,
-        preemptible: args.preemptible.then_some(true),
+        cpu_milli: w.cpu,
+        memory_mb: w.memory,
+        command: w.command,
+        env: w.env.into_iter().collect(),
+        workdir: w.workdir,
+        billing_class: w.billing.into(),
+        priority: w.priority,
+        tier: w.tier,
+        preemptible: w.preemptible.then_some(true),
         restart_policy: args.restart,
         max_retries: args.max_retries,
         locality: args.locality,
         time_limit_s: args.time_limit_s,
-        gpu_fraction: args.gpu_fraction,
-        mig_profile: args.mig,
+        gpu_fraction: w.gpu_fraction,
+        mig_profile: w.mig,
     };
     let raw: Value = ctx.client.post("/v1/jobs", &req).await?;
     let job: Job = decode(raw.clone())?;

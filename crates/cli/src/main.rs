@@ -403,17 +403,17 @@ mod tests {
         let Command::Run(r) = cli.command else {
             panic!("not run")
         };
-        assert_eq!(r.gpus, 2);
-        assert_eq!(r.gpu_types, ["H100", "A100-80GB"]);
-        assert_eq!(r.env, [("A".to_string(), "1".to_string())]);
-        assert_eq!(r.command, ["python", "-c", "print(1)"]);
+        assert_eq!(r.work.gpus, 2);
+        assert_eq!(r.work.gpu_types, ["H100", "A100-80GB"]);
+        assert_eq!(r.work.env, [("A".to_string(), "1".to_string())]);
+        assert_eq!(r.work.command, ["python", "-c", "print(1)"]);
 
         // Without `--`, flags after the program belong to the program.
         let cli = parse(&["run", "nvidia-smi", "-L", "--gpus", "3"]).unwrap();
         let Command::Run(r) = cli.command else {
             panic!("not run")
         };
-        assert_eq!((r.gpus, r.command.len()), (1, 4));
+        assert_eq!((r.work.gpus, r.work.command.len()), (1, 4));
     }
 
     #[test]
@@ -444,14 +444,14 @@ mod tests {
             panic!("not jobs submit")
         };
         assert_eq!(
-            (a.gpus, a.nodes, a.tier, a.preemptible),
+            (a.work.gpus, a.nodes, a.work.tier, a.work.preemptible),
             (8, 2, Some(2), true)
         );
         assert_eq!(
             (a.restart, a.max_retries),
             (flotilla_core::job::RestartPolicy::OnFailure, Some(3))
         );
-        assert_eq!(a.command, ["torchrun", "train.py"]);
+        assert_eq!(a.work.command, ["torchrun", "train.py"]);
         assert!(parse(&["jobs", "submit", "--restart", "always", "--", "x"]).is_err());
         assert!(matches!(
             parse(&["jobs", "logs", "job_x", "--rank", "1", "-f"])
