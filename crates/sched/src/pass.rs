@@ -1179,7 +1179,7 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
                         &mut rng,
                     ),
                     _ => {
-                        let d = preempt::plan_gang(
+                        let d = preempt::plan_gang_unexplained(
                             &mut engine_scratch,
                             outside.as_ref().unwrap_or(&pool.cluster),
                             list,

@@ -312,6 +312,60 @@ pub fn plan_gang<R: Rng + ?Sized>(
     if let GangDecision::Placed(p) = place_gang(engine, cluster, gang, rng) {
         return GangPreemptDecision::Fits(p);
     }
+    gang_evictions(
+        engine,
+        cluster,
+        allocations,
+        gang,
+        who,
+        config,
+        now_ms,
+        rng,
+        true,
+    )
+}
+
+/// [`plan_gang`] for a caller that already knows the gang does not fit as
+/// things stand and has no use for the explanation of a failure (the pass
+/// planner, [`crate::pass`], which explains with its own counts): neither
+/// is computed, which saves a placement attempt and a pass over the
+/// cluster per call.
+#[allow(clippy::too_many_arguments)]
+pub fn plan_gang_unexplained<R: Rng + ?Sized>(
+    engine: &mut Engine,
+    cluster: &Cluster,
+    allocations: &[Allocation],
+    gang: &Gang,
+    who: &Preemptor,
+    config: &PreemptConfig,
+    now_ms: u64,
+    rng: &mut R,
+) -> GangPreemptDecision {
+    gang_evictions(
+        engine,
+        cluster,
+        allocations,
+        gang,
+        who,
+        config,
+        now_ms,
+        rng,
+        false,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gang_evictions<R: Rng + ?Sized>(
+    engine: &mut Engine,
+    cluster: &Cluster,
+    allocations: &[Allocation],
+    gang: &Gang,
+    who: &Preemptor,
+    config: &PreemptConfig,
+    now_ms: u64,
+    rng: &mut R,
+    explained: bool,
+) -> GangPreemptDecision {
     let all: Vec<&Allocation> = allocations.iter().collect();
     let mut scopes: Vec<Option<u32>> = match gang.locality {
         Locality::Any => vec![None],
@@ -352,7 +406,13 @@ pub fn plan_gang<R: Rng + ?Sized>(
                 .map(|(_, a)| *a)
                 .collect();
             let left_idx: Vec<usize> = (0..all.len()).filter(|k| !evicted.contains(k)).collect();
-            match cheapest(&scratch, &left, req, who, now_ms) {
+            let found = if explained {
+                cheapest(&scratch, &left, req, who, now_ms)
+            } else {
+                cheapest_set(&scratch, &left, req, who, now_ms)
+                    .ok_or_else(PreemptExplanation::default)
+            };
+            match found {
                 Ok((victims, c)) => {
                     match evict_and_place(engine, &mut scratch, &left, &victims, req, rng) {
                         Some(p) if scratch.commit(req, &p).is_ok() => {
@@ -364,13 +424,18 @@ pub fn plan_gang<R: Rng + ?Sized>(
                             members.push(p);
                         }
                         _ => {
-                            failed = Some((i, explain(&scratch, &left, req)));
+                            let why = if explained {
+                                explain(&scratch, &left, req)
+                            } else {
+                                PreemptExplanation::default()
+                            };
+                            failed = Some((i, why));
                             break;
                         }
                     }
                 }
                 Err(mut e) => {
-                    if let Some(nodes) = &nodes {
+                    if let (Some(nodes), true) = (&nodes, explained) {
                         // Count only the scope's nodes, not the cordoned rest.
                         e = explain_nodes(&scratch, &left, req, Some(nodes));
                     }
