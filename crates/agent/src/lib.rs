@@ -20,6 +20,7 @@
 
 pub mod client;
 pub mod discovery;
+pub mod fence;
 pub mod runtime;
 pub mod telemetry;
 
@@ -91,6 +92,11 @@ pub struct AgentConfig {
     pub work_dir: PathBuf,
     /// Long-poll wait to ask for, in milliseconds.
     pub sync_wait_ms: u64,
+    /// A program to run as the node lease's fence ([`fence`]), as
+    /// `PROGRAM agent-fence --file F --agent-pid P`: `flotilla agent` passes
+    /// its own binary. `None`: no fence process (the agent still stops its
+    /// work itself when the lease runs out, but not while it is paused).
+    pub fence_program: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -105,6 +111,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("simulate_gpus", &self.simulate_gpus)
             .field("work_dir", &self.work_dir)
             .field("sync_wait_ms", &self.sync_wait_ms)
+            .field("fence_program", &self.fence_program)
             .finish()
     }
 }
@@ -127,6 +134,7 @@ impl AgentConfig {
             simulate_gpus: None,
             work_dir: work_dir.into(),
             sync_wait_ms: 10_000,
+            fence_program: None,
         }
     }
 }
@@ -205,6 +213,7 @@ pub async fn run(
         }
         () = &mut shutdown => return Ok(()),
     }
+    let fence = agent.start_fence();
     let shipper = tokio::spawn(ship_logs_forever(shared.clone(), client));
     let watchdog = tokio::spawn(fence_forever(shared));
     tokio::select! {
@@ -215,6 +224,11 @@ pub async fn run(
     shipper.abort();
     watchdog.abort();
     agent.shutdown().await;
+    // A clean stop: the fence has nothing left to guard.
+    let _ = std::fs::remove_file(agent.fence_file());
+    if let Some(mut f) = fence {
+        let _ = f.wait();
+    }
     tracing::info!("agent stopped");
     Ok(())
 }
@@ -383,6 +397,77 @@ struct Agent {
 }
 
 impl Agent {
+    /// Where the fence reads the lease: one file per agent process, since
+    /// agents may share a work directory.
+    fn fence_file(&self) -> PathBuf {
+        self.config
+            .work_dir
+            .join(format!("node-lease.{}", std::process::id()))
+    }
+
+    /// Starts the fence process, if the configuration names a program for
+    /// it; a fence that cannot start is a warning, not a failure.
+    fn start_fence(&self) -> Option<std::process::Child> {
+        use std::os::unix::process::CommandExt;
+        let program = self.config.fence_program.as_ref()?;
+        let _ = std::fs::remove_file(self.fence_file());
+        match std::process::Command::new(program)
+            .arg("agent-fence")
+            .arg("--file")
+            .arg(self.fence_file())
+            .arg("--agent-pid")
+            .arg(std::process::id().to_string())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            // Its own group: a signal to the agent's group is not for it.
+            .process_group(0)
+            .spawn()
+        {
+            Ok(child) => {
+                tracing::info!(pid = child.id(), "node lease fence started");
+                Some(child)
+            }
+            Err(error) => {
+                tracing::warn!(%error, "node lease fence not started: work will not be stopped while the agent is paused");
+                None
+            }
+        }
+    }
+
+    /// Writes the renewed lease and the running workloads' process groups
+    /// for the fence (a no-op without a lease).
+    fn tell_fence(&self) {
+        if self.config.fence_program.is_none() {
+            return;
+        }
+        let Some((from, _)) = self.shared.node_lease().stop_from() else {
+            return;
+        };
+        let Some(until) = self.shared.node_lease().until else {
+            return;
+        };
+        let now = Instant::now();
+        let wall = fence::now_ms();
+        let at =
+            |t: Instant| wall.saturating_add(t.saturating_duration_since(now).as_millis() as u64);
+        let groups = self
+            .shared
+            .lock()
+            .values()
+            .filter(|t| t.running() && !t.fenced)
+            .filter_map(|t| t.process().map(Process::pid))
+            .collect();
+        let lease = fence::Lease {
+            agent_pid: std::process::id(),
+            stop_from_ms: at(from),
+            until_ms: at(until),
+            groups,
+        };
+        if let Err(error) = fence::write(&self.fence_file(), &lease) {
+            tracing::warn!(%error, "could not tell the node lease fence");
+        }
+    }
+
     /// Registers, retrying while the server is unreachable. On the first
     /// registration a refusal (bad key, invalid node) is returned at once;
     /// later ones retry forever since running work depends on getting back
@@ -450,6 +535,7 @@ impl Agent {
                     backoff.succeeded();
                     self.shared.node_lease().renewed(sent, resp.lease_ms);
                     self.apply(resp.assignments);
+                    self.tell_fence();
                     let elapsed = sent.elapsed();
                     if elapsed < MIN_SYNC_SPACING {
                         tokio::select! {

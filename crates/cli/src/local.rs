@@ -539,6 +539,8 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     cfg.region = args.region;
     cfg.pool = args.pool;
     cfg.simulate_gpus = args.simulate_gpus;
+    // The node lease's fence: this binary, as `flotilla agent-fence`.
+    cfg.fence_program = std::env::current_exe().ok();
     let (stop, stopped) = oneshot::channel::<()>();
     let mut task = tokio::spawn(flotilla_agent::run(cfg, async move {
         let _ = stopped.await;

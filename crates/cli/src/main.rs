@@ -67,6 +67,18 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Run a node agent that offers this machine's GPUs to a server.
     Agent(AgentArgs),
+    /// The node lease's fence, started by `flotilla agent` beside itself:
+    /// stops the agent's work when the lease runs out while the agent
+    /// cannot (paused, wedged, killed).
+    #[command(name = "agent-fence", hide = true)]
+    AgentFence {
+        /// The file the agent writes after every renewal.
+        #[arg(long)]
+        file: std::path::PathBuf,
+        /// The agent it guards.
+        #[arg(long)]
+        agent_pid: u32,
+    },
     /// Check an API key against a server and save both.
     Login,
     /// List GPU models with the pool's total and free capacity.
@@ -296,6 +308,11 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Up(args) => return local::up(args).await,
         Command::Server(args) => return local::server(args).await,
         Command::Agent(args) => return local::agent(server, args).await,
+        Command::AgentFence { file, agent_pid } => {
+            tokio::task::spawn_blocking(move || flotilla_agent::fence::watch(&file, agent_pid))
+                .await?;
+            return Ok(ExitCode::SUCCESS);
+        }
         Command::Login => return commands::login(server, api_key).await,
         Command::Simulate(args) => return simulate::run(args),
         _ => {}
@@ -361,6 +378,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Up(_)
         | Command::Server(_)
         | Command::Agent(_)
+        | Command::AgentFence { .. }
         | Command::Login
         | Command::Simulate(_) => {
             unreachable!("handled above")

@@ -538,7 +538,8 @@ fn silent_node_is_unreachable_then_stops_its_work() {
         .parse()
         .unwrap();
 
-    // Freeze the agent: no syncs, but its child keeps running.
+    // Freeze the agent: no syncs; its child would keep running but for the
+    // fence.
     send_signal(&agent.0, nix::sys::signal::Signal::SIGSTOP);
     wait_until("lost", Duration::from_secs(30), || {
         env.get(&key, &path)["state"] == "lost"
@@ -553,7 +554,12 @@ fn silent_node_is_unreachable_then_stops_its_work() {
         0,
         "an unreachable node offers nothing"
     );
-    assert!(pid_alive(pid));
+    // The agent is frozen, but the fence beside it stopped the work by
+    // the end of the node's lease, before the server declared it lost.
+    assert!(
+        !pid_alive(pid),
+        "the node lease's fence stopped the frozen agent's work"
+    );
 
     send_signal(&agent.0, nix::sys::signal::Signal::SIGCONT);
     wait_until("the agent stops the work", Duration::from_secs(30), || {

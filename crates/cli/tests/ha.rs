@@ -668,3 +668,99 @@ fn sqlite_runs_one_server_and_says_so() {
     // The first one never stopped leading.
     assert_eq!(health(&env.url()).unwrap()["role"], "leader");
 }
+
+/// The case the node lease's fence exists for: the agent itself is paused
+/// (SIGSTOP), its workloads are not. The fence process beside it stops the
+/// job's old copy before the lease runs out, and the server restarts the
+/// job elsewhere only after: never two copies at once.
+#[test]
+fn a_paused_agent_has_its_work_stopped_by_its_fence_before_it_runs_elsewhere() {
+    let Some(env) = pg_home("hafence", 6) else {
+        return;
+    };
+    let lease = Duration::from_secs(6);
+    let url = format!("http://127.0.0.1:{}", env.port);
+    let urls = vec![url.clone()];
+    let _server = env.server_at(env.port);
+    let _op = env.operator_key();
+    let a = env.agent_to("fence-a", "1xH100", &url);
+    let (_tenant, key) = tenant(&env, "fence");
+    wait_until("node A's GPU", Duration::from_secs(30), || {
+        free_h100(&urls, &key) == 1
+    });
+    let submitted = env.cli_json(
+        Some(&key),
+        &[
+            "jobs",
+            "submit",
+            "--gpus",
+            "1",
+            "--restart",
+            "on-failure",
+            "--max-retries",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "while :; do date +%s%3N >> stamps; sleep 0.1; done",
+        ],
+    );
+    let job_id = submitted["id"].as_str().unwrap().to_string();
+    let job_path = format!("/v1/jobs/{job_id}");
+    let mut first = None;
+    wait_until("the job runs on node A", Duration::from_secs(30), || {
+        first = member(&get_any(&urls, &key, &job_path), 1);
+        first.is_some()
+    });
+    let (old_id, node_a) = first.unwrap();
+    let mut pid = 0u32;
+    wait_until("its pid", Duration::from_secs(30), || {
+        let old = get_any(&urls, &key, &format!("/v1/instances/{old_id}"));
+        pid = old["state_reason"]
+            .as_str()
+            .unwrap_or("")
+            .trim_start_matches("running as pid ")
+            .parse()
+            .unwrap_or(0);
+        pid != 0
+    });
+    let _b = env.agent_to("fence-b", "1xH100", &url);
+    wait_until("node B's GPU", Duration::from_secs(30), || {
+        free_h100(&urls, &key) == 1
+    });
+
+    send_signal(&a.0, nix::sys::signal::Signal::SIGSTOP);
+    let paused = Instant::now();
+    wait_until(
+        "the fence stops the old copy",
+        lease + Duration::from_secs(5),
+        || !pid_alive(pid),
+    );
+    let mut second = None;
+    wait_until(
+        "the job runs again elsewhere",
+        Duration::from_secs(60),
+        || {
+            second = member(&get_any(&urls, &key, &job_path), 2);
+            second.is_some()
+        },
+    );
+    let (new_id, node_b) = second.unwrap();
+    assert_ne!(node_a, node_b);
+    assert!(
+        paused.elapsed() >= lease,
+        "restarted only after the node's lease ran out ({:?})",
+        paused.elapsed()
+    );
+    wait_until("the new copy writes", Duration::from_secs(30), || {
+        !stamps(&env, &new_id).is_empty()
+    });
+    let (old_stamps, new_stamps) = (stamps(&env, &old_id), stamps(&env, &new_id));
+    let old_last = *old_stamps.last().expect("the old copy ran");
+    assert!(
+        old_last < new_stamps[0],
+        "the old copy stopped ({old_last}) before the new one started ({})",
+        new_stamps[0]
+    );
+    send_signal(&a.0, nix::sys::signal::Signal::SIGCONT);
+}

@@ -667,16 +667,14 @@ impl Store {
         state: Option<InstanceState>,
         page: &PageReq,
     ) -> Result<PageOf<Instance>> {
-        let rows = sqlx::query(
-            "SELECT * FROM instances WHERE id > $1 AND ($2 = '' OR tenant_id = $2) AND ($3 = '' OR state = $3) \
-             ORDER BY id LIMIT $4",
-        )
-        .bind(page.after_or_empty())
-        .bind(only.map(|t| t.as_str()).unwrap_or(""))
-        .bind(state.map(|s| s.as_str()).unwrap_or(""))
-        .bind(page.fetch())
-        .fetch_all(self.pool())
-        .await?;
+        let rows = self
+            .work_page(
+                crate::WorkTable::Instances,
+                only,
+                state.map(|s| s.as_str()),
+                page,
+            )
+            .await?;
         let items = rows.iter().map(instance).collect::<Result<Vec<_>>>()?;
         let mut page = PageOf::from_overfetch(items, page, |i| i.id.to_string());
         let ids: Vec<InstanceId> = page.items.iter().map(|i| i.id.clone()).collect();

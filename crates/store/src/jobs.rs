@@ -232,16 +232,14 @@ impl Store {
         state: Option<JobState>,
         page: &PageReq,
     ) -> Result<PageOf<Job>> {
-        let rows = sqlx::query(
-            "SELECT * FROM jobs WHERE id > $1 AND ($2 = '' OR tenant_id = $2) AND ($3 = '' OR state = $3) \
-             ORDER BY id LIMIT $4",
-        )
-        .bind(page.after_or_empty())
-        .bind(only.map(|t| t.as_str()).unwrap_or(""))
-        .bind(state.map(|s| s.as_str()).unwrap_or(""))
-        .bind(page.fetch())
-        .fetch_all(self.pool())
-        .await?;
+        let rows = self
+            .work_page(
+                crate::WorkTable::Jobs,
+                only,
+                state.map(|s| s.as_str()),
+                page,
+            )
+            .await?;
         let items = rows.iter().map(job).collect::<Result<Vec<_>>>()?;
         let mut page = PageOf::from_overfetch(items, page, |j| j.id.to_string());
         self.fill_all(&mut page.items).await?;
