@@ -127,19 +127,22 @@ pub fn watch(path: &Path, agent_pid: u32) {
     let tick = Duration::from_millis(100);
     let mut termed = false;
     let mut killed = false;
+    let mut seen = false;
     loop {
         std::thread::sleep(tick);
         let lease = match std::fs::read_to_string(path) {
             Ok(text) => Lease::parse(&text),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                // Removed: the agent stopped cleanly, or has not synced yet.
-                if !alive(agent_pid) || killed {
+                // Not yet written (no sync so far): wait while the agent
+                // lives. Removed after it was written: a clean stop.
+                if seen || !alive(agent_pid) {
                     return;
                 }
                 continue;
             }
             Err(_) => None,
         };
+        seen = true;
         let Some(lease) = lease else { continue };
         if lease.agent_pid != agent_pid {
             return;
