@@ -487,6 +487,38 @@ fn stamps(env: &Home, instance: &str) -> Vec<i64> {
     .collect()
 }
 
+/// Submits a one-member job that restarts on failure and stamps the time
+/// into its working directory ten times a second; waits for its first
+/// attempt to run. Its path, the first member's instance and node.
+fn stamping_job(env: &Home, urls: &[String], key: &str) -> (String, String, String) {
+    let submitted = env.cli_json(
+        Some(key),
+        &[
+            "jobs",
+            "submit",
+            "--gpus",
+            "1",
+            "--restart",
+            "on-failure",
+            "--max-retries",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "while :; do date +%s%3N >> stamps; sleep 0.1; done",
+        ],
+    );
+    let job_id = submitted["id"].as_str().unwrap().to_string();
+    let job_path = format!("/v1/jobs/{job_id}");
+    let mut first = None;
+    wait_until("the job runs on node A", Duration::from_secs(30), || {
+        first = member(&get_any(urls, key, &job_path), 1);
+        first.is_some()
+    });
+    let (old_id, node_a) = first.unwrap();
+    (job_path, old_id, node_a)
+}
+
 #[test]
 fn a_node_cut_off_past_its_lease_stops_its_work_before_it_runs_elsewhere() {
     // Node lease 6 s; the server waits one interval (2 s) more.
@@ -509,31 +541,7 @@ fn a_node_cut_off_past_its_lease_stops_its_work_before_it_runs_elsewhere() {
     wait_until("node A's GPU", Duration::from_secs(30), || {
         free_h100(&urls, &key) == 1
     });
-    let submitted = env.cli_json(
-        Some(&key),
-        &[
-            "jobs",
-            "submit",
-            "--gpus",
-            "1",
-            "--restart",
-            "on-failure",
-            "--max-retries",
-            "2",
-            "--",
-            "sh",
-            "-c",
-            "while :; do date +%s%3N >> stamps; sleep 0.1; done",
-        ],
-    );
-    let job_id = submitted["id"].as_str().unwrap().to_string();
-    let job_path = format!("/v1/jobs/{job_id}");
-    let mut first = None;
-    wait_until("the job runs on node A", Duration::from_secs(30), || {
-        first = member(&get_any(&urls, &key, &job_path), 1);
-        first.is_some()
-    });
-    let (old_id, node_a) = first.unwrap();
+    let (job_path, old_id, node_a) = stamping_job(&env, &urls, &key);
     let old = get_any(&urls, &key, &format!("/v1/instances/{old_id}"));
     let pid: u32 = old["state_reason"]
         .as_str()
@@ -688,31 +696,7 @@ fn a_paused_agent_has_its_work_stopped_by_its_fence_before_it_runs_elsewhere() {
     wait_until("node A's GPU", Duration::from_secs(30), || {
         free_h100(&urls, &key) == 1
     });
-    let submitted = env.cli_json(
-        Some(&key),
-        &[
-            "jobs",
-            "submit",
-            "--gpus",
-            "1",
-            "--restart",
-            "on-failure",
-            "--max-retries",
-            "2",
-            "--",
-            "sh",
-            "-c",
-            "while :; do date +%s%3N >> stamps; sleep 0.1; done",
-        ],
-    );
-    let job_id = submitted["id"].as_str().unwrap().to_string();
-    let job_path = format!("/v1/jobs/{job_id}");
-    let mut first = None;
-    wait_until("the job runs on node A", Duration::from_secs(30), || {
-        first = member(&get_any(&urls, &key, &job_path), 1);
-        first.is_some()
-    });
-    let (old_id, node_a) = first.unwrap();
+    let (job_path, old_id, node_a) = stamping_job(&env, &urls, &key);
     let mut pid = 0u32;
     wait_until("its pid", Duration::from_secs(30), || {
         let old = get_any(&urls, &key, &format!("/v1/instances/{old_id}"));
