@@ -1059,6 +1059,7 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
 
         // It fits nowhere now. Mask its promised capacity again: it waits
         // for the rest.
+        let had_promise = !mine.is_empty();
         for (r, p) in &mine {
             let _ = pool.cluster.commit(r, p);
             if let Some(o) = outside.as_mut() {
@@ -1245,7 +1246,8 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
                         GangDecision::Placed(_) => "it fits only with its promised GPUs".into(),
                     }
                 };
-                if mine_was_empty(&promised, w.key) {
+                // With its promise offered, its shape's verdict is its own.
+                if !had_promise {
                     no_fit.insert(shape, t.clone());
                 }
                 t
@@ -1345,12 +1347,6 @@ fn preempt_one(
         }
         _ => None,
     }
-}
-
-/// Whether `key` has no promised capacity left in `promised` (it had none
-/// to begin with when absent).
-fn mine_was_empty(promised: &BTreeMap<WorkKey, Vec<(Request, Placement)>>, key: WorkKey) -> bool {
-    !promised.contains_key(&key)
 }
 
 /// Victims offered to preemptors of one rank: allocations with ids equal
