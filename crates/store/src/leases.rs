@@ -183,8 +183,18 @@ impl Store {
     /// Begins a write transaction; on a fenced store, first checks (and on
     /// PostgreSQL share-locks) the lease row. Every write transaction of
     /// the repository modules starts here.
+    ///
+    /// On SQLite it begins `IMMEDIATE`: a deferred transaction that reads
+    /// first and writes later fails at once with `SQLITE_BUSY` (no busy
+    /// wait) when another connection committed in between, which the
+    /// leader's lease renewals and the loops' writes make common; taking
+    /// the write lock up front makes such a transaction wait its turn
+    /// instead, and makes the fence check below hold under that lock.
     pub(crate) async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = match self.backend() {
+            Backend::Sqlite => self.pool().begin_with("BEGIN IMMEDIATE").await?,
+            Backend::Postgres => self.pool().begin().await?,
+        };
         if let Some(f) = self.fence() {
             let sql = match self.backend() {
                 Backend::Postgres => "SELECT token FROM leases WHERE name = $1 FOR SHARE",
