@@ -183,17 +183,27 @@ impl Store {
     /// Begins a write transaction; on a fenced store, first checks (and on
     /// PostgreSQL share-locks) the lease row. Every write transaction of
     /// the repository modules starts here.
-    ///
-    /// On SQLite it begins `IMMEDIATE`: a deferred transaction that reads
-    /// first and writes later fails at once with `SQLITE_BUSY` (no busy
-    /// wait) when another connection committed in between, which the
-    /// leader's lease renewals and the loops' writes make common; taking
-    /// the write lock up front makes such a transaction wait its turn
-    /// instead, and makes the fence check below hold under that lock.
     pub(crate) async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
-        let mut tx = match self.backend() {
-            Backend::Sqlite => self.pool().begin_with("BEGIN IMMEDIATE").await?,
-            Backend::Postgres => self.pool().begin().await?,
+        self.begin_as(false).await
+    }
+
+    /// [`Store::begin`] for a transaction that reads before it writes and
+    /// nests no other store call: on SQLite it begins `IMMEDIATE`. A
+    /// deferred transaction that reads first fails at once with
+    /// `SQLITE_BUSY` (no busy wait) when another connection committed in
+    /// between, which the leader's lease renewals make common (node
+    /// registration answered 500 so); taking the write lock up front makes
+    /// it wait its turn instead. Not the default: a transaction holding the
+    /// write lock while it awaits another connection's write would wait on
+    /// itself.
+    pub(crate) async fn begin_immediate(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
+        self.begin_as(true).await
+    }
+
+    async fn begin_as(&self, immediate: bool) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
+        let mut tx = match (self.backend(), immediate) {
+            (Backend::Sqlite, true) => self.pool().begin_with("BEGIN IMMEDIATE").await?,
+            _ => self.pool().begin().await?,
         };
         if let Some(f) = self.fence() {
             let sql = match self.backend() {
