@@ -109,6 +109,14 @@ prefixed_id!(
     /// autoscaling policy sets from reported metrics.
     ReplicaPoolId, "rpool_");
 prefixed_id!(
+    /// A serverless inference endpoint: a model served by replicas the
+    /// autoscaler adds and removes, reached through the gateway.
+    EndpointId, "ep_");
+prefixed_id!(
+    /// One inference request through the gateway: the idempotency key of
+    /// its metered usage.
+    RequestId, "req_");
+prefixed_id!(
     /// An invoice: one tenant's bill for one period, derived from the ledger.
     InvoiceId, "inv_");
 prefixed_id!(

@@ -10,6 +10,7 @@ pub mod api;
 pub mod catalog;
 pub mod clock;
 pub mod error;
+pub mod gateway;
 pub mod id;
 pub mod instance;
 pub mod job;
