@@ -706,6 +706,7 @@ pub async fn keys_create(
         tenant_id,
         role,
         name: name.unwrap_or_default(),
+        endpoints: None,
     };
     let raw: Value = ctx.client.post("/v1/keys", &req).await?;
     eprintln!("warning: the secret is shown only this once; store it now");

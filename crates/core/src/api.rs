@@ -82,6 +82,11 @@ pub struct ApiKey {
     /// Set once revoked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revoked_at: Option<DateTime<Utc>>,
+    /// Set on an inference key: the endpoints it may call through the
+    /// gateway (empty: every endpoint of its tenant). Inference keys
+    /// cannot call the management API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoints: Option<Vec<crate::id::EndpointId>>,
 }
 
 /// Create an API key.
@@ -97,6 +102,11 @@ pub struct CreateApiKey {
     /// Label (default: empty).
     #[serde(default)]
     pub name: String,
+    /// Makes an inference key for the gateway, limited to these endpoints
+    /// of the tenant (empty list: all of them); its role must be
+    /// `tenant_member`. Absent: an API key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoints: Option<Vec<crate::id::EndpointId>>,
 }
 
 /// A freshly created key: the only time the secret is shown.

@@ -15,14 +15,14 @@ use crate::id::{EndpointId, InstanceId, RequestId, TenantId};
 
 /// Everything the gateway needs to route: every endpoint that exists, with
 /// the replicas ready to take requests. Replaced as a whole on each poll.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RouteTable {
     /// Endpoints, in no particular order.
     pub endpoints: Vec<EndpointRoute>,
 }
 
 /// How requests pick a replica among the ready ones.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Balance {
     /// Least outstanding requests over two random choices.
@@ -36,7 +36,7 @@ pub enum Balance {
 }
 
 /// One endpoint as the gateway routes to it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct EndpointRoute {
     /// The endpoint.
     pub id: EndpointId,
@@ -67,7 +67,7 @@ pub struct EndpointRoute {
 }
 
 /// One replica the gateway may send requests to.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ReplicaRoute {
     /// The instance serving it.
     pub instance_id: InstanceId,
@@ -81,7 +81,7 @@ pub struct ReplicaRoute {
 }
 
 /// The server's answer on whether an inference key may call endpoints.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct KeyGrant {
     /// The key's tenant.
     pub tenant_id: TenantId,
@@ -96,7 +96,7 @@ pub struct KeyGrant {
 
 /// Demand one gateway saw on one endpoint. Sent at least every second, and
 /// at once when a request starts waiting at zero replicas.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct EndpointSignals {
     /// The endpoint.
     pub endpoint_id: EndpointId,
@@ -120,7 +120,7 @@ pub struct EndpointSignals {
 }
 
 /// What one finished request used: metered exactly once by its id.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RequestUsage {
     /// The request; the idempotency key of its usage event.
     pub request_id: RequestId,

@@ -9,6 +9,7 @@
 pub mod api;
 pub mod catalog;
 pub mod clock;
+pub mod endpoint;
 pub mod error;
 pub mod gateway;
 pub mod id;

@@ -115,6 +115,11 @@ impl FromRequestParts<AppState> for Caller {
             .key_by_hash(&hash_secret(secret))
             .await?
             .ok_or_else(|| ApiError::unauthenticated("invalid or revoked API key"))?;
+        if key.endpoints.is_some() {
+            return Err(ApiError::forbidden(
+                "an inference key calls endpoints through the gateway only, not the API",
+            ));
+        }
         state.check_rate(key.id.as_str())?;
         Ok(Caller {
             key_id: key.id,

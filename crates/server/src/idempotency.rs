@@ -1,8 +1,8 @@
-//! `Idempotency-Key` on every POST: the first answer (2xx) is stored and
+//! `Idempotency-Key` on every POST, PATCH and DELETE: the first answer (2xx) is stored and
 //! replayed for a retry with the same key and body; a different body with
 //! the same key is refused; a retry while the first is in flight gets 409.
 //! Non-2xx answers are not stored, so a corrected retry can succeed.
-//! Agent routes and usage batches are exempt: they are idempotent by design
+//! Agent and gateway routes and usage batches are exempt: they are idempotent by design
 //! (agents long-poll; usage events carry their own keys).
 
 use axum::body::{to_bytes, Body};
@@ -27,8 +27,9 @@ pub const REPLAYED: &str = "idempotent-replayed";
 pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Response {
     // Usage batches are idempotent event by event (their keys) and may be
     // far larger than the body limit buffered here.
-    if req.method() != Method::POST
+    if !matches!(*req.method(), Method::POST | Method::PATCH | Method::DELETE)
         || req.uri().path().starts_with("/v1/agent/")
+        || req.uri().path().starts_with("/v1/gateway/")
         || req.uri().path() == "/v1/usage/events"
     {
         return next.run(req).await;

@@ -121,7 +121,8 @@ impl Term {
             token,
             tasks: vec![
                 tokio::spawn(crate::reconcile::run(fenced.clone(), tick)),
-                tokio::spawn(crate::autoscale::run(fenced, tick)),
+                tokio::spawn(crate::autoscale::run(fenced.clone(), tick)),
+                tokio::spawn(crate::endpoints::run(fenced, tick)),
             ],
         }
     }

@@ -26,6 +26,7 @@ use tower_http::trace::TraceLayer;
 pub mod auth;
 pub mod autoscale;
 pub mod budgets;
+pub mod endpoints;
 pub mod error;
 pub mod extract;
 pub mod idempotency;

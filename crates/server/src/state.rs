@@ -45,6 +45,9 @@ struct Inner {
     leadership: watch::Sender<Leadership>,
     /// This replica's name in the leader lease.
     replica: String,
+    /// Wakes the endpoint autoscaler before its tick: a request waiting at
+    /// zero replicas must not wait for a policy window.
+    endpoints_wake: Arc<tokio::sync::Notify>,
 }
 
 /// This replica's part among the servers on one database.
@@ -110,6 +113,7 @@ impl AppState {
                 telemetry: Mutex::default(),
                 leadership: watch::channel(Leadership::Follower { leader: None }).0,
                 replica: crate::leader::replica_id(),
+                endpoints_wake: Arc::default(),
             }),
         }
     }
@@ -231,6 +235,16 @@ impl AppState {
     /// Signals that instances, assignments or logs changed.
     pub fn notify_change(&self) {
         self.inner.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Wakes the endpoint autoscaler now (see `crate::endpoints`).
+    pub fn wake_endpoints(&self) {
+        self.inner.endpoints_wake.notify_one();
+    }
+
+    /// What the endpoint autoscaler waits on between ticks.
+    pub fn endpoints_wake(&self) -> Arc<tokio::sync::Notify> {
+        self.inner.endpoints_wake.clone()
     }
 
     /// A receiver of change signals.

@@ -39,6 +39,10 @@ fn key(row: &AnyRow) -> Result<ApiKey> {
         prefix: row.try_get("prefix")?,
         created_at: at(row.try_get("created_at")?),
         revoked_at: revoked.map(at),
+        endpoints: row
+            .try_get::<Option<String>, _>("endpoints")?
+            .map(|e| crate::json(&e, "key endpoints"))
+            .transpose()?,
     })
 }
 
@@ -59,6 +63,21 @@ impl Store {
         .execute(self.pool())
         .await?;
         self.key(&k.id).await
+    }
+
+    /// Makes `id` an inference key limited to `endpoints` (empty: all of
+    /// its tenant's).
+    pub async fn set_key_endpoints(
+        &self,
+        id: &KeyId,
+        endpoints: &[flotilla_core::id::EndpointId],
+    ) -> Result<ApiKey> {
+        sqlx::query("UPDATE api_keys SET endpoints = $1 WHERE id = $2")
+            .bind(crate::to_json(&endpoints))
+            .bind(id.as_str())
+            .execute(self.pool())
+            .await?;
+        self.key(id).await
     }
 
     /// A key by id.

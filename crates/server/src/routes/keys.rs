@@ -57,6 +57,29 @@ pub async fn create_key(
         return Err(flotilla_core::FieldError::new("name", "at most 128 characters").into());
     }
     st.store().tenant(&tenant).await?;
+    if let Some(eps) = &req.endpoints {
+        if req.role != Role::TenantMember {
+            return Err(flotilla_core::FieldError::new(
+                "role",
+                "an inference key (with `endpoints`) must have the tenant_member role",
+            )
+            .into());
+        }
+        for (i, id) in eps.iter().enumerate() {
+            let found = match st.store().endpoint(id).await {
+                Ok(e) => e.tenant_id == tenant && !e.deleting,
+                Err(flotilla_store::StoreError::NotFound(_)) => false,
+                Err(e) => return Err(e.into()),
+            };
+            if !found {
+                return Err(flotilla_core::FieldError::new(
+                    format!("endpoints[{i}]"),
+                    format!("no endpoint {id} in this tenant"),
+                )
+                .into());
+            }
+        }
+    }
     let minted = mint_secret();
     let (t, r) = st.ids();
     let key = st
@@ -73,6 +96,10 @@ pub async fn create_key(
             st.now(),
         )
         .await?;
+    let key = match &req.endpoints {
+        Some(eps) => st.store().set_key_endpoints(&key.id, eps).await?,
+        None => key,
+    };
     tracing::info!(key = %key.id, tenant = %key.tenant_id, role = key.role.as_str(), "key created");
     Ok((
         StatusCode::CREATED,

@@ -18,7 +18,9 @@ pub mod agent;
 pub mod budgets;
 pub mod catalog;
 pub mod docs;
+pub mod endpoints;
 pub mod export;
+pub mod gateway;
 pub mod instances;
 pub mod invoices;
 pub mod jobs;
@@ -53,7 +55,9 @@ pub mod usage;
         (name = "agent", description = "Protocol of the node agent"),
         (name = "usage", description = "Metered usage and invoices"),
         (name = "billing", description = "Prices, invoices, terms, budgets, estimates and payouts"),
-        (name = "pools", description = "Replica pools scaled by an autoscaling policy"),
+        (name = "pools", description = "Replica pools scaled by an autoscaling policy (superseded by endpoints)"),
+        (name = "endpoints", description = "Serverless endpoints: replicas scaled from zero behind the gateway"),
+        (name = "gateway", description = "Protocol of the inference gateway"),
         (name = "meta", description = "Identity and health"),
     )
 )]
@@ -86,6 +90,21 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(pools::create_pool))
         .routes(routes!(pools::get_pool))
         .routes(routes!(pools::report_metrics))
+        .routes(routes!(
+            endpoints::list_endpoints,
+            endpoints::create_endpoint
+        ))
+        .routes(routes!(
+            endpoints::get_endpoint,
+            endpoints::update_endpoint,
+            endpoints::delete_endpoint
+        ))
+        .routes(routes!(endpoints::endpoint_logs))
+        .routes(routes!(endpoints::report_metric))
+        .routes(routes!(gateway::routes))
+        .routes(routes!(gateway::authorize))
+        .routes(routes!(gateway::signals))
+        .routes(routes!(gateway::usage))
         .routes(routes!(
             instances::list_instances,
             instances::create_instance

@@ -1,0 +1,957 @@
+//! Serverless endpoints: a command serving a model behind the gateway, run
+//! as replica instances whose count an autoscaling policy sets, down to
+//! zero when idle. This module holds the spec and its validation (every
+//! error names its field), revisions, and the pure rollout decision that
+//! turns "want N replicas of revision R" into replicas to start, drain and
+//! stop without dropping traffic.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::catalog::Catalog;
+use crate::error::FieldError;
+use crate::gateway::{Balance, EndpointSignals};
+use crate::id::{EndpointId, InstanceId, TenantId};
+use crate::instance::{BillingClass, CreateInstance, InstanceSpec, InstanceState};
+
+/// The policies an endpoint may name (`flotilla-scale` builds them).
+pub const POLICIES: [&str; 5] = ["flotilla", "hpa", "keda", "kpa", "ray"];
+/// Most replicas an endpoint may ask for.
+pub const MAX_REPLICAS: u32 = 1000;
+/// Most model names one endpoint serves.
+pub const MAX_MODELS: usize = 64;
+
+/// What a tenant asks for when deploying an endpoint. Everything but the
+/// name and the command has a default.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateEndpoint {
+    /// DNS-label name, unique among the tenant's endpoints; requests under
+    /// `/e/{name}/…` on the gateway go here.
+    pub name: String,
+    /// Program and arguments of a replica, run without a shell. The
+    /// replica gets `PORT` in its environment and must serve HTTP there.
+    pub command: Vec<String>,
+    /// Extra environment of a replica (`PORT` is set by Flotilla).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Model names served: an OpenAI request whose `model` is one of them
+    /// is routed here. Default: the endpoint's name.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Whole GPUs per replica (default 1).
+    #[serde(default)]
+    pub gpus: Option<u32>,
+    /// Acceptable GPU models; empty: any.
+    #[serde(default)]
+    pub gpu_types: Vec<String>,
+    /// A share of one GPU per replica instead of whole GPUs (0.001..=1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_fraction: Option<f64>,
+    /// One MIG instance of this profile per replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_profile: Option<String>,
+    /// CPU per replica in milli-cores (default 1000).
+    #[serde(default)]
+    pub cpu_milli: Option<u32>,
+    /// Memory per replica in MiB (default 1024).
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    /// Fewest replicas (default 0: scales to zero when idle).
+    #[serde(default)]
+    pub min_replicas: Option<u32>,
+    /// Most replicas (default 4, at most 1000).
+    #[serde(default)]
+    pub max_replicas: Option<u32>,
+    /// Latency objective, p95 time to first byte in ms (default 2000).
+    #[serde(default)]
+    pub slo_p95_ms: Option<u64>,
+    /// Service tier of the replicas: 1 dedicated (default), 2 or 3
+    /// preemptible.
+    #[serde(default)]
+    pub tier: Option<u8>,
+    /// Autoscaling policy: flotilla (default), hpa, keda, kpa or ray.
+    #[serde(default)]
+    pub policy: Option<String>,
+    /// Median cold start of a replica, ms, as Flotilla's policy plans
+    /// with (default 30000).
+    #[serde(default)]
+    pub cold_start_ms: Option<u64>,
+    /// Mean time a request holds a replica slot, ms (default 1000).
+    #[serde(default)]
+    pub mean_service_ms: Option<f64>,
+    /// Path probed on a replica; it takes traffic once this answers 2xx
+    /// (default `/health`).
+    #[serde(default)]
+    pub readiness_path: Option<String>,
+    /// Seconds without a request before the endpoint scales to zero
+    /// (default 300; only when `min_replicas` is 0).
+    #[serde(default)]
+    pub idle_window_s: Option<u64>,
+    /// Requests that may wait for a replica before new ones get 429
+    /// (default 1000).
+    #[serde(default)]
+    pub queue_limit: Option<u32>,
+    /// How long a request may wait for a replica before a 503, ms
+    /// (default 120000: longer than a cold start).
+    #[serde(default)]
+    pub queue_timeout_ms: Option<u64>,
+    /// Requests one replica takes at once (default 8).
+    #[serde(default)]
+    pub replica_concurrency: Option<u32>,
+    /// How the gateway picks a replica (default least outstanding).
+    #[serde(default)]
+    pub balance: Option<Balance>,
+    /// Requests per second per inference key; absent: unlimited.
+    #[serde(default)]
+    pub rate_limit_rps: Option<u32>,
+    /// How long a replica being scaled down or replaced stays in the
+    /// route table as draining (finishing what it has) before it is
+    /// stopped, ms (default 30000).
+    #[serde(default)]
+    pub drain_grace_ms: Option<u64>,
+}
+
+/// A change to an endpoint (`PATCH`): absent fields stay. A change of the
+/// command, environment or resources makes a new revision, rolled out
+/// without dropping traffic; the rest applies at once.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateEndpoint {
+    /// New command (new revision).
+    #[serde(default)]
+    pub command: Option<Vec<String>>,
+    /// New environment, replacing the old one (new revision).
+    #[serde(default)]
+    pub env: Option<BTreeMap<String, String>>,
+    /// New model names.
+    #[serde(default)]
+    pub models: Option<Vec<String>>,
+    /// Whole GPUs per replica (new revision).
+    #[serde(default)]
+    pub gpus: Option<u32>,
+    /// Acceptable GPU models (new revision).
+    #[serde(default)]
+    pub gpu_types: Option<Vec<String>>,
+    /// Share of one GPU (new revision).
+    #[serde(default)]
+    pub gpu_fraction: Option<f64>,
+    /// MIG profile (new revision).
+    #[serde(default)]
+    pub mig_profile: Option<String>,
+    /// CPU per replica (new revision).
+    #[serde(default)]
+    pub cpu_milli: Option<u32>,
+    /// Memory per replica (new revision).
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    /// Fewest replicas.
+    #[serde(default)]
+    pub min_replicas: Option<u32>,
+    /// Most replicas.
+    #[serde(default)]
+    pub max_replicas: Option<u32>,
+    /// Latency objective, ms.
+    #[serde(default)]
+    pub slo_p95_ms: Option<u64>,
+    /// Autoscaling policy.
+    #[serde(default)]
+    pub policy: Option<String>,
+    /// Readiness path.
+    #[serde(default)]
+    pub readiness_path: Option<String>,
+    /// Idle window, s.
+    #[serde(default)]
+    pub idle_window_s: Option<u64>,
+    /// Queue limit.
+    #[serde(default)]
+    pub queue_limit: Option<u32>,
+    /// Queue timeout, ms.
+    #[serde(default)]
+    pub queue_timeout_ms: Option<u64>,
+    /// Replica concurrency.
+    #[serde(default)]
+    pub replica_concurrency: Option<u32>,
+    /// Balance mode.
+    #[serde(default)]
+    pub balance: Option<Balance>,
+    /// Rate limit per key, requests per second.
+    #[serde(default)]
+    pub rate_limit_rps: Option<u32>,
+    /// Drain grace, ms.
+    #[serde(default)]
+    pub drain_grace_ms: Option<u64>,
+}
+
+/// An endpoint's spec after validation, defaults applied: what is stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct EndpointSpec {
+    /// Name.
+    pub name: String,
+    /// Replica command.
+    pub command: Vec<String>,
+    /// Replica environment.
+    pub env: BTreeMap<String, String>,
+    /// Model names served.
+    pub models: Vec<String>,
+    /// Whole GPUs per replica.
+    pub gpus: u32,
+    /// Acceptable GPU models (canonical names); empty: any.
+    pub gpu_types: Vec<String>,
+    /// Share of one GPU per replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_fraction: Option<f64>,
+    /// MIG profile per replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_profile: Option<String>,
+    /// CPU per replica, milli-cores.
+    pub cpu_milli: u32,
+    /// Memory per replica, MiB.
+    pub memory_mb: u64,
+    /// Fewest replicas.
+    pub min_replicas: u32,
+    /// Most replicas.
+    pub max_replicas: u32,
+    /// p95 latency objective, ms.
+    pub slo_p95_ms: u64,
+    /// Replica tier.
+    pub tier: u8,
+    /// Autoscaling policy.
+    pub policy: String,
+    /// Median cold start, ms.
+    pub cold_start_ms: u64,
+    /// Mean service time, ms.
+    pub mean_service_ms: f64,
+    /// Readiness path.
+    pub readiness_path: String,
+    /// Idle window before scale to zero, s.
+    pub idle_window_s: u64,
+    /// Queue limit.
+    pub queue_limit: u32,
+    /// Queue timeout, ms.
+    pub queue_timeout_ms: u64,
+    /// Requests per replica at once.
+    pub replica_concurrency: u32,
+    /// Balance mode.
+    pub balance: Balance,
+    /// Requests per second per key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit_rps: Option<u32>,
+    /// Drain grace, ms.
+    pub drain_grace_ms: u64,
+}
+
+/// The replica template's JSON path prefix is the endpoint's own: the
+/// resource fields share their names with an instance's.
+fn instance_request(c: &CreateEndpoint, tier: u8) -> CreateInstance {
+    CreateInstance {
+        name: None,
+        gpus: c.gpus.unwrap_or(1),
+        gpu_types: c.gpu_types.clone(),
+        cpu_milli: c.cpu_milli,
+        memory_mb: c.memory_mb,
+        command: c.command.clone(),
+        env: c.env.clone(),
+        workdir: None,
+        billing_class: BillingClass::OnDemand,
+        priority: None,
+        tier: Some(tier),
+        preemptible: Some(tier > 1),
+        gpu_fraction: c.gpu_fraction,
+        mig_profile: c.mig_profile.clone(),
+    }
+}
+
+fn positive_ms(v: u64, field: &str) -> Result<u64, FieldError> {
+    if v == 0 || v > 24 * 3_600_000 {
+        return Err(FieldError::new(
+            field,
+            "must be between 1 and 86400000 (a day)",
+        ));
+    }
+    Ok(v)
+}
+
+impl CreateEndpoint {
+    /// Validates against the catalog and fills in defaults; every error
+    /// names the JSON field at fault.
+    pub fn validate(self, catalog: &Catalog) -> Result<EndpointSpec, FieldError> {
+        crate::tenant::validate_name(&self.name, "name")?;
+        if self.env.contains_key("PORT") {
+            return Err(FieldError::new(
+                "env.PORT",
+                "is set by flotilla to the port the replica must listen on",
+            ));
+        }
+        let tier = self.tier.unwrap_or(1);
+        let inst = instance_request(&self, tier).validate(catalog)?;
+        let models = if self.models.is_empty() {
+            vec![self.name.clone()]
+        } else {
+            self.models.clone()
+        };
+        if models.len() > MAX_MODELS {
+            return Err(FieldError::new(
+                "models",
+                format!("at most {MAX_MODELS} names"),
+            ));
+        }
+        for (i, m) in models.iter().enumerate() {
+            if m.is_empty() || m.len() > 256 || m.chars().any(char::is_control) {
+                return Err(FieldError::new(
+                    format!("models[{i}]"),
+                    "must be 1-256 printable characters",
+                ));
+            }
+        }
+        let min_replicas = self.min_replicas.unwrap_or(0);
+        let max_replicas = self.max_replicas.unwrap_or(4.max(min_replicas));
+        if max_replicas == 0 || max_replicas > MAX_REPLICAS {
+            return Err(FieldError::new(
+                "max_replicas",
+                format!("must be between 1 and {MAX_REPLICAS}, got {max_replicas}"),
+            ));
+        }
+        if min_replicas > max_replicas {
+            return Err(FieldError::new(
+                "min_replicas",
+                format!("must be at most max_replicas ({max_replicas}), got {min_replicas}"),
+            ));
+        }
+        let policy = self.policy.unwrap_or_else(|| "flotilla".into());
+        let policy = policy.to_ascii_lowercase();
+        if !POLICIES.contains(&policy.as_str()) {
+            return Err(FieldError::new(
+                "policy",
+                format!("must be one of {}, got `{policy}`", POLICIES.join(", ")),
+            ));
+        }
+        let readiness_path = self.readiness_path.unwrap_or_else(|| "/health".into());
+        if !readiness_path.starts_with('/')
+            || readiness_path.len() > 1024
+            || readiness_path
+                .chars()
+                .any(|c| c.is_control() || c.is_whitespace())
+        {
+            return Err(FieldError::new(
+                "readiness_path",
+                "must be an absolute URL path such as /health",
+            ));
+        }
+        let mean_service_ms = self.mean_service_ms.unwrap_or(1000.0);
+        if !(mean_service_ms.is_finite() && mean_service_ms > 0.0) {
+            return Err(FieldError::new(
+                "mean_service_ms",
+                "must be a number of ms greater than 0",
+            ));
+        }
+        let replica_concurrency = self.replica_concurrency.unwrap_or(8);
+        if replica_concurrency == 0 || replica_concurrency > 4096 {
+            return Err(FieldError::new(
+                "replica_concurrency",
+                "must be between 1 and 4096",
+            ));
+        }
+        let queue_limit = self.queue_limit.unwrap_or(1000);
+        if queue_limit > 1_000_000 {
+            return Err(FieldError::new("queue_limit", "must be at most 1000000"));
+        }
+        if self.rate_limit_rps == Some(0) {
+            return Err(FieldError::new(
+                "rate_limit_rps",
+                "must be at least 1 (leave it out for no limit)",
+            ));
+        }
+        let idle_window_s = self.idle_window_s.unwrap_or(300);
+        if idle_window_s == 0 || idle_window_s > 30 * 86_400 {
+            return Err(FieldError::new(
+                "idle_window_s",
+                "must be between 1 and 2592000 (30 days)",
+            ));
+        }
+        Ok(EndpointSpec {
+            name: self.name,
+            command: inst.command,
+            env: inst.env,
+            models,
+            gpus: inst.gpus,
+            gpu_types: inst.gpu_types,
+            gpu_fraction: self.gpu_fraction,
+            mig_profile: self.mig_profile,
+            cpu_milli: inst.cpu_milli,
+            memory_mb: inst.memory_mb,
+            min_replicas,
+            max_replicas,
+            slo_p95_ms: positive_ms(self.slo_p95_ms.unwrap_or(2000), "slo_p95_ms")?,
+            tier,
+            policy,
+            cold_start_ms: self.cold_start_ms.unwrap_or(30_000),
+            mean_service_ms,
+            readiness_path,
+            idle_window_s,
+            queue_limit,
+            queue_timeout_ms: positive_ms(
+                self.queue_timeout_ms.unwrap_or(120_000),
+                "queue_timeout_ms",
+            )?,
+            replica_concurrency,
+            balance: self.balance.unwrap_or_default(),
+            rate_limit_rps: self.rate_limit_rps,
+            drain_grace_ms: self.drain_grace_ms.unwrap_or(30_000),
+        })
+    }
+}
+
+impl EndpointSpec {
+    /// The create request this spec came from (defaults spelled out).
+    fn to_request(&self) -> CreateEndpoint {
+        CreateEndpoint {
+            name: self.name.clone(),
+            command: self.command.clone(),
+            env: self.env.clone(),
+            models: self.models.clone(),
+            gpus: Some(self.gpus),
+            gpu_types: self.gpu_types.clone(),
+            gpu_fraction: self.gpu_fraction,
+            mig_profile: self.mig_profile.clone(),
+            cpu_milli: Some(self.cpu_milli),
+            memory_mb: Some(self.memory_mb),
+            min_replicas: Some(self.min_replicas),
+            max_replicas: Some(self.max_replicas),
+            slo_p95_ms: Some(self.slo_p95_ms),
+            tier: Some(self.tier),
+            policy: Some(self.policy.clone()),
+            cold_start_ms: Some(self.cold_start_ms),
+            mean_service_ms: Some(self.mean_service_ms),
+            readiness_path: Some(self.readiness_path.clone()),
+            idle_window_s: Some(self.idle_window_s),
+            queue_limit: Some(self.queue_limit),
+            queue_timeout_ms: Some(self.queue_timeout_ms),
+            replica_concurrency: Some(self.replica_concurrency),
+            balance: Some(self.balance),
+            rate_limit_rps: self.rate_limit_rps,
+            drain_grace_ms: Some(self.drain_grace_ms),
+        }
+    }
+
+    /// Applies a change; the new spec, and whether it needs a new revision
+    /// (what a replica runs changed).
+    pub fn update(
+        &self,
+        u: UpdateEndpoint,
+        catalog: &Catalog,
+    ) -> Result<(EndpointSpec, bool), FieldError> {
+        let mut c = self.to_request();
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = u.$f { c.$f = v.into(); } )* };
+        }
+        set!(command, env, models, gpu_types);
+        macro_rules! set_opt {
+            ($($f:ident),*) => { $( if u.$f.is_some() { c.$f = u.$f; } )* };
+        }
+        set_opt!(
+            gpus,
+            cpu_milli,
+            memory_mb,
+            min_replicas,
+            max_replicas,
+            slo_p95_ms,
+            policy,
+            readiness_path,
+            idle_window_s,
+            queue_limit,
+            queue_timeout_ms,
+            replica_concurrency,
+            balance,
+            rate_limit_rps,
+            drain_grace_ms
+        );
+        // A share and a MIG profile exclude each other: naming one clears
+        // the other, so a switch needs no second call.
+        if u.gpu_fraction.is_some() {
+            c.gpu_fraction = u.gpu_fraction;
+            c.mig_profile = None;
+        }
+        if u.mig_profile.is_some() {
+            c.mig_profile = u.mig_profile;
+            c.gpu_fraction = None;
+        }
+        let next = c.validate(catalog)?;
+        let bump = next.command != self.command
+            || next.env != self.env
+            || next.gpus != self.gpus
+            || next.gpu_types != self.gpu_types
+            || next.gpu_fraction != self.gpu_fraction
+            || next.mig_profile != self.mig_profile
+            || next.cpu_milli != self.cpu_milli
+            || next.memory_mb != self.memory_mb;
+        Ok((next, bump))
+    }
+
+    /// The instance a replica of `revision` is: the command with `PORT`
+    /// and the endpoint's identity in its environment.
+    pub fn replica_instance(
+        &self,
+        catalog: &Catalog,
+        endpoint: &EndpointId,
+        revision: u32,
+        port: u16,
+    ) -> Result<InstanceSpec, FieldError> {
+        let mut c = instance_request(&self.to_request(), self.tier);
+        c.name = Some(
+            format!("{}-r{revision}", self.name)
+                .chars()
+                .take(63)
+                .collect(),
+        );
+        c.env.insert("PORT".into(), port.to_string());
+        c.env
+            .insert("FLOTILLA_ENDPOINT_ID".into(), endpoint.to_string());
+        c.env
+            .insert("FLOTILLA_ENDPOINT_REVISION".into(), revision.to_string());
+        c.validate(catalog)
+    }
+
+    /// GPU-seconds one replica-second is billed: whole GPUs, or the share.
+    pub fn gpus_per_replica(&self) -> f64 {
+        self.gpu_fraction.unwrap_or(f64::from(self.gpus))
+    }
+}
+
+/// One replica of an endpoint as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct EndpointReplica {
+    /// Its instance.
+    pub instance_id: InstanceId,
+    /// The revision it runs.
+    pub revision: u32,
+    /// The instance's state.
+    pub state: InstanceState,
+    /// Where it serves.
+    pub url: String,
+    /// Its readiness probe answered: it takes traffic.
+    pub ready: bool,
+    /// Scaled down or replaced: it finishes what it has, gets nothing new.
+    pub draining: bool,
+}
+
+/// A custom metric reported through the API (`POST /v1/endpoints/{id}/metrics`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CustomMetric {
+    /// The value, summed over the endpoint (a queue depth, say); policies
+    /// that target a custom metric read it.
+    pub value: f64,
+}
+
+impl CustomMetric {
+    /// Rejects values that cannot be right.
+    pub fn validate(&self) -> Result<(), FieldError> {
+        if !(self.value.is_finite() && self.value >= 0.0) {
+            return Err(FieldError::new("value", "must be a finite number >= 0"));
+        }
+        Ok(())
+    }
+}
+
+/// An endpoint as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Endpoint {
+    /// Id (`ep_…`).
+    pub id: EndpointId,
+    /// Owner.
+    pub tenant_id: TenantId,
+    /// Name (also in `spec`).
+    pub name: String,
+    /// The revision new replicas run; bumped by a change of what a
+    /// replica runs.
+    pub revision: u32,
+    /// The spec in force.
+    pub spec: EndpointSpec,
+    /// The autoscaler's last decision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_replicas: Option<u32>,
+    /// Why (the policy's reason, or `idle`, `activator`, `min_replicas`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Replicas not yet stopped.
+    pub replicas: Vec<EndpointReplica>,
+    /// The gateway's last demand signals.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signals: Option<EndpointSignals>,
+    /// The last custom metric reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub custom_metric: Option<f64>,
+    /// When a request was last seen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_request_at: Option<DateTime<Utc>>,
+    /// Being deleted: its replicas drain and stop.
+    pub deleting: bool,
+    /// Created.
+    pub created_at: DateTime<Utc>,
+    /// Last changed.
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A replica as the rollout decision sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaView {
+    /// Its instance.
+    pub instance_id: InstanceId,
+    /// Its revision.
+    pub revision: u32,
+    /// Passed its readiness probe.
+    pub ready: bool,
+    /// Since when it drains, if it does.
+    pub draining_since: Option<DateTime<Utc>>,
+    /// Created (newest are removed first).
+    pub created_at: DateTime<Utc>,
+}
+
+/// What to do to an endpoint's replicas.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RolloutPlan {
+    /// New replicas of the current revision to start.
+    pub start: u32,
+    /// Ready replicas to mark draining (out of rotation, still running).
+    pub drain: Vec<InstanceId>,
+    /// Replicas to stop now: never ready, or drained for the grace.
+    pub stop: Vec<InstanceId>,
+}
+
+/// Decides how `live` replicas (not ended, not being stopped) become
+/// `want` ready replicas of `revision`:
+///
+/// - replicas of the current revision are started up to `want`;
+/// - an old revision's ready replicas keep serving until as many new ones
+///   are ready (then they drain), so a rollout never lowers capacity;
+///   old ones that never became ready are stopped at once;
+/// - scaling down takes not-ready replicas first (stopped: they never had
+///   traffic), then the newest ready ones (drained);
+/// - a draining replica is stopped once it drained for `drain_grace_ms`.
+pub fn plan_rollout(
+    revision: u32,
+    want: u32,
+    live: &[ReplicaView],
+    now: DateTime<Utc>,
+    drain_grace_ms: u64,
+) -> RolloutPlan {
+    let mut plan = RolloutPlan::default();
+    let grace = chrono::Duration::milliseconds(i64::try_from(drain_grace_ms).unwrap_or(i64::MAX));
+    for r in live {
+        if let Some(since) = r.draining_since {
+            if !r.ready || now - since >= grace {
+                plan.stop.push(r.instance_id.clone());
+            }
+        }
+    }
+    let active: Vec<&ReplicaView> = live.iter().filter(|r| r.draining_since.is_none()).collect();
+    let mut current: Vec<&ReplicaView> = active
+        .iter()
+        .copied()
+        .filter(|r| r.revision == revision)
+        .collect();
+    let mut old: Vec<&ReplicaView> = active
+        .iter()
+        .copied()
+        .filter(|r| r.revision != revision)
+        .collect();
+    let want_n = want as usize;
+    if current.len() > want_n {
+        // Keep ready before not-ready, older before newer; remove the tail.
+        current.sort_by(|a, b| b.ready.cmp(&a.ready).then(a.created_at.cmp(&b.created_at)));
+        for r in current.split_off(want_n) {
+            if r.ready {
+                plan.drain.push(r.instance_id.clone());
+            } else {
+                plan.stop.push(r.instance_id.clone());
+            }
+        }
+    }
+    plan.start = u32::try_from(want_n.saturating_sub(current.len())).unwrap_or(0);
+    let ready_new = current.iter().filter(|r| r.ready).count();
+    let keep_old = want_n.saturating_sub(ready_new);
+    old.sort_by(|a, b| b.ready.cmp(&a.ready).then(a.created_at.cmp(&b.created_at)));
+    for (i, r) in old.into_iter().enumerate() {
+        if !r.ready {
+            plan.stop.push(r.instance_id.clone());
+        } else if i >= keep_old {
+            plan.drain.push(r.instance_id.clone());
+        }
+    }
+    plan
+}
+
+/// Whether the endpoint has been idle (no request seen, nothing in flight
+/// or queued) for its whole idle window.
+pub fn is_idle(
+    spec: &EndpointSpec,
+    last_request_at: DateTime<Utc>,
+    signals: Option<&EndpointSignals>,
+    now: DateTime<Utc>,
+) -> bool {
+    if signals.is_some_and(|s| s.in_flight > 0 || s.queued > 0) {
+        return false;
+    }
+    let window = chrono::Duration::seconds(i64::try_from(spec.idle_window_s).unwrap_or(i64::MAX));
+    now - last_request_at >= window
+}
+
+/// The replica count an endpoint should have: the policy's wish within
+/// `[min_replicas, max_replicas]`, at least one while requests wait at zero
+/// (the activator's demand never waits for a policy window), at least one
+/// while serving within the idle window, and zero once idle with a minimum
+/// of zero. Returns the count and the reason.
+pub fn desired_replicas(
+    spec: &EndpointSpec,
+    policy_wants: u32,
+    policy_reason: &str,
+    active: u32,
+    queued: u32,
+    idle: bool,
+) -> (u32, String) {
+    let mut n = policy_wants.clamp(spec.min_replicas, spec.max_replicas);
+    let mut reason = if n != policy_wants {
+        "replica_bounds".to_string()
+    } else {
+        policy_reason.to_string()
+    };
+    if queued > 0 && n == 0 {
+        n = 1;
+        reason = "activator".into();
+    }
+    if idle && spec.min_replicas == 0 && queued == 0 {
+        return (0, "idle".into());
+    }
+    if n == 0 && active > 0 && !idle {
+        n = 1;
+        reason = "idle_window".into();
+    }
+    (n, reason)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn req() -> CreateEndpoint {
+        CreateEndpoint {
+            name: "chat".into(),
+            command: vec!["serve".into()],
+            ..CreateEndpoint::default()
+        }
+    }
+
+    #[test]
+    fn defaults_and_field_errors() {
+        let c = Catalog::default();
+        let s = req().validate(&c).unwrap();
+        assert_eq!(s.models, vec!["chat".to_string()]);
+        assert_eq!((s.min_replicas, s.max_replicas, s.gpus), (0, 4, 1));
+        assert_eq!(s.readiness_path, "/health");
+        assert_eq!(s.policy, "flotilla");
+        let cases: Vec<(CreateEndpoint, &str)> = vec![
+            (
+                CreateEndpoint {
+                    name: "Bad".into(),
+                    ..req()
+                },
+                "name",
+            ),
+            (
+                CreateEndpoint {
+                    command: vec![],
+                    ..req()
+                },
+                "command",
+            ),
+            (
+                CreateEndpoint {
+                    policy: Some("vpa".into()),
+                    ..req()
+                },
+                "policy",
+            ),
+            (
+                CreateEndpoint {
+                    min_replicas: Some(5),
+                    max_replicas: Some(2),
+                    ..req()
+                },
+                "min_replicas",
+            ),
+            (
+                CreateEndpoint {
+                    max_replicas: Some(0),
+                    ..req()
+                },
+                "max_replicas",
+            ),
+            (
+                CreateEndpoint {
+                    gpu_fraction: Some(2.0),
+                    ..req()
+                },
+                "gpu_fraction",
+            ),
+            (
+                CreateEndpoint {
+                    gpu_types: vec!["X9".into()],
+                    ..req()
+                },
+                "gpu_types[0]",
+            ),
+            (
+                CreateEndpoint {
+                    readiness_path: Some("health".into()),
+                    ..req()
+                },
+                "readiness_path",
+            ),
+            (
+                CreateEndpoint {
+                    env: [("PORT".to_string(), "1".to_string())].into(),
+                    ..req()
+                },
+                "env.PORT",
+            ),
+            (
+                CreateEndpoint {
+                    rate_limit_rps: Some(0),
+                    ..req()
+                },
+                "rate_limit_rps",
+            ),
+            (
+                CreateEndpoint {
+                    models: vec![String::new()],
+                    ..req()
+                },
+                "models[0]",
+            ),
+        ];
+        for (r, field) in cases {
+            assert_eq!(r.validate(&c).unwrap_err().field, field);
+        }
+    }
+
+    #[test]
+    fn updates_bump_the_revision_only_for_what_a_replica_runs() {
+        let c = Catalog::default();
+        let s = req().validate(&c).unwrap();
+        let (n, bump) = s
+            .update(
+                UpdateEndpoint {
+                    max_replicas: Some(9),
+                    ..UpdateEndpoint::default()
+                },
+                &c,
+            )
+            .unwrap();
+        assert!(!bump);
+        assert_eq!(n.max_replicas, 9);
+        let (n, bump) = s
+            .update(
+                UpdateEndpoint {
+                    command: Some(vec!["serve".into(), "--v2".into()]),
+                    ..UpdateEndpoint::default()
+                },
+                &c,
+            )
+            .unwrap();
+        assert!(bump);
+        assert_eq!(n.command.len(), 2);
+        let e = s
+            .update(
+                UpdateEndpoint {
+                    min_replicas: Some(50),
+                    ..UpdateEndpoint::default()
+                },
+                &c,
+            )
+            .unwrap_err();
+        assert_eq!(e.field, "min_replicas");
+        let i = s
+            .replica_instance(&c, &EndpointId::generate(1, 2), 3, 4567)
+            .unwrap();
+        assert_eq!(i.env["PORT"], "4567");
+        assert_eq!(i.env["FLOTILLA_ENDPOINT_REVISION"], "3");
+    }
+
+    fn t(s: i64) -> DateTime<Utc> {
+        Utc.timestamp_opt(1_700_000_000 + s, 0).unwrap()
+    }
+
+    fn rep(n: u128, revision: u32, ready: bool, draining: Option<i64>) -> ReplicaView {
+        ReplicaView {
+            instance_id: InstanceId::generate(1, n),
+            revision,
+            ready,
+            draining_since: draining.map(t),
+            created_at: t(n as i64),
+        }
+    }
+
+    #[test]
+    fn rollout_keeps_old_replicas_until_new_ones_are_ready() {
+        let old = [rep(1, 1, true, None), rep(2, 1, true, None)];
+        // Revision 2 asked for: two new replicas start, nothing drains.
+        let p = plan_rollout(2, 2, &old, t(100), 1000);
+        assert_eq!((p.start, p.drain.len(), p.stop.len()), (2, 0, 0));
+        // One new one ready: one old one drains, the other still serves.
+        let mut live = old.to_vec();
+        live.push(rep(3, 2, true, None));
+        live.push(rep(4, 2, false, None));
+        let p = plan_rollout(2, 2, &live, t(100), 1000);
+        assert_eq!(p.start, 0);
+        assert_eq!(p.drain, vec![live[1].instance_id.clone()]);
+        assert!(p.stop.is_empty());
+        // Drained past the grace: stopped.
+        live[1].draining_since = Some(t(100));
+        live[3].ready = true;
+        let p = plan_rollout(2, 2, &live, t(102), 1000);
+        assert_eq!(p.stop, vec![live[1].instance_id.clone()]);
+        assert_eq!(p.drain, vec![live[0].instance_id.clone()]);
+    }
+
+    #[test]
+    fn scale_down_stops_unready_first_then_drains_the_newest() {
+        let live = [
+            rep(1, 1, true, None),
+            rep(2, 1, true, None),
+            rep(3, 1, false, None),
+        ];
+        let p = plan_rollout(1, 1, &live, t(10), 1000);
+        assert_eq!(p.stop, vec![live[2].instance_id.clone()]);
+        assert_eq!(p.drain, vec![live[1].instance_id.clone()]);
+        let p = plan_rollout(1, 0, &live, t(10), 1000);
+        assert_eq!(p.drain.len(), 2);
+        assert_eq!(p.start, 0);
+    }
+
+    #[test]
+    fn desired_follows_policy_activator_and_idle_window() {
+        let s = CreateEndpoint {
+            max_replicas: Some(3),
+            ..req()
+        }
+        .validate(&Catalog::default())
+        .unwrap();
+        assert_eq!(desired_replicas(&s, 9, "p", 0, 0, false).0, 3);
+        assert_eq!(
+            desired_replicas(&s, 0, "p", 0, 5, false),
+            (1, "activator".into())
+        );
+        assert_eq!(
+            desired_replicas(&s, 0, "p", 2, 0, false),
+            (1, "idle_window".into())
+        );
+        assert_eq!(desired_replicas(&s, 2, "p", 2, 0, true), (0, "idle".into()));
+        let last = t(0);
+        assert!(!is_idle(&s, last, None, t(299)));
+        assert!(is_idle(&s, last, None, t(300)));
+    }
+}

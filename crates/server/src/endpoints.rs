@@ -1,0 +1,333 @@
+//! The endpoint controller: for each endpoint, probe the readiness of its
+//! starting replicas, ask its autoscaling policy (the same `flotilla-scale`
+//! state machine the simulator runs, built by the same builder) for a
+//! count from the gateway's demand signals and the replicas' states, bound
+//! it by the endpoint's minimum, maximum and idle window
+//! (`flotilla_core::endpoint::desired_replicas`), and turn "N ready
+//! replicas of revision R" into replicas to start, drain and stop
+//! (`flotilla_core::endpoint::plan_rollout`): gather, decide, apply.
+//!
+//! A replica enters the gateway's route table only once its readiness
+//! path answered 2xx; one scaled down or replaced leaves rotation first
+//! (draining) and is stopped after the endpoint's drain grace, so no
+//! request in flight is cut. The loop ticks every `tick` and is woken at
+//! once when a request waits at zero replicas ([`AppState::wake_endpoints`]).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use flotilla_core::endpoint::{
+    desired_replicas, is_idle, plan_rollout, Endpoint, EndpointSpec, ReplicaView,
+};
+use flotilla_core::id::{EndpointId, InstanceId};
+use flotilla_core::instance::InstanceState;
+use flotilla_scale::builder::{build, PolicyKind};
+use flotilla_scale::{Latency, Observation, Policy};
+use flotilla_store::endpoints::ReplicaRow;
+use flotilla_store::StoreError;
+
+use crate::state::AppState;
+
+/// Signals older than this no longer describe the present: a gateway that
+/// stopped reporting is read as no traffic in flight.
+const SIGNALS_FRESH_MS: i64 = 10_000;
+/// How long a readiness probe may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The policy settings an endpoint's spec carries; a change rebuilds it.
+fn policy_key(s: &EndpointSpec) -> String {
+    format!(
+        "{}/{}/{}/{}/{}/{}",
+        s.policy,
+        s.replica_concurrency,
+        s.mean_service_ms,
+        s.cold_start_ms,
+        s.slo_p95_ms,
+        s.max_replicas
+    )
+}
+
+/// The policy an endpoint's spec describes.
+pub fn policy_for(s: &EndpointSpec) -> Option<Box<dyn Policy + Send>> {
+    let kind = s.policy.parse::<PolicyKind>().ok()?;
+    build(
+        kind,
+        &flotilla_scale::Endpoint {
+            max_concurrency: s.replica_concurrency,
+            mean_service_ms: s.mean_service_ms,
+            cold_start_ms: s.cold_start_ms,
+            slo_ms: s.slo_p95_ms,
+            max_replicas: s.max_replicas,
+        },
+    )
+    .ok()
+}
+
+/// What the policy sees: ready replicas (probed, not draining), starting
+/// ones, and the gateway's demand while fresh.
+pub fn observation(ep: &Endpoint, live: &[&ReplicaRow], now: DateTime<Utc>) -> Observation {
+    let active = live.iter().filter(|r| r.draining_at.is_none());
+    let ready = active.clone().filter(|r| r.is_ready()).count() as u32;
+    let starting = active.filter(|r| !r.is_ready()).count() as u32;
+    let fresh = ep
+        .signals
+        .as_ref()
+        .filter(|s| (now - s.at).num_milliseconds() <= SIGNALS_FRESH_MS);
+    Observation {
+        ready,
+        starting,
+        in_flight: fresh.map_or(0, |s| s.in_flight),
+        queued: fresh.map_or(0, |s| s.queued),
+        requests_total: ep.signals.as_ref().map_or(0, |s| s.requests_total),
+        gpu_utilization: 0.0,
+        latency: fresh.and_then(|s| {
+            s.ttft_p95_ms.map(|p95| Latency {
+                p50_ms: s.ttft_p50_ms.unwrap_or(p95),
+                p95_ms: p95,
+                p99_ms: s.latency_p95_ms.unwrap_or(p95).max(p95),
+            })
+        }),
+        slo_ms: Some(ep.spec.slo_p95_ms as f64),
+        custom: ep.custom_metric,
+    }
+}
+
+/// The loop's memory: one live policy per endpoint, with the settings it
+/// was built from.
+#[derive(Default)]
+pub struct Controller {
+    policies: BTreeMap<EndpointId, (String, Box<dyn Policy + Send>)>,
+    http: reqwest::Client,
+}
+
+impl std::fmt::Debug for Controller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Controller")
+            .field("endpoints", &self.policies.len())
+            .finish()
+    }
+}
+
+/// What one pass did to one endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// The endpoint.
+    pub endpoint: EndpointId,
+    /// Replicas wanted.
+    pub desired: u32,
+    /// Why.
+    pub reason: String,
+    /// Replicas started.
+    pub started: u32,
+    /// Replicas taken out of rotation.
+    pub drained: u32,
+    /// Replicas stopped.
+    pub stopped: u32,
+}
+
+impl Controller {
+    /// A controller with no policy yet.
+    pub fn new() -> Self {
+        Self {
+            policies: BTreeMap::new(),
+            http: reqwest::Client::builder()
+                .timeout(PROBE_TIMEOUT)
+                .build()
+                .unwrap_or_default(),
+        }
+    }
+
+    /// One pass over every endpoint.
+    pub async fn pass(&mut self, st: &AppState) -> Result<Vec<Outcome>, StoreError> {
+        let ids = st.store().endpoint_ids_to_scale().await?;
+        self.policies.retain(|id, _| ids.contains(id));
+        let mut out = Vec::new();
+        for id in ids {
+            match self.endpoint(st, &id).await {
+                Ok(o) => out.push(o),
+                Err(e) => {
+                    tracing::warn!(endpoint = %id, error = %e, "scaling the endpoint failed; retrying")
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn endpoint(&mut self, st: &AppState, id: &EndpointId) -> Result<Outcome, StoreError> {
+        // Gather: probe starting replicas, then read the endpoint whole.
+        let rows = st.store().endpoint_replicas(id).await?;
+        let ep = st.store().endpoint(id).await?;
+        let mut probes = Vec::new();
+        let http = &self.http;
+        for r in rows
+            .iter()
+            .filter(|r| r.is_live() && r.state == InstanceState::Running && r.ready_at.is_none())
+        {
+            let url = format!("{}{}", r.url(), ep.spec.readiness_path);
+            probes.push(async move { (r.instance_id.clone(), probe(http, &url).await) });
+        }
+        let mut became_ready = false;
+        for (inst, ok) in futures::future::join_all(probes).await {
+            if ok {
+                st.store().mark_replica_ready(&inst, st.now()).await?;
+                tracing::info!(endpoint = %id, instance = %inst, "replica ready");
+                became_ready = true;
+            }
+        }
+        let rows = if became_ready {
+            st.store().endpoint_replicas(id).await?
+        } else {
+            rows
+        };
+        let now = st.now();
+        let live: Vec<&ReplicaRow> = rows.iter().filter(|r| r.is_live()).collect();
+
+        // Decide.
+        let (desired, reason) = if ep.deleting {
+            (0, "deleted".to_string())
+        } else {
+            let key = policy_key(&ep.spec);
+            if self.policies.get(id).is_none_or(|(k, _)| *k != key) {
+                match policy_for(&ep.spec) {
+                    Some(p) => {
+                        self.policies.insert(id.clone(), (key, p));
+                    }
+                    None => {
+                        return Err(StoreError::Conflict(format!(
+                            "endpoint policy `{}` does not build",
+                            ep.spec.policy
+                        )))
+                    }
+                }
+            }
+            let obs = observation(&ep, &live, now);
+            let Some((_, policy)) = self.policies.get_mut(id) else {
+                return Err(StoreError::NotFound("endpoint policy"));
+            };
+            let now_ms = u64::try_from(now.timestamp_millis()).unwrap_or(0);
+            let d = policy.decide(now_ms, &obs);
+            let last = ep.last_request_at.unwrap_or(ep.created_at);
+            let idle = is_idle(&ep.spec, last, ep.signals.as_ref(), now)
+                // Stale signals say nothing of what is queued now.
+                && obs.queued == 0;
+            desired_replicas(
+                &ep.spec,
+                d.replicas,
+                d.reason.as_str(),
+                obs.ready + obs.starting,
+                obs.queued,
+                idle,
+            )
+        };
+        let views: Vec<ReplicaView> = live
+            .iter()
+            .map(|r| ReplicaView {
+                instance_id: r.instance_id.clone(),
+                revision: r.revision,
+                ready: r.is_ready(),
+                draining_since: r.draining_at,
+                created_at: r.created_at,
+            })
+            .collect();
+        let plan = plan_rollout(ep.revision, desired, &views, now, ep.spec.drain_grace_ms);
+
+        // Apply.
+        st.store()
+            .set_endpoint_decision(id, desired, &reason)
+            .await?;
+        for inst in &plan.drain {
+            st.store().mark_replica_draining(inst, now).await?;
+            tracing::info!(endpoint = %id, instance = %inst, "replica draining");
+        }
+        for inst in &plan.stop {
+            stop(st, inst, now).await?;
+            tracing::info!(endpoint = %id, instance = %inst, "replica stopped");
+        }
+        for _ in 0..plan.start {
+            let inst = start_replica(st, &ep).await?;
+            tracing::info!(endpoint = %id, instance = %inst, revision = ep.revision, "replica started");
+        }
+        if plan.start > 0 || !plan.stop.is_empty() {
+            st.notify_change();
+        }
+        Ok(Outcome {
+            endpoint: id.clone(),
+            desired,
+            reason,
+            started: plan.start,
+            drained: plan.drain.len() as u32,
+            stopped: plan.stop.len() as u32,
+        })
+    }
+}
+
+/// Whether the readiness path answers 2xx.
+async fn probe(http: &reqwest::Client, url: &str) -> bool {
+    matches!(http.get(url).send().await, Ok(r) if r.status().is_success())
+}
+
+async fn stop(st: &AppState, inst: &InstanceId, now: DateTime<Utc>) -> Result<(), StoreError> {
+    match st.store().request_stop(inst, now).await {
+        // Ended on its own meanwhile: nothing to stop.
+        Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// A port free on this machine now and given to no live replica: the
+/// replica will listen there. Replicas are reached on the loopback (see
+/// `flotilla_store::endpoints::REPLICA_HOST`), so the port is checked here.
+async fn free_port(st: &AppState) -> Result<u16, StoreError> {
+    let taken = st.store().replica_ports_in_use().await?;
+    for _ in 0..32 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .map_err(|e| StoreError::Conflict(format!("no free port for a replica: {e}")))?;
+        if !taken.contains(&port) {
+            return Ok(port);
+        }
+    }
+    Err(StoreError::Conflict("no free port for a replica".into()))
+}
+
+async fn start_replica(st: &AppState, ep: &Endpoint) -> Result<InstanceId, StoreError> {
+    let port = free_port(st).await?;
+    let spec = ep
+        .spec
+        .replica_instance(st.catalog(), &ep.id, ep.revision, port)
+        .map_err(|e| StoreError::Conflict(format!("{}: {}", e.field, e.message)))?;
+    let (t, r) = st.ids();
+    let id = InstanceId::generate(t, r);
+    let now = st.now();
+    st.store()
+        .create_instance(&id, &ep.tenant_id, &spec, now)
+        .await?;
+    st.store()
+        .add_endpoint_replica(&ep.id, &id, ep.revision, port, now)
+        .await?;
+    Ok(id)
+}
+
+/// Runs passes every `tick`, and at once when woken, until shutdown.
+pub async fn run(st: AppState, tick: Duration) {
+    let mut shutdown = st.shutdown_signal();
+    let wake = st.endpoints_wake();
+    let mut ctl = Controller::new();
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        if st.leads() {
+            if let Err(e) = ctl.pass(&st).await {
+                tracing::warn!(error = %e, "endpoint pass failed; retrying");
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(tick) => {}
+            _ = wake.notified() => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+}
