@@ -11,6 +11,7 @@ mod billing;
 mod client;
 mod commands;
 mod config;
+mod endpoints;
 mod follow;
 mod jobs;
 mod local;
@@ -167,6 +168,11 @@ enum Command {
     Explain {
         /// Instance id or job id.
         id: String,
+    },
+    /// Serverless endpoints: deploy, list, show, update, delete, logs.
+    Endpoints {
+        #[command(subcommand)]
+        command: endpoints::EndpointsCommand,
     },
     /// Batch and training jobs: submit, list, show, queue, cancel, logs.
     Jobs {
@@ -337,6 +343,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Top { id } => commands::top(&ctx, &id).await,
         Command::Explain { id } => commands::explain(&ctx, &id).await,
         Command::Jobs { command } => jobs::dispatch(&ctx, command).await,
+        Command::Endpoints { command } => endpoints::dispatch(&ctx, command).await,
         Command::Usage { from, to, csv } => commands::usage(&ctx, from, to, csv).await,
         Command::Invoices { command } => billing::invoices(&ctx, command).await,
         Command::Prices { command } => billing::prices(&ctx, command).await,

@@ -399,6 +399,24 @@ impl Client {
         self.json(&call).await
     }
 
+    /// `PATCH path` with a JSON body and a fresh idempotency key, decoded.
+    pub async fn patch<B: Serialize + ?Sized, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<T> {
+        let mut call = Call::new(Method::PATCH, path);
+        call.body = Some(Self::body(body)?);
+        call.idempotency_key = Some(idempotency_key());
+        self.json(&call).await
+    }
+
+    /// `DELETE path`, its answer decoded.
+    pub async fn delete_json<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
+        let call = Call::new(Method::DELETE, path);
+        self.json(&call).await
+    }
+
     /// `DELETE path`.
     pub async fn delete(&self, path: &str) -> Result<()> {
         let call = Call::new(Method::DELETE, path);

@@ -20,6 +20,7 @@
 //! happened ([`Error::is_transient`] and friends help the caller choose).
 
 mod client;
+mod endpoints;
 mod error;
 mod logs;
 mod retry;

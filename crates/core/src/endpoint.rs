@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+use crate::api::LogLine;
 use crate::catalog::Catalog;
 use crate::error::FieldError;
 use crate::gateway::{Balance, EndpointSignals};
@@ -593,6 +594,18 @@ pub struct Endpoint {
     pub created_at: DateTime<Utc>,
     /// Last changed.
     pub updated_at: DateTime<Utc>,
+}
+
+/// One line of one replica's output.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ReplicaLogLine {
+    /// The replica.
+    pub instance_id: InstanceId,
+    /// The revision it runs.
+    pub revision: u32,
+    /// The line.
+    #[serde(flatten)]
+    pub line: LogLine,
 }
 
 /// A replica as the rollout decision sees it.

@@ -142,3 +142,41 @@ pub struct RequestUsage {
     #[serde(default)]
     pub output_tokens: u64,
 }
+
+/// The key a caller of the gateway presented.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AuthorizeRequest {
+    /// The bearer secret.
+    pub key: String,
+}
+
+/// Demand readings of one gateway (`POST /v1/gateway/signals`).
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SignalsBatch {
+    /// One reading per endpoint.
+    pub signals: Vec<EndpointSignals>,
+}
+
+/// Finished requests (`POST /v1/gateway/usage`).
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UsageBatch {
+    /// One record per request.
+    pub requests: Vec<RequestUsage>,
+}
+
+/// How many records a batch call took.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Accepted {
+    /// Records recorded.
+    pub accepted: u64,
+    /// Records already recorded (re-sent).
+    #[serde(default)]
+    pub duplicates: u64,
+    /// Records refused, each as `key: reason` (usage only); the gateway
+    /// need not re-send them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rejected: Vec<String>,
+}

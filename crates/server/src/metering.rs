@@ -138,6 +138,25 @@ pub fn share_of(inst: &Instance) -> GpuShare {
     }
 }
 
+/// A serverless endpoint's replica bills its GPU time to the endpoint, at
+/// the serverless GPU-second price: the subject becomes the endpoint. The
+/// keys stay the instance's, so two replicas never share one.
+async fn as_endpoint_usage(
+    st: &AppState,
+    inst: &Instance,
+    mut events: Vec<UsageEvent>,
+) -> Result<Vec<UsageEvent>, StoreError> {
+    if let Some(r) = st.store().replica_of(&inst.id).await? {
+        for e in &mut events {
+            e.subject = Subject {
+                kind: SubjectKind::Endpoint,
+                id: r.endpoint_id.to_string(),
+            };
+        }
+    }
+    Ok(events)
+}
+
 /// Meters every instance that needs it. Returns the events appended.
 pub async fn metering_pass(st: &AppState) -> Result<usize, StoreError> {
     let now = st.now();
@@ -152,6 +171,7 @@ pub async fn metering_pass(st: &AppState) -> Result<usize, StoreError> {
             }
         };
         if !events.is_empty() {
+            let events = as_endpoint_usage(st, &inst, events).await?;
             let out = st.store().append_usage(&events, grace(), now).await?;
             appended += out.accepted as usize;
             if !out.rejected.is_empty() {

@@ -6,11 +6,13 @@
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
-use flotilla_core::api::{LogLine, Page};
-use flotilla_core::endpoint::{CreateEndpoint, CustomMetric, Endpoint, UpdateEndpoint};
+use flotilla_core::api::Page;
+use flotilla_core::endpoint::{
+    CreateEndpoint, CustomMetric, Endpoint, ReplicaLogLine, UpdateEndpoint,
+};
 use flotilla_core::id::{EndpointId, InstanceId};
 use flotilla_core::tenant::Role;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use super::{page, page_req, path_id};
 use crate::auth::Caller;
@@ -149,18 +151,6 @@ pub async fn report_metric(
         .await?;
     st.wake_endpoints();
     Ok(Json(st.store().endpoint(&ep.id).await?))
-}
-
-/// One line of one replica's output.
-#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct ReplicaLogLine {
-    /// The replica.
-    pub instance_id: InstanceId,
-    /// The revision it runs.
-    pub revision: u32,
-    /// The line.
-    #[serde(flatten)]
-    pub line: LogLine,
 }
 
 #[derive(Deserialize)]

@@ -8,13 +8,14 @@
 use axum::extract::State;
 use axum::Json;
 use flotilla_billing::meter::{EventKey, Meter, Subject, SubjectKind, UsageEvent};
-use flotilla_core::gateway::{EndpointSignals, KeyGrant, RequestUsage, RouteTable};
+use flotilla_core::gateway::{
+    Accepted, AuthorizeRequest, KeyGrant, RequestUsage, RouteTable, SignalsBatch, UsageBatch,
+};
 use flotilla_core::id::{EndpointId, TenantId};
 use flotilla_core::instance::BillingClass;
 use flotilla_core::tenant::Role;
 use flotilla_core::FieldError;
 use rust_decimal::Decimal;
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 use crate::auth::{hash_secret, Caller};
@@ -34,14 +35,6 @@ pub const SOURCE: &str = "gateway";
 pub async fn routes(State(st): State<AppState>, caller: Caller) -> ApiResult<Json<RouteTable>> {
     caller.require(&GATEWAY, "read the gateway's routes")?;
     Ok(Json(st.store().route_table().await?))
-}
-
-/// The key a caller of the gateway presented.
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct AuthorizeRequest {
-    /// The bearer secret.
-    pub key: String,
 }
 
 /// What an inference key may call: a tenant admin or member key, every
@@ -85,36 +78,6 @@ async fn over_hard_cap(st: &AppState, tenant: &TenantId) -> ApiResult<bool> {
         .await
         .map_err(ApiError::internal)?;
     Ok(spent >= b.budget.limit)
-}
-
-/// Demand readings of one gateway (`POST /v1/gateway/signals`).
-#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct SignalsBatch {
-    /// One reading per endpoint.
-    pub signals: Vec<EndpointSignals>,
-}
-
-/// Finished requests (`POST /v1/gateway/usage`).
-#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct UsageBatch {
-    /// One record per request.
-    pub requests: Vec<RequestUsage>,
-}
-
-/// How many records a batch call took.
-#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct Accepted {
-    /// Records recorded.
-    pub accepted: u64,
-    /// Records already recorded (re-sent).
-    #[serde(default)]
-    pub duplicates: u64,
-    /// Records refused, each as `key: reason` (usage only); the gateway
-    /// need not re-send them.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub rejected: Vec<String>,
 }
 
 fn batch_len<T>(v: &[T], field: &str) -> ApiResult<()> {
