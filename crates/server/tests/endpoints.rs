@@ -572,3 +572,100 @@ async fn inference_keys_the_gateway_authorizes_and_meters_once() {
     assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{b}");
     assert_eq!(b["error"]["details"]["field"], "requests[0].endpoint_id");
 }
+
+/// Gateway usage is priced as serverless requests and tokens on the
+/// invoice, and a hard-capped budget the spend reached turns the key
+/// grant's `over_hard_cap` on (the gateway's 402).
+#[tokio::test]
+async fn metered_requests_are_invoiced_and_reach_the_hard_cap() {
+    let e = setup().await;
+    let ep = e.create(json!({"name": "chat", "command": ["x"]})).await;
+    let id = ep["id"].as_str().unwrap().to_string();
+    let cat = e.s.ok(&e.key, Method::GET, "/v1/prices", None).await;
+    let mut next = cat["versions"][0].clone();
+    next.as_object_mut().unwrap().remove("version");
+    let effective =
+        chrono::SubsecRound::trunc_subsecs(chrono::Utc::now() + chrono::Duration::seconds(2), 3);
+    next["effective_from"] = json!(effective.to_rfc3339());
+    next["serverless"]["per_request"] = json!({"kind": "flat", "unit_price": "0.01"});
+    next["serverless"]["per_million_output_tokens"] = json!({"kind": "flat", "unit_price": "1000"});
+    e.s.ok(&e.s.operator, Method::POST, "/v1/prices", Some(next))
+        .await;
+    let start = Instant::now();
+    while e.s.ok(&e.key, Method::GET, "/v1/prices", None).await["in_force"] != 2 {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the price version never took force"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let admin = e.s.key(&e.tenant, "tenant_admin").await;
+    e.s.ok(
+        &admin,
+        Method::PUT,
+        "/v1/budget",
+        Some(json!({"limit": "0.05", "hard_cap": true})),
+    )
+    .await;
+    let grant = |k: String| {
+        let e = &e;
+        async move {
+            e.s.ok(
+                &e.provider,
+                Method::POST,
+                "/v1/gateway/authorize",
+                Some(json!({ "key": k })),
+            )
+            .await
+        }
+    };
+    assert_eq!(grant(e.key.clone()).await["over_hard_cap"], false);
+
+    let now = chrono::Utc::now();
+    let usage: Vec<Value> = (0..4)
+        .map(|i| {
+            json!({
+                "request_id": format!("req_01J1000000000000000000000{i}"),
+                "endpoint_id": id, "instance_id": "inst_01J00000000000000000000000",
+                "started_at": now - chrono::Duration::milliseconds(500), "finished_at": now,
+                "status": 200, "input_tokens": 7, "output_tokens": 10
+            })
+        })
+        .collect();
+    e.s.ok(
+        &e.provider,
+        Method::POST,
+        "/v1/gateway/usage",
+        Some(json!({ "requests": usage })),
+    )
+    .await;
+    let period = now.format("%Y-%m").to_string();
+    let inv =
+        e.s.ok(
+            &e.key,
+            Method::GET,
+            &format!("/v1/invoices/preview?period={period}"),
+            None,
+        )
+        .await;
+    let lines = inv["lines"].as_array().unwrap();
+    let amount = |kind: &str| {
+        lines
+            .iter()
+            .find(|l| l["kind"] == kind)
+            .map(|l| l["amount"].as_str().unwrap_or("").to_string())
+    };
+    // 4 requests at 0.01; 40 output tokens at 1000 per million.
+    assert_eq!(
+        amount("serverless_requests").as_deref(),
+        Some("0.04"),
+        "{inv}"
+    );
+    assert_eq!(
+        amount("serverless_output_tokens").as_deref(),
+        Some("0.04"),
+        "{inv}"
+    );
+    // 0.08 spent of a 0.05 hard cap: the gateway is told to refuse.
+    assert_eq!(grant(e.key.clone()).await["over_hard_cap"], true);
+}
