@@ -113,6 +113,31 @@ pub struct CreateEndpoint {
     /// stopped, ms (default 30000).
     #[serde(default)]
     pub drain_grace_ms: Option<u64>,
+    /// IANA time zone the schedules are read in (default `UTC`).
+    #[serde(default)]
+    pub timezone: Option<String>,
+    /// Minimum replicas by time window (a schedule trigger); the highest
+    /// minimum of the windows open now wins over `min_replicas`.
+    #[serde(default)]
+    pub schedules: Vec<ScheduleWindow>,
+}
+
+/// A time window with a minimum replica count, in the endpoint's time
+/// zone: `start` to `end` (`HH:MM`, 24 h; an `end` at or before `start`
+/// runs past midnight) on `days` (`mon`…`sun`; empty: every day; the day
+/// is the one the window starts on).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleWindow {
+    /// Days the window opens on.
+    #[serde(default)]
+    pub days: Vec<String>,
+    /// Opening time, `HH:MM`.
+    pub start: String,
+    /// Closing time, `HH:MM`.
+    pub end: String,
+    /// Fewest replicas while open.
+    pub min_replicas: u32,
 }
 
 /// A change to an endpoint (`PATCH`): absent fields stay. A change of the
@@ -184,6 +209,12 @@ pub struct UpdateEndpoint {
     /// Drain grace, ms.
     #[serde(default)]
     pub drain_grace_ms: Option<u64>,
+    /// Time zone of the schedules.
+    #[serde(default)]
+    pub timezone: Option<String>,
+    /// Schedules, replacing the old ones.
+    #[serde(default)]
+    pub schedules: Option<Vec<ScheduleWindow>>,
 }
 
 /// An endpoint's spec after validation, defaults applied: what is stored.
@@ -242,6 +273,99 @@ pub struct EndpointSpec {
     pub rate_limit_rps: Option<u32>,
     /// Drain grace, ms.
     pub drain_grace_ms: u64,
+    /// Time zone of the schedules.
+    #[serde(default = "utc")]
+    pub timezone: String,
+    /// Minimum replicas by time window.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub schedules: Vec<ScheduleWindow>,
+}
+
+fn utc() -> String {
+    "UTC".into()
+}
+
+const DAYS: [&str; 7] = ["mon", "tue", "wed", "thu", "fri", "sat", "sun"];
+
+/// Minutes after midnight of `HH:MM`.
+fn minutes(s: &str) -> Option<u32> {
+    let (h, m) = s.split_once(':')?;
+    let (h, m) = (h.parse::<u32>().ok()?, m.parse::<u32>().ok()?);
+    (h < 24 && m < 60 && s.len() == 5).then_some(h * 60 + m)
+}
+
+fn validate_schedules(
+    tz: &str,
+    windows: &[ScheduleWindow],
+    max_replicas: u32,
+) -> Result<(), FieldError> {
+    tz.parse::<chrono_tz::Tz>().map_err(|_| {
+        FieldError::new(
+            "timezone",
+            format!("`{tz}` is not an IANA time zone such as Europe/Paris"),
+        )
+    })?;
+    if windows.len() > 64 {
+        return Err(FieldError::new("schedules", "at most 64 windows"));
+    }
+    for (i, w) in windows.iter().enumerate() {
+        for (f, v) in [("start", &w.start), ("end", &w.end)] {
+            if minutes(v).is_none() {
+                return Err(FieldError::new(
+                    format!("schedules[{i}].{f}"),
+                    format!("must be a time HH:MM, got `{v}`"),
+                ));
+            }
+        }
+        for (j, d) in w.days.iter().enumerate() {
+            if !DAYS.contains(&d.to_ascii_lowercase().as_str()) {
+                return Err(FieldError::new(
+                    format!("schedules[{i}].days[{j}]"),
+                    format!("must be one of {}, got `{d}`", DAYS.join(", ")),
+                ));
+            }
+        }
+        if w.min_replicas > max_replicas {
+            return Err(FieldError::new(
+                format!("schedules[{i}].min_replicas"),
+                format!("must be at most max_replicas ({max_replicas})"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The highest minimum of the schedule windows open at `now`, read in the
+/// endpoint's time zone; 0 when none is open.
+pub fn scheduled_min(spec: &EndpointSpec, now: DateTime<Utc>) -> u32 {
+    use chrono::{Datelike, Timelike};
+    let Ok(tz) = spec.timezone.parse::<chrono_tz::Tz>() else {
+        return 0;
+    };
+    let local = now.with_timezone(&tz);
+    let at = local.hour() * 60 + local.minute();
+    let today = local.weekday().num_days_from_monday() as usize;
+    let yesterday = (today + 6) % 7;
+    let on = |w: &ScheduleWindow, day: usize| {
+        w.days.is_empty() || w.days.iter().any(|d| d.eq_ignore_ascii_case(DAYS[day]))
+    };
+    spec.schedules
+        .iter()
+        .filter(|w| {
+            let (Some(start), Some(end)) = (minutes(&w.start), minutes(&w.end)) else {
+                return false;
+            };
+            if start < end {
+                on(w, today) && (start..end).contains(&at)
+            } else {
+                // Past midnight: the evening part today, the morning part
+                // belongs to the window that opened yesterday.
+                (on(w, today) && at >= start) || (on(w, yesterday) && at < end)
+            }
+        })
+        .map(|w| w.min_replicas)
+        .max()
+        .unwrap_or(0)
 }
 
 /// The replica template's JSON path prefix is the endpoint's own: the
@@ -372,6 +496,8 @@ impl CreateEndpoint {
                 "must be between 1 and 2592000 (30 days)",
             ));
         }
+        let timezone = self.timezone.unwrap_or_else(utc);
+        validate_schedules(&timezone, &self.schedules, max_replicas)?;
         Ok(EndpointSpec {
             name: self.name,
             command: inst.command,
@@ -401,6 +527,8 @@ impl CreateEndpoint {
             balance: self.balance.unwrap_or_default(),
             rate_limit_rps: self.rate_limit_rps,
             drain_grace_ms: self.drain_grace_ms.unwrap_or(30_000),
+            timezone,
+            schedules: self.schedules,
         })
     }
 }
@@ -434,6 +562,8 @@ impl EndpointSpec {
             balance: Some(self.balance),
             rate_limit_rps: self.rate_limit_rps,
             drain_grace_ms: Some(self.drain_grace_ms),
+            timezone: Some(self.timezone.clone()),
+            schedules: self.schedules.clone(),
         }
     }
 
@@ -448,7 +578,7 @@ impl EndpointSpec {
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = u.$f { c.$f = v.into(); } )* };
         }
-        set!(command, env, models, gpu_types);
+        set!(command, env, models, gpu_types, schedules);
         macro_rules! set_opt {
             ($($f:ident),*) => { $( if u.$f.is_some() { c.$f = u.$f; } )* };
         }
@@ -467,7 +597,8 @@ impl EndpointSpec {
             replica_concurrency,
             balance,
             rate_limit_rps,
-            drain_grace_ms
+            drain_grace_ms,
+            timezone
         );
         // A share and a MIG profile exclude each other: naming one clears
         // the other, so a switch needs no second call.
@@ -716,7 +847,8 @@ pub fn is_idle(
 /// `[min_replicas, max_replicas]`, at least one while requests wait at zero
 /// (the activator's demand never waits for a policy window), at least one
 /// while serving within the idle window, and zero once idle with a minimum
-/// of zero. Returns the count and the reason.
+/// of zero; a schedule window open now raises the minimum (the highest
+/// demand wins). Returns the count and the reason.
 pub fn desired_replicas(
     spec: &EndpointSpec,
     policy_wants: u32,
@@ -724,18 +856,22 @@ pub fn desired_replicas(
     active: u32,
     queued: u32,
     idle: bool,
+    scheduled_min: u32,
 ) -> (u32, String) {
-    let mut n = policy_wants.clamp(spec.min_replicas, spec.max_replicas);
-    let mut reason = if n != policy_wants {
-        "replica_bounds".to_string()
-    } else {
+    let min = spec.min_replicas.max(scheduled_min).min(spec.max_replicas);
+    let mut n = policy_wants.clamp(min, spec.max_replicas);
+    let mut reason = if n == policy_wants {
         policy_reason.to_string()
+    } else if n == scheduled_min && scheduled_min > spec.min_replicas {
+        "schedule".to_string()
+    } else {
+        "replica_bounds".to_string()
     };
     if queued > 0 && n == 0 {
         n = 1;
         reason = "activator".into();
     }
-    if idle && spec.min_replicas == 0 && queued == 0 {
+    if idle && min == 0 && queued == 0 {
         return (0, "idle".into());
     }
     if n == 0 && active > 0 && !idle {
@@ -953,18 +1089,87 @@ mod tests {
         }
         .validate(&Catalog::default())
         .unwrap();
-        assert_eq!(desired_replicas(&s, 9, "p", 0, 0, false).0, 3);
+        assert_eq!(desired_replicas(&s, 9, "p", 0, 0, false, 0).0, 3);
         assert_eq!(
-            desired_replicas(&s, 0, "p", 0, 5, false),
+            desired_replicas(&s, 0, "p", 0, 5, false, 0),
             (1, "activator".into())
         );
         assert_eq!(
-            desired_replicas(&s, 0, "p", 2, 0, false),
+            desired_replicas(&s, 0, "p", 2, 0, false, 0),
             (1, "idle_window".into())
         );
-        assert_eq!(desired_replicas(&s, 2, "p", 2, 0, true), (0, "idle".into()));
+        assert_eq!(
+            desired_replicas(&s, 2, "p", 2, 0, true, 0),
+            (0, "idle".into())
+        );
         let last = t(0);
         assert!(!is_idle(&s, last, None, t(299)));
         assert!(is_idle(&s, last, None, t(300)));
+        // An open schedule window beats idleness and a lower policy wish.
+        assert_eq!(
+            desired_replicas(&s, 0, "p", 0, 0, true, 2),
+            (2, "schedule".into())
+        );
+    }
+
+    #[test]
+    fn schedules_open_in_the_endpoints_time_zone() {
+        let c = Catalog::default();
+        let window = |days: &[&str], start: &str, end: &str, min| ScheduleWindow {
+            days: days.iter().map(|d| d.to_string()).collect(),
+            start: start.into(),
+            end: end.into(),
+            min_replicas: min,
+        };
+        let s = CreateEndpoint {
+            timezone: Some("Europe/Paris".into()),
+            schedules: vec![
+                window(&["mon", "tue", "wed", "thu", "fri"], "09:00", "18:00", 2),
+                window(&[], "22:00", "02:00", 1),
+            ],
+            ..req()
+        }
+        .validate(&c)
+        .unwrap();
+        let utc = |y, mo, d, h, mi| Utc.with_ymd_and_hms(y, mo, d, h, mi, 0).unwrap();
+        // Monday 2026-06-01, 07:00 UTC is 09:00 in Paris (CEST): open.
+        assert_eq!(scheduled_min(&s, utc(2026, 6, 1, 7, 0)), 2);
+        assert_eq!(scheduled_min(&s, utc(2026, 6, 1, 6, 59)), 0);
+        // Saturday: the weekday window stays shut.
+        assert_eq!(scheduled_min(&s, utc(2026, 6, 6, 10, 0)), 0);
+        // 01:00 Paris on Sunday belongs to Saturday's night window.
+        assert_eq!(scheduled_min(&s, utc(2026, 6, 6, 23, 0)), 1);
+        for (w, field) in [
+            (
+                CreateEndpoint {
+                    timezone: Some("Mars/Olympus".into()),
+                    ..req()
+                },
+                "timezone",
+            ),
+            (
+                CreateEndpoint {
+                    schedules: vec![window(&[], "9:00", "18:00", 1)],
+                    ..req()
+                },
+                "schedules[0].start",
+            ),
+            (
+                CreateEndpoint {
+                    schedules: vec![window(&["funday"], "09:00", "18:00", 1)],
+                    ..req()
+                },
+                "schedules[0].days[0]",
+            ),
+            (
+                CreateEndpoint {
+                    schedules: vec![window(&[], "09:00", "18:00", 99)],
+                    ..req()
+                },
+                "schedules[0].min_replicas",
+            ),
+        ] {
+            assert_eq!(w.validate(&c).unwrap_err().field, field);
+        }
     }
 }

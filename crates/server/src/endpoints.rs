@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use flotilla_core::endpoint::{
-    desired_replicas, is_idle, plan_rollout, Endpoint, EndpointSpec, ReplicaView,
+    desired_replicas, is_idle, plan_rollout, scheduled_min, Endpoint, EndpointSpec, ReplicaView,
 };
 use flotilla_core::id::{EndpointId, InstanceId};
 use flotilla_core::instance::InstanceState;
@@ -218,6 +218,7 @@ impl Controller {
                 obs.ready + obs.starting,
                 obs.queued,
                 idle,
+                scheduled_min(&ep.spec, now),
             )
         };
         let views: Vec<ReplicaView> = live

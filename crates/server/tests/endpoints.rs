@@ -669,3 +669,39 @@ async fn metered_requests_are_invoiced_and_reach_the_hard_cap() {
     // 0.08 spent of a 0.05 hard cap: the gateway is told to refuse.
     assert_eq!(grant(e.key.clone()).await["over_hard_cap"], true);
 }
+
+/// A schedule window open now raises the minimum: replicas start with no
+/// traffic at all (`reason: schedule`).
+#[tokio::test]
+async fn an_open_schedule_window_raises_the_minimum() {
+    let e = setup().await;
+    let now = chrono::Utc::now();
+    let hm = |t: chrono::DateTime<chrono::Utc>| t.format("%H:%M").to_string();
+    let ep = e
+        .create(json!({
+            "name": "batch", "command": ["x"], "max_replicas": 3, "timezone": "UTC",
+            "schedules": [{
+                "start": hm(now - chrono::Duration::minutes(2)),
+                "end": hm(now + chrono::Duration::minutes(30)),
+                "min_replicas": 2
+            }]
+        }))
+        .await;
+    let id = ep["id"].as_str().unwrap().to_string();
+    let ep = e
+        .wait_for(&id, "the scheduled replicas", |ep| {
+            ep["replicas"].as_array().is_some_and(|r| r.len() == 2)
+        })
+        .await;
+    assert_eq!(ep["reason"], "schedule", "{ep}");
+    let (st, b) =
+        e.s.call(
+            &e.key,
+            Method::PATCH,
+            &format!("/v1/endpoints/{id}"),
+            Some(json!({"timezone": "Atlantis/Nowhere"})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{b}");
+    assert_eq!(b["error"]["details"]["field"], "timezone");
+}

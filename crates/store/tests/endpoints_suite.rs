@@ -156,6 +156,9 @@ async fn endpoints_keep_spec_revision_signals_replicas_and_routes(s: &Store) {
     .await
     .unwrap();
     assert_eq!(s.key(&k).await.unwrap().endpoints, None);
-    let key = s.set_key_endpoints(&k, &[dup.clone()]).await.unwrap();
+    let key = s
+        .set_key_endpoints(&k, std::slice::from_ref(&dup))
+        .await
+        .unwrap();
     assert_eq!(key.endpoints, Some(vec![dup]));
 }
