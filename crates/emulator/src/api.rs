@@ -38,6 +38,29 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .with_state(state)
 }
 
+/// A refusal before any work: small, so results carrying it stay cheap.
+struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn bad(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        error(self.status, self.code, self.message)
+    }
+}
+
 fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
     let kind = if status.is_server_error() {
         "server_error"
@@ -110,15 +133,14 @@ fn content_text(v: &Value, out: &mut String) {
 }
 
 /// `prompt` or `input`: a string or an array of strings, joined.
-fn strings(v: &Value, field: &str) -> Result<String, Response> {
+fn strings(v: &Value, field: &str) -> Result<String, ApiError> {
     match v {
         Value::String(s) => Ok(s.clone()),
         Value::Array(items) => {
             let mut out = String::new();
             for item in items {
                 let Some(s) = item.as_str() else {
-                    return Err(error(
-                        StatusCode::BAD_REQUEST,
+                    return Err(ApiError::bad(
                         "invalid_value",
                         format!("{field}: must be a string or an array of strings"),
                     ));
@@ -128,22 +150,16 @@ fn strings(v: &Value, field: &str) -> Result<String, Response> {
             }
             Ok(out)
         }
-        _ => Err(error(
-            StatusCode::BAD_REQUEST,
+        _ => Err(ApiError::bad(
             "invalid_value",
             format!("{field}: must be a string or an array of strings"),
         )),
     }
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Response> {
-    serde_json::from_slice(body).map_err(|e| {
-        error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-            format!("invalid request body: {e}"),
-        )
-    })
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad("invalid_request", format!("invalid request body: {e}")))
 }
 
 /// Decrements a gauge when dropped, so every exit path counts.
@@ -178,13 +194,16 @@ impl Drop for Admitted {
 }
 
 impl State {
-    fn check_model(&self, model: Option<&str>) -> Result<(), Response> {
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
-            Some(m) if m != self.config.model => Err(error(
-                StatusCode::NOT_FOUND,
-                "model_not_found",
-                format!("model: `{m}` is not served here (this server serves `{}`)", self.config.model),
-            )),
+            Some(m) if m != self.config.model => Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                code: "model_not_found",
+                message: format!(
+                    "model: `{m}` is not served here (this server serves `{}`)",
+                    self.config.model
+                ),
+            }),
             _ => Ok(()),
         }
     }
@@ -205,7 +224,8 @@ impl State {
             Some(slots) => match slots.clone().try_acquire_owned() {
                 Ok(p) => Some(p),
                 Err(_) => {
-                    if self.stats.queued.load(Ordering::Relaxed) >= u64::from(self.config.max_queue) {
+                    if self.stats.queued.load(Ordering::Relaxed) >= u64::from(self.config.max_queue)
+                    {
                         self.stats.rejected.fetch_add(1, Ordering::Relaxed);
                         return Err(busy("the request queue is full"));
                     }
@@ -228,15 +248,20 @@ impl State {
         };
         let prompt_tokens = tokens.len() as u64;
         let cached_tokens = cached as u64;
-        self.stats.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
-        self.stats.cached_prompt_tokens.fetch_add(cached_tokens, Ordering::Relaxed);
+        self.stats
+            .prompt_tokens
+            .fetch_add(prompt_tokens, Ordering::Relaxed);
+        self.stats
+            .cached_prompt_tokens
+            .fetch_add(cached_tokens, Ordering::Relaxed);
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
         Ok(Admitted {
             _permit: permit,
             stats: self.stats.clone(),
             prompt_tokens,
             cached_tokens,
-            prefill: per_token(self.config.prefill_tokens_per_s) * (prompt_tokens - cached_tokens) as u32,
+            prefill: per_token(self.config.prefill_tokens_per_s)
+                * (prompt_tokens - cached_tokens) as u32,
         })
     }
 
@@ -246,8 +271,13 @@ impl State {
 }
 
 fn busy(message: &str) -> Response {
-    let mut r = error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", message);
-    r.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    let mut r = error(
+        StatusCode::TOO_MANY_REQUESTS,
+        "rate_limit_exceeded",
+        message,
+    );
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
     r
 }
 
@@ -260,7 +290,10 @@ fn per_token(rate: f64) -> Duration {
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn usage(a: &Admitted, completion: u64) -> Value {
@@ -285,10 +318,10 @@ enum Kind {
 async fn chat(AxState(state): AxState<Arc<State>>, body: Bytes) -> Response {
     let req: ChatRequest = match parse(&body) {
         Ok(r) => r,
-        Err(e) => return e,
+        Err(e) => return e.into_response(),
     };
     if let Err(e) = state.check_model(req.model.as_deref()) {
-        return e;
+        return e.into_response();
     }
     let mut prompt = String::new();
     for m in &req.messages {
@@ -305,17 +338,25 @@ async fn chat(AxState(state): AxState<Arc<State>>, body: Bytes) -> Response {
 async fn completions(AxState(state): AxState<Arc<State>>, body: Bytes) -> Response {
     let req: CompletionRequest = match parse(&body) {
         Ok(r) => r,
-        Err(e) => return e,
+        Err(e) => return e.into_response(),
     };
     if let Err(e) = state.check_model(req.model.as_deref()) {
-        return e;
+        return e.into_response();
     }
     let prompt = match strings(&req.prompt, "prompt") {
         Ok(p) => p,
-        Err(e) => return e,
+        Err(e) => return e.into_response(),
     };
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    generate(state, Kind::Completion, &prompt, req.max_tokens, req.stream, include_usage).await
+    generate(
+        state,
+        Kind::Completion,
+        &prompt,
+        req.max_tokens,
+        req.stream,
+        include_usage,
+    )
+    .await
 }
 
 async fn generate(
@@ -329,7 +370,7 @@ async fn generate(
     let n = max_tokens.unwrap_or(state.config.default_max_tokens) as usize;
     let admitted = match state.admit(prompt).await {
         Ok(a) => a,
-        Err(e) => return e,
+        Err(e) => return e.into_response(),
     };
     let id = format!("cmpl-{}", state.stats.requests.load(Ordering::Relaxed));
     let created = unix_now();
@@ -370,12 +411,18 @@ async fn generate(
             } else {
                 format!(" {}", filler(i))
             };
-            let finish = if i + 1 == n { json!("length") } else { Value::Null };
+            let finish = if i + 1 == n {
+                json!("length")
+            } else {
+                Value::Null
+            };
             let choice = match kind {
                 Kind::Chat if i == 0 => {
                     json!({"index": 0, "delta": {"role": "assistant", "content": piece}, "finish_reason": finish})
                 }
-                Kind::Chat => json!({"index": 0, "delta": {"content": piece}, "finish_reason": finish}),
+                Kind::Chat => {
+                    json!({"index": 0, "delta": {"content": piece}, "finish_reason": finish})
+                }
                 Kind::Completion => json!({"index": 0, "text": piece, "finish_reason": finish}),
             };
             let chunk = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
@@ -396,7 +443,9 @@ async fn generate(
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        .body(Body::from_stream(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
 }
 
@@ -407,16 +456,17 @@ fn sse(v: &Value) -> Bytes {
 async fn embeddings(AxState(state): AxState<Arc<State>>, body: Bytes) -> Response {
     let req: EmbeddingRequest = match parse(&body) {
         Ok(r) => r,
-        Err(e) => return e,
+        Err(e) => return e.into_response(),
     };
     if let Err(e) = state.check_model(req.model.as_deref()) {
-        return e;
+        return e.into_response();
     }
     let inputs: Vec<String> = match &req.input {
         Value::String(s) => vec![s.clone()],
-        Value::Array(items) if items.iter().all(Value::is_string) => {
-            items.iter().filter_map(|v| v.as_str().map(str::to_string)).collect()
-        }
+        Value::Array(items) if items.iter().all(Value::is_string) => items
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_string))
+            .collect(),
         _ => {
             return error(
                 StatusCode::BAD_REQUEST,
@@ -427,7 +477,7 @@ async fn embeddings(AxState(state): AxState<Arc<State>>, body: Bytes) -> Respons
     };
     let admitted = match state.admit(&inputs.join("\n")).await {
         Ok(a) => a,
-        Err(e) => return e,
+        Err(e) => return e.into_response(),
     };
     tokio::time::sleep(admitted.prefill).await;
     let data: Vec<Value> = inputs
@@ -453,7 +503,12 @@ fn embed(text: &str) -> Vec<f64> {
             (h.finish() % 2001) as f64 / 1000.0 - 1.0
         })
         .collect();
-    let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt().max(f64::EPSILON);
+    let norm = v
+        .iter()
+        .map(|x| x * x)
+        .sum::<f64>()
+        .sqrt()
+        .max(f64::EPSILON);
     v.iter_mut().for_each(|x| *x /= norm);
     v
 }
@@ -476,10 +531,17 @@ async fn health(AxState(state): AxState<Arc<State>>) -> Response {
 async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
     let mut out = String::new();
     if prometheus_client::encoding::text::encode(&mut out, &state.registry).is_err() {
-        return error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "metrics encoding");
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "metrics encoding",
+        );
     }
     (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         out,
     )
         .into_response()
@@ -501,14 +563,26 @@ impl prometheus_client::collector::Collector for StatsCollector {
             g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
         let counters = [
-            ("emulator_requests", "Inference requests received", &s.requests),
-            ("emulator_prompt_tokens", "Prompt tokens received", &s.prompt_tokens),
+            (
+                "emulator_requests",
+                "Inference requests received",
+                &s.requests,
+            ),
+            (
+                "emulator_prompt_tokens",
+                "Prompt tokens received",
+                &s.prompt_tokens,
+            ),
             (
                 "emulator_prefix_cache_hit_tokens",
                 "Prompt tokens found in the prefix cache",
                 &s.cached_prompt_tokens,
             ),
-            ("emulator_rejected", "Requests refused with 429", &s.rejected),
+            (
+                "emulator_rejected",
+                "Requests refused with 429",
+                &s.rejected,
+            ),
         ];
         for (name, help, v) in counters {
             let c = ConstCounter::new(v.load(Ordering::Relaxed));

@@ -44,17 +44,29 @@ pub struct EmulatorConfig {
     #[arg(long, env = "FLOTILLA_EMULATOR_PORT", default_value_t = 0)]
     pub port: u16,
     /// The model name served (and listed by `/v1/models`).
-    #[arg(long, env = "FLOTILLA_EMULATOR_MODEL", default_value = "emulated-model")]
+    #[arg(
+        long,
+        env = "FLOTILLA_EMULATOR_MODEL",
+        default_value = "emulated-model"
+    )]
     pub model: String,
     /// Weight-load time: `/health` answers 503 and requests are refused
     /// until it has passed.
     #[arg(long, env = "FLOTILLA_EMULATOR_LOAD_DELAY_MS", default_value_t = 0)]
     pub load_delay_ms: u64,
     /// Prompt tokens prefilled per second; 0 prefills instantly.
-    #[arg(long, env = "FLOTILLA_EMULATOR_PREFILL_TOKENS_PER_S", default_value_t = 0.0)]
+    #[arg(
+        long,
+        env = "FLOTILLA_EMULATOR_PREFILL_TOKENS_PER_S",
+        default_value_t = 0.0
+    )]
     pub prefill_tokens_per_s: f64,
     /// Output tokens decoded per second per request; 0 decodes instantly.
-    #[arg(long, env = "FLOTILLA_EMULATOR_DECODE_TOKENS_PER_S", default_value_t = 0.0)]
+    #[arg(
+        long,
+        env = "FLOTILLA_EMULATOR_DECODE_TOKENS_PER_S",
+        default_value_t = 0.0
+    )]
     pub decode_tokens_per_s: f64,
     /// Requests served at once (the engine's batch); 0 is unlimited.
     /// Requests beyond it wait in a queue.
@@ -64,13 +76,25 @@ pub struct EmulatorConfig {
     #[arg(long, env = "FLOTILLA_EMULATOR_MAX_QUEUE", default_value_t = 1024)]
     pub max_queue: u32,
     /// How long a request may wait for a slot before it gets 429.
-    #[arg(long, env = "FLOTILLA_EMULATOR_QUEUE_TIMEOUT_MS", default_value_t = 30_000)]
+    #[arg(
+        long,
+        env = "FLOTILLA_EMULATOR_QUEUE_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
     pub queue_timeout_ms: u64,
     /// Prompt tokens kept in the prefix cache; 0 disables it.
-    #[arg(long, env = "FLOTILLA_EMULATOR_PREFIX_CACHE_TOKENS", default_value_t = 0)]
+    #[arg(
+        long,
+        env = "FLOTILLA_EMULATOR_PREFIX_CACHE_TOKENS",
+        default_value_t = 0
+    )]
     pub prefix_cache_tokens: u64,
     /// Output tokens when a request gives no `max_tokens`.
-    #[arg(long, env = "FLOTILLA_EMULATOR_DEFAULT_MAX_TOKENS", default_value_t = 16)]
+    #[arg(
+        long,
+        env = "FLOTILLA_EMULATOR_DEFAULT_MAX_TOKENS",
+        default_value_t = 16
+    )]
     pub default_max_tokens: u32,
 }
 
@@ -171,10 +195,12 @@ impl Emulator {
                 });
             }
         }
-        let addr = listener.local_addr().map_err(|source| EmulatorError::Bind {
-            addr: config.host.clone(),
-            source,
-        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| EmulatorError::Bind {
+                addr: config.host.clone(),
+                source,
+            })?;
         let stats = Arc::new(Stats::default());
         let registry = api::registry(&stats);
         let state = Arc::new(State {

@@ -90,7 +90,10 @@ mod tests {
 
     #[test]
     fn words_are_cut_in_four_character_chunks() {
-        assert_eq!(tokenize("hello world a"), vec!["hell", "o", "worl", "d", "a"]);
+        assert_eq!(
+            tokenize("hello world a"),
+            vec!["hell", "o", "worl", "d", "a"]
+        );
         assert_eq!(count("  "), 0);
         assert_eq!(tokenize("été"), vec!["été"]);
     }

@@ -56,7 +56,10 @@ impl Body for GatewayBody {
     type Data = Bytes;
     type Error = hyper::Error;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
             Self::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             Self::Proxied(p) => {
@@ -65,6 +68,11 @@ impl Body for GatewayBody {
                     Poll::Ready(Some(Ok(frame))) => {
                         if let Some(data) = frame.data_ref() {
                             p.tracker.on_data(data);
+                        }
+                        // hyper stops polling once a body of known length
+                        // says it has ended: no `None` comes after it.
+                        if p.inner.is_end_stream() {
+                            p.tracker.complete = true;
                         }
                     }
                     Poll::Ready(None) => p.tracker.complete = true,
@@ -131,7 +139,10 @@ impl Scan {
 fn read_usage(json: &[u8]) -> Option<(u64, u64)> {
     let w: WithUsage = serde_json::from_slice(json).ok()?;
     let u = w.usage?;
-    Some((u.prompt_tokens.unwrap_or(0), u.completion_tokens.unwrap_or(0)))
+    Some((
+        u.prompt_tokens.unwrap_or(0),
+        u.completion_tokens.unwrap_or(0),
+    ))
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -155,7 +166,13 @@ pub(crate) struct Tracker {
 }
 
 impl Tracker {
-    pub fn new(inner: Arc<Inner>, endpoint: Arc<Endpoint>, request_id: RequestId, started_at: DateTime<Utc>, arrived: Instant) -> Self {
+    pub fn new(
+        inner: Arc<Inner>,
+        endpoint: Arc<Endpoint>,
+        request_id: RequestId,
+        started_at: DateTime<Utc>,
+        arrived: Instant,
+    ) -> Self {
         Self {
             inner,
             endpoint,
@@ -173,7 +190,10 @@ impl Tracker {
 
     /// Holds the replica slot; the request counts as in flight from here.
     pub fn sent(&mut self, lease: Lease) {
-        self.endpoint.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.endpoint
+            .stats
+            .in_flight
+            .fetch_add(1, Ordering::Relaxed);
         self.lease = Some(lease);
     }
 
@@ -216,14 +236,21 @@ impl Tracker {
 impl Drop for Tracker {
     fn drop(&mut self) {
         let now = Instant::now();
-        if let Scan::Json { buf, overflow: false } = &self.scan {
+        if let Scan::Json {
+            buf,
+            overflow: false,
+        } = &self.scan
+        {
             if self.complete {
                 self.tokens = read_usage(buf);
             }
         }
         let instance_id = self.lease.as_ref().map(|l| l.replica.instance_id.clone());
         if self.lease.take().is_some() {
-            self.endpoint.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+            self.endpoint
+                .stats
+                .in_flight
+                .fetch_sub(1, Ordering::Relaxed);
             let latency = now - self.arrived;
             let ttft = self.first_byte.map(|t| t - self.arrived);
             self.endpoint.stats.record(now, ttft, latency);
@@ -231,9 +258,17 @@ impl Drop for Tracker {
                 endpoint: self.endpoint.id.to_string(),
             };
             if let Some(t) = ttft {
-                self.inner.metrics.ttft.get_or_create(&label).observe(t.as_secs_f64());
+                self.inner
+                    .metrics
+                    .ttft
+                    .get_or_create(&label)
+                    .observe(t.as_secs_f64());
             }
-            self.inner.metrics.latency.get_or_create(&label).observe(latency.as_secs_f64());
+            self.inner
+                .metrics
+                .latency
+                .get_or_create(&label)
+                .observe(latency.as_secs_f64());
         }
         self.inner
             .metrics

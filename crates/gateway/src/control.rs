@@ -185,7 +185,9 @@ impl Control for StaticControl {
 
     fn meter(&self, usage: Vec<RequestUsage>) -> ControlFuture<'_, ()> {
         let result = if self.fail_meter.load(Ordering::SeqCst) {
-            Err(ControlError::new("metering is failing (StaticControl::fail_meter)"))
+            Err(ControlError::new(
+                "metering is failing (StaticControl::fail_meter)",
+            ))
         } else {
             lock(&self.usage).extend(usage);
             Ok(())

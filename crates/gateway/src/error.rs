@@ -123,9 +123,13 @@ impl Refusal {
         let body = json!({"error": {"message": self.to_string(), "type": self.kind(), "code": self.code()}});
         let mut r = Response::new(GatewayBody::full(Bytes::from(body.to_string())));
         *r.status_mut() = self.status();
-        r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         if let Some(s) = self.retry_after_s() {
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         r
     }

@@ -220,9 +220,10 @@ impl Inner {
                     self.epoch,
                 )),
             };
-            index
-                .by_name
-                .insert((route.tenant_id.clone(), route.name.clone()), endpoint.clone());
+            index.by_name.insert(
+                (route.tenant_id.clone(), route.name.clone()),
+                endpoint.clone(),
+            );
             for m in &route.models {
                 index
                     .by_model
@@ -243,7 +244,9 @@ impl Inner {
     async fn refresh_routes(&self) {
         match tokio::time::timeout(Duration::from_secs(10), self.control.routes()).await {
             Ok(Ok(table)) => self.apply(table),
-            Ok(Err(e)) => tracing::warn!(error = %e, "route table refresh failed, keeping the last one"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "route table refresh failed, keeping the last one")
+            }
             Err(_) => tracing::warn!("route table refresh timed out, keeping the last one"),
         }
     }
@@ -256,7 +259,8 @@ impl Inner {
                 return grant.clone().ok_or(Refusal::InvalidKey);
             }
         }
-        let answer = tokio::time::timeout(Duration::from_secs(10), self.control.authorize(key)).await;
+        let answer =
+            tokio::time::timeout(Duration::from_secs(10), self.control.authorize(key)).await;
         let grant = match answer {
             Ok(Ok(grant)) => grant,
             Ok(Err(e)) => {
@@ -390,7 +394,11 @@ pub async fn serve(
     let inner = Arc::new_cyclic(|weak| {
         let metrics = Metrics::new(weak.clone());
         Inner {
-            meter: MeterQueue::new(config.meter_buffer, config.meter_batch, metrics.usage_dropped.clone()),
+            meter: MeterQueue::new(
+                config.meter_buffer,
+                config.meter_batch,
+                metrics.usage_dropped.clone(),
+            ),
             metrics,
             control,
             index: RwLock::new(Arc::new(RouteIndex::default())),

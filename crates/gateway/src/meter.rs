@@ -78,7 +78,10 @@ impl MeterQueue {
     }
 
     /// Delivers one batch; `Ok(true)` when something was sent.
-    pub async fn flush_once(&self, control: &dyn crate::Control) -> Result<bool, crate::ControlError> {
+    pub async fn flush_once(
+        &self,
+        control: &dyn crate::Control,
+    ) -> Result<bool, crate::ControlError> {
         let batch = self.take();
         if batch.is_empty() {
             return Ok(false);

@@ -64,7 +64,8 @@ impl Replica {
     }
 
     fn usable(&self, now_ms: u64) -> bool {
-        !self.draining.load(Ordering::Relaxed) && self.ejected_until_ms.load(Ordering::Relaxed) <= now_ms
+        !self.draining.load(Ordering::Relaxed)
+            && self.ejected_until_ms.load(Ordering::Relaxed) <= now_ms
     }
 }
 
@@ -212,15 +213,20 @@ impl Endpoint {
         let old = std::mem::take(&mut pool.replicas);
         for r in &route.replicas {
             let base = r.url.trim_end_matches('/');
-            let kept = old
-                .iter()
-                .find(|o| o.instance_id == r.instance_id && o.base == base && o.revision == r.revision);
+            let kept = old.iter().find(|o| {
+                o.instance_id == r.instance_id && o.base == base && o.revision == r.revision
+            });
             let replica = match kept {
                 Some(o) => {
                     o.draining.store(r.draining, Ordering::Relaxed);
                     o.clone()
                 }
-                None => Arc::new(Replica::new(r.instance_id.clone(), &r.url, r.revision, r.draining)),
+                None => Arc::new(Replica::new(
+                    r.instance_id.clone(),
+                    &r.url,
+                    r.revision,
+                    r.draining,
+                )),
             };
             pool.replicas.push(replica);
         }
@@ -305,11 +311,17 @@ impl Endpoint {
             while pool.queue.front().is_some_and(|w| w.tx.is_closed()) {
                 pool.queue.pop_front();
             }
-            let Some(front) = pool.queue.front() else { break };
+            let Some(front) = pool.queue.front() else {
+                break;
+            };
             let key = front.key;
             let exclude = front.exclude.clone();
-            let Some(replica) = self.pick(&mut pool, &route, key, &exclude) else { break };
-            let Some(waiter) = pool.queue.pop_front() else { break };
+            let Some(replica) = self.pick(&mut pool, &route, key, &exclude) else {
+                break;
+            };
+            let Some(waiter) = pool.queue.pop_front() else {
+                break;
+            };
             let lease = self.lease(replica);
             if let Err(mut lease) = waiter.tx.send(lease) {
                 // The caller gave up between the check and the send: undo
@@ -334,7 +346,9 @@ impl Endpoint {
         } else {
             route.replica_concurrency
         };
-        let free = |r: &Replica| r.usable(now) && r.outstanding() < limit && !exclude.contains(&r.instance_id);
+        let free = |r: &Replica| {
+            r.usable(now) && r.outstanding() < limit && !exclude.contains(&r.instance_id)
+        };
         let chosen = match (key, route.balance) {
             (Some(key), Balance::PrefixAffinity | Balance::SessionAffinity) => {
                 self.pick_affine(pool, key, now, &free)
@@ -352,7 +366,13 @@ impl Endpoint {
 
     /// Bounded-load consistent hashing: the first replica clockwise from
     /// the key whose load stays within `load_factor` times the mean.
-    fn pick_affine(&self, pool: &Pool, key: u64, now: u64, free: &dyn Fn(&Replica) -> bool) -> Option<usize> {
+    fn pick_affine(
+        &self,
+        pool: &Pool,
+        key: u64,
+        now: u64,
+        free: &dyn Fn(&Replica) -> bool,
+    ) -> Option<usize> {
         if pool.ring.is_empty() {
             return None;
         }
@@ -360,7 +380,11 @@ impl Endpoint {
         if usable.is_empty() {
             return None;
         }
-        let total: u64 = usable.iter().map(|r| u64::from(r.outstanding())).sum::<u64>() + 1;
+        let total: u64 = usable
+            .iter()
+            .map(|r| u64::from(r.outstanding()))
+            .sum::<u64>()
+            + 1;
         let bound = (self.balance.load_factor * total as f64 / usable.len() as f64).ceil() as u64;
         let start = pool.ring.partition_point(|(p, _)| *p < key);
         let mut seen = Vec::with_capacity(pool.replicas.len());
@@ -384,7 +408,9 @@ impl Endpoint {
 
 /// Least outstanding of two random free replicas.
 fn pick_p2c(pool: &mut Pool, free: &dyn Fn(&Replica) -> bool) -> Option<usize> {
-    let candidates: Vec<usize> = (0..pool.replicas.len()).filter(|&i| free(&pool.replicas[i])).collect();
+    let candidates: Vec<usize> = (0..pool.replicas.len())
+        .filter(|&i| free(&pool.replicas[i]))
+        .collect();
     match candidates.len() {
         0 => None,
         1 => Some(candidates[0]),

@@ -59,8 +59,10 @@ pub(crate) async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Respons
 fn json_response(status: StatusCode, v: &Value) -> Response<GatewayBody> {
     let mut r = Response::new(GatewayBody::full(Bytes::from(v.to_string())));
     *r.status_mut() = status;
-    r.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -97,7 +99,10 @@ struct ModelPeek<'a> {
 
 /// Where a request goes.
 enum Target {
-    Endpoint { endpoint: Arc<Endpoint>, path: String },
+    Endpoint {
+        endpoint: Arc<Endpoint>,
+        path: String,
+    },
     Models,
 }
 
@@ -120,7 +125,10 @@ fn host_name<'a>(host: &'a str, domain: Option<&str>) -> Option<&'a str> {
             .and_then(|h| h.strip_suffix('.'))
             .filter(|n| !n.is_empty() && !n.contains('.')),
         None => {
-            if host.parse::<std::net::IpAddr>().is_ok() || host.starts_with('[') || host.split('.').count() < 3 {
+            if host.parse::<std::net::IpAddr>().is_ok()
+                || host.starts_with('[')
+                || host.split('.').count() < 3
+            {
                 None
             } else {
                 host.split('.').next()
@@ -129,10 +137,19 @@ fn host_name<'a>(host: &'a str, domain: Option<&str>) -> Option<&'a str> {
     }
 }
 
-fn resolve(inner: &Inner, grant: &KeyGrant, parts: &Parts, body: &Bytes) -> Result<Target, Refusal> {
+fn resolve(
+    inner: &Inner,
+    grant: &KeyGrant,
+    parts: &Parts,
+    body: &Bytes,
+) -> Result<Target, Refusal> {
     let index = inner.index();
     let path = parts.uri.path();
-    let query = parts.uri.query().map(|q| format!("?{q}")).unwrap_or_default();
+    let query = parts
+        .uri
+        .query()
+        .map(|q| format!("?{q}"))
+        .unwrap_or_default();
     let by_name = |name: &str| {
         index
             .by_name
@@ -163,7 +180,9 @@ fn resolve(inner: &Inner, grant: &KeyGrant, parts: &Parts, body: &Bytes) -> Resu
             }
             // With a configured domain the host names the endpoint; without
             // one the first label may be the gateway's own host name.
-            None if inner.config.domain.is_some() => return Err(Refusal::EndpointNotFound(name.to_string())),
+            None if inner.config.domain.is_some() => {
+                return Err(Refusal::EndpointNotFound(name.to_string()))
+            }
             None => {}
         }
     }
@@ -171,10 +190,11 @@ fn resolve(inner: &Inner, grant: &KeyGrant, parts: &Parts, body: &Bytes) -> Resu
         return Ok(Target::Models);
     }
     if MODEL_PATHS.contains(&path) {
-        let peek: ModelPeek<'_> = serde_json::from_slice(body).map_err(|e| Refusal::BadRequest {
-            field: "body",
-            message: format!("not a JSON object: {e}"),
-        })?;
+        let peek: ModelPeek<'_> =
+            serde_json::from_slice(body).map_err(|e| Refusal::BadRequest {
+                field: "body",
+                message: format!("not a JSON object: {e}"),
+            })?;
         let model = peek.model.ok_or(Refusal::BadRequest {
             field: "model",
             message: "required: the model to call".into(),
@@ -201,13 +221,18 @@ fn list_models(inner: &Inner, grant: &KeyGrant) -> Response<GatewayBody> {
             continue;
         }
         for m in &e.route().models {
-            data.push(json!({"id": m, "object": "model", "created": 0, "owned_by": grant.tenant_id}));
+            data.push(
+                json!({"id": m, "object": "model", "created": 0, "owned_by": grant.tenant_id}),
+            );
         }
     }
     json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
-async fn route(inner: Arc<Inner>, req: Request<Incoming>) -> Result<Response<GatewayBody>, Refusal> {
+async fn route(
+    inner: Arc<Inner>,
+    req: Request<Incoming>,
+) -> Result<Response<GatewayBody>, Refusal> {
     let arrived = Instant::now();
     let started_at = Utc::now();
     let key = bearer(req.headers())?.to_string();
@@ -216,7 +241,10 @@ async fn route(inner: Arc<Inner>, req: Request<Incoming>) -> Result<Response<Gat
     let limit = inner.config.max_body_bytes;
     let body = match Limited::new(body, limit).collect().await {
         Ok(b) => b.to_bytes(),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
             return Err(Refusal::TooLarge(limit))
         }
         Err(e) => {
@@ -230,9 +258,19 @@ async fn route(inner: Arc<Inner>, req: Request<Incoming>) -> Result<Response<Gat
         Target::Models => return Ok(list_models(&inner, &grant)),
         Target::Endpoint { endpoint, path } => (endpoint, path),
     };
-    endpoint.stats.requests_total.fetch_add(1, Ordering::Relaxed);
-    let request_id = RequestId::generate(started_at.timestamp_millis().max(0) as u64, rand::random());
-    let mut tracker = Tracker::new(inner.clone(), endpoint.clone(), request_id, started_at, arrived);
+    endpoint
+        .stats
+        .requests_total
+        .fetch_add(1, Ordering::Relaxed);
+    let request_id =
+        RequestId::generate(started_at.timestamp_millis().max(0) as u64, rand::random());
+    let mut tracker = Tracker::new(
+        inner.clone(),
+        endpoint.clone(),
+        request_id,
+        started_at,
+        arrived,
+    );
     let refused = |mut tracker: Tracker, refusal: Refusal| {
         tracker.status = refusal.status().as_u16();
         drop(tracker);
@@ -252,7 +290,9 @@ async fn route(inner: Arc<Inner>, req: Request<Incoming>) -> Result<Response<Gat
             .get(SESSION_ID)
             .and_then(|v| v.to_str().ok())
             .map(affinity_key),
-        Balance::PrefixAffinity => prompt_prefix(&body, inner.config.affinity_prefix_chars).map(|p| affinity_key(&p)),
+        Balance::PrefixAffinity => {
+            prompt_prefix(&body, inner.config.affinity_prefix_chars).map(|p| affinity_key(&p))
+        }
     };
     let deadline = arrived + std::time::Duration::from_millis(route.queue_timeout_ms);
     let mut exclude = Vec::new();
@@ -261,10 +301,20 @@ async fn route(inner: Arc<Inner>, req: Request<Incoming>) -> Result<Response<Gat
         attempt += 1;
         let lease = match endpoint.acquire(affinity, &exclude, deadline).await {
             Ok(l) => l,
-            Err(NoReplica::QueueFull) => return refused(tracker, Refusal::QueueFull(route.name.clone())),
-            Err(NoReplica::Timeout) => return refused(tracker, Refusal::QueueTimeout(route.name.clone())),
+            Err(NoReplica::QueueFull) => {
+                return refused(tracker, Refusal::QueueFull(route.name.clone()))
+            }
+            Err(NoReplica::Timeout) => {
+                return refused(tracker, Refusal::QueueTimeout(route.name.clone()))
+            }
         };
-        let upstream = match upstream_request(&lease.replica.base, &path, &parts, &body, &tracker.request_id) {
+        let upstream = match upstream_request(
+            &lease.replica.base,
+            &path,
+            &parts,
+            &body,
+            &tracker.request_id,
+        ) {
             Ok(r) => r,
             Err(message) => return refused(tracker, Refusal::Upstream(message)),
         };
@@ -278,8 +328,15 @@ async fn route(inner: Arc<Inner>, req: Request<Incoming>) -> Result<Response<Gat
                     head.headers.insert(REQUEST_ID, v);
                 }
                 tracker.status = head.status.as_u16();
-                tracker.scan = Scan::for_content_type(head.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()));
-                return Ok(Response::from_parts(head, GatewayBody::proxied(incoming, tracker)));
+                tracker.scan = Scan::for_content_type(
+                    head.headers
+                        .get(header::CONTENT_TYPE)
+                        .and_then(|v| v.to_str().ok()),
+                );
+                return Ok(Response::from_parts(
+                    head,
+                    GatewayBody::proxied(incoming, tracker),
+                ));
             }
             Err(e) if e.is_connect() && attempt < inner.config.max_attempts => {
                 // Nothing reached the replica: safe to send elsewhere.
@@ -406,9 +463,18 @@ mod tests {
 
     #[test]
     fn host_names_an_endpoint() {
-        assert_eq!(host_name("chat.gw.example.com", Some("gw.example.com")), Some("chat"));
-        assert_eq!(host_name("chat.gw.example.com:8080", Some("gw.example.com")), Some("chat"));
-        assert_eq!(host_name("a.b.gw.example.com", Some("gw.example.com")), None);
+        assert_eq!(
+            host_name("chat.gw.example.com", Some("gw.example.com")),
+            Some("chat")
+        );
+        assert_eq!(
+            host_name("chat.gw.example.com:8080", Some("gw.example.com")),
+            Some("chat")
+        );
+        assert_eq!(
+            host_name("a.b.gw.example.com", Some("gw.example.com")),
+            None
+        );
         assert_eq!(host_name("gw.example.com", Some("gw.example.com")), None);
         assert_eq!(host_name("chat.gw.example.com", None), Some("chat"));
         assert_eq!(host_name("127.0.0.1:80", None), None);
@@ -417,7 +483,9 @@ mod tests {
 
     #[test]
     fn the_prefix_is_the_prompt_start() {
-        let chat = Bytes::from(r#"{"model":"m","messages":[{"role":"system","content":"abcdef"},{"role":"user","content":[{"type":"text","text":"xyz"}]}]}"#);
+        let chat = Bytes::from(
+            r#"{"model":"m","messages":[{"role":"system","content":"abcdef"},{"role":"user","content":[{"type":"text","text":"xyz"}]}]}"#,
+        );
         assert_eq!(prompt_prefix(&chat, 4).as_deref(), Some("abcd"));
         assert_eq!(prompt_prefix(&chat, 100).as_deref(), Some("abcdef\nxyz\n"));
         let completion = Bytes::from(r#"{"model":"m","prompt":["hello","world"]}"#);

@@ -38,7 +38,11 @@ fn push(w: &mut VecDeque<(Instant, f64)>, at: Instant, v: f64) {
 }
 
 fn percentile(w: &VecDeque<(Instant, f64)>, since: Instant, q: f64) -> Option<f64> {
-    let mut v: Vec<f64> = w.iter().filter(|(t, _)| *t >= since).map(|(_, v)| *v).collect();
+    let mut v: Vec<f64> = w
+        .iter()
+        .filter(|(t, _)| *t >= since)
+        .map(|(_, v)| *v)
+        .collect();
     if v.is_empty() {
         return None;
     }
@@ -139,7 +143,9 @@ impl prometheus_client::collector::Collector for Live {
             )?;
             for ep in &endpoints {
                 let g = ConstGauge::new(i64::from(ep.stats.in_flight.load(Ordering::Relaxed)));
-                g.encode(e.encode_family(&EndpointLabel { endpoint: ep.id.to_string() })?)?;
+                g.encode(e.encode_family(&EndpointLabel {
+                    endpoint: ep.id.to_string(),
+                })?)?;
             }
         }
         {
@@ -151,7 +157,9 @@ impl prometheus_client::collector::Collector for Live {
             )?;
             for ep in &endpoints {
                 let g = ConstGauge::new(i64::from(ep.queued()));
-                g.encode(e.encode_family(&EndpointLabel { endpoint: ep.id.to_string() })?)?;
+                g.encode(e.encode_family(&EndpointLabel {
+                    endpoint: ep.id.to_string(),
+                })?)?;
             }
         }
         {
@@ -163,7 +171,9 @@ impl prometheus_client::collector::Collector for Live {
             )?;
             for ep in &endpoints {
                 let c = ConstCounter::new(ep.stats.requests_total.load(Ordering::Relaxed));
-                c.encode(e.encode_family(&EndpointLabel { endpoint: ep.id.to_string() })?)?;
+                c.encode(e.encode_family(&EndpointLabel {
+                    endpoint: ep.id.to_string(),
+                })?)?;
             }
         }
         let pending = ConstGauge::new(inner.meter.pending() as i64);
@@ -183,8 +193,12 @@ impl Metrics {
     pub fn new(live: Weak<crate::Inner>) -> Self {
         let mut registry = Registry::default();
         registry.register_collector(Box::new(Live(live)));
-        let ttft = Family::<EndpointLabel, Histogram>::new_with_constructor(seconds_histogram as fn() -> Histogram);
-        let latency = Family::<EndpointLabel, Histogram>::new_with_constructor(seconds_histogram as fn() -> Histogram);
+        let ttft = Family::<EndpointLabel, Histogram>::new_with_constructor(
+            seconds_histogram as fn() -> Histogram,
+        );
+        let latency = Family::<EndpointLabel, Histogram>::new_with_constructor(
+            seconds_histogram as fn() -> Histogram,
+        );
         let responses = Family::<ResponseLabels, Counter>::default();
         let usage_dropped = Counter::default();
         registry.register_with_unit(
@@ -199,7 +213,11 @@ impl Metrics {
             prometheus_client::registry::Unit::Seconds,
             latency.clone(),
         );
-        registry.register("gateway_responses", "Responses by status code", responses.clone());
+        registry.register(
+            "gateway_responses",
+            "Responses by status code",
+            responses.clone(),
+        );
         registry.register(
             "gateway_usage_dropped",
             "Usage records dropped because the buffer was full",

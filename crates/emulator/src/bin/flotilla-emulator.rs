@@ -8,7 +8,11 @@ use clap::Parser;
 use flotilla_emulator::{Emulator, EmulatorConfig};
 
 #[derive(Debug, Parser)]
-#[command(name = "flotilla-emulator", version, about = "An OpenAI-compatible model-server emulator")]
+#[command(
+    name = "flotilla-emulator",
+    version,
+    about = "An OpenAI-compatible model-server emulator"
+)]
 struct Cli {
     #[command(flatten)]
     config: EmulatorConfig,
