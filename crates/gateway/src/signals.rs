@@ -14,6 +14,7 @@ use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use tokio::time::Instant;
 
@@ -134,46 +135,38 @@ impl prometheus_client::collector::Collector for Live {
             return Ok(());
         };
         let endpoints = inner.live_endpoints();
-        {
-            let mut e = encoder.encode_descriptor(
+        type Read = fn(&Endpoint) -> u64;
+        let series: [(&str, &str, MetricType, Read); 3] = [
+            (
                 "gateway_in_flight",
                 "Requests sent to a replica and not finished",
-                None,
-                prometheus_client::metrics::MetricType::Gauge,
-            )?;
-            for ep in &endpoints {
-                let g = ConstGauge::new(i64::from(ep.stats.in_flight.load(Ordering::Relaxed)));
-                g.encode(e.encode_family(&EndpointLabel {
-                    endpoint: ep.id.to_string(),
-                })?)?;
-            }
-        }
-        {
-            let mut e = encoder.encode_descriptor(
+                MetricType::Gauge,
+                |e| u64::from(e.stats.in_flight.load(Ordering::Relaxed)),
+            ),
+            (
                 "gateway_queued",
                 "Requests waiting in the activator queue",
-                None,
-                prometheus_client::metrics::MetricType::Gauge,
-            )?;
-            for ep in &endpoints {
-                let g = ConstGauge::new(i64::from(ep.queued()));
-                g.encode(e.encode_family(&EndpointLabel {
-                    endpoint: ep.id.to_string(),
-                })?)?;
-            }
-        }
-        {
-            let mut e = encoder.encode_descriptor(
+                MetricType::Gauge,
+                |e| u64::from(e.queued()),
+            ),
+            (
                 "gateway_requests",
                 "Requests routed to the endpoint",
-                None,
-                prometheus_client::metrics::MetricType::Counter,
-            )?;
+                MetricType::Counter,
+                |e| e.stats.requests_total.load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, help, kind, read) in series {
+            let mut family = encoder.encode_descriptor(name, help, None, kind)?;
             for ep in &endpoints {
-                let c = ConstCounter::new(ep.stats.requests_total.load(Ordering::Relaxed));
-                c.encode(e.encode_family(&EndpointLabel {
+                let label = EndpointLabel {
                     endpoint: ep.id.to_string(),
-                })?)?;
+                };
+                let metric = family.encode_family(&label)?;
+                match kind {
+                    MetricType::Counter => ConstCounter::new(read(ep)).encode(metric)?,
+                    _ => ConstGauge::new(read(ep) as i64).encode(metric)?,
+                }
             }
         }
         let pending = ConstGauge::new(inner.meter.pending() as i64);

@@ -62,32 +62,32 @@ async fn requests_reach_their_endpoint_by_path_host_and_model_and_others_are_ref
     let body = chat("hello", 2, false);
 
     // By model, by path prefix, by host.
-    let r = http
-        .post(format!("{url}/v1/chat/completions"))
-        .bearer_auth("alice-key")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(
+        &http,
+        &format!("{url}/v1/chat/completions"),
+        "alice-key",
+        &body,
+    )
+    .await;
     assert_eq!(r.status(), 200);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["usage"]["completion_tokens"], 2);
-    let r = http
-        .post(format!("{url}/e/chat/v1/chat/completions"))
-        .bearer_auth("alice-key")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(
+        &http,
+        &format!("{url}/e/chat/v1/chat/completions"),
+        "alice-key",
+        &body,
+    )
+    .await;
     assert_eq!(r.status(), 200);
-    let r = http
-        .post(format!("{url}/v1/chat/completions"))
-        .header("host", "chat.gw.test")
-        .bearer_auth("alice-key")
-        .json(&serde_json::json!({"messages": [{"role": "user", "content": "hi"}]}))
-        .send()
-        .await
-        .unwrap();
+    let r = post_host(
+        &http,
+        &format!("{url}/v1/chat/completions"),
+        "chat.gw.test",
+        "alice-key",
+        &serde_json::json!({"messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
     assert_eq!(r.status(), 200, "host routing needs no model");
 
     // The caller's models.
@@ -123,62 +123,62 @@ async fn requests_reach_their_endpoint_by_path_host_and_model_and_others_are_ref
         .await
         .unwrap();
     assert_eq!(error_code(r).await.0, 401);
-    let r = http
-        .post(format!("{url}/v1/chat/completions"))
-        .bearer_auth("nobody")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(
+        &http,
+        &format!("{url}/v1/chat/completions"),
+        "nobody",
+        &body,
+    )
+    .await;
     assert_eq!(error_code(r).await, (401, "invalid_api_key".into(), None));
 
     // 404: another tenant's endpoint, by name, host and model.
-    let r = http
-        .post(format!("{url}/e/chat/v1/chat/completions"))
-        .bearer_auth("bob-key")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(
+        &http,
+        &format!("{url}/e/chat/v1/chat/completions"),
+        "bob-key",
+        &body,
+    )
+    .await;
     assert_eq!(
         error_code(r).await,
         (404, "endpoint_not_found".into(), None)
     );
-    let r = http
-        .post(format!("{url}/v1/chat/completions"))
-        .header("host", "chat.gw.test")
-        .bearer_auth("bob-key")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post_host(
+        &http,
+        &format!("{url}/v1/chat/completions"),
+        "chat.gw.test",
+        "bob-key",
+        &body,
+    )
+    .await;
     assert_eq!(error_code(r).await.0, 404);
-    let r = http
-        .post(format!("{url}/v1/chat/completions"))
-        .bearer_auth("bob-key")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(
+        &http,
+        &format!("{url}/v1/chat/completions"),
+        "bob-key",
+        &body,
+    )
+    .await;
     assert_eq!(error_code(r).await, (404, "model_not_found".into(), None));
     // A key scoped to another endpoint of the same tenant: 404 too.
-    let r = http
-        .post(format!("{url}/e/chat/v1/chat/completions"))
-        .bearer_auth("scoped-key")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(
+        &http,
+        &format!("{url}/e/chat/v1/chat/completions"),
+        "scoped-key",
+        &body,
+    )
+    .await;
     assert_eq!(error_code(r).await.0, 404);
 
     // 400 naming the field.
-    let r = http
-        .post(format!("{url}/v1/chat/completions"))
-        .bearer_auth("alice-key")
-        .json(&serde_json::json!({"messages": []}))
-        .send()
-        .await
-        .unwrap();
+    let r = post(
+        &http,
+        &format!("{url}/v1/chat/completions"),
+        "alice-key",
+        &serde_json::json!({"messages": []}),
+    )
+    .await;
     let status = r.status();
     let v: Value = r.json().await.unwrap();
     assert_eq!(status, 400);
@@ -188,13 +188,13 @@ async fn requests_reach_their_endpoint_by_path_host_and_model_and_others_are_ref
     );
 
     // 402 over the hard cap.
-    let r = http
-        .post(format!("{url}/v1/chat/completions"))
-        .bearer_auth("capped-key")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(
+        &http,
+        &format!("{url}/v1/chat/completions"),
+        "capped-key",
+        &body,
+    )
+    .await;
     assert_eq!(
         error_code(r).await,
         (402, "insufficient_quota".into(), None)
@@ -206,13 +206,13 @@ async fn requests_reach_their_endpoint_by_path_host_and_model_and_others_are_ref
     let mut statuses = Vec::new();
     let mut retry_after = None;
     for _ in 0..6 {
-        let r = http
-            .post(format!("{url}/v1/completions"))
-            .bearer_auth("alice-key")
-            .json(&limited_body)
-            .send()
-            .await
-            .unwrap();
+        let r = post(
+            &http,
+            &format!("{url}/v1/completions"),
+            "alice-key",
+            &limited_body,
+        )
+        .await;
         statuses.push(r.status().as_u16());
         if r.status() == 429 {
             let (_, code, retry) = error_code(r).await;
@@ -227,13 +227,13 @@ async fn requests_reach_their_endpoint_by_path_host_and_model_and_others_are_ref
     assert!(statuses.contains(&429), "{statuses:?}");
     assert_eq!(retry_after.as_deref(), Some("1"));
     // Another key has its own budget.
-    let r = http
-        .post(format!("{url}/v1/completions"))
-        .bearer_auth("scoped-key")
-        .json(&limited_body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(
+        &http,
+        &format!("{url}/v1/completions"),
+        "scoped-key",
+        &limited_body,
+    )
+    .await;
     assert_eq!(r.status(), 200);
 
     // The gateway's own surfaces.
@@ -270,13 +270,13 @@ async fn a_full_queue_answers_429_and_a_passed_deadline_503() {
     let http = client();
     let send = |http: reqwest::Client, url: String| async move {
         let started = std::time::Instant::now();
-        let r = http
-            .post(format!("{url}/v1/chat/completions"))
-            .bearer_auth("k")
-            .json(&chat("hi", 1, false))
-            .send()
-            .await
-            .unwrap();
+        let r = post(
+            &http,
+            &format!("{url}/v1/chat/completions"),
+            "k",
+            &chat("hi", 1, false),
+        )
+        .await;
         (started.elapsed(), error_code(r).await)
     };
     let a = tokio::spawn(send(http.clone(), gw.url()));

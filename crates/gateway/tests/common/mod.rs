@@ -115,3 +115,35 @@ pub async fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bo
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// POSTs `body` as JSON with a bearer key.
+pub async fn post(
+    http: &reqwest::Client,
+    url: &str,
+    key: &str,
+    body: &serde_json::Value,
+) -> reqwest::Response {
+    http.post(url)
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .expect("sent")
+}
+
+/// The same with a `Host` header.
+pub async fn post_host(
+    http: &reqwest::Client,
+    url: &str,
+    host: &str,
+    key: &str,
+    body: &serde_json::Value,
+) -> reqwest::Response {
+    http.post(url)
+        .header("host", host)
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .expect("sent")
+}
