@@ -128,6 +128,9 @@ pub struct UpArgs {
     /// Name of the local node; default: the hostname.
     #[arg(long, value_name = "NAME")]
     pub node_name: Option<String>,
+    /// Address the inference gateway listens on.
+    #[arg(long, default_value = crate::gateway::DEFAULT_GATEWAY_BIND, value_name = "ADDR")]
+    pub gateway_bind: String,
 }
 
 /// Options of `agent`.
@@ -412,8 +415,26 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
         let _ = agent_stopped.await;
     }));
 
+    // The gateway speaks to the server's API with the local agent's
+    // provider key, as a gateway on another machine would.
+    let gateway =
+        match crate::gateway::start(&server.url, &server.agent_token, &args.gateway_bind).await {
+            Ok(g) => g,
+            Err(e) => {
+                let _ = agent_stop.send(());
+                let _ = join_within("agent", &mut agent, AGENT_STOP_TIMEOUT).await;
+                let _ = server.stop.send(());
+                let _ = join_within("server", &mut server.task, SERVER_STOP_TIMEOUT).await;
+                return Err(e);
+            }
+        };
+
     say!("flotilla is up");
     announce_urls(&server.url);
+    say!(
+        "gateway:  {} (OpenAI-compatible; /e/<endpoint>/…)",
+        gateway.url()
+    );
     match &simulate {
         Some(spec) => say!("node:     {node_name} (simulated {spec})"),
         None => say!("node:     {node_name}"),
@@ -439,8 +460,11 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
         r = &mut agent => Some(task_ended("agent", r)),
     };
 
-    eprintln!("stopping: the agent stops its work first, then the server");
+    eprintln!("stopping: the gateway drains, the agent stops its work, then the server");
     let shutdown = async {
+        // Requests in flight finish and their usage is delivered while
+        // the server still answers.
+        gateway.shutdown().await;
         let agent_result = if failure.is_none() {
             let _ = agent_stop.send(());
             join_within("agent", &mut agent, AGENT_STOP_TIMEOUT).await

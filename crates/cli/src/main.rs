@@ -13,6 +13,7 @@ mod commands;
 mod config;
 mod endpoints;
 mod follow;
+mod gateway;
 mod jobs;
 mod local;
 mod output;
@@ -68,6 +69,8 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Run a node agent that offers this machine's GPUs to a server.
     Agent(AgentArgs),
+    /// Run the inference gateway against a server (`--server URL`).
+    Gateway(gateway::GatewayArgs),
     /// The node lease's fence, started by `flotilla agent` beside itself:
     /// stops the agent's work when the lease runs out while the agent
     /// cannot (paused, wedged, killed).
@@ -314,6 +317,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Up(args) => return local::up(args).await,
         Command::Server(args) => return local::server(args).await,
         Command::Agent(args) => return local::agent(server, args).await,
+        Command::Gateway(args) => return gateway::run(server, args).await,
         Command::AgentFence { file, agent_pid } => {
             tokio::task::spawn_blocking(move || flotilla_agent::fence::watch(&file, agent_pid))
                 .await?;
@@ -385,6 +389,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Up(_)
         | Command::Server(_)
         | Command::Agent(_)
+        | Command::Gateway(_)
         | Command::AgentFence { .. }
         | Command::Login
         | Command::Simulate(_) => {

@@ -18,6 +18,7 @@
 //! that matters across restarts except usage not yet delivered, which it
 //! retries until the control plane takes it. See `docs/gateway.md`.
 
+mod api_control;
 mod body;
 mod control;
 mod error;
@@ -46,6 +47,7 @@ use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+pub use api_control::ApiControl;
 pub use body::GatewayBody;
 pub use control::{Control, ControlError, ControlFuture, StaticControl};
 pub use error::{GatewayError, Refusal};

@@ -1,0 +1,74 @@
+//! The inference gateway in the CLI: started beside the server by
+//! `flotilla up`, or alone by `flotilla gateway --server URL --token …`
+//! against any server. Either way it reaches the control plane only
+//! through its API (`flotilla_gateway::ApiControl`).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Result};
+use clap::Args;
+use flotilla_gateway::{ApiControl, GatewayConfig, GatewayHandle};
+
+use crate::local::{init_logging, Signals};
+use crate::output::say;
+
+/// Where the gateway listens by default.
+pub const DEFAULT_GATEWAY_BIND: &str = "127.0.0.1:7430";
+
+/// Options of `flotilla gateway`.
+#[derive(Debug, Args)]
+pub struct GatewayArgs {
+    /// A provider key (the agent token in the server's data directory,
+    /// `agent.token`) or an operator key.
+    #[arg(long, env = "FLOTILLA_GATEWAY_TOKEN", hide_env_values = true)]
+    pub token: String,
+    /// Address to listen on.
+    #[arg(long, default_value = DEFAULT_GATEWAY_BIND, value_name = "ADDR")]
+    pub bind: String,
+}
+
+/// Starts a gateway on `bind` with the control plane at `servers`
+/// (comma-separated URLs), authenticated by `token`.
+pub async fn start(servers: &str, token: &str, bind: &str) -> Result<GatewayHandle> {
+    let client = flotilla_client::Client::builder(servers, token)
+        .user_agent(concat!("flotilla-gateway/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .map_err(|e| anyhow!("gateway's control client: {e}"))?;
+    let listener = tokio::net::TcpListener::bind(bind).await.map_err(|e| {
+        anyhow!("the gateway cannot listen on {bind}: {e}; pick another with --gateway-bind")
+    })?;
+    flotilla_gateway::serve(
+        listener,
+        Arc::new(ApiControl::new(client)),
+        GatewayConfig::default(),
+    )
+    .await
+    .map_err(|e| anyhow!("starting the gateway: {e}"))
+}
+
+/// `flotilla gateway`.
+pub async fn run(server: Option<String>, args: GatewayArgs) -> Result<ExitCode> {
+    init_logging();
+    let Some(server) = server else {
+        bail!("--server is required: the URL of the control plane");
+    };
+    if args.token.trim().is_empty() {
+        bail!("--token is empty: pass a provider (agent) or operator key");
+    }
+    let mut signals = Signals::new()?;
+    let gw = start(&server, args.token.trim(), &args.bind).await?;
+    say!("gateway:  {} (control plane {server})", gw.url());
+    say!("press Ctrl-C to stop");
+    signals.recv().await;
+    eprintln!("stopping: requests in flight finish, usage is delivered");
+    tokio::select! {
+        _ = gw.shutdown() => {}
+        _ = signals.recv() => {
+            eprintln!("forced exit");
+            return Ok(ExitCode::from(130));
+        }
+    }
+    say!("stopped");
+    Ok(ExitCode::SUCCESS)
+}
