@@ -93,6 +93,10 @@ pub struct Settings {
     /// A share of one GPU per replica (0.001-1).
     #[arg(long, value_name = "SHARE")]
     pub gpu_fraction: Option<f64>,
+    /// How long a replica leaving rotation finishes its requests before it
+    /// is stopped, ms.
+    #[arg(long = "drain-grace-ms", value_name = "MS")]
+    pub drain_grace_ms: Option<u64>,
     /// Environment variable of the replicas (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
     pub env: Vec<(String, String)>,
@@ -219,6 +223,7 @@ async fn deploy(ctx: &Ctx, a: DeployArgs) -> Result<ExitCode> {
         replica_concurrency: s.replica_concurrency,
         balance: s.balance,
         rate_limit_rps: s.rate_limit_rps,
+        drain_grace_ms: s.drain_grace_ms,
         ..CreateEndpoint::default()
     };
     let ep = ctx.client.create_endpoint(&req).await?;
@@ -251,6 +256,7 @@ async fn update(ctx: &Ctx, a: UpdateArgs) -> Result<ExitCode> {
         replica_concurrency: s.replica_concurrency,
         balance: s.balance,
         rate_limit_rps: s.rate_limit_rps,
+        drain_grace_ms: s.drain_grace_ms,
         ..UpdateEndpoint::default()
     };
     let ep = ctx.client.update_endpoint(ep.id.as_str(), &req).await?;

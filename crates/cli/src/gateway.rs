@@ -72,3 +72,16 @@ pub async fn run(server: Option<String>, args: GatewayArgs) -> Result<ExitCode> 
     say!("stopped");
     Ok(ExitCode::SUCCESS)
 }
+
+/// `flotilla emulator`: serves until SIGINT or SIGTERM (an agent stopping
+/// the replica), printing `listening on ADDR` first.
+pub async fn emulator(config: flotilla_emulator::EmulatorConfig) -> Result<ExitCode> {
+    let mut signals = Signals::new()?;
+    let emulator = flotilla_emulator::Emulator::start(config)
+        .await
+        .map_err(|e| anyhow!("starting the emulator: {e}"))?;
+    say!("listening on {}", emulator.addr());
+    signals.recv().await;
+    emulator.shutdown().await;
+    Ok(ExitCode::SUCCESS)
+}

@@ -71,6 +71,11 @@ enum Command {
     Agent(AgentArgs),
     /// Run the inference gateway against a server (`--server URL`).
     Gateway(gateway::GatewayArgs),
+    /// Run the OpenAI-compatible model-server emulator (the same as the
+    /// `flotilla-emulator` binary): a replica command for endpoint demos
+    /// and tests on machines without GPUs, e.g.
+    /// `sh -c 'exec flotilla emulator --port "$PORT" --load-delay-ms 2000'`.
+    Emulator(flotilla_emulator::EmulatorConfig),
     /// The node lease's fence, started by `flotilla agent` beside itself:
     /// stops the agent's work when the lease runs out while the agent
     /// cannot (paused, wedged, killed).
@@ -318,6 +323,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Server(args) => return local::server(args).await,
         Command::Agent(args) => return local::agent(server, args).await,
         Command::Gateway(args) => return gateway::run(server, args).await,
+        Command::Emulator(config) => return gateway::emulator(config).await,
         Command::AgentFence { file, agent_pid } => {
             tokio::task::spawn_blocking(move || flotilla_agent::fence::watch(&file, agent_pid))
                 .await?;
@@ -390,6 +396,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         | Command::Server(_)
         | Command::Agent(_)
         | Command::Gateway(_)
+        | Command::Emulator(_)
         | Command::AgentFence { .. }
         | Command::Login
         | Command::Simulate(_) => {
