@@ -576,6 +576,11 @@ impl SyncRequest {
 pub struct Assignment {
     /// Instance.
     pub instance_id: InstanceId,
+    /// Its tenant: the agent runs each tenant's work as its own
+    /// unprivileged user. Absent from older servers (each instance then
+    /// gets a user of its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant_id: Option<TenantId>,
     /// Program and arguments.
     pub command: Vec<String>,
     /// Extra environment (device variables are added by the agent).

@@ -925,6 +925,7 @@ impl Store {
                 held.sort();
                 Ok(Assignment {
                     instance_id: i.id,
+                    tenant_id: Some(i.tenant_id),
                     command: i.command,
                     env: i.env,
                     workdir: i.workdir,
