@@ -100,6 +100,9 @@ pub struct AgentConfig {
     pub fence_program: Option<PathBuf>,
     /// Where workloads run (default: sandboxed processes).
     pub runtime: RuntimeKind,
+    /// Lets the process runtime run workloads as root's agent without a
+    /// sandbox (bubblewrap missing): only per-tenant users separate them.
+    pub insecure_process_runtime: bool,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -116,6 +119,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("sync_wait_ms", &self.sync_wait_ms)
             .field("fence_program", &self.fence_program)
             .field("runtime", &self.runtime)
+            .field("insecure_process_runtime", &self.insecure_process_runtime)
             .finish()
     }
 }
@@ -140,6 +144,7 @@ impl AgentConfig {
             sync_wait_ms: 10_000,
             fence_program: None,
             runtime: RuntimeKind::default(),
+            insecure_process_runtime: false,
         }
     }
 }
@@ -194,7 +199,12 @@ pub async fn run(
         gpus,
         agent_version: env!("CARGO_PKG_VERSION").to_string(),
     };
-    let runtime = runtime_for(&config)?;
+    let runtime = {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || runtime_for(&config))
+            .await
+            .context("runtime setup task failed")??
+    };
     let client = Client::new(&config.server_url, &config.token)?;
     let shared = Arc::new(Shared::default());
     let mut agent = Agent {
@@ -241,10 +251,16 @@ pub async fn run(
     Ok(())
 }
 
-/// The runtime the configuration names.
+/// The runtime the configuration names. Blocking (it may probe the host).
 fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
     match config.runtime {
-        RuntimeKind::Process => Ok(Arc::new(runtime::ProcessRuntime::new())),
+        RuntimeKind::Process => {
+            let sandbox = runtime::sandbox::SandboxConfig {
+                insecure: config.insecure_process_runtime,
+                ..runtime::sandbox::SandboxConfig::new(&config.work_dir)
+            };
+            Ok(Arc::new(runtime::ProcessRuntime::new(&sandbox)?))
+        }
         RuntimeKind::Container => {
             anyhow::bail!("the container runtime is not available in this build")
         }

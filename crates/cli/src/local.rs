@@ -132,6 +132,10 @@ pub struct UpArgs {
     /// processes) or `container`.
     #[arg(long, value_name = "RUNTIME", default_value = "process")]
     pub runtime: flotilla_agent::runtime::RuntimeKind,
+    /// As root without bubblewrap, run workloads anyway, separated only by
+    /// per-tenant users (they see the host's files and processes).
+    #[arg(long)]
+    pub insecure_process_runtime: bool,
 }
 
 /// Options of `agent`.
@@ -160,6 +164,10 @@ pub struct AgentArgs {
     /// `container`.
     #[arg(long, value_name = "RUNTIME", default_value = "process")]
     pub runtime: flotilla_agent::runtime::RuntimeKind,
+    /// As root without bubblewrap, run workloads anyway, separated only by
+    /// per-tenant users (they see the host's files and processes).
+    #[arg(long)]
+    pub insecure_process_runtime: bool,
 }
 
 /// Installs the stderr logger: `RUST_LOG` when set, else `info` for the
@@ -416,6 +424,7 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
     );
     agent_config.simulate_gpus = simulate.clone();
     agent_config.runtime = args.runtime;
+    agent_config.insecure_process_runtime = args.insecure_process_runtime;
     let (agent_stop, agent_stopped) = oneshot::channel::<()>();
     let mut agent = tokio::spawn(flotilla_agent::run(agent_config, async move {
         let _ = agent_stopped.await;
@@ -549,6 +558,7 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     cfg.pool = args.pool;
     cfg.simulate_gpus = args.simulate_gpus;
     cfg.runtime = args.runtime;
+    cfg.insecure_process_runtime = args.insecure_process_runtime;
     // The node lease's fence: this binary, as `flotilla agent-fence`.
     cfg.fence_program = std::env::current_exe().ok();
     let (stop, stopped) = oneshot::channel::<()>();

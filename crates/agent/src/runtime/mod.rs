@@ -13,6 +13,7 @@
 //! decide whether an instance may be (re)started: that is the agent's call.
 
 pub mod process;
+pub mod sandbox;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;

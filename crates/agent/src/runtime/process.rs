@@ -6,12 +6,14 @@
 //! It must never signal anything but the process groups it created. A
 //! process is spawned once per [`spawn`] call.
 
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
 use flotilla_core::api::LogStream;
+use flotilla_core::id::InstanceId;
 use futures::future::BoxFuture;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
@@ -19,6 +21,9 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::sandbox::{
+    bwrap_args_hiding, owner_of, prepare_workdir, setpriv_args, Isolation, SandboxConfig,
+};
 use super::{
     device_env, exit_code, Control, Exit, LogBuffer, Runtime, RuntimeError, RuntimeKind,
     SpawnError, SpawnSpec, Wakers, Workload, MAX_LINE_BYTES, SHIP_BATCH_LINES,
@@ -27,14 +32,179 @@ use super::{
 /// How long to wait for the pipes to close after the process group ended.
 const PIPE_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Runs workloads as processes of this host.
-#[derive(Debug, Default)]
-pub struct ProcessRuntime {}
+/// Runs workloads as processes of this host, isolated as well as the host
+/// allows (see [`Isolation`]).
+#[derive(Debug)]
+pub struct ProcessRuntime {
+    work_dir: PathBuf,
+    isolation: Isolation,
+}
 
 impl ProcessRuntime {
-    /// A process runtime.
-    pub fn new() -> Self {
-        Self {}
+    /// A process runtime with the strongest isolation this host allows
+    /// (runs bubblewrap once to find out). Refuses to run as root without
+    /// a sandbox unless `config.insecure`. Blocking.
+    pub fn new(config: &SandboxConfig) -> Result<Self, RuntimeError> {
+        let isolation = Isolation::probe(config)?;
+        tracing::info!(isolation = isolation.name(), "process runtime ready");
+        Ok(Self::with_isolation(config.work_dir.clone(), isolation))
+    }
+
+    /// A process runtime isolating workloads as `isolation` says.
+    pub fn with_isolation(work_dir: impl Into<PathBuf>, isolation: Isolation) -> Self {
+        Self {
+            work_dir: work_dir.into(),
+            isolation,
+        }
+    }
+
+    /// How it isolates workloads.
+    pub fn isolation(&self) -> &Isolation {
+        &self.isolation
+    }
+
+    /// The directory an instance owns: its working directory must be in it.
+    pub fn instance_dir(&self, instance_id: &InstanceId) -> PathBuf {
+        self.work_dir.join("instances").join(instance_id.as_str())
+    }
+
+    /// Spawns `spec` and starts supervising it. Must be called inside a
+    /// tokio runtime.
+    pub async fn spawn(&self, spec: &SpawnSpec, wakers: Wakers) -> Result<Workload, SpawnError> {
+        let (program, args) = spec.command.split_first().ok_or(SpawnError::EmptyCommand)?;
+        let root = self.instance_dir(&spec.instance_id);
+        let uid = match self.isolation.users() {
+            Some(users) => Some(
+                users
+                    .uid_of(&owner_of(&spec.instance_id, spec.tenant_id.as_ref()))
+                    .map_err(|source| SpawnError::Os {
+                        program: program.clone(),
+                        source,
+                    })?,
+            ),
+            None => None,
+        };
+        prepare_workdir(&root, &spec.workdir, uid)?;
+        let mut env = base_env(&spec.workdir);
+        env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.into())));
+        env.extend(
+            device_env(
+                &spec.instance_id,
+                &spec.gpu_indices,
+                &spec.gpu_uuids,
+                &spec.vendors,
+                &spec.gpu_slices,
+            )
+            .into_iter()
+            .map(|(k, v)| (k, v.into())),
+        );
+        let mut cmd = match &self.isolation {
+            Isolation::RootSandbox { bwrap, .. } | Isolation::UserSandbox { bwrap } => {
+                // The sandbox resolves the program itself; a missing one
+                // is reported here rather than as an exit code 1.
+                let path = env
+                    .iter()
+                    .find(|(k, _)| k == "PATH")
+                    .map(|(_, v)| v.clone());
+                if resolve(program, path.as_deref()).is_none() {
+                    return Err(SpawnError::NoSuchProgram(program.clone()));
+                }
+                let mut cmd = tokio::process::Command::new(bwrap);
+                cmd.args(bwrap_args_hiding(
+                    &root,
+                    &spec.workdir,
+                    uid.is_none(),
+                    Some(&self.work_dir),
+                ));
+                if let Some(uid) = uid {
+                    cmd.args(setpriv_args(uid));
+                }
+                cmd.arg(program).args(args).current_dir("/");
+                cmd
+            }
+            Isolation::UsersOnly { .. } => {
+                let mut cmd = tokio::process::Command::new(program);
+                cmd.args(args).current_dir(&spec.workdir);
+                if let Some(uid) = uid {
+                    // std drops the supplementary groups when root sets a uid.
+                    cmd.uid(uid).gid(uid);
+                }
+                cmd
+            }
+            Isolation::None => {
+                let mut cmd = tokio::process::Command::new(program);
+                cmd.args(args).current_dir(&spec.workdir);
+                cmd
+            }
+        };
+        // A workload must not inherit the agent's environment: it may hold
+        // the agent token or an operator's API key. It gets a minimal base,
+        // its own variables, then the device variables.
+        cmd.env_clear()
+            .envs(env)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(false);
+        let mut child = cmd.spawn().map_err(|source| match source.kind() {
+            std::io::ErrorKind::NotFound => SpawnError::NoSuchProgram(program.clone()),
+            std::io::ErrorKind::PermissionDenied => SpawnError::NotExecutable {
+                program: program.clone(),
+                source,
+            },
+            _ => SpawnError::Os {
+                program: program.clone(),
+                source,
+            },
+        })?;
+        let started_at = Utc::now();
+        let logs = Arc::new(LogBuffer::new(spec.instance_id.clone()));
+        let mut pumps = Vec::with_capacity(2);
+        if let Some(out) = child.stdout.take() {
+            pumps.push(tokio::spawn(pump(
+                out,
+                LogStream::Stdout,
+                logs.clone(),
+                wakers.logs.clone(),
+            )));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.push(tokio::spawn(pump(
+                err,
+                LogStream::Stderr,
+                logs.clone(),
+                wakers.logs.clone(),
+            )));
+        }
+        // The leader has not been reaped yet, so its pid is known; 0 would
+        // only come from a platform without pids and is never signalled.
+        let pid = child.id().unwrap_or(0);
+        // In a sandbox, the leader is bubblewrap; the workload runs under
+        // the pid namespace's init, in a session and group of its own.
+        let sandbox_init = if self.isolation.sandboxed() {
+            wait_for_sandbox_init(pid).await
+        } else {
+            None
+        };
+        tracing::info!(instance_id = %spec.instance_id, pid, ?sandbox_init, uid, program = %program, isolation = self.isolation.name(), "process started");
+        let (workload, control) = Workload::new(
+            spec.instance_id.clone(),
+            pid,
+            Some(sandbox_init.unwrap_or(pid)),
+            started_at,
+            logs,
+        );
+        tokio::spawn(supervise(Supervised {
+            instance_id: spec.instance_id.clone(),
+            child,
+            pid,
+            sandbox_init,
+            control,
+            pumps,
+            wakers,
+        }));
+        Ok(workload)
     }
 }
 
@@ -48,7 +218,7 @@ impl Runtime for ProcessRuntime {
         spec: SpawnSpec,
         wakers: Wakers,
     ) -> BoxFuture<'_, Result<Workload, SpawnError>> {
-        Box::pin(async move { spawn(&spec, wakers) })
+        Box::pin(async move { self.spawn(&spec, wakers).await })
     }
 
     fn adopt(&self, _wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>> {
@@ -58,11 +228,11 @@ impl Runtime for ProcessRuntime {
 
 /// Variables of the agent's own environment a workload may see: enough to
 /// find programs and pick a locale, nothing that could carry a credential.
-const INHERITED_ENV: [&str; 5] = ["PATH", "LANG", "LC_ALL", "TZ", "USER"];
+const INHERITED_ENV: [&str; 4] = ["PATH", "LANG", "LC_ALL", "TZ"];
 
 /// The base environment of a workload: the allow-listed variables of the
 /// agent's environment, and `HOME` set to the instance's working directory.
-fn base_env(workdir: &std::path::Path) -> Vec<(String, std::ffi::OsString)> {
+fn base_env(workdir: &Path) -> Vec<(String, std::ffi::OsString)> {
     let mut env: Vec<(String, std::ffi::OsString)> = INHERITED_ENV
         .iter()
         .filter_map(|k| std::env::var_os(k).map(|v| (k.to_string(), v)))
@@ -74,86 +244,70 @@ fn base_env(workdir: &std::path::Path) -> Vec<(String, std::ffi::OsString)> {
     env
 }
 
-/// Spawns `spec` in its own process group and starts supervising it.
-/// Must be called inside a tokio runtime.
-pub fn spawn(spec: &SpawnSpec, wakers: Wakers) -> Result<Workload, SpawnError> {
-    let (program, args) = spec.command.split_first().ok_or(SpawnError::EmptyCommand)?;
-    std::fs::create_dir_all(&spec.workdir).map_err(|source| SpawnError::Workdir {
-        path: spec.workdir.display().to_string(),
-        source,
-    })?;
-    let mut cmd = tokio::process::Command::new(program);
-    cmd.args(args)
-        // A workload must not inherit the agent's environment: it may hold
-        // the agent token or an operator's API key. It gets a minimal base,
-        // its own variables, then the device variables.
-        .env_clear()
-        .envs(base_env(&spec.workdir))
-        .envs(&spec.env)
-        .envs(device_env(
-            &spec.instance_id,
-            &spec.gpu_indices,
-            &spec.gpu_uuids,
-            &spec.vendors,
-            &spec.gpu_slices,
-        ))
-        .current_dir(&spec.workdir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .kill_on_drop(false);
-    let mut child = cmd.spawn().map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => SpawnError::NoSuchProgram(program.clone()),
-        std::io::ErrorKind::PermissionDenied => SpawnError::NotExecutable {
-            program: program.clone(),
-            source,
-        },
-        _ => SpawnError::Os {
-            program: program.clone(),
-            source,
-        },
-    })?;
-    let started_at = Utc::now();
-    let logs = Arc::new(LogBuffer::new(spec.instance_id.clone()));
-    let mut pumps = Vec::with_capacity(2);
-    if let Some(out) = child.stdout.take() {
-        pumps.push(tokio::spawn(pump(
-            out,
-            LogStream::Stdout,
-            logs.clone(),
-            wakers.logs.clone(),
-        )));
+/// `program` as `PATH` finds it (or as given, when it names a path).
+fn resolve(program: &str, path: Option<&std::ffi::OsStr>) -> Option<PathBuf> {
+    if program.contains('/') {
+        return Some(PathBuf::from(program)).filter(|p| p.exists());
     }
-    if let Some(err) = child.stderr.take() {
-        pumps.push(tokio::spawn(pump(
-            err,
-            LogStream::Stderr,
-            logs.clone(),
-            wakers.logs.clone(),
-        )));
+    std::env::split_paths(path?)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+}
+
+/// The init of the pid namespace bubblewrap `outer` creates: its child
+/// whose pid in its own namespace is 1. Waits up to a second for it (it is
+/// forked right away); `None` when the sandbox ended before.
+async fn wait_for_sandbox_init(outer: u32) -> Option<u32> {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        if let Some(init) = sandbox_init_of(outer) {
+            return Some(init);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    // The leader has not been reaped yet, so its pid is known; 0 would only
-    // come from a platform without pids and is never signalled.
-    let pid = child.id().unwrap_or(0);
-    tracing::info!(instance_id = %spec.instance_id, pid, program = %program, "process started");
-    let (workload, control) =
-        Workload::new(spec.instance_id.clone(), pid, Some(pid), started_at, logs);
-    tokio::spawn(supervise(Supervised {
-        instance_id: spec.instance_id.clone(),
-        child,
-        pid,
-        control,
-        pumps,
-        wakers,
-    }));
-    Ok(workload)
+}
+
+fn sandbox_init_of(outer: u32) -> Option<u32> {
+    let entries = std::fs::read_dir("/proc").ok()?;
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            continue;
+        };
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(str::trim)
+                .map(str::to_string)
+        };
+        if field("PPid:").and_then(|p| p.parse::<u32>().ok()) != Some(outer) {
+            continue;
+        }
+        let nspid = field("NSpid:").unwrap_or_default();
+        if nspid.split_whitespace().last() == Some("1") {
+            return Some(pid);
+        }
+    }
+    None
 }
 
 struct Supervised {
-    instance_id: flotilla_core::id::InstanceId,
+    instance_id: InstanceId,
     child: tokio::process::Child,
+    /// The leader: the command, or bubblewrap around it.
     pid: u32,
+    /// The sandbox's pid namespace init, whose group holds the workload.
+    sandbox_init: Option<u32>,
     control: Control,
     pumps: Vec<tokio::task::JoinHandle<()>>,
     wakers: Wakers,
@@ -171,14 +325,14 @@ async fn supervise(mut s: Supervised) {
                 if !stop_requested {
                     stop_requested = true;
                     tracing::info!(instance_id = %s.instance_id, pid = s.pid, grace_ms = grace.as_millis() as u64, "stopping process group");
-                    signal_group(s.pid, Signal::SIGTERM);
+                    terminate(s.pid, s.sandbox_init);
                 }
                 let deadline = Instant::now() + grace;
                 kill_at = Some(kill_at.map_or(deadline, |k| k.min(deadline)));
             }
             () = sleep_until_opt(kill_at) => {
                 tracing::warn!(instance_id = %s.instance_id, pid = s.pid, "grace period over, killing process group");
-                signal_group(s.pid, Signal::SIGKILL);
+                kill(s.pid, s.sandbox_init);
                 kill_at = None;
             }
         }
@@ -186,7 +340,7 @@ async fn supervise(mut s: Supervised) {
     let at = Utc::now();
     // The instance is over when its leader is: whatever it left behind in
     // its group would keep holding GPUs that are about to be handed out.
-    signal_group(s.pid, Signal::SIGKILL);
+    kill(s.pid, s.sandbox_init);
     let code = match status {
         Ok(status) => exit_code(status),
         Err(error) => {
@@ -223,6 +377,28 @@ async fn sleep_until_opt(at: Option<Instant>) {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
     }
+}
+
+/// Asks the workload to end: SIGTERM to its group. In a sandbox that is the
+/// group under the namespace's init, not bubblewrap itself, which would
+/// die at once and so cut the workload's grace short.
+fn terminate(leader: u32, sandbox_init: Option<u32>) {
+    signal_group(sandbox_init.unwrap_or(leader), Signal::SIGTERM);
+}
+
+/// Ends the workload now: SIGKILL to the sandbox's init (the kernel then
+/// kills everything in its pid namespace, even processes that left its
+/// group) and to both groups.
+fn kill(leader: u32, sandbox_init: Option<u32>) {
+    if let Some(init) = sandbox_init {
+        signal_group(init, Signal::SIGKILL);
+        if let Ok(raw) = i32::try_from(init) {
+            if raw > 1 {
+                let _ = nix::sys::signal::kill(Pid::from_raw(raw), Signal::SIGKILL);
+            }
+        }
+    }
+    signal_group(leader, Signal::SIGKILL);
 }
 
 /// Signals process group `pgid`; a group that is already gone is fine.
@@ -300,17 +476,54 @@ mod tests {
     use flotilla_core::id::InstanceId;
 
     fn spec(dir: &std::path::Path, command: &[&str]) -> SpawnSpec {
+        let instance_id = InstanceId::generate(1, 42);
         SpawnSpec {
-            instance_id: InstanceId::generate(1, 42),
+            workdir: dir.join("instances").join(instance_id.as_str()),
+            instance_id,
             tenant_id: None,
             command: command.iter().map(|s| s.to_string()).collect(),
             env: BTreeMap::from([("GREETING".to_string(), "hello".to_string())]),
-            workdir: dir.join("instances").join("one"),
             gpu_indices: vec![1, 3],
             gpu_uuids: vec!["GPU-a".into(), "GPU-b".into()],
             vendors: vec![Vendor::Nvidia, Vendor::Nvidia],
             gpu_slices: Vec::new(),
         }
+    }
+
+    /// The runtime with the strongest isolation this host allows (as
+    /// root: bubblewrap and per-tenant users, installed when missing).
+    fn runtime(dir: &Path) -> ProcessRuntime {
+        crate::runtime::sandbox::test_support::ensure_bwrap();
+        ProcessRuntime::new(&SandboxConfig::new(dir)).unwrap()
+    }
+
+    async fn spawn(dir: &Path, spec: &SpawnSpec) -> Result<Workload, SpawnError> {
+        runtime(dir).spawn(spec, Wakers::default()).await
+    }
+
+    /// Host pids of the processes running `sleep <arg>`: in a sandbox the
+    /// workload only knows its pids in its own namespace.
+    fn sleeping(arg: &str) -> Vec<u32> {
+        let want = format!("sleep\0{arg}\0");
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c == want.as_bytes())
+            })
+            .filter(|pid| !process_gone(*pid))
+            .collect()
+    }
+
+    async fn eventually_none_sleeping(arg: &str) -> bool {
+        for _ in 0..250 {
+            if sleeping(arg).is_empty() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
     }
 
     /// Gone means no such process, or a zombie nobody reaped yet.
@@ -355,7 +568,7 @@ mod tests {
                 "echo $CUDA_VISIBLE_DEVICES; echo err >&2; sleep 0.05; echo \"$GREETING $FLOTILLA_GPU_UUIDS $NVIDIA_VISIBLE_DEVICES ${ROCR_VISIBLE_DEVICES-unset}\"; pwd; exit 3",
             ],
         );
-        let p = spawn(&s, Wakers::default()).unwrap();
+        let p = spawn(dir.path(), &s).await.unwrap();
         assert!(p.pid() > 1);
         let exit = p.wait().await;
         assert_eq!(exit.code, 3);
@@ -391,7 +604,7 @@ mod tests {
             dir.path(),
             &["sh", "-c", "echo \"${CARGO_MANIFEST_DIR-absent} $HOME\"; command -v sh >/dev/null && echo path-ok"],
         );
-        let p = spawn(&s, Wakers::default()).unwrap();
+        let p = spawn(dir.path(), &s).await.unwrap();
         assert_eq!(p.wait().await.code, 0);
         let lines: Vec<String> = p.logs().peek(10).into_iter().map(|l| l.line).collect();
         assert_eq!(
@@ -406,10 +619,13 @@ mod tests {
     #[tokio::test]
     async fn stop_terminates_the_whole_process_group() {
         let dir = tempfile::tempdir().unwrap();
-        let s = spec(dir.path(), &["sh", "-c", "sleep 100 & echo $!; sleep 100"]);
-        let p = spawn(&s, Wakers::default()).unwrap();
-        let background: u32 = first_line(p.logs()).await.line.parse().unwrap();
-        assert!(!process_gone(background));
+        let s = spec(
+            dir.path(),
+            &["sh", "-c", "sleep 100.1 & echo $!; sleep 100"],
+        );
+        let p = spawn(dir.path(), &s).await.unwrap();
+        first_line(p.logs()).await;
+        assert_eq!(sleeping("100.1").len(), 1);
         p.stop(Duration::from_secs(5));
         let exit = tokio::time::timeout(Duration::from_secs(10), p.wait())
             .await
@@ -417,7 +633,10 @@ mod tests {
         assert_eq!(exit.code, 128 + 15, "ended by SIGTERM");
         assert!(exit.stop_requested);
         assert!(eventually_gone(p.pid()).await, "leader gone");
-        assert!(eventually_gone(background).await, "background child gone");
+        assert!(
+            eventually_none_sleeping("100.1").await,
+            "background child gone"
+        );
     }
 
     #[tokio::test]
@@ -427,10 +646,11 @@ mod tests {
         // the sleep ignore SIGTERM.
         let s = spec(
             dir.path(),
-            &["sh", "-c", "trap '' TERM; sleep 100 & echo $!; wait"],
+            &["sh", "-c", "trap '' TERM; sleep 100.2 & echo $!; wait"],
         );
-        let p = spawn(&s, Wakers::default()).unwrap();
-        let background: u32 = first_line(p.logs()).await.line.parse().unwrap();
+        let p = spawn(dir.path(), &s).await.unwrap();
+        first_line(p.logs()).await;
+        assert_eq!(sleeping("100.2").len(), 1);
         let t0 = Instant::now();
         p.stop(Duration::from_millis(300));
         let exit = tokio::time::timeout(Duration::from_secs(10), p.wait())
@@ -438,7 +658,10 @@ mod tests {
             .unwrap();
         assert!(t0.elapsed() >= Duration::from_millis(250));
         assert_eq!(exit.code, 128 + 9, "ended by SIGKILL");
-        assert!(eventually_gone(background).await, "background child gone");
+        assert!(
+            eventually_none_sleeping("100.2").await,
+            "background child gone"
+        );
     }
 
     #[tokio::test]
@@ -446,27 +669,26 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = spec(
             dir.path(),
-            &["sh", "-c", "sleep 100 >/dev/null 2>&1 & echo $!; exit 0"],
+            &["sh", "-c", "sleep 100.3 >/dev/null 2>&1 & echo $!; exit 0"],
         );
-        let p = spawn(&s, Wakers::default()).unwrap();
+        let p = spawn(dir.path(), &s).await.unwrap();
         let exit = tokio::time::timeout(Duration::from_secs(10), p.wait())
             .await
             .unwrap();
         assert_eq!(exit.code, 0);
-        let background: u32 = p.logs().peek(1)[0].line.parse().unwrap();
-        assert!(eventually_gone(background).await);
+        assert!(eventually_none_sleeping("100.3").await);
     }
 
     #[tokio::test]
     async fn missing_program_fails_to_start() {
         let dir = tempfile::tempdir().unwrap();
         let s = spec(dir.path(), &["flotilla-no-such-program-xyz", "--flag"]);
-        let e = spawn(&s, Wakers::default()).unwrap_err();
+        let e = spawn(dir.path(), &s).await.unwrap_err();
         assert_eq!(
             e.to_string(),
             "no such program `flotilla-no-such-program-xyz`"
         );
-        let e = spawn(&spec(dir.path(), &[]), Wakers::default()).unwrap_err();
+        let e = spawn(dir.path(), &spec(dir.path(), &[])).await.unwrap_err();
         assert_eq!(e.to_string(), "empty command");
     }
 
@@ -481,7 +703,7 @@ mod tests {
                 "head -c 200000 /dev/zero | tr '\\0' a; echo; printf 'caf\\303\\251\\r\\n\\377x\\nlast'",
             ],
         );
-        let p = spawn(&s, Wakers::default()).unwrap();
+        let p = spawn(dir.path(), &s).await.unwrap();
         p.wait().await;
         let lines = p.logs().peek(10);
         let text: Vec<&str> = lines.iter().map(|l| l.line.as_str()).collect();
