@@ -917,26 +917,42 @@ async fn ship_logs_forever(shared: Arc<Shared>, client: Client) {
     }
 }
 
-/// Ships what is pending now. Stops at the first retryable failure; lines
-/// the server refuses for good (e.g. an instance it does not know) are
-/// dropped with a warning, since resending them cannot succeed.
+/// Ships what is pending now, in batches that fit the server's limit on a
+/// request body. Stops at the first retryable failure (the caller retries
+/// with backoff). A batch refused for good is split in halves until the
+/// line at fault is alone; that line is then given up and a marker line
+/// ("N lines of output lost") takes its place in the log. Lines of an
+/// instance the server does not know are dropped with a warning: there is
+/// no log to deliver them to.
 async fn ship_pending(shared: &Shared, client: &Client) -> Result<(), ClientError> {
     for (id, p) in shared.workloads() {
         let mut shipped = false;
+        let mut max_lines = runtime::SHIP_BATCH_LINES;
         for _ in 0..MAX_BATCHES_PER_ROUND {
-            let batch = p.logs().peek(runtime::SHIP_BATCH_LINES);
+            let batch = p.logs().peek_batch(max_lines, runtime::SHIP_BATCH_BYTES);
             let Some(last) = batch.last().map(|l| l.seq) else {
                 break;
             };
             let count = batch.len();
-            match client.push_logs(&id, batch).await {
-                Ok(()) => {}
+            match client.push_logs(&id, batch.clone()).await {
+                Ok(()) => {
+                    p.logs().ack(last);
+                    max_lines = runtime::SHIP_BATCH_LINES;
+                }
+                Err(error) if error.is_not_found() => {
+                    tracing::warn!(instance_id = %id, lines = p.logs().pending(), %error, "server does not know the instance, dropping its log lines");
+                    p.logs().discard();
+                }
+                Err(error) if !error.is_retryable() && count > 1 => {
+                    tracing::debug!(instance_id = %id, lines = count, %error, "server refused a log batch, splitting it");
+                    max_lines = count / 2;
+                }
                 Err(error) if !error.is_retryable() => {
-                    tracing::warn!(instance_id = %id, lines = count, %error, "server refused log lines, dropping them");
+                    tracing::warn!(instance_id = %id, seq = last, %error, "server refused a log line, marking it lost in the log");
+                    p.logs().give_up(&batch);
                 }
                 Err(error) => return Err(error),
             }
-            p.logs().ack(last);
             shipped = true;
         }
         if shipped && p.exit().is_some() && p.logs().pending() == 0 {

@@ -29,12 +29,16 @@ use tokio::sync::{mpsc, watch, Notify};
 
 pub use process::ProcessRuntime;
 
-/// Longest line kept, in bytes; the rest of a longer line is dropped.
+/// Longest line, in bytes; a longer one is split into several.
 pub const MAX_LINE_BYTES: usize = 64 * 1024;
 /// Most unsent lines kept per instance; older ones are dropped first.
 pub const MAX_PENDING_LINES: usize = 100_000;
-/// Pending lines that wake the log shipper before its next tick.
+/// Pending lines that wake the log shipper before its next tick, and the
+/// most lines in one batch.
 pub const SHIP_BATCH_LINES: usize = 500;
+/// About the most JSON bytes in one batch: half the server's 1 MiB limit
+/// on a request body, so escapes and framing always fit.
+pub const SHIP_BATCH_BYTES: usize = 512 * 1024;
 
 /// What to run for one instance.
 #[derive(Debug, Clone)]
@@ -410,6 +414,64 @@ pub fn exit_code(status: std::process::ExitStatus) -> i32 {
     }
 }
 
+/// Cuts a byte stream into lines: at each `\n` (a trailing `\r` is
+/// dropped), and a line longer than [`MAX_LINE_BYTES`] into several, cut
+/// before a UTF-8 character that would cross the limit, so that nothing is
+/// lost and every piece fits a log batch.
+#[derive(Debug, Default)]
+pub struct LineSplitter {
+    line: Vec<u8>,
+}
+
+impl LineSplitter {
+    /// Feeds `bytes`, calling `emit` with every complete line.
+    pub fn feed(&mut self, mut bytes: &[u8], mut emit: impl FnMut(&[u8])) {
+        while !bytes.is_empty() {
+            let (chunk, end_of_line) = match bytes.iter().position(|b| *b == b'\n') {
+                Some(i) => (&bytes[..i], true),
+                None => (bytes, false),
+            };
+            bytes = &bytes[chunk.len() + usize::from(end_of_line)..];
+            self.line.extend_from_slice(chunk);
+            while self.line.len() > MAX_LINE_BYTES {
+                let cut = utf8_cut(&self.line, MAX_LINE_BYTES);
+                emit(&self.line[..cut]);
+                self.line.drain(..cut);
+            }
+            if end_of_line {
+                let line = self.line.strip_suffix(b"\r").unwrap_or(&self.line);
+                emit(line);
+                self.line.clear();
+            }
+        }
+    }
+
+    /// The end of the stream: emits a last line without a newline.
+    pub fn finish(&mut self, mut emit: impl FnMut(&[u8])) {
+        if !self.line.is_empty() {
+            emit(&self.line);
+            self.line.clear();
+        }
+    }
+}
+
+/// Where to cut `bytes` at most `max` long without splitting a UTF-8
+/// character (bytes that are not UTF-8 are cut anywhere).
+fn utf8_cut(bytes: &[u8], max: usize) -> usize {
+    let mut cut = max;
+    // A continuation byte (10xxxxxx) may not start a piece; back up at most
+    // three of them.
+    while cut > max.saturating_sub(3) && cut > 0 && bytes.get(cut).is_some_and(|b| b & 0xC0 == 0x80)
+    {
+        cut -= 1;
+    }
+    if cut == 0 {
+        max
+    } else {
+        cut
+    }
+}
+
 /// The captured, not yet shipped output of one instance. Lines get
 /// consecutive sequence numbers from 0 across both streams; a line leaves
 /// the buffer only once the server accepted it (see [`LogBuffer::ack`]).
@@ -423,7 +485,56 @@ pub struct LogBuffer {
 struct LogInner {
     next_seq: u64,
     pending: VecDeque<LogLine>,
+    /// Lines dropped so far (buffer full, or refused for good).
     dropped: u64,
+    /// Lines lost and not yet reported in the log itself: a marker line
+    /// saying how many goes out first, under `lost_seq`.
+    lost: u64,
+    /// The sequence number of the last lost line, reused by the marker
+    /// (the server never got a line with it, and it precedes every
+    /// pending line).
+    lost_seq: u64,
+}
+
+impl LogInner {
+    fn lose_front(&mut self) {
+        if let Some(line) = self.pending.pop_front() {
+            self.dropped += 1;
+            self.lost += 1;
+            self.lost_seq = line.seq;
+        }
+    }
+
+    fn marker(&self) -> Option<LogLine> {
+        (self.lost > 0).then(|| LogLine {
+            seq: self.lost_seq,
+            stream: LogStream::Stderr,
+            at: Utc::now(),
+            line: lost_marker(self.lost),
+        })
+    }
+}
+
+/// The line that stands in an instance's log for `n` lines the node could
+/// not deliver.
+pub fn lost_marker(n: u64) -> String {
+    format!("[flotilla: {n} lines of output lost: the node could not deliver them]")
+}
+
+/// About how many bytes `line` takes in a JSON batch: escapes counted at
+/// their longest, plus the fields around it.
+pub fn json_size(line: &LogLine) -> usize {
+    const FIELDS: usize = 96;
+    FIELDS
+        + line
+            .line
+            .chars()
+            .map(|c| match c {
+                '"' | '\\' => 2,
+                c if (c as u32) < 0x20 => 6,
+                c => c.len_utf8(),
+            })
+            .sum::<usize>()
 }
 
 impl LogBuffer {
@@ -442,7 +553,8 @@ impl LogBuffer {
     }
 
     /// Appends a line, giving it the next sequence number; returns how many
-    /// lines are pending. Beyond [`MAX_PENDING_LINES`] the oldest is dropped.
+    /// lines are pending. Beyond [`MAX_PENDING_LINES`] the oldest is
+    /// dropped, and a marker line reports how many (see [`lost_marker`]).
     pub fn push(&self, stream: LogStream, line: String) -> usize {
         let mut inner = self.lock();
         let seq = inner.next_seq;
@@ -454,8 +566,7 @@ impl LogBuffer {
             line,
         });
         if inner.pending.len() > MAX_PENDING_LINES {
-            inner.pending.pop_front();
-            inner.dropped += 1;
+            inner.lose_front();
             if inner.dropped == 1 || inner.dropped % 10_000 == 0 {
                 tracing::warn!(
                     instance_id = %self.instance_id,
@@ -467,22 +578,81 @@ impl LogBuffer {
         inner.pending.len()
     }
 
-    /// Copies up to `max` of the oldest pending lines.
+    /// Copies up to `max` of the oldest pending lines (the lost-lines
+    /// marker first, when lines were lost).
     pub fn peek(&self, max: usize) -> Vec<LogLine> {
-        self.lock().pending.iter().take(max).cloned().collect()
+        self.peek_batch(max, usize::MAX)
     }
 
-    /// Forgets every pending line up to and including `seq`.
+    /// The next batch to ship: the oldest pending lines, at most
+    /// `max_lines` and, past the first, at most about `max_bytes` of JSON
+    /// (see [`json_size`]).
+    pub fn peek_batch(&self, max_lines: usize, max_bytes: usize) -> Vec<LogLine> {
+        let inner = self.lock();
+        let mut out: Vec<LogLine> = inner.marker().into_iter().collect();
+        let mut bytes: usize = out.iter().map(json_size).sum();
+        for line in &inner.pending {
+            if out.len() >= max_lines {
+                break;
+            }
+            let size = json_size(line);
+            if !out.is_empty() && bytes.saturating_add(size) > max_bytes {
+                break;
+            }
+            bytes = bytes.saturating_add(size);
+            out.push(line.clone());
+        }
+        out
+    }
+
+    /// Forgets every pending line up to and including `seq` (the server
+    /// has them).
     pub fn ack(&self, seq: u64) {
         let mut inner = self.lock();
         while inner.pending.front().is_some_and(|l| l.seq <= seq) {
             inner.pending.pop_front();
         }
+        if inner.lost > 0 && inner.lost_seq <= seq {
+            inner.lost = 0;
+        }
     }
 
-    /// Lines waiting to be shipped.
+    /// The server refused `batch` for good: its lines are lost, and the
+    /// marker will say so. A refused marker alone is dropped (it cannot be
+    /// reported in a log the server does not take).
+    pub fn give_up(&self, batch: &[LogLine]) {
+        let Some(last) = batch.last().map(|l| l.seq) else {
+            return;
+        };
+        let mut inner = self.lock();
+        let had_marker = inner.lost > 0 && inner.lost_seq <= last;
+        let mut n = 0;
+        while inner.pending.front().is_some_and(|l| l.seq <= last) {
+            inner.pending.pop_front();
+            n += 1;
+        }
+        inner.dropped += n;
+        if n == 0 && had_marker {
+            inner.lost = 0;
+            return;
+        }
+        inner.lost += n;
+        inner.lost_seq = last;
+    }
+
+    /// Drops every pending line (and the marker): nobody will take them.
+    pub fn discard(&self) {
+        let mut inner = self.lock();
+        let n = inner.pending.len() as u64;
+        inner.pending.clear();
+        inner.dropped += n;
+        inner.lost = 0;
+    }
+
+    /// Lines waiting to be shipped (the lost-lines marker counts as one).
     pub fn pending(&self) -> usize {
-        self.lock().pending.len()
+        let inner = self.lock();
+        inner.pending.len() + usize::from(inner.lost > 0)
     }
 
     /// Lines captured so far (the next sequence number).
@@ -490,7 +660,7 @@ impl LogBuffer {
         self.lock().next_seq
     }
 
-    /// Lines dropped because the buffer was full.
+    /// Lines dropped (buffer full, or refused for good by the server).
     pub fn dropped(&self) -> u64 {
         self.lock().dropped
     }
@@ -594,6 +764,22 @@ mod tests {
     }
 
     #[test]
+    fn long_lines_are_split_on_character_boundaries() {
+        let mut s = LineSplitter::default();
+        let mut out: Vec<Vec<u8>> = Vec::new();
+        let mut text = "a".repeat(MAX_LINE_BYTES - 1).into_bytes();
+        text.extend_from_slice("éb\r\nc".as_bytes());
+        for piece in text.chunks(1000) {
+            s.feed(piece, |l| out.push(l.to_vec()));
+        }
+        s.finish(|l| out.push(l.to_vec()));
+        assert_eq!(out.len(), 3);
+        assert_eq!(out[0].len(), MAX_LINE_BYTES - 1, "é is not cut in two");
+        assert_eq!(out[1], "éb".as_bytes());
+        assert_eq!(out[2], b"c");
+    }
+
+    #[test]
     fn buffer_numbers_acks_and_caps() {
         let b = LogBuffer::new(InstanceId::generate(1, 1));
         for i in 0..5 {
@@ -609,8 +795,52 @@ mod tests {
         for _ in 0..MAX_PENDING_LINES + 3 {
             b.push(LogStream::Stderr, String::new());
         }
-        assert_eq!(b.pending(), MAX_PENDING_LINES);
+        // Three lines lost: a marker under the last lost line's number
+        // goes first, then the oldest kept line.
+        assert_eq!(b.pending(), MAX_PENDING_LINES + 1);
         assert_eq!(b.dropped(), 3);
-        assert_eq!(b.peek(1)[0].seq, 8);
+        let head = b.peek(2);
+        assert_eq!(head[0].seq, 7);
+        assert_eq!(head[0].line, lost_marker(3));
+        assert_eq!(head[1].seq, 8);
+        b.ack(8);
+        assert_eq!(b.pending(), MAX_PENDING_LINES - 1);
+        assert_eq!(b.peek(1)[0].seq, 9);
+    }
+
+    #[test]
+    fn batches_fit_the_servers_limit_and_refused_lines_are_reported_lost() {
+        let b = LogBuffer::new(InstanceId::generate(1, 1));
+        for _ in 0..40 {
+            b.push(LogStream::Stdout, "x".repeat(60 * 1024));
+        }
+        b.push(LogStream::Stdout, "\u{1}".repeat(1000));
+        let mut batches = 0;
+        loop {
+            let batch = b.peek_batch(SHIP_BATCH_LINES, SHIP_BATCH_BYTES);
+            let Some(last) = batch.last() else { break };
+            let size: usize = batch.iter().map(json_size).sum();
+            assert!(size <= SHIP_BATCH_BYTES, "{size}");
+            let json = serde_json::to_vec(&batch).unwrap();
+            assert!(json.len() <= size, "{} > {size}", json.len());
+            b.ack(last.seq);
+            batches += 1;
+        }
+        assert_eq!(batches, 5, "8 lines of 60 KiB fit 512 KiB");
+
+        for i in 0..3 {
+            b.push(LogStream::Stdout, format!("r{i}"));
+        }
+        let batch = b.peek(2);
+        b.give_up(&batch);
+        assert_eq!(b.dropped(), 2);
+        let next = b.peek(10);
+        assert_eq!(next[0].line, lost_marker(2));
+        assert_eq!(next[0].seq, batch[1].seq);
+        assert_eq!(next[1].line, "r2");
+        // The marker refused alone is dropped, not resent forever.
+        b.give_up(&next[..1]);
+        assert_eq!(b.peek(10).len(), 1);
+        assert_eq!(b.pending(), 1);
     }
 }

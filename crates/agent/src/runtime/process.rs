@@ -25,8 +25,8 @@ use super::sandbox::{
     bwrap_args_hiding, owner_of, prepare_workdir, setpriv_args, Isolation, SandboxConfig,
 };
 use super::{
-    device_env, exit_code, Control, Exit, LogBuffer, Runtime, RuntimeError, RuntimeKind,
-    SpawnError, SpawnSpec, Wakers, Workload, MAX_LINE_BYTES, SHIP_BATCH_LINES,
+    device_env, exit_code, Control, Exit, LineSplitter, LogBuffer, Runtime, RuntimeError,
+    RuntimeKind, SpawnError, SpawnSpec, Wakers, Workload, SHIP_BATCH_LINES,
 };
 
 /// How long to wait for the pipes to close after the process group ended.
@@ -424,8 +424,7 @@ async fn pump<R: AsyncRead + Unpin>(
     wake: Arc<Notify>,
 ) {
     let mut reader = BufReader::with_capacity(16 * 1024, reader);
-    let mut line: Vec<u8> = Vec::new();
-    let mut truncated = false;
+    let mut lines = LineSplitter::default();
     loop {
         let buf = match reader.fill_buf().await {
             Ok(buf) => buf,
@@ -435,31 +434,16 @@ async fn pump<R: AsyncRead + Unpin>(
             }
         };
         if buf.is_empty() {
-            if !line.is_empty() || truncated {
-                emit(&logs, &wake, stream, &line);
-            }
+            lines.finish(|l| emit(&logs, &wake, stream, l));
             break;
         }
-        let (chunk, consumed, end_of_line) = match buf.iter().position(|b| *b == b'\n') {
-            Some(i) => (&buf[..i], i + 1, true),
-            None => (buf, buf.len(), false),
-        };
-        let room = MAX_LINE_BYTES.saturating_sub(line.len());
-        if chunk.len() > room {
-            truncated = true;
-        }
-        line.extend_from_slice(&chunk[..chunk.len().min(room)]);
-        reader.consume(consumed);
-        if end_of_line {
-            emit(&logs, &wake, stream, &line);
-            line.clear();
-            truncated = false;
-        }
+        let n = buf.len();
+        lines.feed(buf, |l| emit(&logs, &wake, stream, l));
+        reader.consume(n);
     }
 }
 
 fn emit(logs: &LogBuffer, wake: &Notify, stream: LogStream, raw: &[u8]) {
-    let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
     let pending = logs.push(stream, String::from_utf8_lossy(raw).into_owned());
     if pending >= SHIP_BATCH_LINES {
         wake.notify_one();
@@ -471,6 +455,7 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
+    use crate::runtime::MAX_LINE_BYTES;
     use flotilla_core::api::LogLine;
     use flotilla_core::catalog::Vendor;
     use flotilla_core::id::InstanceId;
@@ -693,7 +678,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn long_lines_are_capped_and_partial_last_lines_kept() {
+    async fn long_lines_are_split_and_partial_last_lines_kept() {
         let dir = tempfile::tempdir().unwrap();
         let s = spec(
             dir.path(),
@@ -707,8 +692,18 @@ mod tests {
         p.wait().await;
         let lines = p.logs().peek(10);
         let text: Vec<&str> = lines.iter().map(|l| l.line.as_str()).collect();
-        assert_eq!(text.len(), 4, "{:?}", &text[1..]);
-        assert_eq!(text[0].len(), MAX_LINE_BYTES);
-        assert_eq!(&text[1..], &["café", "\u{fffd}x", "last"]);
+        assert_eq!(text.len(), 7, "{:?}", &text[4..]);
+        let sizes: Vec<usize> = text[..4].iter().map(|l| l.len()).collect();
+        assert_eq!(
+            sizes,
+            [
+                MAX_LINE_BYTES,
+                MAX_LINE_BYTES,
+                MAX_LINE_BYTES,
+                200_000 - 3 * MAX_LINE_BYTES
+            ]
+        );
+        assert!(text[..4].iter().all(|l| l.bytes().all(|b| b == b'a')));
+        assert_eq!(&text[4..], &["café", "\u{fffd}x", "last"]);
     }
 }
