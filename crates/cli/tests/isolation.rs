@@ -14,6 +14,7 @@
 //! checks the latter only.
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -187,6 +188,30 @@ fn scenario(home: &Home, per_tenant_users: bool) {
         assert!(readable(Path::new("/etc/shadow")), "root reads the hashes");
     }
     let a_uid = uid_of(a_pid);
+
+    // The control plane's files are private to their owner.
+    let data = home.data();
+    let config = home.dir.path().join("config");
+    let agent = home.dir.path().join("agent");
+    for (path, want) in [
+        (data.clone(), 0o700),
+        (data.join("flotilla.db"), 0o600),
+        (data.join("flotilla.db-wal"), 0o600),
+        (data.join("flotilla.db-shm"), 0o600),
+        (data.join("agent.token"), 0o600),
+        (config.clone(), 0o700),
+        (config.join("credentials.json"), 0o600),
+        (agent.clone(), 0o700),
+        (agent.join("instances"), 0o700),
+        (a_workdir.clone(), 0o700),
+    ] {
+        let mode = std::fs::metadata(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, want, "mode of {}: {mode:o}", path.display());
+    }
 
     // Tenant B attacks.
     let b = run(

@@ -22,7 +22,8 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::sandbox::{
-    bwrap_args_hiding, owner_of, prepare_workdir, setpriv_args, Isolation, SandboxConfig,
+    bwrap_args_hiding, create_private_dir, owner_of, prepare_workdir, setpriv_args, Isolation,
+    SandboxConfig,
 };
 use super::{
     device_env, exit_code, Control, Exit, LineSplitter, LogBuffer, Runtime, RuntimeError,
@@ -45,6 +46,10 @@ impl ProcessRuntime {
     /// (runs bubblewrap once to find out). Refuses to run as root without
     /// a sandbox unless `config.insecure`. Blocking.
     pub fn new(config: &SandboxConfig) -> Result<Self, RuntimeError> {
+        create_private_dir(&config.work_dir).map_err(|source| RuntimeError::Io {
+            what: format!("creating {}", config.work_dir.display()),
+            source,
+        })?;
         let isolation = Isolation::probe(config)?;
         tracing::info!(isolation = isolation.name(), "process runtime ready");
         Ok(Self::with_isolation(config.work_dir.clone(), isolation))
