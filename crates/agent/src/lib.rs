@@ -198,6 +198,7 @@ pub async fn run(
         simulated: config.simulate_gpus.is_some(),
         gpus,
         agent_version: env!("CARGO_PKG_VERSION").to_string(),
+        running: Vec::new(),
     };
     let runtime = {
         let config = config.clone();
@@ -219,6 +220,9 @@ pub async fn run(
         seen: HashSet::new(),
     };
 
+    // Before registering: the server fails whatever the node does not say
+    // still runs.
+    agent.adopt().await;
     tokio::pin!(shutdown);
     tokio::select! {
         registered = agent.register(true) => {
@@ -230,7 +234,6 @@ pub async fn run(
         }
         () = &mut shutdown => return Ok(()),
     }
-    agent.adopt().await;
     let fence = agent.start_fence();
     let shipper = tokio::spawn(ship_logs_forever(shared.clone(), client));
     let watchdog = tokio::spawn(fence_forever(shared));
@@ -498,6 +501,7 @@ impl Agent {
         use std::os::unix::process::CommandExt;
         let program = self.config.fence_program.as_ref()?;
         let _ = std::fs::remove_file(self.fence_file());
+        self.retire_stale_fences();
         match std::process::Command::new(program)
             .arg("agent-fence")
             .arg("--file")
@@ -517,6 +521,32 @@ impl Agent {
             Err(error) => {
                 tracing::warn!(%error, "node lease fence not started: work will not be stopped while the agent is paused");
                 None
+            }
+        }
+    }
+
+    /// Removes the fence files of agents that are gone (killed, so they
+    /// could not): their fences then leave instead of stopping, when the
+    /// dead agent's lease runs out, the work this agent took over.
+    fn retire_stale_fences(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.config.work_dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("node-lease."))
+                .and_then(|p| p.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let gone = pid <= 0
+                || nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+                    == Err(nix::errno::Errno::ESRCH);
+            if gone && pid != std::process::id() as i32 {
+                tracing::info!(pid, "retiring the fence of an agent that is gone");
+                let _ = std::fs::remove_file(entry.path());
             }
         }
     }
@@ -562,7 +592,15 @@ impl Agent {
     async fn register(&self, initial: bool) -> anyhow::Result<Registered> {
         let mut backoff = Backoff::new("register");
         loop {
-            match self.client.register(&self.registration).await {
+            let mut registration = self.registration.clone();
+            registration.running = self
+                .shared
+                .lock()
+                .iter()
+                .filter(|(_, t)| !t.orphaned && matches!(t.work, Work::Running(_)))
+                .map(|(id, _)| id.clone())
+                .collect();
+            match self.client.register(&registration).await {
                 Ok(registered) => {
                     backoff.succeeded();
                     tracing::info!(
@@ -684,6 +722,7 @@ impl Agent {
         let listed: HashSet<InstanceId> =
             assignments.iter().map(|a| a.instance_id.clone()).collect();
         let mut to_start = Vec::new();
+        let mut forgotten = Vec::new();
         {
             let mut instances = self.shared.lock();
             for a in assignments {
@@ -725,6 +764,26 @@ impl Agent {
                 }
             }
             instances.retain(|id, t| {
+                let keep = Self::keep(id, t, &listed);
+                if !keep {
+                    forgotten.push(id.clone());
+                }
+                keep
+            });
+        }
+        for id in forgotten {
+            self.runtime.release(&id);
+        }
+        for a in to_start {
+            self.start(a);
+        }
+    }
+
+    /// Whether to keep tracking an instance the server lists (or not):
+    /// one it no longer lists is stopped, and forgotten once it ended.
+    fn keep(id: &InstanceId, t: &mut Tracked, listed: &HashSet<InstanceId>) -> bool {
+        {
+            {
                 if listed.contains(id) && !t.orphaned {
                     return true;
                 }
@@ -745,10 +804,7 @@ impl Agent {
                     // Finished (or an orphan that ended): forget it.
                     _ => false,
                 }
-            });
-        }
-        for a in to_start {
-            self.start(a);
+            }
         }
     }
 

@@ -424,6 +424,10 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
     );
     agent_config.simulate_gpus = simulate.clone();
     agent_config.runtime = args.runtime;
+    // The node lease's fence, as for `flotilla agent`: if this process is
+    // killed, the work is stopped before the lease runs out and the server
+    // hands its GPUs to other work (a quick restart takes it over first).
+    agent_config.fence_program = std::env::current_exe().ok();
     agent_config.insecure_process_runtime = args.insecure_process_runtime;
     let (agent_stop, agent_stopped) = oneshot::channel::<()>();
     let mut agent = tokio::spawn(flotilla_agent::run(agent_config, async move {

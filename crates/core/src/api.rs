@@ -403,6 +403,11 @@ pub struct RegisterNode {
     /// Agent version.
     #[serde(default)]
     pub agent_version: String,
+    /// Instances the agent still runs (taken over from an earlier agent
+    /// process after a restart): the server must not fail them. Every
+    /// other instance it had started there is gone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub running: Vec<InstanceId>,
 }
 
 /// The server's answer to a registration.

@@ -14,6 +14,7 @@
 
 pub mod process;
 pub mod sandbox;
+pub mod state;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
@@ -181,6 +182,11 @@ pub trait Runtime: Send + Sync {
     /// captured from where the earlier process left it). Called once, at
     /// start, before any [`Runtime::start`].
     fn adopt(&self, wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>>;
+
+    /// The agent is done with the instance (its end was reported and the
+    /// server no longer lists it): whatever the runtime kept to take it
+    /// over after a restart may go.
+    fn release(&self, _instance_id: &InstanceId) {}
 }
 
 /// Why a runtime could not be set up or could not list its workloads.
@@ -425,22 +431,32 @@ pub struct LineSplitter {
 
 impl LineSplitter {
     /// Feeds `bytes`, calling `emit` with every complete line.
-    pub fn feed(&mut self, mut bytes: &[u8], mut emit: impl FnMut(&[u8])) {
-        while !bytes.is_empty() {
-            let (chunk, end_of_line) = match bytes.iter().position(|b| *b == b'\n') {
-                Some(i) => (&bytes[..i], true),
-                None => (bytes, false),
+    pub fn feed(&mut self, bytes: &[u8], mut emit: impl FnMut(&[u8])) {
+        self.feed_at(bytes, |line, _| emit(line));
+    }
+
+    /// Feeds `bytes`, calling `emit` with every complete line and where in
+    /// `bytes` it ended (after its newline; 0 for a piece of a long line
+    /// that ended before `bytes`).
+    pub fn feed_at(&mut self, bytes: &[u8], mut emit: impl FnMut(&[u8], usize)) {
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let (chunk, end_of_line) = match rest.iter().position(|b| *b == b'\n') {
+                Some(i) => (&rest[..i], true),
+                None => (rest, false),
             };
-            bytes = &bytes[chunk.len() + usize::from(end_of_line)..];
+            rest = &rest[chunk.len() + usize::from(end_of_line)..];
+            let consumed = bytes.len() - rest.len();
             self.line.extend_from_slice(chunk);
             while self.line.len() > MAX_LINE_BYTES {
                 let cut = utf8_cut(&self.line, MAX_LINE_BYTES);
-                emit(&self.line[..cut]);
+                let left = self.line.len() - cut + usize::from(end_of_line);
+                emit(&self.line[..cut], consumed.saturating_sub(left));
                 self.line.drain(..cut);
             }
             if end_of_line {
                 let line = self.line.strip_suffix(b"\r").unwrap_or(&self.line);
-                emit(line);
+                emit(line, consumed);
                 self.line.clear();
             }
         }
@@ -479,6 +495,9 @@ fn utf8_cut(bytes: &[u8], max: usize) -> usize {
 pub struct LogBuffer {
     instance_id: InstanceId,
     inner: Mutex<LogInner>,
+    /// Where how far the output was shipped is recorded, for an agent that
+    /// takes the workload over after a restart.
+    state: Option<state::StateDir>,
 }
 
 #[derive(Debug, Default)]
@@ -494,9 +513,28 @@ struct LogInner {
     /// (the server never got a line with it, and it precedes every
     /// pending line).
     lost_seq: u64,
+    /// For output read from files: where each pending line ended in its
+    /// file, and how far the shipped lines reach.
+    ends: VecDeque<(u64, LogStream, u64)>,
+    shipped: state::Checkpoint,
 }
 
 impl LogInner {
+    /// Lines up to `seq` left the buffer: moves the checkpoint past them.
+    fn passed(&mut self, seq: u64) {
+        while let Some(&(s, stream, end)) = self.ends.front() {
+            if s > seq {
+                break;
+            }
+            match stream {
+                LogStream::Stdout => self.shipped.stdout = end,
+                LogStream::Stderr => self.shipped.stderr = end,
+            }
+            self.ends.pop_front();
+        }
+        self.shipped.next_seq = self.shipped.next_seq.max(seq + 1);
+    }
+
     fn lose_front(&mut self) {
         if let Some(line) = self.pending.pop_front() {
             self.dropped += 1;
@@ -543,7 +581,42 @@ impl LogBuffer {
         Self {
             instance_id,
             inner: Mutex::new(LogInner::default()),
+            state: None,
         }
+    }
+
+    /// A buffer for output read from files, continuing from `from` (what
+    /// was shipped before) and recording its progress in `state`.
+    pub fn persistent(
+        instance_id: InstanceId,
+        state: state::StateDir,
+        from: state::Checkpoint,
+    ) -> Self {
+        Self {
+            instance_id,
+            inner: Mutex::new(LogInner {
+                next_seq: from.next_seq,
+                shipped: from,
+                ..LogInner::default()
+            }),
+            state: Some(state),
+        }
+    }
+
+    fn save(&self, inner: &LogInner) {
+        if let Some(state) = &self.state {
+            if let Err(error) = state.write_checkpoint(inner.shipped) {
+                tracing::debug!(instance_id = %self.instance_id, %error, "cannot record shipped output");
+            }
+        }
+    }
+
+    /// Appends a line read from a file, where it ended at byte `end`.
+    pub fn push_at(&self, stream: LogStream, line: String, end: u64) -> usize {
+        let mut inner = self.lock();
+        let seq = inner.next_seq;
+        inner.ends.push_back((seq, stream, end));
+        self.push_locked(&mut inner, stream, line)
     }
 
     fn lock(&self) -> MutexGuard<'_, LogInner> {
@@ -557,6 +630,10 @@ impl LogBuffer {
     /// dropped, and a marker line reports how many (see [`lost_marker`]).
     pub fn push(&self, stream: LogStream, line: String) -> usize {
         let mut inner = self.lock();
+        self.push_locked(&mut inner, stream, line)
+    }
+
+    fn push_locked(&self, inner: &mut LogInner, stream: LogStream, line: String) -> usize {
         let seq = inner.next_seq;
         inner.next_seq += 1;
         inner.pending.push_back(LogLine {
@@ -567,6 +644,8 @@ impl LogBuffer {
         });
         if inner.pending.len() > MAX_PENDING_LINES {
             inner.lose_front();
+            let lost = inner.lost_seq;
+            inner.passed(lost);
             if inner.dropped == 1 || inner.dropped % 10_000 == 0 {
                 tracing::warn!(
                     instance_id = %self.instance_id,
@@ -615,6 +694,8 @@ impl LogBuffer {
         if inner.lost > 0 && inner.lost_seq <= seq {
             inner.lost = 0;
         }
+        inner.passed(seq);
+        self.save(&inner);
     }
 
     /// The server refused `batch` for good: its lines are lost, and the
@@ -632,6 +713,8 @@ impl LogBuffer {
             n += 1;
         }
         inner.dropped += n;
+        inner.passed(last);
+        self.save(&inner);
         if n == 0 && had_marker {
             inner.lost = 0;
             return;
@@ -644,6 +727,10 @@ impl LogBuffer {
     pub fn discard(&self) {
         let mut inner = self.lock();
         let n = inner.pending.len() as u64;
+        if let Some(last) = inner.pending.back().map(|l| l.seq) {
+            inner.passed(last);
+            self.save(&inner);
+        }
         inner.pending.clear();
         inner.dropped += n;
         inner.lost = 0;

@@ -17,20 +17,21 @@ use flotilla_core::id::InstanceId;
 use futures::future::BoxFuture;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
-use tokio::sync::Notify;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::sandbox::{
     bwrap_args_hiding, create_private_dir, owner_of, prepare_workdir, setpriv_args, Isolation,
     SandboxConfig,
 };
+use super::state::{alive, start_ticks, tail, Checkpoint, Record, StateDir};
 use super::{
-    device_env, exit_code, Control, Exit, LineSplitter, LogBuffer, Runtime, RuntimeError,
-    RuntimeKind, SpawnError, SpawnSpec, Wakers, Workload, SHIP_BATCH_LINES,
+    device_env, exit_code, Control, Exit, LogBuffer, Runtime, RuntimeError, RuntimeKind,
+    SpawnError, SpawnSpec, Wakers, Workload,
 };
 
-/// How long to wait for the pipes to close after the process group ended.
+/// How long to wait for the output to be read after the process group
+/// ended.
 const PIPE_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Runs workloads as processes of this host, isolated as well as the host
@@ -90,6 +91,17 @@ impl ProcessRuntime {
             None => None,
         };
         prepare_workdir(&root, &spec.workdir, uid)?;
+        let os = |source: std::io::Error| SpawnError::Os {
+            program: program.clone(),
+            source,
+        };
+        // Output goes to files the workload writes itself, so that it
+        // outlives the agent (see [`super::state`]).
+        let state = StateDir::new(&self.work_dir, &spec.instance_id);
+        state.create().map_err(os)?;
+        let stdout = state.append("stdout").map_err(os)?;
+        let stderr = state.append("stderr").map_err(os)?;
+        let mut stdin = Stdio::null();
         let mut env = base_env(&spec.workdir);
         env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.into())));
         env.extend(
@@ -115,12 +127,15 @@ impl ProcessRuntime {
                     return Err(SpawnError::NoSuchProgram(program.clone()));
                 }
                 let mut cmd = tokio::process::Command::new(bwrap);
-                cmd.args(bwrap_args_hiding(
-                    &root,
-                    &spec.workdir,
-                    uid.is_none(),
-                    Some(&self.work_dir),
-                ));
+                let mut bwrap_args =
+                    bwrap_args_hiding(&root, &spec.workdir, uid.is_none(), Some(&self.work_dir));
+                // bubblewrap records the exit code in the status file even
+                // when the agent is gone; it reaches it as standard input,
+                // which it closes for the workload.
+                stdin = Stdio::from(state.append(state.status_file()).map_err(os)?);
+                let end = bwrap_args.len() - 1;
+                bwrap_args.splice(end..end, ["--json-status-fd".to_string(), "0".to_string()]);
+                cmd.args(bwrap_args);
                 if let Some(uid) = uid {
                     cmd.args(setpriv_args(uid));
                 }
@@ -147,12 +162,16 @@ impl ProcessRuntime {
         // its own variables, then the device variables.
         cmd.env_clear()
             .envs(env)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .stdin(stdin)
+            .stdout(Stdio::from(stdout))
+            .stderr(Stdio::from(stderr))
             .process_group(0)
             .kill_on_drop(false);
-        let mut child = cmd.spawn().map_err(|source| match source.kind() {
+        let spawned = cmd.spawn();
+        if spawned.is_err() {
+            state.remove();
+        }
+        let child = spawned.map_err(|source| match source.kind() {
             std::io::ErrorKind::NotFound => SpawnError::NoSuchProgram(program.clone()),
             std::io::ErrorKind::PermissionDenied => SpawnError::NotExecutable {
                 program: program.clone(),
@@ -164,35 +183,33 @@ impl ProcessRuntime {
             },
         })?;
         let started_at = Utc::now();
-        let logs = Arc::new(LogBuffer::new(spec.instance_id.clone()));
-        let mut pumps = Vec::with_capacity(2);
-        if let Some(out) = child.stdout.take() {
-            pumps.push(tokio::spawn(pump(
-                out,
-                LogStream::Stdout,
-                logs.clone(),
-                wakers.logs.clone(),
-            )));
-        }
-        if let Some(err) = child.stderr.take() {
-            pumps.push(tokio::spawn(pump(
-                err,
-                LogStream::Stderr,
-                logs.clone(),
-                wakers.logs.clone(),
-            )));
-        }
+        let logs = Arc::new(LogBuffer::persistent(
+            spec.instance_id.clone(),
+            state.clone(),
+            Checkpoint::default(),
+        ));
+        let (done_tx, done_rx) = watch::channel(false);
+        let pumps = tails(&state, Checkpoint::default(), &logs, &wakers, &done_rx);
         // The leader has not been reaped yet, so its pid is known; 0 would
         // only come from a platform without pids and is never signalled.
         let pid = child.id().unwrap_or(0);
         // In a sandbox, the leader is bubblewrap; the workload runs under
         // the pid namespace's init, in a session and group of its own.
         let sandbox_init = if self.isolation.sandboxed() {
-            wait_for_sandbox_init(pid).await
+            wait_for_sandbox_init(pid, &state).await
         } else {
             None
         };
         tracing::info!(instance_id = %spec.instance_id, pid, ?sandbox_init, uid, program = %program, isolation = self.isolation.name(), "process started");
+        let record = Record {
+            pid,
+            start_ticks: start_ticks(pid).unwrap_or(0),
+            sandbox_init,
+            started_at,
+        };
+        if let Err(error) = state.write_record(&record) {
+            tracing::warn!(instance_id = %spec.instance_id, %error, "cannot record the process: a restarted agent will not find it");
+        }
         let (workload, control) = Workload::new(
             spec.instance_id.clone(),
             pid,
@@ -202,11 +219,12 @@ impl ProcessRuntime {
         );
         tokio::spawn(supervise(Supervised {
             instance_id: spec.instance_id.clone(),
-            child,
+            child: Leader::Child(child),
             pid,
             sandbox_init,
             control,
             pumps,
+            done: done_tx,
             wakers,
         }));
         Ok(workload)
@@ -226,8 +244,51 @@ impl Runtime for ProcessRuntime {
         Box::pin(async move { self.spawn(&spec, wakers).await })
     }
 
-    fn adopt(&self, _wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>> {
-        Box::pin(async { Ok(Vec::new()) })
+    fn adopt(&self, wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>> {
+        Box::pin(async move {
+            let mut adopted = Vec::new();
+            for (id, state) in StateDir::all(&self.work_dir) {
+                let Some(record) = state.record() else {
+                    // Started, then the agent died before recording it:
+                    // nothing to go by.
+                    state.remove();
+                    continue;
+                };
+                let from = state.checkpoint();
+                let logs = Arc::new(LogBuffer::persistent(id.clone(), state.clone(), from));
+                let (done_tx, done_rx) = watch::channel(false);
+                let pumps = tails(&state, from, &logs, &wakers, &done_rx);
+                let running = alive(&record);
+                tracing::info!(instance_id = %id, pid = record.pid, running, next_seq = from.next_seq, "taking over a workload an earlier agent started");
+                let (workload, control) = Workload::new(
+                    id.clone(),
+                    record.pid,
+                    Some(record.sandbox_init.unwrap_or(record.pid)),
+                    record.started_at,
+                    logs,
+                );
+                tokio::spawn(supervise(Supervised {
+                    instance_id: id,
+                    child: Leader::Adopted {
+                        record: record.clone(),
+                        state,
+                        running,
+                    },
+                    pid: record.pid,
+                    sandbox_init: record.sandbox_init,
+                    control,
+                    pumps,
+                    done: done_tx,
+                    wakers: wakers.clone(),
+                }));
+                adopted.push(workload);
+            }
+            Ok(adopted)
+        })
+    }
+
+    fn release(&self, instance_id: &InstanceId) {
+        StateDir::new(&self.work_dir, instance_id).remove();
     }
 }
 
@@ -262,10 +323,12 @@ fn resolve(program: &str, path: Option<&std::ffi::OsStr>) -> Option<PathBuf> {
 /// The init of the pid namespace bubblewrap `outer` creates: its child
 /// whose pid in its own namespace is 1. Waits up to a second for it (it is
 /// forked right away); `None` when the sandbox ended before.
-async fn wait_for_sandbox_init(outer: u32) -> Option<u32> {
+async fn wait_for_sandbox_init(outer: u32, state: &StateDir) -> Option<u32> {
     let deadline = Instant::now() + Duration::from_secs(1);
     loop {
-        if let Some(init) = sandbox_init_of(outer) {
+        // bubblewrap's own record first: it stays when bubblewrap ended
+        // at once and its init was reparented.
+        if let Some(init) = state.sandbox_init().or_else(|| sandbox_init_of(outer)) {
             return Some(init);
         }
         if Instant::now() >= deadline {
@@ -306,15 +369,110 @@ fn sandbox_init_of(outer: u32) -> Option<u32> {
     None
 }
 
+/// The two ways of following a workload's leader.
+enum Leader {
+    /// This agent started it: its child, waited for.
+    Child(tokio::process::Child),
+    /// An earlier agent started it: watched through `/proc`, its exit code
+    /// read from bubblewrap's status file.
+    Adopted {
+        record: Record,
+        state: StateDir,
+        /// It still ran when it was adopted.
+        running: bool,
+    },
+}
+
+/// How often an adopted workload is looked at to see whether it ended.
+const ADOPTED_TICK: Duration = Duration::from_millis(100);
+
+impl Leader {
+    /// Waits for the leader to end; returns its exit code and when.
+    async fn wait(&mut self) -> (i32, chrono::DateTime<Utc>) {
+        match self {
+            Leader::Child(child) => match child.wait().await {
+                Ok(status) => (exit_code(status), Utc::now()),
+                Err(error) => {
+                    tracing::error!(%error, "cannot wait for process");
+                    (-1, Utc::now())
+                }
+            },
+            Leader::Adopted {
+                record,
+                state,
+                running,
+            } => {
+                if *running {
+                    while alive(record) {
+                        tokio::time::sleep(ADOPTED_TICK).await;
+                    }
+                }
+                // bubblewrap writes the status right before it exits.
+                let mut code = state.exit_code();
+                for _ in 0..20 {
+                    if code.is_some() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    code = state.exit_code();
+                }
+                let at = if *running {
+                    Utc::now()
+                } else {
+                    state.status_written().unwrap_or_else(Utc::now)
+                };
+                (code.unwrap_or(-1), at)
+            }
+        }
+    }
+
+    /// Whether the leader may still be signalled: an adopted one that
+    /// ended may have had its pid reused.
+    fn signalable(&self) -> bool {
+        match self {
+            Leader::Child(_) => true,
+            Leader::Adopted { record, .. } => alive(record),
+        }
+    }
+}
+
+/// Follows a workload's output files from `from` into `logs`.
+fn tails(
+    state: &StateDir,
+    from: Checkpoint,
+    logs: &Arc<LogBuffer>,
+    wakers: &Wakers,
+    done: &watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    [
+        (LogStream::Stdout, from.stdout),
+        (LogStream::Stderr, from.stderr),
+    ]
+    .into_iter()
+    .map(|(stream, offset)| {
+        tokio::spawn(tail(
+            state.output(stream),
+            stream,
+            offset,
+            logs.clone(),
+            wakers.logs.clone(),
+            done.clone(),
+        ))
+    })
+    .collect()
+}
+
 struct Supervised {
     instance_id: InstanceId,
-    child: tokio::process::Child,
+    child: Leader,
     /// The leader: the command, or bubblewrap around it.
     pid: u32,
     /// The sandbox's pid namespace init, whose group holds the workload.
     sandbox_init: Option<u32>,
     control: Control,
     pumps: Vec<tokio::task::JoinHandle<()>>,
+    /// Tells the output readers that no more output will come.
+    done: watch::Sender<bool>,
     wakers: Wakers,
 }
 
@@ -323,9 +481,9 @@ struct Supervised {
 async fn supervise(mut s: Supervised) {
     let mut stop_requested = false;
     let mut kill_at: Option<Instant> = None;
-    let status = loop {
+    let (code, at) = loop {
         tokio::select! {
-            status = s.child.wait() => break status,
+            ended = s.child.wait() => break ended,
             grace = s.control.stop_requested() => {
                 if !stop_requested {
                     stop_requested = true;
@@ -342,17 +500,12 @@ async fn supervise(mut s: Supervised) {
             }
         }
     };
-    let at = Utc::now();
     // The instance is over when its leader is: whatever it left behind in
     // its group would keep holding GPUs that are about to be handed out.
-    kill(s.pid, s.sandbox_init);
-    let code = match status {
-        Ok(status) => exit_code(status),
-        Err(error) => {
-            tracing::error!(instance_id = %s.instance_id, %error, "cannot wait for process");
-            -1
-        }
-    };
+    if s.child.signalable() {
+        kill(s.pid, s.sandbox_init);
+    }
+    s.done.send_replace(true);
     let drain = async {
         for pump in &mut s.pumps {
             let _ = pump.await;
@@ -362,7 +515,7 @@ async fn supervise(mut s: Supervised) {
         .await
         .is_err()
     {
-        tracing::warn!(instance_id = %s.instance_id, "output pipes still open after the process group ended, closing them");
+        tracing::warn!(instance_id = %s.instance_id, "output still being read after the process group ended, giving up on it");
         for pump in &s.pumps {
             pump.abort();
         }
@@ -418,40 +571,6 @@ fn signal_group(pgid: u32, signal: Signal) {
     match killpg(Pid::from_raw(raw), signal) {
         Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
         Err(error) => tracing::warn!(pgid, ?signal, %error, "cannot signal process group"),
-    }
-}
-
-/// Reads `reader` line by line into `logs` until end of file.
-async fn pump<R: AsyncRead + Unpin>(
-    reader: R,
-    stream: LogStream,
-    logs: Arc<LogBuffer>,
-    wake: Arc<Notify>,
-) {
-    let mut reader = BufReader::with_capacity(16 * 1024, reader);
-    let mut lines = LineSplitter::default();
-    loop {
-        let buf = match reader.fill_buf().await {
-            Ok(buf) => buf,
-            Err(error) => {
-                tracing::warn!(instance_id = %logs.instance_id, ?stream, %error, "cannot read process output");
-                break;
-            }
-        };
-        if buf.is_empty() {
-            lines.finish(|l| emit(&logs, &wake, stream, l));
-            break;
-        }
-        let n = buf.len();
-        lines.feed(buf, |l| emit(&logs, &wake, stream, l));
-        reader.consume(n);
-    }
-}
-
-fn emit(logs: &LogBuffer, wake: &Notify, stream: LogStream, raw: &[u8]) {
-    let pending = logs.push(stream, String::from_utf8_lossy(raw).into_owned());
-    if pending >= SHIP_BATCH_LINES {
-        wake.notify_one();
     }
 }
 
