@@ -371,6 +371,11 @@ pub struct RegisterNode {
     /// Agent version.
     #[serde(default)]
     pub agent_version: String,
+    /// Instances the agent still runs (taken over from an earlier agent
+    /// process after a restart): the server must not fail them. Every
+    /// other instance it had started there is gone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub running: Vec<InstanceId>,
 }
 
 /// The server's answer to a registration.
@@ -544,6 +549,11 @@ impl SyncRequest {
 pub struct Assignment {
     /// Instance.
     pub instance_id: InstanceId,
+    /// Its tenant: the agent runs each tenant's work as its own
+    /// unprivileged user. Absent from older servers (each instance then
+    /// gets a user of its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant_id: Option<TenantId>,
     /// Program and arguments.
     pub command: Vec<String>,
     /// Extra environment (device variables are added by the agent).

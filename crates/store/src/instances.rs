@@ -888,6 +888,7 @@ impl Store {
                 held.sort();
                 Ok(Assignment {
                     instance_id: i.id,
+                    tenant_id: Some(i.tenant_id),
                     command: i.command,
                     env: i.env,
                     workdir: i.workdir,
@@ -974,13 +975,19 @@ impl Store {
     }
 
     /// A node's agent registered afresh: it lost track of the commands it
-    /// had started, so instances past `scheduled` there fail. Scheduled
-    /// ones stay; the new agent starts them.
-    pub async fn fail_started_on(&self, node: &NodeId, now: DateTime<Utc>) -> Result<u64> {
+    /// had started, so instances past `scheduled` there fail, except those
+    /// it says still run (`running`: it took them over). Scheduled ones
+    /// stay; the new agent starts them.
+    pub async fn fail_started_on(
+        &self,
+        node: &NodeId,
+        running: &[InstanceId],
+        now: DateTime<Utc>,
+    ) -> Result<u64> {
         use InstanceState::*;
         let reason = "node agent restarted and lost track of the command";
         let failed = self
-            .move_all_on(node, &[Starting, Running], &[], Failed, reason, now)
+            .move_all_on(node, &[Starting, Running], running, Failed, reason, now)
             .await?;
         Ok(failed.len() as u64)
     }
