@@ -19,5 +19,6 @@ pub mod node;
 pub mod placement;
 pub mod quota;
 pub mod tenant;
+pub mod work;
 
 pub use error::{FieldError, QuotaExceeded};

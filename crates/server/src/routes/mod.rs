@@ -32,6 +32,7 @@ pub mod prices;
 pub mod telemetry;
 pub mod tenants;
 pub mod usage;
+pub(crate) mod work;
 
 #[derive(OpenApi)]
 #[openapi(
