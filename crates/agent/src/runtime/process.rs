@@ -52,6 +52,22 @@ impl ProcessRuntime {
             source,
         })?;
         let isolation = Isolation::probe(config)?;
+        if let Isolation::UsersOnly { .. } = isolation {
+            // Without a sandbox the tenants' uids must reach their own
+            // directories: traversable, not listable.
+            use std::os::unix::fs::PermissionsExt;
+            let instances = config.work_dir.join("instances");
+            let traversable = |dir: &Path| {
+                std::fs::create_dir_all(dir)?;
+                std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+            };
+            for dir in [config.work_dir.as_path(), instances.as_path()] {
+                traversable(dir).map_err(|source| RuntimeError::Io {
+                    what: format!("making {} traversable", dir.display()),
+                    source,
+                })?;
+            }
+        }
         tracing::info!(isolation = isolation.name(), "process runtime ready");
         Ok(Self::with_isolation(config.work_dir.clone(), isolation))
     }
@@ -338,8 +354,21 @@ async fn wait_for_sandbox_init(outer: u32, state: &StateDir) -> Option<u32> {
     }
 }
 
-fn sandbox_init_of(outer: u32) -> Option<u32> {
-    let entries = std::fs::read_dir("/proc").ok()?;
+/// Waits (up to a second) until `parent` has a child: the sandbox's init
+/// started the command.
+async fn wait_for_child_of(parent: u32) {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < deadline && children_of(parent).is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The pids whose parent is `parent`, with their `/proc/<pid>/status`.
+fn children_of(parent: u32) -> Vec<(u32, String)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
     for entry in entries.flatten() {
         let Some(pid) = entry
             .file_name()
@@ -351,22 +380,22 @@ fn sandbox_init_of(outer: u32) -> Option<u32> {
         let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
             continue;
         };
-        let field = |name: &str| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(name))
-                .map(str::trim)
-                .map(str::to_string)
-        };
-        if field("PPid:").and_then(|p| p.parse::<u32>().ok()) != Some(outer) {
-            continue;
-        }
-        let nspid = field("NSpid:").unwrap_or_default();
-        if nspid.split_whitespace().last() == Some("1") {
-            return Some(pid);
+        let ppid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:"))
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        if ppid == Some(parent) {
+            out.push((pid, status));
         }
     }
-    None
+    out
+}
+
+fn sandbox_init_of(outer: u32) -> Option<u32> {
+    children_of(outer).into_iter().find_map(|(pid, status)| {
+        let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+        (nspid.split_whitespace().last() == Some("1")).then_some(pid)
+    })
 }
 
 /// The two ways of following a workload's leader.
@@ -488,6 +517,11 @@ async fn supervise(mut s: Supervised) {
                 if !stop_requested {
                     stop_requested = true;
                     tracing::info!(instance_id = %s.instance_id, pid = s.pid, grace_ms = grace.as_millis() as u64, "stopping process group");
+                    if let Some(init) = s.sandbox_init {
+                        // The namespace's init ignores SIGTERM: a stop that
+                        // comes before it started the command would be lost.
+                        wait_for_child_of(init).await;
+                    }
                     terminate(s.pid, s.sandbox_init);
                 }
                 let deadline = Instant::now() + grace;
