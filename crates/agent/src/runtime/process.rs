@@ -39,6 +39,9 @@ const PIPE_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 pub struct ProcessRuntime {
     work_dir: PathBuf,
+    /// Where the workloads' state is kept: one directory per node, so that
+    /// an agent adopts only its own node's work.
+    state_root: PathBuf,
     isolation: Isolation,
 }
 
@@ -74,10 +77,20 @@ impl ProcessRuntime {
 
     /// A process runtime isolating workloads as `isolation` says.
     pub fn with_isolation(work_dir: impl Into<PathBuf>, isolation: Isolation) -> Self {
+        let work_dir = work_dir.into();
         Self {
-            work_dir: work_dir.into(),
+            state_root: work_dir.join("state").join("local"),
+            work_dir,
             isolation,
         }
+    }
+
+    /// Keeps the workloads' state under `state/<node>` (default `local`):
+    /// agents of several nodes sharing a work directory must not adopt
+    /// each other's work.
+    pub fn for_node(mut self, node: &str) -> Self {
+        self.state_root = self.work_dir.join("state").join(node);
+        self
     }
 
     /// How it isolates workloads.
@@ -113,7 +126,7 @@ impl ProcessRuntime {
         };
         // Output goes to files the workload writes itself, so that it
         // outlives the agent (see [`super::state`]).
-        let state = StateDir::new(&self.work_dir, &spec.instance_id);
+        let state = StateDir::new(&self.state_root, &spec.instance_id);
         state.create().map_err(os)?;
         let stdout = state.append("stdout").map_err(os)?;
         let stderr = state.append("stderr").map_err(os)?;
@@ -263,7 +276,7 @@ impl Runtime for ProcessRuntime {
     fn adopt(&self, wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>> {
         Box::pin(async move {
             let mut adopted = Vec::new();
-            for (id, state) in StateDir::all(&self.work_dir) {
+            for (id, state) in StateDir::all(&self.state_root) {
                 let Some(record) = state.record() else {
                     // Started, then the agent died before recording it:
                     // nothing to go by.
@@ -304,7 +317,7 @@ impl Runtime for ProcessRuntime {
     }
 
     fn release(&self, instance_id: &InstanceId) {
-        StateDir::new(&self.work_dir, instance_id).remove();
+        StateDir::new(&self.state_root, instance_id).remove();
     }
 }
 
