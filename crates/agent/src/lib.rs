@@ -262,7 +262,9 @@ fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
                 insecure: config.insecure_process_runtime,
                 ..runtime::sandbox::SandboxConfig::new(&config.work_dir)
             };
-            Ok(Arc::new(runtime::ProcessRuntime::new(&sandbox)?))
+            Ok(Arc::new(
+                runtime::ProcessRuntime::new(&sandbox)?.for_node(&config.name),
+            ))
         }
         RuntimeKind::Container => {
             anyhow::bail!("the container runtime is not available in this build")

@@ -25,17 +25,6 @@ const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 /// The ordinary user a root test plays (`nobody` on Debian).
 const ORDINARY_UID: u32 = 65_534;
 
-fn tenant(home: &Home, name: &str) -> String {
-    let op = home.operator_key();
-    let t = home.cli_json(Some(&op), &["tenants", "create", name]);
-    let id = t["id"].as_str().unwrap().to_string();
-    let k = home.cli_json(
-        Some(&op),
-        &["keys", "create", "--role", "tenant_admin", "--tenant", &id],
-    );
-    k["secret"].as_str().unwrap().to_string()
-}
-
 fn run(home: &Home, key: &str, args: &[&str]) -> String {
     let mut all = vec!["run", "--detach", "--gpus", "1"];
     all.extend_from_slice(args);
@@ -141,8 +130,8 @@ fn probe_script(home: &Home, a_workdir: &Path, a_pid: u32) -> String {
 fn scenario(home: &Home, per_tenant_users: bool) {
     let _server = home.server();
     let _agent = home.agent("iso-node", "2xH100");
-    let key_a = tenant(home, "alpha");
-    let key_b = tenant(home, "beta");
+    let (_, key_a) = home.tenant("alpha");
+    let (_, key_b) = home.tenant("beta");
     let secret = format!(
         "A_SECRET=s3cret-{}-{}",
         std::process::id(),

@@ -14,20 +14,8 @@ fn forty_lines_of_sixty_kib_and_a_marker_all_arrive() {
     let home = Home::new(BIN);
     let _server = home.server();
     let _agent = home.agent("logs-node", "1xH100");
-    let op = home.operator_key();
-    let t = home.cli_json(Some(&op), &["tenants", "create", "chatty"]);
-    let k = home.cli_json(
-        Some(&op),
-        &[
-            "keys",
-            "create",
-            "--role",
-            "tenant_admin",
-            "--tenant",
-            t["id"].as_str().unwrap(),
-        ],
-    );
-    let key = k["secret"].as_str().unwrap();
+    let (_, key) = home.tenant("chatty");
+    let key = key.as_str();
     let out = home.cli(
         Some(key),
         &[

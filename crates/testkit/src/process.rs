@@ -280,6 +280,19 @@ impl Home {
         creds["api_key"].as_str().expect("api_key").to_string()
     }
 
+    /// A new tenant `name` and a tenant admin key for it, made through the
+    /// CLI with the operator key: `(tenant id, key)`.
+    pub fn tenant(&self, name: &str) -> (String, String) {
+        let op = self.operator_key();
+        let t = self.cli_json(Some(&op), &["tenants", "create", name]);
+        let id = t["id"].as_str().expect("tenant id").to_string();
+        let k = self.cli_json(
+            Some(&op),
+            &["keys", "create", "--role", "tenant_admin", "--tenant", &id],
+        );
+        (id, k["secret"].as_str().expect("key secret").to_string())
+    }
+
     /// GET `path` with `key`; panics unless 200.
     pub fn get(&self, key: &str, path: &str) -> Value {
         let (status, body) = http("GET", &format!("{}{path}", self.url()), Some(key), None)

@@ -39,6 +39,9 @@ const PIPE_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 pub struct ProcessRuntime {
     work_dir: PathBuf,
+    /// Where the workloads' state is kept: one directory per node, so that
+    /// an agent adopts only its own node's work.
+    state_root: PathBuf,
     isolation: Isolation,
 }
 
@@ -52,16 +55,42 @@ impl ProcessRuntime {
             source,
         })?;
         let isolation = Isolation::probe(config)?;
+        if let Isolation::UsersOnly { .. } = isolation {
+            // Without a sandbox the tenants' uids must reach their own
+            // directories: traversable, not listable.
+            use std::os::unix::fs::PermissionsExt;
+            let instances = config.work_dir.join("instances");
+            let traversable = |dir: &Path| {
+                std::fs::create_dir_all(dir)?;
+                std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+            };
+            for dir in [config.work_dir.as_path(), instances.as_path()] {
+                traversable(dir).map_err(|source| RuntimeError::Io {
+                    what: format!("making {} traversable", dir.display()),
+                    source,
+                })?;
+            }
+        }
         tracing::info!(isolation = isolation.name(), "process runtime ready");
         Ok(Self::with_isolation(config.work_dir.clone(), isolation))
     }
 
     /// A process runtime isolating workloads as `isolation` says.
     pub fn with_isolation(work_dir: impl Into<PathBuf>, isolation: Isolation) -> Self {
+        let work_dir = work_dir.into();
         Self {
-            work_dir: work_dir.into(),
+            state_root: work_dir.join("state").join("local"),
+            work_dir,
             isolation,
         }
+    }
+
+    /// Keeps the workloads' state under `state/<node>` (default `local`):
+    /// agents of several nodes sharing a work directory must not adopt
+    /// each other's work.
+    pub fn for_node(mut self, node: &str) -> Self {
+        self.state_root = self.work_dir.join("state").join(node);
+        self
     }
 
     /// How it isolates workloads.
@@ -97,7 +126,7 @@ impl ProcessRuntime {
         };
         // Output goes to files the workload writes itself, so that it
         // outlives the agent (see [`super::state`]).
-        let state = StateDir::new(&self.work_dir, &spec.instance_id);
+        let state = StateDir::new(&self.state_root, &spec.instance_id);
         state.create().map_err(os)?;
         let stdout = state.append("stdout").map_err(os)?;
         let stderr = state.append("stderr").map_err(os)?;
@@ -247,7 +276,7 @@ impl Runtime for ProcessRuntime {
     fn adopt(&self, wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>> {
         Box::pin(async move {
             let mut adopted = Vec::new();
-            for (id, state) in StateDir::all(&self.work_dir) {
+            for (id, state) in StateDir::all(&self.state_root) {
                 let Some(record) = state.record() else {
                     // Started, then the agent died before recording it:
                     // nothing to go by.
@@ -288,7 +317,7 @@ impl Runtime for ProcessRuntime {
     }
 
     fn release(&self, instance_id: &InstanceId) {
-        StateDir::new(&self.work_dir, instance_id).remove();
+        StateDir::new(&self.state_root, instance_id).remove();
     }
 }
 
@@ -338,8 +367,21 @@ async fn wait_for_sandbox_init(outer: u32, state: &StateDir) -> Option<u32> {
     }
 }
 
-fn sandbox_init_of(outer: u32) -> Option<u32> {
-    let entries = std::fs::read_dir("/proc").ok()?;
+/// Waits (up to a second) until `parent` has a child: the sandbox's init
+/// started the command.
+async fn wait_for_child_of(parent: u32) {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < deadline && children_of(parent).is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The pids whose parent is `parent`, with their `/proc/<pid>/status`.
+fn children_of(parent: u32) -> Vec<(u32, String)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
     for entry in entries.flatten() {
         let Some(pid) = entry
             .file_name()
@@ -351,22 +393,22 @@ fn sandbox_init_of(outer: u32) -> Option<u32> {
         let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
             continue;
         };
-        let field = |name: &str| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(name))
-                .map(str::trim)
-                .map(str::to_string)
-        };
-        if field("PPid:").and_then(|p| p.parse::<u32>().ok()) != Some(outer) {
-            continue;
-        }
-        let nspid = field("NSpid:").unwrap_or_default();
-        if nspid.split_whitespace().last() == Some("1") {
-            return Some(pid);
+        let ppid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:"))
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        if ppid == Some(parent) {
+            out.push((pid, status));
         }
     }
-    None
+    out
+}
+
+fn sandbox_init_of(outer: u32) -> Option<u32> {
+    children_of(outer).into_iter().find_map(|(pid, status)| {
+        let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+        (nspid.split_whitespace().last() == Some("1")).then_some(pid)
+    })
 }
 
 /// The two ways of following a workload's leader.
@@ -488,6 +530,11 @@ async fn supervise(mut s: Supervised) {
                 if !stop_requested {
                     stop_requested = true;
                     tracing::info!(instance_id = %s.instance_id, pid = s.pid, grace_ms = grace.as_millis() as u64, "stopping process group");
+                    if let Some(init) = s.sandbox_init {
+                        // The namespace's init ignores SIGTERM: a stop that
+                        // comes before it started the command would be lost.
+                        wait_for_child_of(init).await;
+                    }
                     terminate(s.pid, s.sandbox_init);
                 }
                 let deadline = Instant::now() + grace;

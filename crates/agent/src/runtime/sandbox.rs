@@ -405,7 +405,7 @@ pub fn prepare_workdir(root: &Path, workdir: &Path, uid: Option<u32>) -> Result<
             std::io::Error::other("`..` is not allowed in a working directory"),
         ));
     }
-    if let Some(parent) = root.parent() {
+    if let Some(parent) = root.parent().filter(|p| !p.is_dir()) {
         create_private_dir(parent).map_err(|e| err(parent, e))?;
     }
     let mut dir = root.to_path_buf();

@@ -6,7 +6,7 @@
 //! so that a reused pid is not mistaken for it) and how far its output was
 //! shipped.
 //!
-//! Everything lives in `<work dir>/state/<instance id>/`, mode 0700, owned
+//! Everything lives in `<work dir>/state/<node>/<instance id>/`, mode 0700, owned
 //! by the agent's user: a workload never sees it.
 
 use std::fs;
@@ -60,16 +60,17 @@ pub struct Checkpoint {
 }
 
 impl StateDir {
-    /// The state directory of `instance_id` under `work_dir`.
-    pub fn new(work_dir: &Path, instance_id: &InstanceId) -> Self {
+    /// The state directory of `instance_id` under `root` (one per node:
+    /// agents of several nodes may share a work directory).
+    pub fn new(root: &Path, instance_id: &InstanceId) -> Self {
         Self {
-            dir: work_dir.join("state").join(instance_id.as_str()),
+            dir: root.join(instance_id.as_str()),
         }
     }
 
-    /// Every state directory under `work_dir`, with its instance.
-    pub fn all(work_dir: &Path) -> Vec<(InstanceId, StateDir)> {
-        let Ok(entries) = fs::read_dir(work_dir.join("state")) else {
+    /// Every state directory under `root`, with its instance.
+    pub fn all(root: &Path) -> Vec<(InstanceId, StateDir)> {
+        let Ok(entries) = fs::read_dir(root) else {
             return Vec::new();
         };
         entries
