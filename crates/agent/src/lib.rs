@@ -103,6 +103,8 @@ pub struct AgentConfig {
     /// Lets the process runtime run workloads as root's agent without a
     /// sandbox (bubblewrap missing): only per-tenant users separate them.
     pub insecure_process_runtime: bool,
+    /// Host paths shown inside every sandboxed workload (`--sandbox-share`).
+    pub sandbox_shares: Vec<runtime::sandbox::SharedPath>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -120,6 +122,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("fence_program", &self.fence_program)
             .field("runtime", &self.runtime)
             .field("insecure_process_runtime", &self.insecure_process_runtime)
+            .field("sandbox_shares", &self.sandbox_shares)
             .finish()
     }
 }
@@ -145,6 +148,7 @@ impl AgentConfig {
             fence_program: None,
             runtime: RuntimeKind::default(),
             insecure_process_runtime: false,
+            sandbox_shares: Vec::new(),
         }
     }
 }
@@ -260,6 +264,7 @@ fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
         RuntimeKind::Process => {
             let sandbox = runtime::sandbox::SandboxConfig {
                 insecure: config.insecure_process_runtime,
+                shares: config.sandbox_shares.clone(),
                 ..runtime::sandbox::SandboxConfig::new(&config.work_dir)
             };
             Ok(Arc::new(
@@ -635,6 +640,11 @@ impl Agent {
             // A sync after a long silence (this process was paused, say)
             // must not report work its lease no longer covers as running.
             self.shared.fence_if_due(Instant::now());
+            // A workload that started since the last renewal (starts run
+            // off this loop and wake it) must be in the fence's file before
+            // the sync below tells the server it runs: the agent may be
+            // paused right after.
+            self.tell_fence();
             let changed = &self.shared.wakers.changed;
             // What the request below reports covers every change so far.
             consume_permit(changed).await;

@@ -139,6 +139,11 @@ pub struct UpArgs {
     /// per-tenant users (they see the host's files and processes).
     #[arg(long)]
     pub insecure_process_runtime: bool,
+    /// A host path shown inside every sandboxed workload, at the same path:
+    /// `PATH` read-only or `PATH:rw` (repeatable). Every tenant on the node
+    /// sees it: for shared weights, datasets or scratch, never secrets.
+    #[arg(long, value_name = "PATH[:rw]")]
+    pub sandbox_share: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
 }
 
 /// Options of `agent`.
@@ -171,6 +176,11 @@ pub struct AgentArgs {
     /// per-tenant users (they see the host's files and processes).
     #[arg(long)]
     pub insecure_process_runtime: bool,
+    /// A host path shown inside every sandboxed workload, at the same path:
+    /// `PATH` read-only or `PATH:rw` (repeatable). Every tenant on the node
+    /// sees it: for shared weights, datasets or scratch, never secrets.
+    #[arg(long, value_name = "PATH[:rw]")]
+    pub sandbox_share: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
 }
 
 /// Installs the stderr logger: `RUST_LOG` when set, else `info` for the
@@ -432,6 +442,7 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
     // hands its GPUs to other work (a quick restart takes it over first).
     agent_config.fence_program = std::env::current_exe().ok();
     agent_config.insecure_process_runtime = args.insecure_process_runtime;
+    agent_config.sandbox_shares = args.sandbox_share.clone();
     let (agent_stop, agent_stopped) = oneshot::channel::<()>();
     let mut agent = tokio::spawn(flotilla_agent::run(agent_config, async move {
         let _ = agent_stopped.await;
@@ -587,6 +598,7 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     cfg.simulate_gpus = args.simulate_gpus;
     cfg.runtime = args.runtime;
     cfg.insecure_process_runtime = args.insecure_process_runtime;
+    cfg.sandbox_shares = args.sandbox_share;
     // The node lease's fence: this binary, as `flotilla agent-fence`.
     cfg.fence_program = std::env::current_exe().ok();
     let (stop, stopped) = oneshot::channel::<()>();

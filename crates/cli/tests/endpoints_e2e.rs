@@ -92,7 +92,6 @@ fn requests_metered(home: &Home, key: &str) -> u64 {
 }
 
 #[test]
-#[ignore = "since the sandboxed process runtime (bubblewrap) landed, a replica sees only /usr, /bin, /lib*, /etc and its own directory, so `exec <target>/flotilla emulator` exits 127; passed before that merge (commit 41deec6, 16 s); needs the emulator installed where the sandbox shows it, or a runtime option for tests"]
 fn an_endpoint_scales_from_zero_serves_200_requests_and_returns_to_zero() {
     let home = Home::new(BIN);
     let _server = home.server();

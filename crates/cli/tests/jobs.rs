@@ -203,7 +203,7 @@ fn a_tier_one_instance_preempts_a_spot_job_member_and_the_whole_job_is_requeued_
     let (_server, _agents, key) = setup(&env);
     // Each rank checkpoints on SIGTERM (a marker file per rank) and, once
     // requeued, resumes from it and completes.
-    let mark = env.data().join("ckpt");
+    let mark = env.shared().join("ckpt");
     let script = "trap 'echo got SIGTERM; touch \"$MARK.$FLOTILLA_JOB_RANK\"; exit 143' TERM; \
                   echo started attempt $FLOTILLA_JOB_ATTEMPT; \
                   if [ -f \"$MARK.$FLOTILLA_JOB_RANK\" ]; then echo resumed; exit 0; fi; \

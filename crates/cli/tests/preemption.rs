@@ -58,7 +58,7 @@ fn tier_one_run_preempts_a_spot_job_which_is_requeued_and_completes() {
 
     // The spot job checkpoints on SIGTERM (a marker file) and, once
     // requeued, resumes from it and completes.
-    let mark = env.data().join("checkpoint");
+    let mark = env.shared().join("checkpoint");
     let script = "trap 'echo got SIGTERM; touch \"$MARK\"; exit 143' TERM; echo started; \
                   if [ -f \"$MARK\" ]; then echo resumed; exit 0; fi; \
                   while true; do sleep 0.2; done";

@@ -125,6 +125,38 @@ pub struct Home {
     pub uid: Option<u32>,
 }
 
+/// Workloads outlive their agent on purpose (a restarted agent adopts
+/// them), so a test that ends, or fails, with work still running would
+/// leave it behind. Every process whose command line names this home's
+/// directory (a sandbox, a server, an agent) is killed with it; a sandbox's
+/// pid namespace takes its workload down with it.
+impl Drop for Home {
+    fn drop(&mut self) {
+        let needle = self.dir.path().to_string_lossy().into_owned();
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                continue;
+            };
+            if String::from_utf8_lossy(&cmdline).contains(&needle) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
 impl Home {
     /// A fresh home for `bin` (pass `env!("CARGO_BIN_EXE_flotilla")`).
     pub fn new(bin: impl Into<PathBuf>) -> Self {
@@ -147,6 +179,19 @@ impl Home {
     /// The data directory (`FLOTILLA_DATA_DIR`).
     pub fn data(&self) -> PathBuf {
         self.dir.path().join("data")
+    }
+
+    /// A directory every workload of this home's agents sees read-write
+    /// (`--sandbox-share`), like a team's shared volume: where a test's
+    /// workloads keep checkpoints across attempts.
+    pub fn shared(&self) -> PathBuf {
+        let dir = self.dir.path().join("shared");
+        std::fs::create_dir_all(&dir).expect("shared directory");
+        // Workloads run as per-tenant users: they must be able to write.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777))
+            .expect("shared directory mode");
+        dir
     }
 
     /// A command for the binary with this home's environment and nothing
@@ -232,6 +277,12 @@ impl Home {
             .args(["agent", "--server", servers, "--token", token.trim()])
             .args(["--name", name, "--simulate-gpus", simulate, "--work-dir"])
             .arg(self.dir.path().join("agent"))
+            // Workloads may keep files across attempts in `shared()`, and
+            // exec the binary under test (an endpoint's replica).
+            .arg("--sandbox-share")
+            .arg(format!("{}:rw", self.shared().display()))
+            .arg("--sandbox-share")
+            .arg(self.bin.parent().expect("the binary's directory"))
             .stdout(self.log("agent"))
             .stderr(self.log("agent"))
             .spawn()

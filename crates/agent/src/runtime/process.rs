@@ -22,7 +22,7 @@ use tokio::time::Instant;
 
 use super::sandbox::{
     bwrap_args_hiding, create_private_dir, owner_of, prepare_workdir, setpriv_args, Isolation,
-    SandboxConfig,
+    SandboxConfig, SharedPath,
 };
 use super::state::{alive, start_ticks, tail, Checkpoint, Record, StateDir};
 use super::{
@@ -43,6 +43,8 @@ pub struct ProcessRuntime {
     /// an agent adopts only its own node's work.
     state_root: PathBuf,
     isolation: Isolation,
+    /// Host paths shown inside every sandbox.
+    shares: Vec<SharedPath>,
 }
 
 impl ProcessRuntime {
@@ -71,8 +73,10 @@ impl ProcessRuntime {
                 })?;
             }
         }
-        tracing::info!(isolation = isolation.name(), "process runtime ready");
-        Ok(Self::with_isolation(config.work_dir.clone(), isolation))
+        tracing::info!(isolation = isolation.name(), shares = ?config.shares, "process runtime ready");
+        let mut runtime = Self::with_isolation(config.work_dir.clone(), isolation);
+        runtime.shares = config.shares.clone();
+        Ok(runtime)
     }
 
     /// A process runtime isolating workloads as `isolation` says.
@@ -82,6 +86,7 @@ impl ProcessRuntime {
             state_root: work_dir.join("state").join("local"),
             work_dir,
             isolation,
+            shares: Vec::new(),
         }
     }
 
@@ -156,8 +161,13 @@ impl ProcessRuntime {
                     return Err(SpawnError::NoSuchProgram(program.clone()));
                 }
                 let mut cmd = tokio::process::Command::new(bwrap);
-                let mut bwrap_args =
-                    bwrap_args_hiding(&root, &spec.workdir, uid.is_none(), Some(&self.work_dir));
+                let mut bwrap_args = bwrap_args_hiding(
+                    &root,
+                    &spec.workdir,
+                    uid.is_none(),
+                    Some(&self.work_dir),
+                    &self.shares,
+                );
                 // bubblewrap records the exit code in the status file even
                 // when the agent is gone; it reaches it as standard input,
                 // which it closes for the workload.
@@ -353,18 +363,32 @@ fn resolve(program: &str, path: Option<&std::ffi::OsStr>) -> Option<PathBuf> {
 /// whose pid in its own namespace is 1. Waits up to a second for it (it is
 /// forked right away); `None` when the sandbox ended before.
 async fn wait_for_sandbox_init(outer: u32, state: &StateDir) -> Option<u32> {
-    let deadline = Instant::now() + Duration::from_secs(1);
+    // Usually a few milliseconds; a loaded machine can take seconds to
+    // schedule bubblewrap's fork, and giving up early would leave stops
+    // and the fence signalling bubblewrap instead of the workload. Only
+    // bubblewrap ending (it failed to set the sandbox up) ends the wait
+    // early.
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         // bubblewrap's own record first: it stays when bubblewrap ended
         // at once and its init was reparented.
         if let Some(init) = state.sandbox_init().or_else(|| sandbox_init_of(outer)) {
             return Some(init);
         }
-        if Instant::now() >= deadline {
+        if Instant::now() >= deadline || !pid_runs(outer) {
             return None;
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+}
+
+/// Whether `pid` still runs (a zombie has ended).
+fn pid_runs(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        !stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+    })
 }
 
 /// Waits (up to a second) until `parent` has a child: the sandbox's init

@@ -97,6 +97,40 @@ pub struct SandboxConfig {
     pub uid_base: u32,
     /// Size of the range.
     pub uid_count: u32,
+    /// Host paths the operator shares with every workload on this node
+    /// (model weights, a scratch volume, toolkits outside `/usr`).
+    pub shares: Vec<SharedPath>,
+}
+
+/// A host path the operator exposes inside every sandbox on a node, at the
+/// same path: `PATH` read-only, `PATH:rw` read-write. Every tenant's
+/// workloads on the node see it, so it is for data meant to be shared
+/// (weights, datasets, checkpoints of one team), never for secrets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedPath {
+    /// Absolute host path, bound at the same path.
+    pub path: PathBuf,
+    /// Bound read-write rather than read-only.
+    pub writable: bool,
+}
+
+impl std::str::FromStr for SharedPath {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (path, writable) = match s.rsplit_once(':') {
+            Some((p, "rw")) => (p, true),
+            Some((p, "ro")) => (p, false),
+            _ => (s, false),
+        };
+        let path = PathBuf::from(path);
+        if !path.is_absolute() {
+            return Err(format!(
+                "`{s}`: a shared path must be absolute (PATH or PATH:rw)"
+            ));
+        }
+        Ok(SharedPath { path, writable })
+    }
 }
 
 impl SandboxConfig {
@@ -107,6 +141,7 @@ impl SandboxConfig {
             insecure: false,
             uid_base: DEFAULT_UID_BASE,
             uid_count: DEFAULT_UID_COUNT,
+            shares: Vec::new(),
         }
     }
 }
@@ -220,7 +255,7 @@ fn probe_bwrap(bwrap: &Path, uid: Option<u32>) -> Result<(), String> {
 /// instance's directory, bound read-write at its own path; the command
 /// starts in `workdir`. `user_ns`: create a user namespace (not root).
 pub fn bwrap_args(root: &Path, workdir: &Path, user_ns: bool) -> Vec<String> {
-    bwrap_args_hiding(root, workdir, user_ns, None)
+    bwrap_args_hiding(root, workdir, user_ns, None, &[])
 }
 
 /// [`bwrap_args`], with `work_dir` (the agent's) covered by an empty
@@ -231,6 +266,7 @@ pub fn bwrap_args_hiding(
     workdir: &Path,
     user_ns: bool,
     work_dir: Option<&Path>,
+    shares: &[SharedPath],
 ) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
@@ -266,6 +302,17 @@ pub fn bwrap_args_hiding(
         }
     }
     push(&["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]);
+    // After the empty /tmp, so a share below /tmp shows; before the agent's
+    // directory is covered, so a share can never uncover it.
+    for share in shares {
+        let path = share.path.to_string_lossy();
+        let bind = if share.writable {
+            "--bind"
+        } else {
+            "--ro-bind"
+        };
+        push(&[bind, &path, &path]);
+    }
     if let Some(work_dir) = work_dir {
         push(&["--tmpfs", &work_dir.to_string_lossy()]);
     }
