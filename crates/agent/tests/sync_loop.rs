@@ -240,6 +240,7 @@ impl Mock {
 fn assignment(n: u128, script: &str) -> Assignment {
     Assignment {
         instance_id: InstanceId::generate(1_000, n),
+        tenant_id: None,
         command: vec!["sh".into(), "-c".into(), script.into()],
         env: BTreeMap::from([("FOO".to_string(), "bar".to_string())]),
         workdir: None,

@@ -64,6 +64,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: u32) -> NodeId {
         simulated: true,
         gpus: list,
         agent_version: "test".into(),
+        running: Vec::new(),
     };
     s.register_node(
         owner,
