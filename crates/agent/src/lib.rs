@@ -19,6 +19,7 @@
 //! holds the configuration and the loops that tie them together.
 
 pub mod client;
+pub mod container;
 pub mod discovery;
 pub mod fence;
 pub mod runtime;
@@ -297,6 +298,8 @@ impl Tracked {
             instance_id: instance_id.clone(),
             phase,
             at,
+            message: None,
+            container: None,
         }
     }
 }

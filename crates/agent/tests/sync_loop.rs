@@ -248,6 +248,10 @@ fn assignment(n: u128, script: &str) -> Assignment {
         gpu_slices: Vec::new(),
         stop: false,
         stop_grace_ms: 5_000,
+        tenant_id: None,
+        image: None,
+        cpu_milli: None,
+        memory_mb: None,
     }
 }
 

@@ -62,6 +62,7 @@ pub enum JobsCommand {
 /// `flotilla jobs submit` options: the work (the arguments `flotilla run`
 /// takes, per member), and what makes it a gang.
 #[derive(Debug, clap::Args)]
+#[command(group = clap::ArgGroup::new("what").required(true).args(["command"]))]
 pub struct SubmitArgs {
     #[command(flatten)]
     pub work: WorkArgs,
@@ -125,7 +126,7 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
         name: w.name,
         gpus: w.gpus,
         nodes: Some(args.nodes),
-        cpu_milli: w.cpu,
+        cpu_milli: w.cpu.or(w.cpus),
         memory_mb: w.memory,
         command: w.command,
         env: w.env.into_iter().collect(),

@@ -372,6 +372,10 @@ impl CreateJob {
             preemptible: self.preemptible,
             gpu_fraction: self.gpu_fraction,
             mig_profile: self.mig_profile,
+            // Jobs run commands; images are for instances so far.
+            image: None,
+            ports: Vec::new(),
+            scratch_mb: None,
         }
         .validate(catalog)?;
         let (gpu_fraction, mig_profile) = match &member.share {

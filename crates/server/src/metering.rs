@@ -225,6 +225,9 @@ mod tests {
                     at: t(*at),
                 })
                 .collect(),
+            image: None,
+            published_ports: Vec::new(),
+            cold_start: None,
         }
     }
 
