@@ -279,7 +279,7 @@ pub fn parse_memory(s: &str) -> std::result::Result<u64, String> {
         .parse()
         .map_err(|_| format!("expected a size such as 512M or 2G, got `{s}`"))?;
     let mib = (n * factor).ceil();
-    if !n.is_finite() || mib < 1.0 || mib > 64.0 * 1024.0 * 1024.0 {
+    if !n.is_finite() || !(1.0..=64.0 * 1024.0 * 1024.0).contains(&mib) {
         return Err(format!("expected between 1M and 64T, got `{s}`"));
     }
     Ok(mib as u64)
