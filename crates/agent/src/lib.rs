@@ -14,8 +14,9 @@
 //! twice. It must never report an instance as exited before the server
 //! accepted all of its log lines.
 //!
-//! Modules: [`discovery`] (what the node offers), [`runtime`] (process
-//! supervision and log capture), [`client`] (HTTP to the server); this file
+//! Modules: [`discovery`] (what the node offers), [`runtime`] (where
+//! workloads run: the [`runtime::Runtime`] trait and its runtimes, log
+//! capture), [`client`] (HTTP to the server); this file
 //! holds the configuration and the loops that tie them together.
 
 pub mod client;
@@ -44,7 +45,7 @@ use tokio::time::Instant;
 pub use discovery::{discover, nvml_available, DiscoveryError};
 
 use client::{Client, ClientError, Retryable};
-use runtime::{Process, SpawnSpec, Wakers};
+use runtime::{Runtime, RuntimeKind, SpawnSpec, Wakers, Workload};
 use telemetry::Telemetry;
 
 /// First retry delay after a failed server call.
@@ -98,6 +99,11 @@ pub struct AgentConfig {
     /// its own binary. `None`: no fence process (the agent still stops its
     /// work itself when the lease runs out, but not while it is paused).
     pub fence_program: Option<PathBuf>,
+    /// Where workloads run (default: sandboxed processes).
+    pub runtime: RuntimeKind,
+    /// Lets the process runtime run workloads as root's agent without a
+    /// sandbox (bubblewrap missing): only per-tenant users separate them.
+    pub insecure_process_runtime: bool,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -113,6 +119,8 @@ impl std::fmt::Debug for AgentConfig {
             .field("work_dir", &self.work_dir)
             .field("sync_wait_ms", &self.sync_wait_ms)
             .field("fence_program", &self.fence_program)
+            .field("runtime", &self.runtime)
+            .field("insecure_process_runtime", &self.insecure_process_runtime)
             .finish()
     }
 }
@@ -136,6 +144,8 @@ impl AgentConfig {
             work_dir: work_dir.into(),
             sync_wait_ms: 10_000,
             fence_program: None,
+            runtime: RuntimeKind::default(),
+            insecure_process_runtime: false,
         }
     }
 }
@@ -189,6 +199,13 @@ pub async fn run(
         simulated: config.simulate_gpus.is_some(),
         gpus,
         agent_version: env!("CARGO_PKG_VERSION").to_string(),
+        running: Vec::new(),
+    };
+    let runtime = {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || runtime_for(&config))
+            .await
+            .context("runtime setup task failed")??
     };
     let client = Client::new(&config.server_url, &config.token)?;
     let shared = Arc::new(Shared::default());
@@ -200,9 +217,13 @@ pub async fn run(
         telemetry,
         shared: shared.clone(),
         node: None,
+        runtime,
         seen: HashSet::new(),
     };
 
+    // Before registering: the server fails whatever the node does not say
+    // still runs.
+    agent.adopt().await;
     tokio::pin!(shutdown);
     tokio::select! {
         registered = agent.register(true) => {
@@ -234,10 +255,33 @@ pub async fn run(
     Ok(())
 }
 
+/// The runtime the configuration names. Blocking (it may probe the host).
+fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
+    match config.runtime {
+        RuntimeKind::Process => {
+            let sandbox = runtime::sandbox::SandboxConfig {
+                insecure: config.insecure_process_runtime,
+                ..runtime::sandbox::SandboxConfig::new(&config.work_dir)
+            };
+            Ok(Arc::new(runtime::ProcessRuntime::new(&sandbox)?))
+        }
+        RuntimeKind::Container => {
+            anyhow::bail!("the container runtime is not available in this build")
+        }
+    }
+}
+
 /// What runs (or ran) for one instance.
 enum Work {
-    Process(Process),
-    FailedToStart { reason: String, at: DateTime<Utc> },
+    /// The runtime is starting it (an image pull may take minutes).
+    Starting {
+        since: DateTime<Utc>,
+    },
+    Running(Workload),
+    FailedToStart {
+        reason: String,
+        at: DateTime<Utc>,
+    },
 }
 
 /// One instance the agent knows.
@@ -261,15 +305,27 @@ struct Tracked {
 }
 
 impl Tracked {
-    fn process(&self) -> Option<&Process> {
+    fn new(work: Work, grace: Duration) -> Self {
+        Tracked {
+            work,
+            server_stop: false,
+            grace,
+            orphaned: false,
+            flush_waiting_since: None,
+            flush_given_up: false,
+            fenced: false,
+        }
+    }
+
+    fn workload(&self) -> Option<&Workload> {
         match &self.work {
-            Work::Process(p) => Some(p),
-            Work::FailedToStart { .. } => None,
+            Work::Running(w) => Some(w),
+            Work::Starting { .. } | Work::FailedToStart { .. } => None,
         }
     }
 
     fn running(&self) -> bool {
-        self.process().is_some_and(|p| p.exit().is_none())
+        self.workload().is_some_and(|p| p.exit().is_none())
     }
 
     /// The phase to report. An exited process stays `Running` until the
@@ -283,7 +339,8 @@ impl Tracked {
                 },
                 *at,
             ),
-            Work::Process(p) => match p.exit() {
+            Work::Starting { since } => (ObservedPhase::Starting, *since),
+            Work::Running(p) => match p.exit() {
                 Some(exit) if p.logs().pending() == 0 || self.flush_given_up => (
                     ObservedPhase::Exited {
                         code: exit.code,
@@ -366,7 +423,7 @@ impl Shared {
             if t.fenced || !t.running() {
                 continue;
             }
-            if let Some(p) = t.process() {
+            if let Some(p) = t.workload() {
                 let grace = t.grace.min(lead);
                 tracing::warn!(instance_id = %id, pid = p.pid(), grace_ms = grace.as_millis() as u64, "node lease running out without a sync: stopping the instance");
                 p.stop(grace);
@@ -378,10 +435,41 @@ impl Shared {
     }
 
     /// Every process whose output may still need shipping.
-    fn processes(&self) -> Vec<(InstanceId, Process)> {
+    /// A start the runtime finished: records the workload, or why it did
+    /// not start. One asked to stop meanwhile (or forgotten: the server no
+    /// longer lists it) is stopped at once.
+    fn started(&self, id: &InstanceId, result: Result<Workload, runtime::SpawnError>) {
+        let mut instances = self.lock();
+        let work = match result {
+            Ok(w) => Work::Running(w),
+            Err(error) => {
+                tracing::warn!(instance_id = %id, %error, "instance failed to start");
+                Work::FailedToStart {
+                    reason: error.to_string(),
+                    at: Utc::now(),
+                }
+            }
+        };
+        let t = instances.entry(id.clone()).or_insert_with(|| Tracked {
+            orphaned: true,
+            ..Tracked::new(Work::Starting { since: Utc::now() }, ORPHAN_GRACE)
+        });
+        t.work = work;
+        if let Some(w) = t.workload() {
+            if t.server_stop || t.orphaned {
+                tracing::info!(instance_id = %id, "instance stopped while it was starting, stopping it");
+                w.stop(if t.orphaned { ORPHAN_GRACE } else { t.grace });
+            }
+        }
+        drop(instances);
+        self.wakers.changed.notify_one();
+    }
+
+    /// Every workload whose output may still need shipping.
+    fn workloads(&self) -> Vec<(InstanceId, Workload)> {
         self.lock()
             .iter()
-            .filter_map(|(id, t)| t.process().map(|p| (id.clone(), p.clone())))
+            .filter_map(|(id, t)| t.workload().map(|p| (id.clone(), p.clone())))
             .collect()
     }
 }
@@ -395,6 +483,8 @@ struct Agent {
     telemetry: Telemetry,
     shared: Arc<Shared>,
     node: Option<Registered>,
+    /// Where workloads run.
+    runtime: Arc<dyn Runtime>,
     /// Every instance id ever started (or tried) by this process.
     seen: HashSet<InstanceId>,
 }
@@ -414,6 +504,7 @@ impl Agent {
         use std::os::unix::process::CommandExt;
         let program = self.config.fence_program.as_ref()?;
         let _ = std::fs::remove_file(self.fence_file());
+        self.retire_stale_fences();
         match std::process::Command::new(program)
             .arg("agent-fence")
             .arg("--file")
@@ -433,6 +524,32 @@ impl Agent {
             Err(error) => {
                 tracing::warn!(%error, "node lease fence not started: work will not be stopped while the agent is paused");
                 None
+            }
+        }
+    }
+
+    /// Removes the fence files of agents that are gone (killed, so they
+    /// could not): their fences then leave instead of stopping, when the
+    /// dead agent's lease runs out, the work this agent took over.
+    fn retire_stale_fences(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.config.work_dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("node-lease."))
+                .and_then(|p| p.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let gone = pid <= 0
+                || nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+                    == Err(nix::errno::Errno::ESRCH);
+            if gone && pid != std::process::id() as i32 {
+                tracing::info!(pid, "retiring the fence of an agent that is gone");
+                let _ = std::fs::remove_file(entry.path());
             }
         }
     }
@@ -458,7 +575,7 @@ impl Agent {
             .lock()
             .values()
             .filter(|t| t.running() && !t.fenced)
-            .filter_map(|t| t.process().map(Process::pid))
+            .filter_map(|t| t.workload().and_then(Workload::process_group))
             .collect();
         let lease = fence::Lease {
             agent_pid: std::process::id(),
@@ -478,7 +595,15 @@ impl Agent {
     async fn register(&self, initial: bool) -> anyhow::Result<Registered> {
         let mut backoff = Backoff::new("register");
         loop {
-            match self.client.register(&self.registration).await {
+            let mut registration = self.registration.clone();
+            registration.running = self
+                .shared
+                .lock()
+                .iter()
+                .filter(|(_, t)| !t.orphaned && matches!(t.work, Work::Running(_)))
+                .map(|(id, _)| id.clone())
+                .collect();
+            match self.client.register(&registration).await {
                 Ok(registered) => {
                     backoff.succeeded();
                     tracing::info!(
@@ -600,6 +725,7 @@ impl Agent {
         let listed: HashSet<InstanceId> =
             assignments.iter().map(|a| a.instance_id.clone()).collect();
         let mut to_start = Vec::new();
+        let mut forgotten = Vec::new();
         {
             let mut instances = self.shared.lock();
             for a in assignments {
@@ -611,7 +737,7 @@ impl Agent {
                         t.grace = Duration::from_millis(a.stop_grace_ms);
                         if a.stop && !t.server_stop {
                             t.server_stop = true;
-                            if let Some(p) = t.process().filter(|p| p.exit().is_none()) {
+                            if let Some(p) = t.workload().filter(|p| p.exit().is_none()) {
                                 tracing::info!(instance_id = %a.instance_id, grace_ms = a.stop_grace_ms, "server asks to stop instance");
                                 p.stop(t.grace);
                             }
@@ -628,7 +754,7 @@ impl Agent {
             }
             for (id, t) in instances.iter_mut() {
                 let unshipped = t
-                    .process()
+                    .workload()
                     .filter(|p| p.exit().is_some())
                     .map_or(0, |p| p.logs().pending());
                 if unshipped == 0 || t.flush_given_up {
@@ -641,10 +767,35 @@ impl Agent {
                 }
             }
             instances.retain(|id, t| {
+                let keep = Self::keep(id, t, &listed);
+                if !keep {
+                    forgotten.push(id.clone());
+                }
+                keep
+            });
+        }
+        for id in forgotten {
+            self.runtime.release(&id);
+        }
+        for a in to_start {
+            self.start(a);
+        }
+    }
+
+    /// Whether to keep tracking an instance the server lists (or not):
+    /// one it no longer lists is stopped, and forgotten once it ended.
+    fn keep(id: &InstanceId, t: &mut Tracked, listed: &HashSet<InstanceId>) -> bool {
+        {
+            {
                 if listed.contains(id) && !t.orphaned {
                     return true;
                 }
-                match t.process().filter(|p| p.exit().is_none()).cloned() {
+                if matches!(t.work, Work::Starting { .. }) {
+                    // Stopped as soon as it started (see `Shared::started`).
+                    t.orphaned = true;
+                    return true;
+                }
+                match t.workload().filter(|p| p.exit().is_none()).cloned() {
                     Some(p) => {
                         if !t.orphaned {
                             tracing::warn!(instance_id = %id, pid = p.pid(), "server no longer lists running instance, stopping orphan");
@@ -656,10 +807,7 @@ impl Agent {
                     // Finished (or an orphan that ended): forget it.
                     _ => false,
                 }
-            });
-        }
-        for a in to_start {
-            self.start(a);
+            }
         }
     }
 
@@ -688,6 +836,7 @@ impl Agent {
         }
         let spec = SpawnSpec {
             instance_id: a.instance_id.clone(),
+            tenant_id: a.tenant_id,
             command: a.command,
             env: a.env,
             workdir,
@@ -696,29 +845,45 @@ impl Agent {
             vendors,
             gpu_slices: a.gpu_slices,
         };
-        let work = match runtime::spawn(&spec, self.shared.wakers.clone()) {
-            Ok(p) => Work::Process(p),
-            Err(error) => {
-                tracing::warn!(instance_id = %a.instance_id, %error, "instance failed to start");
-                Work::FailedToStart {
-                    reason: error.to_string(),
-                    at: Utc::now(),
-                }
-            }
-        };
         self.shared.lock().insert(
-            a.instance_id,
-            Tracked {
-                work,
-                server_stop: false,
-                grace: Duration::from_millis(a.stop_grace_ms),
-                orphaned: false,
-                flush_waiting_since: None,
-                flush_given_up: false,
-                fenced: false,
-            },
+            a.instance_id.clone(),
+            Tracked::new(
+                Work::Starting { since: Utc::now() },
+                Duration::from_millis(a.stop_grace_ms),
+            ),
         );
         self.shared.wakers.changed.notify_one();
+        // Off the sync loop: a container runtime may pull an image first.
+        let runtime = self.runtime.clone();
+        let shared = self.shared.clone();
+        let id = a.instance_id;
+        tokio::spawn(async move {
+            let result = runtime.start(spec, shared.wakers.clone()).await;
+            shared.started(&id, result);
+        });
+    }
+
+    /// Takes over the workloads an earlier agent process left running on
+    /// this node, so that they are reported (and billed) again, stopped
+    /// when the server no longer wants them, and fenced by the lease.
+    async fn adopt(&mut self) {
+        let adopted = match self.runtime.adopt(self.shared.wakers.clone()).await {
+            Ok(adopted) => adopted,
+            Err(error) => {
+                tracing::error!(%error, runtime = %self.runtime.kind(), "cannot list the workloads left by an earlier agent");
+                return;
+            }
+        };
+        let mut instances = self.shared.lock();
+        for w in adopted {
+            tracing::info!(instance_id = %w.instance_id(), pid = w.pid(), "adopted a running workload");
+            self.seen.insert(w.instance_id().clone());
+            // The server states the grace with the next sync.
+            instances.insert(
+                w.instance_id().clone(),
+                Tracked::new(Work::Running(w), ORPHAN_GRACE),
+            );
+        }
     }
 
     /// Stops everything, flushes logs and reports the exits, each step
@@ -726,14 +891,14 @@ impl Agent {
     async fn shutdown(&mut self) {
         // Work ended by the agent's own shutdown is a stop, not a failure:
         // it is reported like a stop the server asked for.
-        let running: Vec<(InstanceId, Process, Duration)> = self
+        let running: Vec<(InstanceId, Workload, Duration)> = self
             .shared
             .lock()
             .iter_mut()
             .filter(|(_, t)| t.running())
             .filter_map(|(id, t)| {
                 t.server_stop = true;
-                t.process().map(|p| (id.clone(), p.clone(), t.grace))
+                t.workload().map(|p| (id.clone(), p.clone(), t.grace))
             })
             .collect();
         if !running.is_empty() {
@@ -811,26 +976,42 @@ async fn ship_logs_forever(shared: Arc<Shared>, client: Client) {
     }
 }
 
-/// Ships what is pending now. Stops at the first retryable failure; lines
-/// the server refuses for good (e.g. an instance it does not know) are
-/// dropped with a warning, since resending them cannot succeed.
+/// Ships what is pending now, in batches that fit the server's limit on a
+/// request body. Stops at the first retryable failure (the caller retries
+/// with backoff). A batch refused for good is split in halves until the
+/// line at fault is alone; that line is then given up and a marker line
+/// ("N lines of output lost") takes its place in the log. Lines of an
+/// instance the server does not know are dropped with a warning: there is
+/// no log to deliver them to.
 async fn ship_pending(shared: &Shared, client: &Client) -> Result<(), ClientError> {
-    for (id, p) in shared.processes() {
+    for (id, p) in shared.workloads() {
         let mut shipped = false;
+        let mut max_lines = runtime::SHIP_BATCH_LINES;
         for _ in 0..MAX_BATCHES_PER_ROUND {
-            let batch = p.logs().peek(runtime::SHIP_BATCH_LINES);
+            let batch = p.logs().peek_batch(max_lines, runtime::SHIP_BATCH_BYTES);
             let Some(last) = batch.last().map(|l| l.seq) else {
                 break;
             };
             let count = batch.len();
-            match client.push_logs(&id, batch).await {
-                Ok(()) => {}
+            match client.push_logs(&id, batch.clone()).await {
+                Ok(()) => {
+                    p.logs().ack(last);
+                    max_lines = runtime::SHIP_BATCH_LINES;
+                }
+                Err(error) if error.is_not_found() => {
+                    tracing::warn!(instance_id = %id, lines = p.logs().pending(), %error, "server does not know the instance, dropping its log lines");
+                    p.logs().discard();
+                }
+                Err(error) if !error.is_retryable() && count > 1 => {
+                    tracing::debug!(instance_id = %id, lines = count, %error, "server refused a log batch, splitting it");
+                    max_lines = count / 2;
+                }
                 Err(error) if !error.is_retryable() => {
-                    tracing::warn!(instance_id = %id, lines = count, %error, "server refused log lines, dropping them");
+                    tracing::warn!(instance_id = %id, seq = last, %error, "server refused a log line, marking it lost in the log");
+                    p.logs().give_up(&batch);
                 }
                 Err(error) => return Err(error),
             }
-            p.logs().ack(last);
             shipped = true;
         }
         if shipped && p.exit().is_some() && p.logs().pending() == 0 {

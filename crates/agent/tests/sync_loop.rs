@@ -240,6 +240,7 @@ impl Mock {
 fn assignment(n: u128, script: &str) -> Assignment {
     Assignment {
         instance_id: InstanceId::generate(1_000, n),
+        tenant_id: None,
         command: vec!["sh".into(), "-c".into(), script.into()],
         env: BTreeMap::from([("FOO".to_string(), "bar".to_string())]),
         workdir: None,
@@ -248,7 +249,6 @@ fn assignment(n: u128, script: &str) -> Assignment {
         gpu_slices: Vec::new(),
         stop: false,
         stop_grace_ms: 5_000,
-        tenant_id: None,
         image: None,
         cpu_milli: None,
         memory_mb: None,

@@ -203,6 +203,17 @@ pub struct WorkArgs {
     /// requeue it whole) for more important work (default: only for spot).
     #[arg(long)]
     pub preemptible: bool,
+    /// Run this OCI image in a container (on nodes whose agent runs the
+    /// container runtime) instead of the command on the node.
+    #[arg(long, value_name = "IMAGE")]
+    pub image: Option<String>,
+    /// A container port to publish (repeatable); the node picks the host
+    /// port, shown with its URL in `ps` and `explain`.
+    #[arg(long = "port", short = 'p', value_name = "PORT", requires = "image")]
+    pub ports: Vec<u16>,
+    /// Size of the container's scratch space at /scratch, MiB (default 1024).
+    #[arg(long, value_name = "MB", requires = "image")]
+    pub scratch: Option<u64>,
     /// The program and its arguments (after `--`); with `--image`, it
     /// replaces the image's default command and may be left out.
     #[arg(
@@ -222,6 +233,30 @@ impl WorkArgs {
             .filter(|t| !t.is_empty())
             .collect()
     }
+
+    /// What these options ask for, as one member's request (an instance;
+    /// a job's members each ask for this).
+    pub fn into_request(self) -> CreateInstance {
+        CreateInstance {
+            gpu_types: self.models(),
+            name: self.name,
+            gpus: self.gpus,
+            cpu_milli: self.cpu.or(self.cpus),
+            memory_mb: self.memory,
+            command: self.command,
+            env: self.env.into_iter().collect(),
+            workdir: self.workdir,
+            billing_class: self.billing.into(),
+            priority: self.priority,
+            tier: self.tier,
+            preemptible: self.preemptible.then_some(true),
+            gpu_fraction: self.gpu_fraction,
+            mig_profile: self.mig,
+            image: self.image,
+            ports: self.ports,
+            scratch_mb: self.scratch,
+        }
+    }
 }
 
 /// `flotilla run` options: the work, and how to follow it.
@@ -230,17 +265,6 @@ impl WorkArgs {
 pub struct RunArgs {
     #[command(flatten)]
     pub work: WorkArgs,
-    /// Run this OCI image in a container (on nodes whose agent runs the
-    /// container runtime) instead of the command on the node.
-    #[arg(long, value_name = "IMAGE")]
-    pub image: Option<String>,
-    /// A container port to publish (repeatable); the node picks the host
-    /// port, shown with its URL in `ps` and `explain`.
-    #[arg(long = "port", short = 'p', value_name = "PORT", requires = "image")]
-    pub ports: Vec<u16>,
-    /// Size of the container's scratch space at /scratch, MiB (default 1024).
-    #[arg(long, value_name = "MB", requires = "image")]
-    pub scratch: Option<u64>,
     /// Print the instance id and return instead of following it.
     #[arg(long, short = 'd')]
     pub detach: bool,
@@ -299,29 +323,59 @@ pub fn parse_env(s: &str) -> std::result::Result<(String, String), String> {
 /// `flotilla queue`: pending instances in the order the scheduler tries
 /// them, with their position in the whole queue and why each waits.
 pub async fn queue(ctx: &Ctx) -> Result<ExitCode> {
-    // The entries as the server wrote them, for `--json`.
-    let raw: flotilla_core::api::Page<Value> = ctx.client.get("/v1/queue", &[]).await?;
+    work_queue(ctx, "/v1/queue", |e: flotilla_core::api::QueueEntry| {
+        let i = e.instance;
+        QueueRow {
+            position: e.position,
+            gpus: output::instance_gpus(&i),
+            id: i.id.to_string(),
+            name: i.name,
+            priority: i.priority,
+            tier: i.tier,
+            created_at: i.created_at,
+            reason: i.state_reason,
+        }
+    })
+    .await
+}
+
+/// One line of a queue as `queue` and `jobs queue` print it.
+pub(crate) struct QueueRow {
+    pub position: u32,
+    pub id: String,
+    pub name: Option<String>,
+    pub priority: i32,
+    pub tier: u8,
+    pub gpus: String,
+    pub created_at: chrono::DateTime<Utc>,
+    pub reason: String,
+}
+
+/// Prints the queue the server lists at `path`, one row per entry: the
+/// entries as the server wrote them with `--json`, a table otherwise.
+pub(crate) async fn work_queue<E: serde::de::DeserializeOwned>(
+    ctx: &Ctx,
+    path: &str,
+    row: impl Fn(E) -> QueueRow,
+) -> Result<ExitCode> {
+    let raw: flotilla_core::api::Page<Value> = ctx.client.get(path, &[]).await?;
     if ctx.json {
         print_json(&raw.items)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let page = flotilla_core::api::Page {
-        items: decode_all::<flotilla_core::api::QueueEntry>(raw.items)?,
-        next_cursor: raw.next_cursor,
-    };
     let now = Utc::now();
     let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
-    for e in page.items {
-        let i = e.instance;
+    for e in decode_all::<E>(raw.items)? {
+        let r = row(e);
         t.add_row([
-            e.position.to_string(),
-            i.id.to_string(),
-            i.name.clone().unwrap_or_else(|| "-".into()),
-            i.priority.to_string(),
-            i.tier.to_string(),
-            output::instance_gpus(&i),
-            age(now, i.created_at),
-            one_line(&i.state_reason),
+            r.position.to_string(),
+            r.id,
+            r.name.unwrap_or_else(|| "-".into()),
+            r.priority.to_string(),
+            r.tier.to_string(),
+            r.gpus,
+            age(now, r.created_at),
+            one_line(&r.reason),
         ]);
     }
     print_table(&t)?;
@@ -330,26 +384,7 @@ pub async fn queue(ctx: &Ctx) -> Result<ExitCode> {
 
 /// `flotilla run`.
 pub async fn run(ctx: &Ctx, args: RunArgs) -> Result<ExitCode> {
-    let w = args.work;
-    let req = CreateInstance {
-        gpu_types: w.models(),
-        name: w.name,
-        gpus: w.gpus,
-        cpu_milli: w.cpu.or(w.cpus),
-        memory_mb: w.memory,
-        command: w.command,
-        env: w.env.into_iter().collect(),
-        workdir: w.workdir,
-        billing_class: w.billing.into(),
-        priority: w.priority,
-        tier: w.tier,
-        preemptible: w.preemptible.then_some(true),
-        gpu_fraction: w.gpu_fraction,
-        mig_profile: w.mig,
-        image: args.image,
-        ports: args.ports,
-        scratch_mb: args.scratch,
-    };
+    let req = args.work.into_request();
     // Take over Ctrl-C before the instance exists, so an interrupt right
     // after the create still stops it.
     let signals = if args.detach {
@@ -504,8 +539,15 @@ pub async fn top(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 /// `flotilla logs`.
 pub async fn logs(ctx: &Ctx, id: &str, follow_it: bool) -> Result<ExitCode> {
     let id = instance_id(id)?;
+    instance_logs(ctx, id.as_str(), follow_it).await
+}
+
+/// Prints an instance's output: what it has written so far, or with
+/// `follow_it` everything until it ends. A job member's output is its
+/// instance's, so `jobs logs` comes here too.
+pub(crate) async fn instance_logs(ctx: &Ctx, id: &str, follow_it: bool) -> Result<ExitCode> {
     if follow_it {
-        let inst: Instance = ctx.client.instance(id.as_str()).await?;
+        let inst: Instance = ctx.client.instance(id).await?;
         let opts = FollowOptions {
             progress: false,
             json: ctx.json,
@@ -514,7 +556,7 @@ pub async fn logs(ctx: &Ctx, id: &str, follow_it: bool) -> Result<ExitCode> {
         follow::follow(&ctx.client, inst, 0, opts).await?;
         return Ok(ExitCode::SUCCESS);
     }
-    let lines = ctx.client.logs_all(id.as_str(), 0).await?;
+    let lines = ctx.client.logs_all(id, 0).await?;
     if ctx.json {
         print_json(&lines)?;
     } else {
@@ -528,19 +570,32 @@ pub async fn logs(ctx: &Ctx, id: &str, follow_it: bool) -> Result<ExitCode> {
 /// `flotilla stop`.
 pub async fn stop(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = instance_id(id)?;
-    let raw: Value = ctx
-        .client
-        .post(&format!("/v1/instances/{id}/stop"), &serde_json::json!({}))
-        .await?;
+    let path = format!("/v1/instances/{id}/stop");
+    end_work(ctx, &path, "stopping", |i: &Instance| {
+        (i.id.to_string(), i.state.as_str(), i.state.is_terminal())
+    })
+    .await
+}
+
+/// Asks for work to end (`POST path`: an instance's stop, a job's cancel)
+/// and says where it stands: `ID STATE`, with `(still_note)` while it is
+/// still being stopped; the answer as it came with `--json`.
+pub(crate) async fn end_work<W: serde::de::DeserializeOwned>(
+    ctx: &Ctx,
+    path: &str,
+    still_note: &str,
+    state: impl Fn(&W) -> (String, &'static str, bool),
+) -> Result<ExitCode> {
+    let raw: Value = ctx.client.post(path, &serde_json::json!({})).await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let inst: Instance = decode(raw)?;
-    if inst.state.is_terminal() {
-        outln!("{} {}", inst.id, inst.state.as_str())?;
+    let (id, name, ended) = state(&decode::<W>(raw)?);
+    if ended {
+        outln!("{id} {name}")?;
     } else {
-        outln!("{} {} (stopping)", inst.id, inst.state.as_str())?;
+        outln!("{id} {name} ({still_note})")?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -635,15 +690,12 @@ fn explanation(inst: &Instance) -> Vec<String> {
             j.rank, j.job_id, j.attempt, j.job_id
         ));
     }
-    out.push("history:".into());
-    for e in &inst.events {
-        out.push(format!(
-            "  {}  {:<9}  {}",
-            e.at.format("%Y-%m-%d %H:%M:%S%.3fZ"),
-            e.state.as_str(),
-            e.reason
-        ));
-    }
+    output::history(
+        &mut out,
+        inst.events
+            .iter()
+            .map(|e| (e.at, e.state.as_str(), &*e.reason)),
+    );
     out
 }
 

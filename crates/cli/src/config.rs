@@ -81,9 +81,19 @@ pub fn save(path: &Path, creds: &Credentials) -> Result<()> {
     })
 }
 
-/// Creates `dir` (and parents) with mode 0700 on Unix.
+/// Creates `dir` (and parents) with mode 0700 on Unix; an existing `dir`
+/// loses group and other access.
 pub fn create_private_dir(dir: &Path) -> Result<()> {
     if dir.is_dir() {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = fs::metadata(dir)?.permissions().mode();
+            if mode & 0o077 != 0 {
+                fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+                    .with_context(|| format!("making {} private", dir.display()))?;
+            }
+        }
         return Ok(());
     }
     let mut builder = fs::DirBuilder::new();

@@ -8,13 +8,12 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Result};
 use chrono::Utc;
 use clap::Subcommand;
-use flotilla_core::api::{Instance, Job, JobQueueEntry, Page};
+use flotilla_core::api::{Job, JobQueueEntry};
 use flotilla_core::id::JobId;
 use flotilla_core::job::{CreateJob, JobState, Locality, RestartPolicy};
 
 use crate::client::decode;
-use crate::commands::{Ctx, WorkArgs};
-use crate::follow::{self, FollowOptions};
+use crate::commands::{end_work, instance_logs, work_queue, Ctx, QueueRow, WorkArgs};
 use crate::output::{age, one_line, outln, print_json, print_table, table};
 use serde_json::Value;
 
@@ -62,7 +61,7 @@ pub enum JobsCommand {
 /// `flotilla jobs submit` options: the work (the arguments `flotilla run`
 /// takes, per member), and what makes it a gang.
 #[derive(Debug, clap::Args)]
-#[command(group = clap::ArgGroup::new("what").required(true).args(["command"]))]
+#[command(group = clap::ArgGroup::new("what").required(true).args(["image", "command"]).multiple(true))]
 pub struct SubmitArgs {
     #[command(flatten)]
     pub work: WorkArgs,
@@ -120,28 +119,16 @@ pub async fn dispatch(ctx: &Ctx, command: JobsCommand) -> Result<ExitCode> {
 }
 
 async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
-    let w = args.work;
-    let req = CreateJob {
-        gpu_types: w.models(),
-        name: w.name,
-        gpus: w.gpus,
-        nodes: Some(args.nodes),
-        cpu_milli: w.cpu.or(w.cpus),
-        memory_mb: w.memory,
-        command: w.command,
-        env: w.env.into_iter().collect(),
-        workdir: w.workdir,
-        billing_class: w.billing.into(),
-        priority: w.priority,
-        tier: w.tier,
-        preemptible: w.preemptible.then_some(true),
-        restart_policy: args.restart,
-        max_retries: args.max_retries,
-        locality: args.locality,
-        time_limit_s: args.time_limit_s,
-        gpu_fraction: w.gpu_fraction,
-        mig_profile: w.mig,
-    };
+    let gpus = args.work.gpus;
+    let req = CreateJob::from_member(
+        args.work.into_request(),
+        gpus,
+        Some(args.nodes),
+        args.restart,
+        args.max_retries,
+        args.locality,
+        args.time_limit_s,
+    );
     let raw: Value = ctx.client.post("/v1/jobs", &req).await?;
     let job: Job = decode(raw.clone())?;
     if !args.wait {
@@ -289,15 +276,12 @@ fn describe(j: &Job) -> Vec<String> {
             ));
         }
     }
-    out.push("history:".into());
-    for e in &j.events {
-        out.push(format!(
-            "  {}  {:<9}  {}",
-            e.at.format("%Y-%m-%d %H:%M:%S%.3fZ"),
-            e.state.as_str(),
-            e.reason
-        ));
-    }
+    crate::output::history(
+        &mut out,
+        j.events
+            .iter()
+            .map(|e| (e.at, e.state.as_str(), &*e.reason)),
+    );
     out
 }
 
@@ -319,56 +303,29 @@ pub async fn explain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 }
 
 async fn queue(ctx: &Ctx) -> Result<ExitCode> {
-    // The entries as the server wrote them, for `--json`.
-    let raw: Page<Value> = ctx.client.get("/v1/jobs/queue", &[]).await?;
-    if ctx.json {
-        print_json(&raw.items)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    let page = Page {
-        items: raw
-            .items
-            .into_iter()
-            .map(decode::<JobQueueEntry>)
-            .collect::<Result<Vec<_>>>()?,
-        next_cursor: raw.next_cursor,
-    };
-    let now = Utc::now();
-    let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
-    for e in page.items {
+    work_queue(ctx, "/v1/jobs/queue", |e: JobQueueEntry| {
         let j = e.job;
-        t.add_row([
-            e.position.to_string(),
-            j.id.to_string(),
-            j.spec.name.clone().unwrap_or_else(|| "-".into()),
-            j.spec.priority.to_string(),
-            j.spec.tier.to_string(),
-            gpus(&j),
-            age(now, j.created_at),
-            one_line(&j.state_reason),
-        ]);
-    }
-    print_table(&t)?;
-    Ok(ExitCode::SUCCESS)
+        QueueRow {
+            position: e.position,
+            gpus: gpus(&j),
+            id: j.id.to_string(),
+            name: j.spec.name,
+            priority: j.spec.priority,
+            tier: j.spec.tier,
+            created_at: j.created_at,
+            reason: j.state_reason,
+        }
+    })
+    .await
 }
 
 async fn cancel(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = job_id(id)?;
-    let raw = ctx
-        .client
-        .post(&format!("/v1/jobs/{id}/cancel"), &serde_json::json!({}))
-        .await?;
-    if ctx.json {
-        print_json(&raw)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    let j: Job = decode(raw)?;
-    if j.state.is_terminal() {
-        outln!("{} {}", j.id, j.state.as_str())?;
-    } else {
-        outln!("{} {} (stopping its members)", j.id, j.state.as_str())?;
-    }
-    Ok(ExitCode::SUCCESS)
+    let path = format!("/v1/jobs/{id}/cancel");
+    end_work(ctx, &path, "stopping its members", |j: &Job| {
+        (j.id.to_string(), j.state.as_str(), j.state.is_terminal())
+    })
+    .await
 }
 
 async fn logs(ctx: &Ctx, id: &str, rank: u32, follow_it: bool) -> Result<ExitCode> {
@@ -392,26 +349,7 @@ async fn logs(ctx: &Ctx, id: &str, rank: u32, follow_it: bool) -> Result<ExitCod
             one_line(&j.state_reason)
         );
     };
-    let mid = member.instance_id.to_string();
-    if follow_it {
-        let inst: Instance = ctx.client.instance(&mid).await?;
-        let opts = FollowOptions {
-            progress: false,
-            json: ctx.json,
-            signals: None,
-        };
-        follow::follow(&ctx.client, inst, 0, opts).await?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    let lines = ctx.client.logs_all(&mid, 0).await?;
-    if ctx.json {
-        print_json(&lines)?;
-    } else {
-        for l in &lines {
-            follow::write_line(l, false)?;
-        }
-    }
-    Ok(ExitCode::SUCCESS)
+    instance_logs(ctx, member.instance_id.as_str(), follow_it).await
 }
 
 #[cfg(test)]

@@ -128,6 +128,14 @@ pub struct UpArgs {
     /// Name of the local node; default: the hostname.
     #[arg(long, value_name = "NAME")]
     pub node_name: Option<String>,
+    /// Where the local node runs workloads: `process` (sandboxed
+    /// processes) or `container`.
+    #[arg(long, value_name = "RUNTIME", default_value = "process")]
+    pub runtime: flotilla_agent::runtime::RuntimeKind,
+    /// As root without bubblewrap, run workloads anyway, separated only by
+    /// per-tenant users (they see the host's files and processes).
+    #[arg(long)]
+    pub insecure_process_runtime: bool,
 }
 
 /// Options of `agent`.
@@ -152,6 +160,14 @@ pub struct AgentArgs {
     /// default: the platform data directory + `flotilla/agent`.
     #[arg(long, value_name = "DIR")]
     pub work_dir: Option<PathBuf>,
+    /// Where workloads run: `process` (sandboxed processes) or
+    /// `container`.
+    #[arg(long, value_name = "RUNTIME", default_value = "process")]
+    pub runtime: flotilla_agent::runtime::RuntimeKind,
+    /// As root without bubblewrap, run workloads anyway, separated only by
+    /// per-tenant users (they see the host's files and processes).
+    #[arg(long)]
+    pub insecure_process_runtime: bool,
 }
 
 /// Installs the stderr logger: `RUST_LOG` when set, else `info` for the
@@ -407,6 +423,12 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
         server.data_dir.join("agent"),
     );
     agent_config.simulate_gpus = simulate.clone();
+    agent_config.runtime = args.runtime;
+    // The node lease's fence, as for `flotilla agent`: if this process is
+    // killed, the work is stopped before the lease runs out and the server
+    // hands its GPUs to other work (a quick restart takes it over first).
+    agent_config.fence_program = std::env::current_exe().ok();
+    agent_config.insecure_process_runtime = args.insecure_process_runtime;
     let (agent_stop, agent_stopped) = oneshot::channel::<()>();
     let mut agent = tokio::spawn(flotilla_agent::run(agent_config, async move {
         let _ = agent_stopped.await;
@@ -539,6 +561,8 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     cfg.region = args.region;
     cfg.pool = args.pool;
     cfg.simulate_gpus = args.simulate_gpus;
+    cfg.runtime = args.runtime;
+    cfg.insecure_process_runtime = args.insecure_process_runtime;
     // The node lease's fence: this binary, as `flotilla agent-fence`.
     cfg.fence_program = std::env::current_exe().ok();
     let (stop, stopped) = oneshot::channel::<()>();

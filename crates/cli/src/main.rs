@@ -505,7 +505,7 @@ mod tests {
         .unwrap();
         match run.command {
             Command::Run(r) => {
-                assert_eq!(r.ports, vec![80, 8080]);
+                assert_eq!(r.work.ports, vec![80, 8080]);
                 assert_eq!(r.work.memory, Some(512));
                 assert_eq!(r.work.cpus, Some(500));
             }

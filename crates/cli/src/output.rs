@@ -203,6 +203,21 @@ pub fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
+/// Appends a work's transitions, oldest first, under `history:`: when
+/// (UTC, milliseconds), the state entered and why.
+pub fn history<'a>(
+    out: &mut Vec<String>,
+    events: impl Iterator<Item = (chrono::DateTime<chrono::Utc>, &'a str, &'a str)>,
+) {
+    out.push("history:".into());
+    for (at, state, reason) in events {
+        out.push(format!(
+            "  {}  {state:<9}  {reason}",
+            at.format("%Y-%m-%d %H:%M:%S%.3fZ")
+        ));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::catalog::Vendor;
 use crate::id::{GpuId, InstanceId, JobId, KeyId, NodeId, TenantId, WorkId};
-use crate::instance::{BillingClass, ImageSpec, InstanceState};
+use crate::instance::{ImageSpec, InstanceState};
 use crate::job::{JobSpec, JobState};
 use crate::node::NodeState;
 use crate::tenant::Role;
@@ -220,6 +220,7 @@ pub struct InstanceEvent {
     pub at: DateTime<Utc>,
 }
 
+crate::work::resolved_work! {
 /// An instance.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Instance {
@@ -236,21 +237,6 @@ pub struct Instance {
     pub state_reason: String,
     /// GPUs asked for.
     pub gpus: u32,
-    /// Acceptable models (empty: any).
-    pub gpu_types: Vec<String>,
-    /// CPU in milli-cores.
-    pub cpu_milli: u32,
-    /// Memory in MiB.
-    pub memory_mb: u64,
-    /// Program and arguments.
-    pub command: Vec<String>,
-    /// Extra environment.
-    pub env: BTreeMap<String, String>,
-    /// Working directory.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub workdir: Option<String>,
-    /// Billing class.
-    pub billing_class: BillingClass,
     /// Node it runs on, once scheduled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_id: Option<NodeId>,
@@ -259,12 +245,6 @@ pub struct Instance {
     pub gpu_model: Option<String>,
     /// GPUs it holds (or held), once scheduled.
     pub gpu_ids: Vec<GpuId>,
-    /// The share of one GPU asked for (absent: whole GPUs or MIG).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu_fraction: Option<f64>,
-    /// The MIG profile asked for.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig_profile: Option<String>,
     /// What it holds (or held) of each of its GPUs, once scheduled: which
     /// slice of a shared GPU is its.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -274,15 +254,6 @@ pub struct Instance {
     pub exit_code: Option<i32>,
     /// A stop was requested.
     pub stop_requested: bool,
-    /// Queue priority, higher first.
-    #[serde(default)]
-    pub priority: i32,
-    /// Service tier: 1 dedicated, 2 shared/spot, 3 queued.
-    #[serde(default = "default_tier")]
-    pub tier: u8,
-    /// The scheduler may preempt it (with a notice) for more important work.
-    #[serde(default)]
-    pub preemptible: bool,
     /// Set when the scheduler preempted it: the instance or job it made
     /// room for.
     /// A preempted instance ends `stopped` and its work is requeued as a
@@ -307,10 +278,6 @@ pub struct Instance {
     pub finished_at: Option<DateTime<Utc>>,
     /// Every transition, oldest first.
     pub events: Vec<InstanceEvent>,
-    /// The image it runs from, in a container (absent: a command on the
-    /// node).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<ImageSpec>,
     /// Its published ports and where to reach them, once its container
     /// runs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -318,6 +285,7 @@ pub struct Instance {
     /// How long each step of its start took, once it started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cold_start: Option<ColdStart>,
+}
 }
 
 /// A container port published on the instance's node.
@@ -373,10 +341,6 @@ pub struct ObservedContainer {
     /// It was killed for exceeding its memory limit.
     #[serde(default)]
     pub oom_killed: bool,
-}
-
-fn default_tier() -> u8 {
-    1
 }
 
 /// Where a member instance stands in its job.
@@ -469,6 +433,11 @@ pub struct RegisterNode {
     /// Agent version.
     #[serde(default)]
     pub agent_version: String,
+    /// Instances the agent still runs (taken over from an earlier agent
+    /// process after a restart): the server must not fail them. Every
+    /// other instance it had started there is gone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub running: Vec<InstanceId>,
 }
 
 /// The server's answer to a registration.
@@ -648,6 +617,11 @@ impl SyncRequest {
 pub struct Assignment {
     /// Instance.
     pub instance_id: InstanceId,
+    /// Its tenant: the agent runs each tenant's work as its own
+    /// unprivileged user. Absent from older servers (each instance then
+    /// gets a user of its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant_id: Option<TenantId>,
     /// Program and arguments.
     pub command: Vec<String>,
     /// Extra environment (device variables are added by the agent).
@@ -667,9 +641,6 @@ pub struct Assignment {
     pub stop: bool,
     /// Grace between SIGTERM and SIGKILL, in milliseconds.
     pub stop_grace_ms: u64,
-    /// Its owner (labels its container, picks its network).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tenant_id: Option<TenantId>,
     /// Run from this image in a container.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<ImageSpec>,

@@ -141,77 +141,13 @@ pub const RESERVED_ENV: [&str; 5] = [
     "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
 ];
 
-/// What a tenant asks for when creating an instance.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct CreateInstance {
-    /// Optional DNS-label name, unique only for display.
-    #[serde(default)]
-    pub name: Option<String>,
-    /// Whole GPUs, all of one model, on one node (1–64).
-    pub gpus: u32,
-    /// Acceptable GPU models (any of them); empty or absent: any model.
-    #[serde(default)]
-    pub gpu_types: Vec<String>,
-    /// CPU in thousandths of a core (default 1000).
-    #[serde(default)]
-    pub cpu_milli: Option<u32>,
-    /// Memory in MiB (default 1024).
-    #[serde(default)]
-    pub memory_mb: Option<u64>,
-    /// Program and arguments, run without a shell; with `image`, replaces
-    /// the image's default command and may be left out.
-    #[serde(default)]
-    pub command: Vec<String>,
-    /// Extra environment variables.
-    #[serde(default)]
-    pub env: BTreeMap<String, String>,
-    /// Working directory on the node (absolute path); default: the
-    /// agent's per-instance directory.
-    #[serde(default)]
-    pub workdir: Option<String>,
-    /// Billing class (default `on_demand`).
-    #[serde(default)]
-    pub billing_class: BillingClass,
-    /// Queue priority, higher first (default 0, -1000..=1000). Work of a
-    /// higher priority may preempt preemptible work of a lower one.
-    #[serde(default)]
-    pub priority: Option<i32>,
-    /// Service tier: 1 dedicated, 2 shared/spot, 3 queued. Default: 2 for
-    /// `spot`, 1 otherwise. Tier-1 work is never preempted.
-    #[serde(default)]
-    pub tier: Option<u8>,
-    /// Whether the scheduler may stop this instance (with a notice) to make
-    /// room for more important work, requeuing it. Default: true only for
-    /// `spot`. Tier 1 cannot be preemptible.
-    #[serde(default)]
-    pub preemptible: Option<bool>,
-    /// A share of one GPU instead of whole GPUs, in 0.001..=1 (steps of
-    /// 0.001): the instance shares a GPU that is not in MIG mode with other
-    /// fractions, gets that part of its compute (MPS thread percentage) and
-    /// of its memory (a memory cap), and is billed that share. `gpus` must
-    /// be 1.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu_fraction: Option<f64>,
-    /// One MIG instance of this profile (e.g. `1g.10gb`) on a GPU in MIG
-    /// mode, instead of whole GPUs. The profile must exist on one of
-    /// `gpu_types` (or, when absent, on some catalog model). `gpus` must be 1.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig_profile: Option<String>,
-    /// An OCI image to run the instance from, in a container, instead of a
-    /// command on the node (`command` then overrides the image's default
-    /// and may be empty).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<String>,
-    /// Container ports (TCP) to publish; the node picks the host ports and
-    /// the instance reports them with their URLs. Needs `image`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub ports: Vec<u16>,
-    /// Size of the container's scratch space at `/scratch` (its only
-    /// writable place besides its root filesystem), MiB; default 1024.
-    /// Needs `image`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub scratch_mb: Option<u64>,
+crate::work::work_request! {
+    /// What a tenant asks for when creating an instance: one member's work.
+    pub struct CreateInstance {
+        /// Whole GPUs, all of one model, on one node (1–64); 1 with a
+        /// `gpu_fraction` or a `mig_profile`.
+        pub gpus: u32,
+    }
 }
 
 /// What an instance run from an image needs beyond the command. Limits

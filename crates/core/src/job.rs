@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::catalog::Catalog;
 use crate::error::FieldError;
-use crate::instance::{BillingClass, CreateInstance, InstanceState, MAX_GPUS_PER_INSTANCE};
+use crate::instance::{InstanceState, MAX_GPUS_PER_INSTANCE};
 
 /// Where a job is in its life. Its members (instances) carry the detail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -141,128 +141,60 @@ pub const DEFAULT_RETRIES: u32 = 3;
 /// set them, or a rank could lie about who it is.
 pub const RESERVED_ENV_PREFIX: &str = "FLOTILLA_JOB_";
 
-/// What a tenant asks for when submitting a job.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct CreateJob {
-    /// Optional DNS-label name, for display.
-    #[serde(default)]
-    pub name: Option<String>,
-    /// GPUs of the whole job; each member gets `gpus / nodes`, all of one
-    /// model on one node.
-    pub gpus: u32,
-    /// Members of the gang (ranks), placed all together or not at all
-    /// (default 1), each on a node of its own, as Slurm's `-N` places them.
-    #[serde(default)]
-    pub nodes: Option<u32>,
-    /// Acceptable GPU models (any of them); empty or absent: any model.
-    #[serde(default)]
-    pub gpu_types: Vec<String>,
-    /// CPU per member in thousandths of a core (default 1000).
-    #[serde(default)]
-    pub cpu_milli: Option<u32>,
-    /// Memory per member in MiB (default 1024).
-    #[serde(default)]
-    pub memory_mb: Option<u64>,
-    /// Program and arguments every member runs, without a shell.
-    pub command: Vec<String>,
-    /// Extra environment variables (`FLOTILLA_JOB_*` are reserved).
-    #[serde(default)]
-    pub env: BTreeMap<String, String>,
-    /// Working directory on the node (absolute path).
-    #[serde(default)]
-    pub workdir: Option<String>,
-    /// Billing class of the members (default `on_demand`).
-    #[serde(default)]
-    pub billing_class: BillingClass,
-    /// Queue priority, higher first (default 0, -1000..=1000).
-    #[serde(default)]
-    pub priority: Option<i32>,
-    /// Service tier: 1 dedicated, 2 shared/spot, 3 queued. Default: 2 for
-    /// `spot`, 1 otherwise.
-    #[serde(default)]
-    pub tier: Option<u8>,
-    /// Whether the scheduler may preempt the job (any member: the whole
-    /// job is stopped with the notice and requeued). Default: true only
-    /// for `spot`; tier 1 cannot be preemptible.
-    #[serde(default)]
-    pub preemptible: Option<bool>,
-    /// `never` (default) or `on_failure`.
-    #[serde(default)]
-    pub restart_policy: RestartPolicy,
-    /// Restarts after failures, for `on_failure` (default 3, at most 100;
-    /// must be 0 or absent with `never`). Preemptions do not count.
-    #[serde(default)]
-    pub max_retries: Option<u32>,
-    /// `any` (default), `same_pool` or `same_region`: keep every member in
-    /// one pool or one region.
-    #[serde(default)]
-    pub locality: Locality,
-    /// Longest one attempt may run, in seconds (1 to 30 days). Members
-    /// still running then are stopped and the job fails, without retry.
-    /// Knowing when a job ends at the latest lets the scheduler backfill it
-    /// ahead of a waiting head, and plan that head's start.
-    #[serde(default)]
-    pub time_limit_s: Option<u64>,
-    /// Each member takes this share of one GPU (0.001..=1) instead of whole
-    /// GPUs; `gpus` must then equal `nodes` (one share per member).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu_fraction: Option<f64>,
-    /// Each member takes one MIG instance of this profile; `gpus` must
-    /// equal `nodes`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig_profile: Option<String>,
+crate::work::work_request! {
+    /// What a tenant asks for when submitting a job.
+    pub struct CreateJob {
+        /// GPUs of the whole job; each member gets `gpus / nodes`, all of one
+        /// model on one node (with a share: `gpus` equals `nodes`).
+        pub gpus: u32,
+        /// Members of the gang (ranks), placed all together or not at all
+        /// (default 1), each on a node of its own, as Slurm's `-N` places them.
+        #[serde(default)]
+        pub nodes: Option<u32>,
+        /// `never` (default) or `on_failure`.
+        #[serde(default)]
+        pub restart_policy: RestartPolicy,
+        /// Restarts after failures, for `on_failure` (default 3, at most 100;
+        /// must be 0 or absent with `never`). Preemptions do not count.
+        #[serde(default)]
+        pub max_retries: Option<u32>,
+        /// `any` (default), `same_pool` or `same_region`: keep every member in
+        /// one pool or one region.
+        #[serde(default)]
+        pub locality: Locality,
+        /// Longest one attempt may run, in seconds (1 to 30 days). Members
+        /// still running then are stopped and the job fails, without retry.
+        /// Knowing when a job ends at the latest lets the scheduler backfill it
+        /// ahead of a waiting head, and plan that head's start.
+        #[serde(default)]
+        pub time_limit_s: Option<u64>,
+    }
 }
 
-/// A validated job request: what the store keeps and every member is
-/// made from.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct JobSpec {
-    /// Display name.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-    /// GPUs of the whole job.
-    pub gpus: u32,
-    /// Members.
-    pub nodes: u32,
-    /// Canonical catalog names; empty: any.
-    pub gpu_types: Vec<String>,
-    /// CPU per member, milli-cores.
-    pub cpu_milli: u32,
-    /// Memory per member, MiB.
-    pub memory_mb: u64,
-    /// Program and arguments.
-    pub command: Vec<String>,
-    /// Environment (without the `FLOTILLA_JOB_*` variables).
-    pub env: BTreeMap<String, String>,
-    /// Working directory.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub workdir: Option<String>,
-    /// Billing class.
-    pub billing_class: BillingClass,
-    /// Queue priority.
-    pub priority: i32,
-    /// Service tier, 1..=3.
-    pub tier: u8,
-    /// May be preempted.
-    pub preemptible: bool,
-    /// Restart policy.
-    pub restart_policy: RestartPolicy,
-    /// Restarts allowed after failures.
-    pub max_retries: u32,
-    /// Where the members may go relative to each other.
-    #[serde(default)]
-    pub locality: Locality,
-    /// Longest one attempt may run, in seconds.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub time_limit_s: Option<u64>,
-    /// Each member's share of one GPU, when members share GPUs.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu_fraction: Option<f64>,
-    /// Each member's MIG profile (canonical name), when members take MIG
-    /// instances.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig_profile: Option<String>,
+crate::work::resolved_work! {
+    from_spec;
+    /// A validated job request: what the store keeps and every member is
+    /// made from.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+    pub struct JobSpec {
+        /// Display name.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub name: Option<String>,
+        /// GPUs of the whole job.
+        pub gpus: u32,
+        /// Members.
+        pub nodes: u32,
+        /// Restart policy.
+        pub restart_policy: RestartPolicy,
+        /// Restarts allowed after failures.
+        pub max_retries: u32,
+        /// Where the members may go relative to each other.
+        #[serde(default)]
+        pub locality: Locality,
+        /// Longest one attempt may run, in seconds.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub time_limit_s: Option<u64>,
+    }
 }
 
 impl JobSpec {
@@ -357,55 +289,18 @@ impl CreateJob {
                 ));
             }
         }
-        let member = CreateInstance {
-            name: self.name,
-            gpus: per,
-            gpu_types: self.gpu_types,
-            cpu_milli: self.cpu_milli,
-            memory_mb: self.memory_mb,
-            command: self.command,
-            env: self.env,
-            workdir: self.workdir,
-            billing_class: self.billing_class,
-            priority: self.priority,
-            tier: self.tier,
-            preemptible: self.preemptible,
-            gpu_fraction: self.gpu_fraction,
-            mig_profile: self.mig_profile,
-            // Jobs run commands; images are for instances so far.
-            image: None,
-            ports: Vec::new(),
-            scratch_mb: None,
-        }
-        .validate(catalog)?;
-        let (gpu_fraction, mig_profile) = match &member.share {
-            crate::placement::GpuShare::Whole => (None, None),
-            crate::placement::GpuShare::Fraction { milli } => {
-                (Some(f64::from(*milli) / 1000.0), None)
-            }
-            crate::placement::GpuShare::Mig(p) => (None, Some(p.name.clone())),
-        };
-        Ok(JobSpec {
-            name: member.name,
-            gpus: self.gpus,
+        let member = self.to_member(per).validate(catalog)?;
+        let name = member.name.clone();
+        Ok(JobSpec::from_spec(
+            member,
+            name,
+            self.gpus,
             nodes,
-            gpu_types: member.gpu_types,
-            cpu_milli: member.cpu_milli,
-            memory_mb: member.memory_mb,
-            command: member.command,
-            env: member.env,
-            workdir: member.workdir,
-            billing_class: member.billing_class,
-            priority: member.priority,
-            tier: member.tier,
-            preemptible: member.preemptible,
-            restart_policy: self.restart_policy,
+            self.restart_policy,
             max_retries,
-            locality: self.locality,
-            time_limit_s: self.time_limit_s,
-            gpu_fraction,
-            mig_profile,
-        })
+            self.locality,
+            self.time_limit_s,
+        ))
     }
 }
 
@@ -647,6 +542,7 @@ pub fn step(job: &JobProgress, members: &[MemberStatus]) -> JobStep {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::instance::BillingClass;
     use InstanceState::*;
 
     fn req() -> CreateJob {
@@ -670,6 +566,9 @@ mod tests {
             time_limit_s: None,
             gpu_fraction: None,
             mig_profile: None,
+            image: None,
+            ports: Vec::new(),
+            scratch_mb: None,
         }
     }
 

@@ -18,5 +18,6 @@ pub mod node;
 pub mod placement;
 pub mod quota;
 pub mod tenant;
+pub mod work;
 
 pub use error::{FieldError, QuotaExceeded};

@@ -30,6 +30,16 @@ pub enum GpuShare {
 }
 
 impl GpuShare {
+    /// The request fields that ask for this share: `(gpu_fraction,
+    /// mig_profile)`, both absent for whole GPUs.
+    pub fn as_request(&self) -> (Option<f64>, Option<String>) {
+        match self {
+            GpuShare::Whole => (None, None),
+            GpuShare::Fraction { milli } => (Some(f64::from(*milli) / 1000.0), None),
+            GpuShare::Mig(p) => (None, Some(p.name.clone())),
+        }
+    }
+
     /// Milli-GPU it takes of each GPU it is on (MIG: rounded down, see
     /// [`MigProfile::milli`]).
     pub fn milli(&self) -> u16 {

@@ -118,16 +118,20 @@ pub struct BootstrapOutcome {
     pub agent_token: String,
 }
 
-/// Opens (creating a SQLite file when needed) and migrates the store.
+/// Opens (creating a SQLite file when needed) and migrates the store. A
+/// SQLite file is private to the server's user (mode 0600, as SQLite gives
+/// its `-wal` and `-shm` files the database's mode); a directory it
+/// creates for it is 0700.
 pub async fn open_store(database_url: &str) -> anyhow::Result<Store> {
     if let Some(path) = database_url.strip_prefix("sqlite://") {
-        let file = path.split('?').next().unwrap_or(path);
-        if let Some(dir) = Path::new(file).parent() {
-            if !dir.as_os_str().is_empty() {
-                std::fs::create_dir_all(dir)
-                    .with_context(|| format!("cannot create {}", dir.display()))?;
+        let file = Path::new(path.split('?').next().unwrap_or(path));
+        if let Some(dir) = file.parent() {
+            if !dir.as_os_str().is_empty() && !dir.exists() {
+                private_dir(dir).with_context(|| format!("cannot create {}", dir.display()))?;
             }
         }
+        private_sqlite_files(file)
+            .with_context(|| format!("cannot make {} private", file.display()))?;
     }
     Store::connect(database_url)
         .await
@@ -148,11 +152,53 @@ fn redact(url: &str) -> String {
     }
 }
 
+/// Creates `dir` and missing parents with mode 0700.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
+/// Creates the SQLite database `file` empty with mode 0600 when missing,
+/// and takes group and other access away from it and its `-wal`, `-shm`
+/// and `-journal` files when they have any (files of older versions).
+fn private_sqlite_files(file: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    if file.as_os_str().is_empty() || file.to_str() == Some(":memory:") {
+        return Ok(());
+    }
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(file)
+    {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    for suffix in ["", "-wal", "-shm", "-journal"] {
+        let mut name = file.as_os_str().to_owned();
+        name.push(suffix);
+        let path = Path::new(&name);
+        if let Ok(meta) = std::fs::metadata(path) {
+            if meta.permissions().mode() & 0o077 != 0 {
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
     use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
+        if !dir.exists() {
+            private_dir(dir)?;
+        }
     }
     let mut f = std::fs::OpenOptions::new()
         .write(true)
@@ -161,6 +207,8 @@ fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
         .mode(0o600)
         .open(path)
         .with_context(|| format!("cannot write {}", path.display()))?;
+    // An existing file keeps its mode through `open`.
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
     f.write_all(contents.as_bytes())?;
     Ok(())
 }
@@ -208,6 +256,12 @@ pub async fn bootstrap(store: &Store, data_dir: &Path) -> anyhow::Result<Bootstr
         Some(mint_key(store, &tenant, Role::Operator, "bootstrap operator").await?)
     };
     let token_file = data_dir.join("agent.token");
+    if token_file.exists() {
+        // Written by an older version with the default mode, perhaps.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("cannot make {} private", token_file.display()))?;
+    }
     let existing = std::fs::read_to_string(&token_file)
         .ok()
         .map(|s| s.trim().to_string());

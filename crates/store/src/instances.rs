@@ -17,7 +17,8 @@ use flotilla_core::placement::{GpuShare, Placement, MILLI_PER_GPU};
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
 
-use crate::{at, json, ms, to_json, PageOf, PageReq, Result, Store, StoreError};
+use crate::work::add_event;
+use crate::{at, json, ms, to_json, PageOf, PageReq, Result, Store, StoreError, WorkTable};
 
 /// Grace between SIGTERM and SIGKILL when an instance is stopped.
 pub const STOP_GRACE_MS: u64 = 10_000;
@@ -145,26 +146,6 @@ fn membership(row: &AnyRow) -> Result<Option<JobMembership>> {
         rank: small(row.try_get("job_rank")?),
         attempt: small(row.try_get("job_attempt")?),
     }))
-}
-
-async fn add_event(
-    tx: &mut Transaction<'static, Any>,
-    id: &InstanceId,
-    state: InstanceState,
-    reason: &str,
-    now: DateTime<Utc>,
-) -> Result<()> {
-    sqlx::query(
-        "INSERT INTO instance_events (instance_id, seq, state, reason, at) \
-         SELECT $1, COALESCE(MAX(seq), -1) + 1, $2, $3, $4 FROM instance_events WHERE instance_id = $1",
-    )
-    .bind(id.as_str())
-    .bind(state.as_str())
-    .bind(reason)
-    .bind(ms(now))
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
 }
 
 /// Moves `id` from `from` to `to` inside `tx`. Returns false (and changes
@@ -666,27 +647,20 @@ impl Store {
     }
 
     async fn events(&self, ids: &[InstanceId]) -> Result<BTreeMap<InstanceId, Vec<InstanceEvent>>> {
-        let mut out: BTreeMap<InstanceId, Vec<InstanceEvent>> = BTreeMap::new();
-        let (Some(lo), Some(hi)) = (ids.first(), ids.last()) else {
-            return Ok(out);
-        };
-        let rows = sqlx::query(
-            "SELECT * FROM instance_events WHERE instance_id >= $1 AND instance_id <= $2 ORDER BY instance_id, seq",
-        )
-        .bind(lo.as_str())
-        .bind(hi.as_str())
-        .fetch_all(self.pool())
-        .await?;
-        for r in &rows {
-            let id = InstanceId::from_trusted(r.try_get("instance_id")?);
-            if !ids.contains(&id) {
-                continue;
-            }
-            out.entry(id).or_default().push(InstanceEvent {
-                state: state_of(&r.try_get::<String, _>("state")?)?,
-                reason: r.try_get("reason")?,
-                at: at(r.try_get("at")?),
-            });
+        let mut out = BTreeMap::new();
+        let ids = ids.iter().map(InstanceId::as_str);
+        for (id, list) in self.transitions(WorkTable::Instances, ids).await? {
+            let list = list
+                .into_iter()
+                .map(|t| {
+                    Ok(InstanceEvent {
+                        state: state_of(&t.state)?,
+                        reason: t.reason,
+                        at: t.at,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            out.insert(InstanceId::from_trusted(id), list);
         }
         Ok(out)
     }
@@ -699,12 +673,7 @@ impl Store {
         page: &PageReq,
     ) -> Result<PageOf<Instance>> {
         let rows = self
-            .work_page(
-                crate::WorkTable::Instances,
-                only,
-                state.map(|s| s.as_str()),
-                page,
-            )
+            .work_page(WorkTable::Instances, only, state.map(|s| s.as_str()), page)
             .await?;
         let items = rows.iter().map(instance).collect::<Result<Vec<_>>>()?;
         let mut page = PageOf::from_overfetch(items, page, |i| i.id.to_string());
@@ -751,13 +720,7 @@ impl Store {
         reason: &str,
         now: DateTime<Utc>,
     ) -> Result<()> {
-        sqlx::query("UPDATE instances SET state_reason = $1, updated_at = $2 WHERE id = $3 AND state = 'pending'")
-            .bind(reason)
-            .bind(ms(now))
-            .bind(id.as_str())
-            .execute(self.pool())
-            .await?;
-        Ok(())
+        self.set_wait_reason(id, reason, now).await
     }
 
     /// Commits a placement: takes each GPU only if it is still free, moves
@@ -986,6 +949,7 @@ impl Store {
                 held.sort();
                 Ok(Assignment {
                     instance_id: i.id,
+                    tenant_id: Some(i.tenant_id),
                     command: i.command,
                     env: i.env,
                     workdir: i.workdir,
@@ -998,7 +962,6 @@ impl Store {
                     } else {
                         STOP_GRACE_MS
                     },
-                    tenant_id: Some(i.tenant_id),
                     image: i.image,
                     cpu_milli: Some(i.cpu_milli),
                     memory_mb: Some(i.memory_mb),
@@ -1076,13 +1039,19 @@ impl Store {
     }
 
     /// A node's agent registered afresh: it lost track of the commands it
-    /// had started, so instances past `scheduled` there fail. Scheduled
-    /// ones stay; the new agent starts them.
-    pub async fn fail_started_on(&self, node: &NodeId, now: DateTime<Utc>) -> Result<u64> {
+    /// had started, so instances past `scheduled` there fail, except those
+    /// it says still run (`running`: it took them over). Scheduled ones
+    /// stay; the new agent starts them.
+    pub async fn fail_started_on(
+        &self,
+        node: &NodeId,
+        running: &[InstanceId],
+        now: DateTime<Utc>,
+    ) -> Result<u64> {
         use InstanceState::*;
         let reason = "node agent restarted and lost track of the command";
         let failed = self
-            .move_all_on(node, &[Starting, Running], &[], Failed, reason, now)
+            .move_all_on(node, &[Starting, Running], running, Failed, reason, now)
             .await?;
         Ok(failed.len() as u64)
     }

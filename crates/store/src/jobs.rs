@@ -17,9 +17,10 @@ use flotilla_core::instance::{InstanceSpec, InstanceState};
 use flotilla_core::job::{member_env, JobSpec, JobState};
 use flotilla_core::placement::Placement;
 use sqlx::any::AnyRow;
-use sqlx::{Any, Row, Transaction};
+use sqlx::Row;
 
-use crate::{at, json, ms, to_json, PageOf, PageReq, Result, Store, StoreError};
+use crate::work::add_event;
+use crate::{at, json, ms, to_json, PageOf, PageReq, Result, Store, StoreError, WorkTable};
 
 fn state_of(s: &str) -> Result<JobState> {
     JobState::parse(s).ok_or_else(|| StoreError::Corrupt(format!("job state `{s}`")))
@@ -47,26 +48,6 @@ fn job(row: &AnyRow) -> Result<Job> {
         members: Vec::new(),
         events: Vec::new(),
     })
-}
-
-async fn add_event(
-    tx: &mut Transaction<'static, Any>,
-    id: &JobId,
-    state: JobState,
-    reason: &str,
-    now: DateTime<Utc>,
-) -> Result<()> {
-    sqlx::query(
-        "INSERT INTO job_events (job_id, seq, state, reason, at) \
-         SELECT $1, COALESCE(MAX(seq), -1) + 1, $2, $3, $4 FROM job_events WHERE job_id = $1",
-    )
-    .bind(id.as_str())
-    .bind(state.as_str())
-    .bind(reason)
-    .bind(ms(now))
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
 }
 
 /// What the scheduler needs of a queued job.
@@ -197,30 +178,23 @@ impl Store {
                 exit_code: exit.map(|c| c.clamp(i32::MIN as i64, i32::MAX as i64) as i32),
             });
         }
-        let mut events: HashMap<String, Vec<JobEvent>> = jobs
-            .iter()
-            .map(|j| (j.id.to_string(), Vec::new()))
-            .collect();
-        let rows = sqlx::query(
-            "SELECT * FROM job_events WHERE job_id >= $1 AND job_id <= $2 ORDER BY job_id, seq",
-        )
-        .bind(&lo)
-        .bind(&hi)
-        .fetch_all(self.pool())
-        .await?;
-        for r in &rows {
-            let Some(list) = events.get_mut(&r.try_get::<String, _>("job_id")?) else {
-                continue;
-            };
-            list.push(JobEvent {
-                state: state_of(&r.try_get::<String, _>("state")?)?,
-                reason: r.try_get("reason")?,
-                at: at(r.try_get("at")?),
-            });
-        }
+        let mut events = self
+            .transitions(WorkTable::Jobs, jobs.iter().map(|j| j.id.as_str()))
+            .await?;
         for j in jobs.iter_mut() {
             j.members = members.remove(j.id.as_str()).unwrap_or_default();
-            j.events = events.remove(j.id.as_str()).unwrap_or_default();
+            j.events = events
+                .remove(j.id.as_str())
+                .unwrap_or_default()
+                .into_iter()
+                .map(|t| {
+                    Ok(JobEvent {
+                        state: state_of(&t.state)?,
+                        reason: t.reason,
+                        at: t.at,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
         }
         Ok(())
     }
@@ -233,12 +207,7 @@ impl Store {
         page: &PageReq,
     ) -> Result<PageOf<Job>> {
         let rows = self
-            .work_page(
-                crate::WorkTable::Jobs,
-                only,
-                state.map(|s| s.as_str()),
-                page,
-            )
+            .work_page(WorkTable::Jobs, only, state.map(|s| s.as_str()), page)
             .await?;
         let items = rows.iter().map(job).collect::<Result<Vec<_>>>()?;
         let mut page = PageOf::from_overfetch(items, page, |j| j.id.to_string());
@@ -269,15 +238,7 @@ impl Store {
 
     /// Updates the reason a queued job is not placed.
     pub async fn set_job_reason(&self, id: &JobId, reason: &str, now: DateTime<Utc>) -> Result<()> {
-        sqlx::query(
-            "UPDATE jobs SET state_reason = $1, updated_at = $2 WHERE id = $3 AND state = 'queued'",
-        )
-        .bind(reason)
-        .bind(ms(now))
-        .bind(id.as_str())
-        .execute(self.pool())
-        .await?;
-        Ok(())
+        self.set_wait_reason(id, reason, now).await
     }
 
     /// Places a queued job's whole gang: `plans[r]` is rank r's placement
@@ -363,7 +324,7 @@ impl Store {
                 preemptible: j.spec.preemptible,
                 // What the planner placed it as: whole GPUs, or the job's share.
                 share: plan.share.clone(),
-                image: None,
+                image: j.spec.image.clone(),
             };
             let why = format!("rank {rank} of {id}, attempt {next}");
             crate::instances::insert_pending(&mut tx, member, &j.tenant_id, &spec, None, &why, now)

@@ -28,6 +28,9 @@ pub mod prices;
 pub mod providers;
 pub mod tenants;
 pub mod usage;
+mod work;
+
+pub(crate) use work::WorkTable;
 
 /// Errors of the store.
 #[derive(Debug, thiserror::Error)]
@@ -120,23 +123,6 @@ pub struct Store {
     /// Set on a store made by [`Store::fenced`]: its write transactions
     /// check this lease token first.
     fence: Option<std::sync::Arc<leases::Fence>>,
-}
-
-/// The tables that hold work: a closed set, so a table name is never
-/// built from input.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WorkTable {
-    Instances,
-    Jobs,
-}
-
-impl WorkTable {
-    fn name(self) -> &'static str {
-        match self {
-            WorkTable::Instances => "instances",
-            WorkTable::Jobs => "jobs",
-        }
-    }
 }
 
 /// A page request: items after `after` (an id), at most `limit`.
@@ -256,29 +242,6 @@ impl Store {
     }
 
     /// The pool, for the repository modules.
-    /// One page of a work table (`instances` or `jobs`) by id, optionally
-    /// of one tenant and in one state: the query both lists share.
-    pub(crate) async fn work_page(
-        &self,
-        table: WorkTable,
-        only: Option<&flotilla_core::id::TenantId>,
-        state: Option<&str>,
-        page: &PageReq,
-    ) -> Result<Vec<sqlx::any::AnyRow>> {
-        let sql = format!(
-            "SELECT * FROM {} WHERE id > $1 AND ($2 = '' OR tenant_id = $2) AND ($3 = '' OR state = $3) \
-             ORDER BY id LIMIT $4",
-            table.name()
-        );
-        Ok(sqlx::query(&sql)
-            .bind(page.after_or_empty())
-            .bind(only.map(|t| t.as_str()).unwrap_or(""))
-            .bind(state.unwrap_or(""))
-            .bind(page.fetch())
-            .fetch_all(self.pool())
-            .await?)
-    }
-
     pub(crate) fn pool(&self) -> &AnyPool {
         &self.pool
     }

@@ -64,6 +64,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: u32) -> NodeId {
         simulated: true,
         gpus: list,
         agent_version: "test".into(),
+        running: Vec::new(),
     };
     s.register_node(
         owner,
@@ -102,6 +103,7 @@ fn spec(gpus: u32, nodes: u32) -> JobSpec {
         time_limit_s: None,
         gpu_fraction: None,
         mig_profile: None,
+        image: None,
     }
 }
 

@@ -108,6 +108,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: &[(&str, u32)]) -> 
         simulated: true,
         gpus: list,
         agent_version: "test".into(),
+        running: Vec::new(),
     };
     let count = req.gpus.len();
     s.register_node(
@@ -264,6 +265,7 @@ async fn node_registration_is_idempotent_by_name(s: &Store) {
                 simulated: true,
                 gpus: vec![],
                 agent_version: String::new(),
+                running: Vec::new(),
             },
             || (NodeId::generate(1, rnd()), vec![]),
             t0(),

@@ -120,6 +120,9 @@ pub struct Home {
     pub heartbeat_timeout: u64,
     /// `RUST_LOG` of every process.
     pub log_level: &'static str,
+    /// Run every process as this uid (and gid) instead of the test's own:
+    /// a root test playing an ordinary user. Own [`Home::dir`] by it first.
+    pub uid: Option<u32>,
 }
 
 impl Home {
@@ -132,6 +135,7 @@ impl Home {
             database_url: None,
             heartbeat_timeout: 15,
             log_level: "info",
+            uid: None,
         }
     }
 
@@ -156,6 +160,11 @@ impl Home {
             .env_remove("FLOTILLA_DATABASE_URL")
             .env("RUST_LOG", self.log_level)
             .stdin(Stdio::null());
+        if let Some(uid) = self.uid {
+            use std::os::unix::process::CommandExt;
+            // std drops root's supplementary groups along with the uid.
+            c.uid(uid).gid(uid).current_dir("/");
+        }
         c
     }
 

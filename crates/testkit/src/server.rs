@@ -235,6 +235,7 @@ impl TestServer {
             simulated: true,
             gpus: list,
             agent_version: "test".into(),
+            running: Vec::new(),
         };
         let body = serde_json::to_value(req).expect("register body");
         let r = self

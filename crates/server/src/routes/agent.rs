@@ -93,7 +93,10 @@ pub async fn register(
             .await?;
     }
     if !node.created {
-        let failed = st.store().fail_started_on(&node.id, st.now()).await?;
+        let failed = st
+            .store()
+            .fail_started_on(&node.id, &req.running, st.now())
+            .await?;
         if failed > 0 {
             tracing::warn!(node = %node.id, failed, "agent re-registered; instances it had started are failed");
         }

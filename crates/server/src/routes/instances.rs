@@ -11,17 +11,14 @@ use flotilla_core::api::{Instance, LogLine, Page, QueueEntry};
 use flotilla_core::id::InstanceId;
 use flotilla_core::instance::{CreateInstance, InstanceState};
 use flotilla_core::placement::GpuShare;
-use flotilla_core::tenant::Role;
 use flotilla_core::FieldError;
 use serde::Deserialize;
 
-use super::{page, page_req, path_id};
+use super::work::{self, WORK_ROLES};
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{serde_urlencoded_query, ApiJson, Pagination};
 use crate::state::AppState;
-
-const WORK_ROLES: [Role; 2] = [Role::TenantAdmin, Role::TenantMember];
 
 /// Instances of the caller's tenant (operators: all), optionally in one state.
 #[utoipa::path(get, path = "/v1/instances", tag = "instances",
@@ -34,22 +31,7 @@ pub async fn list_instances(
     p: Pagination,
     uri: axum::http::Uri,
 ) -> ApiResult<Json<Page<Instance>>> {
-    #[derive(Deserialize)]
-    struct Filter {
-        state: Option<String>,
-    }
-    let f: Filter = serde_urlencoded_query(uri.query())?;
-    let state = match f.state {
-        None => None,
-        Some(s) => Some(InstanceState::parse(&s).ok_or_else(|| {
-            ApiError::bad_request("state", format!("unknown state `{s}`; one of pending, scheduled, starting, running, succeeded, failed, stopped, lost"))
-        })?),
-    };
-    Ok(page(
-        st.store()
-            .list_instances(caller.scope(), state, &page_req(&p))
-            .await?,
-    ))
+    work::list(&st, &caller, &p, &uri).await
 }
 
 /// Rents GPUs and runs a command on them. The instance starts `pending`;
@@ -122,43 +104,16 @@ pub async fn list_queue(
     State(st): State<AppState>,
     caller: Caller,
 ) -> ApiResult<Json<Page<QueueEntry>>> {
-    let order = crate::schedule::queue_all(&st).await?;
-    let mut items = Vec::new();
-    for (i, q) in order.iter().enumerate() {
-        // Jobs are listed by GET /v1/jobs/queue; they count in positions.
-        let crate::schedule::Queued::Instance(p) = q else {
-            continue;
-        };
-        if !caller.sees(&p.tenant_id) {
-            continue;
-        }
-        let inst = match st.store().instance(&p.id).await {
-            Ok(inst) => inst,
-            // Deleted or placed between the two reads: no longer queued.
-            Err(flotilla_store::StoreError::NotFound(_)) => continue,
-            Err(e) => return Err(e.into()),
-        };
-        if inst.state != InstanceState::Pending {
-            continue;
-        }
-        items.push(QueueEntry {
-            position: u32::try_from(i + 1).unwrap_or(u32::MAX),
-            instance: inst,
-        });
-    }
-    Ok(Json(Page {
-        items,
-        next_cursor: None,
-    }))
+    // Jobs are listed by GET /v1/jobs/queue; they count in positions.
+    work::queue(&st, &caller, |position, instance| QueueEntry {
+        position,
+        instance,
+    })
+    .await
 }
 
 pub(crate) async fn visible(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<Instance> {
-    let id = path_id(raw, "instance_id", InstanceId::parse)?;
-    let inst = st.store().instance(&id).await?;
-    if !caller.sees(&inst.tenant_id) {
-        return Err(ApiError::not_found("instance"));
-    }
-    Ok(inst)
+    work::visible(st, caller, raw).await
 }
 
 /// One instance with its lifecycle events.
@@ -184,12 +139,7 @@ pub async fn stop_instance(
     caller: Caller,
     Path(raw): Path<String>,
 ) -> ApiResult<Json<Instance>> {
-    let inst = visible(&st, &caller, &raw).await?;
-    caller.require(&WORK_ROLES, "stop instances")?;
-    let inst = st.store().request_stop(&inst.id, st.now()).await?;
-    tracing::info!(instance = %inst.id, state = inst.state.as_str(), "stop requested");
-    st.notify_change();
-    Ok(Json(inst))
+    work::end(&st, &caller, &raw).await
 }
 
 #[derive(Deserialize)]

@@ -6,17 +6,12 @@ use axum::Json;
 use flotilla_core::api::{Job, JobQueueEntry, Page};
 use flotilla_core::id::JobId;
 use flotilla_core::job::{CreateJob, JobState};
-use flotilla_core::tenant::Role;
-use serde::Deserialize;
 
-use super::{page, page_req, path_id};
+use super::work::{self, WORK_ROLES};
 use crate::auth::Caller;
-use crate::error::{ApiError, ApiResult};
-use crate::extract::{serde_urlencoded_query, ApiJson, Pagination};
-use crate::schedule::Queued;
+use crate::error::ApiResult;
+use crate::extract::{ApiJson, Pagination};
 use crate::state::AppState;
-
-const WORK_ROLES: [Role; 2] = [Role::TenantAdmin, Role::TenantMember];
 
 /// Jobs of the caller's tenant (operators: all), optionally in one state.
 #[utoipa::path(get, path = "/v1/jobs", tag = "jobs",
@@ -29,27 +24,7 @@ pub async fn list_jobs(
     p: Pagination,
     uri: axum::http::Uri,
 ) -> ApiResult<Json<Page<Job>>> {
-    #[derive(Deserialize)]
-    struct Filter {
-        state: Option<String>,
-    }
-    let f: Filter = serde_urlencoded_query(uri.query())?;
-    let state = match f.state {
-        None => None,
-        Some(s) => Some(JobState::parse(&s).ok_or_else(|| {
-            ApiError::bad_request(
-                "state",
-                format!(
-                    "unknown state `{s}`; one of queued, running, succeeded, failed, cancelled"
-                ),
-            )
-        })?),
-    };
-    Ok(page(
-        st.store()
-            .list_jobs(caller.scope(), state, &page_req(&p))
-            .await?,
-    ))
+    work::list(&st, &caller, &p, &uri).await
 }
 
 /// Submits a job: `nodes` members (ranks) of `gpus / nodes` GPUs each,
@@ -79,15 +54,6 @@ pub async fn create_job(
     Ok((StatusCode::CREATED, Json(job)))
 }
 
-async fn visible(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<Job> {
-    let id = path_id(raw, "job_id", JobId::parse)?;
-    let job = st.store().job(&id).await?;
-    if !caller.sees(&job.tenant_id) {
-        return Err(ApiError::not_found("job"));
-    }
-    Ok(job)
-}
-
 /// One job with every attempt's members and its events.
 #[utoipa::path(get, path = "/v1/jobs/{job_id}", tag = "jobs",
     params(("job_id" = String, Path, description = "job id (job_…)")),
@@ -97,7 +63,7 @@ pub async fn get_job(
     caller: Caller,
     Path(raw): Path<String>,
 ) -> ApiResult<Json<Job>> {
-    Ok(Json(visible(&st, &caller, &raw).await?))
+    Ok(Json(work::visible(&st, &caller, &raw).await?))
 }
 
 /// Cancels a job. A queued one ends `cancelled` at once; a running one's
@@ -112,12 +78,7 @@ pub async fn cancel_job(
     caller: Caller,
     Path(raw): Path<String>,
 ) -> ApiResult<Json<Job>> {
-    let job = visible(&st, &caller, &raw).await?;
-    caller.require(&WORK_ROLES, "cancel jobs")?;
-    let job = st.store().cancel_job(&job.id, st.now()).await?;
-    tracing::info!(job = %job.id, state = job.state.as_str(), "cancel requested");
-    st.notify_change();
-    Ok(Json(job))
+    work::end(&st, &caller, &raw).await
 }
 
 /// Queued jobs of the caller's tenant (operators: all) in the order the
@@ -132,29 +93,9 @@ pub async fn job_queue(
     State(st): State<AppState>,
     caller: Caller,
 ) -> ApiResult<Json<Page<JobQueueEntry>>> {
-    let order = crate::schedule::queue_all(&st).await?;
-    let mut items = Vec::new();
-    for (i, q) in order.iter().enumerate() {
-        let Queued::Job(j) = q else { continue };
-        if !caller.sees(&j.tenant_id) {
-            continue;
-        }
-        let job = match st.store().job(&j.id).await {
-            Ok(job) => job,
-            Err(flotilla_store::StoreError::NotFound(_)) => continue,
-            Err(e) => return Err(e.into()),
-        };
-        // Placed or cancelled between the two reads: no longer queued.
-        if job.state != JobState::Queued {
-            continue;
-        }
-        items.push(JobQueueEntry {
-            position: u32::try_from(i + 1).unwrap_or(u32::MAX),
-            job,
-        });
-    }
-    Ok(Json(Page {
-        items,
-        next_cursor: None,
-    }))
+    work::queue(&st, &caller, |position, job| JobQueueEntry {
+        position,
+        job,
+    })
+    .await
 }

@@ -30,6 +30,7 @@ pub mod prices;
 pub mod telemetry;
 pub mod tenants;
 pub mod usage;
+pub(crate) mod work;
 
 #[derive(OpenApi)]
 #[openapi(

@@ -1,0 +1,833 @@
+//! The process runtime: runs an instance's command as a process in its own
+//! process group with the GPU selection in its environment, captures
+//! stdout and stderr line by line into the instance's log buffer, stops the
+//! whole group (SIGTERM, grace, SIGKILL) and reports how it exited.
+//!
+//! It must never signal anything but the process groups it created. A
+//! process is spawned once per [`spawn`] call.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use flotilla_core::api::LogStream;
+use flotilla_core::id::InstanceId;
+use futures::future::BoxFuture;
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::sandbox::{
+    bwrap_args_hiding, create_private_dir, owner_of, prepare_workdir, setpriv_args, Isolation,
+    SandboxConfig,
+};
+use super::state::{alive, start_ticks, tail, Checkpoint, Record, StateDir};
+use super::{
+    device_env, exit_code, Control, Exit, LogBuffer, Runtime, RuntimeError, RuntimeKind,
+    SpawnError, SpawnSpec, Wakers, Workload,
+};
+
+/// How long to wait for the output to be read after the process group
+/// ended.
+const PIPE_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs workloads as processes of this host, isolated as well as the host
+/// allows (see [`Isolation`]).
+#[derive(Debug)]
+pub struct ProcessRuntime {
+    work_dir: PathBuf,
+    isolation: Isolation,
+}
+
+impl ProcessRuntime {
+    /// A process runtime with the strongest isolation this host allows
+    /// (runs bubblewrap once to find out). Refuses to run as root without
+    /// a sandbox unless `config.insecure`. Blocking.
+    pub fn new(config: &SandboxConfig) -> Result<Self, RuntimeError> {
+        create_private_dir(&config.work_dir).map_err(|source| RuntimeError::Io {
+            what: format!("creating {}", config.work_dir.display()),
+            source,
+        })?;
+        let isolation = Isolation::probe(config)?;
+        tracing::info!(isolation = isolation.name(), "process runtime ready");
+        Ok(Self::with_isolation(config.work_dir.clone(), isolation))
+    }
+
+    /// A process runtime isolating workloads as `isolation` says.
+    pub fn with_isolation(work_dir: impl Into<PathBuf>, isolation: Isolation) -> Self {
+        Self {
+            work_dir: work_dir.into(),
+            isolation,
+        }
+    }
+
+    /// How it isolates workloads.
+    pub fn isolation(&self) -> &Isolation {
+        &self.isolation
+    }
+
+    /// The directory an instance owns: its working directory must be in it.
+    pub fn instance_dir(&self, instance_id: &InstanceId) -> PathBuf {
+        self.work_dir.join("instances").join(instance_id.as_str())
+    }
+
+    /// Spawns `spec` and starts supervising it. Must be called inside a
+    /// tokio runtime.
+    pub async fn spawn(&self, spec: &SpawnSpec, wakers: Wakers) -> Result<Workload, SpawnError> {
+        let (program, args) = spec.command.split_first().ok_or(SpawnError::EmptyCommand)?;
+        let root = self.instance_dir(&spec.instance_id);
+        let uid = match self.isolation.users() {
+            Some(users) => Some(
+                users
+                    .uid_of(&owner_of(&spec.instance_id, spec.tenant_id.as_ref()))
+                    .map_err(|source| SpawnError::Os {
+                        program: program.clone(),
+                        source,
+                    })?,
+            ),
+            None => None,
+        };
+        prepare_workdir(&root, &spec.workdir, uid)?;
+        let os = |source: std::io::Error| SpawnError::Os {
+            program: program.clone(),
+            source,
+        };
+        // Output goes to files the workload writes itself, so that it
+        // outlives the agent (see [`super::state`]).
+        let state = StateDir::new(&self.work_dir, &spec.instance_id);
+        state.create().map_err(os)?;
+        let stdout = state.append("stdout").map_err(os)?;
+        let stderr = state.append("stderr").map_err(os)?;
+        let mut stdin = Stdio::null();
+        let mut env = base_env(&spec.workdir);
+        env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.into())));
+        env.extend(
+            device_env(
+                &spec.instance_id,
+                &spec.gpu_indices,
+                &spec.gpu_uuids,
+                &spec.vendors,
+                &spec.gpu_slices,
+            )
+            .into_iter()
+            .map(|(k, v)| (k, v.into())),
+        );
+        let mut cmd = match &self.isolation {
+            Isolation::RootSandbox { bwrap, .. } | Isolation::UserSandbox { bwrap } => {
+                // The sandbox resolves the program itself; a missing one
+                // is reported here rather than as an exit code 1.
+                let path = env
+                    .iter()
+                    .find(|(k, _)| k == "PATH")
+                    .map(|(_, v)| v.clone());
+                if resolve(program, path.as_deref()).is_none() {
+                    return Err(SpawnError::NoSuchProgram(program.clone()));
+                }
+                let mut cmd = tokio::process::Command::new(bwrap);
+                let mut bwrap_args =
+                    bwrap_args_hiding(&root, &spec.workdir, uid.is_none(), Some(&self.work_dir));
+                // bubblewrap records the exit code in the status file even
+                // when the agent is gone; it reaches it as standard input,
+                // which it closes for the workload.
+                stdin = Stdio::from(state.append(state.status_file()).map_err(os)?);
+                let end = bwrap_args.len() - 1;
+                bwrap_args.splice(end..end, ["--json-status-fd".to_string(), "0".to_string()]);
+                cmd.args(bwrap_args);
+                if let Some(uid) = uid {
+                    cmd.args(setpriv_args(uid));
+                }
+                cmd.arg(program).args(args).current_dir("/");
+                cmd
+            }
+            Isolation::UsersOnly { .. } => {
+                let mut cmd = tokio::process::Command::new(program);
+                cmd.args(args).current_dir(&spec.workdir);
+                if let Some(uid) = uid {
+                    // std drops the supplementary groups when root sets a uid.
+                    cmd.uid(uid).gid(uid);
+                }
+                cmd
+            }
+            Isolation::None => {
+                let mut cmd = tokio::process::Command::new(program);
+                cmd.args(args).current_dir(&spec.workdir);
+                cmd
+            }
+        };
+        // A workload must not inherit the agent's environment: it may hold
+        // the agent token or an operator's API key. It gets a minimal base,
+        // its own variables, then the device variables.
+        cmd.env_clear()
+            .envs(env)
+            .stdin(stdin)
+            .stdout(Stdio::from(stdout))
+            .stderr(Stdio::from(stderr))
+            .process_group(0)
+            .kill_on_drop(false);
+        let spawned = cmd.spawn();
+        if spawned.is_err() {
+            state.remove();
+        }
+        let child = spawned.map_err(|source| match source.kind() {
+            std::io::ErrorKind::NotFound => SpawnError::NoSuchProgram(program.clone()),
+            std::io::ErrorKind::PermissionDenied => SpawnError::NotExecutable {
+                program: program.clone(),
+                source,
+            },
+            _ => SpawnError::Os {
+                program: program.clone(),
+                source,
+            },
+        })?;
+        let started_at = Utc::now();
+        let logs = Arc::new(LogBuffer::persistent(
+            spec.instance_id.clone(),
+            state.clone(),
+            Checkpoint::default(),
+        ));
+        let (done_tx, done_rx) = watch::channel(false);
+        let pumps = tails(&state, Checkpoint::default(), &logs, &wakers, &done_rx);
+        // The leader has not been reaped yet, so its pid is known; 0 would
+        // only come from a platform without pids and is never signalled.
+        let pid = child.id().unwrap_or(0);
+        // In a sandbox, the leader is bubblewrap; the workload runs under
+        // the pid namespace's init, in a session and group of its own.
+        let sandbox_init = if self.isolation.sandboxed() {
+            wait_for_sandbox_init(pid, &state).await
+        } else {
+            None
+        };
+        tracing::info!(instance_id = %spec.instance_id, pid, ?sandbox_init, uid, program = %program, isolation = self.isolation.name(), "process started");
+        let record = Record {
+            pid,
+            start_ticks: start_ticks(pid).unwrap_or(0),
+            sandbox_init,
+            started_at,
+        };
+        if let Err(error) = state.write_record(&record) {
+            tracing::warn!(instance_id = %spec.instance_id, %error, "cannot record the process: a restarted agent will not find it");
+        }
+        let (workload, control) = Workload::new(
+            spec.instance_id.clone(),
+            pid,
+            Some(sandbox_init.unwrap_or(pid)),
+            started_at,
+            logs,
+        );
+        tokio::spawn(supervise(Supervised {
+            instance_id: spec.instance_id.clone(),
+            child: Leader::Child(child),
+            pid,
+            sandbox_init,
+            control,
+            pumps,
+            done: done_tx,
+            wakers,
+        }));
+        Ok(workload)
+    }
+}
+
+impl Runtime for ProcessRuntime {
+    fn kind(&self) -> RuntimeKind {
+        RuntimeKind::Process
+    }
+
+    fn start(
+        &self,
+        spec: SpawnSpec,
+        wakers: Wakers,
+    ) -> BoxFuture<'_, Result<Workload, SpawnError>> {
+        Box::pin(async move { self.spawn(&spec, wakers).await })
+    }
+
+    fn adopt(&self, wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>> {
+        Box::pin(async move {
+            let mut adopted = Vec::new();
+            for (id, state) in StateDir::all(&self.work_dir) {
+                let Some(record) = state.record() else {
+                    // Started, then the agent died before recording it:
+                    // nothing to go by.
+                    state.remove();
+                    continue;
+                };
+                let from = state.checkpoint();
+                let logs = Arc::new(LogBuffer::persistent(id.clone(), state.clone(), from));
+                let (done_tx, done_rx) = watch::channel(false);
+                let pumps = tails(&state, from, &logs, &wakers, &done_rx);
+                let running = alive(&record);
+                tracing::info!(instance_id = %id, pid = record.pid, running, next_seq = from.next_seq, "taking over a workload an earlier agent started");
+                let (workload, control) = Workload::new(
+                    id.clone(),
+                    record.pid,
+                    Some(record.sandbox_init.unwrap_or(record.pid)),
+                    record.started_at,
+                    logs,
+                );
+                tokio::spawn(supervise(Supervised {
+                    instance_id: id,
+                    child: Leader::Adopted {
+                        record: record.clone(),
+                        state,
+                        running,
+                    },
+                    pid: record.pid,
+                    sandbox_init: record.sandbox_init,
+                    control,
+                    pumps,
+                    done: done_tx,
+                    wakers: wakers.clone(),
+                }));
+                adopted.push(workload);
+            }
+            Ok(adopted)
+        })
+    }
+
+    fn release(&self, instance_id: &InstanceId) {
+        StateDir::new(&self.work_dir, instance_id).remove();
+    }
+}
+
+/// Variables of the agent's own environment a workload may see: enough to
+/// find programs and pick a locale, nothing that could carry a credential.
+const INHERITED_ENV: [&str; 4] = ["PATH", "LANG", "LC_ALL", "TZ"];
+
+/// The base environment of a workload: the allow-listed variables of the
+/// agent's environment, and `HOME` set to the instance's working directory.
+fn base_env(workdir: &Path) -> Vec<(String, std::ffi::OsString)> {
+    let mut env: Vec<(String, std::ffi::OsString)> = INHERITED_ENV
+        .iter()
+        .filter_map(|k| std::env::var_os(k).map(|v| (k.to_string(), v)))
+        .collect();
+    if !env.iter().any(|(k, _)| k == "PATH") {
+        env.push(("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into()));
+    }
+    env.push(("HOME".into(), workdir.as_os_str().to_owned()));
+    env
+}
+
+/// `program` as `PATH` finds it (or as given, when it names a path).
+fn resolve(program: &str, path: Option<&std::ffi::OsStr>) -> Option<PathBuf> {
+    if program.contains('/') {
+        return Some(PathBuf::from(program)).filter(|p| p.exists());
+    }
+    std::env::split_paths(path?)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+}
+
+/// The init of the pid namespace bubblewrap `outer` creates: its child
+/// whose pid in its own namespace is 1. Waits up to a second for it (it is
+/// forked right away); `None` when the sandbox ended before.
+async fn wait_for_sandbox_init(outer: u32, state: &StateDir) -> Option<u32> {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        // bubblewrap's own record first: it stays when bubblewrap ended
+        // at once and its init was reparented.
+        if let Some(init) = state.sandbox_init().or_else(|| sandbox_init_of(outer)) {
+            return Some(init);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+fn sandbox_init_of(outer: u32) -> Option<u32> {
+    let entries = std::fs::read_dir("/proc").ok()?;
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            continue;
+        };
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(str::trim)
+                .map(str::to_string)
+        };
+        if field("PPid:").and_then(|p| p.parse::<u32>().ok()) != Some(outer) {
+            continue;
+        }
+        let nspid = field("NSpid:").unwrap_or_default();
+        if nspid.split_whitespace().last() == Some("1") {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+/// The two ways of following a workload's leader.
+enum Leader {
+    /// This agent started it: its child, waited for.
+    Child(tokio::process::Child),
+    /// An earlier agent started it: watched through `/proc`, its exit code
+    /// read from bubblewrap's status file.
+    Adopted {
+        record: Record,
+        state: StateDir,
+        /// It still ran when it was adopted.
+        running: bool,
+    },
+}
+
+/// How often an adopted workload is looked at to see whether it ended.
+const ADOPTED_TICK: Duration = Duration::from_millis(100);
+
+impl Leader {
+    /// Waits for the leader to end; returns its exit code and when.
+    async fn wait(&mut self) -> (i32, chrono::DateTime<Utc>) {
+        match self {
+            Leader::Child(child) => match child.wait().await {
+                Ok(status) => (exit_code(status), Utc::now()),
+                Err(error) => {
+                    tracing::error!(%error, "cannot wait for process");
+                    (-1, Utc::now())
+                }
+            },
+            Leader::Adopted {
+                record,
+                state,
+                running,
+            } => {
+                if *running {
+                    while alive(record) {
+                        tokio::time::sleep(ADOPTED_TICK).await;
+                    }
+                }
+                // bubblewrap writes the status right before it exits.
+                let mut code = state.exit_code();
+                for _ in 0..20 {
+                    if code.is_some() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    code = state.exit_code();
+                }
+                let at = if *running {
+                    Utc::now()
+                } else {
+                    state.status_written().unwrap_or_else(Utc::now)
+                };
+                (code.unwrap_or(-1), at)
+            }
+        }
+    }
+
+    /// Whether the leader may still be signalled: an adopted one that
+    /// ended may have had its pid reused.
+    fn signalable(&self) -> bool {
+        match self {
+            Leader::Child(_) => true,
+            Leader::Adopted { record, .. } => alive(record),
+        }
+    }
+}
+
+/// Follows a workload's output files from `from` into `logs`.
+fn tails(
+    state: &StateDir,
+    from: Checkpoint,
+    logs: &Arc<LogBuffer>,
+    wakers: &Wakers,
+    done: &watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    [
+        (LogStream::Stdout, from.stdout),
+        (LogStream::Stderr, from.stderr),
+    ]
+    .into_iter()
+    .map(|(stream, offset)| {
+        tokio::spawn(tail(
+            state.output(stream),
+            stream,
+            offset,
+            logs.clone(),
+            wakers.logs.clone(),
+            done.clone(),
+        ))
+    })
+    .collect()
+}
+
+struct Supervised {
+    instance_id: InstanceId,
+    child: Leader,
+    /// The leader: the command, or bubblewrap around it.
+    pid: u32,
+    /// The sandbox's pid namespace init, whose group holds the workload.
+    sandbox_init: Option<u32>,
+    control: Control,
+    pumps: Vec<tokio::task::JoinHandle<()>>,
+    /// Tells the output readers that no more output will come.
+    done: watch::Sender<bool>,
+    wakers: Wakers,
+}
+
+/// Waits for the leader, applying stop requests; then kills what is left of
+/// the group, waits for the pipes to drain and publishes the exit.
+async fn supervise(mut s: Supervised) {
+    let mut stop_requested = false;
+    let mut kill_at: Option<Instant> = None;
+    let (code, at) = loop {
+        tokio::select! {
+            ended = s.child.wait() => break ended,
+            grace = s.control.stop_requested() => {
+                if !stop_requested {
+                    stop_requested = true;
+                    tracing::info!(instance_id = %s.instance_id, pid = s.pid, grace_ms = grace.as_millis() as u64, "stopping process group");
+                    terminate(s.pid, s.sandbox_init);
+                }
+                let deadline = Instant::now() + grace;
+                kill_at = Some(kill_at.map_or(deadline, |k| k.min(deadline)));
+            }
+            () = sleep_until_opt(kill_at) => {
+                tracing::warn!(instance_id = %s.instance_id, pid = s.pid, "grace period over, killing process group");
+                kill(s.pid, s.sandbox_init);
+                kill_at = None;
+            }
+        }
+    };
+    // The instance is over when its leader is: whatever it left behind in
+    // its group would keep holding GPUs that are about to be handed out.
+    if s.child.signalable() {
+        kill(s.pid, s.sandbox_init);
+    }
+    s.done.send_replace(true);
+    let drain = async {
+        for pump in &mut s.pumps {
+            let _ = pump.await;
+        }
+    };
+    if tokio::time::timeout(PIPE_DRAIN_TIMEOUT, drain)
+        .await
+        .is_err()
+    {
+        tracing::warn!(instance_id = %s.instance_id, "output still being read after the process group ended, giving up on it");
+        for pump in &s.pumps {
+            pump.abort();
+        }
+    }
+    tracing::info!(instance_id = %s.instance_id, pid = s.pid, code, stopped = stop_requested, "process exited");
+    s.control.exited(Exit {
+        code,
+        at,
+        stop_requested,
+    });
+    s.wakers.logs.notify_one();
+    s.wakers.changed.notify_one();
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Asks the workload to end: SIGTERM to its group. In a sandbox that is the
+/// group under the namespace's init, not bubblewrap itself, which would
+/// die at once and so cut the workload's grace short.
+fn terminate(leader: u32, sandbox_init: Option<u32>) {
+    signal_group(sandbox_init.unwrap_or(leader), Signal::SIGTERM);
+}
+
+/// Ends the workload now: SIGKILL to the sandbox's init (the kernel then
+/// kills everything in its pid namespace, even processes that left its
+/// group) and to both groups.
+fn kill(leader: u32, sandbox_init: Option<u32>) {
+    if let Some(init) = sandbox_init {
+        signal_group(init, Signal::SIGKILL);
+        if let Ok(raw) = i32::try_from(init) {
+            if raw > 1 {
+                let _ = nix::sys::signal::kill(Pid::from_raw(raw), Signal::SIGKILL);
+            }
+        }
+    }
+    signal_group(leader, Signal::SIGKILL);
+}
+
+/// Signals process group `pgid`; a group that is already gone is fine.
+fn signal_group(pgid: u32, signal: Signal) {
+    let Ok(raw) = i32::try_from(pgid) else {
+        return;
+    };
+    // Never signal group 0 (our own) or below: that would hit the agent.
+    if raw <= 1 {
+        return;
+    }
+    match killpg(Pid::from_raw(raw), signal) {
+        Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+        Err(error) => tracing::warn!(pgid, ?signal, %error, "cannot signal process group"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    use crate::runtime::MAX_LINE_BYTES;
+    use flotilla_core::api::LogLine;
+    use flotilla_core::catalog::Vendor;
+    use flotilla_core::id::InstanceId;
+
+    fn spec(dir: &std::path::Path, command: &[&str]) -> SpawnSpec {
+        let instance_id = InstanceId::generate(1, 42);
+        SpawnSpec {
+            workdir: dir.join("instances").join(instance_id.as_str()),
+            instance_id,
+            tenant_id: None,
+            command: command.iter().map(|s| s.to_string()).collect(),
+            env: BTreeMap::from([("GREETING".to_string(), "hello".to_string())]),
+            gpu_indices: vec![1, 3],
+            gpu_uuids: vec!["GPU-a".into(), "GPU-b".into()],
+            vendors: vec![Vendor::Nvidia, Vendor::Nvidia],
+            gpu_slices: Vec::new(),
+        }
+    }
+
+    /// The runtime with the strongest isolation this host allows (as
+    /// root: bubblewrap and per-tenant users, installed when missing).
+    fn runtime(dir: &Path) -> ProcessRuntime {
+        crate::runtime::sandbox::test_support::ensure_bwrap();
+        ProcessRuntime::new(&SandboxConfig::new(dir)).unwrap()
+    }
+
+    async fn spawn(dir: &Path, spec: &SpawnSpec) -> Result<Workload, SpawnError> {
+        runtime(dir).spawn(spec, Wakers::default()).await
+    }
+
+    /// Host pids of the processes running `sleep <arg>`: in a sandbox the
+    /// workload only knows its pids in its own namespace.
+    fn sleeping(arg: &str) -> Vec<u32> {
+        let want = format!("sleep\0{arg}\0");
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c == want.as_bytes())
+            })
+            .filter(|pid| !process_gone(*pid))
+            .collect()
+    }
+
+    async fn eventually_none_sleeping(arg: &str) -> bool {
+        for _ in 0..250 {
+            if sleeping(arg).is_empty() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
+    /// Gone means no such process, or a zombie nobody reaped yet.
+    fn process_gone(pid: u32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => true,
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state == "Z" || state == "X"),
+        }
+    }
+
+    async fn eventually_gone(pid: u32) -> bool {
+        for _ in 0..100 {
+            if process_gone(pid) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
+    async fn first_line(logs: &LogBuffer) -> LogLine {
+        for _ in 0..250 {
+            if let Some(line) = logs.peek(1).pop() {
+                return line;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("no output");
+    }
+
+    #[tokio::test]
+    async fn exit_code_env_and_both_streams_are_captured() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(
+            dir.path(),
+            &[
+                "sh",
+                "-c",
+                "echo $CUDA_VISIBLE_DEVICES; echo err >&2; sleep 0.05; echo \"$GREETING $FLOTILLA_GPU_UUIDS $NVIDIA_VISIBLE_DEVICES ${ROCR_VISIBLE_DEVICES-unset}\"; pwd; exit 3",
+            ],
+        );
+        let p = spawn(dir.path(), &s).await.unwrap();
+        assert!(p.pid() > 1);
+        let exit = p.wait().await;
+        assert_eq!(exit.code, 3);
+        assert!(!exit.stop_requested);
+        let lines = p.logs().peek(100);
+        let seqs: Vec<u64> = lines.iter().map(|l| l.seq).collect();
+        assert_eq!(seqs, vec![0, 1, 2, 3]);
+        let mut out: Vec<(&str, LogStream)> =
+            lines.iter().map(|l| (l.line.as_str(), l.stream)).collect();
+        // The two pipes race; only the order within each stream is fixed.
+        out.sort_by_key(|(_, s)| *s == LogStream::Stderr);
+        let workdir = s.workdir.canonicalize().unwrap();
+        assert_eq!(
+            out,
+            vec![
+                ("1,3", LogStream::Stdout),
+                ("hello GPU-a,GPU-b 1,3 unset", LogStream::Stdout),
+                (workdir.to_str().unwrap(), LogStream::Stdout),
+                ("err", LogStream::Stderr),
+            ]
+        );
+        assert_eq!(p.exit(), Some(exit));
+    }
+
+    /// cargo sets CARGO_MANIFEST_DIR in the test's own environment: a
+    /// stand-in for the agent token or an operator key that the agent's
+    /// environment may hold and a workload must never see.
+    #[tokio::test]
+    async fn workloads_do_not_inherit_the_agents_environment() {
+        assert!(std::env::var_os("CARGO_MANIFEST_DIR").is_some());
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(
+            dir.path(),
+            &["sh", "-c", "echo \"${CARGO_MANIFEST_DIR-absent} $HOME\"; command -v sh >/dev/null && echo path-ok"],
+        );
+        let p = spawn(dir.path(), &s).await.unwrap();
+        assert_eq!(p.wait().await.code, 0);
+        let lines: Vec<String> = p.logs().peek(10).into_iter().map(|l| l.line).collect();
+        assert_eq!(
+            lines,
+            vec![
+                format!("absent {}", s.workdir.display()),
+                "path-ok".to_string()
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn stop_terminates_the_whole_process_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(
+            dir.path(),
+            &["sh", "-c", "sleep 100.1 & echo $!; sleep 100"],
+        );
+        let p = spawn(dir.path(), &s).await.unwrap();
+        first_line(p.logs()).await;
+        assert_eq!(sleeping("100.1").len(), 1);
+        p.stop(Duration::from_secs(5));
+        let exit = tokio::time::timeout(Duration::from_secs(10), p.wait())
+            .await
+            .unwrap();
+        assert_eq!(exit.code, 128 + 15, "ended by SIGTERM");
+        assert!(exit.stop_requested);
+        assert!(eventually_gone(p.pid()).await, "leader gone");
+        assert!(
+            eventually_none_sleeping("100.1").await,
+            "background child gone"
+        );
+    }
+
+    #[tokio::test]
+    async fn stop_kills_after_the_grace_when_term_is_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        // An ignored signal stays ignored across exec, so both shells and
+        // the sleep ignore SIGTERM.
+        let s = spec(
+            dir.path(),
+            &["sh", "-c", "trap '' TERM; sleep 100.2 & echo $!; wait"],
+        );
+        let p = spawn(dir.path(), &s).await.unwrap();
+        first_line(p.logs()).await;
+        assert_eq!(sleeping("100.2").len(), 1);
+        let t0 = Instant::now();
+        p.stop(Duration::from_millis(300));
+        let exit = tokio::time::timeout(Duration::from_secs(10), p.wait())
+            .await
+            .unwrap();
+        assert!(t0.elapsed() >= Duration::from_millis(250));
+        assert_eq!(exit.code, 128 + 9, "ended by SIGKILL");
+        assert!(
+            eventually_none_sleeping("100.2").await,
+            "background child gone"
+        );
+    }
+
+    #[tokio::test]
+    async fn leftovers_in_the_group_die_with_the_leader() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(
+            dir.path(),
+            &["sh", "-c", "sleep 100.3 >/dev/null 2>&1 & echo $!; exit 0"],
+        );
+        let p = spawn(dir.path(), &s).await.unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(10), p.wait())
+            .await
+            .unwrap();
+        assert_eq!(exit.code, 0);
+        assert!(eventually_none_sleeping("100.3").await);
+    }
+
+    #[tokio::test]
+    async fn missing_program_fails_to_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(dir.path(), &["flotilla-no-such-program-xyz", "--flag"]);
+        let e = spawn(dir.path(), &s).await.unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "no such program `flotilla-no-such-program-xyz`"
+        );
+        let e = spawn(dir.path(), &spec(dir.path(), &[])).await.unwrap_err();
+        assert_eq!(e.to_string(), "empty command");
+    }
+
+    #[tokio::test]
+    async fn long_lines_are_split_and_partial_last_lines_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(
+            dir.path(),
+            &[
+                "sh",
+                "-c",
+                "head -c 200000 /dev/zero | tr '\\0' a; echo; printf 'caf\\303\\251\\r\\n\\377x\\nlast'",
+            ],
+        );
+        let p = spawn(dir.path(), &s).await.unwrap();
+        p.wait().await;
+        let lines = p.logs().peek(10);
+        let text: Vec<&str> = lines.iter().map(|l| l.line.as_str()).collect();
+        assert_eq!(text.len(), 7, "{:?}", &text[4..]);
+        let sizes: Vec<usize> = text[..4].iter().map(|l| l.len()).collect();
+        assert_eq!(
+            sizes,
+            [
+                MAX_LINE_BYTES,
+                MAX_LINE_BYTES,
+                MAX_LINE_BYTES,
+                200_000 - 3 * MAX_LINE_BYTES
+            ]
+        );
+        assert!(text[..4].iter().all(|l| l.bytes().all(|b| b == b'a')));
+        assert_eq!(&text[4..], &["café", "\u{fffd}x", "last"]);
+    }
+}

@@ -1,0 +1,515 @@
+//! How the process runtime isolates a workload from the host, the agent and
+//! other tenants, decided once when the agent starts ([`Isolation::probe`]).
+//!
+//! - **Root with bubblewrap** (a GPU server): each tenant's work runs as a
+//!   user of its own, a uid taken from a reserved range ([`Users`]) with no
+//!   `/etc/passwd` entry on the host, so nothing on the host is owned by it
+//!   but the instance's working directory (mode 0700). `bwrap` runs as root
+//!   (so it can reach working directories under the agent's private work
+//!   directory, mode 0700) and builds a fresh mount, pid, IPC and UTS
+//!   namespace that shows `/usr`, `/etc` (without the shadow files) and the
+//!   library directories read-only, a new `/proc`, a minimal `/dev`, an
+//!   empty `/tmp` and the instance's own working directory, nothing else:
+//!   the data directory, the credentials, the agent's token and other
+//!   tenants' directories are not there. Inside, `setpriv` drops to the
+//!   tenant's uid with no groups, no capabilities (bounding set included)
+//!   and `no_new_privs` before the command runs. A different uid and pid
+//!   namespace make other tenants' processes invisible and unsignalable,
+//!   their `/proc/<pid>/environ` unreadable.
+//! - **Root without bubblewrap**: refused unless the operator allowed it
+//!   (`--insecure-process-runtime`): then only the per-tenant uid separates
+//!   workloads (std's `CommandExt::uid`/`gid`, supplementary groups
+//!   dropped), and they see the host's files and processes.
+//! - **An ordinary user** (a laptop): bubblewrap in a user namespace, as the
+//!   same user, with the same view; without it, plain processes of the
+//!   user, which see everything the user can. The agent warns at start.
+//!
+//! `--die-with-parent` is deliberately not used: the sandbox must outlive
+//! an agent that crashed, so that the restarted agent can adopt it instead
+//! of the work dying with its bookkeeping.
+
+use std::fs;
+use std::io::Write as _;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+use std::process::Stdio;
+
+use flotilla_core::id::{InstanceId, TenantId};
+
+use super::{RuntimeError, SpawnError};
+
+/// First uid (and gid) of the range tenants' users are taken from: above
+/// any distribution's ordinary and system users and the usual subordinate
+/// id ranges of rootless containers, below 2^31 (some tools store uids as
+/// signed 32-bit numbers).
+pub const DEFAULT_UID_BASE: u32 = 2_000_000_000;
+/// How many uids the range holds.
+pub const DEFAULT_UID_COUNT: u32 = 1_000_000;
+
+/// Files bound empty over their host copies: password hashes.
+const HIDDEN_ETC: [&str; 4] = [
+    "/etc/shadow",
+    "/etc/gshadow",
+    "/etc/shadow-",
+    "/etc/gshadow-",
+];
+
+/// Host directories shown read-only (symlinks, as on merged-/usr systems,
+/// are recreated as symlinks). Not `/opt`, `/var`, `/srv` or `/home`:
+/// data directories live there.
+const SYSTEM_DIRS: [&str; 8] = [
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
+];
+
+/// How the process runtime isolates workloads.
+#[derive(Debug, Clone)]
+pub enum Isolation {
+    /// Root: bubblewrap as root, the command as the tenant's own uid.
+    RootSandbox {
+        /// The `bwrap` program.
+        bwrap: PathBuf,
+        /// The tenants' users.
+        users: Users,
+    },
+    /// Root without bubblewrap, allowed explicitly: the tenant's uid only.
+    UsersOnly {
+        /// The tenants' users.
+        users: Users,
+    },
+    /// An ordinary user: bubblewrap in a user namespace.
+    UserSandbox {
+        /// The `bwrap` program.
+        bwrap: PathBuf,
+    },
+    /// An ordinary user without a working bubblewrap: plain processes.
+    None,
+}
+
+/// What [`Isolation::probe`] needs.
+#[derive(Debug, Clone)]
+pub struct SandboxConfig {
+    /// The agent's work directory (instances' directories and the runtime's
+    /// state go below it).
+    pub work_dir: PathBuf,
+    /// Run without bubblewrap as root (only the uid separates tenants).
+    pub insecure: bool,
+    /// First uid of the tenants' range.
+    pub uid_base: u32,
+    /// Size of the range.
+    pub uid_count: u32,
+}
+
+impl SandboxConfig {
+    /// The default uid range under `work_dir`, bubblewrap required as root.
+    pub fn new(work_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            work_dir: work_dir.into(),
+            insecure: false,
+            uid_base: DEFAULT_UID_BASE,
+            uid_count: DEFAULT_UID_COUNT,
+        }
+    }
+}
+
+impl Isolation {
+    /// Finds the strongest isolation this host allows (see the module):
+    /// runs bubblewrap once to see that it works here. Blocking.
+    pub fn probe(config: &SandboxConfig) -> Result<Isolation, RuntimeError> {
+        let root = nix::unistd::geteuid().is_root();
+        let bwrap = find_program("bwrap");
+        if root {
+            let users = Users::new(config)?;
+            let why = match &bwrap {
+                Some(bwrap) => match probe_bwrap(bwrap, Some(users.base)) {
+                    Ok(()) => {
+                        return Ok(Isolation::RootSandbox {
+                            bwrap: bwrap.clone(),
+                            users,
+                        })
+                    }
+                    Err(why) => why,
+                },
+                None => "bubblewrap (`bwrap`) is not installed".to_string(),
+            };
+            if config.insecure {
+                tracing::warn!(reason = %why, "process runtime without a sandbox (--insecure-process-runtime): workloads run as per-tenant users but see the host's files and processes");
+                return Ok(Isolation::UsersOnly { users });
+            }
+            return Err(RuntimeError::Insecure(format!(
+                "refusing to run workloads as root without a sandbox: {why}; install Debian's `bubblewrap` (and `util-linux` for setpriv), or pass --insecure-process-runtime to run them as per-tenant users without one"
+            )));
+        }
+        let why = match bwrap.map(|b| probe_bwrap(&b, None).map(|()| b)) {
+            Some(Ok(bwrap)) => {
+                tracing::warn!("process runtime as an ordinary user: workloads run sandboxed by bubblewrap but as this same user: they cannot see the data directory, credentials or other instances' directories, yet share this user's uid (no per-tenant users without root)");
+                return Ok(Isolation::UserSandbox { bwrap });
+            }
+            Some(Err(why)) => why,
+            None => "bubblewrap (`bwrap`) is not installed".to_string(),
+        };
+        tracing::warn!(reason = %why, "process runtime WITHOUT a sandbox: workloads run as this user and can read everything it can (the data directory, the agent token, credentials, other instances' directories and environments); install bubblewrap or run the agent as root with it");
+        Ok(Isolation::None)
+    }
+
+    /// A short name for logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Isolation::RootSandbox { .. } => "bubblewrap, per-tenant users",
+            Isolation::UsersOnly { .. } => "per-tenant users, no sandbox",
+            Isolation::UserSandbox { .. } => "bubblewrap, same user",
+            Isolation::None => "none",
+        }
+    }
+
+    /// The tenants' users, when the agent is root.
+    pub fn users(&self) -> Option<&Users> {
+        match self {
+            Isolation::RootSandbox { users, .. } | Isolation::UsersOnly { users } => Some(users),
+            Isolation::UserSandbox { .. } | Isolation::None => None,
+        }
+    }
+
+    /// Whether the workload runs in a bubblewrap sandbox.
+    pub fn sandboxed(&self) -> bool {
+        matches!(
+            self,
+            Isolation::RootSandbox { .. } | Isolation::UserSandbox { .. }
+        )
+    }
+}
+
+/// `program` on the `PATH` (or the usual system directories).
+fn find_program(program: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/bin".into(), "/bin".into(), "/usr/sbin".into()])
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+}
+
+/// Runs `true` in the sandbox once (as `uid` when root).
+fn probe_bwrap(bwrap: &Path, uid: Option<u32>) -> Result<(), String> {
+    let dir = std::env::temp_dir();
+    let mut args = bwrap_args(&dir, &dir, uid.is_none());
+    if let Some(uid) = uid {
+        args.extend(setpriv_args(uid));
+    }
+    args.push("true".into());
+    let out = std::process::Command::new(bwrap)
+        .args(&args)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", bwrap.display()))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "bubblewrap does not work here ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// bubblewrap's arguments up to (not including) the command: the
+/// namespaces and the file system view (see the module). `root` is the
+/// instance's directory, bound read-write at its own path; the command
+/// starts in `workdir`. `user_ns`: create a user namespace (not root).
+pub fn bwrap_args(root: &Path, workdir: &Path, user_ns: bool) -> Vec<String> {
+    bwrap_args_hiding(root, workdir, user_ns, None)
+}
+
+/// [`bwrap_args`], with `work_dir` (the agent's) covered by an empty
+/// file system before the instance's directory is bound inside it, in case
+/// it lies below a directory the sandbox shows.
+pub fn bwrap_args_hiding(
+    root: &Path,
+    workdir: &Path,
+    user_ns: bool,
+    work_dir: Option<&Path>,
+) -> Vec<String> {
+    let mut a: Vec<String> = Vec::new();
+    let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
+    if user_ns {
+        push(&["--unshare-user"]);
+    }
+    // The network is shared: workloads download models and data. A new
+    // session: no controlling terminal to inject keystrokes into.
+    push(&[
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--new-session",
+        "--hostname",
+        "flotilla",
+    ]);
+    for dir in SYSTEM_DIRS {
+        let p = Path::new(dir);
+        match fs::symlink_metadata(p) {
+            Ok(m) if m.file_type().is_symlink() => {
+                if let Ok(target) = fs::read_link(p) {
+                    push(&["--symlink", &target.to_string_lossy(), dir]);
+                }
+            }
+            Ok(m) if m.is_dir() => push(&["--ro-bind", dir, dir]),
+            _ => {}
+        }
+    }
+    for secret in HIDDEN_ETC {
+        if Path::new(secret).exists() {
+            push(&["--ro-bind", "/dev/null", secret]);
+        }
+    }
+    push(&["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]);
+    if let Some(work_dir) = work_dir {
+        push(&["--tmpfs", &work_dir.to_string_lossy()]);
+    }
+    let root = root.to_string_lossy();
+    let workdir = workdir.to_string_lossy();
+    push(&["--bind", &root, &root, "--chdir", &workdir, "--"]);
+    a
+}
+
+/// `setpriv` dropping everything but the tenant's uid, for the command line
+/// inside a root sandbox.
+pub fn setpriv_args(uid: u32) -> Vec<String> {
+    vec![
+        "setpriv".into(),
+        format!("--reuid={uid}"),
+        format!("--regid={uid}"),
+        "--clear-groups".into(),
+        "--inh-caps=-all".into(),
+        "--bounding-set=-all".into(),
+        "--no-new-privs".into(),
+        "--".into(),
+    ]
+}
+
+/// The tenants' users: uids from a reserved range, one per tenant, claimed
+/// by files `users/<uid>` in the agent's work directory holding the
+/// tenant's id, so that a tenant keeps its uid across restarts and two
+/// agents sharing the directory never hand one uid to two tenants (a claim
+/// is created exclusively).
+#[derive(Debug, Clone)]
+pub struct Users {
+    dir: PathBuf,
+    /// First uid.
+    pub base: u32,
+    count: u32,
+}
+
+impl Users {
+    fn new(config: &SandboxConfig) -> Result<Users, RuntimeError> {
+        let dir = config.work_dir.join("users");
+        create_private_dir(&dir).map_err(|source| RuntimeError::Io {
+            what: format!("creating {}", dir.display()),
+            source,
+        })?;
+        Ok(Users {
+            dir,
+            base: config.uid_base,
+            count: config.uid_count.max(1),
+        })
+    }
+
+    /// The uid of `owner` (a tenant's id, or an instance's when the tenant
+    /// is not known), claiming one on first use.
+    pub fn uid_of(&self, owner: &str) -> std::io::Result<u32> {
+        let start = fnv1a(owner.as_bytes()) % u64::from(self.count);
+        for step in 0..u64::from(self.count) {
+            let uid = self.base + ((start + step) % u64::from(self.count)) as u32;
+            let claim = self.dir.join(uid.to_string());
+            match fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&claim)
+            {
+                Ok(mut f) => {
+                    f.write_all(owner.as_bytes())?;
+                    return Ok(uid);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    // Written right after the exclusive create: an empty
+                    // claim is another agent's, being written now.
+                    let mut held = fs::read_to_string(&claim)?;
+                    for _ in 0..50 {
+                        if !held.is_empty() {
+                            break;
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                        held = fs::read_to_string(&claim)?;
+                    }
+                    if held == owner {
+                        return Ok(uid);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(std::io::Error::other("the tenants' uid range is exhausted"))
+    }
+}
+
+/// Who a workload runs as: its tenant, or the instance alone when the
+/// server did not say.
+pub fn owner_of(instance_id: &InstanceId, tenant_id: Option<&TenantId>) -> String {
+    tenant_id.map_or_else(|| instance_id.to_string(), TenantId::to_string)
+}
+
+/// 64-bit FNV-1a: a stable spread of owners over the uid range (stable
+/// across builds, unlike std's hasher).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// Creates `dir` and its missing parents with mode 0700.
+pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    // An existing directory keeps the mode it had; tighten it.
+    let mode = fs::metadata(dir)?.permissions().mode() & 0o777;
+    if mode != 0o700 {
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
+/// Prepares an instance's directory `root` (mode 0700, owned by `uid` when
+/// given) and the working directory `workdir` inside it. A working
+/// directory outside `root` is refused: it would expose a host path to the
+/// workload.
+pub fn prepare_workdir(root: &Path, workdir: &Path, uid: Option<u32>) -> Result<(), SpawnError> {
+    let err = |path: &Path, source: std::io::Error| SpawnError::Workdir {
+        path: path.display().to_string(),
+        source,
+    };
+    let Ok(rel) = workdir.strip_prefix(root) else {
+        return Err(err(
+            workdir,
+            std::io::Error::other("outside the instance's own directory"),
+        ));
+    };
+    if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+        return Err(err(
+            workdir,
+            std::io::Error::other("`..` is not allowed in a working directory"),
+        ));
+    }
+    if let Some(parent) = root.parent() {
+        create_private_dir(parent).map_err(|e| err(parent, e))?;
+    }
+    let mut dir = root.to_path_buf();
+    let mut parts = vec![dir.clone()];
+    for part in rel.components() {
+        dir.push(part);
+        parts.push(dir.clone());
+    }
+    for dir in parts {
+        match fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {}
+            Err(e) => return Err(err(&dir, e)),
+        }
+        // Never follow a link the workload may have planted.
+        let meta = fs::symlink_metadata(&dir).map_err(|e| err(&dir, e))?;
+        if !meta.is_dir() {
+            return Err(err(&dir, std::io::Error::other("not a directory")));
+        }
+        if let Some(uid) = uid {
+            std::os::unix::fs::lchown(&dir, Some(uid), Some(uid)).map_err(|e| err(&dir, e))?;
+        }
+    }
+    Ok(())
+}
+
+/// For tests (this crate's and others'): what the sandbox needs.
+#[doc(hidden)]
+pub mod test_support {
+    use std::sync::Once;
+
+    /// Installs Debian's `bubblewrap` when it is missing and this runs as
+    /// root (as CI does); an ordinary user without it gets the weaker
+    /// isolation the runtime falls back to.
+    pub fn ensure_bwrap() {
+        static ONCE: Once = Once::new();
+        ONCE.call_once(|| {
+            if super::find_program("bwrap").is_some() || !nix::unistd::geteuid().is_root() {
+                return;
+            }
+            eprintln!("installing bubblewrap for the sandbox tests");
+            let install = || {
+                std::process::Command::new("apt-get")
+                    .args([
+                        "install",
+                        "-y",
+                        "-qq",
+                        "-o",
+                        "DPkg::Lock::Timeout=300",
+                        "bubblewrap",
+                    ])
+                    .env("DEBIAN_FRONTEND", "noninteractive")
+                    .status()
+                    .is_ok_and(|s| s.success())
+            };
+            if !install() {
+                let _ = std::process::Command::new("apt-get")
+                    .args(["update", "-qq"])
+                    .status();
+                assert!(install(), "cannot install bubblewrap with apt-get");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tenants_keep_their_uid_and_never_share_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = SandboxConfig {
+            uid_count: 2,
+            ..SandboxConfig::new(dir.path())
+        };
+        let users = Users::new(&config).unwrap();
+        let a = users.uid_of("ten_a").unwrap();
+        let b = users.uid_of("ten_b").unwrap();
+        assert_ne!(a, b);
+        assert!((DEFAULT_UID_BASE..DEFAULT_UID_BASE + 2).contains(&a));
+        // Another agent on the same directory agrees.
+        let again = Users::new(&config).unwrap();
+        assert_eq!(again.uid_of("ten_b").unwrap(), b);
+        assert_eq!(again.uid_of("ten_a").unwrap(), a);
+        assert!(again.uid_of("ten_c").is_err(), "range of two is full");
+        let mode = fs::metadata(dir.path().join("users"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700);
+    }
+
+    #[test]
+    fn working_directories_stay_inside_the_instance() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("instances").join("inst_1");
+        prepare_workdir(&root, &root.join("a/b"), None).unwrap();
+        assert!(root.join("a/b").is_dir());
+        let mode = fs::metadata(&root).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        let e = prepare_workdir(&root, Path::new("/etc"), None).unwrap_err();
+        assert!(e.to_string().contains("outside"), "{e}");
+        let e = prepare_workdir(&root, &root.join("../x"), None).unwrap_err();
+        assert!(e.to_string().contains(".."), "{e}");
+    }
+}

@@ -1,0 +1,656 @@
+//! The gateway benchmark (`scripts/bench gateway`): proxy overhead against
+//! nginx, scale-from-zero latency, and prefix affinity against least
+//! outstanding. Writes `gateway.json` and `gateway.table.md` into
+//! `$FLOTILLA_BENCH_OUT` (default `bench/results`); the script wraps the
+//! table with the run's details. Needs `wrk` and `nginx` on `PATH` and the
+//! emulator binary (`$FLOTILLA_EMULATOR_BIN`, default
+//! `$CARGO_TARGET_DIR/release/flotilla-emulator`); the script provides all
+//! three.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use flotilla_core::gateway::{Balance, EndpointRoute, KeyGrant, ReplicaRoute, RouteTable};
+use flotilla_core::id::{EndpointId, InstanceId, TenantId};
+use flotilla_emulator::{Emulator, EmulatorConfig};
+use flotilla_gateway::{GatewayConfig, GatewayHandle, StaticControl};
+use futures::StreamExt;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpListener;
+use tokio::process::{Child, Command};
+
+const MODEL: &str = "bench-model";
+const KEY: &str = "bench-key";
+
+fn main() -> Result<()> {
+    // `cargo bench` passes `--bench`; nothing to parse.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(run())
+}
+
+async fn run() -> Result<()> {
+    let out = PathBuf::from(
+        std::env::var("FLOTILLA_BENCH_OUT").unwrap_or_else(|_| "bench/results".into()),
+    );
+    std::fs::create_dir_all(&out)?;
+    let quick = std::env::var("FLOTILLA_BENCH_QUICK").is_ok();
+    let proxy = proxy_overhead(quick).await.context("proxy overhead")?;
+    eprintln!("proxy: {proxy}");
+    let cold = scale_from_zero(if quick { 5 } else { 20 })
+        .await
+        .context("scale from zero")?;
+    eprintln!("scale from zero: {cold}");
+    let affinity = affinity(if quick { 200 } else { 600 })
+        .await
+        .context("affinity")?;
+    eprintln!("affinity: {affinity}");
+    let report = json!({"proxy": proxy, "scale_from_zero": cold, "affinity": affinity});
+    std::fs::write(
+        out.join("gateway.json"),
+        serde_json::to_string_pretty(&report)? + "\n",
+    )?;
+    std::fs::write(out.join("gateway.table.md"), table(&report))?;
+    Ok(())
+}
+
+fn tenant() -> TenantId {
+    TenantId::generate(1, rand::random())
+}
+
+fn endpoint(tenant: &TenantId, balance: Balance, replicas: Vec<ReplicaRoute>) -> EndpointRoute {
+    EndpointRoute {
+        id: EndpointId::generate(1, rand::random()),
+        tenant_id: tenant.clone(),
+        name: "bench".into(),
+        models: vec![MODEL.into()],
+        balance,
+        queue_limit: 10_000,
+        queue_timeout_ms: 60_000,
+        replica_concurrency: 0,
+        rate_limit_rps: None,
+        replicas,
+    }
+}
+
+fn replica(url: String) -> ReplicaRoute {
+    ReplicaRoute {
+        instance_id: InstanceId::generate(1, rand::random()),
+        url,
+        revision: 1,
+        draining: false,
+    }
+}
+
+async fn gateway(control: &Arc<StaticControl>) -> Result<GatewayHandle> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let config = GatewayConfig {
+        seed: 1,
+        ..GatewayConfig::default()
+    };
+    Ok(flotilla_gateway::serve(listener, control.clone(), config).await?)
+}
+
+fn control_with(route: EndpointRoute) -> Arc<StaticControl> {
+    let control = Arc::new(StaticControl::new());
+    control.set_key(
+        KEY,
+        KeyGrant {
+            tenant_id: route.tenant_id.clone(),
+            endpoints: Vec::new(),
+            over_hard_cap: false,
+        },
+    );
+    control.set_routes(RouteTable {
+        endpoints: vec![route],
+    });
+    control
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Starts the emulator binary with zero token delays; returns it and its URL.
+async fn emulator_process() -> Result<(Child, String)> {
+    let bin = std::env::var("FLOTILLA_EMULATOR_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
+                .join("release/flotilla-emulator")
+        });
+    let mut child = Command::new(&bin)
+        .args(["--model", MODEL, "--port", "0"])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let stdout = child.stdout.take().context("emulator stdout")?;
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).await?;
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .with_context(|| format!("emulator said {line:?}"))?
+        .to_string();
+    Ok((child, format!("http://{addr}")))
+}
+
+struct Nginx {
+    child: Child,
+    url: String,
+    conf: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl Nginx {
+    /// Stops master and workers (killing only the master would leave the
+    /// workers running).
+    async fn stop(mut self) -> Result<()> {
+        Command::new("nginx")
+            .arg("-e")
+            .arg(self.dir.path().join("error.log"))
+            .arg("-p")
+            .arg(self.dir.path())
+            .arg("-c")
+            .arg(&self.conf)
+            .args(["-s", "stop"])
+            .status()
+            .await?;
+        self.child.wait().await?;
+        Ok(())
+    }
+}
+
+async fn nginx(upstream: &str) -> Result<Nginx> {
+    let dir = tempfile::tempdir()?;
+    let port = free_port()?;
+    let upstream = upstream.trim_start_matches("http://");
+    let p = dir.path().display();
+    let conf = format!(
+        "worker_processes auto;\ndaemon off;\npid {p}/nginx.pid;\nerror_log {p}/error.log warn;\n\
+         events {{ worker_connections 4096; }}\n\
+         http {{\n  access_log off;\n  client_body_temp_path {p}/body;\n  proxy_temp_path {p}/proxy;\n\
+         fastcgi_temp_path {p}/fastcgi;\n  uwsgi_temp_path {p}/uwsgi;\n  scgi_temp_path {p}/scgi;\n\
+         upstream emulator {{ server {upstream}; keepalive 256; }}\n\
+         server {{\n    listen 127.0.0.1:{port};\n    location / {{\n      proxy_pass http://emulator;\n\
+         proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }}\n  }}\n}}\n"
+    );
+    let conf_path = dir.path().join("nginx.conf");
+    std::fs::write(&conf_path, conf)?;
+    let child = Command::new("nginx")
+        .arg("-e")
+        .arg(dir.path().join("error.log"))
+        .arg("-p")
+        .arg(dir.path())
+        .arg("-c")
+        .arg(&conf_path)
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting nginx (apt-get install nginx)")?;
+    let url = format!("http://127.0.0.1:{port}");
+    wait_for_port(port).await?;
+    Ok(Nginx {
+        child,
+        url,
+        conf: conf_path,
+        dir,
+    })
+}
+
+async fn wait_for_port(port: u16) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        if Instant::now() > deadline {
+            bail!("nothing listens on port {port}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+struct WrkResult {
+    rps: f64,
+    p99_ms: f64,
+    p50_ms: f64,
+    errors: u64,
+}
+
+fn parse_latency(s: &str) -> Option<f64> {
+    let (num, unit) = s.split_at(s.find(|c: char| c.is_ascii_alphabetic())?);
+    let v: f64 = num.parse().ok()?;
+    Some(match unit {
+        "us" => v / 1000.0,
+        "ms" => v,
+        "s" => v * 1000.0,
+        "m" => v * 60_000.0,
+        _ => return None,
+    })
+}
+
+async fn wrk(url: &str, script: &Path, connections: u32, seconds: u32) -> Result<WrkResult> {
+    let threads = connections.min(2);
+    let out = Command::new("wrk")
+        .args([
+            format!("-t{threads}"),
+            format!("-c{connections}"),
+            format!("-d{seconds}s"),
+            "--latency".into(),
+            "-s".into(),
+            script.display().to_string(),
+            format!("{url}/v1/chat/completions"),
+        ])
+        .output()
+        .await
+        .context("running wrk (apt-get install wrk)")?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let mut r = WrkResult {
+        rps: 0.0,
+        p99_ms: f64::NAN,
+        p50_ms: f64::NAN,
+        errors: 0,
+    };
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["Requests/sec:", v] => r.rps = v.parse().unwrap_or(0.0),
+            ["99%", v] => r.p99_ms = parse_latency(v).unwrap_or(f64::NAN),
+            ["50%", v] => r.p50_ms = parse_latency(v).unwrap_or(f64::NAN),
+            ["Non-2xx", "or", "3xx", "responses:", n] => r.errors += n.parse::<u64>().unwrap_or(0),
+            ["Socket", "errors:", ..] => {
+                r.errors += words
+                    .iter()
+                    .filter_map(|w| w.trim_end_matches(',').parse::<u64>().ok())
+                    .sum::<u64>()
+            }
+            _ => {}
+        }
+    }
+    if r.rps == 0.0 {
+        bail!(
+            "wrk gave no rate: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(r)
+}
+
+/// wrk against the emulator directly, through nginx and through the
+/// gateway, in this run, at a top load and at about half of it.
+async fn proxy_overhead(quick: bool) -> Result<Value> {
+    let (mut emu, upstream) = emulator_process().await?;
+    let t = tenant();
+    let control = control_with(endpoint(
+        &t,
+        Balance::LeastOutstanding,
+        vec![replica(upstream.clone())],
+    ));
+    let gw = gateway(&control).await?;
+    let ngx = nginx(&upstream).await?;
+    let dir = tempfile::tempdir()?;
+    let script = dir.path().join("post.lua");
+    std::fs::write(
+        &script,
+        format!(
+            "wrk.method = \"POST\"\nwrk.body = '{{\"model\":\"{MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}],\"max_tokens\":1}}'\n\
+             wrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.headers[\"Authorization\"] = \"Bearer {KEY}\"\n"
+        ),
+    )?;
+    let secs = if quick { 3 } else { 10 };
+    let top_c = 64;
+    let targets = [
+        ("direct", upstream.clone()),
+        ("nginx", ngx.url.clone()),
+        ("gateway", gw.url()),
+    ];
+    // Warm every path's connection pools first.
+    for (_, url) in &targets {
+        wrk(url, &script, 16, 1).await?;
+    }
+    let mut top = Vec::new();
+    for (name, url) in &targets {
+        let r = wrk(url, &script, top_c, secs).await?;
+        eprintln!(
+            "top load {name}: {:.0} rps, p99 {:.2} ms, errors {}",
+            r.rps, r.p99_ms, r.errors
+        );
+        top.push(r);
+    }
+    // Half load: the connection count at which the gateway's closed-loop
+    // rate is nearest half its top rate (wrk has no fixed-rate mode).
+    let half_target = top[2].rps / 2.0;
+    let mut half_c = 1;
+    let mut best = f64::INFINITY;
+    for c in [1, 2, 4, 8, 16, 32] {
+        let r = wrk(&gw.url(), &script, c, 2).await?;
+        let d = (r.rps - half_target).abs();
+        if d < best {
+            best = d;
+            half_c = c;
+        }
+    }
+    let mut half = Vec::new();
+    for (name, url) in &targets {
+        let r = wrk(url, &script, half_c, secs).await?;
+        eprintln!(
+            "half load ({half_c} connections) {name}: {:.0} rps, p99 {:.3} ms",
+            r.rps, r.p99_ms
+        );
+        half.push(r);
+    }
+    ngx.stop().await?;
+    let _ = emu.kill().await;
+    gw.shutdown().await;
+    let ratio = top[2].rps / top[1].rps;
+    let added = half[2].p99_ms - half[0].p99_ms;
+    Ok(json!({
+        "top_connections": top_c,
+        "seconds": secs,
+        "direct_rps": round(top[0].rps, 0),
+        "nginx_rps": round(top[1].rps, 0),
+        "gateway_rps": round(top[2].rps, 0),
+        "ratio": round(ratio, 3),
+        "errors": top.iter().chain(&half).map(|r| r.errors).sum::<u64>(),
+        "half_load_connections": half_c,
+        "half_load_gateway_rps": round(half[2].rps, 0),
+        "half_load_nginx_rps": round(half[1].rps, 0),
+        "direct_p50_ms": round(half[0].p50_ms, 3),
+        "direct_p99_ms": round(half[0].p99_ms, 3),
+        "nginx_p99_ms": round(half[1].p99_ms, 3),
+        "gateway_p50_ms": round(half[2].p50_ms, 3),
+        "gateway_p99_ms": round(half[2].p99_ms, 3),
+        "added_p99_ms": round(added, 3),
+        "nginx_added_p99_ms": round(half[1].p99_ms - half[0].p99_ms, 3),
+        "ratio_target_met": ratio >= 0.9,
+        "added_p99_target_met": added <= 1.0,
+    }))
+}
+
+fn round(v: f64, digits: i32) -> f64 {
+    let f = 10f64.powi(digits);
+    (v * f).round() / f
+}
+
+fn percentile(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+    v[i]
+}
+
+/// Time from the first request at zero replicas to its first byte, minus
+/// the emulator's weight-load delay: the activator's report, the replica's
+/// start and readiness probe, the route push and the dispatch.
+async fn scale_from_zero(trials: usize) -> Result<Value> {
+    const LOAD_DELAY_MS: u64 = 1000;
+    let mut overheads = Vec::new();
+    for _ in 0..trials {
+        let t = tenant();
+        let route = endpoint(&t, Balance::LeastOutstanding, Vec::new());
+        let id = route.id.clone();
+        let control = control_with(route);
+        let gw = gateway(&control).await?;
+        let mut reports = control.subscribe_reports();
+        let scaler_control = control.clone();
+        // The autoscaler's part: start a replica on the first queued demand,
+        // probe its readiness every 10 ms, then route to it.
+        let scaler = tokio::spawn(async move {
+            loop {
+                let s = reports.recv().await?;
+                if s.iter().any(|s| s.endpoint_id == id && s.queued > 0) {
+                    break;
+                }
+            }
+            let emu = Emulator::start(EmulatorConfig {
+                model: MODEL.into(),
+                load_delay_ms: LOAD_DELAY_MS,
+                ..EmulatorConfig::default()
+            })
+            .await?;
+            let probe = reqwest::Client::new();
+            loop {
+                if probe
+                    .get(format!("{}/health", emu.url()))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status() == 200)
+                {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            scaler_control.update_routes(|t| t.endpoints[0].replicas.push(replica(emu.url())));
+            anyhow::Ok(emu)
+        });
+        let http = reqwest::Client::new();
+        let started = Instant::now();
+        let resp = http
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .bearer_auth(KEY)
+            .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": true}))
+            .send()
+            .await?;
+        if resp.status() != 200 {
+            bail!("cold request answered {}", resp.status());
+        }
+        let mut body = resp.bytes_stream();
+        body.next().await.context("no first byte")??;
+        let first_byte = started.elapsed();
+        while body.next().await.is_some() {}
+        overheads.push(first_byte.as_secs_f64() * 1000.0 - LOAD_DELAY_MS as f64);
+        let emu = scaler.await??;
+        gw.shutdown().await;
+        emu.shutdown().await;
+    }
+    let mut v = overheads.clone();
+    Ok(json!({
+        "trials": trials,
+        "load_delay_ms": LOAD_DELAY_MS,
+        "p50_ms": round(percentile(&mut v, 0.5), 1),
+        "p99_ms": round(percentile(&mut v, 0.99), 1),
+        "max_ms": round(percentile(&mut v, 1.0), 1),
+        "p99_target_met": percentile(&mut v, 0.99) <= 1000.0,
+    }))
+}
+
+/// One mix under one balance: fresh replicas (cold caches), closed-loop
+/// clients, TTFT measured at the client from the stream's first byte.
+async fn affinity_run(balance: Balance, shared: bool, requests: usize) -> Result<Value> {
+    const REPLICAS: usize = 4;
+    const WORKERS: usize = 8;
+    const GROUPS: usize = 16;
+    let emus: Vec<Emulator> = futures::future::try_join_all((0..REPLICAS).map(|_| {
+        Emulator::start(EmulatorConfig {
+            model: MODEL.into(),
+            prefill_tokens_per_s: 20_000.0,
+            decode_tokens_per_s: 0.0,
+            max_concurrency: 4,
+            prefix_cache_tokens: 12_000,
+            ..EmulatorConfig::default()
+        })
+    }))
+    .await?;
+    let t = tenant();
+    let control = control_with(endpoint(
+        &t,
+        balance,
+        emus.iter().map(|e| replica(e.url())).collect(),
+    ));
+    let gw = gateway(&control).await?;
+    let http = reqwest::Client::new();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for w in 0..WORKERS {
+        let (http, url, next) = (http.clone(), gw.url(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(w as u64);
+            let mut ttfts = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= requests {
+                    break;
+                }
+                // About 1,000 tokens of system prompt, shared by a group or
+                // unique to the request, then a short question.
+                let system = if shared {
+                    let g = rng.gen_range(0..GROUPS);
+                    format!("group{g} ").repeat(1000)
+                } else {
+                    format!("req{i}x ").repeat(1000)
+                };
+                let question = format!("question {i} ").repeat(20);
+                let body = json!({"model": MODEL, "stream": true, "max_tokens": 1, "messages": [
+                    {"role": "system", "content": system}, {"role": "user", "content": question}]});
+                let started = Instant::now();
+                let resp = http
+                    .post(format!("{url}/v1/chat/completions"))
+                    .bearer_auth(KEY)
+                    .json(&body)
+                    .send()
+                    .await?;
+                if resp.status() != 200 {
+                    bail!("affinity request answered {}", resp.status());
+                }
+                let mut stream = resp.bytes_stream();
+                stream.next().await.context("no first byte")??;
+                ttfts.push(started.elapsed().as_secs_f64() * 1000.0);
+                while stream.next().await.is_some() {}
+            }
+            anyhow::Ok(ttfts)
+        }));
+    }
+    let mut ttfts = Vec::new();
+    for t in tasks {
+        ttfts.extend(t.await??);
+    }
+    let prompt: u64 = emus
+        .iter()
+        .map(|e| {
+            e.stats()
+                .prompt_tokens
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .sum();
+    let cached: u64 = emus
+        .iter()
+        .map(|e| {
+            e.stats()
+                .cached_prompt_tokens
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .sum();
+    gw.shutdown().await;
+    for e in emus {
+        e.shutdown().await;
+    }
+    Ok(json!({
+        "mix": if shared { "shared-prefix" } else { "no-shared-prefix" },
+        "balance": match balance { Balance::PrefixAffinity => "prefix_affinity", _ => "least_outstanding" },
+        "requests": requests,
+        "ttft_p50_ms": round(percentile(&mut ttfts, 0.5), 2),
+        "ttft_p99_ms": round(percentile(&mut ttfts, 0.99), 2),
+        "prefix_hit_rate": round(cached as f64 / prompt.max(1) as f64, 3),
+    }))
+}
+
+async fn affinity(requests: usize) -> Result<Value> {
+    let mut rows = Vec::new();
+    for shared in [true, false] {
+        for balance in [Balance::LeastOutstanding, Balance::PrefixAffinity] {
+            let row = affinity_run(balance, shared, requests).await?;
+            eprintln!("{row}");
+            rows.push(row);
+        }
+    }
+    let f = |i: usize, k: &str| rows[i][k].as_f64().unwrap_or(f64::NAN);
+    let shared_better =
+        f(1, "ttft_p50_ms") < f(0, "ttft_p50_ms") && f(1, "ttft_p99_ms") < f(0, "ttft_p99_ms");
+    let within = |k: &str| f(3, k) <= f(2, k) * 1.05;
+    Ok(json!({
+        "rows": rows,
+        "shared_prefix_target_met": shared_better,
+        "no_shared_prefix_target_met": within("ttft_p50_ms") && within("ttft_p99_ms"),
+    }))
+}
+
+fn yes(v: &Value) -> &'static str {
+    if v.as_bool() == Some(true) {
+        "met"
+    } else {
+        "**missed**"
+    }
+}
+
+fn table(r: &Value) -> String {
+    let p = &r["proxy"];
+    let c = &r["scale_from_zero"];
+    let a = &r["affinity"];
+    let mut s = String::new();
+    s.push_str("## Proxy overhead: wrk through the gateway and through nginx\n\n");
+    s.push_str(&format!(
+        "| path | rps at {} connections | p50 at {} connections (ms) | p99 at {} connections (ms) |\n|---|---|---|---|\n",
+        p["top_connections"], p["half_load_connections"], p["half_load_connections"]
+    ));
+    s.push_str(&format!(
+        "| emulator directly | {} | {} | {} |\n",
+        p["direct_rps"], p["direct_p50_ms"], p["direct_p99_ms"]
+    ));
+    s.push_str(&format!(
+        "| nginx | {} | | {} |\n",
+        p["nginx_rps"], p["nginx_p99_ms"]
+    ));
+    s.push_str(&format!(
+        "| gateway | {} | {} | {} |\n\n",
+        p["gateway_rps"], p["gateway_p50_ms"], p["gateway_p99_ms"]
+    ));
+    s.push_str(&format!(
+        "- ratio gateway/nginx: **{}** (target >= 0.9: {})\n- added p99 at half load (gateway minus direct, {} connections, gateway at {} rps): **{} ms** (target <= 1 ms: {}); nginx adds {} ms\n- non-2xx responses and socket errors over all runs: {}\n\n",
+        p["ratio"],
+        yes(&p["ratio_target_met"]),
+        p["half_load_connections"],
+        p["half_load_gateway_rps"],
+        p["added_p99_ms"],
+        yes(&p["added_p99_target_met"]),
+        p["nginx_added_p99_ms"],
+        p["errors"]
+    ));
+    s.push_str("## Scale from zero\n\n");
+    s.push_str(&format!(
+        "First request to first byte minus the {} ms weight load, {} trials: p50 **{} ms**, p99 **{} ms**, max {} ms (target p99 <= 1 s: {})\n\n",
+        c["load_delay_ms"],
+        c["trials"],
+        c["p50_ms"],
+        c["p99_ms"],
+        c["max_ms"],
+        yes(&c["p99_target_met"])
+    ));
+    s.push_str("## Prefix affinity against least outstanding\n\n| mix | balance | TTFT p50 (ms) | TTFT p99 (ms) | prefix-hit rate |\n|---|---|---|---|---|\n");
+    for row in a["rows"].as_array().into_iter().flatten() {
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} |\n",
+            row["mix"].as_str().unwrap_or(""),
+            row["balance"].as_str().unwrap_or(""),
+            row["ttft_p50_ms"],
+            row["ttft_p99_ms"],
+            row["prefix_hit_rate"]
+        ));
+    }
+    s.push_str(&format!(
+        "\n- shared prefix: affinity better at p50 and p99: {}\n- no shared prefix: affinity within 5 % at p50 and p99: {}\n",
+        yes(&a["shared_prefix_target_met"]),
+        yes(&a["no_shared_prefix_target_met"])
+    ));
+    s
+}

@@ -1,0 +1,551 @@
+//! Flotilla's inference gateway: the data plane in front of endpoint
+//! replicas.
+//!
+//! A request is authorised by its inference key, routed to an endpoint (by
+//! the `/e/{name}/` path prefix, the `{name}.{domain}` host, or the body's
+//! `model` on the OpenAI paths), checked against the tenant's hard cap and
+//! the key's rate limit, given a replica (least outstanding of two random
+//! choices, or bounded-load consistent hashing on the prompt prefix or a
+//! session id) and proxied there; the response streams back unbuffered.
+//! When no replica can take it — none started yet, or all saturated — the
+//! request waits in a bounded per-endpoint queue (the activator) until one
+//! can or its deadline passes, and the wait is reported to the control
+//! plane at once so scaling from zero starts with the first request.
+//!
+//! The gateway never touches the database: everything it knows comes from
+//! a [`Control`] (the route table, key grants) and everything it learns
+//! goes back there (demand signals, per-request usage). It keeps no state
+//! that matters across restarts except usage not yet delivered, which it
+//! retries until the control plane takes it. See `docs/gateway.md`.
+
+mod body;
+mod control;
+mod error;
+mod meter;
+mod pool;
+mod proxy;
+mod signals;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use flotilla_core::gateway::{KeyGrant, RouteTable};
+use flotilla_core::id::{EndpointId, TenantId};
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use http_body_util::Full;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Notify};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+pub use body::GatewayBody;
+pub use control::{Control, ControlError, ControlFuture, StaticControl};
+pub use error::{GatewayError, Refusal};
+
+use crate::meter::MeterQueue;
+use crate::pool::{BalanceConfig, Endpoint};
+use crate::signals::Metrics;
+
+/// How the gateway behaves. [`Default`] suits production; tests shorten
+/// the intervals.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// How often the route table is re-read (besides pushes through
+    /// [`Control::route_changes`] and [`GatewayHandle::notify_routes`]).
+    pub route_poll_interval: Duration,
+    /// How often demand is reported (besides at once on a wait at zero).
+    pub report_interval: Duration,
+    /// How often buffered usage is delivered (besides when a batch is full).
+    pub meter_interval: Duration,
+    /// Usage records per `meter` call at most.
+    pub meter_batch: usize,
+    /// Usage records kept while the control plane does not take them.
+    pub meter_buffer: usize,
+    /// How long a key's grant (or its absence) is trusted before asking
+    /// again: a revoked key or a reached hard cap takes effect within it.
+    pub auth_cache_ttl: Duration,
+    /// The gateway's domain: a request for host `{name}.{domain}` goes to
+    /// the caller's endpoint `name`. Without one, the host's first label is
+    /// tried when the host has at least three labels and is not an IP.
+    pub domain: Option<String>,
+    /// Request bodies over this are answered 413 (bodies are buffered to
+    /// read `model` and to retry).
+    pub max_body_bytes: usize,
+    /// Characters of the prompt that make its affinity key.
+    pub affinity_prefix_chars: usize,
+    /// Bounded-load factor: an affine request goes to its replica while
+    /// that replica's load stays within this multiple of the mean.
+    pub affinity_load_factor: f64,
+    /// Seed of the balancer's random choices.
+    pub seed: u64,
+    /// Connecting to a replica longer than this counts as a failed connect
+    /// (the request is retried on another replica).
+    pub connect_timeout: Duration,
+    /// A replica that refused a connection gets nothing new for this long.
+    pub eject_for: Duration,
+    /// Replicas tried per request at most (failed connects only).
+    pub max_attempts: u32,
+    /// How long shutdown waits for requests in flight and undelivered usage.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            route_poll_interval: Duration::from_millis(200),
+            report_interval: Duration::from_secs(1),
+            meter_interval: Duration::from_millis(250),
+            meter_batch: 500,
+            meter_buffer: 100_000,
+            auth_cache_ttl: Duration::from_secs(1),
+            domain: None,
+            max_body_bytes: 16 << 20,
+            affinity_prefix_chars: 512,
+            affinity_load_factor: 1.25,
+            seed: rand::random(),
+            connect_timeout: Duration::from_secs(1),
+            eject_for: Duration::from_secs(2),
+            max_attempts: 3,
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl GatewayConfig {
+    fn validate(&self) -> Result<(), GatewayError> {
+        let bad = |field, message: &str| {
+            Err(GatewayError::Config {
+                field,
+                message: message.to_string(),
+            })
+        };
+        if !(self.affinity_load_factor.is_finite() && self.affinity_load_factor >= 1.0) {
+            return bad("affinity_load_factor", "must be a number >= 1");
+        }
+        if self.max_attempts == 0 {
+            return bad("max_attempts", "must be at least 1");
+        }
+        for (field, d) in [
+            ("route_poll_interval", self.route_poll_interval),
+            ("report_interval", self.report_interval),
+            ("meter_interval", self.meter_interval),
+        ] {
+            if d.is_zero() {
+                return bad(field, "must be more than 0");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Endpoints as the current route table names them.
+#[derive(Default)]
+struct RouteIndex {
+    by_name: HashMap<(TenantId, String), Arc<Endpoint>>,
+    by_model: HashMap<(TenantId, String), Arc<Endpoint>>,
+    by_tenant: HashMap<TenantId, Vec<Arc<Endpoint>>>,
+}
+
+type Limiter = DefaultKeyedRateLimiter<String>;
+
+/// The gateway's shared state.
+pub(crate) struct Inner {
+    control: Arc<dyn Control>,
+    config: GatewayConfig,
+    index: RwLock<Arc<RouteIndex>>,
+    /// Every endpoint runtime, by id; kept across refreshes.
+    runtimes: Mutex<HashMap<EndpointId, Arc<Endpoint>>>,
+    last_table: Mutex<Option<RouteTable>>,
+    auth: Mutex<HashMap<String, (Instant, Option<KeyGrant>)>>,
+    limiters: Mutex<HashMap<EndpointId, (u32, Arc<Limiter>)>>,
+    client: Client<HttpConnector, Full<Bytes>>,
+    meter: MeterQueue,
+    metrics: Metrics,
+    urgent: Arc<Notify>,
+    refresh: Notify,
+    epoch: Instant,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Grants cached at most; past it the cache is cleared (a flood of random
+/// keys must not grow memory without bound).
+const AUTH_CACHE_MAX: usize = 100_000;
+
+impl Inner {
+    fn live_endpoints(&self) -> Vec<Arc<Endpoint>> {
+        lock(&self.runtimes).values().cloned().collect()
+    }
+
+    fn index(&self) -> Arc<RouteIndex> {
+        self.index.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Takes a new route table: endpoints keep their runtime (counters,
+    /// queue, in-flight replicas), replicas are matched by instance.
+    fn apply(&self, table: RouteTable) {
+        {
+            let mut last = lock(&self.last_table);
+            if last.as_ref() == Some(&table) {
+                return;
+            }
+            *last = Some(table.clone());
+        }
+        let mut index = RouteIndex::default();
+        let mut runtimes = lock(&self.runtimes);
+        let mut next = HashMap::new();
+        for route in table.endpoints {
+            let endpoint = match runtimes.remove(&route.id) {
+                Some(e) => {
+                    e.update(route.clone());
+                    e
+                }
+                None => Arc::new(Endpoint::new(
+                    route.clone(),
+                    self.urgent.clone(),
+                    BalanceConfig {
+                        load_factor: self.config.affinity_load_factor,
+                    },
+                    self.config.seed,
+                    self.epoch,
+                )),
+            };
+            index.by_name.insert(
+                (route.tenant_id.clone(), route.name.clone()),
+                endpoint.clone(),
+            );
+            for m in &route.models {
+                index
+                    .by_model
+                    .insert((route.tenant_id.clone(), m.clone()), endpoint.clone());
+            }
+            index
+                .by_tenant
+                .entry(route.tenant_id.clone())
+                .or_default()
+                .push(endpoint.clone());
+            next.insert(route.id.clone(), endpoint);
+        }
+        *runtimes = next;
+        drop(runtimes);
+        *self.index.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(index);
+    }
+
+    async fn refresh_routes(&self) {
+        match tokio::time::timeout(Duration::from_secs(10), self.control.routes()).await {
+            Ok(Ok(table)) => self.apply(table),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "route table refresh failed, keeping the last one")
+            }
+            Err(_) => tracing::warn!("route table refresh timed out, keeping the last one"),
+        }
+    }
+
+    /// The key's grant, from the cache or the control plane.
+    async fn authorize(&self, key: &str) -> Result<KeyGrant, Refusal> {
+        let now = Instant::now();
+        if let Some((at, grant)) = lock(&self.auth).get(key) {
+            if now.duration_since(*at) < self.config.auth_cache_ttl {
+                return grant.clone().ok_or(Refusal::InvalidKey);
+            }
+        }
+        let answer =
+            tokio::time::timeout(Duration::from_secs(10), self.control.authorize(key)).await;
+        let grant = match answer {
+            Ok(Ok(grant)) => grant,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "key authorisation failed");
+                return Err(Refusal::ControlUnavailable);
+            }
+            Err(_) => return Err(Refusal::ControlUnavailable),
+        };
+        {
+            let mut cache = lock(&self.auth);
+            if cache.len() >= AUTH_CACHE_MAX {
+                cache.clear();
+            }
+            cache.insert(key.to_string(), (now, grant.clone()));
+        }
+        grant.ok_or(Refusal::InvalidKey)
+    }
+
+    /// Applies the endpoint's per-key rate limit.
+    fn check_rate(&self, endpoint: &Endpoint, rps: Option<u32>, key: &str) -> Result<(), Refusal> {
+        let Some(rps) = rps.and_then(NonZeroU32::new) else {
+            return Ok(());
+        };
+        let limiter = {
+            let mut limiters = lock(&self.limiters);
+            match limiters.get(&endpoint.id) {
+                Some((r, l)) if *r == rps.get() => l.clone(),
+                _ => {
+                    let l = Arc::new(RateLimiter::keyed(Quota::per_second(rps)));
+                    limiters.insert(endpoint.id.clone(), (rps.get(), l.clone()));
+                    l
+                }
+            }
+        };
+        let key = key.to_string();
+        limiter.check_key(&key).map_err(|not_until| {
+            use governor::clock::Clock;
+            let wait = not_until.wait_time_from(governor::clock::DefaultClock::default().now());
+            Refusal::RateLimited {
+                rps: rps.get(),
+                retry_after_s: wait.as_secs() + u64::from(wait.subsec_nanos() > 0),
+            }
+        })
+    }
+
+    fn report_now(&self) -> Vec<flotilla_core::gateway::EndpointSignals> {
+        let now = Instant::now();
+        self.live_endpoints()
+            .iter()
+            .map(|e| e.stats.signals(e, now))
+            .collect()
+    }
+}
+
+/// The gateway; see the crate doc.
+#[derive(Debug, Clone, Copy)]
+pub struct Gateway;
+
+impl Gateway {
+    /// Serves on `listener` until [`GatewayHandle::shutdown`]; the same as
+    /// [`serve`].
+    pub async fn serve(
+        listener: TcpListener,
+        control: Arc<dyn Control>,
+        config: GatewayConfig,
+    ) -> Result<GatewayHandle, GatewayError> {
+        serve(listener, control, config).await
+    }
+}
+
+/// A running gateway.
+pub struct GatewayHandle {
+    addr: SocketAddr,
+    inner: Arc<Inner>,
+    stop: watch::Sender<bool>,
+    stop_meter: watch::Sender<bool>,
+    accept: JoinHandle<()>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl GatewayHandle {
+    /// Where it listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://{addr}`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Makes the gateway re-read the route table now.
+    pub fn notify_routes(&self) {
+        self.inner.refresh.notify_one();
+    }
+
+    /// Usage records not yet delivered.
+    pub fn pending_usage(&self) -> usize {
+        self.inner.meter.pending()
+    }
+
+    /// Stops accepting, lets requests in flight finish (up to the
+    /// configured timeout), delivers the usage still buffered, then stops.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let _ = self.accept.await;
+        // Usage stops being produced only once the connections are done.
+        let _ = self.stop_meter.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Starts the gateway on `listener` with `control` as its control plane.
+/// The route table is read once before the first request is accepted.
+pub async fn serve(
+    listener: TcpListener,
+    control: Arc<dyn Control>,
+    config: GatewayConfig,
+) -> Result<GatewayHandle, GatewayError> {
+    config.validate()?;
+    let addr = listener.local_addr().map_err(GatewayError::Listener)?;
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(config.connect_timeout));
+    let client = Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .pool_timer(TokioTimer::new())
+        .build(connector);
+    let inner = Arc::new_cyclic(|weak| {
+        let metrics = Metrics::new(weak.clone());
+        Inner {
+            meter: MeterQueue::new(
+                config.meter_buffer,
+                config.meter_batch,
+                metrics.usage_dropped.clone(),
+            ),
+            metrics,
+            control,
+            index: RwLock::new(Arc::new(RouteIndex::default())),
+            runtimes: Mutex::new(HashMap::new()),
+            last_table: Mutex::new(None),
+            auth: Mutex::new(HashMap::new()),
+            limiters: Mutex::new(HashMap::new()),
+            client,
+            urgent: Arc::new(Notify::new()),
+            refresh: Notify::new(),
+            epoch: Instant::now(),
+            config,
+        }
+    });
+    inner.refresh_routes().await;
+    let (stop, stopped) = watch::channel(false);
+    let (stop_meter, meter_stopped) = watch::channel(false);
+    let tasks = vec![
+        tokio::spawn(route_loop(inner.clone(), stopped.clone())),
+        tokio::spawn(report_loop(inner.clone(), stopped.clone())),
+        tokio::spawn(meter_loop(inner.clone(), meter_stopped)),
+    ];
+    let accept = tokio::spawn(accept_loop(listener, inner.clone(), stopped));
+    Ok(GatewayHandle {
+        addr,
+        inner,
+        stop,
+        stop_meter,
+        accept,
+        tasks,
+    })
+}
+
+async fn accept_loop(listener: TcpListener, inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    let graceful = GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.timer(TokioTimer::new());
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, _) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off
+                        // instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let inner = inner.clone();
+                let service = hyper::service::service_fn(move |req| {
+                    let inner = inner.clone();
+                    async move { Ok::<_, std::convert::Infallible>(proxy::handle(inner, req).await) }
+                });
+                let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+            }
+            _ = stopped.changed() => break,
+        }
+    }
+    drop(listener);
+    if tokio::time::timeout(inner.config.shutdown_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("requests still in flight at the shutdown timeout were cut");
+    }
+}
+
+async fn route_loop(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    let pushed = inner.control.route_changes();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(inner.config.route_poll_interval) => {}
+            _ = inner.refresh.notified() => {}
+            _ = async { match &pushed { Some(n) => n.notified().await, None => std::future::pending().await } } => {}
+            _ = stopped.changed() => return,
+        }
+        inner.refresh_routes().await;
+    }
+}
+
+async fn report_loop(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(inner.config.report_interval) => {
+                for (_, l) in lock(&inner.limiters).values() {
+                    l.retain_recent();
+                }
+            }
+            _ = inner.urgent.notified() => {}
+            _ = stopped.changed() => return,
+        }
+        let signals = inner.report_now();
+        if signals.is_empty() {
+            continue;
+        }
+        match tokio::time::timeout(Duration::from_secs(5), inner.control.report(signals)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "demand report failed"),
+            Err(_) => tracing::warn!("demand report timed out"),
+        }
+    }
+}
+
+async fn meter_loop(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    let mut failures = 0u32;
+    loop {
+        let wait = if failures > 0 {
+            meter::backoff(failures)
+        } else {
+            inner.config.meter_interval
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = inner.meter.wake.notified(), if failures == 0 => {}
+            _ = stopped.changed() => break,
+        }
+        loop {
+            match inner.meter.flush_once(inner.control.as_ref()).await {
+                Ok(true) => failures = 0,
+                Ok(false) => break,
+                Err(e) => {
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(error = %e, pending = inner.meter.pending(), "usage delivery failed, retrying");
+                    break;
+                }
+            }
+        }
+    }
+    // Shutdown stops this loop only after the connections are drained:
+    // deliver what is left, retrying until the timeout.
+    let deadline = Instant::now() + inner.config.shutdown_timeout;
+    let mut failures = 0u32;
+    while inner.meter.pending() > 0 && Instant::now() < deadline {
+        if let Err(e) = inner.meter.flush_once(inner.control.as_ref()).await {
+            failures = failures.saturating_add(1);
+            tracing::warn!(error = %e, "usage delivery at shutdown failed, retrying");
+            tokio::time::sleep(meter::backoff(failures)).await;
+        }
+    }
+    let left = inner.meter.pending();
+    if left > 0 {
+        tracing::error!(left, "usage records not delivered at shutdown");
+    }
+}
