@@ -20,6 +20,7 @@
 //! holds the configuration and the loops that tie them together.
 
 pub mod client;
+pub mod container;
 pub mod discovery;
 pub mod fence;
 pub mod runtime;
@@ -361,6 +362,8 @@ impl Tracked {
             instance_id: instance_id.clone(),
             phase,
             at,
+            message: None,
+            container: None,
         }
     }
 }

@@ -249,6 +249,9 @@ fn assignment(n: u128, script: &str) -> Assignment {
         gpu_slices: Vec::new(),
         stop: false,
         stop_grace_ms: 5_000,
+        image: None,
+        cpu_milli: None,
+        memory_mb: None,
     }
 }
 

@@ -168,10 +168,15 @@ pub struct WorkArgs {
     #[arg(long, value_name = "PROFILE")]
     pub mig: Option<String>,
     /// CPU in thousandths of a core, per member (default 1000).
-    #[arg(long, value_name = "MILLI")]
+    #[arg(long, value_name = "MILLI", conflicts_with = "cpus")]
     pub cpu: Option<u32>,
-    /// Memory in MiB, per member (default 1024).
-    #[arg(long, value_name = "MB")]
+    /// CPU in cores, per member (e.g. 1 or 0.5); the same as --cpu in
+    /// thousandths. A container is held to it.
+    #[arg(long, value_name = "CORES", value_parser = parse_cpus)]
+    pub cpus: Option<u32>,
+    /// Memory per member: MiB, or with a unit (512M, 2G; default 1024M). A
+    /// container is held to it and killed (out of memory) above it.
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory)]
     pub memory: Option<u64>,
     /// Environment variable for the command (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
@@ -198,9 +203,20 @@ pub struct WorkArgs {
     /// requeue it whole) for more important work (default: only for spot).
     #[arg(long)]
     pub preemptible: bool,
-    /// The program and its arguments (after `--`).
+    /// Run this OCI image in a container (on nodes whose agent runs the
+    /// container runtime) instead of the command on the node.
+    #[arg(long, value_name = "IMAGE")]
+    pub image: Option<String>,
+    /// A container port to publish (repeatable); the node picks the host
+    /// port, shown with its URL in `ps` and `explain`.
+    #[arg(long = "port", short = 'p', value_name = "PORT", requires = "image")]
+    pub ports: Vec<u16>,
+    /// Size of the container's scratch space at /scratch, MiB (default 1024).
+    #[arg(long, value_name = "MB", requires = "image")]
+    pub scratch: Option<u64>,
+    /// The program and its arguments (after `--`); with `--image`, it
+    /// replaces the image's default command and may be left out.
     #[arg(
-        required = true,
         trailing_var_arg = true,
         allow_hyphen_values = true,
         value_name = "CMD"
@@ -225,7 +241,7 @@ impl WorkArgs {
             gpu_types: self.models(),
             name: self.name,
             gpus: self.gpus,
-            cpu_milli: self.cpu,
+            cpu_milli: self.cpu.or(self.cpus),
             memory_mb: self.memory,
             command: self.command,
             env: self.env.into_iter().collect(),
@@ -236,18 +252,61 @@ impl WorkArgs {
             preemptible: self.preemptible.then_some(true),
             gpu_fraction: self.gpu_fraction,
             mig_profile: self.mig,
+            image: self.image,
+            ports: self.ports,
+            scratch_mb: self.scratch,
         }
     }
 }
 
 /// `flotilla run` options: the work, and how to follow it.
 #[derive(Debug, clap::Args)]
+#[command(group = clap::ArgGroup::new("what").required(true).args(["image", "command"]).multiple(true))]
 pub struct RunArgs {
     #[command(flatten)]
     pub work: WorkArgs,
     /// Print the instance id and return instead of following it.
     #[arg(long, short = 'd')]
     pub detach: bool,
+}
+
+/// Parses `--cpus 1.5` into milli-cores.
+pub fn parse_cpus(s: &str) -> std::result::Result<u32, String> {
+    let cores: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("expected a number of cores such as 1 or 0.5, got `{s}`"))?;
+    let milli = (cores * 1000.0).round();
+    if !cores.is_finite() || !(1.0..=1_024_000.0).contains(&milli) {
+        return Err(format!("expected between 0.001 and 1024 cores, got `{s}`"));
+    }
+    Ok(milli as u32)
+}
+
+/// Parses `--memory`: MiB, or a size with a unit (`512M`, `2G`, `1.5g`,
+/// `512MiB`).
+pub fn parse_memory(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let t = t
+        .strip_suffix("ib")
+        .or_else(|| t.strip_suffix('b'))
+        .unwrap_or(&t);
+    let (num, factor) = match t.chars().last() {
+        Some('k') => (&t[..t.len() - 1], 1.0 / 1024.0),
+        Some('m') => (&t[..t.len() - 1], 1.0),
+        Some('g') => (&t[..t.len() - 1], 1024.0),
+        Some('t') => (&t[..t.len() - 1], 1024.0 * 1024.0),
+        _ => (t, 1.0),
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("expected a size such as 512M or 2G, got `{s}`"))?;
+    let mib = (n * factor).ceil();
+    if !n.is_finite() || !(1.0..=64.0 * 1024.0 * 1024.0).contains(&mib) {
+        return Err(format!("expected between 1M and 64T, got `{s}`"));
+    }
+    Ok(mib as u64)
 }
 
 /// Parses `--env K=V`.
@@ -411,7 +470,9 @@ pub async fn ps(ctx: &Ctx, args: PsArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let now = Utc::now();
-    let mut t = table(["ID", "NAME", "STATE", "GPUS", "NODE", "AGE", "REASON"]);
+    let mut t = table([
+        "ID", "NAME", "STATE", "GPUS", "NODE", "AGE", "URLS", "REASON",
+    ]);
     for (_, i) in shown {
         t.add_row([
             i.id.to_string(),
@@ -420,6 +481,7 @@ pub async fn ps(ctx: &Ctx, args: PsArgs) -> Result<ExitCode> {
             output::instance_gpus(&i),
             i.node_id.as_ref().map_or("-".into(), |n| n.to_string()),
             age(now, i.created_at),
+            output::instance_urls(&i),
             one_line(&i.state_reason),
         ]);
     }
@@ -588,6 +650,36 @@ fn explanation(inst: &Instance) -> Vec<String> {
             out.push("placed on: nowhere yet; the reason above says what no node offers".into());
         }
         _ => {}
+    }
+    if let Some(image) = &inst.image {
+        let ports: Vec<String> = image.ports.iter().map(u16::to_string).collect();
+        out.push(format!(
+            "image: {} (ports: {}, scratch: {} MiB)",
+            image.image,
+            if ports.is_empty() {
+                "none".into()
+            } else {
+                ports.join(", ")
+            },
+            image.scratch_mb.unwrap_or(1024)
+        ));
+    }
+    for p in &inst.published_ports {
+        out.push(format!("port {}: {}", p.container_port, p.url));
+    }
+    if let Some(c) = &inst.cold_start {
+        let ms = |v: Option<u64>| v.map_or("-".to_string(), |v| format!("{v} ms"));
+        out.push(format!(
+            "cold start: queued {}, pulling {}{}, starting {}",
+            ms(c.queued_ms),
+            ms(c.pulling_ms),
+            if c.image_cached {
+                " (image cached on the node)"
+            } else {
+                ""
+            },
+            ms(c.starting_ms)
+        ));
     }
     if let Some(code) = inst.exit_code {
         out.push(format!("exit code: {code}"));

@@ -61,6 +61,7 @@ pub enum JobsCommand {
 /// `flotilla jobs submit` options: the work (the arguments `flotilla run`
 /// takes, per member), and what makes it a gang.
 #[derive(Debug, clap::Args)]
+#[command(group = clap::ArgGroup::new("what").required(true).args(["image", "command"]).multiple(true))]
 pub struct SubmitArgs {
     #[command(flatten)]
     pub work: WorkArgs,

@@ -511,6 +511,26 @@ mod tests {
         let e = parse(&["quota", "set", "--gpu", "H100"]).unwrap_err();
         assert!(e.to_string().contains("expected MODEL=N"), "{e}");
         assert!(parse(&["run"]).is_err(), "a command is required");
+        assert!(parse(&["jobs", "submit"]).is_err(), "a command is required");
+        assert!(parse(&["run", "--image", "busybox"]).is_ok(), "or an image");
+        assert!(
+            parse(&["run", "-p", "80", "--", "x"]).is_err(),
+            "ports need an image"
+        );
+        let run = parse(&[
+            "run", "--image", "b", "-p", "80", "-p", "8080", "--memory", "512M", "--cpus", "0.5",
+            "--", "x",
+        ])
+        .unwrap();
+        match run.command {
+            Command::Run(r) => {
+                assert_eq!(r.work.ports, vec![80, 8080]);
+                assert_eq!(r.work.memory, Some(512));
+                assert_eq!(r.work.cpus, Some(500));
+            }
+            _ => panic!("not run"),
+        }
+        assert!(parse(&["run", "--memory", "lots", "--", "x"]).is_err());
         assert!(parse(&["keys", "create", "--role", "boss"]).is_err());
         assert!(parse(&["ps", "--state", "done"]).is_err());
     }

@@ -109,6 +109,19 @@ pub fn instance_gpus(inst: &Instance) -> String {
     format!("{}x{model}", inst.gpus)
 }
 
+/// Where an instance's published ports are reached, comma-separated; `-`
+/// when it publishes none (or they are not known yet).
+pub fn instance_urls(inst: &Instance) -> String {
+    if inst.published_ports.is_empty() {
+        return "-".to_string();
+    }
+    inst.published_ports
+        .iter()
+        .map(|p| p.url.as_str())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// A node's GPUs by model, in first-seen order: `4xH100 (2 free)`, models
 /// separated by `, `; `-` for a node without GPUs.
 pub fn node_gpus(node: &Node) -> String {

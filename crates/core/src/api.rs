@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::catalog::Vendor;
 use crate::id::{GpuId, InstanceId, JobId, KeyId, NodeId, TenantId, WorkId};
-use crate::instance::InstanceState;
+use crate::instance::{ImageSpec, InstanceState};
 use crate::job::{JobSpec, JobState};
 use crate::node::NodeState;
 use crate::tenant::Role;
@@ -288,7 +288,69 @@ pub struct Instance {
     pub finished_at: Option<DateTime<Utc>>,
     /// Every transition, oldest first.
     pub events: Vec<InstanceEvent>,
+    /// Its published ports and where to reach them, once its container
+    /// runs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub published_ports: Vec<PublishedPort>,
+    /// How long each step of its start took, once it started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cold_start: Option<ColdStart>,
 }
+}
+
+/// A container port published on the instance's node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PublishedPort {
+    /// The port inside the container.
+    pub container_port: u16,
+    /// The node's port it is published on.
+    pub host_port: u16,
+    /// Where a tenant reaches it (`http://<node>:<host port>`).
+    pub url: String,
+}
+
+/// The cold-start breakdown of one instance: when each step ended. The
+/// server adds `queued_ms` (creation to placement); the agent reports the
+/// rest.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ColdStart {
+    /// The image was already on the node: no pull.
+    pub image_cached: bool,
+    /// Waiting for a placement, ms (creation to `scheduled`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued_ms: Option<u64>,
+    /// Pulling the image, ms (0 when cached).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pulling_ms: Option<u64>,
+    /// Creating and starting the container after the pull, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub starting_ms: Option<u64>,
+    /// When the pull began, when the container was created, when it was
+    /// running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull_started_at: Option<DateTime<Utc>>,
+    /// When the container was created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<DateTime<Utc>>,
+    /// When it ran (ready).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_at: Option<DateTime<Utc>>,
+}
+
+/// What an agent's container runtime adds to an observation.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ObservedContainer {
+    /// The engine's container id.
+    pub container_id: String,
+    /// Published ports.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<PublishedPort>,
+    /// The cold-start breakdown (agent side).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cold_start: Option<ColdStart>,
+    /// It was killed for exceeding its memory limit.
+    #[serde(default)]
+    pub oom_killed: bool,
 }
 
 /// Where a member instance stands in its job.
@@ -437,6 +499,12 @@ pub struct ObservedInstance {
     pub phase: ObservedPhase,
     /// When the agent saw this phase begin.
     pub at: DateTime<Utc>,
+    /// What is happening while it starts (an image pull's progress).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Its container, when it runs in one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<ObservedContainer>,
 }
 
 /// An agent's periodic report; the answer is its desired work.
@@ -583,6 +651,15 @@ pub struct Assignment {
     pub stop: bool,
     /// Grace between SIGTERM and SIGKILL, in milliseconds.
     pub stop_grace_ms: u64,
+    /// Run from this image in a container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageSpec>,
+    /// CPU limit, milli-cores (enforced for containers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_milli: Option<u32>,
+    /// Memory limit, MiB (enforced for containers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
 }
 
 /// The server's answer to a sync.

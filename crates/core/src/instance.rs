@@ -150,6 +150,113 @@ crate::work::work_request! {
     }
 }
 
+/// What an instance run from an image needs beyond the command. Limits
+/// (`cpu_milli`, `memory_mb`) are the instance's own and are enforced by
+/// the engine's cgroups.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ImageSpec {
+    /// Image reference (`registry/name:tag` or `name@sha256:…`).
+    pub image: String,
+    /// Container ports to publish.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<u16>,
+    /// Scratch space at `/scratch`, MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scratch_mb: Option<u64>,
+}
+
+/// Where a container's only writable, tenant-visible space is mounted: a
+/// working directory elsewhere is refused.
+pub const SCRATCH_DIR: &str = "/scratch";
+/// Most ports one instance may publish.
+pub const MAX_PORTS: usize = 16;
+/// Largest scratch space, MiB (1 TiB).
+pub const MAX_SCRATCH_MB: u64 = 1024 * 1024;
+
+/// Checks the container part of a create request: an image reference of
+/// registry characters, distinct ports, a bounded scratch size, and a
+/// working directory inside the scratch area. No field can name a host
+/// path, a device, a capability or privileged mode: the request has none.
+pub fn validate_image(
+    image: Option<String>,
+    ports: &[u16],
+    scratch_mb: Option<u64>,
+    workdir: Option<&str>,
+) -> Result<Option<ImageSpec>, FieldError> {
+    let Some(image) = image else {
+        if !ports.is_empty() {
+            return Err(FieldError::new(
+                "ports",
+                "publishing ports needs an image (`image`)",
+            ));
+        }
+        if scratch_mb.is_some() {
+            return Err(FieldError::new(
+                "scratch_mb",
+                "a scratch volume needs an image (`image`)",
+            ));
+        }
+        return Ok(None);
+    };
+    let valid_char = |c: char| c.is_ascii_alphanumeric() || "./:_@-".contains(c);
+    if image.is_empty()
+        || image.len() > 255
+        || image.starts_with(['-', '/', '.', ':', '@'])
+        || !image.chars().all(valid_char)
+        || image.contains("//")
+    {
+        return Err(FieldError::new(
+            "image",
+            "must be an image reference such as `registry.example/name:tag` (letters, digits, `./:_@-`, at most 255)",
+        ));
+    }
+    if ports.len() > MAX_PORTS {
+        return Err(FieldError::new(
+            "ports",
+            format!("at most {MAX_PORTS} ports"),
+        ));
+    }
+    for (i, p) in ports.iter().enumerate() {
+        if *p == 0 {
+            return Err(FieldError::new(
+                format!("ports[{i}]"),
+                "must be a port between 1 and 65535",
+            ));
+        }
+        if ports[..i].contains(p) {
+            return Err(FieldError::new(
+                format!("ports[{i}]"),
+                format!("port {p} is listed twice"),
+            ));
+        }
+    }
+    if let Some(mb) = scratch_mb {
+        if mb == 0 || mb > MAX_SCRATCH_MB {
+            return Err(FieldError::new(
+                "scratch_mb",
+                format!("must be between 1 and {MAX_SCRATCH_MB}"),
+            ));
+        }
+    }
+    if let Some(w) = workdir {
+        let inside = w == SCRATCH_DIR
+            || (w.starts_with(&format!("{SCRATCH_DIR}/")) && !w.split('/').any(|c| c == ".."));
+        if !inside {
+            return Err(FieldError::new(
+                "workdir",
+                format!("a container's working directory must be inside its scratch area `{SCRATCH_DIR}`; host paths are never mounted"),
+            ));
+        }
+    }
+    let mut ports = ports.to_vec();
+    ports.sort_unstable();
+    Ok(Some(ImageSpec {
+        image,
+        ports,
+        scratch_mb,
+    }))
+}
+
 /// Largest absolute queue priority.
 pub const MAX_PRIORITY: i32 = 1000;
 
@@ -182,6 +289,8 @@ pub struct InstanceSpec {
     pub preemptible: bool,
     /// Whole GPUs, a fraction of one, or one MIG instance.
     pub share: GpuShare,
+    /// Run from this image in a container; `None`: the command on the node.
+    pub image: Option<ImageSpec>,
 }
 
 /// Checks a share request (`gpu_fraction` or `mig_profile`) and narrows
@@ -315,7 +424,16 @@ impl CreateInstance {
                 "must be between 1 and 67108864",
             ));
         }
-        if self.command.is_empty() || self.command[0].trim().is_empty() {
+        let image = validate_image(
+            self.image,
+            &self.ports,
+            self.scratch_mb,
+            self.workdir.as_deref(),
+        )?;
+        // An image brings its own default command.
+        if (image.is_none() && self.command.is_empty())
+            || self.command.first().is_some_and(|c| c.trim().is_empty())
+        {
             return Err(FieldError::new("command", "must name a program to run"));
         }
         if self.command.len() > MAX_COMMAND_WORDS {
@@ -396,6 +514,7 @@ impl CreateInstance {
             tier,
             preemptible,
             share,
+            image,
         })
     }
 }
@@ -420,6 +539,106 @@ mod tests {
             preemptible: None,
             gpu_fraction: None,
             mig_profile: None,
+            image: None,
+            ports: Vec::new(),
+            scratch_mb: None,
+        }
+    }
+
+    #[test]
+    fn images_take_ports_and_scratch_and_refuse_host_paths() {
+        let c = Catalog::default();
+        let ok = CreateInstance {
+            image: Some("registry.example/team/app:1.2".into()),
+            ports: vec![8080, 22],
+            scratch_mb: Some(512),
+            command: Vec::new(),
+            workdir: Some("/scratch/work".into()),
+            ..req()
+        }
+        .validate(&c)
+        .unwrap();
+        assert_eq!(
+            ok.image,
+            Some(ImageSpec {
+                image: "registry.example/team/app:1.2".into(),
+                ports: vec![22, 8080],
+                scratch_mb: Some(512),
+            })
+        );
+        let bad = |r: CreateInstance| r.validate(&c).unwrap_err().field;
+        let img = || CreateInstance {
+            image: Some("busybox".into()),
+            ..req()
+        };
+        assert_eq!(
+            bad(CreateInstance {
+                workdir: Some("/etc".into()),
+                ..img()
+            }),
+            "workdir"
+        );
+        assert_eq!(
+            bad(CreateInstance {
+                workdir: Some("/scratch/../etc".into()),
+                ..img()
+            }),
+            "workdir"
+        );
+        assert_eq!(
+            bad(CreateInstance {
+                ports: vec![80, 80],
+                ..img()
+            }),
+            "ports[1]"
+        );
+        assert_eq!(
+            bad(CreateInstance {
+                ports: vec![0],
+                ..img()
+            }),
+            "ports[0]"
+        );
+        assert_eq!(
+            bad(CreateInstance {
+                scratch_mb: Some(0),
+                ..img()
+            }),
+            "scratch_mb"
+        );
+        assert_eq!(
+            bad(CreateInstance {
+                image: Some("-rm".into()),
+                ..req()
+            }),
+            "image"
+        );
+        assert_eq!(
+            bad(CreateInstance {
+                image: Some("a b".into()),
+                ..req()
+            }),
+            "image"
+        );
+        assert_eq!(
+            bad(CreateInstance {
+                ports: vec![80],
+                ..req()
+            }),
+            "ports"
+        );
+        assert_eq!(
+            bad(CreateInstance {
+                command: Vec::new(),
+                ..req()
+            }),
+            "command"
+        );
+        // Nothing in a request can ask for privileges or a host mount.
+        for field in ["privileged", "cap_add", "volumes", "mounts", "devices"] {
+            let body = format!(r#"{{"gpus": 1, "image": "x", "{field}": true}}"#);
+            let e = serde_json::from_str::<CreateInstance>(&body).unwrap_err();
+            assert!(e.to_string().contains(field), "{e}");
         }
     }
 

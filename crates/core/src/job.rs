@@ -566,6 +566,9 @@ mod tests {
             time_limit_s: None,
             gpu_fraction: None,
             mig_profile: None,
+            image: None,
+            ports: Vec::new(),
+            scratch_mb: None,
         }
     }
 

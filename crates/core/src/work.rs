@@ -39,7 +39,10 @@ macro_rules! work_request {
             /// Memory per member in MiB (default 1024).
             #[serde(default)]
             pub memory_mb: Option<u64>,
-            /// Program and arguments, run without a shell (by every member).
+            /// Program and arguments, run without a shell (by every member);
+            /// with `image`, replaces the image's default command and may be
+            /// left out.
+            #[serde(default)]
             pub command: Vec<String>,
             /// Extra environment variables (`FLOTILLA_JOB_*` and the GPU
             /// selection variables are set by Flotilla and reserved).
@@ -79,6 +82,20 @@ macro_rules! work_request {
             /// some catalog model). One GPU per member.
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub mig_profile: Option<String>,
+            /// An OCI image to run each member from, in a container (on
+            /// nodes whose agent runs the container runtime), instead of a
+            /// command on the node.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub image: Option<String>,
+            /// Container ports (TCP) to publish; the node picks the host
+            /// ports, reported with their URLs. Needs `image`.
+            #[serde(default, skip_serializing_if = "Vec::is_empty")]
+            pub ports: Vec<u16>,
+            /// Size of the container's scratch space at `/scratch` (its
+            /// only writable place besides its root filesystem), MiB;
+            /// default 1024. Needs `image`.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub scratch_mb: Option<u64>,
         }
 
         impl $name {
@@ -104,6 +121,9 @@ macro_rules! work_request {
                     preemptible: member.preemptible,
                     gpu_fraction: member.gpu_fraction,
                     mig_profile: member.mig_profile,
+                    image: member.image,
+                    ports: member.ports,
+                    scratch_mb: member.scratch_mb,
                 }
             }
 
@@ -124,6 +144,9 @@ macro_rules! work_request {
                     preemptible: self.preemptible,
                     gpu_fraction: self.gpu_fraction,
                     mig_profile: self.mig_profile.clone(),
+                    image: self.image.clone(),
+                    ports: self.ports.clone(),
+                    scratch_mb: self.scratch_mb,
                 }
             }
         }
@@ -169,6 +192,7 @@ macro_rules! resolved_work {
                     preemptible: spec.preemptible,
                     gpu_fraction,
                     mig_profile,
+                    image: spec.image,
                 }
             }
         }
@@ -214,6 +238,10 @@ macro_rules! resolved_work {
             /// The MIG profile each member asked for (canonical name).
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub mig_profile: Option<String>,
+            /// The image each member runs from, in a container (absent: a
+            /// command on the node).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub image: Option<$crate::instance::ImageSpec>,
         }
     };
 }

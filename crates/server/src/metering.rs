@@ -245,6 +245,9 @@ mod tests {
                     at: t(*at),
                 })
                 .collect(),
+            image: None,
+            published_ports: Vec::new(),
+            cold_start: None,
         }
     }
 

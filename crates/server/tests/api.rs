@@ -186,6 +186,48 @@ async fn bad_input_is_a_4xx_naming_the_field_and_changes_nothing() {
             "workdir",
         ),
         (
+            "container workdir outside the scratch area",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1, "image": "busybox", "workdir": "/etc"}"#.into()),
+            "workdir",
+        ),
+        (
+            "privileged container",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1, "image": "busybox", "privileged": true}"#.into()),
+            "privileged",
+        ),
+        (
+            "host mount",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1, "image": "busybox", "volumes": ["/:/host"]}"#.into()),
+            "volumes",
+        ),
+        (
+            "added capability",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1, "image": "busybox", "cap_add": ["SYS_ADMIN"]}"#.into()),
+            "cap_add",
+        ),
+        (
+            "port zero",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1, "image": "busybox", "ports": [0]}"#.into()),
+            "ports[0]",
+        ),
+        (
+            "ports without an image",
+            Method::POST,
+            "/v1/instances".into(),
+            Some(r#"{"gpus": 1, "command": ["x"], "ports": [80]}"#.into()),
+            "ports",
+        ),
+        (
             "oversized body",
             Method::POST,
             "/v1/instances".into(),
@@ -897,6 +939,8 @@ async fn concurrent_requests_never_share_a_gpu() {
                         stopped: false,
                     },
                     at: chrono::Utc::now(),
+                    message: None,
+                    container: None,
                 })
                 .collect();
             for o in &observed {

@@ -79,6 +79,7 @@ async fn a_deposed_leader_cannot_place_or_declare_nodes_lost(s: &Store) {
         tier: 1,
         preemptible: false,
         share: GpuShare::Whole,
+        image: None,
     };
     s.create_instance(&id, &tenant, &spec, t0).await.unwrap();
 

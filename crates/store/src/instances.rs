@@ -86,7 +86,30 @@ pub(crate) fn instance(row: &AnyRow) -> Result<Instance> {
         started_at: started.map(at),
         finished_at: finished.map(at),
         events: Vec::new(),
+        image: opt_json(row, "image")?,
+        published_ports: opt_json(row, "published_ports")?.unwrap_or_default(),
+        cold_start: opt_json(row, "cold_start")?,
     })
+}
+
+/// A nullable JSON column.
+fn opt_json<T: serde::de::DeserializeOwned>(row: &AnyRow, column: &str) -> Result<Option<T>> {
+    row.try_get::<Option<String>, _>(column)?
+        .map(|s| json(&s, column))
+        .transpose()
+}
+
+/// Completes the cold-start breakdown with the time it waited for a
+/// placement (creation to its first `scheduled` event).
+fn with_queued(mut i: Instance) -> Instance {
+    if let Some(c) = i.cold_start.as_mut() {
+        c.queued_ms = i
+            .events
+            .iter()
+            .find(|e| e.state == InstanceState::Scheduled)
+            .and_then(|e| u64::try_from((e.at - i.created_at).num_milliseconds()).ok());
+    }
+    i
 }
 
 /// The share an instance row asked for (whole GPUs when none).
@@ -523,6 +546,13 @@ pub(crate) async fn insert_pending(
         GpuShare::Fraction { milli } => (Some(i64::from(*milli)), None),
         GpuShare::Mig(p) => (None, Some(p)),
     };
+    if let Some(image) = &spec.image {
+        sqlx::query("UPDATE instances SET image = $1 WHERE id = $2")
+            .bind(to_json(image))
+            .bind(id.as_str())
+            .execute(&mut **tx)
+            .await?;
+    }
     if milli.is_some() || profile.is_some() {
         sqlx::query(
             "UPDATE instances SET share_milli = $1, mig_profile = $2, mig_compute = $3, mig_memory = $4, \
@@ -557,6 +587,7 @@ fn spec_of(i: &Instance, share: GpuShare) -> InstanceSpec {
         priority: i.priority,
         tier: i.tier,
         preemptible: i.preemptible,
+        image: i.image.clone(),
     }
 }
 
@@ -612,7 +643,7 @@ impl Store {
             .await?
             .remove(&inst.id)
             .unwrap_or_default();
-        Ok(inst)
+        Ok(with_queued(inst))
     }
 
     async fn events(&self, ids: &[InstanceId]) -> Result<BTreeMap<InstanceId, Vec<InstanceEvent>>> {
@@ -650,6 +681,7 @@ impl Store {
         let mut events = self.events(&ids).await?;
         for i in &mut page.items {
             i.events = events.remove(&i.id).unwrap_or_default();
+            *i = with_queued(i.clone());
         }
         Ok(page)
     }
@@ -774,9 +806,33 @@ impl Store {
         let in_job = row.try_get::<Option<String>, _>("job_id")?.is_some();
         let id = &obs.instance_id;
         let mut tx = self.begin().await?;
+        if let Some(c) = &obs.container {
+            // What the container runtime reports (ports, cold start) is
+            // recorded whatever the transition.
+            sqlx::query("UPDATE instances SET published_ports = $1, cold_start = $2 WHERE id = $3")
+                .bind(to_json(&c.ports))
+                .bind(c.cold_start.as_ref().map(to_json))
+                .bind(id.as_str())
+                .execute(&mut *tx)
+                .await?;
+        }
+        let oom = obs.container.as_ref().is_some_and(|c| c.oom_killed);
         let changed = match (&obs.phase, state) {
             (_, s) if s.is_terminal() => false,
             (ObservedPhase::Starting, Scheduled) => mark_starting(&mut tx, id, now).await?,
+            (ObservedPhase::Starting, Starting) => {
+                // Progress (an image pull) shows in the state's reason.
+                if let Some(message) = &obs.message {
+                    sqlx::query(
+                        "UPDATE instances SET state_reason = $1 WHERE id = $2 AND state = 'starting'",
+                    )
+                    .bind(message)
+                    .bind(id.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                false
+            }
             (ObservedPhase::Running { pid }, Scheduled | Starting) => {
                 let reason = format!("running as pid {pid}");
                 if state == Scheduled {
@@ -818,6 +874,11 @@ impl Store {
                     )
                 } else if *stopped || stop_requested {
                     (Stopped, format!("stopped (exit code {code})"))
+                } else if oom {
+                    (
+                        Failed,
+                        format!("out of memory: killed for exceeding its memory limit (exit code {code})"),
+                    )
                 } else if *code == 0 {
                     (Succeeded, "exit code 0".to_string())
                 } else {
@@ -901,6 +962,9 @@ impl Store {
                     } else {
                         STOP_GRACE_MS
                     },
+                    image: i.image,
+                    cpu_milli: Some(i.cpu_milli),
+                    memory_mb: Some(i.memory_mb),
                 })
             })
             .collect()

@@ -103,6 +103,7 @@ fn spec(gpus: u32, nodes: u32) -> JobSpec {
         time_limit_s: None,
         gpu_fraction: None,
         mig_profile: None,
+        image: None,
     }
 }
 
@@ -208,6 +209,8 @@ async fn job_lifecycle_through_restart_and_cancel(s: &Store) {
                 stopped: false,
             },
             at: t0(),
+            message: None,
+            container: None,
         };
         assert_eq!(
             s.apply_observed(&node, &obs, t0()).await.unwrap(),
@@ -312,6 +315,8 @@ async fn a_preempted_member_is_not_requeued_alone(s: &Store) {
             stopped: true,
         },
         at: t0(),
+        message: None,
+        container: None,
     };
     s.apply_observed(&a, &obs, t0()).await.unwrap();
     let i = s.instance(&m[0]).await.unwrap();
@@ -370,6 +375,7 @@ async fn preemptors_are_promised_their_victims_gpus_and_limits_are_read(s: &Stor
         tier: 1,
         preemptible: false,
         share: flotilla_core::placement::GpuShare::Whole,
+        image: None,
     };
     s.create_instance(&by_inst, &t, &one, t0()).await.unwrap();
     let wj = flotilla_core::id::WorkId::Job(by_job.clone());

@@ -130,6 +130,7 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
         tier: 1,
         preemptible: false,
         share: GpuShare::Whole,
+        image: None,
     };
     let id = InstanceId::generate(1, rnd());
     s.create_instance(&id, &tenant, &spec, t0()).await.unwrap();

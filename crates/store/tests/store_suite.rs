@@ -47,6 +47,7 @@ flotilla_testdb::backend_suite!(
     lost_instances_reattach_or_fail,
     logs_are_deduplicated_by_seq,
     idempotency_keys_replay_and_detect_mismatch,
+    containers_report_ports_cold_starts_and_oom_kills,
 );
 
 async fn tenant(s: &Store, name: &str) -> TenantId {
@@ -70,6 +71,7 @@ fn spec(gpus: u32, types: &[&str]) -> InstanceSpec {
         tier: 2,
         preemptible: true,
         share: GpuShare::Whole,
+        image: None,
     }
 }
 
@@ -146,6 +148,8 @@ fn observed(id: &InstanceId, phase: ObservedPhase) -> ObservedInstance {
         instance_id: id.clone(),
         phase,
         at: t0(),
+        message: None,
+        container: None,
     }
 }
 
@@ -845,4 +849,83 @@ async fn idempotency_keys_replay_and_detect_mismatch(s: &Store) {
             .unwrap(),
         2
     );
+}
+
+async fn containers_report_ports_cold_starts_and_oom_kills(s: &Store) {
+    use flotilla_core::api::{ColdStart, ObservedContainer, PublishedPort};
+    use flotilla_core::instance::ImageSpec;
+    let t = tenant(s, "boxes").await;
+    let n = node(s, &t, "n1", &[("H100", 2)]).await;
+    let id = InstanceId::generate(1, rnd());
+    let image = ImageSpec {
+        image: "localhost/app:1".into(),
+        ports: vec![8080],
+        scratch_mb: Some(64),
+    };
+    let spec = InstanceSpec {
+        image: Some(image.clone()),
+        memory_mb: 32,
+        ..spec(1, &["H100"])
+    };
+    let inst = s.create_instance(&id, &t, &spec, t0()).await.unwrap();
+    assert_eq!(inst.image.as_ref(), Some(&image));
+    assert!(inst.published_ports.is_empty() && inst.cold_start.is_none());
+    place(s, &id, t0() + Duration::seconds(2)).await.unwrap();
+    let a = s.assignments(&n).await.unwrap();
+    assert_eq!(a[0].image.as_ref(), Some(&image));
+    assert_eq!(a[0].tenant_id.as_ref(), Some(&t));
+    assert_eq!(a[0].memory_mb, Some(32));
+    // The pull's progress shows in the starting state's reason.
+    let mut starting = observed(&id, ObservedPhase::Starting);
+    s.apply_observed(&n, &starting, t0()).await.unwrap();
+    starting.message = Some("pulling image localhost/app:1: 3 of 5 MB".into());
+    s.apply_observed(&n, &starting, t0()).await.unwrap();
+    let i = s.instance(&id).await.unwrap();
+    assert_eq!(i.state, InstanceState::Starting);
+    assert_eq!(i.state_reason, "pulling image localhost/app:1: 3 of 5 MB");
+    let port = PublishedPort {
+        container_port: 8080,
+        host_port: 40123,
+        url: "http://node-1:40123".into(),
+    };
+    let container = ObservedContainer {
+        container_id: "c0ffee".into(),
+        ports: vec![port.clone()],
+        cold_start: Some(ColdStart {
+            image_cached: false,
+            pulling_ms: Some(1500),
+            starting_ms: Some(300),
+            ..Default::default()
+        }),
+        oom_killed: false,
+    };
+    let mut running = observed(&id, ObservedPhase::Running { pid: 0 });
+    running.container = Some(container.clone());
+    s.apply_observed(&n, &running, t0()).await.unwrap();
+    let i = s.instance(&id).await.unwrap();
+    assert_eq!(i.state, InstanceState::Running);
+    assert_eq!(i.published_ports, vec![port]);
+    let cold = i.cold_start.unwrap();
+    assert_eq!((cold.pulling_ms, cold.starting_ms), (Some(1500), Some(300)));
+    assert_eq!(cold.queued_ms, Some(2000), "creation to placement");
+    let mut oom = observed(
+        &id,
+        ObservedPhase::Exited {
+            code: 137,
+            stopped: false,
+        },
+    );
+    oom.container = Some(ObservedContainer {
+        oom_killed: true,
+        ..container
+    });
+    s.apply_observed(&n, &oom, t0()).await.unwrap();
+    let i = s.instance(&id).await.unwrap();
+    assert_eq!(i.state, InstanceState::Failed);
+    assert!(
+        i.state_reason.starts_with("out of memory"),
+        "{}",
+        i.state_reason
+    );
+    assert_eq!(i.exit_code, Some(137));
 }

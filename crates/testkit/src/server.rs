@@ -189,6 +189,8 @@ impl TestServer {
                 instance_id: serde_json::from_value(json!(id)).expect("an instance id"),
                 phase,
                 at: chrono::Utc::now(),
+                message: None,
+                container: None,
             })
             .collect();
         self.ok(

@@ -1,0 +1,1400 @@
+//! The container runtime: runs an instance as an OCI container through the
+//! Docker Engine API (Docker on GPU servers, Podman's Docker-compatible
+//! service where Docker is absent), with exactly the instance's GPUs, its
+//! CPU and memory limits enforced by the engine's cgroups, its output split
+//! into the agent's [`LogBuffer`], and labels that let a restarted agent
+//! find and re-adopt what still runs ([`ContainerRuntime::adopt`]).
+//!
+//! Isolation is not optional here: a container is never privileged, drops
+//! every capability, cannot gain privileges (`no-new-privileges`), never
+//! joins the host's network, PID or IPC namespaces, mounts no host path
+//! (its only writable scratch space is a size-capped tmpfs at
+//! [`SCRATCH_DIR`]), runs as an unprivileged user unless the configuration
+//! says otherwise, and joins its tenant's own network, so one tenant's
+//! containers cannot reach another's.
+//!
+//! This module must never talk to the Flotilla server, never pull an image
+//! the node already has, and never touch a container without Flotilla's
+//! labels.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bollard::container::{
+    Config, CreateContainerOptions, InspectContainerOptions, KillContainerOptions,
+    ListContainersOptions, LogOutput, LogsOptions, NetworkingConfig, RemoveContainerOptions,
+    StartContainerOptions, StopContainerOptions, WaitContainerOptions,
+};
+use bollard::image::CreateImageOptions;
+use bollard::models::{
+    ContainerInspectResponse, DeviceMapping, DeviceRequest, EndpointSettings, HostConfig,
+    PortBinding,
+};
+use bollard::network::CreateNetworkOptions;
+use bollard::Docker;
+use chrono::{DateTime, Utc};
+use flotilla_core::api::{GpuSlice, LogStream};
+use flotilla_core::catalog::Vendor;
+use flotilla_core::id::{InstanceId, TenantId};
+use futures::StreamExt;
+use tokio::sync::{mpsc, watch};
+
+use crate::runtime::{device_env, LogBuffer, Wakers, MAX_LINE_BYTES, SHIP_BATCH_LINES};
+
+/// Label naming the instance a container runs.
+pub const LABEL_INSTANCE: &str = "flotilla.instance";
+/// Label naming the node (agent) that started it.
+pub const LABEL_NODE: &str = "flotilla.node";
+/// Label naming the tenant that owns it.
+pub const LABEL_TENANT: &str = "flotilla.tenant";
+/// Where the instance's scratch space is mounted; also its `HOME`.
+pub const SCRATCH_DIR: &str = "/scratch";
+/// Scratch size when the spec states none.
+pub const DEFAULT_SCRATCH_MB: u64 = 1024;
+/// The user a container runs as unless the configuration names another:
+/// `nobody`, so a workload that escapes its namespaces is no one on the
+/// host (rootful engines do not remap users).
+pub const DEFAULT_USER: &str = "65534:65534";
+/// Timeout of the engine calls that answer at once (create, start,
+/// inspect); waits and log streams have none.
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often a running container's memory cgroup is read for OOM kills.
+const OOM_POLL: Duration = Duration::from_millis(50);
+/// How long to wait for the log stream to end after the container exited.
+const LOG_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How an instance's GPUs reach its container.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuPassthrough {
+    /// Simulated GPUs: only the environment variables are set.
+    #[default]
+    Simulated,
+    /// Docker `DeviceRequests` for the NVIDIA container runtime (driver
+    /// `nvidia`, device ids = the GPUs' UUIDs).
+    DeviceRequests,
+    /// CDI device names `nvidia.com/gpu=<uuid>` (Podman, or Docker with CDI
+    /// enabled), for nodes set up with `nvidia-ctk cdi generate`.
+    Cdi,
+}
+
+/// How the container runtime reaches its engine and shapes containers.
+#[derive(Debug, Clone)]
+pub struct ContainerConfig {
+    /// The engine's API, `unix:///run/docker.sock` or `unix:///…/podman.sock`.
+    pub docker_host: String,
+    /// This node's name, written into [`LABEL_NODE`]: adoption only takes
+    /// containers of this node.
+    pub node: String,
+    /// How GPUs are passed through.
+    pub gpus: GpuPassthrough,
+    /// `uid:gid` the workload runs as ([`DEFAULT_USER`]).
+    pub user: String,
+    /// Mount the image's root filesystem read-only (the scratch tmpfs stays
+    /// writable).
+    pub read_only_rootfs: bool,
+    /// Address published ports bind to on the node (`0.0.0.0`: every
+    /// interface, so tenants reach them at the node's address).
+    pub publish_ip: String,
+    /// Address tenants reach the node at, for the URLs of published ports.
+    pub public_host: String,
+    /// Per-node image cache limit in bytes; `None`: no eviction.
+    pub image_cache_bytes: Option<u64>,
+}
+
+impl ContainerConfig {
+    /// Defaults for `node` on the engine at `docker_host`: simulated GPUs,
+    /// [`DEFAULT_USER`], a writable root filesystem, ports on every
+    /// interface shown at `127.0.0.1`, no image cache limit.
+    pub fn new(docker_host: impl Into<String>, node: impl Into<String>) -> Self {
+        Self {
+            docker_host: docker_host.into(),
+            node: node.into(),
+            gpus: GpuPassthrough::Simulated,
+            user: DEFAULT_USER.to_string(),
+            read_only_rootfs: false,
+            publish_ip: "0.0.0.0".to_string(),
+            public_host: "127.0.0.1".to_string(),
+            image_cache_bytes: None,
+        }
+    }
+}
+
+/// What to run for one instance in a container.
+#[derive(Debug, Clone)]
+pub struct ContainerSpec {
+    /// The instance.
+    pub instance_id: InstanceId,
+    /// Its owner: decides the network it joins.
+    pub tenant_id: TenantId,
+    /// Image reference, pulled when the node does not have it.
+    pub image: String,
+    /// Command; empty runs the image's default.
+    pub command: Vec<String>,
+    /// Extra environment.
+    pub env: BTreeMap<String, String>,
+    /// Container ports (TCP) to publish on the node; the engine picks the
+    /// host ports.
+    pub ports: Vec<u16>,
+    /// CPU limit in milli-cores; `None`: unlimited.
+    pub cpu_milli: Option<u32>,
+    /// Memory limit in MiB (swap included); `None`: unlimited.
+    pub memory_mb: Option<u64>,
+    /// Scratch space at [`SCRATCH_DIR`] in MiB ([`DEFAULT_SCRATCH_MB`]).
+    pub scratch_mb: Option<u64>,
+    /// Node-local GPU indices the instance owns.
+    pub gpu_indices: Vec<u32>,
+    /// Their UUIDs, in the same order.
+    pub gpu_uuids: Vec<String>,
+    /// Their vendors.
+    pub vendors: Vec<Vendor>,
+    /// What it holds of each GPU when it shares them (fractions, MIG).
+    pub gpu_slices: Vec<GpuSlice>,
+}
+
+/// A container port published on the node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishedPort {
+    /// The port inside the container.
+    pub container_port: u16,
+    /// The node's port the engine chose.
+    pub host_port: u16,
+    /// Where a tenant reaches it: `http://<public host>:<host port>`.
+    pub url: String,
+}
+
+/// Why the container runtime failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ContainerError {
+    /// The engine's address is not one this runtime speaks.
+    #[error("unsupported docker host `{0}`: expected unix:///path/to/socket")]
+    UnsupportedHost(String),
+    /// The engine does not answer.
+    #[error("container engine at `{host}` does not answer: {source}")]
+    Unreachable {
+        /// Its address.
+        host: String,
+        /// The cause.
+        #[source]
+        source: bollard::errors::Error,
+    },
+    /// The image could not be pulled.
+    #[error("cannot pull image `{image}`: {source}")]
+    Pull {
+        /// The image.
+        image: String,
+        /// The cause.
+        #[source]
+        source: bollard::errors::Error,
+    },
+    /// An engine call failed.
+    #[error("container engine: {what}: {source}")]
+    Engine {
+        /// What was being done.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: bollard::errors::Error,
+    },
+    /// An engine call did not answer in time.
+    #[error("container engine: {0}: no answer within 60 s")]
+    Timeout(&'static str),
+    /// A container carries Flotilla's labels but not valid ones.
+    #[error("container `{id}` has an invalid label {label}")]
+    BadLabel {
+        /// The container.
+        id: String,
+        /// The label.
+        label: &'static str,
+    },
+}
+
+/// How a container ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContainerExit {
+    /// Exit status; 128 + signal when a signal ended it.
+    pub code: i32,
+    /// When it ended (the engine's record, else when the agent saw it).
+    pub at: DateTime<Utc>,
+    /// A stop had been requested through [`Container::stop`].
+    pub stop_requested: bool,
+    /// The kernel's OOM killer ended it: it went over its memory limit.
+    pub oom_killed: bool,
+}
+
+impl ContainerExit {
+    /// Why it ended, for a person: "out of memory" for an OOM kill.
+    pub fn reason(&self) -> String {
+        if self.oom_killed {
+            format!(
+                "out of memory: killed by the kernel for exceeding its memory limit (exit code {})",
+                self.code
+            )
+        } else {
+            format!("exit code {}", self.code)
+        }
+    }
+}
+
+/// How the instance's container came to run: the cold-start breakdown.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StartTimings {
+    /// The image was already on the node: no pull.
+    pub cached: bool,
+    /// When the pull began and ended (`None` when cached or adopted).
+    pub pull: Option<(DateTime<Utc>, DateTime<Utc>)>,
+    /// When the container was created.
+    pub created_at: Option<DateTime<Utc>>,
+    /// When it started running.
+    pub started_at: Option<DateTime<Utc>>,
+}
+
+/// A supervised container. Cheap to clone; every clone controls the same
+/// container. Dropping all clones neither stops nor removes it.
+#[derive(Debug, Clone)]
+pub struct Container {
+    id: String,
+    instance_id: InstanceId,
+    started_at: DateTime<Utc>,
+    ports: Vec<PublishedPort>,
+    ips: BTreeMap<String, String>,
+    timings: StartTimings,
+    adopted: bool,
+    stop_tx: mpsc::UnboundedSender<Duration>,
+    exit_rx: watch::Receiver<Option<ContainerExit>>,
+    logs: Arc<LogBuffer>,
+    docker: Docker,
+}
+
+impl Container {
+    /// The engine's container id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The instance it runs.
+    pub fn instance_id(&self) -> &InstanceId {
+        &self.instance_id
+    }
+
+    /// When it started running.
+    pub fn started_at(&self) -> DateTime<Utc> {
+        self.started_at
+    }
+
+    /// Its published ports.
+    pub fn ports(&self) -> &[PublishedPort] {
+        &self.ports
+    }
+
+    /// Its address on each network it joined, by network name.
+    pub fn ips(&self) -> &BTreeMap<String, String> {
+        &self.ips
+    }
+
+    /// The cold-start breakdown.
+    pub fn timings(&self) -> &StartTimings {
+        &self.timings
+    }
+
+    /// Found running by [`ContainerRuntime::adopt`] rather than started by
+    /// this agent process.
+    pub fn adopted(&self) -> bool {
+        self.adopted
+    }
+
+    /// Asks the engine to stop it: SIGTERM now, SIGKILL after `grace`
+    /// (rounded up to whole seconds, the engine's unit). Returns at once.
+    pub fn stop(&self, grace: Duration) {
+        // A closed channel means the supervisor is done: nothing to stop.
+        let _ = self.stop_tx.send(grace);
+    }
+
+    /// How it ended, once it ended and its output was fully read.
+    pub fn exit(&self) -> Option<ContainerExit> {
+        *self.exit_rx.borrow()
+    }
+
+    /// Waits until it ended and its output was fully read.
+    pub async fn wait(&self) -> ContainerExit {
+        let mut rx = self.exit_rx.clone();
+        let published = rx.wait_for(Option::is_some).await.ok().and_then(|e| *e);
+        published.unwrap_or(ContainerExit {
+            code: -1,
+            at: Utc::now(),
+            stop_requested: false,
+            oom_killed: false,
+        })
+    }
+
+    /// Its captured output.
+    pub fn logs(&self) -> &Arc<LogBuffer> {
+        &self.logs
+    }
+
+    /// Removes the container from the engine (killing it if it still runs),
+    /// once the agent no longer needs its exit status or logs.
+    pub async fn remove(&self) -> Result<(), ContainerError> {
+        let opts = RemoveContainerOptions {
+            force: true,
+            v: true,
+            ..Default::default()
+        };
+        match self.docker.remove_container(&self.id, Some(opts)).await {
+            Ok(()) => Ok(()),
+            Err(e) if status_of(&e) == Some(404) => Ok(()),
+            Err(source) => Err(ContainerError::Engine {
+                what: "remove container",
+                source,
+            }),
+        }
+    }
+}
+
+/// What an image cache entry knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedImage {
+    /// The reference the instance asked for.
+    pub image: String,
+    /// Its size in bytes, as the engine reports it.
+    pub size_bytes: u64,
+    /// When an instance last started from it.
+    pub last_used: DateTime<Utc>,
+    /// How many times this agent pulled it.
+    pub pulls: u32,
+}
+
+/// The container runtime of one node.
+#[derive(Clone)]
+pub struct ContainerRuntime {
+    docker: Docker,
+    config: ContainerConfig,
+    cache: Arc<Mutex<BTreeMap<String, CachedImage>>>,
+}
+
+impl std::fmt::Debug for ContainerRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContainerRuntime")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+fn status_of(e: &bollard::errors::Error) -> Option<u16> {
+    match e {
+        bollard::errors::Error::DockerResponseServerError { status_code, .. } => Some(*status_code),
+        _ => None,
+    }
+}
+
+async fn timed<T>(
+    what: &'static str,
+    f: impl std::future::Future<Output = Result<T, bollard::errors::Error>>,
+) -> Result<T, ContainerError> {
+    match tokio::time::timeout(CALL_TIMEOUT, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(source)) => Err(ContainerError::Engine { what, source }),
+        Err(_) => Err(ContainerError::Timeout(what)),
+    }
+}
+
+/// The tenant's network for containers that publish no port: internal, no
+/// route out of it, shared only by that tenant's containers.
+pub fn tenant_network(tenant: &TenantId) -> String {
+    format!("flotilla-t-{}", tenant.as_str())
+}
+
+/// The tenant's network for containers that publish ports: reachable from
+/// the node (and out), still the tenant's alone.
+pub fn tenant_ports_network(tenant: &TenantId) -> String {
+    format!("flotilla-t-{}-ports", tenant.as_str())
+}
+
+/// The container's name: one per instance, so a second create of the same
+/// instance fails instead of running it twice.
+pub fn container_name(instance: &InstanceId) -> String {
+    format!("flotilla-{}", instance.as_str())
+}
+
+/// The environment a container gets: the spec's variables, then the GPU
+/// selection (set last so a spec cannot override which GPUs it sees), and
+/// `HOME` in the scratch space.
+///
+/// Simulated GPUs get [`device_env`]'s variables as a process would. Real
+/// GPUs are renumbered from 0 inside a container, so the selection there is
+/// by UUID (MIG: by MIG device name), which means the same devices inside
+/// and out.
+pub fn container_env(spec: &ContainerSpec, gpus: GpuPassthrough) -> Vec<String> {
+    let mut env: BTreeMap<String, String> = BTreeMap::new();
+    env.insert("HOME".into(), SCRATCH_DIR.into());
+    env.extend(spec.env.clone());
+    for (k, v) in device_env(
+        &spec.instance_id,
+        &spec.gpu_indices,
+        &spec.gpu_uuids,
+        &spec.vendors,
+        &spec.gpu_slices,
+    ) {
+        env.insert(k, v);
+    }
+    if gpus != GpuPassthrough::Simulated {
+        let selection = visible_devices(spec);
+        env.insert("NVIDIA_VISIBLE_DEVICES".into(), selection.clone());
+        env.insert("CUDA_VISIBLE_DEVICES".into(), selection);
+    }
+    env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
+}
+
+/// The devices by name: MIG device names when the instance holds MIG
+/// slices, else the GPUs' UUIDs.
+fn visible_devices(spec: &ContainerSpec) -> String {
+    let mig: Vec<&str> = spec
+        .gpu_slices
+        .iter()
+        .filter_map(|s| s.mig_device.as_deref())
+        .collect();
+    if mig.is_empty() {
+        spec.gpu_uuids.join(",")
+    } else {
+        mig.join(",")
+    }
+}
+
+/// The engine's container configuration for `spec`: everything the
+/// runtime enforces is decided here, so it is checked without an engine.
+pub fn container_config(spec: &ContainerSpec, config: &ContainerConfig) -> Config<String> {
+    let labels = HashMap::from([
+        (LABEL_INSTANCE.to_string(), spec.instance_id.to_string()),
+        (LABEL_NODE.to_string(), config.node.clone()),
+        (LABEL_TENANT.to_string(), spec.tenant_id.to_string()),
+    ]);
+    let network = if spec.ports.is_empty() {
+        tenant_network(&spec.tenant_id)
+    } else {
+        tenant_ports_network(&spec.tenant_id)
+    };
+    let port_key = |p: &u16| format!("{p}/tcp");
+    let exposed: HashMap<String, HashMap<(), ()>> = spec
+        .ports
+        .iter()
+        .map(|p| (port_key(p), HashMap::new()))
+        .collect();
+    let bindings: HashMap<String, Option<Vec<PortBinding>>> = spec
+        .ports
+        .iter()
+        .map(|p| {
+            (
+                port_key(p),
+                Some(vec![PortBinding {
+                    // Every interface is no address at all: netavark 1.4
+                    // reads `0.0.0.0` literally and matches no packet.
+                    host_ip: Some(config.publish_ip.clone())
+                        .filter(|ip| !ip.is_empty() && ip != "0.0.0.0"),
+                    // Empty: the engine picks a free port.
+                    host_port: Some(String::new()),
+                }]),
+            )
+        })
+        .collect();
+    let memory = spec
+        .memory_mb
+        .map(|mb| i64::try_from(mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX));
+    let scratch_mb = spec.scratch_mb.unwrap_or(DEFAULT_SCRATCH_MB);
+    let (device_requests, devices) = match config.gpus {
+        _ if spec.gpu_uuids.is_empty() => (None, None),
+        GpuPassthrough::Simulated => (None, None),
+        GpuPassthrough::DeviceRequests => (
+            Some(vec![DeviceRequest {
+                driver: Some("nvidia".into()),
+                device_ids: Some(spec.gpu_uuids.clone()),
+                capabilities: Some(vec![vec!["gpu".into()]]),
+                ..Default::default()
+            }]),
+            None,
+        ),
+        GpuPassthrough::Cdi => {
+            let names: Vec<DeviceMapping> = visible_devices(spec)
+                .split(',')
+                .map(|d| DeviceMapping {
+                    path_on_host: Some(format!("nvidia.com/gpu={d}")),
+                    path_in_container: None,
+                    cgroup_permissions: Some("rwm".into()),
+                })
+                .collect();
+            (None, Some(names))
+        }
+    };
+    let host_config = HostConfig {
+        privileged: Some(false),
+        cap_drop: Some(vec!["ALL".into()]),
+        cap_add: Some(Vec::new()),
+        security_opt: Some(vec!["no-new-privileges".into()]),
+        network_mode: Some(network.clone()),
+        port_bindings: (!bindings.is_empty()).then_some(bindings),
+        memory,
+        // Equal to the memory limit: no swap beyond it, so the limit is
+        // what the workload gets and going over it is an OOM kill.
+        memory_swap: memory,
+        nano_cpus: spec.cpu_milli.map(|m| i64::from(m) * 1_000_000),
+        pids_limit: Some(4096),
+        readonly_rootfs: Some(config.read_only_rootfs),
+        tmpfs: Some(HashMap::from([(
+            SCRATCH_DIR.to_string(),
+            format!("rw,nosuid,nodev,size={scratch_mb}m,mode=1777"),
+        )])),
+        device_requests,
+        devices,
+        // No mounts, no binds, no volumes: a host path never enters.
+        ..Default::default()
+    };
+    Config {
+        image: Some(spec.image.clone()),
+        cmd: (!spec.command.is_empty()).then(|| spec.command.clone()),
+        env: Some(container_env(spec, config.gpus)),
+        user: Some(config.user.clone()),
+        working_dir: Some(SCRATCH_DIR.to_string()),
+        labels: Some(labels),
+        exposed_ports: (!exposed.is_empty()).then_some(exposed),
+        attach_stdout: Some(false),
+        attach_stderr: Some(false),
+        tty: Some(false),
+        host_config: Some(host_config),
+        networking_config: Some(NetworkingConfig {
+            endpoints_config: HashMap::from([(network, EndpointSettings::default())]),
+        }),
+        ..Default::default()
+    }
+}
+
+impl ContainerRuntime {
+    /// Connects to the engine at `config.docker_host` and checks that it
+    /// answers.
+    pub async fn connect(config: ContainerConfig) -> Result<Self, ContainerError> {
+        let Some(path) = config.docker_host.strip_prefix("unix://") else {
+            return Err(ContainerError::UnsupportedHost(config.docker_host.clone()));
+        };
+        let unreachable = |source| ContainerError::Unreachable {
+            host: config.docker_host.clone(),
+            source,
+        };
+        // Waits and followed logs last as long as the container: the
+        // client's own timeout would cut them, so it is effectively off and
+        // each short call carries its own (see `timed`).
+        let docker = Docker::connect_with_unix(path, 365 * 24 * 3600, bollard::API_DEFAULT_VERSION)
+            .map_err(unreachable)?;
+        match tokio::time::timeout(CALL_TIMEOUT, docker.ping()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(source)) => return Err(unreachable(source)),
+            Err(_) => return Err(ContainerError::Timeout("ping")),
+        }
+        Ok(Self {
+            docker,
+            config,
+            cache: Arc::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ContainerConfig {
+        &self.config
+    }
+
+    /// The engine client, for callers that inspect what the runtime made.
+    pub fn docker(&self) -> &Docker {
+        &self.docker
+    }
+
+    /// What the image cache holds, by image reference.
+    pub fn cached_images(&self) -> Vec<CachedImage> {
+        self.lock_cache().values().cloned().collect()
+    }
+
+    fn lock_cache(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, CachedImage>> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Makes sure the node has `image`: pulls it when missing, reporting
+    /// progress through `progress`. Returns the pull's start and end, or
+    /// `None` when the node had it.
+    pub async fn ensure_image(
+        &self,
+        image: &str,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<Option<(DateTime<Utc>, DateTime<Utc>)>, ContainerError> {
+        let (present, size) = match self.docker.inspect_image(image).await {
+            Ok(i) => (
+                true,
+                i.size.and_then(|s| u64::try_from(s).ok()).unwrap_or(0),
+            ),
+            Err(e) if status_of(&e) == Some(404) => (false, 0),
+            Err(source) => {
+                return Err(ContainerError::Engine {
+                    what: "inspect image",
+                    source,
+                })
+            }
+        };
+        let now = Utc::now();
+        if present {
+            let mut cache = self.lock_cache();
+            let entry = cache.entry(image.to_string()).or_insert(CachedImage {
+                image: image.to_string(),
+                size_bytes: size,
+                last_used: now,
+                pulls: 0,
+            });
+            entry.last_used = now;
+            return Ok(None);
+        }
+        let started = Utc::now();
+        progress(format!("pulling image {image}"));
+        let opts = CreateImageOptions {
+            from_image: image.to_string(),
+            ..Default::default()
+        };
+        let mut stream = self.docker.create_image(Some(opts), None, None);
+        while let Some(item) = stream.next().await {
+            let info = item.map_err(|source| ContainerError::Pull {
+                image: image.to_string(),
+                source,
+            })?;
+            if let Some(status) = info.status {
+                let detail = info.progress.unwrap_or_default();
+                progress(
+                    format!("pulling image {image}: {status} {detail}")
+                        .trim_end()
+                        .to_string(),
+                );
+            }
+        }
+        let finished = Utc::now();
+        let size = match self.docker.inspect_image(image).await {
+            Ok(i) => i.size.and_then(|s| u64::try_from(s).ok()).unwrap_or(0),
+            Err(_) => 0,
+        };
+        let mut cache = self.lock_cache();
+        let entry = cache.entry(image.to_string()).or_insert(CachedImage {
+            image: image.to_string(),
+            size_bytes: size,
+            last_used: finished,
+            pulls: 0,
+        });
+        entry.pulls += 1;
+        entry.size_bytes = size;
+        entry.last_used = finished;
+        Ok(Some((started, finished)))
+    }
+
+    /// Creates the tenant's network when missing. Networks are isolated
+    /// from each other (netavark's `isolate`; Docker isolates bridges by
+    /// default); the one for containers without ports is `internal`.
+    async fn ensure_network(
+        &self,
+        name: &str,
+        tenant: &TenantId,
+        internal: bool,
+    ) -> Result<(), ContainerError> {
+        match self.docker.inspect_network::<String>(name, None).await {
+            Ok(_) => return Ok(()),
+            Err(e) if status_of(&e) == Some(404) => {}
+            Err(source) => {
+                return Err(ContainerError::Engine {
+                    what: "inspect network",
+                    source,
+                })
+            }
+        }
+        let opts = CreateNetworkOptions {
+            name: name.to_string(),
+            check_duplicate: true,
+            driver: "bridge".to_string(),
+            internal,
+            options: HashMap::from([("isolate".to_string(), "true".to_string())]),
+            labels: HashMap::from([(LABEL_TENANT.to_string(), tenant.to_string())]),
+            ..Default::default()
+        };
+        match self.docker.create_network(opts).await {
+            Ok(_) => Ok(()),
+            // Created by a concurrent start of the same tenant.
+            Err(e) if status_of(&e) == Some(409) => Ok(()),
+            Err(source) => Err(ContainerError::Engine {
+                what: "create network",
+                source,
+            }),
+        }
+    }
+
+    /// Pulls the image if needed, creates and starts the container, and
+    /// starts supervising it. `progress` hears the pull's progress.
+    pub async fn start(
+        &self,
+        spec: &ContainerSpec,
+        wakers: Wakers,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<Container, ContainerError> {
+        let pull = self.ensure_image(&spec.image, progress).await?;
+        let mut timings = StartTimings {
+            cached: pull.is_none(),
+            pull,
+            ..Default::default()
+        };
+        if spec.ports.is_empty() {
+            self.ensure_network(&tenant_network(&spec.tenant_id), &spec.tenant_id, true)
+                .await?;
+        } else {
+            self.ensure_network(
+                &tenant_ports_network(&spec.tenant_id),
+                &spec.tenant_id,
+                false,
+            )
+            .await?;
+        }
+        progress("creating container".to_string());
+        let name = container_name(&spec.instance_id);
+        let created = timed(
+            "create container",
+            self.docker.create_container(
+                Some(CreateContainerOptions {
+                    name: name.clone(),
+                    platform: None,
+                }),
+                container_config(spec, &self.config),
+            ),
+        )
+        .await?;
+        timings.created_at = Some(Utc::now());
+        if let Err(e) = timed(
+            "start container",
+            self.docker
+                .start_container(&created.id, None::<StartContainerOptions<String>>),
+        )
+        .await
+        {
+            // Never leave a created container behind that a later adopt
+            // would mistake for work.
+            let _ = self
+                .docker
+                .remove_container(
+                    &created.id,
+                    Some(RemoveContainerOptions {
+                        force: true,
+                        ..Default::default()
+                    }),
+                )
+                .await;
+            return Err(e);
+        }
+        timings.started_at = Some(Utc::now());
+        let inspected = self.inspect(&created.id).await?;
+        tracing::info!(instance_id = %spec.instance_id, container = %created.id, image = %spec.image, cached = timings.cached, "container started");
+        Ok(self.supervise(
+            spec.instance_id.clone(),
+            inspected,
+            timings,
+            false,
+            0,
+            wakers,
+        ))
+    }
+
+    async fn inspect(&self, id: &str) -> Result<ContainerInspectResponse, ContainerError> {
+        inspect(&self.docker, id).await
+    }
+
+    /// Every container of this node carrying Flotilla's labels, running or
+    /// not, with its instance: what a restarted agent finds.
+    pub async fn list(&self) -> Result<Vec<(InstanceId, String)>, ContainerError> {
+        let filters = HashMap::from([(
+            "label".to_string(),
+            vec![format!("{LABEL_NODE}={}", self.config.node)],
+        )]);
+        let found = timed(
+            "list containers",
+            self.docker.list_containers(Some(ListContainersOptions {
+                all: true,
+                filters,
+                ..Default::default()
+            })),
+        )
+        .await?;
+        let mut out = Vec::new();
+        for c in found {
+            let id = c.id.unwrap_or_default();
+            let label = c
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(LABEL_INSTANCE))
+                .and_then(|v| v.parse::<InstanceId>().ok())
+                .ok_or_else(|| ContainerError::BadLabel {
+                    id: id.clone(),
+                    label: LABEL_INSTANCE,
+                })?;
+            out.push((label, id));
+        }
+        Ok(out)
+    }
+
+    /// Takes over the container running `instance_id` on this node, if
+    /// there is one: its exit is waited for and its output followed again.
+    /// The log is replayed from its beginning with the same sequence
+    /// numbers as before (the engine keeps one ordered log), and the first
+    /// `shipped` lines, which the server already has, are skipped, so the
+    /// server's copy continues without a gap or a duplicate.
+    pub async fn adopt(
+        &self,
+        instance_id: &InstanceId,
+        shipped: u64,
+        wakers: Wakers,
+    ) -> Result<Option<Container>, ContainerError> {
+        let Some((_, id)) = self
+            .list()
+            .await?
+            .into_iter()
+            .find(|(i, _)| i == instance_id)
+        else {
+            return Ok(None);
+        };
+        let inspected = self.inspect(&id).await?;
+        tracing::info!(%instance_id, container = %id, "container adopted");
+        Ok(Some(self.supervise(
+            instance_id.clone(),
+            inspected,
+            StartTimings::default(),
+            true,
+            shipped,
+            wakers,
+        )))
+    }
+
+    fn supervise(
+        &self,
+        instance_id: InstanceId,
+        inspected: ContainerInspectResponse,
+        timings: StartTimings,
+        adopted: bool,
+        skip_lines: u64,
+        wakers: Wakers,
+    ) -> Container {
+        let id = inspected.id.clone().unwrap_or_default();
+        let state = inspected.state.clone().unwrap_or_default();
+        let started_at = state
+            .started_at
+            .as_deref()
+            .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
+            .map_or_else(Utc::now, |t| t.with_timezone(&Utc));
+        let settings = inspected.network_settings.clone().unwrap_or_default();
+        let mut ports: Vec<PublishedPort> = settings
+            .ports
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|(key, bindings)| {
+                let container_port = key.split('/').next()?.parse().ok()?;
+                let host_port = bindings?
+                    .into_iter()
+                    .find_map(|b| b.host_port?.parse::<u16>().ok())?;
+                Some(PublishedPort {
+                    container_port,
+                    host_port,
+                    url: format!("http://{}:{host_port}", self.config.public_host),
+                })
+            })
+            .collect();
+        ports.sort_by_key(|p| p.container_port);
+        let ips = settings
+            .networks
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|(name, ep)| Some((name, ep.ip_address.filter(|ip| !ip.is_empty())?)))
+            .collect();
+        let cgroup = state
+            .pid
+            .filter(|p| *p > 0)
+            .and_then(|pid| memory_cgroup_of(u32::try_from(pid).ok()?));
+        let logs = Arc::new(LogBuffer::new(instance_id.clone()));
+        let (stop_tx, stop_rx) = mpsc::unbounded_channel();
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let pump = tokio::spawn(follow_logs(
+            self.docker.clone(),
+            id.clone(),
+            logs.clone(),
+            skip_lines,
+            wakers.logs.clone(),
+        ));
+        tokio::spawn(supervise(Supervised {
+            docker: self.docker.clone(),
+            id: id.clone(),
+            instance_id: instance_id.clone(),
+            stop_rx,
+            exit_tx,
+            pump,
+            cgroup,
+            wakers,
+        }));
+        Container {
+            id,
+            instance_id,
+            started_at,
+            ports,
+            ips,
+            timings,
+            adopted,
+            stop_tx,
+            exit_rx,
+            logs,
+            docker: self.docker.clone(),
+        }
+    }
+}
+
+/// Inspects a container. Podman reports a container between its end and
+/// its cleanup as `stopped`, a state the Docker API (and so bollard's
+/// model) does not have: that answer is asked again until the state
+/// settles (`exited`).
+async fn inspect(docker: &Docker, id: &str) -> Result<ContainerInspectResponse, ContainerError> {
+    let start = tokio::time::Instant::now();
+    loop {
+        match timed(
+            "inspect container",
+            docker.inspect_container(id, None::<InspectContainerOptions>),
+        )
+        .await
+        {
+            Err(ContainerError::Engine {
+                source: bollard::errors::Error::JsonDataError { .. },
+                ..
+            }) if start.elapsed() < CALL_TIMEOUT => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// The memory cgroup directory of process `pid` on this host (cgroup v1
+/// `memory` controller, or the v2 unified hierarchy), when readable.
+fn memory_cgroup_of(pid: u32) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let mut unified = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let rel = path.trim_start_matches('/');
+        if controllers.split(',').any(|c| c == "memory") {
+            let dir = Path::new("/sys/fs/cgroup/memory").join(rel);
+            if dir.is_dir() {
+                return Some(dir);
+            }
+        } else if controllers.is_empty() {
+            unified = Some(rel.to_string());
+        }
+    }
+    let rel = unified?;
+    [
+        Path::new("/sys/fs/cgroup").join(&rel),
+        Path::new("/sys/fs/cgroup/unified").join(&rel),
+    ]
+    .into_iter()
+    .find(|d| d.join("memory.events").is_file())
+}
+
+/// OOM kills the kernel counted in a memory cgroup (`oom_kill` of cgroup
+/// v1's `memory.oom_control` or v2's `memory.events`).
+fn oom_kills(dir: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(dir.join("memory.oom_control"))
+        .or_else(|_| std::fs::read_to_string(dir.join("memory.events")))
+        .ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+struct Supervised {
+    docker: Docker,
+    id: String,
+    instance_id: InstanceId,
+    stop_rx: mpsc::UnboundedReceiver<Duration>,
+    exit_tx: watch::Sender<Option<ContainerExit>>,
+    pump: tokio::task::JoinHandle<()>,
+    cgroup: Option<PathBuf>,
+    wakers: Wakers,
+}
+
+/// Waits for the container to end, applying stop requests and watching its
+/// memory cgroup for OOM kills; then waits for its log stream to drain and
+/// publishes the exit.
+///
+/// OOM kills are read from the cgroup as well as from the engine's
+/// `State.OOMKilled` because Podman with cgroup v1 does not set the latter;
+/// the cgroup is polled while the container runs, since it disappears soon
+/// after the container ends.
+async fn supervise(mut s: Supervised) {
+    let mut stop_requested = false;
+    let mut stops_open = true;
+    let mut oom_seen = false;
+    let mut poll = tokio::time::interval(OOM_POLL);
+    let wait = wait_for_exit(s.docker.clone(), s.id.clone());
+    tokio::pin!(wait);
+    loop {
+        tokio::select! {
+            () = &mut wait => break,
+            grace = s.stop_rx.recv(), if stops_open => match grace {
+                Some(grace) => {
+                    if !stop_requested {
+                        stop_requested = true;
+                        tracing::info!(instance_id = %s.instance_id, container = %s.id, grace_ms = grace.as_millis() as u64, "stopping container");
+                        tokio::spawn(stop_container(s.docker.clone(), s.id.clone(), grace));
+                    }
+                }
+                None => stops_open = false,
+            },
+            _ = poll.tick(), if s.cgroup.is_some() && !oom_seen => {
+                if let Some(dir) = &s.cgroup {
+                    oom_seen = oom_kills(dir).is_some_and(|n| n > 0);
+                }
+            }
+        }
+    }
+    if let Some(dir) = &s.cgroup {
+        oom_seen = oom_seen || oom_kills(dir).is_some_and(|n| n > 0);
+    }
+    let state = match inspect(&s.docker, &s.id).await {
+        Ok(i) => i.state.unwrap_or_default(),
+        Err(error) => {
+            tracing::error!(instance_id = %s.instance_id, container = %s.id, %error, "cannot read how the container ended");
+            Default::default()
+        }
+    };
+    let code = state
+        .exit_code
+        .and_then(|c| i32::try_from(c).ok())
+        .unwrap_or(-1);
+    let at = state
+        .finished_at
+        .as_deref()
+        .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
+        .map(|t| t.with_timezone(&Utc))
+        .filter(|t| t.timestamp() > 0)
+        .unwrap_or_else(Utc::now);
+    let oom_killed = state.oom_killed.unwrap_or(false) || oom_seen;
+    if tokio::time::timeout(LOG_DRAIN_TIMEOUT, &mut s.pump)
+        .await
+        .is_err()
+    {
+        tracing::warn!(instance_id = %s.instance_id, container = %s.id, "log stream still open after the container ended, closing it");
+        s.pump.abort();
+    }
+    tracing::info!(instance_id = %s.instance_id, container = %s.id, code, oom_killed, stopped = stop_requested, "container exited");
+    s.exit_tx.send_replace(Some(ContainerExit {
+        code,
+        at,
+        stop_requested,
+        oom_killed,
+    }));
+    s.wakers.logs.notify_one();
+    s.wakers.changed.notify_one();
+}
+
+/// Resolves once the container no longer runs. The engine's wait is the
+/// fast path; if it fails (the engine restarted, the connection dropped)
+/// the state is polled.
+async fn wait_for_exit(docker: Docker, id: String) {
+    let mut stream = docker.wait_container(
+        &id,
+        Some(WaitContainerOptions {
+            condition: "not-running",
+        }),
+    );
+    match stream.next().await {
+        Some(Ok(_)) | Some(Err(bollard::errors::Error::DockerContainerWaitError { .. })) => return,
+        Some(Err(error)) => {
+            tracing::debug!(container = %id, %error, "container wait failed, polling its state")
+        }
+        None => {}
+    }
+    loop {
+        match inspect(&docker, &id).await {
+            Ok(i) if i.state.as_ref().and_then(|s| s.running) == Some(true) => {}
+            Err(ContainerError::Engine { source, .. }) if status_of(&source) == Some(404) => return,
+            Err(_) => {}
+            Ok(_) => return,
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The engine's stop (SIGTERM, then SIGKILL after the grace), and a kill
+/// if the container somehow still runs after it.
+async fn stop_container(docker: Docker, id: String, grace: Duration) {
+    let t =
+        i64::try_from(grace.as_secs() + u64::from(grace.subsec_nanos() > 0)).unwrap_or(i64::MAX);
+    if let Err(error) = docker
+        .stop_container(&id, Some(StopContainerOptions { t }))
+        .await
+    {
+        if matches!(status_of(&error), Some(304 | 404)) {
+            return;
+        }
+        tracing::warn!(container = %id, %error, "stop failed, killing the container");
+        let _ = docker
+            .kill_container(&id, Some(KillContainerOptions { signal: "SIGKILL" }))
+            .await;
+    }
+}
+
+/// Follows the container's output from its beginning into `logs`, a line
+/// per entry, until the stream ends. Frames carry chunks of a stream, not
+/// lines, so each stream keeps its own partial line; a line longer than
+/// [`MAX_LINE_BYTES`] is cut there, like a process's.
+async fn follow_logs(
+    docker: Docker,
+    id: String,
+    logs: Arc<LogBuffer>,
+    skip_lines: u64,
+    wake: Arc<tokio::sync::Notify>,
+) {
+    let opts = LogsOptions::<String> {
+        follow: true,
+        stdout: true,
+        stderr: true,
+        tail: "all".to_string(),
+        ..Default::default()
+    };
+    let mut stream = docker.logs(&id, Some(opts));
+    let mut out = LineSplitter::default();
+    let mut err = LineSplitter::default();
+    let mut skipped = 0u64;
+    let mut emit = |stream: LogStream, line: &[u8]| {
+        let text = String::from_utf8_lossy(line.strip_suffix(b"\r").unwrap_or(line)).into_owned();
+        let pending = logs.push(stream, text);
+        if skipped < skip_lines {
+            // Already on the server: keep the numbering, not the line.
+            skipped += 1;
+            logs.ack(logs.captured() - 1);
+        } else if pending >= SHIP_BATCH_LINES {
+            wake.notify_one();
+        }
+    };
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(LogOutput::StdOut { message }) | Ok(LogOutput::Console { message }) => {
+                out.feed(&message, |l| emit(LogStream::Stdout, l));
+            }
+            Ok(LogOutput::StdErr { message }) => {
+                err.feed(&message, |l| emit(LogStream::Stderr, l));
+            }
+            Ok(LogOutput::StdIn { .. }) => {}
+            Err(error) => {
+                tracing::warn!(container = %id, %error, "container log stream failed");
+                break;
+            }
+        }
+    }
+    out.finish(|l| emit(LogStream::Stdout, l));
+    err.finish(|l| emit(LogStream::Stderr, l));
+    wake.notify_one();
+}
+
+/// Reassembles lines from chunks of one stream.
+#[derive(Default)]
+struct LineSplitter {
+    line: Vec<u8>,
+    truncated: bool,
+}
+
+impl LineSplitter {
+    fn feed(&mut self, mut chunk: &[u8], mut emit: impl FnMut(&[u8])) {
+        while !chunk.is_empty() {
+            let (part, rest, end) = match chunk.iter().position(|b| *b == b'\n') {
+                Some(i) => (&chunk[..i], &chunk[i + 1..], true),
+                None => (chunk, &chunk[chunk.len()..], false),
+            };
+            let room = MAX_LINE_BYTES.saturating_sub(self.line.len());
+            if part.len() > room {
+                self.truncated = true;
+            }
+            self.line.extend_from_slice(&part[..part.len().min(room)]);
+            if end {
+                emit(&self.line);
+                self.line.clear();
+                self.truncated = false;
+            }
+            chunk = rest;
+        }
+    }
+
+    fn finish(&mut self, mut emit: impl FnMut(&[u8])) {
+        if !self.line.is_empty() || self.truncated {
+            emit(&self.line);
+        }
+        self.line.clear();
+        self.truncated = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> ContainerSpec {
+        ContainerSpec {
+            instance_id: InstanceId::generate(1, 1),
+            tenant_id: TenantId::generate(1, 2),
+            image: "localhost/img:1".into(),
+            command: vec!["sh".into(), "-c".into(), "true".into()],
+            env: BTreeMap::from([
+                ("A".to_string(), "1".to_string()),
+                ("CUDA_VISIBLE_DEVICES".to_string(), "all".to_string()),
+            ]),
+            ports: vec![8080],
+            cpu_milli: Some(1500),
+            memory_mb: Some(512),
+            scratch_mb: Some(64),
+            gpu_indices: vec![1, 3],
+            gpu_uuids: vec!["GPU-a".into(), "GPU-b".into()],
+            vendors: vec![Vendor::Nvidia, Vendor::Nvidia],
+            gpu_slices: Vec::new(),
+        }
+    }
+
+    fn env_of(c: &Config<String>, k: &str) -> Option<String> {
+        c.env
+            .as_ref()?
+            .iter()
+            .find_map(|e| e.strip_prefix(&format!("{k}=")).map(str::to_string))
+    }
+
+    #[test]
+    fn the_config_enforces_limits_and_isolation() {
+        let s = spec();
+        let cfg = ContainerConfig::new("unix:///x.sock", "node-1");
+        let c = container_config(&s, &cfg);
+        let h = c.host_config.as_ref().unwrap();
+        assert_eq!(h.privileged, Some(false));
+        assert_eq!(h.cap_drop.as_deref(), Some(&["ALL".to_string()][..]));
+        assert_eq!(h.cap_add.as_deref(), Some(&[][..]));
+        assert_eq!(
+            h.security_opt.as_deref(),
+            Some(&["no-new-privileges".to_string()][..])
+        );
+        assert_eq!(h.memory, Some(512 * 1024 * 1024));
+        assert_eq!(h.memory_swap, h.memory);
+        assert_eq!(h.nano_cpus, Some(1_500_000_000));
+        assert!(h.binds.is_none() && h.mounts.is_none());
+        let net = tenant_ports_network(&s.tenant_id);
+        assert_eq!(h.network_mode.as_deref(), Some(net.as_str()));
+        assert!(net.starts_with("flotilla-t-ten_"));
+        assert_eq!(
+            h.tmpfs.as_ref().unwrap()[SCRATCH_DIR],
+            "rw,nosuid,nodev,size=64m,mode=1777"
+        );
+        assert!(h.port_bindings.as_ref().unwrap().contains_key("8080/tcp"));
+        assert_eq!(c.user.as_deref(), Some(DEFAULT_USER));
+        let labels = c.labels.as_ref().unwrap();
+        assert_eq!(labels[LABEL_INSTANCE], s.instance_id.to_string());
+        assert_eq!(labels[LABEL_NODE], "node-1");
+        assert_eq!(labels[LABEL_TENANT], s.tenant_id.to_string());
+        // Simulated GPUs: the variables only, and the spec cannot override
+        // the selection.
+        assert!(h.device_requests.is_none() && h.devices.is_none());
+        assert_eq!(env_of(&c, "CUDA_VISIBLE_DEVICES").as_deref(), Some("1,3"));
+        assert_eq!(env_of(&c, "NVIDIA_VISIBLE_DEVICES").as_deref(), Some("1,3"));
+        assert_eq!(env_of(&c, "A").as_deref(), Some("1"));
+        assert_eq!(env_of(&c, "HOME").as_deref(), Some(SCRATCH_DIR));
+
+        let mut no_ports = spec();
+        no_ports.ports.clear();
+        let c = container_config(&no_ports, &cfg);
+        let h = c.host_config.as_ref().unwrap();
+        assert_eq!(
+            h.network_mode.as_deref(),
+            Some(tenant_network(&no_ports.tenant_id).as_str())
+        );
+        assert!(h.port_bindings.is_none() && c.exposed_ports.is_none());
+    }
+
+    #[test]
+    fn real_gpus_are_passed_by_uuid_or_cdi_name() {
+        let s = spec();
+        let mut cfg = ContainerConfig::new("unix:///x.sock", "n");
+        cfg.gpus = GpuPassthrough::DeviceRequests;
+        let c = container_config(&s, &cfg);
+        let r = &c
+            .host_config
+            .as_ref()
+            .unwrap()
+            .device_requests
+            .as_ref()
+            .unwrap()[0];
+        assert_eq!(r.driver.as_deref(), Some("nvidia"));
+        assert_eq!(r.device_ids.as_ref().unwrap(), &s.gpu_uuids);
+        assert_eq!(
+            env_of(&c, "NVIDIA_VISIBLE_DEVICES").as_deref(),
+            Some("GPU-a,GPU-b")
+        );
+        assert_eq!(
+            env_of(&c, "CUDA_VISIBLE_DEVICES").as_deref(),
+            Some("GPU-a,GPU-b")
+        );
+
+        cfg.gpus = GpuPassthrough::Cdi;
+        let mut mig = spec();
+        mig.gpu_indices = vec![0];
+        mig.gpu_uuids = vec!["GPU-a".into()];
+        mig.gpu_slices = vec![GpuSlice {
+            gpu_id: flotilla_core::id::GpuId::generate(1, 3),
+            milli: 142,
+            mig_profile: Some("1g.10gb".into()),
+            mig_device: Some("MIG-GPU-a/2/0".into()),
+            memory_limit_mib: Some(10_240),
+        }];
+        let c = container_config(&mig, &cfg);
+        let h = c.host_config.as_ref().unwrap();
+        assert!(h.device_requests.is_none());
+        let names: Vec<_> = h
+            .devices
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|d| d.path_on_host.clone().unwrap())
+            .collect();
+        assert_eq!(names, vec!["nvidia.com/gpu=MIG-GPU-a/2/0"]);
+        assert_eq!(
+            env_of(&c, "CUDA_VISIBLE_DEVICES").as_deref(),
+            Some("MIG-GPU-a/2/0")
+        );
+    }
+
+    #[test]
+    fn lines_are_reassembled_per_stream_and_capped() {
+        let mut s = LineSplitter::default();
+        let mut got: Vec<String> = Vec::new();
+        s.feed(b"ab", |l| got.push(String::from_utf8_lossy(l).into()));
+        s.feed(b"c\nd\r\n\ne", |l| {
+            got.push(String::from_utf8_lossy(l).into())
+        });
+        s.finish(|l| got.push(String::from_utf8_lossy(l).into()));
+        assert_eq!(got, vec!["abc", "d\r", "", "e"]);
+        let mut long = Vec::new();
+        let big = vec![b'x'; MAX_LINE_BYTES + 10];
+        s.feed(&big, |l| long.push(l.len()));
+        s.feed(b"yy\nz\n", |l| long.push(l.len()));
+        assert_eq!(long, vec![MAX_LINE_BYTES, 1]);
+    }
+
+    #[test]
+    fn exit_reasons_name_out_of_memory() {
+        let e = ContainerExit {
+            code: 137,
+            at: Utc::now(),
+            stop_requested: false,
+            oom_killed: true,
+        };
+        assert!(e.reason().starts_with("out of memory"), "{}", e.reason());
+        let e = ContainerExit {
+            oom_killed: false,
+            ..e
+        };
+        assert_eq!(e.reason(), "exit code 137");
+    }
+}
