@@ -386,6 +386,10 @@ fn instance_request(c: &CreateEndpoint, tier: u8) -> CreateInstance {
         preemptible: Some(tier > 1),
         gpu_fraction: c.gpu_fraction,
         mig_profile: c.mig_profile.clone(),
+        // Replicas run a command until the agent runs containers.
+        image: None,
+        ports: Vec::new(),
+        scratch_mb: None,
     }
 }
 
