@@ -1009,6 +1009,22 @@ fn oom_kills(dir: &Path) -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// Whether a memory cgroup's usage ever reached its limit (cgroup v1's
+/// `memory.failcnt`, v2's `max` event). Counted from the first page that
+/// hits the limit, so it is seen well before the kill, while the cgroup
+/// still exists.
+fn limit_reached(dir: &Path) -> bool {
+    if let Ok(n) = std::fs::read_to_string(dir.join("memory.failcnt")) {
+        return n.trim().parse::<u64>().is_ok_and(|n| n > 0);
+    }
+    std::fs::read_to_string(dir.join("memory.events")).is_ok_and(|t| {
+        t.lines()
+            .find_map(|l| l.strip_prefix("max "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_some_and(|n| n > 0)
+    })
+}
+
 struct Supervised {
     docker: Docker,
     id: String,
@@ -1032,6 +1048,10 @@ async fn supervise(mut s: Supervised) {
     let mut stop_requested = false;
     let mut stops_open = true;
     let mut oom_seen = false;
+    // The kill itself can come and the cgroup go between two polls; a
+    // container that hit its memory limit and then died of SIGKILL that
+    // nobody asked for was killed by the kernel's OOM killer.
+    let mut at_limit = false;
     let mut poll = tokio::time::interval(OOM_POLL);
     let wait = wait_for_exit(s.docker.clone(), s.id.clone());
     tokio::pin!(wait);
@@ -1051,6 +1071,7 @@ async fn supervise(mut s: Supervised) {
             _ = poll.tick(), if s.cgroup.is_some() && !oom_seen => {
                 if let Some(dir) = &s.cgroup {
                     oom_seen = oom_kills(dir).is_some_and(|n| n > 0);
+                    at_limit = at_limit || limit_reached(dir);
                 }
             }
         }
@@ -1076,7 +1097,9 @@ async fn supervise(mut s: Supervised) {
         .map(|t| t.with_timezone(&Utc))
         .filter(|t| t.timestamp() > 0)
         .unwrap_or_else(Utc::now);
-    let oom_killed = state.oom_killed.unwrap_or(false) || oom_seen;
+    let oom_killed = state.oom_killed.unwrap_or(false)
+        || oom_seen
+        || (at_limit && code == 137 && !stop_requested);
     if tokio::time::timeout(LOG_DRAIN_TIMEOUT, &mut s.pump)
         .await
         .is_err()
