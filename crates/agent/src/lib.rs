@@ -250,9 +250,13 @@ pub async fn run(
     shipper.abort();
     watchdog.abort();
     agent.shutdown().await;
-    // A clean stop: the fence has nothing left to guard.
+    // A clean stop: the fence has nothing left to guard. It ends by
+    // itself once the file it saw is gone, but one that never saw a file
+    // (no node lease, as under `flotilla up`) waits while this process
+    // lives: end it rather than wait for it.
     let _ = std::fs::remove_file(agent.fence_file());
     if let Some(mut f) = fence {
+        let _ = f.kill();
         let _ = f.wait();
     }
     tracing::info!("agent stopped");
