@@ -305,6 +305,17 @@ pub fn bwrap_args_hiding(
     // After the empty /tmp, so a share below /tmp shows; before the agent's
     // directory is covered, so a share can never uncover it.
     for share in shares {
+        // bubblewrap makes missing parents of a mount point 0700 (root's),
+        // which the tenant's uid could not walk through: make them
+        // traversable first. `/tmp` itself is the empty tmpfs above.
+        let mut parents: Vec<&Path> = share.path.ancestors().skip(1).collect();
+        parents.reverse();
+        for dir in parents {
+            if dir == Path::new("/") || dir == Path::new("/tmp") {
+                continue;
+            }
+            push(&["--perms", "0755", "--dir", &dir.to_string_lossy()]);
+        }
         let path = share.path.to_string_lossy();
         let bind = if share.writable {
             "--bind"
