@@ -123,7 +123,7 @@ fn a_two_node_job_runs_one_rank_per_node_and_succeeds() {
 
     // Members are instances, so they are metered like any: both ranks
     // appear in the tenant's usage.
-    wait_until("both members metered", Duration::from_secs(15), || {
+    wait_until("both members metered", Duration::from_secs(60), || {
         let usage = env
             .get(
                 &key,
