@@ -483,8 +483,20 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
         .as_str()
         .unwrap()
         .to_string();
+    let endpoint = s
+        .ok(
+            &a_member,
+            Method::POST,
+            "/v1/endpoints",
+            Some(json!({"name": "chat", "command": ["sleep", "1"], "gpus": 1})),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let ids: HashMap<&str, String> = [
         ("tenant_id", a.clone()),
+        ("endpoint_id", endpoint),
         ("instance_id", inst.clone()),
         ("job_id", job),
         ("node_id", node.clone()),
@@ -510,9 +522,13 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
                 ("POST", p) if p.ends_with("/logs") => Some(json!({"lines": []})),
                 ("POST", p) if p.ends_with("/terms") => Some(json!({"kind": "discount",
                     "id": "d1", "percent": "10", "scope": "all", "from": "2025-01-01T00:00:00Z"})),
+                ("POST", p) if p.starts_with("/v1/endpoints/") && p.ends_with("/metrics") => {
+                    Some(json!({"value": 1.0}))
+                }
                 ("POST", p) if p.ends_with("/metrics") => {
                     Some(json!({"in_flight": 0, "queued": 0, "requests_total": 0}))
                 }
+                ("PATCH", _) => Some(json!({"max_replicas": 3})),
                 _ => None,
             };
             let url = fill(path, &ids);
