@@ -884,8 +884,16 @@ impl Store {
                 } else {
                     (Failed, format!("exit code {code}"))
                 };
-                let done = if from == Scheduled && to != Stopped {
-                    mark_starting(&mut tx, id, now).await?;
+                // An exit means the process ran, even when it ended before
+                // any report said so (a short command, a slow sync): it
+                // passes through `running`, which is what starts its
+                // metering. Missing that made a short job's members
+                // unbilled, depending on whether a sync fell in their
+                // lifetime.
+                let done = if matches!(from, Scheduled | Starting) && to != Stopped {
+                    if from == Scheduled {
+                        mark_starting(&mut tx, id, now).await?;
+                    }
                     transition(&mut tx, id, Starting, Running, "running", None, now).await?;
                     transition(&mut tx, id, Running, to, &reason, Some(*code), now).await?
                 } else {

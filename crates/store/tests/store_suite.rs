@@ -48,6 +48,7 @@ flotilla_testdb::backend_suite!(
     logs_are_deduplicated_by_seq,
     idempotency_keys_replay_and_detect_mismatch,
     containers_report_ports_cold_starts_and_oom_kills,
+    an_exit_seen_before_running_still_counts_as_run,
 );
 
 async fn tenant(s: &Store, name: &str) -> TenantId {
@@ -928,4 +929,54 @@ async fn containers_report_ports_cold_starts_and_oom_kills(s: &Store) {
         i.state_reason
     );
     assert_eq!(i.exit_code, Some(137));
+}
+
+/// A command that ends between two agent syncs is first reported as
+/// starting, then as exited: it ran, so it gets a start time and is metered
+/// (it was once left unbilled, a flaky `jobs` test found it).
+async fn an_exit_seen_before_running_still_counts_as_run(s: &Store) {
+    let t = tenant(s, "quick").await;
+    let n = node(s, &t, "n1", &[("H100", 1)]).await;
+    let id = InstanceId::generate(7, rnd());
+    s.create_instance(&id, &t, &spec(1, &["H100"]), t0())
+        .await
+        .unwrap();
+    place(s, &id, t0()).await.unwrap();
+    s.apply_observed(&n, &observed(&id, ObservedPhase::Starting), t0())
+        .await
+        .unwrap();
+    assert_eq!(
+        s.instance(&id).await.unwrap().state,
+        InstanceState::Starting
+    );
+    let later = t0() + Duration::milliseconds(40);
+    let exited = ObservedPhase::Exited {
+        code: 0,
+        stopped: false,
+    };
+    assert_eq!(
+        s.apply_observed(&n, &observed(&id, exited), later)
+            .await
+            .unwrap(),
+        Applied::Changed
+    );
+    let i = s.instance(&id).await.unwrap();
+    assert_eq!(i.state, InstanceState::Succeeded);
+    assert_eq!((i.started_at, i.finished_at), (Some(later), Some(later)));
+    let states: Vec<_> = i.events.iter().map(|e| e.state).collect();
+    assert_eq!(
+        states,
+        vec![
+            InstanceState::Pending,
+            InstanceState::Scheduled,
+            InstanceState::Starting,
+            InstanceState::Running,
+            InstanceState::Succeeded
+        ]
+    );
+    let to_meter = s.instances_to_meter(100).await.unwrap();
+    assert!(
+        to_meter.iter().any(|(i, _)| i.id == id),
+        "a command that ran is metered"
+    );
 }

@@ -129,9 +129,13 @@ pub struct Home {
 /// them), so a test that ends, or fails, with work still running would
 /// leave it behind. Every process whose command line names this home's
 /// directory (a sandbox, a server, an agent) is killed with it; a sandbox's
-/// pid namespace takes its workload down with it.
+/// pid namespace takes its workload down with it. A test that panicked
+/// first prints the processes' logs: a timeout's cause is usually there.
 impl Drop for Home {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.dump_logs();
+        }
         let needle = self.dir.path().to_string_lossy().into_owned();
         let Ok(entries) = std::fs::read_dir("/proc") else {
             return;
