@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_testkit::process::{free_port, http, wait_until, Home, Proc};
+use flotilla_testkit::process::{free_port, http, wait_until, Home};
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");

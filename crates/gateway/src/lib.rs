@@ -158,6 +158,9 @@ struct RouteIndex {
 
 type Limiter = DefaultKeyedRateLimiter<String>;
 
+/// A key's grant (`None`: no such key) and when it was asked for.
+type CachedGrant = (Instant, Option<Arc<KeyGrant>>);
+
 /// What the control plane said about a key.
 #[derive(Debug, Clone)]
 enum AuthAnswer {
@@ -175,7 +178,7 @@ pub(crate) struct Inner {
     /// Every endpoint runtime, by id; kept across refreshes.
     runtimes: Mutex<HashMap<EndpointId, Arc<Endpoint>>>,
     last_table: Mutex<Option<RouteTable>>,
-    auth: Mutex<HashMap<String, (Instant, Option<Arc<KeyGrant>>)>>,
+    auth: Mutex<HashMap<String, CachedGrant>>,
     /// Keys being asked about now: requests that find their key here wait
     /// for that one answer instead of asking again (an expired hot key
     /// costs one control-plane call, not one per request in flight).
