@@ -12,7 +12,7 @@
 //! key as the inference key).
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -460,28 +460,34 @@ pub async fn run(ctx: &Ctx, api_key: &str, args: DemoArgs) -> Result<ExitCode> {
         args.peak_rps
     );
     let keep = args.keep;
+    let deleted = AtomicBool::new(false);
     let outcome = tokio::select! {
-        r = show(ctx, api_key, &gateway, &id, Arc::new(args), baseline, currency) => Some(r),
+        r = show(ctx, api_key, &gateway, &id, Arc::new(args), (baseline, currency), &deleted) => Some(r),
         _ = tokio::signal::ctrl_c() => None,
     };
     Ok(match outcome {
         Some(Ok(true)) => ExitCode::SUCCESS,
         Some(Ok(false)) => ExitCode::FAILURE,
         Some(Err(e)) => {
-            let _ = clean_up(ctx, &id, keep).await;
+            let _ = clean_up(ctx, &id, keep, &deleted).await;
             return Err(e);
         }
         None => {
             eprintln!("interrupted: the load stops");
-            clean_up(ctx, &id, keep).await?;
+            clean_up(ctx, &id, keep, &deleted).await?;
             ExitCode::from(130)
         }
     })
 }
 
-async fn clean_up(ctx: &Ctx, id: &str, keep: bool) -> Result<()> {
+/// Deletes the demo endpoint unless `keep`, once (`deleted` says whether
+/// it was; an interrupt during the summary's wait finds it so).
+async fn clean_up(ctx: &Ctx, id: &str, keep: bool, deleted: &AtomicBool) -> Result<()> {
     if keep {
         say!("kept the endpoint {id} (`flotilla endpoints delete {id}` removes it)");
+        return Ok(());
+    }
+    if deleted.swap(true, Ordering::SeqCst) {
         return Ok(());
     }
     ctx.client
@@ -500,8 +506,8 @@ async fn show(
     gateway: &str,
     id: &str,
     args: Arc<DemoArgs>,
-    baseline: Decimal,
-    currency: String,
+    (baseline, currency): (Decimal, String),
+    deleted: &AtomicBool,
 ) -> Result<bool> {
     let tally = Arc::new(Tally::default());
     let seen = Mutex::new(Seen {
@@ -589,7 +595,7 @@ async fn show(
     // rest when it stops: delete the endpoint, wait for its replicas to
     // stop, and let the metering catch up before the summary.
     let before = seen.lock().unwrap_or_else(|p| p.into_inner()).cost;
-    clean_up(ctx, id, args.keep).await?;
+    clean_up(ctx, id, args.keep, deleted).await?;
     if !args.keep {
         let stopping = Instant::now();
         while stopping.elapsed() < Duration::from_secs(60) {
