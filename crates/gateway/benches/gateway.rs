@@ -760,11 +760,15 @@ fn table(r: &Value) -> String {
     ));
     if p["added_p99_target_met"] == json!(false) {
         s.push_str(&format!(
-            "The added p99 target is missed by {} ms. At this load every path's p99 is the\n\
-             machine's scheduling delay (processes outnumber the CPUs): per-round differences\n\
-             swing by tens of ms either way, nginx measured alike adds a median {} ms, and the\n\
-             gateway's added p50, which scheduling hardly moves, is {} ms.\n\n",
+            "The added p99 target is missed by {} ms. At this load every path's p99 is mostly the\n\
+             machine's scheduling delay (processes outnumber the CPUs): the gateway's per-round\n\
+             differences run from {} to {} ms, nginx's measured alike from {} to {} ms (median {}),\n\
+             while the gateway's added p50, which scheduling hardly moves, is {} ms.\n\n",
             round(p["added_p99_ms"].as_f64().unwrap_or(f64::NAN) - 1.0, 3),
+            p["added_p99_spread"]["min"],
+            p["added_p99_spread"]["max"],
+            p["nginx_added_p99_ms"]["min"],
+            p["nginx_added_p99_ms"]["max"],
             p["nginx_added_p99_ms"]["median"],
             p["added_p50_ms"]["median"]
         ));
