@@ -72,7 +72,7 @@ impl Store {
         mut new_ids: impl FnMut() -> (NodeId, Vec<GpuId>),
         now: DateTime<Utc>,
     ) -> Result<RegisteredNode> {
-        let mut tx = self.begin_immediate().await?;
+        let mut tx = self.begin().await?;
         let existing = sqlx::query("SELECT id, owner_tenant_id FROM nodes WHERE name = $1")
             .bind(&req.name)
             .fetch_optional(&mut *tx)
