@@ -1,0 +1,198 @@
+//! The scalers against the real brokers on this machine (RabbitMQ on
+//! 127.0.0.1:5672, NATS with JetStream on 127.0.0.1:4222): depths follow
+//! what is published and acknowledged, a missing queue or consumer is a
+//! typed error that leaves the cached connection usable, an unreachable
+//! broker is an error (never a hang past the timeout), and no error
+//! quotes the URL's password. Queue and stream names are unique per run
+//! and deleted at the end. Skipped, with a message, where a broker does
+//! not answer.
+
+use std::time::Duration;
+
+use flotilla_core::queue_trigger::{QueueKind, QueueTrigger};
+use flotilla_triggers::{Scaler, TriggerError};
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+
+const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+const NATS: &str = "nats://127.0.0.1:4222";
+
+fn up(port: u16) -> bool {
+    let up = std::net::TcpStream::connect_timeout(
+        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_secs(2),
+    )
+    .is_ok();
+    if !up {
+        eprintln!("skipped: no broker answers on 127.0.0.1:{port}");
+    }
+    up
+}
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", ulid::Ulid::new().to_string().to_lowercase())
+}
+
+fn rabbit(url: &str, queue: &str) -> QueueTrigger {
+    QueueTrigger {
+        kind: QueueKind::Rabbitmq,
+        url: url.into(),
+        queue: Some(queue.into()),
+        stream: None,
+        consumer: None,
+        messages_per_replica: 10,
+    }
+}
+
+#[tokio::test]
+async fn rabbitmq_depth_follows_the_queue_and_a_missing_queue_is_reported() {
+    if !up(5672) {
+        return;
+    }
+    let scaler = Scaler::new(Duration::from_secs(10));
+    let queue = unique("flotilla-test");
+    // Missing first: a typed error, and the connection survives it.
+    assert_eq!(
+        scaler.depth(&rabbit(AMQP, &queue)).await,
+        Err(TriggerError::QueueMissing(queue.clone()))
+    );
+    let conn = lapin::Connection::connect(AMQP, lapin::ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let ch = conn.create_channel().await.expect("channel");
+    ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+        .await
+        .expect("declare");
+    for i in 0..25 {
+        ch.basic_publish(
+            "".into(),
+            queue.as_str().into(),
+            BasicPublishOptions::default(),
+            format!("m{i}").as_bytes(),
+            lapin::BasicProperties::default(),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("confirm");
+    }
+    assert_eq!(scaler.depth(&rabbit(AMQP, &queue)).await, Ok(25));
+    for _ in 0..5 {
+        let m = ch
+            .basic_get(queue.as_str().into(), BasicGetOptions::default())
+            .await
+            .expect("get")
+            .expect("a message");
+        m.delivery.ack(BasicAckOptions::default()).await.expect("ack");
+    }
+    assert_eq!(scaler.depth(&rabbit(AMQP, &queue)).await, Ok(20));
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .expect("delete");
+    assert!(matches!(
+        scaler.depth(&rabbit(AMQP, &queue)).await,
+        Err(TriggerError::QueueMissing(_))
+    ));
+
+    // Wrong password: refused, and the error does not quote it.
+    let bad = "amqp://guest:n0t-the-password@127.0.0.1:5672/%2f";
+    let e = scaler.depth(&rabbit(bad, "q")).await.unwrap_err();
+    assert!(!e.to_string().contains("n0t-the-password"), "{e}");
+}
+
+#[tokio::test]
+async fn an_unreachable_broker_is_an_error_within_the_timeout() {
+    // A port nothing listens on: refused at once.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let scaler = Scaler::new(Duration::from_secs(5));
+    let started = std::time::Instant::now();
+    let e = scaler
+        .depth(&rabbit(&format!("amqp://u:pw@127.0.0.1:{port}/%2f"), "q"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, TriggerError::Unreachable(_) | TriggerError::Timeout(_)),
+        "{e:?}"
+    );
+    let nats = QueueTrigger {
+        kind: QueueKind::Nats,
+        url: format!("nats://127.0.0.1:{port}"),
+        queue: None,
+        stream: Some("S".into()),
+        consumer: Some("C".into()),
+        messages_per_replica: 10,
+    };
+    let e = scaler.depth(&nats).await.unwrap_err();
+    assert!(
+        matches!(e, TriggerError::Unreachable(_) | TriggerError::Timeout(_)),
+        "{e:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+#[tokio::test]
+async fn nats_depth_is_pending_plus_ack_pending() {
+    use async_nats::jetstream::{self, consumer::pull, stream};
+    if !up(4222) {
+        return;
+    }
+    let client = async_nats::connect(NATS).await.expect("connect");
+    let js = jetstream::new(client);
+    let name = unique("FLOTILLA_TEST").replace('-', "_");
+    let subject = format!("flotilla-test.{name}");
+    let trigger = QueueTrigger {
+        kind: QueueKind::Nats,
+        url: NATS.into(),
+        queue: None,
+        stream: Some(name.clone()),
+        consumer: Some("workers".into()),
+        messages_per_replica: 10,
+    };
+    let scaler = Scaler::new(Duration::from_secs(10));
+    assert!(matches!(
+        scaler.depth(&trigger).await,
+        Err(TriggerError::ConsumerMissing { .. })
+    ));
+    let s = js
+        .create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            ..Default::default()
+        })
+        .await
+        .expect("create stream");
+    let c = s
+        .create_consumer(pull::Config {
+            durable_name: Some("workers".into()),
+            ..Default::default()
+        })
+        .await
+        .expect("create consumer");
+    for i in 0..30 {
+        js.publish(subject.clone(), format!("m{i}").into())
+            .await
+            .expect("publish")
+            .await
+            .expect("stored");
+    }
+    assert_eq!(scaler.depth(&trigger).await, Ok(30));
+    // Five fetched, two of them acked: three are still ack-pending.
+    let mut batch = c.fetch().max_messages(5).messages().await.expect("fetch");
+    let mut got = Vec::new();
+    while let Some(m) = batch.next().await {
+        got.push(m.expect("message"));
+    }
+    assert_eq!(got.len(), 5);
+    for m in &got[..2] {
+        m.double_ack().await.expect("ack");
+    }
+    assert_eq!(scaler.depth(&trigger).await, Ok(28));
+    js.delete_stream(&name).await.expect("delete stream");
+}
