@@ -139,9 +139,9 @@ impl Settings {
             .unwrap_or(DEFAULT_MESSAGES_PER_REPLICA);
         let mut out = Vec::new();
         for v in &self.rabbitmq_queues {
-            let (url, queue) = v
-                .rsplit_once('#')
-                .ok_or_else(|| anyhow!("--rabbitmq-queue wants URL#QUEUE, got `{}`", redact_url(v)))?;
+            let (url, queue) = v.rsplit_once('#').ok_or_else(|| {
+                anyhow!("--rabbitmq-queue wants URL#QUEUE, got `{}`", redact_url(v))
+            })?;
             out.push(QueueTrigger {
                 kind: QueueKind::Rabbitmq,
                 url: url.to_string(),
@@ -410,12 +410,11 @@ fn show(ctx: &Ctx, e: &Endpoint) -> Result<ExitCode> {
         s.idle_window_s,
         s.readiness_path
     )?;
-    for (t, st) in s.queue_triggers.iter().zip(
-        e.triggers
-            .iter()
-            .map(Some)
-            .chain(std::iter::repeat(None)),
-    ) {
+    for (t, st) in s
+        .queue_triggers
+        .iter()
+        .zip(e.triggers.iter().map(Some).chain(std::iter::repeat(None)))
+    {
         let read = match st {
             Some(st) => match (&st.depth, &st.error) {
                 (Some(d), _) => format!("depth {d}, wants {}", st.wants),

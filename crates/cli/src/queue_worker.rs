@@ -40,7 +40,10 @@ pub struct QueueWorkerArgs {
 
 /// Runs the worker until its queue's consumer ends or fails.
 pub async fn run(a: QueueWorkerArgs) -> Result<ExitCode> {
-    if let Some(port) = std::env::var("PORT").ok().and_then(|p| p.parse::<u16>().ok()) {
+    if let Some(port) = std::env::var("PORT")
+        .ok()
+        .and_then(|p| p.parse::<u16>().ok())
+    {
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
             .await
             .with_context(|| format!("listen on port {port}"))?;
@@ -48,7 +51,9 @@ pub async fn run(a: QueueWorkerArgs) -> Result<ExitCode> {
     }
     let work = Duration::from_millis(a.work_ms);
     match (&a.rabbitmq, &a.nats) {
-        (Some(url), None) => rabbitmq(url, a.queue.as_deref().unwrap_or(""), a.prefetch, work).await,
+        (Some(url), None) => {
+            rabbitmq(url, a.queue.as_deref().unwrap_or(""), a.prefetch, work).await
+        }
         (None, Some(url)) => {
             nats(
                 url,
@@ -59,7 +64,9 @@ pub async fn run(a: QueueWorkerArgs) -> Result<ExitCode> {
             )
             .await
         }
-        _ => Err(anyhow!("give --rabbitmq URL --queue Q, or --nats URL --stream S --consumer C")),
+        _ => Err(anyhow!(
+            "give --rabbitmq URL --queue Q, or --nats URL --stream S --consumer C"
+        )),
     }
 }
 
@@ -109,7 +116,9 @@ async fn rabbitmq(url: &str, queue: &str, prefetch: u16, work: Duration) -> Resu
         acked += 1;
         progress(acked);
     }
-    Err(anyhow!("the broker cancelled the consumer after {acked} messages"))
+    Err(anyhow!(
+        "the broker cancelled the consumer after {acked} messages"
+    ))
 }
 
 async fn nats(

@@ -84,8 +84,8 @@ fn scale_out_drain_and_back_to_zero(
         peak = peak.max(ep["replicas"].as_array().map_or(0, Vec::len));
         saw_queue_reason |= ep["reason"] == "queue" && ep["desired_replicas"] == 3;
         if !saw_gauge {
-            let (_, m) = http("GET", &format!("{}/metrics", home.url()), Some(&op), None)
-                .expect("metrics");
+            let (_, m) =
+                http("GET", &format!("{}/metrics", home.url()), Some(&op), None).expect("metrics");
             let m = m.as_str().unwrap_or_default().to_string();
             saw_gauge = m.lines().any(|l| {
                 l.starts_with("flotilla_endpoint_queue_depth{")
@@ -112,7 +112,10 @@ fn scale_out_drain_and_back_to_zero(
         lines.iter().any(|l| l.starts_with("consuming ")),
         "no worker output: {logs}"
     );
-    assert!(saw_gauge, "no flotilla_endpoint_queue_depth sample for {trigger}");
+    assert!(
+        saw_gauge,
+        "no flotilla_endpoint_queue_depth sample for {trigger}"
+    );
     wait_until("back to zero after the idle window", LONG, || {
         let ep = endpoint(home, key, name);
         ep["replicas"] == serde_json::json!([]) && ep["desired_replicas"] == 0
@@ -176,7 +179,10 @@ fn a_rabbitmq_queue_scales_a_batch_endpoint_from_zero_and_back() {
     );
     let ep = missing_then_zero(&home, &key, "jobs");
     let shown = ep.to_string();
-    assert!(!shown.contains("guest:guest"), "the password is shown: {shown}");
+    assert!(
+        !shown.contains("guest:guest"),
+        "the password is shown: {shown}"
+    );
     assert_eq!(
         ep["spec"]["queue_triggers"][0]["url"],
         "amqp://guest:***@127.0.0.1:5672/%2f"
@@ -234,7 +240,9 @@ fn a_nats_jetstream_consumer_scales_a_batch_endpoint_from_zero_and_back() {
     let name = unique("FLOTILLA_E2E");
     let subject = format!("flotilla-e2e.{name}");
     let url = "nats://127.0.0.1:4222";
-    let js = rt.block_on(async { jetstream::new(async_nats::connect(url).await.expect("connect to NATS")) });
+    let js = rt.block_on(async {
+        jetstream::new(async_nats::connect(url).await.expect("connect to NATS"))
+    });
 
     let home = Home::new(BIN);
     let _server = home.server();
@@ -246,7 +254,14 @@ fn a_nats_jetstream_consumer_scales_a_batch_endpoint_from_zero_and_back() {
         "jobs",
         &["--nats-consumer", &format!("{url}#{name}/workers")],
         &[
-            "--nats", url, "--stream", &name, "--consumer", "workers", "--work-ms", "20",
+            "--nats",
+            url,
+            "--stream",
+            &name,
+            "--consumer",
+            "workers",
+            "--work-ms",
+            "20",
         ],
     );
     missing_then_zero(&home, &key, "jobs");

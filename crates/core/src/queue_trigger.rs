@@ -92,9 +92,11 @@ impl QueueTrigger {
 
     /// Checks one trigger; `at` is its JSON path (`queue_triggers[0]`).
     pub fn validate(&self, at: &str) -> Result<(), FieldError> {
+        // TLS schemes (`amqps`, `tls`) are refused rather than accepted and
+        // failing at every read: the scalers are built without TLS.
         let schemes: &[&str] = match self.kind {
-            QueueKind::Rabbitmq => &["amqp", "amqps"],
-            QueueKind::Nats => &["nats", "tls"],
+            QueueKind::Rabbitmq => &["amqp"],
+            QueueKind::Nats => &["nats"],
         };
         let url_field = format!("{at}.url");
         let Some((scheme, rest)) = self.url.split_once("://") else {
@@ -107,16 +109,21 @@ impl QueueTrigger {
             return Err(FieldError::new(
                 url_field,
                 format!(
-                    "a {} trigger's URL must start with {}://",
+                    "a {} trigger's URL must start with {}:// (TLS brokers are not supported yet)",
                     self.kind.as_str(),
-                    schemes.join("://, ")
+                    schemes[0]
                 ),
             ));
         }
-        let host = authority(rest).rsplit_once('@').map_or(authority(rest), |(_, h)| h);
+        let host = authority(rest)
+            .rsplit_once('@')
+            .map_or(authority(rest), |(_, h)| h);
         if host.is_empty()
             || self.url.len() > 2048
-            || self.url.chars().any(|c| c.is_control() || c.is_whitespace())
+            || self
+                .url
+                .chars()
+                .any(|c| c.is_control() || c.is_whitespace())
         {
             return Err(FieldError::new(
                 url_field,
@@ -130,17 +137,18 @@ impl QueueTrigger {
         };
         // JetStream names are single subject tokens.
         let nats_name_ok = |v: &str| name_ok(v) && !v.contains(['.', '*', '>', '/', '\\']);
-        let (needs, forbids): (&[(&str, &Option<String>)], &[(&str, &Option<String>)]) =
-            match self.kind {
-                QueueKind::Rabbitmq => (
-                    &[("queue", &self.queue)],
-                    &[("stream", &self.stream), ("consumer", &self.consumer)],
-                ),
-                QueueKind::Nats => (
-                    &[("stream", &self.stream), ("consumer", &self.consumer)],
-                    &[("queue", &self.queue)],
-                ),
-            };
+        /// Named optional fields of the trigger.
+        type Fields<'a> = [(&'a str, &'a Option<String>)];
+        let (needs, forbids): (&Fields, &Fields) = match self.kind {
+            QueueKind::Rabbitmq => (
+                &[("queue", &self.queue)],
+                &[("stream", &self.stream), ("consumer", &self.consumer)],
+            ),
+            QueueKind::Nats => (
+                &[("stream", &self.stream), ("consumer", &self.consumer)],
+                &[("queue", &self.queue)],
+            ),
+        };
         for (f, v) in needs {
             let ok = match (self.kind, v.as_deref()) {
                 (_, None) => false,
@@ -317,7 +325,7 @@ mod tests {
         let t = rabbit("amqp://u:pw@h:5672/%2f", "jobs");
         assert!(!t.redacted().url.contains("pw"));
         let mut back = vec![t.redacted()];
-        keep_secrets(&[t.clone()], &mut back);
+        keep_secrets(std::slice::from_ref(&t), &mut back);
         assert_eq!(back[0].url, t.url);
     }
 
@@ -326,6 +334,7 @@ mod tests {
         assert!(validate_triggers(&[rabbit("amqp://h", "q"), nats("S", "C")]).is_ok());
         let cases = [
             (rabbit("http://h", "q"), "queue_triggers[0].url"),
+            (rabbit("amqps://h", "q"), "queue_triggers[0].url"),
             (rabbit("amqp://", "q"), "queue_triggers[0].url"),
             (rabbit("amqp h", "q"), "queue_triggers[0].url"),
             (rabbit("amqp://h", ""), "queue_triggers[0].queue"),
@@ -363,7 +372,10 @@ mod tests {
             assert_eq!(validate_triggers(&[t]).unwrap_err().field, field);
         }
         let many = vec![rabbit("amqp://h", "q"); MAX_TRIGGERS + 1];
-        assert_eq!(validate_triggers(&many).unwrap_err().field, "queue_triggers");
+        assert_eq!(
+            validate_triggers(&many).unwrap_err().field,
+            "queue_triggers"
+        );
     }
 
     #[test]

@@ -213,8 +213,7 @@ impl Controller {
         let live: Vec<&ReplicaRow> = rows.iter().filter(|r| r.is_live()).collect();
 
         // Decide.
-        let (queue_wants, queue_depth) =
-            queue_demand(triggers, &depths, ep.spec.max_replicas);
+        let (queue_wants, queue_depth) = queue_demand(triggers, &depths, ep.spec.max_replicas);
         let (desired, reason) = if ep.deleting {
             (0, "deleted".to_string())
         } else {

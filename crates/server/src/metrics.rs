@@ -92,8 +92,8 @@ pub async fn metrics(State(st): State<AppState>, caller: Caller) -> ApiResult<Re
     let nodes = all_nodes(&st).await?;
     let telemetry = st.fresh_telemetry();
     let queues = st.store().endpoint_trigger_statuses().await?;
-    let body = render_all(&nodes, &telemetry, Some(st.leads()), &queues)
-        .map_err(ApiError::internal)?;
+    let body =
+        render_all(&nodes, &telemetry, Some(st.leads()), &queues).map_err(ApiError::internal)?;
     Ok(([(CONTENT_TYPE, CONTENT)], body).into_response())
 }
 

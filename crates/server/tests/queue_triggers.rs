@@ -114,7 +114,10 @@ async fn a_schedule_raises_the_minimum_at_its_windows_start_and_lets_go_at_its_e
     live.clock.advance(Duration::seconds(1));
     let out = ctl.pass(&live.st).await.unwrap();
     let o = out.iter().find(|o| o.endpoint.as_str() == id).unwrap();
-    assert_eq!((o.desired, o.reason.as_str(), o.started), (2, "schedule", 2));
+    assert_eq!(
+        (o.desired, o.reason.as_str(), o.started),
+        (2, "schedule", 2)
+    );
     let ep = live.get(&id).await;
     assert_eq!(ep["replicas"].as_array().unwrap().len(), 2, "{ep}");
     // At 09:30 the window shuts: idle for longer than its window, the
@@ -153,7 +156,9 @@ async fn queue_triggers_are_validated_redacted_and_a_dead_broker_asks_for_nothin
             "queue_triggers[0].messages_per_replica",
         ),
     ] {
-        let (st, b) = live.call("POST", "/v1/endpoints", Some(with(triggers))).await;
+        let (st, b) = live
+            .call("POST", "/v1/endpoints", Some(with(triggers)))
+            .await;
         assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{b}");
         assert_eq!(b["error"]["details"]["field"], field, "{b}");
     }
@@ -173,7 +178,9 @@ async fn queue_triggers_are_validated_redacted_and_a_dead_broker_asks_for_nothin
         .unwrap();
     let url = format!("amqp://worker:s3cr3t-pw@127.0.0.1:{port}/%2f");
     let ep = live
-        .create(with(json!([{"kind": "rabbitmq", "url": url, "queue": "jobs"}])))
+        .create(with(
+            json!([{"kind": "rabbitmq", "url": url, "queue": "jobs"}]),
+        ))
         .await;
     let id = ep["id"].as_str().unwrap().to_string();
     assert!(!ep.to_string().contains("s3cr3t-pw"), "{ep}");
@@ -189,7 +196,9 @@ async fn queue_triggers_are_validated_redacted_and_a_dead_broker_asks_for_nothin
     let t = &ep["triggers"][0];
     assert_eq!(t["trigger"], "rabbitmq:jobs", "{ep}");
     assert!(
-        t["error"].as_str().is_some_and(|e| e.contains("unreachable")),
+        t["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("unreachable")),
         "{ep}"
     );
     assert_eq!(t["wants"], 0);
@@ -224,8 +233,10 @@ async fn queue_triggers_are_validated_redacted_and_a_dead_broker_asks_for_nothin
         .call(
             "PATCH",
             &format!("/v1/endpoints/{id}"),
-            Some(json!({"queue_triggers": [{"kind": "nats", "url": "amqp://h",
-                        "stream": "S", "consumer": "C"}]})),
+            Some(
+                json!({"queue_triggers": [{"kind": "nats", "url": "amqp://h",
+                        "stream": "S", "consumer": "C"}]}),
+            ),
         )
         .await;
     assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{b}");

@@ -244,7 +244,10 @@ mod tests {
     #[test]
     fn errors_never_quote_the_password() {
         assert_eq!(
-            scrub("cannot log in to amqp://u:hunter2@h as u:hunter2", "amqp://u:hunter2@h"),
+            scrub(
+                "cannot log in to amqp://u:hunter2@h as u:hunter2",
+                "amqp://u:hunter2@h"
+            ),
             "cannot log in to amqp://u:***@h as u:***"
         );
         assert_eq!(scrub("refused", "nats://127.0.0.1:4222"), "refused");

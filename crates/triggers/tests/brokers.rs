@@ -13,8 +13,7 @@ use flotilla_core::queue_trigger::{QueueKind, QueueTrigger};
 use flotilla_triggers::{Scaler, TriggerError};
 use futures::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
 
@@ -64,9 +63,13 @@ async fn rabbitmq_depth_follows_the_queue_and_a_missing_queue_is_reported() {
         .await
         .expect("connect");
     let ch = conn.create_channel().await.expect("channel");
-    ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
-        .await
-        .expect("declare");
+    ch.queue_declare(
+        queue.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("declare");
     for i in 0..25 {
         ch.basic_publish(
             "".into(),
@@ -87,7 +90,10 @@ async fn rabbitmq_depth_follows_the_queue_and_a_missing_queue_is_reported() {
             .await
             .expect("get")
             .expect("a message");
-        m.delivery.ack(BasicAckOptions::default()).await.expect("ack");
+        m.delivery
+            .ack(BasicAckOptions::default())
+            .await
+            .expect("ack");
     }
     assert_eq!(scaler.depth(&rabbit(AMQP, &queue)).await, Ok(20));
     ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
