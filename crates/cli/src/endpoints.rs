@@ -448,3 +448,50 @@ fn show(ctx: &Ctx, e: &Endpoint) -> Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queue_trigger_flags_parse_into_triggers() {
+        let s = Settings {
+            rabbitmq_queues: vec!["amqp://u:p@h:5672/%2f#jobs".into()],
+            nats_consumers: vec!["nats://h:4222#JOBS/workers".into()],
+            messages_per_replica: Some(20),
+            ..Settings::default()
+        };
+        let t = s.queue_triggers().unwrap().unwrap();
+        assert_eq!(t.len(), 2);
+        assert_eq!(
+            (t[0].kind, t[0].url.as_str(), t[0].queue.as_deref()),
+            (QueueKind::Rabbitmq, "amqp://u:p@h:5672/%2f", Some("jobs"))
+        );
+        assert_eq!(
+            (t[1].stream.as_deref(), t[1].consumer.as_deref()),
+            (Some("JOBS"), Some("workers"))
+        );
+        assert!(t.iter().all(|t| t.messages_per_replica == 20));
+        assert_eq!(Settings::default().queue_triggers().unwrap(), None);
+        let clear = Settings {
+            no_queue_triggers: true,
+            ..Settings::default()
+        };
+        assert_eq!(clear.queue_triggers().unwrap(), Some(Vec::new()));
+        // A malformed flag is refused without echoing its password.
+        let bad = Settings {
+            nats_consumers: vec!["nats://tok@h#JOBS".into()],
+            ..Settings::default()
+        };
+        let e = bad.queue_triggers().unwrap_err().to_string();
+        assert!(
+            e.contains("URL#STREAM/CONSUMER") && !e.contains("tok@"),
+            "{e}"
+        );
+        let lonely = Settings {
+            messages_per_replica: Some(5),
+            ..Settings::default()
+        };
+        assert!(lonely.queue_triggers().is_err());
+    }
+}
