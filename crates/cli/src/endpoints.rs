@@ -9,9 +9,7 @@ use chrono::Utc;
 use clap::Subcommand;
 use flotilla_core::endpoint::{CreateEndpoint, Endpoint, UpdateEndpoint};
 use flotilla_core::gateway::Balance;
-use flotilla_core::queue_trigger::{
-    redact_url, QueueKind, QueueTrigger, DEFAULT_MESSAGES_PER_REPLICA,
-};
+use flotilla_core::queue_trigger::{redact_url, QueueTrigger, DEFAULT_MESSAGES_PER_REPLICA};
 
 use crate::commands::{parse_env, Ctx};
 use crate::output::{age, outln, print_json, print_table, table};
@@ -143,12 +141,8 @@ impl Settings {
                 anyhow!("--rabbitmq-queue wants URL#QUEUE, got `{}`", redact_url(v))
             })?;
             out.push(QueueTrigger {
-                kind: QueueKind::Rabbitmq,
-                url: url.to_string(),
-                queue: Some(queue.to_string()),
-                stream: None,
-                consumer: None,
                 messages_per_replica: per,
+                ..QueueTrigger::rabbitmq(url, queue)
             });
         }
         for v in &self.nats_consumers {
@@ -162,12 +156,8 @@ impl Settings {
                 ));
             };
             out.push(QueueTrigger {
-                kind: QueueKind::Nats,
-                url: url.to_string(),
-                queue: None,
-                stream: Some(stream.to_string()),
-                consumer: Some(consumer.to_string()),
                 messages_per_replica: per,
+                ..QueueTrigger::nats(url, stream, consumer)
             });
         }
         Ok(Some(out))
@@ -452,6 +442,7 @@ fn show(ctx: &Ctx, e: &Endpoint) -> Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flotilla_core::queue_trigger::QueueKind;
 
     #[test]
     fn queue_trigger_flags_parse_into_triggers() {

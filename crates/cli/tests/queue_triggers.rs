@@ -12,6 +12,7 @@
 
 use std::time::Duration;
 
+use flotilla_testkit::brokers::{broker_up, unique_name};
 use flotilla_testkit::process::{http, wait_until, Home};
 use serde_json::Value;
 
@@ -19,22 +20,6 @@ const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 /// Generous: a loaded two-core CI machine.
 const LONG: Duration = Duration::from_secs(180);
 const MESSAGES: usize = 500;
-
-fn broker_up(port: u16) -> bool {
-    let up = std::net::TcpStream::connect_timeout(
-        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
-        Duration::from_secs(2),
-    )
-    .is_ok();
-    if !up {
-        eprintln!("skipped: no broker answers on 127.0.0.1:{port}");
-    }
-    up
-}
-
-fn unique(prefix: &str) -> String {
-    format!("{prefix}_{}", ulid::Ulid::new().to_string().to_lowercase())
-}
 
 fn endpoint(home: &Home, key: &str, name: &str) -> Value {
     home.cli_json(Some(key), &["endpoints", "show", name])
@@ -147,7 +132,7 @@ fn a_rabbitmq_queue_scales_a_batch_endpoint_from_zero_and_back() {
         return;
     }
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let queue = unique("flotilla-e2e");
+    let queue = unique_name("flotilla-e2e");
     // The trigger carries the credentials; the worker uses the broker's
     // default ones, so the command shows no password either.
     let trigger_url = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -237,7 +222,7 @@ fn a_nats_jetstream_consumer_scales_a_batch_endpoint_from_zero_and_back() {
         return;
     }
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let name = unique("FLOTILLA_E2E");
+    let name = unique_name("FLOTILLA_E2E");
     let subject = format!("flotilla-e2e.{name}");
     let url = "nats://127.0.0.1:4222";
     let js = rt.block_on(async {

@@ -69,6 +69,36 @@ pub struct QueueTrigger {
 }
 
 impl QueueTrigger {
+    /// A trigger on the RabbitMQ queue `queue` at `url`, at the default
+    /// target depth per replica.
+    pub fn rabbitmq(url: impl Into<String>, queue: impl Into<String>) -> Self {
+        Self {
+            kind: QueueKind::Rabbitmq,
+            url: url.into(),
+            queue: Some(queue.into()),
+            stream: None,
+            consumer: None,
+            messages_per_replica: DEFAULT_MESSAGES_PER_REPLICA,
+        }
+    }
+
+    /// A trigger on the JetStream durable `consumer` of `stream` at `url`,
+    /// at the default target depth per replica.
+    pub fn nats(
+        url: impl Into<String>,
+        stream: impl Into<String>,
+        consumer: impl Into<String>,
+    ) -> Self {
+        Self {
+            kind: QueueKind::Nats,
+            url: url.into(),
+            queue: None,
+            stream: Some(stream.into()),
+            consumer: Some(consumer.into()),
+            messages_per_replica: DEFAULT_MESSAGES_PER_REPLICA,
+        }
+    }
+
     /// A short name without credentials, for metric labels and logs:
     /// `rabbitmq:QUEUE` or `nats:STREAM/CONSUMER`.
     pub fn label(&self) -> String {
@@ -287,24 +317,13 @@ mod tests {
     use super::*;
 
     fn rabbit(url: &str, queue: &str) -> QueueTrigger {
-        QueueTrigger {
-            kind: QueueKind::Rabbitmq,
-            url: url.into(),
-            queue: Some(queue.into()),
-            stream: None,
-            consumer: None,
-            messages_per_replica: 10,
-        }
+        QueueTrigger::rabbitmq(url, queue)
     }
 
     fn nats(stream: &str, consumer: &str) -> QueueTrigger {
         QueueTrigger {
-            kind: QueueKind::Nats,
-            url: "nats://127.0.0.1:4222".into(),
-            queue: None,
-            stream: Some(stream.into()),
-            consumer: Some(consumer.into()),
             messages_per_replica: 5,
+            ..QueueTrigger::nats("nats://127.0.0.1:4222", stream, consumer)
         }
     }
 

@@ -6,86 +6,57 @@
 //! that sends the shown URL back keeps it), and a broker that does not
 //! answer is an error on the endpoint that asks for no replicas.
 
-use std::sync::Arc;
-
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use axum::http::StatusCode;
 use chrono::{Duration, TimeZone, Utc};
-use flotilla_core::clock::ManualClock;
 use flotilla_core::id::EndpointId;
 use flotilla_server::endpoints::Controller;
-use flotilla_server::state::AppState;
-use flotilla_server::{app, bootstrap, open_store, ServerConfig};
+use flotilla_testkit::server::OnClock;
 use serde_json::{json, Value};
-use tower::ServiceExt;
 
+/// The server on a manual clock, with a tenant member key.
 struct Live {
-    st: AppState,
-    clock: ManualClock,
+    on: OnClock,
     key: String,
-    _dir: tempfile::TempDir,
-    _stop: tokio::sync::watch::Sender<bool>,
+}
+
+impl std::ops::Deref for Live {
+    type Target = OnClock;
+    fn deref(&self) -> &OnClock {
+        &self.on
+    }
 }
 
 impl Live {
-    /// A server state on a manual clock standing at `start`, with a tenant
-    /// member key.
     async fn new(start: chrono::DateTime<Utc>) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
-        let store = open_store(&url).await.unwrap();
-        let boot = bootstrap(&store, dir.path()).await.unwrap();
-        let clock = ManualClock::new(start);
-        let (tx, rx) = tokio::sync::watch::channel(false);
-        let st = AppState::new(store, ServerConfig::default(), Arc::new(clock.clone()), rx);
-        let mut live = Self {
-            st,
-            clock,
-            key: boot.operator_key.unwrap(),
-            _dir: dir,
-            _stop: tx,
-        };
-        let (_, t) = live
-            .call("POST", "/v1/tenants", Some(json!({"name": "batch"})))
+        let on = OnClock::new(start).await;
+        let op = on.operator.clone();
+        let (_, t) = on
+            .call(&op, "POST", "/v1/tenants", Some(json!({"name": "batch"})))
             .await;
-        let (_, k) = live
+        let (_, k) = on
             .call(
+                &op,
                 "POST",
                 "/v1/keys",
                 Some(json!({"tenant_id": t["id"], "role": "tenant_member"})),
             )
             .await;
-        live.key = k["secret"].as_str().expect("a key").to_string();
-        live
+        let key = k["secret"].as_str().expect("a key").to_string();
+        Self { on, key }
     }
 
-    async fn call(&self, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
-        let req = Request::builder()
-            .method(method)
-            .uri(path)
-            .header("authorization", format!("Bearer {}", self.key))
-            .header("content-type", "application/json")
-            .body(body.map_or_else(Body::empty, |b| Body::from(b.to_string())))
-            .unwrap();
-        let resp = app(self.st.clone()).oneshot(req).await.unwrap();
-        let status = resp.status();
-        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
-            .await
-            .unwrap();
-        (
-            status,
-            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-        )
+    async fn req(&self, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+        self.on.call(&self.key, method, path, body).await
     }
 
     async fn create(&self, body: Value) -> Value {
-        let (st, b) = self.call("POST", "/v1/endpoints", Some(body)).await;
+        let (st, b) = self.req("POST", "/v1/endpoints", Some(body)).await;
         assert_eq!(st, StatusCode::CREATED, "{b}");
         b
     }
 
     async fn get(&self, id: &str) -> Value {
-        let (st, b) = self.call("GET", &format!("/v1/endpoints/{id}"), None).await;
+        let (st, b) = self.req("GET", &format!("/v1/endpoints/{id}"), None).await;
         assert_eq!(st, StatusCode::OK, "{b}");
         b
     }
@@ -157,13 +128,13 @@ async fn queue_triggers_are_validated_redacted_and_a_dead_broker_asks_for_nothin
         ),
     ] {
         let (st, b) = live
-            .call("POST", "/v1/endpoints", Some(with(triggers)))
+            .req("POST", "/v1/endpoints", Some(with(triggers)))
             .await;
         assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{b}");
         assert_eq!(b["error"]["details"]["field"], field, "{b}");
     }
     let (st, b) = live
-        .call(
+        .req(
             "POST",
             "/v1/endpoints",
             Some(with(json!([{"kind": "kafka", "url": "x"}]))),
@@ -204,7 +175,7 @@ async fn queue_triggers_are_validated_redacted_and_a_dead_broker_asks_for_nothin
     assert_eq!(t["wants"], 0);
     assert!(t.get("depth").is_none(), "{ep}");
     assert!(!ep.to_string().contains("s3cr3t-pw"), "{ep}");
-    let (_, list) = live.call("GET", "/v1/endpoints", None).await;
+    let (_, list) = live.req("GET", "/v1/endpoints", None).await;
     assert!(!list.to_string().contains("s3cr3t-pw"), "{list}");
 
     // Sending the shown trigger back (a read-modify-write) keeps the
@@ -212,7 +183,7 @@ async fn queue_triggers_are_validated_redacted_and_a_dead_broker_asks_for_nothin
     let mut back = ep["spec"]["queue_triggers"].clone();
     back[0]["messages_per_replica"] = json!(25);
     let (st, b) = live
-        .call(
+        .req(
             "PATCH",
             &format!("/v1/endpoints/{id}"),
             Some(json!({"queue_triggers": back})),
@@ -230,7 +201,7 @@ async fn queue_triggers_are_validated_redacted_and_a_dead_broker_asks_for_nothin
     assert_eq!(stored.spec.queue_triggers[0].messages_per_replica, 25);
     // An update is validated like a create.
     let (st, b) = live
-        .call(
+        .req(
             "PATCH",
             &format!("/v1/endpoints/{id}"),
             Some(
@@ -243,7 +214,7 @@ async fn queue_triggers_are_validated_redacted_and_a_dead_broker_asks_for_nothin
     assert_eq!(b["error"]["details"]["field"], "queue_triggers[0].url");
     // `[]` removes the triggers, and the next pass forgets their reads.
     let (st, b) = live
-        .call(
+        .req(
             "PATCH",
             &format!("/v1/endpoints/{id}"),
             Some(json!({"queue_triggers": []})),

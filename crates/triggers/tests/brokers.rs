@@ -9,7 +9,8 @@
 
 use std::time::Duration;
 
-use flotilla_core::queue_trigger::{QueueKind, QueueTrigger};
+use flotilla_core::queue_trigger::QueueTrigger;
+use flotilla_testkit::brokers::{broker_up, unique_name};
 use flotilla_triggers::{Scaler, TriggerError};
 use futures::StreamExt;
 use lapin::options::{
@@ -20,40 +21,17 @@ use lapin::types::FieldTable;
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 const NATS: &str = "nats://127.0.0.1:4222";
 
-fn up(port: u16) -> bool {
-    let up = std::net::TcpStream::connect_timeout(
-        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
-        Duration::from_secs(2),
-    )
-    .is_ok();
-    if !up {
-        eprintln!("skipped: no broker answers on 127.0.0.1:{port}");
-    }
-    up
-}
-
-fn unique(prefix: &str) -> String {
-    format!("{prefix}-{}", ulid::Ulid::new().to_string().to_lowercase())
-}
-
 fn rabbit(url: &str, queue: &str) -> QueueTrigger {
-    QueueTrigger {
-        kind: QueueKind::Rabbitmq,
-        url: url.into(),
-        queue: Some(queue.into()),
-        stream: None,
-        consumer: None,
-        messages_per_replica: 10,
-    }
+    QueueTrigger::rabbitmq(url, queue)
 }
 
 #[tokio::test]
 async fn rabbitmq_depth_follows_the_queue_and_a_missing_queue_is_reported() {
-    if !up(5672) {
+    if !broker_up(5672) {
         return;
     }
     let scaler = Scaler::new(Duration::from_secs(10));
-    let queue = unique("flotilla-test");
+    let queue = unique_name("flotilla-test");
     // Missing first: a typed error, and the connection survives it.
     assert_eq!(
         scaler.depth(&rabbit(AMQP, &queue)).await,
@@ -127,14 +105,7 @@ async fn an_unreachable_broker_is_an_error_within_the_timeout() {
         matches!(e, TriggerError::Unreachable(_) | TriggerError::Timeout(_)),
         "{e:?}"
     );
-    let nats = QueueTrigger {
-        kind: QueueKind::Nats,
-        url: format!("nats://127.0.0.1:{port}"),
-        queue: None,
-        stream: Some("S".into()),
-        consumer: Some("C".into()),
-        messages_per_replica: 10,
-    };
+    let nats = QueueTrigger::nats(format!("nats://127.0.0.1:{port}"), "S", "C");
     let e = scaler.depth(&nats).await.unwrap_err();
     assert!(
         matches!(e, TriggerError::Unreachable(_) | TriggerError::Timeout(_)),
@@ -146,21 +117,14 @@ async fn an_unreachable_broker_is_an_error_within_the_timeout() {
 #[tokio::test]
 async fn nats_depth_is_pending_plus_ack_pending() {
     use async_nats::jetstream::{self, consumer::pull, stream};
-    if !up(4222) {
+    if !broker_up(4222) {
         return;
     }
     let client = async_nats::connect(NATS).await.expect("connect");
     let js = jetstream::new(client);
-    let name = unique("FLOTILLA_TEST").replace('-', "_");
+    let name = unique_name("FLOTILLA_TEST");
     let subject = format!("flotilla-test.{name}");
-    let trigger = QueueTrigger {
-        kind: QueueKind::Nats,
-        url: NATS.into(),
-        queue: None,
-        stream: Some(name.clone()),
-        consumer: Some("workers".into()),
-        messages_per_replica: 10,
-    };
+    let trigger = QueueTrigger::nats(NATS, name.as_str(), "workers");
     let scaler = Scaler::new(Duration::from_secs(10));
     assert!(matches!(
         scaler.depth(&trigger).await,
