@@ -12,7 +12,7 @@
 
 use std::time::Duration;
 
-use flotilla_testkit::brokers::{broker_up, unique_name};
+use flotilla_testkit::brokers::{broker_up, unique_name, JetStreamQueue, RabbitQueue};
 use flotilla_testkit::process::{http, wait_until, Home};
 use serde_json::Value;
 
@@ -126,8 +126,6 @@ fn missing_then_zero(home: &Home, key: &str, name: &str) -> Value {
 
 #[test]
 fn a_rabbitmq_queue_scales_a_batch_endpoint_from_zero_and_back() {
-    use lapin::options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
-    use lapin::types::FieldTable;
     if !broker_up(5672) {
         return;
     }
@@ -136,13 +134,7 @@ fn a_rabbitmq_queue_scales_a_batch_endpoint_from_zero_and_back() {
     // The trigger carries the credentials; the worker uses the broker's
     // default ones, so the command shows no password either.
     let trigger_url = "amqp://guest:guest@127.0.0.1:5672/%2f";
-    let conn = rt
-        .block_on(lapin::Connection::connect(
-            trigger_url,
-            lapin::ConnectionProperties::default(),
-        ))
-        .expect("connect to RabbitMQ");
-    let ch = rt.block_on(conn.create_channel()).expect("channel");
+    let q = rt.block_on(RabbitQueue::connect(trigger_url, &queue));
 
     let home = Home::new(BIN);
     let _server = home.server();
@@ -174,41 +166,15 @@ fn a_rabbitmq_queue_scales_a_batch_endpoint_from_zero_and_back() {
     );
 
     rt.block_on(async {
-        ch.queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("declare the queue");
-        for i in 0..MESSAGES {
-            ch.basic_publish(
-                "".into(),
-                queue.as_str().into(),
-                BasicPublishOptions::default(),
-                format!("job {i}").as_bytes(),
-                lapin::BasicProperties::default(),
-            )
-            .await
-            .expect("publish");
-        }
+        q.declare().await;
+        q.publish(MESSAGES).await;
     });
-    let depth = || {
-        rt.block_on(ch.queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        ))
-        .map(|q| u64::from(q.message_count()))
-        .expect("the queue exists")
-    };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        scale_out_drain_and_back_to_zero(&home, &key, "jobs", &format!("rabbitmq:{queue}"), depth)
+        scale_out_drain_and_back_to_zero(&home, &key, "jobs", &format!("rabbitmq:{queue}"), || {
+            rt.block_on(q.depth())
+        })
     }));
-    let _ = rt.block_on(ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()));
+    rt.block_on(q.delete());
     if let Err(p) = result {
         home.dump_logs();
         std::panic::resume_unwind(p);
@@ -217,17 +183,13 @@ fn a_rabbitmq_queue_scales_a_batch_endpoint_from_zero_and_back() {
 
 #[test]
 fn a_nats_jetstream_consumer_scales_a_batch_endpoint_from_zero_and_back() {
-    use async_nats::jetstream::{self, consumer::pull, stream};
     if !broker_up(4222) {
         return;
     }
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let name = unique_name("FLOTILLA_E2E");
-    let subject = format!("flotilla-e2e.{name}");
     let url = "nats://127.0.0.1:4222";
-    let js = rt.block_on(async {
-        jetstream::new(async_nats::connect(url).await.expect("connect to NATS"))
-    });
+    let q = rt.block_on(JetStreamQueue::connect(url, &name, "workers"));
 
     let home = Home::new(BIN);
     let _server = home.server();
@@ -251,46 +213,20 @@ fn a_nats_jetstream_consumer_scales_a_batch_endpoint_from_zero_and_back() {
     );
     missing_then_zero(&home, &key, "jobs");
 
-    let s = rt.block_on(async {
-        let s = js
-            .create_stream(stream::Config {
-                name: name.clone(),
-                subjects: vec![subject.clone()],
-                ..Default::default()
-            })
-            .await
-            .expect("create the stream");
-        s.create_consumer(pull::Config {
-            durable_name: Some("workers".into()),
-            ack_policy: jetstream::consumer::AckPolicy::Explicit,
-            ..Default::default()
-        })
-        .await
-        .expect("create the durable consumer");
-        for i in 0..MESSAGES {
-            js.publish(subject.clone(), format!("job {i}").into())
-                .await
-                .expect("publish")
-                .await
-                .expect("stored");
-        }
-        s
+    rt.block_on(async {
+        q.create().await;
+        q.publish(MESSAGES).await;
     });
-    let depth = || {
-        rt.block_on(s.consumer_info("workers"))
-            .map(|i| i.num_pending + i.num_ack_pending as u64)
-            .expect("consumer info")
-    };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         scale_out_drain_and_back_to_zero(
             &home,
             &key,
             "jobs",
             &format!("nats:{name}/workers"),
-            depth,
+            || rt.block_on(q.depth()),
         )
     }));
-    let _ = rt.block_on(js.delete_stream(&name));
+    rt.block_on(q.delete());
     if let Err(p) = result {
         home.dump_logs();
         std::panic::resume_unwind(p);

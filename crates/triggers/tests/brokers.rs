@@ -10,13 +10,10 @@
 use std::time::Duration;
 
 use flotilla_core::queue_trigger::QueueTrigger;
-use flotilla_testkit::brokers::{broker_up, unique_name};
+use flotilla_testkit::brokers::{broker_up, unique_name, JetStreamQueue, RabbitQueue};
 use flotilla_triggers::{Scaler, TriggerError};
 use futures::StreamExt;
-use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
-use lapin::types::FieldTable;
+use lapin::options::{BasicAckOptions, BasicGetOptions};
 
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 const NATS: &str = "nats://127.0.0.1:4222";
@@ -37,46 +34,23 @@ async fn rabbitmq_depth_follows_the_queue_and_a_missing_queue_is_reported() {
         scaler.depth(&rabbit(AMQP, &queue)).await,
         Err(TriggerError::QueueMissing(queue.clone()))
     );
-    let conn = lapin::Connection::connect(AMQP, lapin::ConnectionProperties::default())
-        .await
-        .expect("connect");
-    let ch = conn.create_channel().await.expect("channel");
-    ch.queue_declare(
-        queue.as_str().into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .expect("declare");
-    for i in 0..25 {
-        ch.basic_publish(
-            "".into(),
-            queue.as_str().into(),
-            BasicPublishOptions::default(),
-            format!("m{i}").as_bytes(),
-            lapin::BasicProperties::default(),
-        )
-        .await
-        .expect("publish")
-        .await
-        .expect("confirm");
-    }
+    let q = RabbitQueue::connect(AMQP, &queue).await;
+    q.declare().await;
+    q.publish(25).await;
     assert_eq!(scaler.depth(&rabbit(AMQP, &queue)).await, Ok(25));
     for _ in 0..5 {
-        let m = ch
-            .basic_get(queue.as_str().into(), BasicGetOptions::default())
-            .await
-            .expect("get")
-            .expect("a message");
+        let m =
+            q.ch.basic_get(queue.as_str().into(), BasicGetOptions::default())
+                .await
+                .expect("get")
+                .expect("a message");
         m.delivery
             .ack(BasicAckOptions::default())
             .await
             .expect("ack");
     }
     assert_eq!(scaler.depth(&rabbit(AMQP, &queue)).await, Ok(20));
-    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-        .await
-        .expect("delete");
+    q.delete().await;
     assert!(matches!(
         scaler.depth(&rabbit(AMQP, &queue)).await,
         Err(TriggerError::QueueMissing(_))
@@ -116,42 +90,19 @@ async fn an_unreachable_broker_is_an_error_within_the_timeout() {
 
 #[tokio::test]
 async fn nats_depth_is_pending_plus_ack_pending() {
-    use async_nats::jetstream::{self, consumer::pull, stream};
     if !broker_up(4222) {
         return;
     }
-    let client = async_nats::connect(NATS).await.expect("connect");
-    let js = jetstream::new(client);
     let name = unique_name("FLOTILLA_TEST");
-    let subject = format!("flotilla-test.{name}");
+    let q = JetStreamQueue::connect(NATS, &name, "workers").await;
     let trigger = QueueTrigger::nats(NATS, name.as_str(), "workers");
     let scaler = Scaler::new(Duration::from_secs(10));
     assert!(matches!(
         scaler.depth(&trigger).await,
         Err(TriggerError::ConsumerMissing { .. })
     ));
-    let s = js
-        .create_stream(stream::Config {
-            name: name.clone(),
-            subjects: vec![subject.clone()],
-            ..Default::default()
-        })
-        .await
-        .expect("create stream");
-    let c = s
-        .create_consumer(pull::Config {
-            durable_name: Some("workers".into()),
-            ..Default::default()
-        })
-        .await
-        .expect("create consumer");
-    for i in 0..30 {
-        js.publish(subject.clone(), format!("m{i}").into())
-            .await
-            .expect("publish")
-            .await
-            .expect("stored");
-    }
+    let c = q.create().await;
+    q.publish(30).await;
     assert_eq!(scaler.depth(&trigger).await, Ok(30));
     // Five fetched, two of them acked: three are still ack-pending.
     let mut batch = c.fetch().max_messages(5).messages().await.expect("fetch");
@@ -164,5 +115,5 @@ async fn nats_depth_is_pending_plus_ack_pending() {
         m.double_ack().await.expect("ack");
     }
     assert_eq!(scaler.depth(&trigger).await, Ok(28));
-    js.delete_stream(&name).await.expect("delete stream");
+    q.delete().await;
 }
