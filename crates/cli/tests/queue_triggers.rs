@@ -13,13 +13,23 @@
 use std::time::Duration;
 
 use flotilla_testkit::brokers::{broker_up, unique_name, JetStreamQueue, RabbitQueue};
-use flotilla_testkit::process::{http, wait_until, Home};
+use flotilla_testkit::process::{http, wait_until, Home, Proc};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 /// Generous: a loaded two-core CI machine.
 const LONG: Duration = Duration::from_secs(180);
 const MESSAGES: usize = 500;
+
+/// The real binary as server and agent (4 simulated GPUs), and a tenant
+/// key.
+fn stack() -> (Home, Proc, Proc, String) {
+    let home = Home::new(BIN);
+    let server = home.server();
+    let agent = home.agent("n0", "4xH100");
+    let (_, key) = home.tenant("batch");
+    (home, server, agent, key)
+}
 
 fn endpoint(home: &Home, key: &str, name: &str) -> Value {
     home.cli_json(Some(key), &["endpoints", "show", name])
@@ -136,10 +146,7 @@ fn a_rabbitmq_queue_scales_a_batch_endpoint_from_zero_and_back() {
     let trigger_url = "amqp://guest:guest@127.0.0.1:5672/%2f";
     let q = rt.block_on(RabbitQueue::connect(trigger_url, &queue));
 
-    let home = Home::new(BIN);
-    let _server = home.server();
-    let _agent = home.agent("n0", "4xH100");
-    let (_, key) = home.tenant("batch");
+    let (home, _server, _agent, key) = stack();
     deploy(
         &home,
         &key,
@@ -191,10 +198,7 @@ fn a_nats_jetstream_consumer_scales_a_batch_endpoint_from_zero_and_back() {
     let url = "nats://127.0.0.1:4222";
     let q = rt.block_on(JetStreamQueue::connect(url, &name, "workers"));
 
-    let home = Home::new(BIN);
-    let _server = home.server();
-    let _agent = home.agent("n0", "4xH100");
-    let (_, key) = home.tenant("batch");
+    let (home, _server, _agent, key) = stack();
     deploy(
         &home,
         &key,
