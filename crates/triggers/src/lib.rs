@@ -135,19 +135,25 @@ impl Scaler {
         }
     }
 
+    /// The cached connection to `url`, or a new one. The cache is not
+    /// locked while connecting, so a slow broker does not hold up reads of
+    /// the others.
     async fn amqp_connection(&self, url: &str) -> Result<Arc<lapin::Connection>, TriggerError> {
-        let mut conns = self.amqp.lock().await;
-        if let Some(c) = conns.get(url) {
-            if c.status().connected() {
-                return Ok(c.clone());
+        {
+            let mut conns = self.amqp.lock().await;
+            match conns.get(url) {
+                Some(c) if c.status().connected() => return Ok(c.clone()),
+                Some(_) => {
+                    conns.remove(url);
+                }
+                None => {}
             }
-            conns.remove(url);
         }
         let c = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
             .await
             .map_err(|e| TriggerError::Unreachable(scrub(e, url)))?;
         let c = Arc::new(c);
-        conns.insert(url.to_string(), c.clone());
+        self.amqp.lock().await.insert(url.to_string(), c.clone());
         Ok(c)
     }
 
@@ -192,20 +198,27 @@ impl Scaler {
         }
     }
 
+    /// The cached client of `url`, or a new one (not connecting under
+    /// the lock, as for AMQP).
     async fn nats_client(&self, url: &str) -> Result<async_nats::Client, TriggerError> {
-        let mut clients = self.nats.lock().await;
-        if let Some(c) = clients.get(url) {
-            if c.connection_state() == async_nats::connection::State::Connected {
-                return Ok(c.clone());
+        {
+            let mut clients = self.nats.lock().await;
+            match clients.get(url) {
+                Some(c) if c.connection_state() == async_nats::connection::State::Connected => {
+                    return Ok(c.clone())
+                }
+                Some(_) => {
+                    clients.remove(url);
+                }
+                None => {}
             }
-            clients.remove(url);
         }
         let c = async_nats::ConnectOptions::new()
             .connection_timeout(self.timeout)
             .connect(url)
             .await
             .map_err(|e| TriggerError::Unreachable(scrub(e, url)))?;
-        clients.insert(url.to_string(), c.clone());
+        self.nats.lock().await.insert(url.to_string(), c.clone());
         Ok(c)
     }
 
