@@ -17,6 +17,7 @@ mod gateway;
 mod jobs;
 mod local;
 mod output;
+mod queue_worker;
 mod simulate;
 
 use std::process::ExitCode;
@@ -79,6 +80,11 @@ enum Command {
     /// The node lease's fence, started by `flotilla agent` beside itself:
     /// stops the agent's work when the lease runs out while the agent
     /// cannot (paused, wedged, killed).
+    /// A batch replica that drains a RabbitMQ queue or a NATS JetStream
+    /// consumer, acknowledging each message (tests and demos of queue
+    /// triggers).
+    #[command(name = "queue-worker", hide = true)]
+    QueueWorker(queue_worker::QueueWorkerArgs),
     #[command(name = "agent-fence", hide = true)]
     AgentFence {
         /// The file the agent writes after every renewal.
@@ -324,6 +330,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Agent(args) => return local::agent(server, args).await,
         Command::Gateway(args) => return gateway::run(server, args).await,
         Command::Emulator(config) => return gateway::emulator(config).await,
+        Command::QueueWorker(args) => return queue_worker::run(args).await,
         Command::AgentFence { file, agent_pid } => {
             tokio::task::spawn_blocking(move || flotilla_agent::fence::watch(&file, agent_pid))
                 .await?;
@@ -397,6 +404,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         | Command::Agent(_)
         | Command::Gateway(_)
         | Command::Emulator(_)
+        | Command::QueueWorker(_)
         | Command::AgentFence { .. }
         | Command::Login
         | Command::Simulate(_) => {

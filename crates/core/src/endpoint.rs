@@ -16,6 +16,7 @@ use crate::error::FieldError;
 use crate::gateway::{Balance, EndpointSignals};
 use crate::id::{EndpointId, InstanceId, TenantId};
 use crate::instance::{BillingClass, CreateInstance, InstanceSpec, InstanceState};
+use crate::queue_trigger::{keep_secrets, validate_triggers, QueueTrigger, TriggerStatus};
 
 /// The policies an endpoint may name (`flotilla-scale` builds them).
 pub const POLICIES: [&str; 5] = ["flotilla", "hpa", "keda", "kpa", "ray"];
@@ -120,6 +121,12 @@ pub struct CreateEndpoint {
     /// minimum of the windows open now wins over `min_replicas`.
     #[serde(default)]
     pub schedules: Vec<ScheduleWindow>,
+    /// External queues whose depth asks for replicas (RabbitMQ queues,
+    /// NATS JetStream consumers); the highest demand of traffic, schedule
+    /// and queues wins, and a queue with messages keeps the endpoint from
+    /// going idle.
+    #[serde(default)]
+    pub queue_triggers: Vec<QueueTrigger>,
 }
 
 /// A time window with a minimum replica count, in the endpoint's time
@@ -215,6 +222,10 @@ pub struct UpdateEndpoint {
     /// Schedules, replacing the old ones.
     #[serde(default)]
     pub schedules: Option<Vec<ScheduleWindow>>,
+    /// Queue triggers, replacing the old ones (`[]` removes them). A URL
+    /// sent back as shown (password `***`) keeps the stored password.
+    #[serde(default)]
+    pub queue_triggers: Option<Vec<QueueTrigger>>,
 }
 
 /// An endpoint's spec after validation, defaults applied: what is stored.
@@ -279,6 +290,9 @@ pub struct EndpointSpec {
     /// Minimum replicas by time window.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub schedules: Vec<ScheduleWindow>,
+    /// External queue triggers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queue_triggers: Vec<QueueTrigger>,
 }
 
 fn utc() -> String {
@@ -502,6 +516,7 @@ impl CreateEndpoint {
         }
         let timezone = self.timezone.unwrap_or_else(utc);
         validate_schedules(&timezone, &self.schedules, max_replicas)?;
+        validate_triggers(&self.queue_triggers)?;
         Ok(EndpointSpec {
             name: self.name,
             command: inst.command,
@@ -533,6 +548,7 @@ impl CreateEndpoint {
             drain_grace_ms: self.drain_grace_ms.unwrap_or(30_000),
             timezone,
             schedules: self.schedules,
+            queue_triggers: self.queue_triggers,
         })
     }
 }
@@ -568,6 +584,7 @@ impl EndpointSpec {
             drain_grace_ms: Some(self.drain_grace_ms),
             timezone: Some(self.timezone.clone()),
             schedules: self.schedules.clone(),
+            queue_triggers: self.queue_triggers.clone(),
         }
     }
 
@@ -579,10 +596,14 @@ impl EndpointSpec {
         catalog: &Catalog,
     ) -> Result<(EndpointSpec, bool), FieldError> {
         let mut c = self.to_request();
+        let mut u = u;
+        if let Some(new) = u.queue_triggers.as_mut() {
+            keep_secrets(&self.queue_triggers, new);
+        }
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = u.$f { c.$f = v.into(); } )* };
         }
-        set!(command, env, models, gpu_types, schedules);
+        set!(command, env, models, gpu_types, schedules, queue_triggers);
         macro_rules! set_opt {
             ($($f:ident),*) => { $( if u.$f.is_some() { c.$f = u.$f; } )* };
         }
@@ -720,15 +741,30 @@ pub struct Endpoint {
     /// The last custom metric reported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub custom_metric: Option<f64>,
-    /// When a request was last seen.
+    /// When a request was last seen, or a queue trigger last read
+    /// messages waiting: the idle window counts from here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_request_at: Option<DateTime<Utc>>,
+    /// What each queue trigger's last read showed (depth, or the error).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub triggers: Vec<TriggerStatus>,
     /// Being deleted: its replicas drain and stop.
     pub deleting: bool,
     /// Created.
     pub created_at: DateTime<Utc>,
     /// Last changed.
     pub updated_at: DateTime<Utc>,
+}
+
+impl Endpoint {
+    /// The endpoint as the API shows it: broker passwords in its queue
+    /// triggers replaced by `***` (the stored spec keeps them).
+    pub fn redacted(mut self) -> Endpoint {
+        for t in &mut self.spec.queue_triggers {
+            *t = t.redacted();
+        }
+        self
+    }
 }
 
 /// One line of one replica's output.
@@ -851,8 +887,12 @@ pub fn is_idle(
 /// `[min_replicas, max_replicas]`, at least one while requests wait at zero
 /// (the activator's demand never waits for a policy window), at least one
 /// while serving within the idle window, and zero once idle with a minimum
-/// of zero; a schedule window open now raises the minimum (the highest
-/// demand wins). Returns the count and the reason.
+/// of zero; a schedule window open now raises the minimum, and the queue
+/// triggers' wish (`queue_wants`, from
+/// [`crate::queue_trigger::queue_demand`]) raises the count (the highest
+/// demand wins; an endpoint whose queues hold messages is never idle).
+/// Returns the count and the reason.
+#[allow(clippy::too_many_arguments)]
 pub fn desired_replicas(
     spec: &EndpointSpec,
     policy_wants: u32,
@@ -861,6 +901,7 @@ pub fn desired_replicas(
     queued: u32,
     idle: bool,
     scheduled_min: u32,
+    queue_wants: u32,
 ) -> (u32, String) {
     let min = spec.min_replicas.max(scheduled_min).min(spec.max_replicas);
     let mut n = policy_wants.clamp(min, spec.max_replicas);
@@ -871,11 +912,16 @@ pub fn desired_replicas(
     } else {
         "replica_bounds".to_string()
     };
+    let queue_wants = queue_wants.min(spec.max_replicas);
+    if queue_wants > n {
+        n = queue_wants;
+        reason = "queue".into();
+    }
     if queued > 0 && n == 0 {
         n = 1;
         reason = "activator".into();
     }
-    if idle && min == 0 && queued == 0 {
+    if idle && min == 0 && queued == 0 && queue_wants == 0 {
         return (0, "idle".into());
     }
     if n == 0 && active > 0 && !idle {
@@ -1093,17 +1139,17 @@ mod tests {
         }
         .validate(&Catalog::default())
         .unwrap();
-        assert_eq!(desired_replicas(&s, 9, "p", 0, 0, false, 0).0, 3);
+        assert_eq!(desired_replicas(&s, 9, "p", 0, 0, false, 0, 0).0, 3);
         assert_eq!(
-            desired_replicas(&s, 0, "p", 0, 5, false, 0),
+            desired_replicas(&s, 0, "p", 0, 5, false, 0, 0),
             (1, "activator".into())
         );
         assert_eq!(
-            desired_replicas(&s, 0, "p", 2, 0, false, 0),
+            desired_replicas(&s, 0, "p", 2, 0, false, 0, 0),
             (1, "idle_window".into())
         );
         assert_eq!(
-            desired_replicas(&s, 2, "p", 2, 0, true, 0),
+            desired_replicas(&s, 2, "p", 2, 0, true, 0, 0),
             (0, "idle".into())
         );
         let last = t(0);
@@ -1111,7 +1157,7 @@ mod tests {
         assert!(is_idle(&s, last, None, t(300)));
         // An open schedule window beats idleness and a lower policy wish.
         assert_eq!(
-            desired_replicas(&s, 0, "p", 0, 0, true, 2),
+            desired_replicas(&s, 0, "p", 0, 0, true, 2, 0),
             (2, "schedule".into())
         );
     }
@@ -1174,6 +1220,62 @@ mod tests {
             ),
         ] {
             assert_eq!(w.validate(&c).unwrap_err().field, field);
+        }
+    }
+
+    #[test]
+    fn queue_demand_wins_and_keeps_the_endpoint_from_idling() {
+        let s = CreateEndpoint {
+            max_replicas: Some(4),
+            ..req()
+        }
+        .validate(&Catalog::default())
+        .unwrap();
+        // A full queue at zero: scale from zero, capped by the maximum.
+        assert_eq!(
+            desired_replicas(&s, 0, "p", 0, 0, true, 0, 50),
+            (4, "queue".into())
+        );
+        // Traffic wanting more than the queue wins.
+        assert_eq!(
+            desired_replicas(&s, 3, "p", 3, 0, false, 0, 1),
+            (3, "p".into())
+        );
+        // Drained but within the idle window: one replica stays.
+        assert_eq!(
+            desired_replicas(&s, 0, "p", 2, 0, false, 0, 0),
+            (1, "idle_window".into())
+        );
+        // Drained and idle: back to zero.
+        assert_eq!(
+            desired_replicas(&s, 0, "p", 2, 0, true, 0, 0),
+            (0, "idle".into())
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn desired_stays_within_bounds_and_is_zero_only_without_queue_demand(
+            min in 0u32..4, extra in 1u32..6, policy in 0u32..20, active in 0u32..8,
+            queued in 0u32..4, idle: bool, sched in 0u32..10, queue in 0u32..20,
+        ) {
+            let max = min + extra;
+            let s = CreateEndpoint {
+                min_replicas: Some(min),
+                max_replicas: Some(max),
+                ..req()
+            }
+            .validate(&Catalog::default())
+            .unwrap();
+            let (n, _) = desired_replicas(&s, policy, "p", active, queued, idle, sched, queue);
+            proptest::prop_assert!(n <= max);
+            proptest::prop_assert!(n >= sched.min(max));
+            proptest::prop_assert!(n >= min);
+            proptest::prop_assert!(n >= queue.min(max));
+            if n == 0 {
+                proptest::prop_assert_eq!(queue, 0);
+                proptest::prop_assert!(idle || active == 0);
+            }
         }
     }
 }

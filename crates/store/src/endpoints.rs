@@ -10,6 +10,7 @@ use flotilla_core::endpoint::{Endpoint, EndpointReplica, EndpointSpec};
 use flotilla_core::gateway::{EndpointRoute, EndpointSignals, ReplicaRoute, RouteTable};
 use flotilla_core::id::{EndpointId, InstanceId, TenantId};
 use flotilla_core::instance::InstanceState;
+use flotilla_core::queue_trigger::TriggerStatus;
 use sqlx::any::AnyRow;
 use sqlx::Row;
 
@@ -101,6 +102,11 @@ impl Store {
             .map(|s| json::<f64>(&s, "custom metric"))
             .transpose()?;
         let desired: Option<i64> = row.try_get("desired")?;
+        let triggers: Option<String> = row.try_get("triggers")?;
+        let triggers = triggers
+            .map(|s| json::<Vec<TriggerStatus>>(&s, "endpoint triggers"))
+            .transpose()?
+            .unwrap_or_default();
         Ok(Endpoint {
             id: EndpointId::from_trusted(row.try_get("id")?),
             tenant_id: TenantId::from_trusted(row.try_get("tenant_id")?),
@@ -124,6 +130,7 @@ impl Store {
             signals,
             custom_metric,
             last_request_at: Some(at(row.try_get("last_request_at")?)),
+            triggers,
             deleting: row.try_get::<Option<i64>, _>("deleted_at")?.is_some(),
             created_at: at(row.try_get("created_at")?),
             updated_at: at(row.try_get("updated_at")?),
@@ -286,6 +293,47 @@ impl Store {
             .execute(self.pool())
             .await?;
         Ok(())
+    }
+
+    /// Records what the endpoint's queue triggers read. Messages waiting
+    /// (`demand`) count as activity: `last_request_at` moves to `now`, so
+    /// the idle window runs from when the queues were last seen drained.
+    pub async fn set_endpoint_triggers(
+        &self,
+        id: &EndpointId,
+        triggers: &[TriggerStatus],
+        demand: bool,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let value = (!triggers.is_empty()).then(|| to_json(&triggers));
+        let q = if demand {
+            sqlx::query("UPDATE endpoints SET triggers = $1, last_request_at = $2 WHERE id = $3")
+                .bind(value)
+                .bind(ms(now))
+        } else {
+            sqlx::query("UPDATE endpoints SET triggers = $1 WHERE id = $2").bind(value)
+        };
+        q.bind(id.as_str()).execute(self.pool()).await?;
+        Ok(())
+    }
+
+    /// The last trigger reads of every live endpoint that has queue
+    /// triggers, by endpoint id (for `/metrics`).
+    pub async fn endpoint_trigger_statuses(&self) -> Result<Vec<(EndpointId, Vec<TriggerStatus>)>> {
+        let rows = sqlx::query(
+            "SELECT id, triggers FROM endpoints WHERE deleted_at IS NULL AND triggers IS NOT NULL \
+             ORDER BY id",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    EndpointId::from_trusted(r.try_get("id")?),
+                    json(&r.try_get::<String, _>("triggers")?, "endpoint triggers")?,
+                ))
+            })
+            .collect()
     }
 
     /// Records the autoscaler's decision.
