@@ -271,6 +271,12 @@ impl Home {
     /// Starts `flotilla agent` reporting to `servers` (one URL, or several
     /// comma-separated replicas), logging to `agent.log`.
     pub fn agent_to(&self, name: &str, simulate: &str, servers: &str) -> Proc {
+        self.agent_with(name, simulate, servers, &[])
+    }
+
+    /// Like [`Home::agent_to`], with `extra` arguments (`--runtime
+    /// container --docker-host …`).
+    pub fn agent_with(&self, name: &str, simulate: &str, servers: &str, extra: &[&str]) -> Proc {
         let path = self.data().join("agent.token");
         wait_until("the agent token", Duration::from_secs(20), || {
             std::fs::read_to_string(&path).is_ok_and(|t| !t.trim().is_empty())
@@ -287,6 +293,7 @@ impl Home {
             .arg(format!("{}:rw", self.shared().display()))
             .arg("--sandbox-share")
             .arg(self.bin.parent().expect("the binary's directory"))
+            .args(extra)
             .stdout(self.log("agent"))
             .stderr(self.log("agent"))
             .spawn()
