@@ -9,8 +9,11 @@
 //! every capability, cannot gain privileges (`no-new-privileges`), never
 //! joins the host's network, PID or IPC namespaces, mounts no host path
 //! (its only writable scratch space is a size-capped tmpfs at
-//! [`SCRATCH_DIR`]), runs as an unprivileged user unless the configuration
-//! says otherwise, and joins its tenant's own network, so one tenant's
+//! [`SCRATCH_DIR`]), runs as an unprivileged user whatever the image's
+//! `USER` says (its tenant's own uid under a root agent, see
+//! [`ContainerRuntime::with_tenant_users`], else [`DEFAULT_USER`]: a rootful
+//! engine does not remap users, so an image's root would be the host's),
+//! and joins its tenant's own network, so one tenant's
 //! containers cannot reach another's.
 //!
 //! This module must never talk to the Flotilla server, never pull an image
@@ -42,6 +45,7 @@ use futures::future::BoxFuture;
 use futures::StreamExt;
 use tokio::sync::{mpsc, watch};
 
+use crate::runtime::sandbox::Users;
 use crate::runtime::{
     device_env, Exit, LogBuffer, Runtime, RuntimeError, RuntimeKind, SpawnError, SpawnSpec,
     Wakers, Workload, MAX_LINE_BYTES, SHIP_BATCH_LINES,
@@ -220,6 +224,9 @@ pub enum ContainerError {
     /// An engine call did not answer in time.
     #[error("container engine: {0}: no answer within 60 s")]
     Timeout(&'static str),
+    /// The tenant's uid could not be claimed.
+    #[error("cannot claim the tenant's user: {0}")]
+    User(#[source] std::io::Error),
     /// A container carries Flotilla's labels but not valid ones.
     #[error("container `{id}` has an invalid label {label}")]
     BadLabel {
@@ -400,6 +407,8 @@ pub struct ContainerRuntime {
     cache: Arc<Mutex<BTreeMap<String, CachedImage>>>,
     /// What each start under way last said (an image pull's progress).
     progress: Arc<Mutex<BTreeMap<InstanceId, String>>>,
+    /// Each tenant's own uid, when set: its containers run as it.
+    users: Option<Arc<Users>>,
 }
 
 impl std::fmt::Debug for ContainerRuntime {
@@ -622,7 +631,32 @@ impl ContainerRuntime {
             config,
             cache: Arc::default(),
             progress: Arc::default(),
+            users: None,
         })
+    }
+
+    /// Runs each tenant's containers as the tenant's own uid, claimed
+    /// from `users` (the process runtime's claims, so a tenant is one user
+    /// on the node whichever runtime runs its work), instead of
+    /// [`ContainerConfig::user`]. A rootful engine does not remap users:
+    /// two tenants sharing a uid would share it on the host too, should a
+    /// workload escape its namespaces.
+    pub fn with_tenant_users(mut self, users: Users) -> Self {
+        self.users = Some(Arc::new(users));
+        self
+    }
+
+    /// The `uid:gid` `tenant`'s containers run as.
+    async fn user_of(&self, tenant: &TenantId) -> Result<String, ContainerError> {
+        let Some(users) = self.users.clone() else {
+            return Ok(self.config.user.clone());
+        };
+        let owner = tenant.to_string();
+        let uid = tokio::task::spawn_blocking(move || users.uid_of(&owner))
+            .await
+            .map_err(|e| ContainerError::User(std::io::Error::other(e)))?
+            .map_err(ContainerError::User)?;
+        Ok(format!("{uid}:{uid}"))
     }
 
     /// The configuration.
@@ -781,6 +815,10 @@ impl ContainerRuntime {
             .await?;
         }
         progress("creating container".to_string());
+        let config = ContainerConfig {
+            user: self.user_of(&spec.tenant_id).await?,
+            ..self.config.clone()
+        };
         let name = container_name(&spec.instance_id);
         let created = timed(
             "create container",
@@ -789,7 +827,7 @@ impl ContainerRuntime {
                     name: name.clone(),
                     platform: None,
                 }),
-                container_config(spec, &self.config),
+                container_config(spec, &config),
             ),
         )
         .await?;

@@ -309,9 +309,14 @@ async fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
             if let Some(public_host) = &config.public_host {
                 c.public_host = public_host.clone();
             }
-            let runtime = container::ContainerRuntime::connect(c)
+            let mut runtime = container::ContainerRuntime::connect(c)
                 .await
                 .context("the container runtime cannot reach its engine")?;
+            if nix::unistd::geteuid().is_root() {
+                // A rootful engine: each tenant its own uid on the host.
+                let sandbox = runtime::sandbox::SandboxConfig::new(&config.work_dir);
+                runtime = runtime.with_tenant_users(runtime::sandbox::Users::new(&sandbox)?);
+            }
             tracing::info!(docker_host = %runtime.config().docker_host, gpus = ?runtime.config().gpus, "running workloads in containers");
             Ok(Arc::new(runtime))
         }

@@ -4,6 +4,7 @@
 //! image (no registry is reachable). Skipped with a message only where the
 //! engine cannot be started (no root and no running service).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use flotilla_testkit::containers::{engine, Engine, Sweep};
@@ -75,8 +76,10 @@ impl Setup {
     }
 }
 
+/// `flotilla run --detach ARGS`, asking a quarter core so that several
+/// instances fit a two-core test machine.
 fn run_detached(home: &Home, key: &str, args: &[&str]) -> String {
-    let mut all = vec!["run", "--detach"];
+    let mut all = vec!["run", "--detach", "--cpus", "0.25"];
     all.extend_from_slice(args);
     let out = home.cli(Some(key), &all);
     assert!(
@@ -164,7 +167,12 @@ fn an_image_runs_with_its_gpus_a_published_port_and_a_graceful_stop() {
     let gpus: Vec<&str> = visible["visible=".len()..].split(',').collect();
     assert_eq!(gpus.len(), 2, "two GPUs: {visible}");
     assert_ne!(gpus[0], gpus[1], "{visible}");
-    assert!(lines.contains(&"user=65534".to_string()), "{lines:?}");
+    let uid: u32 = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("user="))
+        .and_then(|u| u.parse().ok())
+        .unwrap();
+    assert_ne!(uid, 0, "not root: {lines:?}");
 
     // The engine runs exactly one container for it, labelled for the node.
     let containers = s.engine.containers_of(&s.node);
@@ -212,4 +220,218 @@ fn a_container_node_refuses_work_without_an_image_with_a_reason() {
         "{inst}"
     );
     assert!(s.engine.containers_of(&s.node).is_empty());
+}
+
+/// A shell command that succeeds when `GET path` at `addr` answers with
+/// `want` in its body: busybox `nc`, since the static busybox's `wget`
+/// crashes resolving any address.
+fn fetch(addr: &str, path: &str, want: &str) -> String {
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    format!(
+        "printf 'GET {path} HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {host} {port} | grep -q '{want}'"
+    )
+}
+
+/// The uid a host process runs as.
+fn uid_of(pid: u32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|u| u.parse().ok())
+        .unwrap()
+}
+
+fn readable(path: &std::path::Path) -> bool {
+    std::fs::read(path).is_ok_and(|b| !b.is_empty())
+}
+
+/// The container runtime's version of `isolation.rs`: tenant B's container
+/// tries what an attacker would (the operator's credentials, the data
+/// directory, the database, the agent token, the engine's socket, tenant
+/// A's files and environment, the host's password hashes, signalling A,
+/// the control plane's port, A's container over the network) and every
+/// attempt fails. Each target is first shown to exist and be reachable
+/// from outside the container, so every assertion could fail.
+#[test]
+fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
+    let Some(engine) = engine() else { return };
+    let s = Setup::start(engine, "ctr-iso");
+    let home = &s.home;
+    let (_, key_a) = home.tenant("alpha");
+    let (_, key_b) = home.tenant("beta");
+    let secret = format!("A_SECRET=s3cret-{}-{}", std::process::id(), home.port);
+
+    // Tenant A: a private file in its scratch space, a secret in its
+    // environment, an HTTP server on a published port.
+    let a = run_detached(
+        home,
+        &key_a,
+        &[
+            "--image",
+            &engine.image,
+            "-p",
+            "8080",
+            "-e",
+            &secret,
+            "--",
+            "sh",
+            "-c",
+            "echo mine > /scratch/a-private.txt; echo a-ready; exec httpd -f -p 8080 -h /www",
+        ],
+    );
+    wait_until("A runs", Duration::from_secs(120), || {
+        s.logs(&key_a, &a).iter().any(|l| l == "a-ready")
+    });
+
+    // Preconditions, from the host.
+    let inspect = |instance: &str| -> Value {
+        let c = s
+            .engine
+            .containers_of(&s.node)
+            .into_iter()
+            .find(|c| c["Labels"]["flotilla.instance"] == instance)
+            .unwrap_or_else(|| panic!("no container for {instance}"));
+        s.engine
+            .api("GET", &format!("/containers/{}/json", c["Id"].as_str().unwrap()))
+    };
+    let a_info = inspect(&a);
+    let a_pid = u32::try_from(a_info["State"]["Pid"].as_u64().unwrap()).unwrap();
+    assert!(a_pid > 0, "{a_info}");
+    let environ = std::fs::read(format!("/proc/{a_pid}/environ")).unwrap();
+    assert!(
+        environ.split(|b| *b == 0).any(|v| v == secret.as_bytes()),
+        "A's environment is readable from the host"
+    );
+    assert!(
+        readable(std::path::Path::new(&format!(
+            "/proc/{a_pid}/root/scratch/a-private.txt"
+        ))),
+        "A's file exists"
+    );
+    let a_ip = a_info["NetworkSettings"]["Networks"]
+        .as_object()
+        .and_then(|n| n.values().find_map(|v| v["IPAddress"].as_str()))
+        .filter(|ip| !ip.is_empty())
+        .unwrap_or_else(|| panic!("A's address: {a_info}"))
+        .to_string();
+    wait_until("A's server answers the host", Duration::from_secs(60), || {
+        matches!(http("GET", &format!("http://{a_ip}:8080/index.html"), None, None), Ok((200, _)))
+    });
+    let creds = home.dir.path().join("config/credentials.json");
+    assert!(readable(&creds));
+    assert!(readable(&home.data().join("agent.token")));
+    assert!(readable(&home.data().join("flotilla.db")));
+    let root = flotilla_testkit::containers::is_root();
+    if root {
+        assert!(readable(std::path::Path::new("/etc/shadow")));
+    }
+    assert!(std::path::Path::new(engine.socket()).exists());
+    assert!(
+        matches!(http("GET", &format!("{}/healthz", home.url()), None, None), Ok((200, _))),
+        "the control plane answers on the host"
+    );
+    let a_uid = uid_of(a_pid);
+
+    // Tenant B attacks, from a container with a published port (so on a
+    // network with a route out, not only an internal one).
+    let data = home.data();
+    let attacks = [
+        ("credentials", format!("cat '{}'", creds.display())),
+        ("data-dir", format!("ls '{}'", data.display())),
+        ("database", format!("cat '{}/flotilla.db'", data.display())),
+        ("agent-token", format!("cat '{}/agent.token'", data.display())),
+        ("engine-socket", format!("test -e '{}'", engine.socket())),
+        ("other-file", format!("cat /proc/{a_pid}/root/scratch/a-private.txt")),
+        ("other-environ", format!("grep -q A_SECRET /proc/{a_pid}/environ")),
+        (
+            "any-environ",
+            "cat /proc/[0-9]*/environ 2>/dev/null | grep -q A_SECRET".to_string(),
+        ),
+        ("shadow", "test -s /etc/shadow && cat /etc/shadow".to_string()),
+        ("signal-other", format!("kill -9 {a_pid}")),
+        (
+            "control-plane",
+            fetch(&format!("127.0.0.1:{}", home.port), "/healthz", "HTTP/1"),
+        ),
+        (
+            "other-tenant-net",
+            fetch(&format!("{a_ip}:8080"), "/index.html", "flotilla test image"),
+        ),
+    ];
+    let mut script = String::from(
+        "try() { if sh -c \"$2\" >/dev/null 2>&1; then echo \"probe $1 allowed\"; else echo \"probe $1 denied\"; fi; }\n",
+    );
+    for (name, cmd) in &attacks {
+        script.push_str(&format!("try {name} \"{}\"\n", cmd.replace('"', "\\\"")));
+    }
+    script.push_str("echo \"uid $(id -u)\"\necho probe-done\nexec sleep 300\n");
+    let b = run_detached(
+        home,
+        &key_b,
+        &["--image", &engine.image, "-p", "9090", "--", "sh", "-c", &script],
+    );
+    wait_until("B's probe ends", Duration::from_secs(120), || {
+        s.logs(&key_b, &b).iter().any(|l| l == "probe-done")
+    });
+    let lines = s.logs(&key_b, &b);
+    let probes: BTreeMap<&str, &str> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("probe "))
+        .filter_map(|l| l.split_once(' '))
+        .collect();
+    assert_eq!(probes.len(), attacks.len(), "{lines:?}");
+    for (name, outcome) in &probes {
+        assert_eq!(*outcome, "denied", "tenant B could {name}: {lines:?}");
+    }
+
+    // The control for the network probe: A's own second container, on
+    // A's network, reaches A's server with the same command.
+    let a2 = run_detached(
+        home,
+        &key_a,
+        &[
+            "--image",
+            &engine.image,
+            "-p",
+            "7070",
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "{} && echo same-tenant-ok",
+                fetch(&format!("{a_ip}:8080"), "/index.html", "flotilla test image")
+            ),
+        ],
+    );
+    wait_until("A's second container reaches A", Duration::from_secs(120), || {
+        s.logs(&key_a, &a2).iter().any(|l| l == "same-tenant-ok")
+    });
+
+    // Neither runs as root, and under a root agent each tenant is its own
+    // user on the host.
+    let b_uid: u32 = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("uid "))
+        .and_then(|u| u.parse().ok())
+        .unwrap();
+    let b_pid = u32::try_from(inspect(&b)["State"]["Pid"].as_u64().unwrap()).unwrap();
+    assert_eq!(uid_of(b_pid), b_uid, "no user namespace: the same uid outside");
+    assert_ne!(a_uid, 0);
+    assert_ne!(b_uid, 0);
+    if root {
+        assert_ne!(a_uid, b_uid, "each tenant its own user");
+    }
+
+    // A survived B's signal and still serves.
+    assert!(std::path::Path::new(&format!("/proc/{a_pid}")).exists());
+    assert_eq!(s.instance(&key_a, &a)["state"], "running");
+    for (key, id) in [(&key_a, &a), (&key_b, &b)] {
+        let out = home.cli(Some(key), &["stop", id]);
+        assert!(out.status.success());
+    }
+    for (key, id) in [(&key_a, &a), (&key_b, &b)] {
+        s.wait_state(key, id, "stopped", Duration::from_secs(60));
+    }
 }
