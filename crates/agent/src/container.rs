@@ -47,8 +47,8 @@ use tokio::sync::{mpsc, watch};
 
 use crate::runtime::sandbox::Users;
 use crate::runtime::{
-    device_env, Exit, LogBuffer, Runtime, RuntimeError, RuntimeKind, SpawnError, SpawnSpec,
-    Wakers, Workload, MAX_LINE_BYTES, SHIP_BATCH_LINES,
+    device_env, Exit, LogBuffer, Runtime, RuntimeError, RuntimeKind, SpawnError, SpawnSpec, Wakers,
+    Workload, MAX_LINE_BYTES, SHIP_BATCH_LINES,
 };
 
 /// Label naming the instance a container runs.
@@ -975,13 +975,8 @@ impl ContainerRuntime {
             .into_iter()
             .filter_map(|(name, ep)| Some((name, ep.ip_address.filter(|ip| !ip.is_empty())?)))
             .collect();
-        let pid = state
-            .pid
-            .and_then(|p| u32::try_from(p).ok())
-            .unwrap_or(0);
-        let cgroup = Some(pid)
-            .filter(|p| *p > 0)
-            .and_then(memory_cgroup_of);
+        let pid = state.pid.and_then(|p| u32::try_from(p).ok()).unwrap_or(0);
+        let cgroup = Some(pid).filter(|p| *p > 0).and_then(memory_cgroup_of);
         let logs = Arc::new(LogBuffer::new(instance_id.clone()));
         let (stop_tx, stop_rx) = mpsc::unbounded_channel();
         let (exit_tx, exit_rx) = watch::channel(None);
@@ -1708,7 +1703,10 @@ mod tests {
             Err(SpawnError::NoTenant)
         ));
         assert_eq!("cdi".parse(), Ok(GpuPassthrough::Cdi));
-        assert!("gpu".parse::<GpuPassthrough>().unwrap_err().contains("`gpu`"));
+        assert!("gpu"
+            .parse::<GpuPassthrough>()
+            .unwrap_err()
+            .contains("`gpu`"));
     }
 
     #[test]

@@ -301,11 +301,13 @@ async fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
                 .clone()
                 .unwrap_or_else(|| DEFAULT_DOCKER_HOST.to_string());
             let mut c = container::ContainerConfig::new(host, config.name.clone());
-            c.gpus = config.container_gpus.unwrap_or(if config.simulate_gpus.is_some() {
-                container::GpuPassthrough::Simulated
-            } else {
-                container::GpuPassthrough::DeviceRequests
-            });
+            c.gpus = config
+                .container_gpus
+                .unwrap_or(if config.simulate_gpus.is_some() {
+                    container::GpuPassthrough::Simulated
+                } else {
+                    container::GpuPassthrough::DeviceRequests
+                });
             if let Some(public_host) = &config.public_host {
                 c.public_host = public_host.clone();
             }

@@ -58,7 +58,8 @@ impl Setup {
     }
 
     fn logs(&self, key: &str, id: &str) -> Vec<String> {
-        self.home.get(key, &format!("/v1/instances/{id}/logs?limit=1000"))["items"]
+        self.home
+            .get(key, &format!("/v1/instances/{id}/logs?limit=1000"))["items"]
             .as_array()
             .unwrap()
             .iter()
@@ -146,22 +147,25 @@ fn an_image_runs_with_its_gpus_a_published_port_and_a_graceful_stop() {
     assert!(explain.contains(&format!("port 8080: {url}")), "{explain}");
     assert!(explain.contains("cold start:"), "{explain}");
     let mut answer = Value::Null;
-    wait_until("the container's HTTP server answers", Duration::from_secs(60), || {
-        match http("GET", &format!("{url}/index.html"), None, None) {
+    wait_until(
+        "the container's HTTP server answers",
+        Duration::from_secs(60),
+        || match http("GET", &format!("{url}/index.html"), None, None) {
             Ok((200, body)) => {
                 answer = body;
                 true
             }
             _ => false,
-        }
-    });
+        },
+    );
     assert_eq!(answer.as_str().map(str::trim), Some("flotilla test image"));
 
     // Its output through the API: exactly its two GPUs, as a non-root user.
     let mut lines = Vec::new();
     wait_until("the GPU line in the log", Duration::from_secs(30), || {
         lines = s.logs(&key, &id);
-        lines.iter().any(|l| l.starts_with("visible=")) && lines.iter().any(|l| l.starts_with("user="))
+        lines.iter().any(|l| l.starts_with("visible="))
+            && lines.iter().any(|l| l.starts_with("user="))
     });
     let visible = lines.iter().find(|l| l.starts_with("visible=")).unwrap();
     let gpus: Vec<&str> = visible["visible=".len()..].split(',').collect();
@@ -184,7 +188,11 @@ fn an_image_runs_with_its_gpus_a_published_port_and_a_graceful_stop() {
 
     // A stop: TERM reaches the workload, which ends within its grace.
     let out = s.home.cli(Some(&key), &["stop", &id]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let done = s.wait_state(&key, &id, "stopped", Duration::from_secs(60));
     assert_eq!(done["exit_code"], 0, "{done}");
     wait_until("the TERM handler's line", Duration::from_secs(30), || {
@@ -215,10 +223,7 @@ fn a_container_node_refuses_work_without_an_image_with_a_reason() {
     let id = run_detached(&s.home, &key, &["--", "sh", "-c", "echo hi"]);
     let inst = s.wait_state(&key, &id, "failed", Duration::from_secs(60));
     let reason = inst["state_reason"].as_str().unwrap_or_default();
-    assert!(
-        reason.contains("this node runs containers"),
-        "{inst}"
-    );
+    assert!(reason.contains("this node runs containers"), "{inst}");
     assert!(s.engine.containers_of(&s.node).is_empty());
 }
 
@@ -227,9 +232,7 @@ fn a_container_node_refuses_work_without_an_image_with_a_reason() {
 /// crashes resolving any address.
 fn fetch(addr: &str, path: &str, want: &str) -> String {
     let (host, port) = addr.rsplit_once(':').unwrap();
-    format!(
-        "printf 'GET {path} HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {host} {port} | grep -q '{want}'"
-    )
+    format!("printf 'GET {path} HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {host} {port} | grep -q '{want}'")
 }
 
 /// The uid a host process runs as.
@@ -293,8 +296,10 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
             .into_iter()
             .find(|c| c["Labels"]["flotilla.instance"] == instance)
             .unwrap_or_else(|| panic!("no container for {instance}"));
-        s.engine
-            .api("GET", &format!("/containers/{}/json", c["Id"].as_str().unwrap()))
+        s.engine.api(
+            "GET",
+            &format!("/containers/{}/json", c["Id"].as_str().unwrap()),
+        )
     };
     let a_info = inspect(&a);
     let a_pid = u32::try_from(a_info["State"]["Pid"].as_u64().unwrap()).unwrap();
@@ -316,9 +321,16 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
         .filter(|ip| !ip.is_empty())
         .unwrap_or_else(|| panic!("A's address: {a_info}"))
         .to_string();
-    wait_until("A's server answers the host", Duration::from_secs(60), || {
-        matches!(http("GET", &format!("http://{a_ip}:8080/index.html"), None, None), Ok((200, _)))
-    });
+    wait_until(
+        "A's server answers the host",
+        Duration::from_secs(60),
+        || {
+            matches!(
+                http("GET", &format!("http://{a_ip}:8080/index.html"), None, None),
+                Ok((200, _))
+            )
+        },
+    );
     let creds = home.dir.path().join("config/credentials.json");
     assert!(readable(&creds));
     assert!(readable(&home.data().join("agent.token")));
@@ -329,7 +341,10 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
     }
     assert!(std::path::Path::new(engine.socket()).exists());
     assert!(
-        matches!(http("GET", &format!("{}/healthz", home.url()), None, None), Ok((200, _))),
+        matches!(
+            http("GET", &format!("{}/healthz", home.url()), None, None),
+            Ok((200, _))
+        ),
         "the control plane answers on the host"
     );
     let a_uid = uid_of(a_pid);
@@ -341,15 +356,27 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
         ("credentials", format!("cat '{}'", creds.display())),
         ("data-dir", format!("ls '{}'", data.display())),
         ("database", format!("cat '{}/flotilla.db'", data.display())),
-        ("agent-token", format!("cat '{}/agent.token'", data.display())),
+        (
+            "agent-token",
+            format!("cat '{}/agent.token'", data.display()),
+        ),
         ("engine-socket", format!("test -e '{}'", engine.socket())),
-        ("other-file", format!("cat /proc/{a_pid}/root/scratch/a-private.txt")),
-        ("other-environ", format!("grep -q A_SECRET /proc/{a_pid}/environ")),
+        (
+            "other-file",
+            format!("cat /proc/{a_pid}/root/scratch/a-private.txt"),
+        ),
+        (
+            "other-environ",
+            format!("grep -q A_SECRET /proc/{a_pid}/environ"),
+        ),
         (
             "any-environ",
             "cat /proc/[0-9]*/environ 2>/dev/null | grep -q A_SECRET".to_string(),
         ),
-        ("shadow", "test -s /etc/shadow && cat /etc/shadow".to_string()),
+        (
+            "shadow",
+            "test -s /etc/shadow && cat /etc/shadow".to_string(),
+        ),
         ("signal-other", format!("kill -9 {a_pid}")),
         (
             "control-plane",
@@ -357,7 +384,11 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
         ),
         (
             "other-tenant-net",
-            fetch(&format!("{a_ip}:8080"), "/index.html", "flotilla test image"),
+            fetch(
+                &format!("{a_ip}:8080"),
+                "/index.html",
+                "flotilla test image",
+            ),
         ),
     ];
     let mut script = String::from(
@@ -370,7 +401,16 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
     let b = run_detached(
         home,
         &key_b,
-        &["--image", &engine.image, "-p", "9090", "--", "sh", "-c", &script],
+        &[
+            "--image",
+            &engine.image,
+            "-p",
+            "9090",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
     );
     wait_until("B's probe ends", Duration::from_secs(120), || {
         s.logs(&key_b, &b).iter().any(|l| l == "probe-done")
@@ -401,13 +441,19 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
             "-c",
             &format!(
                 "{} && echo same-tenant-ok",
-                fetch(&format!("{a_ip}:8080"), "/index.html", "flotilla test image")
+                fetch(
+                    &format!("{a_ip}:8080"),
+                    "/index.html",
+                    "flotilla test image"
+                )
             ),
         ],
     );
-    wait_until("A's second container reaches A", Duration::from_secs(120), || {
-        s.logs(&key_a, &a2).iter().any(|l| l == "same-tenant-ok")
-    });
+    wait_until(
+        "A's second container reaches A",
+        Duration::from_secs(120),
+        || s.logs(&key_a, &a2).iter().any(|l| l == "same-tenant-ok"),
+    );
 
     // Neither runs as root, and under a root agent each tenant is its own
     // user on the host.
@@ -417,7 +463,11 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
         .and_then(|u| u.parse().ok())
         .unwrap();
     let b_pid = u32::try_from(inspect(&b)["State"]["Pid"].as_u64().unwrap()).unwrap();
-    assert_eq!(uid_of(b_pid), b_uid, "no user namespace: the same uid outside");
+    assert_eq!(
+        uid_of(b_pid),
+        b_uid,
+        "no user namespace: the same uid outside"
+    );
     assert_ne!(a_uid, 0);
     assert_ne!(b_uid, 0);
     if root {
@@ -434,4 +484,88 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
     for (key, id) in [(&key_a, &a), (&key_b, &b)] {
         s.wait_state(key, id, "stopped", Duration::from_secs(60));
     }
+}
+
+/// An endpoint whose replicas run from an image: the replica's container
+/// serves on its container port, the node publishes it, and the gateway
+/// reaches it there.
+#[test]
+fn an_endpoint_replica_in_a_container_serves_through_the_gateway() {
+    let Some(engine) = engine() else { return };
+    let s = Setup::start(engine, "ctr-ep");
+    let (_, key) = s.home.tenant("acme");
+    let port = flotilla_testkit::process::free_port();
+    let _gw = s.home.gateway(port);
+    let out = s.home.cli(
+        Some(&key),
+        &[
+            "endpoints",
+            "deploy",
+            "web",
+            "--image",
+            &engine.image,
+            "--min",
+            "1",
+            "--readiness-path",
+            "/index.html",
+            "--",
+            "sh",
+            "-c",
+            "echo \"serving on $PORT\"; exec httpd -f -p \"$PORT\" -h /www",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "deploy: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Ready once the controller probed it at its published port.
+    let mut ep = Value::Null;
+    wait_until("a ready replica", Duration::from_secs(120), || {
+        ep = s.home.cli_json(Some(&key), &["endpoints", "show", "web"]);
+        ep["replicas"]
+            .as_array()
+            .is_some_and(|r| r.iter().any(|r| r["ready"] == true))
+    });
+    let replica = &ep["replicas"][0];
+    let id = replica["instance_id"].as_str().unwrap();
+    let inst = s.instance(&key, id);
+    assert_eq!(inst["image"]["ports"][0], 8080, "{inst}");
+    let published = inst["published_ports"][0]["url"].as_str().unwrap();
+    assert_eq!(replica["url"].as_str(), Some(published), "{ep}");
+    assert!(
+        s.logs(&key, id).iter().any(|l| l == "serving on 8080"),
+        "PORT is the container port"
+    );
+
+    // Through the gateway.
+    let mut got = (0, Value::Null);
+    wait_until(
+        "the gateway routes to the replica",
+        Duration::from_secs(60),
+        || {
+            got = http(
+                "GET",
+                &format!("http://127.0.0.1:{port}/e/web/index.html"),
+                Some(&key),
+                None,
+            )
+            .unwrap_or((0, Value::Null));
+            got.0 == 200
+        },
+    );
+    assert_eq!(got.1.as_str().map(str::trim), Some("flotilla test image"));
+
+    let out = s.home.cli(Some(&key), &["endpoints", "delete", "web"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_until(
+        "the replica's container removed",
+        Duration::from_secs(120),
+        || s.engine.containers_of(&s.node).is_empty(),
+    );
 }

@@ -301,6 +301,25 @@ impl Home {
         Proc(child)
     }
 
+    /// Starts `flotilla gateway` on `port` with the agent token, logging
+    /// to `gateway.log`, and waits until it listens.
+    pub fn gateway(&self, port: u16) -> Proc {
+        let token = std::fs::read_to_string(self.data().join("agent.token")).expect("agent token");
+        let child = self
+            .cmd()
+            .args(["--server", &self.url(), "gateway", "--token", token.trim()])
+            .args(["--bind", &format!("127.0.0.1:{port}")])
+            .stdout(self.log("gateway"))
+            .stderr(self.log("gateway"))
+            .spawn()
+            .expect("start flotilla gateway");
+        let gw = Proc(child);
+        wait_until("the gateway listens", Duration::from_secs(30), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        gw
+    }
+
     /// Runs a CLI command against this home's server.
     pub fn cli(&self, key: Option<&str>, args: &[&str]) -> Output {
         let mut c = self.cmd();

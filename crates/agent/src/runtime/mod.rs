@@ -125,7 +125,9 @@ pub enum SpawnError {
     ImageOnProcessNode,
     /// A container runtime needs the tenant (its network); the server did
     /// not say.
-    #[error("the server did not say whose instance this is; a container joins its tenant's network")]
+    #[error(
+        "the server did not say whose instance this is; a container joins its tenant's network"
+    )]
     NoTenant,
     /// The instance names no image and this node runs containers.
     #[error("this node runs containers; an instance without an image needs a process node (`--image IMAGE` runs it here)")]
