@@ -21,7 +21,7 @@ struct Setup {
     node: String,
     _sweep: Sweep,
     _server: Proc,
-    _agent: Proc,
+    agent: Option<Proc>,
 }
 
 impl Setup {
@@ -32,25 +32,31 @@ impl Setup {
         let node = format!("{name}-{}-{}", std::process::id(), home.port);
         let sweep = engine.sweep_on_drop(&node);
         let server = home.server();
-        let agent = home.agent_with(
-            &node,
-            "4xH100",
-            &home.url(),
-            &[
-                "--runtime",
-                "container",
-                "--docker-host",
-                &engine.docker_host,
-            ],
-        );
-        Setup {
+        let mut s = Setup {
             home,
             engine,
             node,
             _sweep: sweep,
             _server: server,
-            _agent: agent,
-        }
+            agent: None,
+        };
+        s.start_agent();
+        s
+    }
+
+    /// Starts (again) the container agent of this node.
+    fn start_agent(&mut self) {
+        self.agent = Some(self.home.agent_with(
+            &self.node,
+            "4xH100",
+            &self.home.url(),
+            &[
+                "--runtime",
+                "container",
+                "--docker-host",
+                &self.engine.docker_host,
+            ],
+        ));
     }
 
     fn instance(&self, key: &str, id: &str) -> Value {
@@ -568,4 +574,71 @@ fn an_endpoint_replica_in_a_container_serves_through_the_gateway() {
         Duration::from_secs(120),
         || s.engine.containers_of(&s.node).is_empty(),
     );
+}
+
+/// A killed agent's containers keep running; the restarted agent adopts
+/// them by their labels, keeps shipping their output with no line lost or
+/// doubled, and stops them when asked.
+#[test]
+fn a_restarted_agent_adopts_its_running_containers() {
+    let Some(engine) = engine() else { return };
+    let mut s = Setup::start(engine, "ctr-adopt");
+    let (_, key) = s.home.tenant("acme");
+    let id = run_detached(
+        &s.home,
+        &key,
+        &[
+            "--image",
+            &engine.image,
+            "--",
+            "sh",
+            "-c",
+            "trap 'echo got TERM; exit 0' TERM; i=0; while true; do echo \"tick $i\"; i=$((i+1)); sleep 0.2 & wait; done",
+        ],
+    );
+    s.wait_state(&key, &id, "running", Duration::from_secs(120));
+    wait_until("output before the restart", Duration::from_secs(60), || {
+        s.logs(&key, &id).len() >= 5
+    });
+
+    // SIGKILL: no shutdown, the container is the engine's and runs on.
+    drop(s.agent.take());
+    let before = s.logs(&key, &id).len();
+    let running = s.engine.containers_of(&s.node);
+    assert_eq!(running.len(), 1, "{running:?}");
+    assert_eq!(running[0]["State"], "running", "{running:?}");
+    s.start_agent();
+
+    // Output written while no agent ran, and after, reaches the server.
+    wait_until("output after the restart", Duration::from_secs(90), || {
+        s.logs(&key, &id).len() >= before + 10
+    });
+    assert_eq!(s.instance(&key, &id)["state"], "running");
+    let lines = s.logs(&key, &id);
+    for (n, line) in lines.iter().enumerate() {
+        assert_eq!(
+            line,
+            &format!("tick {n}"),
+            "no gap, no duplicate: {lines:?}"
+        );
+    }
+    assert_eq!(
+        s.engine.containers_of(&s.node).len(),
+        1,
+        "not started twice"
+    );
+
+    let out = s.home.cli(Some(&key), &["stop", &id]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    s.wait_state(&key, &id, "stopped", Duration::from_secs(60));
+    wait_until("the TERM handler's line", Duration::from_secs(30), || {
+        s.logs(&key, &id).last().is_some_and(|l| l == "got TERM")
+    });
+    wait_until("the container removed", Duration::from_secs(60), || {
+        s.engine.containers_of(&s.node).is_empty()
+    });
 }
