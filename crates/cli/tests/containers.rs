@@ -4,11 +4,12 @@
 //! image (no registry is reachable). Skipped with a message only where the
 //! engine cannot be started (no root and no running service).
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use flotilla_testkit::containers::{engine, Engine, Sweep};
-use flotilla_testkit::process::{http, wait_until, Home, Proc};
+use flotilla_testkit::process::{
+    http, probe_outcomes, probe_script, uid_of, wait_until, Home, Proc,
+};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
@@ -241,17 +242,6 @@ fn fetch(addr: &str, path: &str, want: &str) -> String {
     format!("printf 'GET {path} HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {host} {port} | grep -q '{want}'")
 }
 
-/// The uid a host process runs as.
-fn uid_of(pid: u32) -> u32 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|u| u.parse().ok())
-        .unwrap()
-}
-
 fn readable(path: &std::path::Path) -> bool {
     std::fs::read(path).is_ok_and(|b| !b.is_empty())
 }
@@ -397,13 +387,7 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
             ),
         ),
     ];
-    let mut script = String::from(
-        "try() { if sh -c \"$2\" >/dev/null 2>&1; then echo \"probe $1 allowed\"; else echo \"probe $1 denied\"; fi; }\n",
-    );
-    for (name, cmd) in &attacks {
-        script.push_str(&format!("try {name} \"{}\"\n", cmd.replace('"', "\\\"")));
-    }
-    script.push_str("echo \"uid $(id -u)\"\necho probe-done\nexec sleep 300\n");
+    let script = probe_script(&attacks) + "exec sleep 300\n";
     let b = run_detached(
         home,
         &key_b,
@@ -422,14 +406,10 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
         s.logs(&key_b, &b).iter().any(|l| l == "probe-done")
     });
     let lines = s.logs(&key_b, &b);
-    let probes: BTreeMap<&str, &str> = lines
-        .iter()
-        .filter_map(|l| l.strip_prefix("probe "))
-        .filter_map(|l| l.split_once(' '))
-        .collect();
+    let (probes, b_uid) = probe_outcomes(&lines);
     assert_eq!(probes.len(), attacks.len(), "{lines:?}");
     for (name, outcome) in &probes {
-        assert_eq!(*outcome, "denied", "tenant B could {name}: {lines:?}");
+        assert_eq!(outcome, "denied", "tenant B could {name}: {lines:?}");
     }
 
     // The control for the network probe: A's own second container, on
@@ -463,11 +443,7 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
 
     // Neither runs as root, and under a root agent each tenant is its own
     // user on the host.
-    let b_uid: u32 = lines
-        .iter()
-        .find_map(|l| l.strip_prefix("uid "))
-        .and_then(|u| u.parse().ok())
-        .unwrap();
+    let b_uid = b_uid.expect("B's uid");
     let b_pid = u32::try_from(inspect(&b)["State"]["Pid"].as_u64().unwrap()).unwrap();
     assert_eq!(
         uid_of(b_pid),

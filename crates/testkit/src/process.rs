@@ -2,6 +2,7 @@
 //! calls, each a separate process, and a blocking HTTP client over std that
 //! shares no code with what it tests.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -102,6 +103,47 @@ fn dechunk(mut s: &str) -> String {
         s = rest[n..].trim_start_matches("\r\n");
     }
     out
+}
+
+/// A shell script for isolation tests: tries each `(name, command)` of
+/// `attacks` and prints `probe NAME allowed` or `probe NAME denied`, then
+/// `uid <its uid>` and `probe-done`.
+pub fn probe_script(attacks: &[(&str, String)]) -> String {
+    let mut script = String::from(
+        "try() { if sh -c \"$2\" >/dev/null 2>&1; then echo \"probe $1 allowed\"; else echo \"probe $1 denied\"; fi; }\n",
+    );
+    for (name, cmd) in attacks {
+        script.push_str(&format!("try {name} \"{}\"\n", cmd.replace('"', "\\\"")));
+    }
+    script.push_str("echo \"uid $(id -u)\"\necho probe-done\n");
+    script
+}
+
+/// What [`probe_script`] printed: each probe's outcome by name, and the
+/// uid it ran as.
+pub fn probe_outcomes(lines: &[String]) -> (BTreeMap<String, String>, Option<u32>) {
+    let probes = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("probe "))
+        .filter_map(|l| l.split_once(' '))
+        .map(|(n, o)| (n.to_string(), o.to_string()))
+        .collect();
+    let uid = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("uid "))
+        .and_then(|u| u.parse().ok());
+    (probes, uid)
+}
+
+/// The uid a host process runs as.
+pub fn uid_of(pid: u32) -> u32 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("process status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|u| u.parse().ok())
+        .expect("a uid")
 }
 
 /// A temporary home for the binary: config and data directories, logs,
