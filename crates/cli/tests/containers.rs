@@ -347,15 +347,8 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
 
     // Tenant B attacks, from a container with a published port (so on a
     // network with a route out, not only an internal one).
-    let data = home.data();
-    let attacks = [
-        ("credentials", format!("cat '{}'", creds.display())),
-        ("data-dir", format!("ls '{}'", data.display())),
-        ("database", format!("cat '{}/flotilla.db'", data.display())),
-        (
-            "agent-token",
-            format!("cat '{}/agent.token'", data.display()),
-        ),
+    let mut attacks = home.control_plane_attacks();
+    attacks.extend([
         ("engine-socket", format!("test -e '{}'", engine.socket())),
         (
             "other-file",
@@ -386,7 +379,7 @@ fn tenants_in_containers_cannot_reach_the_control_plane_or_each_other() {
                 "flotilla test image",
             ),
         ),
-    ];
+    ]);
     let script = probe_script(&attacks) + "exec sleep 300\n";
     let b = run_detached(
         home,

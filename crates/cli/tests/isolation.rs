@@ -77,16 +77,8 @@ fn readable(path: &Path) -> bool {
 /// The attacks, as one shell script: each prints `probe NAME allowed` or
 /// `probe NAME denied`.
 fn attack_script(home: &Home, a_workdir: &Path, a_pid: u32) -> String {
-    let data = home.data();
-    let creds = home.dir.path().join("config/credentials.json");
-    let attacks = [
-        ("credentials", format!("cat '{}'", creds.display())),
-        ("data-dir", format!("ls '{}'", data.display())),
-        ("database", format!("cat '{}/flotilla.db'", data.display())),
-        (
-            "agent-token",
-            format!("cat '{}/agent.token'", data.display()),
-        ),
+    let mut attacks = home.control_plane_attacks();
+    attacks.extend([
         ("other-workdir", format!("ls '{}'", a_workdir.display())),
         (
             "other-file",
@@ -105,7 +97,7 @@ fn attack_script(home: &Home, a_workdir: &Path, a_pid: u32) -> String {
             "test -s /etc/shadow && cat /etc/shadow".to_string(),
         ),
         ("signal-other", format!("kill -9 {a_pid}")),
-    ];
+    ]);
     flotilla_testkit::process::probe_script(&attacks)
 }
 

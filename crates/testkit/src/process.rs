@@ -424,6 +424,23 @@ impl Home {
         body
     }
 
+    /// The attacks on the control plane's files every isolation test
+    /// makes (for [`probe_script`]): its saved credentials, its data
+    /// directory, its database and the agent token.
+    pub fn control_plane_attacks(&self) -> Vec<(&'static str, String)> {
+        let data = self.data();
+        let creds = self.dir.path().join("config/credentials.json");
+        vec![
+            ("credentials", format!("cat '{}'", creds.display())),
+            ("data-dir", format!("ls '{}'", data.display())),
+            ("database", format!("cat '{}/flotilla.db'", data.display())),
+            (
+                "agent-token",
+                format!("cat '{}/agent.token'", data.display()),
+            ),
+        ]
+    }
+
     /// Prints the last lines of the servers' and agents' logs (on failure).
     pub fn dump_logs(&self) {
         let mut names: Vec<String> = std::fs::read_dir(self.dir.path())
