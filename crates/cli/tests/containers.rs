@@ -87,15 +87,9 @@ impl Setup {
 /// `flotilla run --detach ARGS`, asking a quarter core so that several
 /// instances fit a two-core test machine.
 fn run_detached(home: &Home, key: &str, args: &[&str]) -> String {
-    let mut all = vec!["run", "--detach", "--cpus", "0.25"];
+    let mut all = vec!["--cpus", "0.25"];
     all.extend_from_slice(args);
-    let out = home.cli(Some(key), &all);
-    assert!(
-        out.status.success(),
-        "flotilla run failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    home.run_detached(key, &all)
 }
 
 #[test]

@@ -25,15 +25,9 @@ const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 const ORDINARY_UID: u32 = 65_534;
 
 fn run(home: &Home, key: &str, args: &[&str]) -> String {
-    let mut all = vec!["run", "--detach", "--gpus", "1"];
+    let mut all = vec!["--gpus", "1"];
     all.extend_from_slice(args);
-    let out = home.cli(Some(key), &all);
-    assert!(
-        out.status.success(),
-        "flotilla run failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    home.run_detached(key, &all)
 }
 
 fn log_lines(home: &Home, key: &str, id: &str) -> Vec<String> {

@@ -372,6 +372,20 @@ impl Home {
         c.output().expect("run flotilla")
     }
 
+    /// `flotilla run --detach ARGS` with `key`: the new instance's id;
+    /// panics unless it succeeds.
+    pub fn run_detached(&self, key: &str, args: &[&str]) -> String {
+        let mut all = vec!["run", "--detach"];
+        all.extend_from_slice(args);
+        let out = self.cli(Some(key), &all);
+        assert!(
+            out.status.success(),
+            "flotilla run failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
     /// Runs a CLI command with `--json`; panics unless it succeeds.
     pub fn cli_json(&self, key: Option<&str>, args: &[&str]) -> Value {
         let mut all = vec!["--json"];
