@@ -605,3 +605,32 @@ fn a_restarted_agent_adopts_its_running_containers() {
         s.engine.containers_of(&s.node).is_empty()
     });
 }
+
+/// A container over its memory limit is killed by the kernel, and the
+/// instance fails with that reason (not a bare exit code 137).
+#[test]
+fn a_container_over_its_memory_limit_fails_as_out_of_memory() {
+    let Some(engine) = engine() else { return };
+    let s = Setup::start(engine, "ctr-oom");
+    let (_, key) = s.home.tenant("acme");
+    let id = run_detached(
+        &s.home,
+        &key,
+        &[
+            "--image",
+            &engine.image,
+            "--memory",
+            "32",
+            "--",
+            "sh",
+            "-c",
+            // Grows a shell variable a few MiB at a time, as a model load.
+            "echo allocating; x=$(head -c 268435456 /dev/zero | tr '\\0' a); echo survived ${#x}",
+        ],
+    );
+    let inst = s.wait_state(&key, &id, "failed", Duration::from_secs(120));
+    let reason = inst["state_reason"].as_str().unwrap_or_default();
+    assert!(reason.starts_with("out of memory"), "{inst}");
+    assert_eq!(inst["exit_code"], 137, "{inst}");
+    assert!(!s.logs(&key, &id).iter().any(|l| l.starts_with("survived")));
+}
