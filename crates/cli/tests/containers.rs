@@ -503,10 +503,11 @@ fn an_endpoint_replica_in_a_container_serves_through_the_gateway() {
     assert_eq!(inst["image"]["ports"][0], 8080, "{inst}");
     let published = inst["published_ports"][0]["url"].as_str().unwrap();
     assert_eq!(replica["url"].as_str(), Some(published), "{ep}");
-    assert!(
-        s.logs(&key, id).iter().any(|l| l == "serving on 8080"),
-        "PORT is the container port"
-    );
+    // PORT is the container port (the line may reach the server after
+    // the replica was probed ready).
+    wait_until("the replica's first line", Duration::from_secs(30), || {
+        s.logs(&key, id).iter().any(|l| l == "serving on 8080")
+    });
 
     // Through the gateway.
     let mut got = (0, Value::Null);
