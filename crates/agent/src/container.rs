@@ -9,8 +9,11 @@
 //! every capability, cannot gain privileges (`no-new-privileges`), never
 //! joins the host's network, PID or IPC namespaces, mounts no host path
 //! (its only writable scratch space is a size-capped tmpfs at
-//! [`SCRATCH_DIR`]), runs as an unprivileged user unless the configuration
-//! says otherwise, and joins its tenant's own network, so one tenant's
+//! [`SCRATCH_DIR`]), runs as an unprivileged user whatever the image's
+//! `USER` says (its tenant's own uid under a root agent, see
+//! [`ContainerRuntime::with_tenant_users`], else [`DEFAULT_USER`]: a rootful
+//! engine does not remap users, so an image's root would be the host's),
+//! and joins its tenant's own network, so one tenant's
 //! containers cannot reach another's.
 //!
 //! This module must never talk to the Flotilla server, never pull an image
@@ -35,13 +38,18 @@ use bollard::models::{
 use bollard::network::CreateNetworkOptions;
 use bollard::Docker;
 use chrono::{DateTime, Utc};
-use flotilla_core::api::{GpuSlice, LogStream};
+use flotilla_core::api::{ColdStart, GpuSlice, LogStream, ObservedContainer};
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{InstanceId, TenantId};
+use futures::future::BoxFuture;
 use futures::StreamExt;
 use tokio::sync::{mpsc, watch};
 
-use crate::runtime::{device_env, LogBuffer, Wakers, MAX_LINE_BYTES, SHIP_BATCH_LINES};
+use crate::runtime::sandbox::Users;
+use crate::runtime::{
+    device_env, Exit, LogBuffer, Runtime, RuntimeError, RuntimeKind, SpawnError, SpawnSpec, Wakers,
+    Workload, MAX_LINE_BYTES, SHIP_BATCH_LINES,
+};
 
 /// Label naming the instance a container runs.
 pub const LABEL_INSTANCE: &str = "flotilla.instance";
@@ -77,6 +85,22 @@ pub enum GpuPassthrough {
     /// CDI device names `nvidia.com/gpu=<uuid>` (Podman, or Docker with CDI
     /// enabled), for nodes set up with `nvidia-ctk cdi generate`.
     Cdi,
+}
+
+impl std::str::FromStr for GpuPassthrough {
+    type Err = String;
+
+    /// `simulated`, `device-requests` or `cdi` (`--container-gpus`).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "simulated" => Ok(GpuPassthrough::Simulated),
+            "device-requests" => Ok(GpuPassthrough::DeviceRequests),
+            "cdi" => Ok(GpuPassthrough::Cdi),
+            other => Err(format!(
+                "unknown gpu passthrough `{other}` (expected `simulated`, `device-requests` or `cdi`)"
+            )),
+        }
+    }
 }
 
 /// How the container runtime reaches its engine and shapes containers.
@@ -200,6 +224,9 @@ pub enum ContainerError {
     /// An engine call did not answer in time.
     #[error("container engine: {0}: no answer within 60 s")]
     Timeout(&'static str),
+    /// The tenant's uid could not be claimed.
+    #[error("cannot claim the tenant's user: {0}")]
+    User(#[source] std::io::Error),
     /// A container carries Flotilla's labels but not valid ones.
     #[error("container `{id}` has an invalid label {label}")]
     BadLabel {
@@ -256,6 +283,7 @@ pub struct StartTimings {
 pub struct Container {
     id: String,
     instance_id: InstanceId,
+    pid: u32,
     started_at: DateTime<Utc>,
     ports: Vec<PublishedPort>,
     ips: BTreeMap<String, String>,
@@ -276,6 +304,12 @@ impl Container {
     /// The instance it runs.
     pub fn instance_id(&self) -> &InstanceId {
         &self.instance_id
+    }
+
+    /// Host pid of its init process when it started (0 when the engine
+    /// did not say).
+    pub fn pid(&self) -> u32 {
+        self.pid
     }
 
     /// When it started running.
@@ -371,6 +405,10 @@ pub struct ContainerRuntime {
     docker: Docker,
     config: ContainerConfig,
     cache: Arc<Mutex<BTreeMap<String, CachedImage>>>,
+    /// What each start under way last said (an image pull's progress).
+    progress: Arc<Mutex<BTreeMap<InstanceId, String>>>,
+    /// Each tenant's own uid, when set: its containers run as it.
+    users: Option<Arc<Users>>,
 }
 
 impl std::fmt::Debug for ContainerRuntime {
@@ -592,7 +630,33 @@ impl ContainerRuntime {
             docker,
             config,
             cache: Arc::default(),
+            progress: Arc::default(),
+            users: None,
         })
+    }
+
+    /// Runs each tenant's containers as the tenant's own uid, claimed
+    /// from `users` (the process runtime's claims, so a tenant is one user
+    /// on the node whichever runtime runs its work), instead of
+    /// [`ContainerConfig::user`]. A rootful engine does not remap users:
+    /// two tenants sharing a uid would share it on the host too, should a
+    /// workload escape its namespaces.
+    pub fn with_tenant_users(mut self, users: Users) -> Self {
+        self.users = Some(Arc::new(users));
+        self
+    }
+
+    /// The `uid:gid` `tenant`'s containers run as.
+    async fn user_of(&self, tenant: &TenantId) -> Result<String, ContainerError> {
+        let Some(users) = self.users.clone() else {
+            return Ok(self.config.user.clone());
+        };
+        let owner = tenant.to_string();
+        let uid = tokio::task::spawn_blocking(move || users.uid_of(&owner))
+            .await
+            .map_err(|e| ContainerError::User(std::io::Error::other(e)))?
+            .map_err(ContainerError::User)?;
+        Ok(format!("{uid}:{uid}"))
     }
 
     /// The configuration.
@@ -751,6 +815,10 @@ impl ContainerRuntime {
             .await?;
         }
         progress("creating container".to_string());
+        let config = ContainerConfig {
+            user: self.user_of(&spec.tenant_id).await?,
+            ..self.config.clone()
+        };
         let name = container_name(&spec.instance_id);
         let created = timed(
             "create container",
@@ -759,7 +827,7 @@ impl ContainerRuntime {
                     name: name.clone(),
                     platform: None,
                 }),
-                container_config(spec, &self.config),
+                container_config(spec, &config),
             ),
         )
         .await?;
@@ -907,10 +975,8 @@ impl ContainerRuntime {
             .into_iter()
             .filter_map(|(name, ep)| Some((name, ep.ip_address.filter(|ip| !ip.is_empty())?)))
             .collect();
-        let cgroup = state
-            .pid
-            .filter(|p| *p > 0)
-            .and_then(|pid| memory_cgroup_of(u32::try_from(pid).ok()?));
+        let pid = state.pid.and_then(|p| u32::try_from(p).ok()).unwrap_or(0);
+        let cgroup = Some(pid).filter(|p| *p > 0).and_then(memory_cgroup_of);
         let logs = Arc::new(LogBuffer::new(instance_id.clone()));
         let (stop_tx, stop_rx) = mpsc::unbounded_channel();
         let (exit_tx, exit_rx) = watch::channel(None);
@@ -934,6 +1000,7 @@ impl ContainerRuntime {
         Container {
             id,
             instance_id,
+            pid,
             started_at,
             ports,
             ips,
@@ -944,6 +1011,193 @@ impl ContainerRuntime {
             logs,
             docker: self.docker.clone(),
         }
+    }
+}
+
+impl ContainerSpec {
+    /// The container to run for what the agent was assigned: the spawn
+    /// spec's image, ports and scratch space, its limits (0 means none)
+    /// and its tenant, which decides the network it joins.
+    pub fn for_spawn(spec: SpawnSpec) -> Result<Self, SpawnError> {
+        let image = spec.image.ok_or(SpawnError::NoImageOnContainerNode)?;
+        let tenant_id = spec.tenant_id.ok_or(SpawnError::NoTenant)?;
+        Ok(ContainerSpec {
+            instance_id: spec.instance_id,
+            tenant_id,
+            image: image.image,
+            command: spec.command,
+            env: spec.env,
+            ports: image.ports,
+            cpu_milli: spec.cpu_milli.filter(|m| *m > 0),
+            memory_mb: spec.memory_mb.filter(|m| *m > 0),
+            scratch_mb: image.scratch_mb,
+            gpu_indices: spec.gpu_indices,
+            gpu_uuids: spec.gpu_uuids,
+            vendors: spec.vendors,
+            gpu_slices: spec.gpu_slices,
+        })
+    }
+}
+
+impl StartTimings {
+    /// The agent's side of the cold-start breakdown; `None` for a
+    /// container this agent process did not start (adopted).
+    pub fn cold_start(&self) -> Option<ColdStart> {
+        let ready = self.started_at?;
+        let ms = |from: DateTime<Utc>, to: DateTime<Utc>| {
+            u64::try_from((to - from).num_milliseconds()).unwrap_or(0)
+        };
+        // Starting counts from the end of the pull, or from the create
+        // when the node had the image.
+        let start_from = self.pull.map(|(_, end)| end).or(self.created_at)?;
+        Some(ColdStart {
+            image_cached: self.cached,
+            queued_ms: None,
+            pulling_ms: Some(self.pull.map_or(0, |(from, to)| ms(from, to))),
+            starting_ms: Some(ms(start_from, ready)),
+            pull_started_at: self.pull.map(|(from, _)| from),
+            created_at: self.created_at,
+            ready_at: Some(ready),
+        })
+    }
+}
+
+impl Container {
+    /// What the server is told about it with every observation.
+    pub fn observed(&self) -> ObservedContainer {
+        ObservedContainer {
+            container_id: self.id.clone(),
+            ports: self
+                .ports
+                .iter()
+                .map(|p| flotilla_core::api::PublishedPort {
+                    container_port: p.container_port,
+                    host_port: p.host_port,
+                    url: p.url.clone(),
+                })
+                .collect(),
+            cold_start: self.timings.cold_start(),
+            oom_killed: false,
+        }
+    }
+
+    /// The agent's handle for it: stops asked of the handle reach the
+    /// engine, and its exit (with the OOM verdict) comes back through it.
+    fn into_workload(self, wakers: Wakers) -> Workload {
+        let (workload, mut control) = Workload::new(
+            self.instance_id.clone(),
+            self.pid,
+            // The engine, not a process group on the host, stops it: the
+            // node lease's fence process cannot, the agent's watchdog does.
+            None,
+            self.started_at,
+            self.logs.clone(),
+        );
+        let workload = workload.in_container(self.observed());
+        tokio::spawn(async move {
+            let exit = loop {
+                tokio::select! {
+                    exit = self.wait() => break exit,
+                    grace = control.stop_requested() => self.stop(grace),
+                }
+            };
+            control.exited(Exit {
+                code: exit.code,
+                at: exit.at,
+                stop_requested: exit.stop_requested,
+                oom_killed: exit.oom_killed,
+            });
+            // The container's supervisor woke them before this handle
+            // had the exit: wake them again now that it has.
+            wakers.logs.notify_one();
+            wakers.changed.notify_one();
+        });
+        workload
+    }
+}
+
+/// The agent's face of the container runtime: an instance's assignment
+/// becomes a container, a restarted agent takes over this node's
+/// containers, and a container is removed once the agent is done with it.
+impl Runtime for ContainerRuntime {
+    fn kind(&self) -> RuntimeKind {
+        RuntimeKind::Container
+    }
+
+    fn start(
+        &self,
+        spec: SpawnSpec,
+        wakers: Wakers,
+    ) -> BoxFuture<'_, Result<Workload, SpawnError>> {
+        Box::pin(async move {
+            let spec = ContainerSpec::for_spawn(spec)?;
+            let id = spec.instance_id.clone();
+            let progress = self.progress.clone();
+            // Reported with the next sync, not sooner: a pull says a lot,
+            // and each wake-up would resend the sync.
+            let say = move |message: String| {
+                progress
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id.clone(), message);
+            };
+            let started = ContainerRuntime::start(self, &spec, wakers.clone(), &say).await;
+            self.progress
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&spec.instance_id);
+            Ok(started?.into_workload(wakers))
+        })
+    }
+
+    fn adopt(&self, wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>> {
+        Box::pin(async move {
+            let engine = |e: ContainerError| RuntimeError::Engine(e.to_string());
+            let mut adopted = Vec::new();
+            for (instance_id, _) in self.list().await.map_err(engine)? {
+                // The engine keeps the whole log: it is replayed under the
+                // same sequence numbers, and the server ignores the lines
+                // it already has.
+                if let Some(c) = ContainerRuntime::adopt(self, &instance_id, 0, wakers.clone())
+                    .await
+                    .map_err(engine)?
+                {
+                    adopted.push(c.into_workload(wakers.clone()));
+                }
+            }
+            Ok(adopted)
+        })
+    }
+
+    fn progress(&self, instance_id: &InstanceId) -> Option<String> {
+        self.progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(instance_id)
+            .cloned()
+    }
+
+    fn release(&self, instance_id: &InstanceId) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let docker = self.docker.clone();
+        let name = container_name(instance_id);
+        let instance_id = instance_id.clone();
+        handle.spawn(async move {
+            let opts = RemoveContainerOptions {
+                force: true,
+                v: true,
+                ..Default::default()
+            };
+            match docker.remove_container(&name, Some(opts)).await {
+                Ok(()) => tracing::info!(%instance_id, container = %name, "container removed"),
+                Err(e) if status_of(&e) == Some(404) => {}
+                Err(error) => {
+                    tracing::warn!(%instance_id, container = %name, %error, "cannot remove container")
+                }
+            }
+        });
     }
 }
 
@@ -1403,6 +1657,81 @@ mod tests {
         s.feed(&big, |l| long.push(l.len()));
         s.feed(b"yy\nz\n", |l| long.push(l.len()));
         assert_eq!(long, vec![MAX_LINE_BYTES, 1]);
+    }
+
+    #[test]
+    fn assignments_become_container_specs() {
+        let base = SpawnSpec {
+            instance_id: InstanceId::generate(1, 1),
+            tenant_id: Some(TenantId::generate(1, 2)),
+            command: vec!["httpd".into()],
+            env: BTreeMap::from([("A".to_string(), "1".to_string())]),
+            workdir: PathBuf::from("/unused"),
+            gpu_indices: vec![0],
+            gpu_uuids: vec!["GPU-a".into()],
+            vendors: vec![Vendor::Nvidia],
+            gpu_slices: Vec::new(),
+            image: Some(flotilla_core::instance::ImageSpec {
+                image: "localhost/img:1".into(),
+                ports: vec![8080],
+                scratch_mb: Some(32),
+            }),
+            cpu_milli: Some(0),
+            memory_mb: Some(256),
+        };
+        let c = ContainerSpec::for_spawn(base.clone()).unwrap();
+        assert_eq!(c.image, "localhost/img:1");
+        assert_eq!(c.ports, vec![8080]);
+        assert_eq!(c.scratch_mb, Some(32));
+        assert_eq!(c.cpu_milli, None, "0 is no limit");
+        assert_eq!(c.memory_mb, Some(256));
+        assert_eq!(c.gpu_uuids, vec!["GPU-a".to_string()]);
+        let no_image = SpawnSpec {
+            image: None,
+            ..base.clone()
+        };
+        assert!(matches!(
+            ContainerSpec::for_spawn(no_image),
+            Err(SpawnError::NoImageOnContainerNode)
+        ));
+        let no_tenant = SpawnSpec {
+            tenant_id: None,
+            ..base
+        };
+        assert!(matches!(
+            ContainerSpec::for_spawn(no_tenant),
+            Err(SpawnError::NoTenant)
+        ));
+        assert_eq!("cdi".parse(), Ok(GpuPassthrough::Cdi));
+        assert!("gpu"
+            .parse::<GpuPassthrough>()
+            .unwrap_err()
+            .contains("`gpu`"));
+    }
+
+    #[test]
+    fn cold_starts_count_the_pull_and_the_start() {
+        let t = |s: i64| DateTime::from_timestamp(1_700_000_000 + s, 0).unwrap();
+        let pulled = StartTimings {
+            cached: false,
+            pull: Some((t(0), t(5))),
+            created_at: Some(t(6)),
+            started_at: Some(t(7)),
+        };
+        let c = pulled.cold_start().unwrap();
+        assert!(!c.image_cached);
+        assert_eq!((c.pulling_ms, c.starting_ms), (Some(5000), Some(2000)));
+        assert_eq!(c.ready_at, Some(t(7)));
+        let cached = StartTimings {
+            cached: true,
+            pull: None,
+            created_at: Some(t(1)),
+            started_at: Some(t(2)),
+        };
+        let c = cached.cold_start().unwrap();
+        assert!(c.image_cached && c.pull_started_at.is_none());
+        assert_eq!((c.pulling_ms, c.starting_ms), (Some(0), Some(1000)));
+        assert_eq!(StartTimings::default().cold_start(), None, "adopted");
     }
 
     #[test]

@@ -6,7 +6,6 @@
 //! user without a running service they are skipped with a message.
 
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use flotilla_agent::container::{
@@ -16,52 +15,12 @@ use flotilla_agent::runtime::Wakers;
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{InstanceId, TenantId};
 
-/// The engine's address, or `None` (skip) where it cannot run here.
-fn engine() -> Option<&'static (String, String)> {
-    static ENGINE: OnceLock<Option<(String, String)>> = OnceLock::new();
-    ENGINE
-        .get_or_init(|| {
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/podman-service");
-            let out = std::process::Command::new(script)
-                .arg("--env")
-                .output()
-                .expect("run scripts/podman-service");
-            let root = nix_is_root();
-            if !out.status.success() {
-                let stderr = String::from_utf8_lossy(&out.stderr);
-                if out.status.code() == Some(3) && !root {
-                    eprintln!("skipping container tests: {stderr}");
-                    return None;
-                }
-                panic!("scripts/podman-service failed ({}): {stderr}", out.status);
-            }
-            let text = String::from_utf8_lossy(&out.stdout);
-            let get = |k: &str| {
-                text.lines()
-                    .find_map(|l| l.strip_prefix(&format!("export {k}='")))
-                    .map(|v| v.trim_end_matches('\'').to_string())
-                    .unwrap_or_else(|| panic!("no {k} in {text}"))
-            };
-            Some((get("DOCKER_HOST"), get("FLOTILLA_TEST_IMAGE")))
-        })
-        .as_ref()
-}
-
-fn nix_is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .map(|u| u.split_whitespace().next() == Some("0"))
-        })
-        .unwrap_or(false)
-}
-
+/// The engine's address and the test image, or return (skip) where the
+/// engine cannot run here (see `flotilla_testkit::containers::engine`).
 macro_rules! engine_or_skip {
     () => {
-        match engine() {
-            Some(e) => e,
+        match flotilla_testkit::containers::engine() {
+            Some(e) => (&e.docker_host, &e.image),
             None => return,
         }
     };

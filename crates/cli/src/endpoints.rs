@@ -115,6 +115,15 @@ pub struct Settings {
     /// Remove every queue trigger (update only).
     #[arg(long = "no-queue-triggers", conflicts_with_all = ["rabbitmq_queues", "nats_consumers"])]
     pub no_queue_triggers: bool,
+    /// Run the replicas from this OCI image in containers (on nodes whose
+    /// agent runs the container runtime); on update, `""` goes back to
+    /// the command on the node.
+    #[arg(long, value_name = "IMAGE")]
+    pub image: Option<String>,
+    /// With `--image`: a container port to publish (repeatable); the
+    /// replica serves on the first (its `PORT`, default 8080).
+    #[arg(long = "port", short = 'p', value_name = "PORT")]
+    pub ports: Vec<u16>,
 }
 
 impl Settings {
@@ -174,9 +183,10 @@ pub struct DeployArgs {
     /// Tier of the replicas: 1 dedicated, 2 or 3 preemptible.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     pub tier: Option<u8>,
-    /// The replica's program and arguments (after `--`).
+    /// The replica's program and arguments (after `--`); with `--image`,
+    /// it replaces the image's command and may be left out.
     #[arg(
-        required = true,
+        required_unless_present = "image",
         trailing_var_arg = true,
         allow_hyphen_values = true,
         value_name = "CMD"
@@ -270,6 +280,8 @@ async fn deploy(ctx: &Ctx, a: DeployArgs) -> Result<ExitCode> {
         name: a.name,
         command: a.command,
         env: s.env.into_iter().collect(),
+        image: s.image,
+        ports: s.ports,
         models: s.models,
         gpus: s.gpus,
         gpu_types: s.gpu_types,
@@ -306,6 +318,8 @@ async fn update(ctx: &Ctx, a: UpdateArgs) -> Result<ExitCode> {
     let req = UpdateEndpoint {
         command: (!a.command.is_empty()).then_some(a.command),
         env: (!s.env.is_empty()).then(|| s.env.into_iter().collect()),
+        image: s.image,
+        ports: (!s.ports.is_empty()).then_some(s.ports),
         models: (!s.models.is_empty()).then_some(s.models),
         gpus: s.gpus,
         gpu_types: (!s.gpu_types.is_empty()).then_some(s.gpu_types),

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_testkit::process::{free_port, http, wait_until, Home, Proc};
+use flotilla_testkit::process::{free_port, http, wait_until, Home};
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
@@ -24,23 +24,6 @@ fn tenant(home: &Home, op: &str, name: &str) -> String {
         &["keys", "create", "--role", "tenant_admin", "--tenant", &id],
     );
     k["secret"].as_str().unwrap().to_string()
-}
-
-fn gateway(home: &Home, port: u16) -> Proc {
-    let token = std::fs::read_to_string(home.data().join("agent.token")).expect("agent token");
-    let child = home
-        .cmd()
-        .args(["--server", &home.url(), "gateway", "--token", token.trim()])
-        .args(["--bind", &format!("127.0.0.1:{port}")])
-        .stdout(home.log("gateway"))
-        .stderr(home.log("gateway"))
-        .spawn()
-        .expect("start flotilla gateway");
-    let gw = Proc(child);
-    wait_until("the gateway listens", Duration::from_secs(30), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
-    gw
 }
 
 fn chat(gw: &str, key: &str, model: &str) -> (u16, Value) {
@@ -100,7 +83,7 @@ fn an_endpoint_scales_from_zero_serves_200_requests_and_returns_to_zero() {
     let key = tenant(&home, &op, "acme");
     let other = tenant(&home, &op, "rival");
     let port = free_port();
-    let _gw = gateway(&home, port);
+    let _gw = home.gateway(port);
     let gw = format!("http://127.0.0.1:{port}");
 
     let replica = format!(

@@ -35,10 +35,22 @@ pub struct CreateEndpoint {
     pub name: String,
     /// Program and arguments of a replica, run without a shell. The
     /// replica gets `PORT` in its environment and must serve HTTP there.
+    /// With `image`, it replaces the image's command and may be empty.
+    #[serde(default)]
     pub command: Vec<String>,
     /// Extra environment of a replica (`PORT` is set by Flotilla).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Run each replica from this OCI image in a container (on nodes whose
+    /// agent runs the container runtime) instead of the command on the
+    /// node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// With `image`: the container ports to publish; the replica serves
+    /// on the first (its `PORT`; default 8080), where the gateway reaches
+    /// it through the port the node published.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<u16>,
     /// Model names served: an OpenAI request whose `model` is one of them
     /// is routed here. Default: the endpoint's name.
     #[serde(default)]
@@ -159,6 +171,13 @@ pub struct UpdateEndpoint {
     /// New environment, replacing the old one (new revision).
     #[serde(default)]
     pub env: Option<BTreeMap<String, String>>,
+    /// New image (new revision); an empty string runs the command on the
+    /// node again.
+    #[serde(default)]
+    pub image: Option<String>,
+    /// New container ports, replacing the old ones (new revision).
+    #[serde(default)]
+    pub ports: Option<Vec<u16>>,
     /// New model names.
     #[serde(default)]
     pub models: Option<Vec<String>>,
@@ -237,6 +256,13 @@ pub struct EndpointSpec {
     pub command: Vec<String>,
     /// Replica environment.
     pub env: BTreeMap<String, String>,
+    /// The image replicas run from, in containers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// With an image: the container ports published, the first served
+    /// (never empty when `image` is set).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<u16>,
     /// Model names served.
     pub models: Vec<String>,
     /// Whole GPUs per replica.
@@ -400,12 +426,15 @@ fn instance_request(c: &CreateEndpoint, tier: u8) -> CreateInstance {
         preemptible: Some(tier > 1),
         gpu_fraction: c.gpu_fraction,
         mig_profile: c.mig_profile.clone(),
-        // Replicas run a command until the agent runs containers.
-        image: None,
-        ports: Vec::new(),
+        image: c.image.clone(),
+        ports: c.ports.clone(),
         scratch_mb: None,
     }
 }
+
+/// The container port a replica serves on when its endpoint names an
+/// image and no port.
+pub const DEFAULT_CONTAINER_PORT: u16 = 8080;
 
 fn positive_ms(v: u64, field: &str) -> Result<u64, FieldError> {
     if v == 0 || v > 24 * 3_600_000 {
@@ -420,7 +449,7 @@ fn positive_ms(v: u64, field: &str) -> Result<u64, FieldError> {
 impl CreateEndpoint {
     /// Validates against the catalog and fills in defaults; every error
     /// names the JSON field at fault.
-    pub fn validate(self, catalog: &Catalog) -> Result<EndpointSpec, FieldError> {
+    pub fn validate(mut self, catalog: &Catalog) -> Result<EndpointSpec, FieldError> {
         crate::tenant::validate_name(&self.name, "name")?;
         if self.env.contains_key("PORT") {
             return Err(FieldError::new(
@@ -429,6 +458,9 @@ impl CreateEndpoint {
             ));
         }
         let tier = self.tier.unwrap_or(1);
+        if self.image.is_some() && self.ports.is_empty() {
+            self.ports = vec![DEFAULT_CONTAINER_PORT];
+        }
         let inst = instance_request(&self, tier).validate(catalog)?;
         let models = if self.models.is_empty() {
             vec![self.name.clone()]
@@ -521,6 +553,12 @@ impl CreateEndpoint {
             name: self.name,
             command: inst.command,
             env: inst.env,
+            ports: inst
+                .image
+                .as_ref()
+                .map(|i| i.ports.clone())
+                .unwrap_or_default(),
+            image: inst.image.map(|i| i.image),
             models,
             gpus: inst.gpus,
             gpu_types: inst.gpu_types,
@@ -560,6 +598,8 @@ impl EndpointSpec {
             name: self.name.clone(),
             command: self.command.clone(),
             env: self.env.clone(),
+            image: self.image.clone(),
+            ports: self.ports.clone(),
             models: self.models.clone(),
             gpus: Some(self.gpus),
             gpu_types: self.gpu_types.clone(),
@@ -603,7 +643,14 @@ impl EndpointSpec {
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = u.$f { c.$f = v.into(); } )* };
         }
-        set!(command, env, models, gpu_types, schedules, queue_triggers);
+        set!(command, env, models, gpu_types, schedules, queue_triggers, ports);
+        if let Some(image) = u.image {
+            // Empty: back to the command on the node, without ports.
+            c.image = Some(image).filter(|i| !i.trim().is_empty());
+            if c.image.is_none() {
+                c.ports.clear();
+            }
+        }
         macro_rules! set_opt {
             ($($f:ident),*) => { $( if u.$f.is_some() { c.$f = u.$f; } )* };
         }
@@ -638,6 +685,8 @@ impl EndpointSpec {
         let next = c.validate(catalog)?;
         let bump = next.command != self.command
             || next.env != self.env
+            || next.image != self.image
+            || next.ports != self.ports
             || next.gpus != self.gpus
             || next.gpu_types != self.gpu_types
             || next.gpu_fraction != self.gpu_fraction
@@ -647,8 +696,20 @@ impl EndpointSpec {
         Ok((next, bump))
     }
 
+    /// The container port a replica serves on, when it runs from an image.
+    pub fn served_port(&self) -> Option<u16> {
+        self.image.as_ref().map(|_| {
+            self.ports
+                .first()
+                .copied()
+                .unwrap_or(DEFAULT_CONTAINER_PORT)
+        })
+    }
+
     /// The instance a replica of `revision` is: the command with `PORT`
-    /// and the endpoint's identity in its environment.
+    /// and the endpoint's identity in its environment. `port` is the
+    /// node's port it listens on; a replica in a container listens on its
+    /// served container port instead, which the node publishes.
     pub fn replica_instance(
         &self,
         catalog: &Catalog,
@@ -663,6 +724,7 @@ impl EndpointSpec {
                 .take(63)
                 .collect(),
         );
+        let port = self.served_port().unwrap_or(port);
         c.env.insert("PORT".into(), port.to_string());
         c.env
             .insert("FLOTILLA_ENDPOINT_ID".into(), endpoint.to_string());
@@ -1078,6 +1140,70 @@ mod tests {
             .unwrap();
         assert_eq!(i.env["PORT"], "4567");
         assert_eq!(i.env["FLOTILLA_ENDPOINT_REVISION"], "3");
+        assert!(i.image.is_none());
+    }
+
+    #[test]
+    fn image_replicas_serve_on_a_published_container_port() {
+        let c = Catalog::default();
+        let s = CreateEndpoint {
+            image: Some("registry.example/vllm:1".into()),
+            command: Vec::new(),
+            ..req()
+        }
+        .validate(&c)
+        .unwrap();
+        assert_eq!(s.ports, vec![DEFAULT_CONTAINER_PORT], "the default port");
+        assert_eq!(s.served_port(), Some(DEFAULT_CONTAINER_PORT));
+        let i = s
+            .replica_instance(&c, &EndpointId::generate(1, 2), 1, 4567)
+            .unwrap();
+        let image = i.image.as_ref().unwrap();
+        assert_eq!(image.image, "registry.example/vllm:1");
+        assert_eq!(image.ports, vec![8080]);
+        assert_eq!(i.env["PORT"], "8080", "the container port, not the node's");
+
+        // A new image or port is a new revision; an empty image goes back
+        // to the command (which it then needs).
+        let (n, bump) = s
+            .update(
+                UpdateEndpoint {
+                    ports: Some(vec![9000, 9001]),
+                    ..UpdateEndpoint::default()
+                },
+                &c,
+            )
+            .unwrap();
+        assert!(bump);
+        assert_eq!(n.served_port(), Some(9000));
+        let (n, bump) = s
+            .update(
+                UpdateEndpoint {
+                    image: Some(String::new()),
+                    command: Some(vec!["serve".into()]),
+                    ..UpdateEndpoint::default()
+                },
+                &c,
+            )
+            .unwrap();
+        assert!(bump);
+        assert!(n.image.is_none() && n.ports.is_empty() && n.served_port().is_none());
+
+        // Bad input names its field.
+        let e = CreateEndpoint {
+            image: Some("not an image!".into()),
+            ..req()
+        }
+        .validate(&c)
+        .unwrap_err();
+        assert_eq!(e.field, "image");
+        let e = CreateEndpoint {
+            ports: vec![8080],
+            ..req()
+        }
+        .validate(&c)
+        .unwrap_err();
+        assert_eq!(e.field, "ports");
     }
 
     fn t(s: i64) -> DateTime<Utc> {

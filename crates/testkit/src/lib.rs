@@ -13,9 +13,13 @@
 //!   temporary home, and a minimal blocking HTTP client independent of the
 //!   code under test.
 //!
+//! - [`containers`]: Podman's Docker API service and the local busybox
+//!   image, for the container runtime's end-to-end tests.
+//!
 //! Test-only: never a dependency of a shipped crate.
 
 pub mod brokers;
+pub mod containers;
 pub mod db;
 pub mod process;
 pub mod server;
