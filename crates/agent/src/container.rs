@@ -19,9 +19,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
+use bollard::auth::DockerCredentials;
 use bollard::container::{
     Config, CreateContainerOptions, InspectContainerOptions, KillContainerOptions,
     ListContainersOptions, LogOutput, LogsOptions, NetworkingConfig, RemoveContainerOptions,
@@ -38,9 +39,12 @@ use chrono::{DateTime, Utc};
 use flotilla_core::api::{GpuSlice, LogStream};
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{InstanceId, TenantId};
+use flotilla_core::registry::{registry_of, RegistryAuth};
 use futures::StreamExt;
 use tokio::sync::{mpsc, watch};
 
+pub use crate::image_cache::CachedImage;
+use crate::image_cache::{ImageCache, ImagePin};
 use crate::runtime::{device_env, LogBuffer, Wakers, MAX_LINE_BYTES, SHIP_BATCH_LINES};
 
 /// Label naming the instance a container runs.
@@ -101,6 +105,9 @@ pub struct ContainerConfig {
     pub public_host: String,
     /// Per-node image cache limit in bytes; `None`: no eviction.
     pub image_cache_bytes: Option<u64>,
+    /// Where the image cache keeps its record of last uses, so a restarted
+    /// agent evicts in the same order; `None`: not kept.
+    pub state_dir: Option<PathBuf>,
 }
 
 impl ContainerConfig {
@@ -117,6 +124,7 @@ impl ContainerConfig {
             publish_ip: "0.0.0.0".to_string(),
             public_host: "127.0.0.1".to_string(),
             image_cache_bytes: None,
+            state_dir: None,
         }
     }
 }
@@ -151,6 +159,9 @@ pub struct ContainerSpec {
     pub vendors: Vec<Vendor>,
     /// What it holds of each GPU when it shares them (fractions, MIG).
     pub gpu_slices: Vec<GpuSlice>,
+    /// The tenant's login for the image's registry, from the assignment:
+    /// used for the pull only, and only when it names the image's registry.
+    pub registry_auth: Option<RegistryAuth>,
 }
 
 /// A container port published on the node.
@@ -352,25 +363,12 @@ impl Container {
     }
 }
 
-/// What an image cache entry knows.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CachedImage {
-    /// The reference the instance asked for.
-    pub image: String,
-    /// Its size in bytes, as the engine reports it.
-    pub size_bytes: u64,
-    /// When an instance last started from it.
-    pub last_used: DateTime<Utc>,
-    /// How many times this agent pulled it.
-    pub pulls: u32,
-}
-
 /// The container runtime of one node.
 #[derive(Clone)]
 pub struct ContainerRuntime {
     docker: Docker,
     config: ContainerConfig,
-    cache: Arc<Mutex<BTreeMap<String, CachedImage>>>,
+    cache: Arc<ImageCache>,
 }
 
 impl std::fmt::Debug for ContainerRuntime {
@@ -588,10 +586,17 @@ impl ContainerRuntime {
             Ok(Err(source)) => return Err(unreachable(source)),
             Err(_) => return Err(ContainerError::Timeout("ping")),
         }
+        let cache = Arc::new(ImageCache::open(
+            config.image_cache_bytes,
+            config.state_dir.as_deref(),
+        ));
+        if cache.limit_bytes().is_some() {
+            tokio::spawn(enforce_forever(Arc::downgrade(&cache), docker.clone()));
+        }
         Ok(Self {
             docker,
             config,
-            cache: Arc::default(),
+            cache,
         })
     }
 
@@ -607,11 +612,19 @@ impl ContainerRuntime {
 
     /// What the image cache holds, by image reference.
     pub fn cached_images(&self) -> Vec<CachedImage> {
-        self.lock_cache().values().cloned().collect()
+        self.cache.images()
     }
 
-    fn lock_cache(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, CachedImage>> {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    /// The image cache as the agent reports it to the server.
+    pub fn image_report(&self) -> Vec<flotilla_core::api::NodeImage> {
+        self.cache.report()
+    }
+
+    /// Removes the least recently used images until the cache fits its
+    /// limit (see [`crate::image_cache`]); returns the references removed.
+    /// Runs after every start and every [`crate::image_cache::ENFORCE_EVERY`].
+    pub async fn enforce_image_cache(&self) -> Result<Vec<String>, ContainerError> {
+        self.cache.enforce(&self.docker).await
     }
 
     /// Makes sure the node has `image`: pulls it when missing, reporting
@@ -622,30 +635,40 @@ impl ContainerRuntime {
         image: &str,
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<Option<(DateTime<Utc>, DateTime<Utc>)>, ContainerError> {
-        let (present, size) = match self.docker.inspect_image(image).await {
-            Ok(i) => (
-                true,
+        self.ensure_image_pinned(image, None, progress)
+            .await
+            .map(|(pull, _)| pull)
+    }
+
+    /// [`ContainerRuntime::ensure_image`] with the tenant's registry login,
+    /// returning a pin that keeps the image from eviction until the
+    /// container exists.
+    async fn ensure_image_pinned(
+        &self,
+        image: &str,
+        auth: Option<&RegistryAuth>,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<(Option<(DateTime<Utc>, DateTime<Utc>)>, ImagePin), ContainerError> {
+        let _starting = self.cache.starting().await;
+        let inspected = |i: bollard::models::ImageInspect| {
+            (
+                i.id.unwrap_or_default(),
                 i.size.and_then(|s| u64::try_from(s).ok()).unwrap_or(0),
-            ),
-            Err(e) if status_of(&e) == Some(404) => (false, 0),
+            )
+        };
+        match self.docker.inspect_image(image).await {
+            Ok(i) => {
+                let (id, size) = inspected(i);
+                let pin = self.cache.record_use(image, &id, size, Utc::now(), false);
+                return Ok((None, pin));
+            }
+            Err(e) if status_of(&e) == Some(404) => {}
             Err(source) => {
                 return Err(ContainerError::Engine {
                     what: "inspect image",
                     source,
                 })
             }
-        };
-        let now = Utc::now();
-        if present {
-            let mut cache = self.lock_cache();
-            let entry = cache.entry(image.to_string()).or_insert(CachedImage {
-                image: image.to_string(),
-                size_bytes: size,
-                last_used: now,
-                pulls: 0,
-            });
-            entry.last_used = now;
-            return Ok(None);
         }
         let started = Utc::now();
         progress(format!("pulling image {image}"));
@@ -653,7 +676,16 @@ impl ContainerRuntime {
             from_image: image.to_string(),
             ..Default::default()
         };
-        let mut stream = self.docker.create_image(Some(opts), None, None);
+        // A login goes only to the registry it was stored for.
+        let credentials =
+            auth.filter(|a| a.registry == registry_of(image))
+                .map(|a| DockerCredentials {
+                    username: Some(a.username.clone()),
+                    password: Some(a.secret.clone()),
+                    serveraddress: Some(a.registry.clone()),
+                    ..Default::default()
+                });
+        let mut stream = self.docker.create_image(Some(opts), None, credentials);
         while let Some(item) = stream.next().await {
             let info = item.map_err(|source| ContainerError::Pull {
                 image: image.to_string(),
@@ -669,21 +701,17 @@ impl ContainerRuntime {
             }
         }
         let finished = Utc::now();
-        let size = match self.docker.inspect_image(image).await {
-            Ok(i) => i.size.and_then(|s| u64::try_from(s).ok()).unwrap_or(0),
-            Err(_) => 0,
+        let (id, size) = match self.docker.inspect_image(image).await {
+            Ok(i) => inspected(i),
+            Err(source) => {
+                return Err(ContainerError::Engine {
+                    what: "inspect pulled image",
+                    source,
+                })
+            }
         };
-        let mut cache = self.lock_cache();
-        let entry = cache.entry(image.to_string()).or_insert(CachedImage {
-            image: image.to_string(),
-            size_bytes: size,
-            last_used: finished,
-            pulls: 0,
-        });
-        entry.pulls += 1;
-        entry.size_bytes = size;
-        entry.last_used = finished;
-        Ok(Some((started, finished)))
+        let pin = self.cache.record_use(image, &id, size, finished, true);
+        Ok((Some((started, finished)), pin))
     }
 
     /// Creates the tenant's network when missing. Networks are isolated
@@ -733,7 +761,9 @@ impl ContainerRuntime {
         wakers: Wakers,
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<Container, ContainerError> {
-        let pull = self.ensure_image(&spec.image, progress).await?;
+        let (pull, pin) = self
+            .ensure_image_pinned(&spec.image, spec.registry_auth.as_ref(), progress)
+            .await?;
         let mut timings = StartTimings {
             cached: pull.is_none(),
             pull,
@@ -764,6 +794,8 @@ impl ContainerRuntime {
         )
         .await?;
         timings.created_at = Some(Utc::now());
+        // The container now holds the image against eviction.
+        drop(pin);
         if let Err(e) = timed(
             "start container",
             self.docker
@@ -788,6 +820,11 @@ impl ContainerRuntime {
         timings.started_at = Some(Utc::now());
         let inspected = self.inspect(&created.id).await?;
         tracing::info!(instance_id = %spec.instance_id, container = %created.id, image = %spec.image, cached = timings.cached, "container started");
+        if self.cache.limit_bytes().is_some() {
+            if let Err(error) = self.enforce_image_cache().await {
+                tracing::warn!(%error, "cannot enforce the image cache limit");
+            }
+        }
         Ok(self.supervise(
             spec.instance_id.clone(),
             inspected,
@@ -943,6 +980,20 @@ impl ContainerRuntime {
             exit_rx,
             logs,
             docker: self.docker.clone(),
+        }
+    }
+}
+
+/// Enforces the image cache's limit every [`crate::image_cache::ENFORCE_EVERY`]
+/// until the runtime is dropped.
+async fn enforce_forever(cache: std::sync::Weak<ImageCache>, docker: Docker) {
+    loop {
+        tokio::time::sleep(crate::image_cache::ENFORCE_EVERY).await;
+        let Some(cache) = cache.upgrade() else {
+            return;
+        };
+        if let Err(error) = cache.enforce(&docker).await {
+            tracing::warn!(%error, "cannot enforce the image cache limit");
         }
     }
 }
@@ -1277,6 +1328,7 @@ mod tests {
             gpu_uuids: vec!["GPU-a".into(), "GPU-b".into()],
             vendors: vec![Vendor::Nvidia, Vendor::Nvidia],
             gpu_slices: Vec::new(),
+            registry_auth: None,
         }
     }
 

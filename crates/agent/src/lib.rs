@@ -23,6 +23,7 @@ pub mod client;
 pub mod container;
 pub mod discovery;
 pub mod fence;
+pub mod image_cache;
 pub mod runtime;
 pub mod telemetry;
 
@@ -660,6 +661,7 @@ impl Agent {
                 observed: self.observed(),
                 wait_ms,
                 gpus: self.telemetry.sample(),
+                images: self.runtime.cached_images(),
             };
             let sent = Instant::now();
             let result = tokio::select! {
@@ -953,6 +955,7 @@ impl Agent {
             observed: self.observed(),
             wait_ms: 0,
             gpus: Vec::new(),
+            images: None,
         };
         match tokio::time::timeout(SHUTDOWN_STEP_TIMEOUT, self.client.sync(&node.node_id, &req))
             .await

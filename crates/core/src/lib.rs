@@ -18,6 +18,7 @@ pub mod job;
 pub mod node;
 pub mod placement;
 pub mod quota;
+pub mod registry;
 pub mod tenant;
 pub mod work;
 

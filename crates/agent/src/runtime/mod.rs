@@ -187,6 +187,12 @@ pub trait Runtime: Send + Sync {
     /// server no longer lists it): whatever the runtime kept to take it
     /// over after a restart may go.
     fn release(&self, _instance_id: &InstanceId) {}
+
+    /// The node's image cache, reported to the server with every sync;
+    /// `None` for runtimes without images (processes).
+    fn cached_images(&self) -> Option<Vec<flotilla_core::api::NodeImage>> {
+        None
+    }
 }
 
 /// Why a runtime could not be set up or could not list its workloads.
