@@ -77,6 +77,18 @@ impl Store {
         })
     }
 
+    /// The stored, sealed form of a credential's secret, as it lies in the
+    /// database: for audits of what is at rest (it must never contain the
+    /// secret), never for use.
+    pub async fn sealed_registry_secret(&self, id: &RegistryCredentialId) -> Result<String> {
+        let row = sqlx::query("SELECT secret_sealed FROM registry_credentials WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(crate::StoreError::NotFound("registry credential"))?;
+        Ok(row.try_get("secret_sealed")?)
+    }
+
     /// The tenant's credentials, by registry, without their secrets.
     pub async fn registry_credentials(&self, tenant: &TenantId) -> Result<Vec<RegistryCredential>> {
         let rows = sqlx::query(
