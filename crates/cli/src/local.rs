@@ -307,9 +307,10 @@ struct RunningServer {
 }
 
 async fn start_server(args: ServerArgs) -> Result<RunningServer> {
-    let server_config = args.config();
+    let mut server_config = args.config();
     let data_dir = data_dir(args.data_dir)?;
     config::create_private_dir(&data_dir)?;
+    server_config.secrets_key_file = Some(data_dir.join("secrets.key"));
     let database_url = args
         .database_url
         .unwrap_or_else(|| default_database_url(&data_dir));

@@ -79,42 +79,52 @@ impl SecretKey {
         Ok(Self(bytes.into()))
     }
 
-    /// The key from [`KEY_ENV`] when set, else from `file`, which is
-    /// created (mode 0600, a fresh key) when missing and made private when
-    /// it exists.
+    /// The key in [`KEY_ENV`], when it is set.
+    pub fn from_env() -> Option<Result<Self, SecretError>> {
+        std::env::var(KEY_ENV)
+            .ok()
+            .map(|text| Self::from_hex(&text, KEY_ENV))
+    }
+
+    /// The key from [`KEY_ENV`] when set, else from `file` (see
+    /// [`SecretKey::load_file`]).
     pub fn load(file: &Path) -> Result<Self, SecretError> {
-        if let Ok(text) = std::env::var(KEY_ENV) {
-            return Self::from_hex(&text, KEY_ENV);
-        }
-        Self::load_file(file)
+        Self::from_env().unwrap_or_else(|| Self::load_file(file))
     }
 
     /// The key in `file`, created (mode 0600, a fresh key) when missing.
+    /// The new key is written to a private temporary file first and then
+    /// linked into place, so two processes starting at once end with one
+    /// key, and none ever reads a half-written file.
     pub fn load_file(file: &Path) -> Result<Self, SecretError> {
         let io = |source| SecretError::KeyFile {
             path: file.to_path_buf(),
             source,
         };
-        match std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(file)
-        {
-            Ok(mut f) => {
-                let key = Self::generate();
-                f.write_all(hex::encode(key.0).as_bytes()).map_err(io)?;
-                f.sync_all().map_err(io)?;
-                Ok(key)
+        if !file.exists() {
+            let key = Self::generate();
+            let tmp = file.with_extension(format!("tmp-{}", rand::random::<u64>()));
+            let written = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .and_then(|mut f| {
+                    f.write_all(hex::encode(key.0).as_bytes())?;
+                    f.sync_all()
+                });
+            let linked = written.and_then(|()| std::fs::hard_link(&tmp, file));
+            let _ = std::fs::remove_file(&tmp);
+            match linked {
+                Ok(()) => return Ok(key),
+                // Another process made it first: use theirs.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(io(e)),
             }
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600))
-                    .map_err(io)?;
-                let text = std::fs::read_to_string(file).map_err(io)?;
-                Self::from_hex(&text, &file.display().to_string())
-            }
-            Err(e) => Err(io(e)),
         }
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+        let text = std::fs::read_to_string(file).map_err(io)?;
+        Self::from_hex(&text, &file.display().to_string())
     }
 
     /// Seals `plain`, bound to `context` (which must be given again to

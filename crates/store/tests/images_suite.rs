@@ -32,7 +32,9 @@ flotilla_testdb::backend_suite!(
 
 async fn tenant(s: &Store) -> TenantId {
     let t = TenantId::generate(1, rnd());
-    s.create_tenant(&t, &format!("t{}", rnd()), t0()).await.unwrap();
+    s.create_tenant(&t, &format!("t{}", rnd()), t0())
+        .await
+        .unwrap();
     t
 }
 
@@ -56,7 +58,10 @@ async fn a_credential_round_trips_sealed_and_opens_only_with_its_key(s: &Store) 
         .await
         .unwrap();
     assert_eq!(made.registry, "registry.example:5000");
-    assert_eq!(s.registry_credentials(&t).await.unwrap(), vec![made.clone()]);
+    assert_eq!(
+        s.registry_credentials(&t).await.unwrap(),
+        vec![made.clone()]
+    );
 
     // At rest: sealed, no trace of the secret (nor of its hex).
     let sealed = s.sealed_registry_secret(&id).await.unwrap();
@@ -71,10 +76,18 @@ async fn a_credential_round_trips_sealed_and_opens_only_with_its_key(s: &Store) 
         .unwrap()
         .unwrap();
     assert_eq!(
-        (auth.registry.as_str(), auth.username.as_str(), auth.secret.as_str()),
+        (
+            auth.registry.as_str(),
+            auth.username.as_str(),
+            auth.secret.as_str()
+        ),
         ("registry.example:5000", "robot$ci", secret)
     );
-    assert!(s.registry_auth(&t, "other.example", &key).await.unwrap().is_none());
+    assert!(s
+        .registry_auth(&t, "other.example", &key)
+        .await
+        .unwrap()
+        .is_none());
 
     // Another key: a typed error, never an anonymous pull.
     let wrong = s
@@ -123,7 +136,11 @@ async fn another_tenant_neither_sees_nor_uses_nor_deletes_a_credential(s: &Store
         .await
         .unwrap();
     assert!(s.registry_credentials(&b).await.unwrap().is_empty());
-    assert!(s.registry_auth(&b, "ghcr.io", &key).await.unwrap().is_none());
+    assert!(s
+        .registry_auth(&b, "ghcr.io", &key)
+        .await
+        .unwrap()
+        .is_none());
     assert!(matches!(
         s.delete_registry_credential(&b, &id).await,
         Err(StoreError::NotFound(_))
