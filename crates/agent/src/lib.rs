@@ -107,6 +107,10 @@ pub struct AgentConfig {
     pub insecure_process_runtime: bool,
     /// Host paths shown inside every sandboxed workload (`--sandbox-share`).
     pub sandbox_shares: Vec<runtime::sandbox::SharedPath>,
+    /// Size limit of the container runtime's image cache in bytes
+    /// ([`image_cache`]; its record lives in `work_dir`); `None`: no
+    /// limit.
+    pub image_cache_bytes: Option<u64>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -125,6 +129,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("runtime", &self.runtime)
             .field("insecure_process_runtime", &self.insecure_process_runtime)
             .field("sandbox_shares", &self.sandbox_shares)
+            .field("image_cache_bytes", &self.image_cache_bytes)
             .finish()
     }
 }
@@ -151,6 +156,7 @@ impl AgentConfig {
             runtime: RuntimeKind::default(),
             insecure_process_runtime: false,
             sandbox_shares: Vec::new(),
+            image_cache_bytes: Some(image_cache::DEFAULT_IMAGE_CACHE_GB * 1_000_000_000),
         }
     }
 }

@@ -181,6 +181,11 @@ pub struct AgentArgs {
     /// sees it: for shared weights, datasets or scratch, never secrets.
     #[arg(long, value_name = "PATH[:rw]")]
     pub sandbox_share: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
+    /// Size limit of the node's image cache (container runtime), in GB:
+    /// past it the least recently used images no container uses are
+    /// removed. 0: no limit.
+    #[arg(long, value_name = "GB", default_value_t = flotilla_agent::image_cache::DEFAULT_IMAGE_CACHE_GB)]
+    pub image_cache_gb: u64,
 }
 
 /// Installs the stderr logger: `RUST_LOG` when set, else `info` for the
@@ -600,6 +605,8 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     cfg.runtime = args.runtime;
     cfg.insecure_process_runtime = args.insecure_process_runtime;
     cfg.sandbox_shares = args.sandbox_share;
+    cfg.image_cache_bytes =
+        (args.image_cache_gb > 0).then(|| args.image_cache_gb.saturating_mul(1_000_000_000));
     // The node lease's fence: this binary, as `flotilla agent-fence`.
     cfg.fence_program = std::env::current_exe().ok();
     let (stop, stopped) = oneshot::channel::<()>();
