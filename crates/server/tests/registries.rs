@@ -69,14 +69,7 @@ async fn bad_credentials_are_refused_naming_the_field_and_store_nothing() {
         ),
     ];
     for (body, field) in cases {
-        let r = s
-            .request(
-                &admin,
-                Method::POST,
-                "/v1/registry-credentials",
-                Some(body.clone()),
-            )
-            .await;
+        let r = post_login(&s, &admin, body.clone()).await;
         assert_eq!(
             r.status,
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -93,25 +86,16 @@ async fn bad_credentials_are_refused_naming_the_field_and_store_nothing() {
         json!({"registry": "r.example", "username": "u"}),
         json!({"registry": "r.example", "username": "u", "secret": "s", "email": "x"}),
     ] {
-        let r = s
-            .request(
-                &admin,
-                Method::POST,
-                "/v1/registry-credentials",
-                Some(body.clone()),
-            )
-            .await;
+        let r = post_login(&s, &admin, body.clone()).await;
         assert!(r.status.is_client_error(), "{body}: {}", r.status);
     }
     // Members use them (through their instances) but do not manage them.
-    let r = s
-        .request(
-            &member,
-            Method::POST,
-            "/v1/registry-credentials",
-            Some(json!({"registry": "r.example", "username": "u", "secret": "s"})),
-        )
-        .await;
+    let r = post_login(
+        &s,
+        &member,
+        json!({"registry": "r.example", "username": "u", "secret": "s"}),
+    )
+    .await;
     assert_eq!(r.status, StatusCode::FORBIDDEN);
     let list = s
         .ok(&member, Method::GET, "/v1/registry-credentials", None)
@@ -125,14 +109,7 @@ async fn the_secret_is_write_only_sealed_and_the_tenants_alone() {
     let (_, a_admin, a_member) = tenant(&s, "tenant-a").await;
     let (_, b_admin, b_member) = tenant(&s, "tenant-b").await;
     let body = json!({"registry": "Registry.Example.com", "username": "ci-bot", "secret": SECRET});
-    let r = s
-        .request(
-            &a_admin,
-            Method::POST,
-            "/v1/registry-credentials",
-            Some(body.clone()),
-        )
-        .await;
+    let r = post_login(&s, &a_admin, body.clone()).await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
     assert!(!r.body.to_string().contains(SECRET), "{}", r.body);
     assert!(r.body.get("secret").is_none());
@@ -155,14 +132,7 @@ async fn the_secret_is_write_only_sealed_and_the_tenants_alone() {
     assert!(sealed.starts_with("v1:") && !sealed.contains(SECRET));
 
     // One per registry.
-    let r = s
-        .request(
-            &a_admin,
-            Method::POST,
-            "/v1/registry-credentials",
-            Some(body),
-        )
-        .await;
+    let r = post_login(&s, &a_admin, body).await;
     assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.body);
 
     // Tenant B sees nothing and cannot remove it.
@@ -171,39 +141,31 @@ async fn the_secret_is_write_only_sealed_and_the_tenants_alone() {
             .ok(key, Method::GET, "/v1/registry-credentials", None)
             .await;
         assert_eq!(list["items"], json!([]));
-        let r = s
-            .request(
-                key,
-                Method::DELETE,
-                &format!("/v1/registry-credentials/{id}"),
-                None,
-            )
-            .await;
-        assert_eq!(r.status, StatusCode::NOT_FOUND);
+        assert_eq!(remove(&s, key, &id).await, StatusCode::NOT_FOUND);
     }
     // A's member may not remove it; A's admin may.
-    let r = s
-        .request(
-            &a_member,
-            Method::DELETE,
-            &format!("/v1/registry-credentials/{id}"),
-            None,
-        )
-        .await;
-    assert_eq!(r.status, StatusCode::FORBIDDEN);
-    let r = s
-        .request(
-            &a_admin,
-            Method::DELETE,
-            &format!("/v1/registry-credentials/{id}"),
-            None,
-        )
-        .await;
-    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    assert_eq!(remove(&s, &a_member, &id).await, StatusCode::FORBIDDEN);
+    assert_eq!(remove(&s, &a_admin, &id).await, StatusCode::NO_CONTENT);
     let list = s
         .ok(&a_member, Method::GET, "/v1/registry-credentials", None)
         .await;
     assert_eq!(list["items"], json!([]));
+}
+
+async fn post_login(s: &Server, key: &str, body: Value) -> flotilla_testkit::server::Resp {
+    s.request(key, Method::POST, "/v1/registry-credentials", Some(body))
+        .await
+}
+
+async fn remove(s: &Server, key: &str, id: &str) -> StatusCode {
+    s.request(
+        key,
+        Method::DELETE,
+        &format!("/v1/registry-credentials/{id}"),
+        None,
+    )
+    .await
+    .status
 }
 
 fn auth_of<'a>(assignments: &'a [Value], inst: &str) -> &'a Value {
