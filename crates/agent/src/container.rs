@@ -649,27 +649,32 @@ impl ContainerRuntime {
         auth: Option<&RegistryAuth>,
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<(Option<(DateTime<Utc>, DateTime<Utc>)>, ImagePin), ContainerError> {
-        let _starting = self.cache.starting().await;
         let inspected = |i: bollard::models::ImageInspect| {
             (
                 i.id.unwrap_or_default(),
                 i.size.and_then(|s| u64::try_from(s).ok()).unwrap_or(0),
             )
         };
-        match self.docker.inspect_image(image).await {
-            Ok(i) => {
-                let (id, size) = inspected(i);
-                let pin = self.cache.record_use(image, &id, size, Utc::now(), false);
-                return Ok((None, pin));
-            }
-            Err(e) if status_of(&e) == Some(404) => {}
-            Err(source) => {
-                return Err(ContainerError::Engine {
-                    what: "inspect image",
-                    source,
-                })
+        {
+            let _starting = self.cache.starting().await;
+            match self.docker.inspect_image(image).await {
+                Ok(i) => {
+                    let (id, size) = inspected(i);
+                    let pin = self.cache.record_use(image, &id, size, Utc::now(), false);
+                    return Ok((None, pin));
+                }
+                Err(e) if status_of(&e) == Some(404) => {}
+                Err(source) => {
+                    return Err(ContainerError::Engine {
+                        what: "inspect image",
+                        source,
+                    })
+                }
             }
         }
+        // Not under the start gate: a pull takes minutes, and enforcement
+        // (which waits for the gate) must not stall other starts that long.
+        let _pulling = self.cache.pulling(image);
         let started = Utc::now();
         progress(format!("pulling image {image}"));
         let opts = CreateImageOptions {
@@ -701,6 +706,7 @@ impl ContainerRuntime {
             }
         }
         let finished = Utc::now();
+        let _starting = self.cache.starting().await;
         let (id, size) = match self.docker.inspect_image(image).await {
             Ok(i) => inspected(i),
             Err(source) => {

@@ -106,8 +106,19 @@ struct Inner {
     /// By image reference.
     records: BTreeMap<String, Record>,
     /// Images a start found or pulled and has not created its container
-    /// from yet, by id, with how many starts hold each.
-    pinned: HashMap<String, usize>,
+    /// from yet, and references being pulled, with how many starts hold
+    /// each.
+    pinned: HashMap<Pinned, usize>,
+}
+
+/// What a start keeps from eviction.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Pinned {
+    /// An image, by engine id.
+    Id(String),
+    /// Whatever image a reference names: held while it is pulled, when
+    /// its id is not known yet.
+    Reference(String),
 }
 
 /// The engine side of the image cache. Shared by the container runtime's
@@ -117,26 +128,37 @@ pub struct ImageCache {
     limit_bytes: Option<u64>,
     state_file: Option<PathBuf>,
     inner: Mutex<Inner>,
-    /// Starts hold it shared from the image check to the pin; enforcement
-    /// holds it alone, so it never removes an image a start has just
-    /// found present and not yet pinned.
+    /// Starts hold it shared from an image check to its pin (never
+    /// across a pull); enforcement holds it alone, so it never removes an
+    /// image a start has just found present and not yet pinned.
     gate: tokio::sync::RwLock<()>,
 }
 
-/// Keeps an image from eviction while a start creates its container.
+/// Keeps an image from eviction while a start pulls it or creates its
+/// container.
 #[derive(Debug)]
 pub struct ImagePin {
     cache: Arc<ImageCache>,
-    id: String,
+    what: Pinned,
+}
+
+impl ImagePin {
+    fn new(cache: &Arc<ImageCache>, inner: &mut Inner, what: Pinned) -> Self {
+        *inner.pinned.entry(what.clone()).or_default() += 1;
+        Self {
+            cache: cache.clone(),
+            what,
+        }
+    }
 }
 
 impl Drop for ImagePin {
     fn drop(&mut self) {
         let mut inner = self.cache.lock();
-        if let Some(n) = inner.pinned.get_mut(&self.id) {
+        if let Some(n) = inner.pinned.get_mut(&self.what) {
             *n -= 1;
             if *n == 0 {
-                inner.pinned.remove(&self.id);
+                inner.pinned.remove(&self.what);
             }
         }
     }
@@ -220,12 +242,16 @@ impl ImageCache {
                 pulls,
             },
         );
-        *inner.pinned.entry(id.clone()).or_default() += 1;
         self.persist(&inner);
-        ImagePin {
-            cache: self.clone(),
-            id,
-        }
+        ImagePin::new(self, &mut inner, Pinned::Id(id))
+    }
+
+    /// Keeps whatever image `reference` names from eviction while a start
+    /// pulls it: a pull may take minutes and holds no lock, and the
+    /// reference may have a record from before.
+    pub fn pulling(self: &Arc<Self>, reference: &str) -> ImagePin {
+        let mut inner = self.lock();
+        ImagePin::new(self, &mut inner, Pinned::Reference(reference.to_string()))
     }
 
     /// Every image reference the cache holds.
@@ -327,14 +353,16 @@ impl ImageCache {
                 self.persist(&inner);
             }
             let mut by_id: BTreeMap<String, ImageUse> = BTreeMap::new();
-            for r in inner.records.values() {
+            for (image, r) in &inner.records {
                 let e = by_id.entry(r.id.clone()).or_insert_with(|| ImageUse {
                     id: r.id.clone(),
                     size_bytes: present.get(&r.id).copied().unwrap_or(r.size_bytes),
                     last_used: r.last_used,
-                    in_use: used.contains(&r.id) || inner.pinned.contains_key(&r.id),
+                    in_use: used.contains(&r.id)
+                        || inner.pinned.contains_key(&Pinned::Id(r.id.clone())),
                 });
                 e.last_used = e.last_used.max(r.last_used);
+                e.in_use |= inner.pinned.contains_key(&Pinned::Reference(image.clone()));
             }
             let uses: Vec<ImageUse> = by_id.into_values().collect();
             let victims = evictions(&uses, limit);
@@ -448,9 +476,12 @@ mod tests {
         let c = Arc::new(ImageCache::open(Some(1), None));
         let p1 = c.record_use("a", "x", 1, Utc::now(), false);
         let p2 = c.record_use("b", "x", 1, Utc::now(), false);
+        let p3 = c.pulling("a");
         drop(p1);
-        assert!(c.lock().pinned.contains_key("x"));
+        assert!(c.lock().pinned.contains_key(&Pinned::Id("x".into())));
         drop(p2);
+        assert!(!c.lock().pinned.contains_key(&Pinned::Id("x".into())));
+        drop(p3);
         assert!(c.lock().pinned.is_empty());
     }
 
