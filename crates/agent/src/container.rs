@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bollard::auth::DockerCredentials;
 use bollard::container::{
     Config, CreateContainerOptions, InspectContainerOptions, KillContainerOptions,
     ListContainersOptions, LogOutput, LogsOptions, NetworkingConfig, RemoveContainerOptions,
@@ -41,10 +42,13 @@ use chrono::{DateTime, Utc};
 use flotilla_core::api::{ColdStart, GpuSlice, LogStream, ObservedContainer};
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{InstanceId, TenantId};
+use flotilla_core::registry::{registry_of, RegistryAuth};
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use tokio::sync::{mpsc, watch};
 
+pub use crate::image_cache::CachedImage;
+use crate::image_cache::{ImageCache, ImagePin};
 use crate::runtime::sandbox::Users;
 use crate::runtime::{
     device_env, Exit, LogBuffer, Runtime, RuntimeError, RuntimeKind, SpawnError, SpawnSpec, Wakers,
@@ -125,6 +129,9 @@ pub struct ContainerConfig {
     pub public_host: String,
     /// Per-node image cache limit in bytes; `None`: no eviction.
     pub image_cache_bytes: Option<u64>,
+    /// Where the image cache keeps its record of last uses, so a restarted
+    /// agent evicts in the same order; `None`: not kept.
+    pub state_dir: Option<PathBuf>,
 }
 
 impl ContainerConfig {
@@ -141,6 +148,7 @@ impl ContainerConfig {
             publish_ip: "0.0.0.0".to_string(),
             public_host: "127.0.0.1".to_string(),
             image_cache_bytes: None,
+            state_dir: None,
         }
     }
 }
@@ -175,6 +183,9 @@ pub struct ContainerSpec {
     pub vendors: Vec<Vendor>,
     /// What it holds of each GPU when it shares them (fractions, MIG).
     pub gpu_slices: Vec<GpuSlice>,
+    /// The tenant's login for the image's registry, from the assignment:
+    /// used for the pull only, and only when it names the image's registry.
+    pub registry_auth: Option<RegistryAuth>,
 }
 
 /// A container port published on the node.
@@ -386,25 +397,12 @@ impl Container {
     }
 }
 
-/// What an image cache entry knows.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CachedImage {
-    /// The reference the instance asked for.
-    pub image: String,
-    /// Its size in bytes, as the engine reports it.
-    pub size_bytes: u64,
-    /// When an instance last started from it.
-    pub last_used: DateTime<Utc>,
-    /// How many times this agent pulled it.
-    pub pulls: u32,
-}
-
 /// The container runtime of one node.
 #[derive(Clone)]
 pub struct ContainerRuntime {
     docker: Docker,
     config: ContainerConfig,
-    cache: Arc<Mutex<BTreeMap<String, CachedImage>>>,
+    cache: Arc<ImageCache>,
     /// What each start under way last said (an image pull's progress).
     progress: Arc<Mutex<BTreeMap<InstanceId, String>>>,
     /// Each tenant's own uid, when set: its containers run as it.
@@ -626,10 +624,17 @@ impl ContainerRuntime {
             Ok(Err(source)) => return Err(unreachable(source)),
             Err(_) => return Err(ContainerError::Timeout("ping")),
         }
+        let cache = Arc::new(ImageCache::open(
+            config.image_cache_bytes,
+            config.state_dir.as_deref(),
+        ));
+        if cache.limit_bytes().is_some() {
+            tokio::spawn(enforce_forever(Arc::downgrade(&cache), docker.clone()));
+        }
         Ok(Self {
             docker,
             config,
-            cache: Arc::default(),
+            cache,
             progress: Arc::default(),
             users: None,
         })
@@ -671,11 +676,19 @@ impl ContainerRuntime {
 
     /// What the image cache holds, by image reference.
     pub fn cached_images(&self) -> Vec<CachedImage> {
-        self.lock_cache().values().cloned().collect()
+        self.cache.images()
     }
 
-    fn lock_cache(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, CachedImage>> {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    /// The image cache as the agent reports it to the server.
+    pub fn image_report(&self) -> Vec<flotilla_core::api::NodeImage> {
+        self.cache.report()
+    }
+
+    /// Removes the least recently used images until the cache fits its
+    /// limit (see [`crate::image_cache`]); returns the references removed.
+    /// Runs after every start and every [`crate::image_cache::ENFORCE_EVERY`].
+    pub async fn enforce_image_cache(&self) -> Result<Vec<String>, ContainerError> {
+        self.cache.enforce(&self.docker).await
     }
 
     /// Makes sure the node has `image`: pulls it when missing, reporting
@@ -686,38 +699,62 @@ impl ContainerRuntime {
         image: &str,
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<Option<(DateTime<Utc>, DateTime<Utc>)>, ContainerError> {
-        let (present, size) = match self.docker.inspect_image(image).await {
-            Ok(i) => (
-                true,
+        self.ensure_image_pinned(image, None, progress)
+            .await
+            .map(|(pull, _)| pull)
+    }
+
+    /// [`ContainerRuntime::ensure_image`] with the tenant's registry login,
+    /// returning a pin that keeps the image from eviction until the
+    /// container exists.
+    async fn ensure_image_pinned(
+        &self,
+        image: &str,
+        auth: Option<&RegistryAuth>,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<(Option<(DateTime<Utc>, DateTime<Utc>)>, ImagePin), ContainerError> {
+        let inspected = |i: bollard::models::ImageInspect| {
+            (
+                i.id.unwrap_or_default(),
                 i.size.and_then(|s| u64::try_from(s).ok()).unwrap_or(0),
-            ),
-            Err(e) if status_of(&e) == Some(404) => (false, 0),
-            Err(source) => {
-                return Err(ContainerError::Engine {
-                    what: "inspect image",
-                    source,
-                })
-            }
+            )
         };
-        let now = Utc::now();
-        if present {
-            let mut cache = self.lock_cache();
-            let entry = cache.entry(image.to_string()).or_insert(CachedImage {
-                image: image.to_string(),
-                size_bytes: size,
-                last_used: now,
-                pulls: 0,
-            });
-            entry.last_used = now;
-            return Ok(None);
+        {
+            let _starting = self.cache.starting().await;
+            match self.docker.inspect_image(image).await {
+                Ok(i) => {
+                    let (id, size) = inspected(i);
+                    let pin = self.cache.record_use(image, &id, size, Utc::now(), false);
+                    return Ok((None, pin));
+                }
+                Err(e) if status_of(&e) == Some(404) => {}
+                Err(source) => {
+                    return Err(ContainerError::Engine {
+                        what: "inspect image",
+                        source,
+                    })
+                }
+            }
         }
+        // Not under the start gate: a pull takes minutes, and enforcement
+        // (which waits for the gate) must not stall other starts that long.
+        let _pulling = self.cache.pulling(image);
         let started = Utc::now();
         progress(format!("pulling image {image}"));
         let opts = CreateImageOptions {
             from_image: image.to_string(),
             ..Default::default()
         };
-        let mut stream = self.docker.create_image(Some(opts), None, None);
+        // A login goes only to the registry it was stored for.
+        let credentials =
+            auth.filter(|a| a.registry == registry_of(image))
+                .map(|a| DockerCredentials {
+                    username: Some(a.username.clone()),
+                    password: Some(a.secret.clone()),
+                    serveraddress: Some(a.registry.clone()),
+                    ..Default::default()
+                });
+        let mut stream = self.docker.create_image(Some(opts), None, credentials);
         while let Some(item) = stream.next().await {
             let info = item.map_err(|source| ContainerError::Pull {
                 image: image.to_string(),
@@ -733,21 +770,18 @@ impl ContainerRuntime {
             }
         }
         let finished = Utc::now();
-        let size = match self.docker.inspect_image(image).await {
-            Ok(i) => i.size.and_then(|s| u64::try_from(s).ok()).unwrap_or(0),
-            Err(_) => 0,
+        let _starting = self.cache.starting().await;
+        let (id, size) = match self.docker.inspect_image(image).await {
+            Ok(i) => inspected(i),
+            Err(source) => {
+                return Err(ContainerError::Engine {
+                    what: "inspect pulled image",
+                    source,
+                })
+            }
         };
-        let mut cache = self.lock_cache();
-        let entry = cache.entry(image.to_string()).or_insert(CachedImage {
-            image: image.to_string(),
-            size_bytes: size,
-            last_used: finished,
-            pulls: 0,
-        });
-        entry.pulls += 1;
-        entry.size_bytes = size;
-        entry.last_used = finished;
-        Ok(Some((started, finished)))
+        let pin = self.cache.record_use(image, &id, size, finished, true);
+        Ok((Some((started, finished)), pin))
     }
 
     /// Creates the tenant's network when missing. Networks are isolated
@@ -797,7 +831,9 @@ impl ContainerRuntime {
         wakers: Wakers,
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<Container, ContainerError> {
-        let pull = self.ensure_image(&spec.image, progress).await?;
+        let (pull, pin) = self
+            .ensure_image_pinned(&spec.image, spec.registry_auth.as_ref(), progress)
+            .await?;
         let mut timings = StartTimings {
             cached: pull.is_none(),
             pull,
@@ -832,6 +868,8 @@ impl ContainerRuntime {
         )
         .await?;
         timings.created_at = Some(Utc::now());
+        // The container now holds the image against eviction.
+        drop(pin);
         if let Err(e) = timed(
             "start container",
             self.docker
@@ -856,6 +894,11 @@ impl ContainerRuntime {
         timings.started_at = Some(Utc::now());
         let inspected = self.inspect(&created.id).await?;
         tracing::info!(instance_id = %spec.instance_id, container = %created.id, image = %spec.image, cached = timings.cached, "container started");
+        if self.cache.limit_bytes().is_some() {
+            if let Err(error) = self.enforce_image_cache().await {
+                tracing::warn!(%error, "cannot enforce the image cache limit");
+            }
+        }
         Ok(self.supervise(
             spec.instance_id.clone(),
             inspected,
@@ -1035,6 +1078,7 @@ impl ContainerSpec {
             gpu_uuids: spec.gpu_uuids,
             vendors: spec.vendors,
             gpu_slices: spec.gpu_slices,
+            registry_auth: spec.registry_auth,
         })
     }
 }
@@ -1169,6 +1213,10 @@ impl Runtime for ContainerRuntime {
         })
     }
 
+    fn cached_images(&self) -> Option<Vec<flotilla_core::api::NodeImage>> {
+        Some(self.image_report())
+    }
+
     fn progress(&self, instance_id: &InstanceId) -> Option<String> {
         self.progress
             .lock()
@@ -1198,6 +1246,20 @@ impl Runtime for ContainerRuntime {
                 }
             }
         });
+    }
+}
+
+/// Enforces the image cache's limit every [`crate::image_cache::ENFORCE_EVERY`]
+/// until the runtime is dropped.
+async fn enforce_forever(cache: std::sync::Weak<ImageCache>, docker: Docker) {
+    loop {
+        tokio::time::sleep(crate::image_cache::ENFORCE_EVERY).await;
+        let Some(cache) = cache.upgrade() else {
+            return;
+        };
+        if let Err(error) = cache.enforce(&docker).await {
+            tracing::warn!(%error, "cannot enforce the image cache limit");
+        }
     }
 }
 
@@ -1531,6 +1593,7 @@ mod tests {
             gpu_uuids: vec!["GPU-a".into(), "GPU-b".into()],
             vendors: vec![Vendor::Nvidia, Vendor::Nvidia],
             gpu_slices: Vec::new(),
+            registry_auth: None,
         }
     }
 
@@ -1678,6 +1741,7 @@ mod tests {
             }),
             cpu_milli: Some(0),
             memory_mb: Some(256),
+            registry_auth: None,
         };
         let c = ContainerSpec::for_spawn(base.clone()).unwrap();
         assert_eq!(c.image, "localhost/img:1");

@@ -23,6 +23,7 @@ pub mod client;
 pub mod container;
 pub mod discovery;
 pub mod fence;
+pub mod image_cache;
 pub mod runtime;
 pub mod telemetry;
 
@@ -115,6 +116,10 @@ pub struct AgentConfig {
     /// Address tenants reach this node at, shown in the URLs of published
     /// container ports (default `127.0.0.1`).
     pub public_host: Option<String>,
+    /// Size limit of the container runtime's image cache in bytes
+    /// ([`image_cache`]; its record lives in `work_dir`); `None`: no
+    /// limit.
+    pub image_cache_bytes: Option<u64>,
 }
 
 /// The Docker Engine's usual socket, used when no `--docker-host` is given.
@@ -139,6 +144,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("docker_host", &self.docker_host)
             .field("container_gpus", &self.container_gpus)
             .field("public_host", &self.public_host)
+            .field("image_cache_bytes", &self.image_cache_bytes)
             .finish()
     }
 }
@@ -168,6 +174,7 @@ impl AgentConfig {
             docker_host: None,
             container_gpus: None,
             public_host: None,
+            image_cache_bytes: Some(image_cache::DEFAULT_IMAGE_CACHE_GB * 1_000_000_000),
         }
     }
 }
@@ -311,6 +318,8 @@ async fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
             if let Some(public_host) = &config.public_host {
                 c.public_host = public_host.clone();
             }
+            c.image_cache_bytes = config.image_cache_bytes;
+            c.state_dir = Some(config.work_dir.clone());
             let mut runtime = container::ContainerRuntime::connect(c)
                 .await
                 .context("the container runtime cannot reach its engine")?;
@@ -708,6 +717,7 @@ impl Agent {
                 observed: self.observed(),
                 wait_ms,
                 gpus: self.telemetry.sample(),
+                images: self.runtime.cached_images(),
             };
             let sent = Instant::now();
             let result = tokio::select! {
@@ -917,6 +927,7 @@ impl Agent {
             image: a.image,
             cpu_milli: a.cpu_milli,
             memory_mb: a.memory_mb,
+            registry_auth: a.registry_auth,
         };
         self.shared.lock().insert(
             a.instance_id.clone(),
@@ -1010,6 +1021,7 @@ impl Agent {
             observed: self.observed(),
             wait_ms: 0,
             gpus: Vec::new(),
+            images: None,
         };
         match tokio::time::timeout(SHUTDOWN_STEP_TIMEOUT, self.client.sync(&node.node_id, &req))
             .await

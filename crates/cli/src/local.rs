@@ -215,6 +215,11 @@ pub struct AgentArgs {
     /// The container runtime's options.
     #[command(flatten)]
     pub containers: ContainerArgs,
+    /// Size limit of the node's image cache (container runtime), in GB:
+    /// past it the least recently used images no container uses are
+    /// removed. 0: no limit.
+    #[arg(long, value_name = "GB", default_value_t = flotilla_agent::image_cache::DEFAULT_IMAGE_CACHE_GB)]
+    pub image_cache_gb: u64,
 }
 
 /// Installs the stderr logger: `RUST_LOG` when set, else `info` for the
@@ -341,9 +346,10 @@ struct RunningServer {
 }
 
 async fn start_server(args: ServerArgs) -> Result<RunningServer> {
-    let server_config = args.config();
+    let mut server_config = args.config();
     let data_dir = data_dir(args.data_dir)?;
     config::create_private_dir(&data_dir)?;
+    server_config.secrets_key_file = Some(data_dir.join("secrets.key"));
     let database_url = args
         .database_url
         .unwrap_or_else(|| default_database_url(&data_dir));
@@ -635,6 +641,8 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     cfg.insecure_process_runtime = args.insecure_process_runtime;
     cfg.sandbox_shares = args.sandbox_share;
     args.containers.apply(&mut cfg);
+    cfg.image_cache_bytes =
+        (args.image_cache_gb > 0).then(|| args.image_cache_gb.saturating_mul(1_000_000_000));
     // The node lease's fence: this binary, as `flotilla agent-fence`.
     cfg.fence_program = std::env::current_exe().ok();
     let (stop, stopped) = oneshot::channel::<()>();

@@ -643,7 +643,15 @@ impl EndpointSpec {
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = u.$f { c.$f = v.into(); } )* };
         }
-        set!(command, env, models, gpu_types, schedules, queue_triggers, ports);
+        set!(
+            command,
+            env,
+            models,
+            gpu_types,
+            schedules,
+            queue_triggers,
+            ports
+        );
         if let Some(image) = u.image {
             // Empty: back to the command on the node, without ports.
             c.image = Some(image).filter(|i| !i.trim().is_empty());

@@ -19,6 +19,7 @@ pub mod node;
 pub mod placement;
 pub mod queue_trigger;
 pub mod quota;
+pub mod registry;
 pub mod tenant;
 pub mod work;
 

@@ -976,6 +976,8 @@ impl Store {
                     image: i.image,
                     cpu_milli: Some(i.cpu_milli),
                     memory_mb: Some(i.memory_mb),
+                    // Filled by the server, which holds the secrets key.
+                    registry_auth: None,
                 })
             })
             .collect()

@@ -57,6 +57,12 @@ pub async fn start(config: ServerConfig) -> TestServer {
     let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
     let store = open_store(&url).await.expect("store");
     let boot = bootstrap(&store, dir.path()).await.expect("bootstrap");
+    let config = ServerConfig {
+        secrets_key_file: config
+            .secrets_key_file
+            .or_else(|| Some(dir.path().join("secrets.key"))),
+        ..config
+    };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

@@ -73,6 +73,9 @@ pub struct SpawnSpec {
     pub cpu_milli: Option<u32>,
     /// Memory limit in MiB (a container runtime enforces it).
     pub memory_mb: Option<u64>,
+    /// The tenant's login for the image's registry, when the server sent
+    /// one (a container runtime pulls with it).
+    pub registry_auth: Option<flotilla_core::registry::RegistryAuth>,
 }
 
 /// Who to wake when something happens to a process.
@@ -220,6 +223,12 @@ pub trait Runtime: Send + Sync {
     /// server no longer lists it): whatever the runtime kept to take it
     /// over after a restart may go.
     fn release(&self, _instance_id: &InstanceId) {}
+
+    /// The node's image cache, reported to the server with every sync;
+    /// `None` for runtimes without images (processes).
+    fn cached_images(&self) -> Option<Vec<flotilla_core::api::NodeImage>> {
+        None
+    }
 }
 
 /// Why a runtime could not be set up or could not list its workloads.

@@ -676,6 +676,7 @@ mod tests {
             image: None,
             cpu_milli: None,
             memory_mb: None,
+            registry_auth: None,
         }
     }
 
