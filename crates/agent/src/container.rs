@@ -9,8 +9,11 @@
 //! every capability, cannot gain privileges (`no-new-privileges`), never
 //! joins the host's network, PID or IPC namespaces, mounts no host path
 //! (its only writable scratch space is a size-capped tmpfs at
-//! [`SCRATCH_DIR`]), runs as an unprivileged user unless the configuration
-//! says otherwise, and joins its tenant's own network, so one tenant's
+//! [`SCRATCH_DIR`]), runs as an unprivileged user whatever the image's
+//! `USER` says (its tenant's own uid under a root agent, see
+//! [`ContainerRuntime::with_tenant_users`], else [`DEFAULT_USER`]: a rootful
+//! engine does not remap users, so an image's root would be the host's),
+//! and joins its tenant's own network, so one tenant's
 //! containers cannot reach another's.
 //!
 //! This module must never talk to the Flotilla server, never pull an image
@@ -22,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bollard::auth::DockerCredentials;
 use bollard::container::{
     Config, CreateContainerOptions, InspectContainerOptions, KillContainerOptions,
     ListContainersOptions, LogOutput, LogsOptions, NetworkingConfig, RemoveContainerOptions,
@@ -35,13 +39,21 @@ use bollard::models::{
 use bollard::network::CreateNetworkOptions;
 use bollard::Docker;
 use chrono::{DateTime, Utc};
-use flotilla_core::api::{GpuSlice, LogStream};
+use flotilla_core::api::{ColdStart, GpuSlice, LogStream, ObservedContainer};
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{InstanceId, TenantId};
+use flotilla_core::registry::{registry_of, RegistryAuth};
+use futures::future::BoxFuture;
 use futures::StreamExt;
 use tokio::sync::{mpsc, watch};
 
-use crate::runtime::{device_env, LogBuffer, Wakers, MAX_LINE_BYTES, SHIP_BATCH_LINES};
+pub use crate::image_cache::CachedImage;
+use crate::image_cache::{ImageCache, ImagePin};
+use crate::runtime::sandbox::Users;
+use crate::runtime::{
+    device_env, Exit, LogBuffer, Runtime, RuntimeError, RuntimeKind, SpawnError, SpawnSpec, Wakers,
+    Workload, MAX_LINE_BYTES, SHIP_BATCH_LINES,
+};
 
 /// Label naming the instance a container runs.
 pub const LABEL_INSTANCE: &str = "flotilla.instance";
@@ -79,6 +91,22 @@ pub enum GpuPassthrough {
     Cdi,
 }
 
+impl std::str::FromStr for GpuPassthrough {
+    type Err = String;
+
+    /// `simulated`, `device-requests` or `cdi` (`--container-gpus`).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "simulated" => Ok(GpuPassthrough::Simulated),
+            "device-requests" => Ok(GpuPassthrough::DeviceRequests),
+            "cdi" => Ok(GpuPassthrough::Cdi),
+            other => Err(format!(
+                "unknown gpu passthrough `{other}` (expected `simulated`, `device-requests` or `cdi`)"
+            )),
+        }
+    }
+}
+
 /// How the container runtime reaches its engine and shapes containers.
 #[derive(Debug, Clone)]
 pub struct ContainerConfig {
@@ -101,6 +129,9 @@ pub struct ContainerConfig {
     pub public_host: String,
     /// Per-node image cache limit in bytes; `None`: no eviction.
     pub image_cache_bytes: Option<u64>,
+    /// Where the image cache keeps its record of last uses, so a restarted
+    /// agent evicts in the same order; `None`: not kept.
+    pub state_dir: Option<PathBuf>,
 }
 
 impl ContainerConfig {
@@ -117,6 +148,7 @@ impl ContainerConfig {
             publish_ip: "0.0.0.0".to_string(),
             public_host: "127.0.0.1".to_string(),
             image_cache_bytes: None,
+            state_dir: None,
         }
     }
 }
@@ -151,6 +183,9 @@ pub struct ContainerSpec {
     pub vendors: Vec<Vendor>,
     /// What it holds of each GPU when it shares them (fractions, MIG).
     pub gpu_slices: Vec<GpuSlice>,
+    /// The tenant's login for the image's registry, from the assignment:
+    /// used for the pull only, and only when it names the image's registry.
+    pub registry_auth: Option<RegistryAuth>,
 }
 
 /// A container port published on the node.
@@ -200,6 +235,9 @@ pub enum ContainerError {
     /// An engine call did not answer in time.
     #[error("container engine: {0}: no answer within 60 s")]
     Timeout(&'static str),
+    /// The tenant's uid could not be claimed.
+    #[error("cannot claim the tenant's user: {0}")]
+    User(#[source] std::io::Error),
     /// A container carries Flotilla's labels but not valid ones.
     #[error("container `{id}` has an invalid label {label}")]
     BadLabel {
@@ -256,6 +294,7 @@ pub struct StartTimings {
 pub struct Container {
     id: String,
     instance_id: InstanceId,
+    pid: u32,
     started_at: DateTime<Utc>,
     ports: Vec<PublishedPort>,
     ips: BTreeMap<String, String>,
@@ -276,6 +315,12 @@ impl Container {
     /// The instance it runs.
     pub fn instance_id(&self) -> &InstanceId {
         &self.instance_id
+    }
+
+    /// Host pid of its init process when it started (0 when the engine
+    /// did not say).
+    pub fn pid(&self) -> u32 {
+        self.pid
     }
 
     /// When it started running.
@@ -352,25 +397,16 @@ impl Container {
     }
 }
 
-/// What an image cache entry knows.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CachedImage {
-    /// The reference the instance asked for.
-    pub image: String,
-    /// Its size in bytes, as the engine reports it.
-    pub size_bytes: u64,
-    /// When an instance last started from it.
-    pub last_used: DateTime<Utc>,
-    /// How many times this agent pulled it.
-    pub pulls: u32,
-}
-
 /// The container runtime of one node.
 #[derive(Clone)]
 pub struct ContainerRuntime {
     docker: Docker,
     config: ContainerConfig,
-    cache: Arc<Mutex<BTreeMap<String, CachedImage>>>,
+    cache: Arc<ImageCache>,
+    /// What each start under way last said (an image pull's progress).
+    progress: Arc<Mutex<BTreeMap<InstanceId, String>>>,
+    /// Each tenant's own uid, when set: its containers run as it.
+    users: Option<Arc<Users>>,
 }
 
 impl std::fmt::Debug for ContainerRuntime {
@@ -588,11 +624,44 @@ impl ContainerRuntime {
             Ok(Err(source)) => return Err(unreachable(source)),
             Err(_) => return Err(ContainerError::Timeout("ping")),
         }
+        let cache = Arc::new(ImageCache::open(
+            config.image_cache_bytes,
+            config.state_dir.as_deref(),
+        ));
+        if cache.limit_bytes().is_some() {
+            tokio::spawn(enforce_forever(Arc::downgrade(&cache), docker.clone()));
+        }
         Ok(Self {
             docker,
             config,
-            cache: Arc::default(),
+            cache,
+            progress: Arc::default(),
+            users: None,
         })
+    }
+
+    /// Runs each tenant's containers as the tenant's own uid, claimed
+    /// from `users` (the process runtime's claims, so a tenant is one user
+    /// on the node whichever runtime runs its work), instead of
+    /// [`ContainerConfig::user`]. A rootful engine does not remap users:
+    /// two tenants sharing a uid would share it on the host too, should a
+    /// workload escape its namespaces.
+    pub fn with_tenant_users(mut self, users: Users) -> Self {
+        self.users = Some(Arc::new(users));
+        self
+    }
+
+    /// The `uid:gid` `tenant`'s containers run as.
+    async fn user_of(&self, tenant: &TenantId) -> Result<String, ContainerError> {
+        let Some(users) = self.users.clone() else {
+            return Ok(self.config.user.clone());
+        };
+        let owner = tenant.to_string();
+        let uid = tokio::task::spawn_blocking(move || users.uid_of(&owner))
+            .await
+            .map_err(|e| ContainerError::User(std::io::Error::other(e)))?
+            .map_err(ContainerError::User)?;
+        Ok(format!("{uid}:{uid}"))
     }
 
     /// The configuration.
@@ -607,11 +676,19 @@ impl ContainerRuntime {
 
     /// What the image cache holds, by image reference.
     pub fn cached_images(&self) -> Vec<CachedImage> {
-        self.lock_cache().values().cloned().collect()
+        self.cache.images()
     }
 
-    fn lock_cache(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, CachedImage>> {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    /// The image cache as the agent reports it to the server.
+    pub fn image_report(&self) -> Vec<flotilla_core::api::NodeImage> {
+        self.cache.report()
+    }
+
+    /// Removes the least recently used images until the cache fits its
+    /// limit (see [`crate::image_cache`]); returns the references removed.
+    /// Runs after every start and every [`crate::image_cache::ENFORCE_EVERY`].
+    pub async fn enforce_image_cache(&self) -> Result<Vec<String>, ContainerError> {
+        self.cache.enforce(&self.docker).await
     }
 
     /// Makes sure the node has `image`: pulls it when missing, reporting
@@ -622,38 +699,62 @@ impl ContainerRuntime {
         image: &str,
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<Option<(DateTime<Utc>, DateTime<Utc>)>, ContainerError> {
-        let (present, size) = match self.docker.inspect_image(image).await {
-            Ok(i) => (
-                true,
+        self.ensure_image_pinned(image, None, progress)
+            .await
+            .map(|(pull, _)| pull)
+    }
+
+    /// [`ContainerRuntime::ensure_image`] with the tenant's registry login,
+    /// returning a pin that keeps the image from eviction until the
+    /// container exists.
+    async fn ensure_image_pinned(
+        &self,
+        image: &str,
+        auth: Option<&RegistryAuth>,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<(Option<(DateTime<Utc>, DateTime<Utc>)>, ImagePin), ContainerError> {
+        let inspected = |i: bollard::models::ImageInspect| {
+            (
+                i.id.unwrap_or_default(),
                 i.size.and_then(|s| u64::try_from(s).ok()).unwrap_or(0),
-            ),
-            Err(e) if status_of(&e) == Some(404) => (false, 0),
-            Err(source) => {
-                return Err(ContainerError::Engine {
-                    what: "inspect image",
-                    source,
-                })
-            }
+            )
         };
-        let now = Utc::now();
-        if present {
-            let mut cache = self.lock_cache();
-            let entry = cache.entry(image.to_string()).or_insert(CachedImage {
-                image: image.to_string(),
-                size_bytes: size,
-                last_used: now,
-                pulls: 0,
-            });
-            entry.last_used = now;
-            return Ok(None);
+        {
+            let _starting = self.cache.starting().await;
+            match self.docker.inspect_image(image).await {
+                Ok(i) => {
+                    let (id, size) = inspected(i);
+                    let pin = self.cache.record_use(image, &id, size, Utc::now(), false);
+                    return Ok((None, pin));
+                }
+                Err(e) if status_of(&e) == Some(404) => {}
+                Err(source) => {
+                    return Err(ContainerError::Engine {
+                        what: "inspect image",
+                        source,
+                    })
+                }
+            }
         }
+        // Not under the start gate: a pull takes minutes, and enforcement
+        // (which waits for the gate) must not stall other starts that long.
+        let _pulling = self.cache.pulling(image);
         let started = Utc::now();
         progress(format!("pulling image {image}"));
         let opts = CreateImageOptions {
             from_image: image.to_string(),
             ..Default::default()
         };
-        let mut stream = self.docker.create_image(Some(opts), None, None);
+        // A login goes only to the registry it was stored for.
+        let credentials =
+            auth.filter(|a| a.registry == registry_of(image))
+                .map(|a| DockerCredentials {
+                    username: Some(a.username.clone()),
+                    password: Some(a.secret.clone()),
+                    serveraddress: Some(a.registry.clone()),
+                    ..Default::default()
+                });
+        let mut stream = self.docker.create_image(Some(opts), None, credentials);
         while let Some(item) = stream.next().await {
             let info = item.map_err(|source| ContainerError::Pull {
                 image: image.to_string(),
@@ -669,21 +770,18 @@ impl ContainerRuntime {
             }
         }
         let finished = Utc::now();
-        let size = match self.docker.inspect_image(image).await {
-            Ok(i) => i.size.and_then(|s| u64::try_from(s).ok()).unwrap_or(0),
-            Err(_) => 0,
+        let _starting = self.cache.starting().await;
+        let (id, size) = match self.docker.inspect_image(image).await {
+            Ok(i) => inspected(i),
+            Err(source) => {
+                return Err(ContainerError::Engine {
+                    what: "inspect pulled image",
+                    source,
+                })
+            }
         };
-        let mut cache = self.lock_cache();
-        let entry = cache.entry(image.to_string()).or_insert(CachedImage {
-            image: image.to_string(),
-            size_bytes: size,
-            last_used: finished,
-            pulls: 0,
-        });
-        entry.pulls += 1;
-        entry.size_bytes = size;
-        entry.last_used = finished;
-        Ok(Some((started, finished)))
+        let pin = self.cache.record_use(image, &id, size, finished, true);
+        Ok((Some((started, finished)), pin))
     }
 
     /// Creates the tenant's network when missing. Networks are isolated
@@ -733,7 +831,9 @@ impl ContainerRuntime {
         wakers: Wakers,
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<Container, ContainerError> {
-        let pull = self.ensure_image(&spec.image, progress).await?;
+        let (pull, pin) = self
+            .ensure_image_pinned(&spec.image, spec.registry_auth.as_ref(), progress)
+            .await?;
         let mut timings = StartTimings {
             cached: pull.is_none(),
             pull,
@@ -751,6 +851,10 @@ impl ContainerRuntime {
             .await?;
         }
         progress("creating container".to_string());
+        let config = ContainerConfig {
+            user: self.user_of(&spec.tenant_id).await?,
+            ..self.config.clone()
+        };
         let name = container_name(&spec.instance_id);
         let created = timed(
             "create container",
@@ -759,11 +863,13 @@ impl ContainerRuntime {
                     name: name.clone(),
                     platform: None,
                 }),
-                container_config(spec, &self.config),
+                container_config(spec, &config),
             ),
         )
         .await?;
         timings.created_at = Some(Utc::now());
+        // The container now holds the image against eviction.
+        drop(pin);
         if let Err(e) = timed(
             "start container",
             self.docker
@@ -788,6 +894,11 @@ impl ContainerRuntime {
         timings.started_at = Some(Utc::now());
         let inspected = self.inspect(&created.id).await?;
         tracing::info!(instance_id = %spec.instance_id, container = %created.id, image = %spec.image, cached = timings.cached, "container started");
+        if self.cache.limit_bytes().is_some() {
+            if let Err(error) = self.enforce_image_cache().await {
+                tracing::warn!(%error, "cannot enforce the image cache limit");
+            }
+        }
         Ok(self.supervise(
             spec.instance_id.clone(),
             inspected,
@@ -907,10 +1018,8 @@ impl ContainerRuntime {
             .into_iter()
             .filter_map(|(name, ep)| Some((name, ep.ip_address.filter(|ip| !ip.is_empty())?)))
             .collect();
-        let cgroup = state
-            .pid
-            .filter(|p| *p > 0)
-            .and_then(|pid| memory_cgroup_of(u32::try_from(pid).ok()?));
+        let pid = state.pid.and_then(|p| u32::try_from(p).ok()).unwrap_or(0);
+        let cgroup = Some(pid).filter(|p| *p > 0).and_then(memory_cgroup_of);
         let logs = Arc::new(LogBuffer::new(instance_id.clone()));
         let (stop_tx, stop_rx) = mpsc::unbounded_channel();
         let (exit_tx, exit_rx) = watch::channel(None);
@@ -934,6 +1043,7 @@ impl ContainerRuntime {
         Container {
             id,
             instance_id,
+            pid,
             started_at,
             ports,
             ips,
@@ -943,6 +1053,212 @@ impl ContainerRuntime {
             exit_rx,
             logs,
             docker: self.docker.clone(),
+        }
+    }
+}
+
+impl ContainerSpec {
+    /// The container to run for what the agent was assigned: the spawn
+    /// spec's image, ports and scratch space, its limits (0 means none)
+    /// and its tenant, which decides the network it joins.
+    pub fn for_spawn(spec: SpawnSpec) -> Result<Self, SpawnError> {
+        let image = spec.image.ok_or(SpawnError::NoImageOnContainerNode)?;
+        let tenant_id = spec.tenant_id.ok_or(SpawnError::NoTenant)?;
+        Ok(ContainerSpec {
+            instance_id: spec.instance_id,
+            tenant_id,
+            image: image.image,
+            command: spec.command,
+            env: spec.env,
+            ports: image.ports,
+            cpu_milli: spec.cpu_milli.filter(|m| *m > 0),
+            memory_mb: spec.memory_mb.filter(|m| *m > 0),
+            scratch_mb: image.scratch_mb,
+            gpu_indices: spec.gpu_indices,
+            gpu_uuids: spec.gpu_uuids,
+            vendors: spec.vendors,
+            gpu_slices: spec.gpu_slices,
+            registry_auth: spec.registry_auth,
+        })
+    }
+}
+
+impl StartTimings {
+    /// The agent's side of the cold-start breakdown; `None` for a
+    /// container this agent process did not start (adopted).
+    pub fn cold_start(&self) -> Option<ColdStart> {
+        let ready = self.started_at?;
+        let ms = |from: DateTime<Utc>, to: DateTime<Utc>| {
+            u64::try_from((to - from).num_milliseconds()).unwrap_or(0)
+        };
+        // Starting counts from the end of the pull, or from the create
+        // when the node had the image.
+        let start_from = self.pull.map(|(_, end)| end).or(self.created_at)?;
+        Some(ColdStart {
+            image_cached: self.cached,
+            queued_ms: None,
+            pulling_ms: Some(self.pull.map_or(0, |(from, to)| ms(from, to))),
+            starting_ms: Some(ms(start_from, ready)),
+            pull_started_at: self.pull.map(|(from, _)| from),
+            created_at: self.created_at,
+            ready_at: Some(ready),
+        })
+    }
+}
+
+impl Container {
+    /// What the server is told about it with every observation.
+    pub fn observed(&self) -> ObservedContainer {
+        ObservedContainer {
+            container_id: self.id.clone(),
+            ports: self
+                .ports
+                .iter()
+                .map(|p| flotilla_core::api::PublishedPort {
+                    container_port: p.container_port,
+                    host_port: p.host_port,
+                    url: p.url.clone(),
+                })
+                .collect(),
+            cold_start: self.timings.cold_start(),
+            oom_killed: false,
+        }
+    }
+
+    /// The agent's handle for it: stops asked of the handle reach the
+    /// engine, and its exit (with the OOM verdict) comes back through it.
+    fn into_workload(self, wakers: Wakers) -> Workload {
+        let (workload, mut control) = Workload::new(
+            self.instance_id.clone(),
+            self.pid,
+            // The engine, not a process group on the host, stops it: the
+            // node lease's fence process cannot, the agent's watchdog does.
+            None,
+            self.started_at,
+            self.logs.clone(),
+        );
+        let workload = workload.in_container(self.observed());
+        tokio::spawn(async move {
+            let exit = loop {
+                tokio::select! {
+                    exit = self.wait() => break exit,
+                    grace = control.stop_requested() => self.stop(grace),
+                }
+            };
+            control.exited(Exit {
+                code: exit.code,
+                at: exit.at,
+                stop_requested: exit.stop_requested,
+                oom_killed: exit.oom_killed,
+            });
+            // The container's supervisor woke them before this handle
+            // had the exit: wake them again now that it has.
+            wakers.logs.notify_one();
+            wakers.changed.notify_one();
+        });
+        workload
+    }
+}
+
+/// The agent's face of the container runtime: an instance's assignment
+/// becomes a container, a restarted agent takes over this node's
+/// containers, and a container is removed once the agent is done with it.
+impl Runtime for ContainerRuntime {
+    fn kind(&self) -> RuntimeKind {
+        RuntimeKind::Container
+    }
+
+    fn start(
+        &self,
+        spec: SpawnSpec,
+        wakers: Wakers,
+    ) -> BoxFuture<'_, Result<Workload, SpawnError>> {
+        Box::pin(async move {
+            let spec = ContainerSpec::for_spawn(spec)?;
+            let id = spec.instance_id.clone();
+            let progress = self.progress.clone();
+            // Reported with the next sync, not sooner: a pull says a lot,
+            // and each wake-up would resend the sync.
+            let say = move |message: String| {
+                progress
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id.clone(), message);
+            };
+            let started = ContainerRuntime::start(self, &spec, wakers.clone(), &say).await;
+            self.progress
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&spec.instance_id);
+            Ok(started?.into_workload(wakers))
+        })
+    }
+
+    fn adopt(&self, wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>> {
+        Box::pin(async move {
+            let engine = |e: ContainerError| RuntimeError::Engine(e.to_string());
+            let mut adopted = Vec::new();
+            for (instance_id, _) in self.list().await.map_err(engine)? {
+                // The engine keeps the whole log: it is replayed under the
+                // same sequence numbers, and the server ignores the lines
+                // it already has.
+                if let Some(c) = ContainerRuntime::adopt(self, &instance_id, 0, wakers.clone())
+                    .await
+                    .map_err(engine)?
+                {
+                    adopted.push(c.into_workload(wakers.clone()));
+                }
+            }
+            Ok(adopted)
+        })
+    }
+
+    fn cached_images(&self) -> Option<Vec<flotilla_core::api::NodeImage>> {
+        Some(self.image_report())
+    }
+
+    fn progress(&self, instance_id: &InstanceId) -> Option<String> {
+        self.progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(instance_id)
+            .cloned()
+    }
+
+    fn release(&self, instance_id: &InstanceId) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let docker = self.docker.clone();
+        let name = container_name(instance_id);
+        let instance_id = instance_id.clone();
+        handle.spawn(async move {
+            let opts = RemoveContainerOptions {
+                force: true,
+                v: true,
+                ..Default::default()
+            };
+            match docker.remove_container(&name, Some(opts)).await {
+                Ok(()) => tracing::info!(%instance_id, container = %name, "container removed"),
+                Err(e) if status_of(&e) == Some(404) => {}
+                Err(error) => {
+                    tracing::warn!(%instance_id, container = %name, %error, "cannot remove container")
+                }
+            }
+        });
+    }
+}
+
+/// Enforces the image cache's limit every [`crate::image_cache::ENFORCE_EVERY`]
+/// until the runtime is dropped.
+async fn enforce_forever(cache: std::sync::Weak<ImageCache>, docker: Docker) {
+    loop {
+        tokio::time::sleep(crate::image_cache::ENFORCE_EVERY).await;
+        let Some(cache) = cache.upgrade() else {
+            return;
+        };
+        if let Err(error) = cache.enforce(&docker).await {
+            tracing::warn!(%error, "cannot enforce the image cache limit");
         }
     }
 }
@@ -1277,6 +1593,7 @@ mod tests {
             gpu_uuids: vec!["GPU-a".into(), "GPU-b".into()],
             vendors: vec![Vendor::Nvidia, Vendor::Nvidia],
             gpu_slices: Vec::new(),
+            registry_auth: None,
         }
     }
 
@@ -1403,6 +1720,82 @@ mod tests {
         s.feed(&big, |l| long.push(l.len()));
         s.feed(b"yy\nz\n", |l| long.push(l.len()));
         assert_eq!(long, vec![MAX_LINE_BYTES, 1]);
+    }
+
+    #[test]
+    fn assignments_become_container_specs() {
+        let base = SpawnSpec {
+            instance_id: InstanceId::generate(1, 1),
+            tenant_id: Some(TenantId::generate(1, 2)),
+            command: vec!["httpd".into()],
+            env: BTreeMap::from([("A".to_string(), "1".to_string())]),
+            workdir: PathBuf::from("/unused"),
+            gpu_indices: vec![0],
+            gpu_uuids: vec!["GPU-a".into()],
+            vendors: vec![Vendor::Nvidia],
+            gpu_slices: Vec::new(),
+            image: Some(flotilla_core::instance::ImageSpec {
+                image: "localhost/img:1".into(),
+                ports: vec![8080],
+                scratch_mb: Some(32),
+            }),
+            cpu_milli: Some(0),
+            memory_mb: Some(256),
+            registry_auth: None,
+        };
+        let c = ContainerSpec::for_spawn(base.clone()).unwrap();
+        assert_eq!(c.image, "localhost/img:1");
+        assert_eq!(c.ports, vec![8080]);
+        assert_eq!(c.scratch_mb, Some(32));
+        assert_eq!(c.cpu_milli, None, "0 is no limit");
+        assert_eq!(c.memory_mb, Some(256));
+        assert_eq!(c.gpu_uuids, vec!["GPU-a".to_string()]);
+        let no_image = SpawnSpec {
+            image: None,
+            ..base.clone()
+        };
+        assert!(matches!(
+            ContainerSpec::for_spawn(no_image),
+            Err(SpawnError::NoImageOnContainerNode)
+        ));
+        let no_tenant = SpawnSpec {
+            tenant_id: None,
+            ..base
+        };
+        assert!(matches!(
+            ContainerSpec::for_spawn(no_tenant),
+            Err(SpawnError::NoTenant)
+        ));
+        assert_eq!("cdi".parse(), Ok(GpuPassthrough::Cdi));
+        assert!("gpu"
+            .parse::<GpuPassthrough>()
+            .unwrap_err()
+            .contains("`gpu`"));
+    }
+
+    #[test]
+    fn cold_starts_count_the_pull_and_the_start() {
+        let t = |s: i64| DateTime::from_timestamp(1_700_000_000 + s, 0).unwrap();
+        let pulled = StartTimings {
+            cached: false,
+            pull: Some((t(0), t(5))),
+            created_at: Some(t(6)),
+            started_at: Some(t(7)),
+        };
+        let c = pulled.cold_start().unwrap();
+        assert!(!c.image_cached);
+        assert_eq!((c.pulling_ms, c.starting_ms), (Some(5000), Some(2000)));
+        assert_eq!(c.ready_at, Some(t(7)));
+        let cached = StartTimings {
+            cached: true,
+            pull: None,
+            created_at: Some(t(1)),
+            started_at: Some(t(2)),
+        };
+        let c = cached.cold_start().unwrap();
+        assert!(c.image_cached && c.pull_started_at.is_none());
+        assert_eq!((c.pulling_ms, c.starting_ms), (Some(0), Some(1000)));
+        assert_eq!(StartTimings::default().cold_start(), None, "adopted");
     }
 
     #[test]

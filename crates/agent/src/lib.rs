@@ -23,6 +23,7 @@ pub mod client;
 pub mod container;
 pub mod discovery;
 pub mod fence;
+pub mod image_cache;
 pub mod runtime;
 pub mod telemetry;
 
@@ -106,7 +107,23 @@ pub struct AgentConfig {
     pub insecure_process_runtime: bool,
     /// Host paths shown inside every sandboxed workload (`--sandbox-share`).
     pub sandbox_shares: Vec<runtime::sandbox::SharedPath>,
+    /// The container engine's API, for the container runtime
+    /// (`--docker-host`; default [`DEFAULT_DOCKER_HOST`]).
+    pub docker_host: Option<String>,
+    /// How GPUs reach containers; default: simulated GPUs get only their
+    /// variables, real ones Docker's `DeviceRequests`.
+    pub container_gpus: Option<container::GpuPassthrough>,
+    /// Address tenants reach this node at, shown in the URLs of published
+    /// container ports (default `127.0.0.1`).
+    pub public_host: Option<String>,
+    /// Size limit of the container runtime's image cache in bytes
+    /// ([`image_cache`]; its record lives in `work_dir`); `None`: no
+    /// limit.
+    pub image_cache_bytes: Option<u64>,
 }
+
+/// The Docker Engine's usual socket, used when no `--docker-host` is given.
+pub const DEFAULT_DOCKER_HOST: &str = "unix:///var/run/docker.sock";
 
 impl std::fmt::Debug for AgentConfig {
     /// Like a derived `Debug`, but never prints the key.
@@ -124,6 +141,10 @@ impl std::fmt::Debug for AgentConfig {
             .field("runtime", &self.runtime)
             .field("insecure_process_runtime", &self.insecure_process_runtime)
             .field("sandbox_shares", &self.sandbox_shares)
+            .field("docker_host", &self.docker_host)
+            .field("container_gpus", &self.container_gpus)
+            .field("public_host", &self.public_host)
+            .field("image_cache_bytes", &self.image_cache_bytes)
             .finish()
     }
 }
@@ -150,6 +171,10 @@ impl AgentConfig {
             runtime: RuntimeKind::default(),
             insecure_process_runtime: false,
             sandbox_shares: Vec::new(),
+            docker_host: None,
+            container_gpus: None,
+            public_host: None,
+            image_cache_bytes: Some(image_cache::DEFAULT_IMAGE_CACHE_GB * 1_000_000_000),
         }
     }
 }
@@ -205,12 +230,7 @@ pub async fn run(
         agent_version: env!("CARGO_PKG_VERSION").to_string(),
         running: Vec::new(),
     };
-    let runtime = {
-        let config = config.clone();
-        tokio::task::spawn_blocking(move || runtime_for(&config))
-            .await
-            .context("runtime setup task failed")??
-    };
+    let runtime = runtime_for(&config).await?;
     let client = Client::new(&config.server_url, &config.token)?;
     let shared = Arc::new(Shared::default());
     let mut agent = Agent {
@@ -263,8 +283,10 @@ pub async fn run(
     Ok(())
 }
 
-/// The runtime the configuration names. Blocking (it may probe the host).
-fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
+/// The runtime the configuration names: the process runtime probes the
+/// host for its sandbox (blocking, so off the async threads); the
+/// container runtime connects to its engine and fails when none answers.
+async fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
     match config.runtime {
         RuntimeKind::Process => {
             let sandbox = runtime::sandbox::SandboxConfig {
@@ -272,12 +294,42 @@ fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
                 shares: config.sandbox_shares.clone(),
                 ..runtime::sandbox::SandboxConfig::new(&config.work_dir)
             };
-            Ok(Arc::new(
-                runtime::ProcessRuntime::new(&sandbox)?.for_node(&config.name),
-            ))
+            let node = config.name.clone();
+            let runtime = tokio::task::spawn_blocking(move || {
+                runtime::ProcessRuntime::new(&sandbox).map(|r| r.for_node(&node))
+            })
+            .await
+            .context("runtime setup task failed")??;
+            Ok(Arc::new(runtime))
         }
         RuntimeKind::Container => {
-            anyhow::bail!("the container runtime is not available in this build")
+            let host = config
+                .docker_host
+                .clone()
+                .unwrap_or_else(|| DEFAULT_DOCKER_HOST.to_string());
+            let mut c = container::ContainerConfig::new(host, config.name.clone());
+            c.gpus = config
+                .container_gpus
+                .unwrap_or(if config.simulate_gpus.is_some() {
+                    container::GpuPassthrough::Simulated
+                } else {
+                    container::GpuPassthrough::DeviceRequests
+                });
+            if let Some(public_host) = &config.public_host {
+                c.public_host = public_host.clone();
+            }
+            c.image_cache_bytes = config.image_cache_bytes;
+            c.state_dir = Some(config.work_dir.clone());
+            let mut runtime = container::ContainerRuntime::connect(c)
+                .await
+                .context("the container runtime cannot reach its engine")?;
+            if nix::unistd::geteuid().is_root() {
+                // A rootful engine: each tenant its own uid on the host.
+                let sandbox = runtime::sandbox::SandboxConfig::new(&config.work_dir);
+                runtime = runtime.with_tenant_users(runtime::sandbox::Users::new(&sandbox)?);
+            }
+            tracing::info!(docker_host = %runtime.config().docker_host, gpus = ?runtime.config().gpus, "running workloads in containers");
+            Ok(Arc::new(runtime))
         }
     }
 }
@@ -362,12 +414,17 @@ impl Tracked {
                 _ => (ObservedPhase::Running { pid: p.pid() }, p.started_at()),
             },
         };
+        let container = self.workload().and_then(|w| {
+            let mut c = w.container()?.clone();
+            c.oom_killed = w.exit().is_some_and(|e| e.oom_killed);
+            Some(c)
+        });
         ObservedInstance {
             instance_id: instance_id.clone(),
             phase,
             at,
             message: None,
-            container: None,
+            container,
         }
     }
 }
@@ -660,6 +717,7 @@ impl Agent {
                 observed: self.observed(),
                 wait_ms,
                 gpus: self.telemetry.sample(),
+                images: self.runtime.cached_images(),
             };
             let sent = Instant::now();
             let result = tokio::select! {
@@ -732,7 +790,13 @@ impl Agent {
             .lock()
             .iter()
             .filter(|(_, t)| !(t.orphaned || (t.fenced && t.running())))
-            .map(|(id, t)| t.observed(id))
+            .map(|(id, t)| {
+                let mut observed = t.observed(id);
+                if matches!(t.work, Work::Starting { .. }) {
+                    observed.message = self.runtime.progress(id);
+                }
+                observed
+            })
             .collect()
     }
 
@@ -860,6 +924,10 @@ impl Agent {
             gpu_uuids: a.gpu_uuids,
             vendors,
             gpu_slices: a.gpu_slices,
+            image: a.image,
+            cpu_milli: a.cpu_milli,
+            memory_mb: a.memory_mb,
+            registry_auth: a.registry_auth,
         };
         self.shared.lock().insert(
             a.instance_id.clone(),
@@ -953,6 +1021,7 @@ impl Agent {
             observed: self.observed(),
             wait_ms: 0,
             gpus: Vec::new(),
+            images: None,
         };
         match tokio::time::timeout(SHUTDOWN_STEP_TIMEOUT, self.client.sync(&node.node_id, &req))
             .await

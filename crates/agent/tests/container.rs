@@ -6,7 +6,6 @@
 //! user without a running service they are skipped with a message.
 
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use flotilla_agent::container::{
@@ -16,52 +15,12 @@ use flotilla_agent::runtime::Wakers;
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{InstanceId, TenantId};
 
-/// The engine's address, or `None` (skip) where it cannot run here.
-fn engine() -> Option<&'static (String, String)> {
-    static ENGINE: OnceLock<Option<(String, String)>> = OnceLock::new();
-    ENGINE
-        .get_or_init(|| {
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/podman-service");
-            let out = std::process::Command::new(script)
-                .arg("--env")
-                .output()
-                .expect("run scripts/podman-service");
-            let root = nix_is_root();
-            if !out.status.success() {
-                let stderr = String::from_utf8_lossy(&out.stderr);
-                if out.status.code() == Some(3) && !root {
-                    eprintln!("skipping container tests: {stderr}");
-                    return None;
-                }
-                panic!("scripts/podman-service failed ({}): {stderr}", out.status);
-            }
-            let text = String::from_utf8_lossy(&out.stdout);
-            let get = |k: &str| {
-                text.lines()
-                    .find_map(|l| l.strip_prefix(&format!("export {k}='")))
-                    .map(|v| v.trim_end_matches('\'').to_string())
-                    .unwrap_or_else(|| panic!("no {k} in {text}"))
-            };
-            Some((get("DOCKER_HOST"), get("FLOTILLA_TEST_IMAGE")))
-        })
-        .as_ref()
-}
-
-fn nix_is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .map(|u| u.split_whitespace().next() == Some("0"))
-        })
-        .unwrap_or(false)
-}
-
+/// The engine's address and the test image, or return (skip) where the
+/// engine cannot run here (see `flotilla_testkit::containers::engine`).
 macro_rules! engine_or_skip {
     () => {
-        match engine() {
-            Some(e) => e,
+        match flotilla_testkit::containers::engine() {
+            Some(e) => (&e.docker_host, &e.image),
             None => return,
         }
     };
@@ -105,6 +64,7 @@ fn spec(image: &str, tenant: &TenantId, command: &str) -> ContainerSpec {
         gpu_uuids: Vec::new(),
         vendors: Vec::new(),
         gpu_slices: Vec::new(),
+        registry_auth: None,
     }
 }
 
@@ -408,4 +368,121 @@ async fn a_local_image_is_not_pulled_again() {
     c.remove().await.unwrap();
     let cached = rt.cached_images();
     assert!(cached.iter().any(|i| &i.image == image && i.pulls == 0));
+}
+
+/// A local image of its own for the cache test: the test image plus a
+/// file of `kib` KiB, committed from a container that wrote it (no
+/// registry is reachable, and the shared test image must not be evicted
+/// under the other tests).
+async fn derived_image(rt: &ContainerRuntime, base: &str, name: &str, kib: u32) -> (String, u64) {
+    let s = spec(
+        base,
+        &tenant(),
+        &format!("dd if=/dev/zero of=/tmp/fill bs=1024 count={kib} 2>/dev/null"),
+    );
+    let c = rt.start(&s, Wakers::default(), &nothing).await.unwrap();
+    assert_eq!(c.wait().await.code, 0);
+    rt.docker()
+        .commit_container(
+            bollard::image::CommitContainerOptions {
+                container: c.id().to_string(),
+                repo: name.to_string(),
+                tag: "latest".to_string(),
+                comment: String::new(),
+                author: String::new(),
+                pause: false,
+                changes: None,
+            },
+            bollard::container::Config::<String>::default(),
+        )
+        .await
+        .unwrap();
+    c.remove().await.unwrap();
+    let reference = format!("{name}:latest");
+    let size = rt
+        .docker()
+        .inspect_image(&reference)
+        .await
+        .unwrap()
+        .size
+        .unwrap() as u64;
+    (reference, size)
+}
+
+async fn present(rt: &ContainerRuntime, image: &str) -> bool {
+    rt.docker().inspect_image(image).await.is_ok()
+}
+
+#[tokio::test]
+async fn over_its_limit_the_cache_evicts_the_least_recently_used_image_never_one_in_use() {
+    let (host, base) = engine_or_skip!();
+    let maker = runtime(host).await;
+    let tag = format!("localhost/flotilla-cache-test-{}", unique());
+    let (a, size_a) = derived_image(&maker, base, &format!("{tag}-a"), 512).await;
+    let (b, size_b) = derived_image(&maker, base, &format!("{tag}-b"), 768).await;
+    let (c, size_c) = derived_image(&maker, base, &format!("{tag}-c"), 1024).await;
+    // Room for any one of them, never for two.
+    let limit = size_a.max(size_b).max(size_c) + 1;
+    assert!(limit < size_a.min(size_b).min(size_c) * 2);
+    let state = tempfile::tempdir().unwrap();
+    let mut config = ContainerConfig::new(host.as_str(), "test-node");
+    config.image_cache_bytes = Some(limit);
+    config.state_dir = Some(state.path().to_path_buf());
+    let rt = ContainerRuntime::connect(config.clone()).await.unwrap();
+    let t = tenant();
+
+    // The first image fits alone.
+    let first = rt
+        .start(&spec(&a, &t, "echo a"), Wakers::default(), &nothing)
+        .await
+        .unwrap();
+    assert!(first.timings().cached);
+    first.wait().await;
+    first.remove().await.unwrap();
+    assert!(present(&rt, &a).await);
+
+    // Starting from the second evicts the first, least recently used and
+    // no longer used by any container.
+    let second = rt
+        .start(&spec(&b, &t, "exec sleep 600"), Wakers::default(), &nothing)
+        .await
+        .unwrap();
+    assert!(!present(&rt, &a).await, "{a} should have been evicted");
+    assert!(present(&rt, &b).await);
+    let cached: Vec<String> = rt.cached_images().into_iter().map(|i| i.image).collect();
+    assert_eq!(cached, vec![b.clone()]);
+
+    // A third while the second still runs: over the limit, but the image
+    // in use stays (and so does the one just started).
+    let third = rt
+        .start(&spec(&c, &t, "echo c"), Wakers::default(), &nothing)
+        .await
+        .unwrap();
+    third.wait().await;
+    third.remove().await.unwrap();
+    assert!(
+        present(&rt, &b).await,
+        "an image in use must never be evicted"
+    );
+    assert!(present(&rt, &c).await);
+    assert_eq!(rt.image_report().len(), 2);
+    assert_eq!(rt.image_report()[0].image, c, "most recently used first");
+
+    // Once released, the least recently used of the two goes: the second,
+    // though its container ran longer, was started from before the third.
+    second.stop(Duration::from_secs(1));
+    second.wait().await;
+    second.remove().await.unwrap();
+    assert_eq!(rt.enforce_image_cache().await.unwrap(), vec![b.clone()]);
+    assert!(!present(&rt, &b).await && present(&rt, &c).await);
+
+    // A restarted agent reads the order back from its state directory.
+    drop(rt);
+    let again = ContainerRuntime::connect(config).await.unwrap();
+    let cached = again.cached_images();
+    assert_eq!(cached.len(), 1);
+    assert_eq!(cached[0].image, c);
+    assert_eq!(cached[0].size_bytes, size_c);
+
+    let _ = again.docker().remove_image(&c, None, None).await;
 }

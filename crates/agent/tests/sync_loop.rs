@@ -252,6 +252,7 @@ fn assignment(n: u128, script: &str) -> Assignment {
         image: None,
         cpu_milli: None,
         memory_mb: None,
+        registry_auth: None,
     }
 }
 

@@ -9,6 +9,7 @@ use chrono::Utc;
 use clap::Subcommand;
 use flotilla_core::endpoint::{CreateEndpoint, Endpoint, UpdateEndpoint};
 use flotilla_core::gateway::Balance;
+use flotilla_core::queue_trigger::{redact_url, QueueTrigger, DEFAULT_MESSAGES_PER_REPLICA};
 
 use crate::commands::{parse_env, Ctx};
 use crate::output::{age, outln, print_json, print_table, table};
@@ -100,6 +101,76 @@ pub struct Settings {
     /// Environment variable of the replicas (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
     pub env: Vec<(String, String)>,
+    /// Scale on a RabbitMQ queue's depth (repeatable), e.g.
+    /// `amqp://user:pass@host:5672/%2f#jobs`.
+    #[arg(long = "rabbitmq-queue", value_name = "URL#QUEUE")]
+    pub rabbitmq_queues: Vec<String>,
+    /// Scale on a NATS JetStream durable consumer's pending messages
+    /// (repeatable), e.g. `nats://host:4222#JOBS/workers`.
+    #[arg(long = "nats-consumer", value_name = "URL#STREAM/CONSUMER")]
+    pub nats_consumers: Vec<String>,
+    /// Target messages per replica for the queue triggers (default 10).
+    #[arg(long = "messages-per-replica", value_name = "N")]
+    pub messages_per_replica: Option<u32>,
+    /// Remove every queue trigger (update only).
+    #[arg(long = "no-queue-triggers", conflicts_with_all = ["rabbitmq_queues", "nats_consumers"])]
+    pub no_queue_triggers: bool,
+    /// Run the replicas from this OCI image in containers (on nodes whose
+    /// agent runs the container runtime); on update, `""` goes back to
+    /// the command on the node.
+    #[arg(long, value_name = "IMAGE")]
+    pub image: Option<String>,
+    /// With `--image`: a container port to publish (repeatable); the
+    /// replica serves on the first (its `PORT`, default 8080).
+    #[arg(long = "port", short = 'p', value_name = "PORT")]
+    pub ports: Vec<u16>,
+}
+
+impl Settings {
+    /// The queue triggers the flags name, if any (the server validates
+    /// them and names the field at fault).
+    fn queue_triggers(&self) -> Result<Option<Vec<QueueTrigger>>> {
+        if self.rabbitmq_queues.is_empty() && self.nats_consumers.is_empty() {
+            if self.no_queue_triggers {
+                return Ok(Some(Vec::new()));
+            }
+            if self.messages_per_replica.is_some() {
+                return Err(anyhow!(
+                    "--messages-per-replica needs --rabbitmq-queue or --nats-consumer"
+                ));
+            }
+            return Ok(None);
+        }
+        let per = self
+            .messages_per_replica
+            .unwrap_or(DEFAULT_MESSAGES_PER_REPLICA);
+        let mut out = Vec::new();
+        for v in &self.rabbitmq_queues {
+            let (url, queue) = v.rsplit_once('#').ok_or_else(|| {
+                anyhow!("--rabbitmq-queue wants URL#QUEUE, got `{}`", redact_url(v))
+            })?;
+            out.push(QueueTrigger {
+                messages_per_replica: per,
+                ..QueueTrigger::rabbitmq(url, queue)
+            });
+        }
+        for v in &self.nats_consumers {
+            let parsed = v
+                .rsplit_once('#')
+                .and_then(|(url, sc)| sc.split_once('/').map(|(s, c)| (url, s, c)));
+            let Some((url, stream, consumer)) = parsed else {
+                return Err(anyhow!(
+                    "--nats-consumer wants URL#STREAM/CONSUMER, got `{}`",
+                    redact_url(v)
+                ));
+            };
+            out.push(QueueTrigger {
+                messages_per_replica: per,
+                ..QueueTrigger::nats(url, stream, consumer)
+            });
+        }
+        Ok(Some(out))
+    }
 }
 
 /// `flotilla endpoints deploy` options.
@@ -112,9 +183,10 @@ pub struct DeployArgs {
     /// Tier of the replicas: 1 dedicated, 2 or 3 preemptible.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     pub tier: Option<u8>,
-    /// The replica's program and arguments (after `--`).
+    /// The replica's program and arguments (after `--`); with `--image`,
+    /// it replaces the image's command and may be left out.
     #[arg(
-        required = true,
+        required_unless_present = "image",
         trailing_var_arg = true,
         allow_hyphen_values = true,
         value_name = "CMD"
@@ -203,10 +275,13 @@ async fn find(ctx: &Ctx, key: &str) -> Result<Endpoint> {
 
 async fn deploy(ctx: &Ctx, a: DeployArgs) -> Result<ExitCode> {
     let s = a.settings;
+    let queue_triggers = s.queue_triggers()?.unwrap_or_default();
     let req = CreateEndpoint {
         name: a.name,
         command: a.command,
         env: s.env.into_iter().collect(),
+        image: s.image,
+        ports: s.ports,
         models: s.models,
         gpus: s.gpus,
         gpu_types: s.gpu_types,
@@ -224,6 +299,7 @@ async fn deploy(ctx: &Ctx, a: DeployArgs) -> Result<ExitCode> {
         balance: s.balance,
         rate_limit_rps: s.rate_limit_rps,
         drain_grace_ms: s.drain_grace_ms,
+        queue_triggers,
         ..CreateEndpoint::default()
     };
     let ep = ctx.client.create_endpoint(&req).await?;
@@ -238,9 +314,12 @@ async fn deploy(ctx: &Ctx, a: DeployArgs) -> Result<ExitCode> {
 async fn update(ctx: &Ctx, a: UpdateArgs) -> Result<ExitCode> {
     let ep = find(ctx, &a.endpoint).await?;
     let s = a.settings;
+    let queue_triggers = s.queue_triggers()?;
     let req = UpdateEndpoint {
         command: (!a.command.is_empty()).then_some(a.command),
         env: (!s.env.is_empty()).then(|| s.env.into_iter().collect()),
+        image: s.image,
+        ports: (!s.ports.is_empty()).then_some(s.ports),
         models: (!s.models.is_empty()).then_some(s.models),
         gpus: s.gpus,
         gpu_types: (!s.gpu_types.is_empty()).then_some(s.gpu_types),
@@ -257,6 +336,7 @@ async fn update(ctx: &Ctx, a: UpdateArgs) -> Result<ExitCode> {
         balance: s.balance,
         rate_limit_rps: s.rate_limit_rps,
         drain_grace_ms: s.drain_grace_ms,
+        queue_triggers,
         ..UpdateEndpoint::default()
     };
     let ep = ctx.client.update_endpoint(ep.id.as_str(), &req).await?;
@@ -334,6 +414,26 @@ fn show(ctx: &Ctx, e: &Endpoint) -> Result<ExitCode> {
         s.idle_window_s,
         s.readiness_path
     )?;
+    for (t, st) in s
+        .queue_triggers
+        .iter()
+        .zip(e.triggers.iter().map(Some).chain(std::iter::repeat(None)))
+    {
+        let read = match st {
+            Some(st) => match (&st.depth, &st.error) {
+                (Some(d), _) => format!("depth {d}, wants {}", st.wants),
+                (None, Some(err)) => format!("error: {err}"),
+                (None, None) => "not read".into(),
+            },
+            None => "not read yet".into(),
+        };
+        outln!(
+            "queue trigger {} ({}, {} messages per replica): {read}",
+            t.label(),
+            t.url,
+            t.messages_per_replica
+        )?;
+    }
     for r in &e.replicas {
         outln!(
             "  {} r{} {} {}{}",
@@ -351,4 +451,52 @@ fn show(ctx: &Ctx, e: &Endpoint) -> Result<ExitCode> {
         )?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_core::queue_trigger::QueueKind;
+
+    #[test]
+    fn queue_trigger_flags_parse_into_triggers() {
+        let s = Settings {
+            rabbitmq_queues: vec!["amqp://u:p@h:5672/%2f#jobs".into()],
+            nats_consumers: vec!["nats://h:4222#JOBS/workers".into()],
+            messages_per_replica: Some(20),
+            ..Settings::default()
+        };
+        let t = s.queue_triggers().unwrap().unwrap();
+        assert_eq!(t.len(), 2);
+        assert_eq!(
+            (t[0].kind, t[0].url.as_str(), t[0].queue.as_deref()),
+            (QueueKind::Rabbitmq, "amqp://u:p@h:5672/%2f", Some("jobs"))
+        );
+        assert_eq!(
+            (t[1].stream.as_deref(), t[1].consumer.as_deref()),
+            (Some("JOBS"), Some("workers"))
+        );
+        assert!(t.iter().all(|t| t.messages_per_replica == 20));
+        assert_eq!(Settings::default().queue_triggers().unwrap(), None);
+        let clear = Settings {
+            no_queue_triggers: true,
+            ..Settings::default()
+        };
+        assert_eq!(clear.queue_triggers().unwrap(), Some(Vec::new()));
+        // A malformed flag is refused without echoing its password.
+        let bad = Settings {
+            nats_consumers: vec!["nats://tok@h#JOBS".into()],
+            ..Settings::default()
+        };
+        let e = bad.queue_triggers().unwrap_err().to_string();
+        assert!(
+            e.contains("URL#STREAM/CONSUMER") && !e.contains("tok@"),
+            "{e}"
+        );
+        let lonely = Settings {
+            messages_per_replica: Some(5),
+            ..Settings::default()
+        };
+        assert!(lonely.queue_triggers().is_err());
+    }
 }

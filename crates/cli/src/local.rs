@@ -115,6 +115,34 @@ impl ServerArgs {
     }
 }
 
+/// Options of the container runtime (`--runtime container`), shared by
+/// `up` and `agent`.
+#[derive(Debug, Clone, Args)]
+pub struct ContainerArgs {
+    /// The container engine's API: Docker's socket, or Podman's
+    /// Docker-compatible service (`scripts/podman-service` prints one).
+    #[arg(long, value_name = "unix:///PATH", env = "DOCKER_HOST")]
+    pub docker_host: Option<String>,
+    /// How GPUs reach containers: `simulated` (variables only),
+    /// `device-requests` (the NVIDIA container runtime) or `cdi`; default:
+    /// `simulated` for simulated GPUs, else `device-requests`.
+    #[arg(long, value_name = "MODE")]
+    pub container_gpus: Option<flotilla_agent::container::GpuPassthrough>,
+    /// Address tenants reach this node at, shown in the URLs of published
+    /// container ports (default `127.0.0.1`).
+    #[arg(long, value_name = "HOST")]
+    pub public_host: Option<String>,
+}
+
+impl ContainerArgs {
+    /// Sets the agent's container runtime options.
+    fn apply(&self, config: &mut flotilla_agent::AgentConfig) {
+        config.docker_host = self.docker_host.clone();
+        config.container_gpus = self.container_gpus;
+        config.public_host = self.public_host.clone();
+    }
+}
+
 /// Options of `up` beyond the server's.
 #[derive(Debug, Args)]
 pub struct UpArgs {
@@ -144,6 +172,9 @@ pub struct UpArgs {
     /// sees it: for shared weights, datasets or scratch, never secrets.
     #[arg(long, value_name = "PATH[:rw]")]
     pub sandbox_share: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
+    /// The container runtime's options.
+    #[command(flatten)]
+    pub containers: ContainerArgs,
 }
 
 /// Options of `agent`.
@@ -181,6 +212,14 @@ pub struct AgentArgs {
     /// sees it: for shared weights, datasets or scratch, never secrets.
     #[arg(long, value_name = "PATH[:rw]")]
     pub sandbox_share: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
+    /// The container runtime's options.
+    #[command(flatten)]
+    pub containers: ContainerArgs,
+    /// Size limit of the node's image cache (container runtime), in GB:
+    /// past it the least recently used images no container uses are
+    /// removed. 0: no limit.
+    #[arg(long, value_name = "GB", default_value_t = flotilla_agent::image_cache::DEFAULT_IMAGE_CACHE_GB)]
+    pub image_cache_gb: u64,
 }
 
 /// Installs the stderr logger: `RUST_LOG` when set, else `info` for the
@@ -307,9 +346,10 @@ struct RunningServer {
 }
 
 async fn start_server(args: ServerArgs) -> Result<RunningServer> {
-    let server_config = args.config();
+    let mut server_config = args.config();
     let data_dir = data_dir(args.data_dir)?;
     config::create_private_dir(&data_dir)?;
+    server_config.secrets_key_file = Some(data_dir.join("secrets.key"));
     let database_url = args
         .database_url
         .unwrap_or_else(|| default_database_url(&data_dir));
@@ -443,6 +483,7 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
     agent_config.fence_program = std::env::current_exe().ok();
     agent_config.insecure_process_runtime = args.insecure_process_runtime;
     agent_config.sandbox_shares = args.sandbox_share.clone();
+    args.containers.apply(&mut agent_config);
     let (agent_stop, agent_stopped) = oneshot::channel::<()>();
     let mut agent = tokio::spawn(flotilla_agent::run(agent_config, async move {
         let _ = agent_stopped.await;
@@ -600,6 +641,9 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     cfg.runtime = args.runtime;
     cfg.insecure_process_runtime = args.insecure_process_runtime;
     cfg.sandbox_shares = args.sandbox_share;
+    args.containers.apply(&mut cfg);
+    cfg.image_cache_bytes =
+        (args.image_cache_gb > 0).then(|| args.image_cache_gb.saturating_mul(1_000_000_000));
     // The node lease's fence: this binary, as `flotilla agent-fence`.
     cfg.fence_program = std::env::current_exe().ok();
     let (stop, stopped) = oneshot::channel::<()>();

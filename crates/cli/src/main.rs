@@ -18,6 +18,8 @@ mod gateway;
 mod jobs;
 mod local;
 mod output;
+mod queue_worker;
+mod registries;
 mod simulate;
 
 use std::process::ExitCode;
@@ -80,6 +82,11 @@ enum Command {
     /// The node lease's fence, started by `flotilla agent` beside itself:
     /// stops the agent's work when the lease runs out while the agent
     /// cannot (paused, wedged, killed).
+    /// A batch replica that drains a RabbitMQ queue or a NATS JetStream
+    /// consumer, acknowledging each message (tests and demos of queue
+    /// triggers).
+    #[command(name = "queue-worker", hide = true)]
+    QueueWorker(queue_worker::QueueWorkerArgs),
     #[command(name = "agent-fence", hide = true)]
     AgentFence {
         /// The file the agent writes after every renewal.
@@ -93,8 +100,16 @@ enum Command {
     Login,
     /// List GPU models with the pool's total and free capacity.
     Gpus,
-    /// List nodes and their GPUs.
-    Nodes,
+    /// List nodes and their GPUs, or show one with its image cache.
+    Nodes {
+        #[command(subcommand)]
+        command: Option<NodesCommand>,
+    },
+    /// Your tenant's logins to private container registries.
+    Registries {
+        #[command(subcommand)]
+        command: Option<registries::RegistriesCommand>,
+    },
     /// Rent GPUs and run a command on them, following its output.
     Run(RunArgs),
     /// List instances.
@@ -209,6 +224,17 @@ enum Command {
         tenant: Option<String>,
         #[command(subcommand)]
         command: Option<QuotaCommand>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum NodesCommand {
+    /// List nodes and their GPUs.
+    List,
+    /// Show one node: its GPUs and the images its agent has cached.
+    Show {
+        /// Node id.
+        id: String,
     },
 }
 
@@ -329,6 +355,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Agent(args) => return local::agent(server, args).await,
         Command::Gateway(args) => return gateway::run(server, args).await,
         Command::Emulator(config) => return gateway::emulator(config).await,
+        Command::QueueWorker(args) => return queue_worker::run(args).await,
         Command::AgentFence { file, agent_pid } => {
             tokio::task::spawn_blocking(move || flotilla_agent::fence::watch(&file, agent_pid))
                 .await?;
@@ -348,7 +375,11 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
     };
     match command {
         Command::Gpus => commands::gpus(&ctx).await,
-        Command::Nodes => commands::nodes(&ctx).await,
+        Command::Nodes { command } => match command {
+            None | Some(NodesCommand::List) => commands::nodes(&ctx).await,
+            Some(NodesCommand::Show { id }) => registries::node_show(&ctx, &id).await,
+        },
+        Command::Registries { command } => registries::dispatch(&ctx, command).await,
         Command::Run(args) => commands::run(&ctx, args).await,
         Command::Ps(args) => commands::ps(&ctx, args).await,
         Command::Queue => commands::queue(&ctx).await,
@@ -403,6 +434,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         | Command::Agent(_)
         | Command::Gateway(_)
         | Command::Emulator(_)
+        | Command::QueueWorker(_)
         | Command::AgentFence { .. }
         | Command::Login
         | Command::Simulate(_) => {
@@ -600,6 +632,28 @@ mod tests {
             parse(&["tenants"]).unwrap().command,
             Command::Tenants { command: None }
         ));
+        assert!(matches!(
+            parse(&["nodes"]).unwrap().command,
+            Command::Nodes { command: None }
+        ));
+        assert!(matches!(
+            parse(&["nodes", "show", "node_x"]).unwrap().command,
+            Command::Nodes {
+                command: Some(NodesCommand::Show { .. })
+            }
+        ));
+        assert!(matches!(
+            parse(&["registries", "add", "ghcr.io", "-u", "me", "--secret-stdin"])
+                .unwrap()
+                .command,
+            Command::Registries {
+                command: Some(registries::RegistriesCommand::Add {
+                    secret_stdin: true,
+                    ..
+                })
+            }
+        ));
+        assert!(parse(&["registries", "add", "ghcr.io", "--secret", "x"]).is_err());
         assert!(matches!(
             parse(&["keys", "revoke", "key_x"]).unwrap().command,
             Command::Keys {

@@ -4,7 +4,8 @@
 //! weight-load delay. An endpoint at zero replicas takes 200 concurrent
 //! requests through the gateway: all succeed, replicas scale up, then back
 //! to zero after the idle window, and 200 requests are metered. Another
-//! tenant's key gets 404, and a rate limit 429.
+//! tenant's key gets 404, a rate limit 429, and a budget's hard cap, once
+//! the replicas' GPU time has reached it, 402.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -189,6 +190,24 @@ fn an_endpoint_scales_from_zero_serves_200_requests_and_returns_to_zero() {
     std::thread::sleep(Duration::from_millis(1500));
     let statuses: Vec<u16> = (0..5).map(|_| raw_status(&gw, &key)).collect();
     assert!(statuses.contains(&429), "{statuses:?}");
+
+    // A hard cap below what the replicas' GPU time already cost: the
+    // gateway refuses with 402 (it is checked before the rate limit) once
+    // its cached grant for the key is renewed.
+    let (status, body) = http(
+        "PUT",
+        &format!("{}/v1/budget", home.url()),
+        Some(&key),
+        Some(&json!({"limit": "0.000001", "hard_cap": true}).to_string()),
+    )
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    wait_until("402 over the hard cap", LONG, || {
+        raw_status(&gw, &key) == 402
+    });
+    let (status, body) = chat(&gw, &key, "chat");
+    assert_eq!(status, 402, "{body}");
+    assert_eq!(body["error"]["code"], "insufficient_quota", "{body}");
 }
 
 /// The status of a request that is not waited for beyond its head: a

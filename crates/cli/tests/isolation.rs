@@ -13,12 +13,11 @@
 //! laptop setup (bubblewrap in a user namespace); run as an ordinary user it
 //! checks the latter only.
 
-use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
-use flotilla_testkit::process::{wait_until, Home};
+use flotilla_testkit::process::{probe_outcomes, uid_of, wait_until, Home};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
@@ -26,15 +25,9 @@ const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 const ORDINARY_UID: u32 = 65_534;
 
 fn run(home: &Home, key: &str, args: &[&str]) -> String {
-    let mut all = vec!["run", "--detach", "--gpus", "1"];
+    let mut all = vec!["--gpus", "1"];
     all.extend_from_slice(args);
-    let out = home.cli(Some(key), &all);
-    assert!(
-        out.status.success(),
-        "flotilla run failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    home.run_detached(key, &all)
 }
 
 fn log_lines(home: &Home, key: &str, id: &str) -> Vec<String> {
@@ -71,33 +64,15 @@ fn pids_with_env(needle: &str) -> Vec<u32> {
         .collect()
 }
 
-fn uid_of(pid: u32) -> u32 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|u| u.parse().ok())
-        .unwrap()
-}
-
 fn readable(path: &Path) -> bool {
     std::fs::read(path).is_ok_and(|b| !b.is_empty())
 }
 
 /// The attacks, as one shell script: each prints `probe NAME allowed` or
 /// `probe NAME denied`.
-fn probe_script(home: &Home, a_workdir: &Path, a_pid: u32) -> String {
-    let data = home.data();
-    let creds = home.dir.path().join("config/credentials.json");
-    let attacks = [
-        ("credentials", format!("cat '{}'", creds.display())),
-        ("data-dir", format!("ls '{}'", data.display())),
-        ("database", format!("cat '{}/flotilla.db'", data.display())),
-        (
-            "agent-token",
-            format!("cat '{}/agent.token'", data.display()),
-        ),
+fn attack_script(home: &Home, a_workdir: &Path, a_pid: u32) -> String {
+    let mut attacks = home.control_plane_attacks();
+    attacks.extend([
         ("other-workdir", format!("ls '{}'", a_workdir.display())),
         (
             "other-file",
@@ -116,15 +91,8 @@ fn probe_script(home: &Home, a_workdir: &Path, a_pid: u32) -> String {
             "test -s /etc/shadow && cat /etc/shadow".to_string(),
         ),
         ("signal-other", format!("kill -9 {a_pid}")),
-    ];
-    let mut script = String::from(
-        "try() { if sh -c \"$2\" >/dev/null 2>&1; then echo \"probe $1 allowed\"; else echo \"probe $1 denied\"; fi; }\n",
-    );
-    for (name, cmd) in attacks {
-        script.push_str(&format!("try {name} \"{}\"\n", cmd.replace('"', "\\\"")));
-    }
-    script.push_str("echo \"uid $(id -u)\"\necho probe-done\n");
-    script
+    ]);
+    flotilla_testkit::process::probe_script(&attacks)
 }
 
 fn scenario(home: &Home, per_tenant_users: bool) {
@@ -206,7 +174,7 @@ fn scenario(home: &Home, per_tenant_users: bool) {
     let b = run(
         home,
         &key_b,
-        &["--", "sh", "-c", &probe_script(home, &a_workdir, a_pid)],
+        &["--", "sh", "-c", &attack_script(home, &a_workdir, a_pid)],
     );
     wait_until("B's probe ends", Duration::from_secs(60), || {
         log_lines(home, &key_b, &b)
@@ -214,20 +182,12 @@ fn scenario(home: &Home, per_tenant_users: bool) {
             .any(|l| l == "probe-done")
     });
     let lines = log_lines(home, &key_b, &b);
-    let probes: BTreeMap<&str, &str> = lines
-        .iter()
-        .filter_map(|l| l.strip_prefix("probe "))
-        .filter_map(|l| l.split_once(' '))
-        .collect();
+    let (probes, b_uid) = probe_outcomes(&lines);
     assert_eq!(probes.len(), 10, "{lines:?}");
     for (name, outcome) in &probes {
-        assert_eq!(*outcome, "denied", "tenant B could {name}: {lines:?}");
+        assert_eq!(outcome, "denied", "tenant B could {name}: {lines:?}");
     }
-    let b_uid: u32 = lines
-        .iter()
-        .find_map(|l| l.strip_prefix("uid "))
-        .and_then(|u| u.parse().ok())
-        .unwrap();
+    let b_uid = b_uid.expect("B's uid");
     assert_ne!(a_uid, 0, "A does not run as root");
     if per_tenant_users {
         // B's uid inside is its uid outside: no user namespace as root.

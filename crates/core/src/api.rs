@@ -217,6 +217,26 @@ pub struct Node {
     pub created_at: DateTime<Utc>,
     /// Its GPUs.
     pub gpus: Vec<Gpu>,
+    /// The images its agent last reported in its cache, most recently
+    /// used first (`GET /v1/nodes/{id}` only; empty in lists and for
+    /// agents that run no containers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<NodeImage>,
+}
+
+/// One image in a node's image cache, as its agent reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct NodeImage {
+    /// The reference instances asked for (`registry.example/app:1`).
+    pub image: String,
+    /// The engine's image id (`sha256:…`): references of one image share it.
+    pub id: String,
+    /// Size in bytes as the engine reports it (layers shared with other
+    /// images are counted in each).
+    pub size_bytes: u64,
+    /// When an instance last started from it on this node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_used: Option<DateTime<Utc>>,
 }
 
 /// One lifecycle transition.
@@ -522,6 +542,11 @@ pub struct SyncRequest {
     /// where the agent has no driver to read it from (simulated GPUs).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus: Vec<GpuSample>,
+    /// The node's image cache, from agents that run containers: replaces
+    /// what the server knew. Absent: nothing to report (the server keeps
+    /// what it had).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images: Option<Vec<NodeImage>>,
 }
 
 /// One reading of one GPU's counters, as the driver reports them. A field
@@ -580,6 +605,49 @@ pub struct InstanceTelemetry {
 impl SyncRequest {
     /// Most GPU samples one sync may carry (the largest nodes have 16).
     pub const MAX_GPU_SAMPLES: usize = 64;
+
+    /// Most cached images one sync may report.
+    pub const MAX_IMAGES: usize = 1000;
+
+    /// Checks the image cache part; the field names the entry at fault.
+    pub fn validate_images(&self) -> Result<(), crate::FieldError> {
+        let Some(images) = &self.images else {
+            return Ok(());
+        };
+        if images.len() > Self::MAX_IMAGES {
+            return Err(crate::FieldError::new(
+                "images",
+                format!("at most {} images", Self::MAX_IMAGES),
+            ));
+        }
+        for (i, img) in images.iter().enumerate() {
+            if img.image.is_empty() || img.image.len() > 255 {
+                return Err(crate::FieldError::new(
+                    format!("images[{i}].image"),
+                    "1 to 255 characters",
+                ));
+            }
+            if img.id.is_empty() || img.id.len() > 128 {
+                return Err(crate::FieldError::new(
+                    format!("images[{i}].id"),
+                    "1 to 128 characters",
+                ));
+            }
+            if i64::try_from(img.size_bytes).is_err() {
+                return Err(crate::FieldError::new(
+                    format!("images[{i}].size_bytes"),
+                    "too large",
+                ));
+            }
+            if images[..i].iter().any(|o| o.image == img.image) {
+                return Err(crate::FieldError::new(
+                    format!("images[{i}].image"),
+                    format!("`{}` is listed twice", img.image),
+                ));
+            }
+        }
+        Ok(())
+    }
 
     /// Checks the telemetry part; the field names the sample at fault.
     pub fn validate_gpus(&self) -> Result<(), crate::FieldError> {
@@ -660,6 +728,11 @@ pub struct Assignment {
     /// Memory limit, MiB (enforced for containers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_mb: Option<u64>,
+    /// The tenant's login for the registry of `image`, when it stored one:
+    /// sent only until the agent reports the instance (the pull happens
+    /// before that), and only for an image on that very registry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registry_auth: Option<crate::registry::RegistryAuth>,
 }
 
 /// The server's answer to a sync.

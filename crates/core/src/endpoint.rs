@@ -16,6 +16,7 @@ use crate::error::FieldError;
 use crate::gateway::{Balance, EndpointSignals};
 use crate::id::{EndpointId, InstanceId, TenantId};
 use crate::instance::{BillingClass, CreateInstance, InstanceSpec, InstanceState};
+use crate::queue_trigger::{keep_secrets, validate_triggers, QueueTrigger, TriggerStatus};
 
 /// The policies an endpoint may name (`flotilla-scale` builds them).
 pub const POLICIES: [&str; 5] = ["flotilla", "hpa", "keda", "kpa", "ray"];
@@ -34,10 +35,22 @@ pub struct CreateEndpoint {
     pub name: String,
     /// Program and arguments of a replica, run without a shell. The
     /// replica gets `PORT` in its environment and must serve HTTP there.
+    /// With `image`, it replaces the image's command and may be empty.
+    #[serde(default)]
     pub command: Vec<String>,
     /// Extra environment of a replica (`PORT` is set by Flotilla).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Run each replica from this OCI image in a container (on nodes whose
+    /// agent runs the container runtime) instead of the command on the
+    /// node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// With `image`: the container ports to publish; the replica serves
+    /// on the first (its `PORT`; default 8080), where the gateway reaches
+    /// it through the port the node published.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<u16>,
     /// Model names served: an OpenAI request whose `model` is one of them
     /// is routed here. Default: the endpoint's name.
     #[serde(default)]
@@ -120,6 +133,12 @@ pub struct CreateEndpoint {
     /// minimum of the windows open now wins over `min_replicas`.
     #[serde(default)]
     pub schedules: Vec<ScheduleWindow>,
+    /// External queues whose depth asks for replicas (RabbitMQ queues,
+    /// NATS JetStream consumers); the highest demand of traffic, schedule
+    /// and queues wins, and a queue with messages keeps the endpoint from
+    /// going idle.
+    #[serde(default)]
+    pub queue_triggers: Vec<QueueTrigger>,
 }
 
 /// A time window with a minimum replica count, in the endpoint's time
@@ -152,6 +171,13 @@ pub struct UpdateEndpoint {
     /// New environment, replacing the old one (new revision).
     #[serde(default)]
     pub env: Option<BTreeMap<String, String>>,
+    /// New image (new revision); an empty string runs the command on the
+    /// node again.
+    #[serde(default)]
+    pub image: Option<String>,
+    /// New container ports, replacing the old ones (new revision).
+    #[serde(default)]
+    pub ports: Option<Vec<u16>>,
     /// New model names.
     #[serde(default)]
     pub models: Option<Vec<String>>,
@@ -215,6 +241,10 @@ pub struct UpdateEndpoint {
     /// Schedules, replacing the old ones.
     #[serde(default)]
     pub schedules: Option<Vec<ScheduleWindow>>,
+    /// Queue triggers, replacing the old ones (`[]` removes them). A URL
+    /// sent back as shown (password `***`) keeps the stored password.
+    #[serde(default)]
+    pub queue_triggers: Option<Vec<QueueTrigger>>,
 }
 
 /// An endpoint's spec after validation, defaults applied: what is stored.
@@ -226,6 +256,13 @@ pub struct EndpointSpec {
     pub command: Vec<String>,
     /// Replica environment.
     pub env: BTreeMap<String, String>,
+    /// The image replicas run from, in containers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// With an image: the container ports published, the first served
+    /// (never empty when `image` is set).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<u16>,
     /// Model names served.
     pub models: Vec<String>,
     /// Whole GPUs per replica.
@@ -279,6 +316,9 @@ pub struct EndpointSpec {
     /// Minimum replicas by time window.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub schedules: Vec<ScheduleWindow>,
+    /// External queue triggers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queue_triggers: Vec<QueueTrigger>,
 }
 
 fn utc() -> String {
@@ -386,12 +426,15 @@ fn instance_request(c: &CreateEndpoint, tier: u8) -> CreateInstance {
         preemptible: Some(tier > 1),
         gpu_fraction: c.gpu_fraction,
         mig_profile: c.mig_profile.clone(),
-        // Replicas run a command until the agent runs containers.
-        image: None,
-        ports: Vec::new(),
+        image: c.image.clone(),
+        ports: c.ports.clone(),
         scratch_mb: None,
     }
 }
+
+/// The container port a replica serves on when its endpoint names an
+/// image and no port.
+pub const DEFAULT_CONTAINER_PORT: u16 = 8080;
 
 fn positive_ms(v: u64, field: &str) -> Result<u64, FieldError> {
     if v == 0 || v > 24 * 3_600_000 {
@@ -406,7 +449,7 @@ fn positive_ms(v: u64, field: &str) -> Result<u64, FieldError> {
 impl CreateEndpoint {
     /// Validates against the catalog and fills in defaults; every error
     /// names the JSON field at fault.
-    pub fn validate(self, catalog: &Catalog) -> Result<EndpointSpec, FieldError> {
+    pub fn validate(mut self, catalog: &Catalog) -> Result<EndpointSpec, FieldError> {
         crate::tenant::validate_name(&self.name, "name")?;
         if self.env.contains_key("PORT") {
             return Err(FieldError::new(
@@ -415,6 +458,9 @@ impl CreateEndpoint {
             ));
         }
         let tier = self.tier.unwrap_or(1);
+        if self.image.is_some() && self.ports.is_empty() {
+            self.ports = vec![DEFAULT_CONTAINER_PORT];
+        }
         let inst = instance_request(&self, tier).validate(catalog)?;
         let models = if self.models.is_empty() {
             vec![self.name.clone()]
@@ -502,10 +548,17 @@ impl CreateEndpoint {
         }
         let timezone = self.timezone.unwrap_or_else(utc);
         validate_schedules(&timezone, &self.schedules, max_replicas)?;
+        validate_triggers(&self.queue_triggers)?;
         Ok(EndpointSpec {
             name: self.name,
             command: inst.command,
             env: inst.env,
+            ports: inst
+                .image
+                .as_ref()
+                .map(|i| i.ports.clone())
+                .unwrap_or_default(),
+            image: inst.image.map(|i| i.image),
             models,
             gpus: inst.gpus,
             gpu_types: inst.gpu_types,
@@ -533,6 +586,7 @@ impl CreateEndpoint {
             drain_grace_ms: self.drain_grace_ms.unwrap_or(30_000),
             timezone,
             schedules: self.schedules,
+            queue_triggers: self.queue_triggers,
         })
     }
 }
@@ -544,6 +598,8 @@ impl EndpointSpec {
             name: self.name.clone(),
             command: self.command.clone(),
             env: self.env.clone(),
+            image: self.image.clone(),
+            ports: self.ports.clone(),
             models: self.models.clone(),
             gpus: Some(self.gpus),
             gpu_types: self.gpu_types.clone(),
@@ -568,6 +624,7 @@ impl EndpointSpec {
             drain_grace_ms: Some(self.drain_grace_ms),
             timezone: Some(self.timezone.clone()),
             schedules: self.schedules.clone(),
+            queue_triggers: self.queue_triggers.clone(),
         }
     }
 
@@ -579,10 +636,29 @@ impl EndpointSpec {
         catalog: &Catalog,
     ) -> Result<(EndpointSpec, bool), FieldError> {
         let mut c = self.to_request();
+        let mut u = u;
+        if let Some(new) = u.queue_triggers.as_mut() {
+            keep_secrets(&self.queue_triggers, new);
+        }
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = u.$f { c.$f = v.into(); } )* };
         }
-        set!(command, env, models, gpu_types, schedules);
+        set!(
+            command,
+            env,
+            models,
+            gpu_types,
+            schedules,
+            queue_triggers,
+            ports
+        );
+        if let Some(image) = u.image {
+            // Empty: back to the command on the node, without ports.
+            c.image = Some(image).filter(|i| !i.trim().is_empty());
+            if c.image.is_none() {
+                c.ports.clear();
+            }
+        }
         macro_rules! set_opt {
             ($($f:ident),*) => { $( if u.$f.is_some() { c.$f = u.$f; } )* };
         }
@@ -617,6 +693,8 @@ impl EndpointSpec {
         let next = c.validate(catalog)?;
         let bump = next.command != self.command
             || next.env != self.env
+            || next.image != self.image
+            || next.ports != self.ports
             || next.gpus != self.gpus
             || next.gpu_types != self.gpu_types
             || next.gpu_fraction != self.gpu_fraction
@@ -626,8 +704,20 @@ impl EndpointSpec {
         Ok((next, bump))
     }
 
+    /// The container port a replica serves on, when it runs from an image.
+    pub fn served_port(&self) -> Option<u16> {
+        self.image.as_ref().map(|_| {
+            self.ports
+                .first()
+                .copied()
+                .unwrap_or(DEFAULT_CONTAINER_PORT)
+        })
+    }
+
     /// The instance a replica of `revision` is: the command with `PORT`
-    /// and the endpoint's identity in its environment.
+    /// and the endpoint's identity in its environment. `port` is the
+    /// node's port it listens on; a replica in a container listens on its
+    /// served container port instead, which the node publishes.
     pub fn replica_instance(
         &self,
         catalog: &Catalog,
@@ -642,6 +732,7 @@ impl EndpointSpec {
                 .take(63)
                 .collect(),
         );
+        let port = self.served_port().unwrap_or(port);
         c.env.insert("PORT".into(), port.to_string());
         c.env
             .insert("FLOTILLA_ENDPOINT_ID".into(), endpoint.to_string());
@@ -720,15 +811,30 @@ pub struct Endpoint {
     /// The last custom metric reported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub custom_metric: Option<f64>,
-    /// When a request was last seen.
+    /// When a request was last seen, or a queue trigger last read
+    /// messages waiting: the idle window counts from here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_request_at: Option<DateTime<Utc>>,
+    /// What each queue trigger's last read showed (depth, or the error).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub triggers: Vec<TriggerStatus>,
     /// Being deleted: its replicas drain and stop.
     pub deleting: bool,
     /// Created.
     pub created_at: DateTime<Utc>,
     /// Last changed.
     pub updated_at: DateTime<Utc>,
+}
+
+impl Endpoint {
+    /// The endpoint as the API shows it: broker passwords in its queue
+    /// triggers replaced by `***` (the stored spec keeps them).
+    pub fn redacted(mut self) -> Endpoint {
+        for t in &mut self.spec.queue_triggers {
+            *t = t.redacted();
+        }
+        self
+    }
 }
 
 /// One line of one replica's output.
@@ -851,8 +957,12 @@ pub fn is_idle(
 /// `[min_replicas, max_replicas]`, at least one while requests wait at zero
 /// (the activator's demand never waits for a policy window), at least one
 /// while serving within the idle window, and zero once idle with a minimum
-/// of zero; a schedule window open now raises the minimum (the highest
-/// demand wins). Returns the count and the reason.
+/// of zero; a schedule window open now raises the minimum, and the queue
+/// triggers' wish (`queue_wants`, from
+/// [`crate::queue_trigger::queue_demand`]) raises the count (the highest
+/// demand wins; an endpoint whose queues hold messages is never idle).
+/// Returns the count and the reason.
+#[allow(clippy::too_many_arguments)]
 pub fn desired_replicas(
     spec: &EndpointSpec,
     policy_wants: u32,
@@ -861,6 +971,7 @@ pub fn desired_replicas(
     queued: u32,
     idle: bool,
     scheduled_min: u32,
+    queue_wants: u32,
 ) -> (u32, String) {
     let min = spec.min_replicas.max(scheduled_min).min(spec.max_replicas);
     let mut n = policy_wants.clamp(min, spec.max_replicas);
@@ -871,11 +982,16 @@ pub fn desired_replicas(
     } else {
         "replica_bounds".to_string()
     };
+    let queue_wants = queue_wants.min(spec.max_replicas);
+    if queue_wants > n {
+        n = queue_wants;
+        reason = "queue".into();
+    }
     if queued > 0 && n == 0 {
         n = 1;
         reason = "activator".into();
     }
-    if idle && min == 0 && queued == 0 {
+    if idle && min == 0 && queued == 0 && queue_wants == 0 {
         return (0, "idle".into());
     }
     if n == 0 && active > 0 && !idle {
@@ -1032,6 +1148,70 @@ mod tests {
             .unwrap();
         assert_eq!(i.env["PORT"], "4567");
         assert_eq!(i.env["FLOTILLA_ENDPOINT_REVISION"], "3");
+        assert!(i.image.is_none());
+    }
+
+    #[test]
+    fn image_replicas_serve_on_a_published_container_port() {
+        let c = Catalog::default();
+        let s = CreateEndpoint {
+            image: Some("registry.example/vllm:1".into()),
+            command: Vec::new(),
+            ..req()
+        }
+        .validate(&c)
+        .unwrap();
+        assert_eq!(s.ports, vec![DEFAULT_CONTAINER_PORT], "the default port");
+        assert_eq!(s.served_port(), Some(DEFAULT_CONTAINER_PORT));
+        let i = s
+            .replica_instance(&c, &EndpointId::generate(1, 2), 1, 4567)
+            .unwrap();
+        let image = i.image.as_ref().unwrap();
+        assert_eq!(image.image, "registry.example/vllm:1");
+        assert_eq!(image.ports, vec![8080]);
+        assert_eq!(i.env["PORT"], "8080", "the container port, not the node's");
+
+        // A new image or port is a new revision; an empty image goes back
+        // to the command (which it then needs).
+        let (n, bump) = s
+            .update(
+                UpdateEndpoint {
+                    ports: Some(vec![9000, 9001]),
+                    ..UpdateEndpoint::default()
+                },
+                &c,
+            )
+            .unwrap();
+        assert!(bump);
+        assert_eq!(n.served_port(), Some(9000));
+        let (n, bump) = s
+            .update(
+                UpdateEndpoint {
+                    image: Some(String::new()),
+                    command: Some(vec!["serve".into()]),
+                    ..UpdateEndpoint::default()
+                },
+                &c,
+            )
+            .unwrap();
+        assert!(bump);
+        assert!(n.image.is_none() && n.ports.is_empty() && n.served_port().is_none());
+
+        // Bad input names its field.
+        let e = CreateEndpoint {
+            image: Some("not an image!".into()),
+            ..req()
+        }
+        .validate(&c)
+        .unwrap_err();
+        assert_eq!(e.field, "image");
+        let e = CreateEndpoint {
+            ports: vec![8080],
+            ..req()
+        }
+        .validate(&c)
+        .unwrap_err();
+        assert_eq!(e.field, "ports");
     }
 
     fn t(s: i64) -> DateTime<Utc> {
@@ -1093,17 +1273,17 @@ mod tests {
         }
         .validate(&Catalog::default())
         .unwrap();
-        assert_eq!(desired_replicas(&s, 9, "p", 0, 0, false, 0).0, 3);
+        assert_eq!(desired_replicas(&s, 9, "p", 0, 0, false, 0, 0).0, 3);
         assert_eq!(
-            desired_replicas(&s, 0, "p", 0, 5, false, 0),
+            desired_replicas(&s, 0, "p", 0, 5, false, 0, 0),
             (1, "activator".into())
         );
         assert_eq!(
-            desired_replicas(&s, 0, "p", 2, 0, false, 0),
+            desired_replicas(&s, 0, "p", 2, 0, false, 0, 0),
             (1, "idle_window".into())
         );
         assert_eq!(
-            desired_replicas(&s, 2, "p", 2, 0, true, 0),
+            desired_replicas(&s, 2, "p", 2, 0, true, 0, 0),
             (0, "idle".into())
         );
         let last = t(0);
@@ -1111,7 +1291,7 @@ mod tests {
         assert!(is_idle(&s, last, None, t(300)));
         // An open schedule window beats idleness and a lower policy wish.
         assert_eq!(
-            desired_replicas(&s, 0, "p", 0, 0, true, 2),
+            desired_replicas(&s, 0, "p", 0, 0, true, 2, 0),
             (2, "schedule".into())
         );
     }
@@ -1174,6 +1354,62 @@ mod tests {
             ),
         ] {
             assert_eq!(w.validate(&c).unwrap_err().field, field);
+        }
+    }
+
+    #[test]
+    fn queue_demand_wins_and_keeps_the_endpoint_from_idling() {
+        let s = CreateEndpoint {
+            max_replicas: Some(4),
+            ..req()
+        }
+        .validate(&Catalog::default())
+        .unwrap();
+        // A full queue at zero: scale from zero, capped by the maximum.
+        assert_eq!(
+            desired_replicas(&s, 0, "p", 0, 0, true, 0, 50),
+            (4, "queue".into())
+        );
+        // Traffic wanting more than the queue wins.
+        assert_eq!(
+            desired_replicas(&s, 3, "p", 3, 0, false, 0, 1),
+            (3, "p".into())
+        );
+        // Drained but within the idle window: one replica stays.
+        assert_eq!(
+            desired_replicas(&s, 0, "p", 2, 0, false, 0, 0),
+            (1, "idle_window".into())
+        );
+        // Drained and idle: back to zero.
+        assert_eq!(
+            desired_replicas(&s, 0, "p", 2, 0, true, 0, 0),
+            (0, "idle".into())
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn desired_stays_within_bounds_and_is_zero_only_without_queue_demand(
+            min in 0u32..4, extra in 1u32..6, policy in 0u32..20, active in 0u32..8,
+            queued in 0u32..4, idle: bool, sched in 0u32..10, queue in 0u32..20,
+        ) {
+            let max = min + extra;
+            let s = CreateEndpoint {
+                min_replicas: Some(min),
+                max_replicas: Some(max),
+                ..req()
+            }
+            .validate(&Catalog::default())
+            .unwrap();
+            let (n, _) = desired_replicas(&s, policy, "p", active, queued, idle, sched, queue);
+            proptest::prop_assert!(n <= max);
+            proptest::prop_assert!(n >= sched.min(max));
+            proptest::prop_assert!(n >= min);
+            proptest::prop_assert!(n >= queue.min(max));
+            if n == 0 {
+                proptest::prop_assert_eq!(queue, 0);
+                proptest::prop_assert!(idle || active == 0);
+            }
         }
     }
 }

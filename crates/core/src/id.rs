@@ -123,6 +123,9 @@ prefixed_id!(
     /// A provider: an owner of nodes who offers their GPUs and is paid for
     /// the usage they carry.
     ProviderId, "prov_");
+prefixed_id!(
+    /// A tenant's credentials for one container registry.
+    RegistryCredentialId, "rcred_");
 
 /// A piece of queued work: an instance or a job. Names what a preemption
 /// made room for (`preempted_by`); sent as the plain id.

@@ -17,7 +17,9 @@ pub mod instance;
 pub mod job;
 pub mod node;
 pub mod placement;
+pub mod queue_trigger;
 pub mod quota;
+pub mod registry;
 pub mod tenant;
 pub mod work;
 

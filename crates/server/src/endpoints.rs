@@ -22,6 +22,7 @@ use flotilla_core::endpoint::{
 };
 use flotilla_core::id::{EndpointId, InstanceId};
 use flotilla_core::instance::InstanceState;
+use flotilla_core::queue_trigger::{queue_demand, trigger_wants, TriggerStatus};
 use flotilla_scale::builder::{build, PolicyKind};
 use flotilla_scale::{Latency, Observation, Policy};
 use flotilla_store::endpoints::ReplicaRow;
@@ -99,6 +100,7 @@ pub fn observation(ep: &Endpoint, live: &[&ReplicaRow], now: DateTime<Utc>) -> O
 pub struct Controller {
     policies: BTreeMap<EndpointId, (String, Box<dyn Policy + Send>)>,
     http: reqwest::Client,
+    queues: flotilla_triggers::Scaler,
 }
 
 impl std::fmt::Debug for Controller {
@@ -135,6 +137,7 @@ impl Controller {
                 .timeout(PROBE_TIMEOUT)
                 .build()
                 .unwrap_or_default(),
+            queues: flotilla_triggers::Scaler::default(),
         }
     }
 
@@ -180,10 +183,37 @@ impl Controller {
         } else {
             rows
         };
+        // Queue depths, read concurrently (each read bounded in time).
+        let triggers = if ep.deleting {
+            &[][..]
+        } else {
+            &ep.spec.queue_triggers[..]
+        };
+        let reads = futures::future::join_all(triggers.iter().map(|t| self.queues.depth(t))).await;
+        let read_at = st.now();
+        let statuses: Vec<TriggerStatus> = triggers
+            .iter()
+            .zip(&reads)
+            .map(|(t, r)| {
+                if let Err(e) = r {
+                    tracing::warn!(endpoint = %id, trigger = %t.label(), error = %e, "queue trigger read failed");
+                }
+                let depth = r.as_ref().ok().copied();
+                TriggerStatus {
+                    trigger: t.label(),
+                    depth,
+                    wants: trigger_wants(depth, t.messages_per_replica, ep.spec.max_replicas),
+                    error: r.as_ref().err().map(ToString::to_string),
+                    read_at,
+                }
+            })
+            .collect();
+        let depths: Vec<Option<u64>> = statuses.iter().map(|s| s.depth).collect();
         let now = st.now();
         let live: Vec<&ReplicaRow> = rows.iter().filter(|r| r.is_live()).collect();
 
         // Decide.
+        let (queue_wants, queue_depth) = queue_demand(triggers, &depths, ep.spec.max_replicas);
         let (desired, reason) = if ep.deleting {
             (0, "deleted".to_string())
         } else {
@@ -210,7 +240,9 @@ impl Controller {
             let last = ep.last_request_at.unwrap_or(ep.created_at);
             let idle = is_idle(&ep.spec, last, ep.signals.as_ref(), now)
                 // Stale signals say nothing of what is queued now.
-                && obs.queued == 0;
+                && obs.queued == 0
+                // Messages waiting in a queue are demand.
+                && queue_depth == 0;
             desired_replicas(
                 &ep.spec,
                 d.replicas,
@@ -219,6 +251,7 @@ impl Controller {
                 obs.queued,
                 idle,
                 scheduled_min(&ep.spec, now),
+                queue_wants,
             )
         };
         let views: Vec<ReplicaView> = live
@@ -234,6 +267,11 @@ impl Controller {
         let plan = plan_rollout(ep.revision, desired, &views, now, ep.spec.drain_grace_ms);
 
         // Apply.
+        if !statuses.is_empty() || !ep.triggers.is_empty() {
+            st.store()
+                .set_endpoint_triggers(id, &statuses, queue_depth > 0, now)
+                .await?;
+        }
         st.store()
             .set_endpoint_decision(id, desired, &reason)
             .await?;

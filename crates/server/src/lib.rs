@@ -65,6 +65,11 @@ pub struct ServerConfig {
     /// so that a tenant cannot make the server call into the operator's
     /// network.
     pub webhook_allow_private: bool,
+    /// The file holding the key that seals stored secrets (tenants'
+    /// registry passwords), created with mode 0600 on first use;
+    /// `FLOTILLA_SECRETS_KEY` overrides it (replicas must share one key).
+    /// `flotilla server` uses `<data dir>/secrets.key`.
+    pub secrets_key_file: Option<std::path::PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -77,6 +82,7 @@ impl Default for ServerConfig {
             billing_every: Duration::from_secs(30),
             operator_fee_percent: rust_decimal::Decimal::from(15),
             webhook_allow_private: false,
+            secrets_key_file: None,
         }
     }
 }

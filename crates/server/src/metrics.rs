@@ -21,6 +21,8 @@ use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use flotilla_core::api::{GpuSample, Node};
+use flotilla_core::id::EndpointId;
+use flotilla_core::queue_trigger::TriggerStatus;
 use flotilla_core::tenant::Role;
 use flotilla_store::PageReq;
 use prometheus_client::encoding::text::encode;
@@ -89,7 +91,9 @@ pub async fn metrics(State(st): State<AppState>, caller: Caller) -> ApiResult<Re
     caller.require(&[Role::Operator], "read the metrics")?;
     let nodes = all_nodes(&st).await?;
     let telemetry = st.fresh_telemetry();
-    let body = render_replica(&nodes, &telemetry, Some(st.leads())).map_err(ApiError::internal)?;
+    let queues = st.store().endpoint_trigger_statuses().await?;
+    let body =
+        render_all(&nodes, &telemetry, Some(st.leads()), &queues).map_err(ApiError::internal)?;
     Ok(([(CONTENT_TYPE, CONTENT)], body).into_response())
 }
 
@@ -120,6 +124,18 @@ pub fn render_replica(
     nodes: &[Node],
     telemetry: &HashMap<flotilla_core::id::NodeId, Telemetry>,
     leader: Option<bool>,
+) -> Result<String, std::fmt::Error> {
+    render_all(nodes, telemetry, leader, &[])
+}
+
+/// [`render_replica`], plus `flotilla_endpoint_queue_depth{endpoint,
+/// trigger}`: the depth each endpoint's queue trigger last read (a failed
+/// read exports no sample rather than a stale or made-up one).
+pub fn render_all(
+    nodes: &[Node],
+    telemetry: &HashMap<flotilla_core::id::NodeId, Telemetry>,
+    leader: Option<bool>,
+    queues: &[(EndpointId, Vec<TriggerStatus>)],
 ) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::default();
     if let Some(leads) = leader {
@@ -209,6 +225,25 @@ pub fn render_replica(
     for (field, family) in FIELDS.iter().zip(families) {
         registry.register(field.name, field.help, family);
     }
+
+    let depth = GaugeFamily::default();
+    for (endpoint, triggers) in queues {
+        for t in triggers {
+            if let Some(d) = t.depth {
+                depth
+                    .get_or_create(&vec![
+                        ("endpoint", endpoint.to_string()),
+                        ("trigger", t.trigger.clone()),
+                    ])
+                    .set(d as f64);
+            }
+        }
+    }
+    registry.register(
+        "flotilla_endpoint_queue_depth",
+        "Messages waiting in an endpoint's external queue trigger at its last read",
+        depth,
+    );
 
     let mut out = String::new();
     encode(&mut out, &registry)?;

@@ -48,6 +48,9 @@ struct Inner {
     /// Wakes the endpoint autoscaler before its tick: a request waiting at
     /// zero replicas must not wait for a policy window.
     endpoints_wake: Arc<tokio::sync::Notify>,
+    /// The secrets key, loaded (or created) on first use; under a lock so
+    /// that concurrent first uses load it once.
+    secret_key: Mutex<Option<flotilla_store::secrets::SecretKey>>,
 }
 
 /// This replica's part among the servers on one database.
@@ -114,6 +117,7 @@ impl AppState {
                 leadership: watch::channel(Leadership::Follower { leader: None }).0,
                 replica: crate::leader::replica_id(),
                 endpoints_wake: Arc::default(),
+                secret_key: Mutex::default(),
             }),
         }
     }
@@ -197,6 +201,33 @@ impl AppState {
     /// The GPU catalog.
     pub fn catalog(&self) -> &Catalog {
         &self.inner.catalog
+    }
+
+    /// The key that seals and opens stored secrets: `FLOTILLA_SECRETS_KEY`,
+    /// else the configured key file (created on first use). Without either
+    /// the features that store secrets answer 503.
+    pub fn secret_key(&self) -> Result<flotilla_store::secrets::SecretKey, ApiError> {
+        use flotilla_store::secrets::{SecretKey, KEY_ENV};
+        let mut slot = self
+            .inner
+            .secret_key
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = slot.as_ref() {
+            return Ok(k.clone());
+        }
+        let key = match (SecretKey::from_env(), &self.inner.config.secrets_key_file) {
+            (Some(from_env), _) => from_env,
+            (None, Some(file)) => SecretKey::load_file(file),
+            (None, None) => {
+                return Err(ApiError::unavailable(format!(
+                    "this server has no secrets key: set {KEY_ENV} or give it a data directory"
+                )))
+            }
+        }
+        .map_err(ApiError::internal)?;
+        *slot = Some(key.clone());
+        Ok(key)
     }
 
     /// Settings.

@@ -494,7 +494,19 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
         .as_str()
         .unwrap()
         .to_string();
+    let credential = s
+        .ok(
+            &a_admin,
+            Method::POST,
+            "/v1/registry-credentials",
+            Some(json!({"registry": "registry.example.com", "username": "u", "secret": "s"})),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let ids: HashMap<&str, String> = [
+        ("credential_id", credential),
         ("tenant_id", a.clone()),
         ("endpoint_id", endpoint),
         ("instance_id", inst.clone()),

@@ -3,72 +3,15 @@
 //! its (manual) clock, gives the same decisions as the simulator's replay
 //! adapter fed the same observations.
 
-use std::sync::Arc;
-
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use axum::http::StatusCode;
 use chrono::{Duration, TimeZone, Utc};
 use flotilla_core::api::PoolPolicy;
-use flotilla_core::clock::{Clock, ManualClock};
+use flotilla_core::clock::Clock;
 use flotilla_core::id::ReplicaPoolId;
 use flotilla_scale::{Decision, Observation};
 use flotilla_server::autoscale::{policy_for, Autoscaler};
-use flotilla_server::state::AppState;
-use flotilla_server::{app, bootstrap, open_store, ServerConfig};
-use serde_json::{json, Value};
-use tower::ServiceExt;
-
-struct Live {
-    st: AppState,
-    clock: ManualClock,
-    key: String,
-    _dir: tempfile::TempDir,
-    _stop: tokio::sync::watch::Sender<bool>,
-}
-
-impl Live {
-    async fn new() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
-        let store = open_store(&url).await.unwrap();
-        let boot = bootstrap(&store, dir.path()).await.unwrap();
-        let clock = ManualClock::new(Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap());
-        let (tx, rx) = tokio::sync::watch::channel(false);
-        // 400 metric reports in a burst: the per-key rate limit (real
-        // clock) must not be what the test measures.
-        let config = ServerConfig {
-            rate_limit_per_second: 10_000,
-            ..ServerConfig::default()
-        };
-        let st = AppState::new(store, config, Arc::new(clock.clone()), rx);
-        Self {
-            st,
-            clock,
-            key: boot.operator_key.unwrap(),
-            _dir: dir,
-            _stop: tx,
-        }
-    }
-
-    async fn call(&self, method: &str, path: &str, body: Value) -> (StatusCode, Value) {
-        let req = Request::builder()
-            .method(method)
-            .uri(path)
-            .header("authorization", format!("Bearer {}", self.key))
-            .header("content-type", "application/json")
-            .body(Body::from(body.to_string()))
-            .unwrap();
-        let resp = app(self.st.clone()).oneshot(req).await.unwrap();
-        let status = resp.status();
-        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
-            .await
-            .unwrap();
-        (
-            status,
-            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-        )
-    }
-}
+use flotilla_testkit::server::OnClock;
+use serde_json::json;
 
 fn policy(kind: &str) -> PoolPolicy {
     PoolPolicy {
@@ -100,17 +43,18 @@ fn metrics() -> Vec<(u32, u32, u64)> {
 }
 
 async fn same_decisions(kind: &str) {
-    let live = Live::new().await;
+    let live = OnClock::new(Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap()).await;
     let (status, pool) = live
         .call(
+            &live.operator,
             "POST",
             "/v1/pools",
-            json!({
+            Some(json!({
                 "name": "chat",
                 "policy": policy(kind),
                 "max_replicas": 50,
                 "replica": {"gpus": 1, "command": ["sleep", "3600"]}
-            }),
+            })),
         )
         .await;
     assert_eq!(status, StatusCode::CREATED, "{pool}");
@@ -127,9 +71,10 @@ async fn same_decisions(kind: &str) {
         }
         let (status, body) = live
             .call(
+                &live.operator,
                 "POST",
                 &format!("/v1/pools/{id}/metrics"),
-                json!({"in_flight": in_flight, "queued": queued, "requests_total": total}),
+                Some(json!({"in_flight": in_flight, "queued": queued, "requests_total": total})),
             )
             .await;
         assert_eq!(status, StatusCode::OK, "{body}");
@@ -166,7 +111,7 @@ async fn same_decisions(kind: &str) {
     }
     // The loop acted on its decisions: live replicas match the last one.
     let (_, pool) = live
-        .call("GET", &format!("/v1/pools/{id}"), Value::Null)
+        .call(&live.operator, "GET", &format!("/v1/pools/{id}"), None)
         .await;
     let last = server.last().unwrap().replicas as usize;
     assert_eq!(pool["replicas"].as_array().unwrap().len(), last, "{pool}");
@@ -182,7 +127,7 @@ async fn server_loop_and_simulator_decide_alike_for_every_policy() {
 
 #[tokio::test]
 async fn bad_pools_and_metrics_name_the_field() {
-    let live = Live::new().await;
+    let live = OnClock::new(Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap()).await;
     let good = json!({
         "name": "chat",
         "policy": policy("kpa"),
@@ -202,26 +147,32 @@ async fn bad_pools_and_metrics_name_the_field() {
     for (pointer, value, field) in cases {
         let mut body = good.clone();
         *body.pointer_mut(pointer).unwrap() = value;
-        let (status, err) = live.call("POST", "/v1/pools", body).await;
+        let (status, err) = live
+            .call(&live.operator, "POST", "/v1/pools", Some(body))
+            .await;
         assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{err}");
         assert_eq!(err["error"]["details"]["field"], field, "{err}");
     }
-    let (_, pool) = live.call("POST", "/v1/pools", good).await;
+    let (_, pool) = live
+        .call(&live.operator, "POST", "/v1/pools", Some(good))
+        .await;
     let id = pool["id"].as_str().unwrap();
     let (status, err) = live
         .call(
+            &live.operator,
             "POST",
             &format!("/v1/pools/{id}/metrics"),
-            json!({"in_flight": 1, "queued": 0, "requests_total": 1, "gpu_utilization": 2.0}),
+            Some(json!({"in_flight": 1, "queued": 0, "requests_total": 1, "gpu_utilization": 2.0})),
         )
         .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{err}");
     assert_eq!(err["error"]["details"]["field"], "gpu_utilization");
     let (status, _) = live
         .call(
+            &live.operator,
             "GET",
             "/v1/pools/rpool_01ARZ3NDEKTSV4RRFFQ69G5FAV",
-            Value::Null,
+            None,
         )
         .await;
     assert_eq!(status, StatusCode::NOT_FOUND);

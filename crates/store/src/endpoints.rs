@@ -6,18 +6,23 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
+use flotilla_core::api::PublishedPort;
 use flotilla_core::endpoint::{Endpoint, EndpointReplica, EndpointSpec};
 use flotilla_core::gateway::{EndpointRoute, EndpointSignals, ReplicaRoute, RouteTable};
 use flotilla_core::id::{EndpointId, InstanceId, TenantId};
-use flotilla_core::instance::InstanceState;
+use flotilla_core::instance::{ImageSpec, InstanceState};
+use flotilla_core::queue_trigger::TriggerStatus;
 use sqlx::any::AnyRow;
 use sqlx::Row;
 
+use crate::instances::opt_json;
 use crate::{at, json, ms, to_json, PageOf, PageReq, Result, Store, StoreError};
 
-/// The host replicas are reached at. Nodes do not advertise an address
-/// yet, so replicas are reached on the loopback: the gateway must run on
-/// the replica's machine (as `flotilla up` does).
+/// The host replicas that run as processes are reached at. Nodes do not
+/// advertise an address yet, so they are reached on the loopback: the
+/// gateway must run on the replica's machine (as `flotilla up` does). A
+/// replica in a container is reached where its node published its port
+/// (the node's `--public-host`).
 pub const REPLICA_HOST: &str = "127.0.0.1";
 
 /// One replica row with its instance's state.
@@ -41,6 +46,9 @@ pub struct ReplicaRow {
     pub state: InstanceState,
     /// A stop was asked for.
     pub stop_requested: bool,
+    /// Where its node published the port it serves on, when it runs in a
+    /// container and the container runs.
+    pub published_url: Option<String>,
 }
 
 impl ReplicaRow {
@@ -55,8 +63,12 @@ impl ReplicaRow {
         self.is_live() && self.state == InstanceState::Running && self.ready_at.is_some()
     }
 
-    /// Its base URL.
+    /// Its base URL: the published port of its container, or its port on
+    /// the loopback.
     pub fn url(&self) -> String {
+        if let Some(url) = &self.published_url {
+            return url.clone();
+        }
         format!("http://{REPLICA_HOST}:{}", self.port)
     }
 }
@@ -81,12 +93,29 @@ fn replica_row(r: &AnyRow) -> Result<ReplicaRow> {
         created_at: at(r.try_get("created_at")?),
         state: InstanceState::parse(&state).ok_or_else(|| corrupt("instance state", &state))?,
         stop_requested: r.try_get::<i64, _>("stop_requested")? != 0,
+        published_url: published_url(r)?,
     })
+}
+
+/// The URL of the port a container replica serves on (the first of its
+/// image's ports), once its node published it.
+fn published_url(r: &AnyRow) -> Result<Option<String>> {
+    let Some(image) = opt_json::<ImageSpec>(r, "image")? else {
+        return Ok(None);
+    };
+    let published: Vec<PublishedPort> = opt_json(r, "published_ports")?.unwrap_or_default();
+    Ok(image.ports.first().and_then(|served| {
+        published
+            .into_iter()
+            .find(|p| p.container_port == *served)
+            .map(|p| p.url)
+    }))
 }
 
 const REPLICAS: &str = "SELECT r.instance_id AS instance_id, r.endpoint_id AS endpoint_id, \
      r.revision AS revision, r.port AS port, r.ready_at AS ready_at, r.draining_at AS draining_at, \
-     r.created_at AS created_at, i.state AS state, i.stop_requested AS stop_requested \
+     r.created_at AS created_at, i.state AS state, i.stop_requested AS stop_requested, \
+     i.image AS image, i.published_ports AS published_ports \
      FROM endpoint_replicas r JOIN instances i ON i.id = r.instance_id";
 
 impl Store {
@@ -101,6 +130,11 @@ impl Store {
             .map(|s| json::<f64>(&s, "custom metric"))
             .transpose()?;
         let desired: Option<i64> = row.try_get("desired")?;
+        let triggers: Option<String> = row.try_get("triggers")?;
+        let triggers = triggers
+            .map(|s| json::<Vec<TriggerStatus>>(&s, "endpoint triggers"))
+            .transpose()?
+            .unwrap_or_default();
         Ok(Endpoint {
             id: EndpointId::from_trusted(row.try_get("id")?),
             tenant_id: TenantId::from_trusted(row.try_get("tenant_id")?),
@@ -124,6 +158,7 @@ impl Store {
             signals,
             custom_metric,
             last_request_at: Some(at(row.try_get("last_request_at")?)),
+            triggers,
             deleting: row.try_get::<Option<i64>, _>("deleted_at")?.is_some(),
             created_at: at(row.try_get("created_at")?),
             updated_at: at(row.try_get("updated_at")?),
@@ -286,6 +321,47 @@ impl Store {
             .execute(self.pool())
             .await?;
         Ok(())
+    }
+
+    /// Records what the endpoint's queue triggers read. Messages waiting
+    /// (`demand`) count as activity: `last_request_at` moves to `now`, so
+    /// the idle window runs from when the queues were last seen drained.
+    pub async fn set_endpoint_triggers(
+        &self,
+        id: &EndpointId,
+        triggers: &[TriggerStatus],
+        demand: bool,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let value = (!triggers.is_empty()).then(|| to_json(&triggers));
+        let q = if demand {
+            sqlx::query("UPDATE endpoints SET triggers = $1, last_request_at = $2 WHERE id = $3")
+                .bind(value)
+                .bind(ms(now))
+        } else {
+            sqlx::query("UPDATE endpoints SET triggers = $1 WHERE id = $2").bind(value)
+        };
+        q.bind(id.as_str()).execute(self.pool()).await?;
+        Ok(())
+    }
+
+    /// The last trigger reads of every live endpoint that has queue
+    /// triggers, by endpoint id (for `/metrics`).
+    pub async fn endpoint_trigger_statuses(&self) -> Result<Vec<(EndpointId, Vec<TriggerStatus>)>> {
+        let rows = sqlx::query(
+            "SELECT id, triggers FROM endpoints WHERE deleted_at IS NULL AND triggers IS NOT NULL \
+             ORDER BY id",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    EndpointId::from_trusted(r.try_get("id")?),
+                    json(&r.try_get::<String, _>("triggers")?, "endpoint triggers")?,
+                ))
+            })
+            .collect()
     }
 
     /// Records the autoscaler's decision.

@@ -93,7 +93,10 @@ pub(crate) fn instance(row: &AnyRow) -> Result<Instance> {
 }
 
 /// A nullable JSON column.
-fn opt_json<T: serde::de::DeserializeOwned>(row: &AnyRow, column: &str) -> Result<Option<T>> {
+pub(crate) fn opt_json<T: serde::de::DeserializeOwned>(
+    row: &AnyRow,
+    column: &str,
+) -> Result<Option<T>> {
     row.try_get::<Option<String>, _>(column)?
         .map(|s| json(&s, column))
         .transpose()
@@ -973,6 +976,8 @@ impl Store {
                     image: i.image,
                     cpu_milli: Some(i.cpu_milli),
                     memory_mb: Some(i.memory_mb),
+                    // Filled by the server, which holds the secrets key.
+                    registry_auth: None,
                 })
             })
             .collect()

@@ -183,28 +183,23 @@ impl Store {
     /// Begins a write transaction; on a fenced store, first checks (and on
     /// PostgreSQL share-locks) the lease row. Every write transaction of
     /// the repository modules starts here.
+    ///
+    /// On SQLite the transaction takes the write lock up front, as `BEGIN
+    /// IMMEDIATE` would. A deferred transaction that reads first (the fence
+    /// check always does, so does a quota check) fails at once with
+    /// `SQLITE_BUSY`, without the busy wait, when another connection
+    /// committed between its first read and its first write; the leader's
+    /// lease renewals and the agents' syncs made that common under load
+    /// (node registration answered 500, the metering pass logged "database
+    /// is locked"). Taking the lock first queues it behind the busy timeout
+    /// instead. This needs every transaction to nest no other store call
+    /// that writes (it would wait on itself): none does, the re-reads that
+    /// follow a write come after its commit.
     pub(crate) async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
-        self.begin_as(false).await
-    }
-
-    /// [`Store::begin`] for a transaction that reads before it writes and
-    /// nests no other store call: on SQLite it begins `IMMEDIATE`. A
-    /// deferred transaction that reads first fails at once with
-    /// `SQLITE_BUSY` (no busy wait) when another connection committed in
-    /// between, which the leader's lease renewals make common (node
-    /// registration answered 500 so); taking the write lock up front makes
-    /// it wait its turn instead. Not the default: a transaction holding the
-    /// write lock while it awaits another connection's write would wait on
-    /// itself.
-    pub(crate) async fn begin_immediate(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
-        self.begin_as(true).await
-    }
-
-    async fn begin_as(&self, immediate: bool) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
-        let mut tx = match (self.backend(), immediate) {
-            (Backend::Sqlite, true) => self.pool().begin_with("BEGIN IMMEDIATE").await?,
-            _ => self.pool().begin().await?,
-        };
+        let mut tx = self.pool().begin().await?;
+        if self.backend() == Backend::Sqlite {
+            sqlx::query(TAKE_WRITE_LOCK).execute(&mut *tx).await?;
+        }
         if let Some(f) = self.fence() {
             let sql = match self.backend() {
                 Backend::Postgres => "SELECT token FROM leases WHERE name = $1 FOR SHARE",
@@ -273,3 +268,13 @@ mod tests {
         ));
     }
 }
+
+/// Takes SQLite's write lock when run as a transaction's first statement:
+/// an UPDATE acquires it before evaluating its WHERE clause, so one that
+/// matches nothing writes nothing and still holds the lock until the end,
+/// waiting behind the busy timeout like any first write. Not `BEGIN
+/// IMMEDIATE` through sqlx's `begin_with`: on a pooled connection whose
+/// previous transaction was dropped uncommitted, that fails with "attempted
+/// to call begin_with at non-zero transaction depth" (seen: every agent
+/// sync answered 500 until the server restarted).
+pub(crate) const TAKE_WRITE_LOCK: &str = "UPDATE leases SET name = name WHERE 1 = 0";

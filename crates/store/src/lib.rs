@@ -27,6 +27,8 @@ pub mod nodes;
 pub mod pools;
 pub mod prices;
 pub mod providers;
+pub mod registry_credentials;
+pub mod secrets;
 pub mod tenants;
 pub mod usage;
 mod work;
@@ -71,6 +73,9 @@ pub enum StoreError {
         /// The lease's token now (`None`: never granted).
         current: Option<i64>,
     },
+    /// A sealed secret could not be opened, or the key could not be had.
+    #[error(transparent)]
+    Secret(#[from] secrets::SecretError),
     /// Migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use flotilla_core::api::{DiscoveredGpu, Gpu, Node, RegisterNode};
+use flotilla_core::api::{DiscoveredGpu, Gpu, Node, NodeImage, RegisterNode};
 use flotilla_core::catalog::{MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
 use flotilla_core::node::NodeState;
@@ -48,6 +48,7 @@ fn node(row: &AnyRow) -> Result<Node> {
         last_heartbeat_at: at(row.try_get("last_heartbeat_at")?),
         created_at: at(row.try_get("created_at")?),
         gpus: Vec::new(),
+        images: Vec::new(),
     })
 }
 
@@ -72,7 +73,7 @@ impl Store {
         mut new_ids: impl FnMut() -> (NodeId, Vec<GpuId>),
         now: DateTime<Utc>,
     ) -> Result<RegisteredNode> {
-        let mut tx = self.begin_immediate().await?;
+        let mut tx = self.begin().await?;
         let existing = sqlx::query("SELECT id, owner_tenant_id FROM nodes WHERE name = $1")
             .bind(&req.name)
             .fetch_optional(&mut *tx)
@@ -290,7 +291,79 @@ impl Store {
             .await?
             .remove(&n.id)
             .unwrap_or_default();
+        n.images = self.node_images(&n.id).await?;
         Ok(n)
+    }
+
+    /// The node's image cache as its agent last reported it, most recently
+    /// used first (never used last), then by reference.
+    pub async fn node_images(&self, id: &NodeId) -> Result<Vec<NodeImage>> {
+        let rows = sqlx::query(
+            "SELECT image, image_id, size_bytes, last_used_at FROM node_images WHERE node_id = $1",
+        )
+        .bind(id.as_str())
+        .fetch_all(self.pool())
+        .await?;
+        let mut images = rows
+            .iter()
+            .map(|r| {
+                Ok(NodeImage {
+                    image: r.try_get("image")?,
+                    id: r.try_get("image_id")?,
+                    size_bytes: r.try_get::<i64, _>("size_bytes")?.max(0) as u64,
+                    last_used: r.try_get::<Option<i64>, _>("last_used_at")?.map(at),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        images.sort_by(|a, b| {
+            b.last_used
+                .cmp(&a.last_used)
+                .then_with(|| a.image.cmp(&b.image))
+        });
+        Ok(images)
+    }
+
+    /// Replaces the node's image cache with what its agent reported, when
+    /// it differs from what is stored (agents report it on every sync).
+    /// Returns whether anything changed.
+    pub async fn set_node_images(
+        &self,
+        id: &NodeId,
+        images: &[NodeImage],
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let mut wanted: Vec<NodeImage> = images.to_vec();
+        // Stored to the millisecond: compare at that precision.
+        for i in &mut wanted {
+            i.last_used = i.last_used.map(|t| at(ms(t)));
+        }
+        wanted.sort_by(|a, b| a.image.cmp(&b.image));
+        let mut have = self.node_images(id).await?;
+        have.sort_by(|a, b| a.image.cmp(&b.image));
+        if have == wanted {
+            return Ok(false);
+        }
+        let mut tx = self.begin().await?;
+        sqlx::query("DELETE FROM node_images WHERE node_id = $1")
+            .bind(id.as_str())
+            .execute(&mut *tx)
+            .await?;
+        for i in &wanted {
+            sqlx::query(
+                "INSERT INTO node_images (node_id, image, image_id, size_bytes, last_used_at, reported_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .bind(id.as_str())
+            .bind(&i.image)
+            .bind(&i.id)
+            .bind(i64::try_from(i.size_bytes).unwrap_or(i64::MAX))
+            .bind(i.last_used.map(ms))
+            .bind(ms(now))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(true)
     }
 
     async fn gpus_of(&self, nodes: &[NodeId]) -> Result<BTreeMap<NodeId, Vec<Gpu>>> {

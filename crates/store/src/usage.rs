@@ -811,7 +811,11 @@ impl Store {
     ) -> Result<Option<AppendOutcome>> {
         let mut tx = match self.sqlite_pool() {
             Some(native) => {
+                // The write lock first, for the reason given at `Store::begin`.
                 let mut tx = native.begin().await?;
+                sqlx::query(crate::leases::TAKE_WRITE_LOCK)
+                    .execute(&mut *tx)
+                    .await?;
                 self.check_fence_sqlite(&mut tx).await?;
                 LedgerTx::Sqlite(tx)
             }

@@ -7,12 +7,19 @@
 //!   they build no server).
 //! - [`server`]: the control plane in-process on an ephemeral port, with a
 //!   small client and helpers to make tenants, keys and nodes.
+//! - [`brokers`]: whether RabbitMQ / NATS answer here, and unique queue
+//!   names, for the queue trigger suites.
 //! - [`process`]: the real `flotilla` binary as server, agent and CLI in a
 //!   temporary home, and a minimal blocking HTTP client independent of the
 //!   code under test.
 //!
+//! - [`containers`]: Podman's Docker API service and the local busybox
+//!   image, for the container runtime's end-to-end tests.
+//!
 //! Test-only: never a dependency of a shipped crate.
 
+pub mod brokers;
+pub mod containers;
 pub mod db;
 pub mod process;
 pub mod server;

@@ -2,6 +2,7 @@
 //! calls, each a separate process, and a blocking HTTP client over std that
 //! shares no code with what it tests.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -102,6 +103,47 @@ fn dechunk(mut s: &str) -> String {
         s = rest[n..].trim_start_matches("\r\n");
     }
     out
+}
+
+/// A shell script for isolation tests: tries each `(name, command)` of
+/// `attacks` and prints `probe NAME allowed` or `probe NAME denied`, then
+/// `uid <its uid>` and `probe-done`.
+pub fn probe_script(attacks: &[(&str, String)]) -> String {
+    let mut script = String::from(
+        "try() { if sh -c \"$2\" >/dev/null 2>&1; then echo \"probe $1 allowed\"; else echo \"probe $1 denied\"; fi; }\n",
+    );
+    for (name, cmd) in attacks {
+        script.push_str(&format!("try {name} \"{}\"\n", cmd.replace('"', "\\\"")));
+    }
+    script.push_str("echo \"uid $(id -u)\"\necho probe-done\n");
+    script
+}
+
+/// What [`probe_script`] printed: each probe's outcome by name, and the
+/// uid it ran as.
+pub fn probe_outcomes(lines: &[String]) -> (BTreeMap<String, String>, Option<u32>) {
+    let probes = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("probe "))
+        .filter_map(|l| l.split_once(' '))
+        .map(|(n, o)| (n.to_string(), o.to_string()))
+        .collect();
+    let uid = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("uid "))
+        .and_then(|u| u.parse().ok());
+    (probes, uid)
+}
+
+/// The uid a host process runs as.
+pub fn uid_of(pid: u32) -> u32 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("process status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|u| u.parse().ok())
+        .expect("a uid")
 }
 
 /// A temporary home for the binary: config and data directories, logs,
@@ -271,6 +313,12 @@ impl Home {
     /// Starts `flotilla agent` reporting to `servers` (one URL, or several
     /// comma-separated replicas), logging to `agent.log`.
     pub fn agent_to(&self, name: &str, simulate: &str, servers: &str) -> Proc {
+        self.agent_with(name, simulate, servers, &[])
+    }
+
+    /// Like [`Home::agent_to`], with `extra` arguments (`--runtime
+    /// container --docker-host …`).
+    pub fn agent_with(&self, name: &str, simulate: &str, servers: &str, extra: &[&str]) -> Proc {
         let path = self.data().join("agent.token");
         wait_until("the agent token", Duration::from_secs(20), || {
             std::fs::read_to_string(&path).is_ok_and(|t| !t.trim().is_empty())
@@ -287,6 +335,7 @@ impl Home {
             .arg(format!("{}:rw", self.shared().display()))
             .arg("--sandbox-share")
             .arg(self.bin.parent().expect("the binary's directory"))
+            .args(extra)
             .stdout(self.log("agent"))
             .stderr(self.log("agent"))
             .spawn()
@@ -326,6 +375,20 @@ impl Home {
             c.env("FLOTILLA_API_KEY", k);
         }
         c.output().expect("run flotilla")
+    }
+
+    /// `flotilla run --detach ARGS` with `key`: the new instance's id;
+    /// panics unless it succeeds.
+    pub fn run_detached(&self, key: &str, args: &[&str]) -> String {
+        let mut all = vec!["run", "--detach"];
+        all.extend_from_slice(args);
+        let out = self.cli(Some(key), &all);
+        assert!(
+            out.status.success(),
+            "flotilla run failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
     }
 
     /// Runs a CLI command with `--json`; panics unless it succeeds.
@@ -378,6 +441,23 @@ impl Home {
             .expect("the server answers");
         assert_eq!(status, 200, "GET {path}: {body}");
         body
+    }
+
+    /// The attacks on the control plane's files every isolation test
+    /// makes (for [`probe_script`]): its saved credentials, its data
+    /// directory, its database and the agent token.
+    pub fn control_plane_attacks(&self) -> Vec<(&'static str, String)> {
+        let data = self.data();
+        let creds = self.dir.path().join("config/credentials.json");
+        vec![
+            ("credentials", format!("cat '{}'", creds.display())),
+            ("data-dir", format!("ls '{}'", data.display())),
+            ("database", format!("cat '{}/flotilla.db'", data.display())),
+            (
+                "agent-token",
+                format!("cat '{}/agent.token'", data.display()),
+            ),
+        ]
     }
 
     /// Prints the last lines of the servers' and agents' logs (on failure).

@@ -57,6 +57,12 @@ pub async fn start(config: ServerConfig) -> TestServer {
     let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
     let store = open_store(&url).await.expect("store");
     let boot = bootstrap(&store, dir.path()).await.expect("bootstrap");
+    let config = ServerConfig {
+        secrets_key_file: config
+            .secrets_key_file
+            .or_else(|| Some(dir.path().join("secrets.key"))),
+        ..config
+    };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -242,5 +248,90 @@ impl TestServer {
             .ok(key, Method::POST, "/v1/agent/register", Some(body))
             .await;
         r["node_id"].as_str().expect("node id").to_string()
+    }
+}
+
+/// The server's state on a manual clock, driven directly: no listener and
+/// no background loops, so a test calls the router ([`OnClock::call`]) and
+/// runs the control passes itself, moving time as it likes.
+pub struct OnClock {
+    /// The state the router and the control loops run on.
+    pub st: flotilla_server::state::AppState,
+    /// The clock `st` reads.
+    pub clock: flotilla_core::clock::ManualClock,
+    /// The operator key bootstrap minted.
+    pub operator: String,
+    _dir: tempfile::TempDir,
+    _stop: tokio::sync::watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for OnClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnClock").finish_non_exhaustive()
+    }
+}
+
+impl OnClock {
+    /// A fresh SQLite store, bootstrapped, on a clock standing at `start`.
+    /// The rate limit (on the real clock) is set out of the way.
+    pub async fn new(start: chrono::DateTime<chrono::Utc>) -> Self {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
+        let store = open_store(&url).await.expect("store");
+        let boot = bootstrap(&store, dir.path()).await.expect("bootstrap");
+        let clock = flotilla_core::clock::ManualClock::new(start);
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let config = ServerConfig {
+            rate_limit_per_second: 10_000,
+            ..ServerConfig::default()
+        };
+        let st = flotilla_server::state::AppState::new(
+            store,
+            config,
+            std::sync::Arc::new(clock.clone()),
+            rx,
+        );
+        Self {
+            st,
+            clock,
+            operator: boot
+                .operator_key
+                .expect("a fresh store mints an operator key"),
+            _dir: dir,
+            _stop: tx,
+        }
+    }
+
+    /// One request through the router with `key`: status and JSON body
+    /// (`Null` when the body is not JSON).
+    pub async fn call(
+        &self,
+        key: &str,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        use tower::ServiceExt;
+        let req = axum::http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("authorization", format!("Bearer {key}"))
+            .header("content-type", "application/json")
+            .body(body.map_or_else(axum::body::Body::empty, |b| {
+                axum::body::Body::from(b.to_string())
+            }))
+            .expect("a request");
+        let resp = flotilla_server::app(self.st.clone())
+            .oneshot(req)
+            .await
+            .expect("the router answers");
+        let status = resp.status();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .expect("the body");
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
     }
 }

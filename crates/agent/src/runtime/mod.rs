@@ -6,7 +6,8 @@
 //! with a grace, exit, captured output) and, after the agent restarted,
 //! finds the workloads of this node that still run ([`Runtime::adopt`]) so
 //! that none outlives its bookkeeping. Which runtime a node uses is its
-//! configuration ([`RuntimeKind`]): [`process`] runs sandboxed processes.
+//! configuration ([`RuntimeKind`]): [`process`] runs sandboxed processes,
+//! [`crate::container`] runs containers through the Docker Engine API.
 //!
 //! A runtime must never talk to the server, never run a command through a
 //! shell, never signal anything it did not start (or adopt), and never
@@ -22,9 +23,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use flotilla_core::api::{GpuSlice, LogLine, LogStream};
+use flotilla_core::api::{GpuSlice, LogLine, LogStream, ObservedContainer};
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{InstanceId, TenantId};
+use flotilla_core::instance::ImageSpec;
 use futures::future::BoxFuture;
 use tokio::sync::{mpsc, watch, Notify};
 
@@ -64,6 +66,16 @@ pub struct SpawnSpec {
     /// What it holds of each GPU when it shares them (fractions, MIG
     /// instances); empty for whole GPUs.
     pub gpu_slices: Vec<GpuSlice>,
+    /// The image to run it from (with its ports and scratch space): only a
+    /// container runtime runs it; a process runtime refuses it.
+    pub image: Option<ImageSpec>,
+    /// CPU limit in milli-cores (a container runtime enforces it).
+    pub cpu_milli: Option<u32>,
+    /// Memory limit in MiB (a container runtime enforces it).
+    pub memory_mb: Option<u64>,
+    /// The tenant's login for the image's registry, when the server sent
+    /// one (a container runtime pulls with it).
+    pub registry_auth: Option<flotilla_core::registry::RegistryAuth>,
 }
 
 /// Who to wake when something happens to a process.
@@ -111,6 +123,21 @@ pub enum SpawnError {
         #[source]
         source: std::io::Error,
     },
+    /// The instance names an image and this node runs processes.
+    #[error("this node runs processes; images need a container node (`flotilla agent --runtime container`)")]
+    ImageOnProcessNode,
+    /// A container runtime needs the tenant (its network); the server did
+    /// not say.
+    #[error(
+        "the server did not say whose instance this is; a container joins its tenant's network"
+    )]
+    NoTenant,
+    /// The instance names no image and this node runs containers.
+    #[error("this node runs containers; an instance without an image needs a process node (`--image IMAGE` runs it here)")]
+    NoImageOnContainerNode,
+    /// The container engine refused or failed (pull, create, start).
+    #[error(transparent)]
+    Container(#[from] crate::container::ContainerError),
 }
 
 /// How a process ended.
@@ -122,6 +149,9 @@ pub struct Exit {
     pub at: DateTime<Utc>,
     /// A stop had been requested through [`Workload::stop`] before it ended.
     pub stop_requested: bool,
+    /// The kernel killed it for exceeding its memory limit (a container
+    /// runtime tells; a process runtime does not enforce one).
+    pub oom_killed: bool,
 }
 
 /// Which runtime a node runs its workloads with.
@@ -183,10 +213,22 @@ pub trait Runtime: Send + Sync {
     /// start, before any [`Runtime::start`].
     fn adopt(&self, wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>>;
 
+    /// What a start under way last reported (an image pull's progress),
+    /// shown as the instance's state reason while it starts.
+    fn progress(&self, _instance_id: &InstanceId) -> Option<String> {
+        None
+    }
+
     /// The agent is done with the instance (its end was reported and the
     /// server no longer lists it): whatever the runtime kept to take it
     /// over after a restart may go.
     fn release(&self, _instance_id: &InstanceId) {}
+
+    /// The node's image cache, reported to the server with every sync;
+    /// `None` for runtimes without images (processes).
+    fn cached_images(&self) -> Option<Vec<flotilla_core::api::NodeImage>> {
+        None
+    }
 }
 
 /// Why a runtime could not be set up or could not list its workloads.
@@ -222,6 +264,7 @@ pub struct Workload {
     stop_tx: mpsc::UnboundedSender<Duration>,
     exit_rx: watch::Receiver<Option<Exit>>,
     logs: Arc<LogBuffer>,
+    container: Option<Arc<ObservedContainer>>,
 }
 
 /// The runtime's side of a [`Workload`]: receives stop requests and
@@ -256,6 +299,7 @@ impl Workload {
                 stop_tx,
                 exit_rx,
                 logs,
+                container: None,
             },
             Control {
                 stop_rx,
@@ -265,12 +309,27 @@ impl Workload {
         )
     }
 
+    /// The same handle, telling that it runs in a container: its id,
+    /// published ports and cold start, reported with every observation.
+    pub fn in_container(mut self, container: ObservedContainer) -> Self {
+        self.container = Some(Arc::new(container));
+        self
+    }
+
+    /// Its container, when it runs in one (`oom_killed` is told by
+    /// [`Workload::exit`], not here).
+    pub fn container(&self) -> Option<&ObservedContainer> {
+        self.container.as_deref()
+    }
+
     /// The instance it runs for.
     pub fn instance_id(&self) -> &InstanceId {
         &self.instance_id
     }
 
-    /// Process id of its main process, as seen from the host.
+    /// Process id of its main process, as seen from the host (for a
+    /// container: its init process, as the engine reports it; 0 when the
+    /// engine did not say).
     pub fn pid(&self) -> u32 {
         self.pid
     }
@@ -336,6 +395,7 @@ fn lost_exit() -> Exit {
         code: -1,
         at: Utc::now(),
         stop_requested: false,
+        oom_killed: false,
     }
 }
 
@@ -778,6 +838,7 @@ mod tests {
             code: 143,
             at: Utc::now(),
             stop_requested: true,
+            oom_killed: false,
         };
         control.exited(exit);
         assert_eq!(w.wait().await, exit);

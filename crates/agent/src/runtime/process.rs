@@ -111,6 +111,11 @@ impl ProcessRuntime {
     /// Spawns `spec` and starts supervising it. Must be called inside a
     /// tokio runtime.
     pub async fn spawn(&self, spec: &SpawnSpec, wakers: Wakers) -> Result<Workload, SpawnError> {
+        if spec.image.is_some() {
+            // Running the command without its image would run something
+            // else than what was asked, with the host's programs.
+            return Err(SpawnError::ImageOnProcessNode);
+        }
         let (program, args) = spec.command.split_first().ok_or(SpawnError::EmptyCommand)?;
         let root = self.instance_dir(&spec.instance_id);
         let uid = match self.isolation.users() {
@@ -596,6 +601,7 @@ async fn supervise(mut s: Supervised) {
         code,
         at,
         stop_requested,
+        oom_killed: false,
     });
     s.wakers.logs.notify_one();
     s.wakers.changed.notify_one();
@@ -667,6 +673,10 @@ mod tests {
             gpu_uuids: vec!["GPU-a".into(), "GPU-b".into()],
             vendors: vec![Vendor::Nvidia, Vendor::Nvidia],
             gpu_slices: Vec::new(),
+            image: None,
+            cpu_milli: None,
+            memory_mb: None,
+            registry_auth: None,
         }
     }
 
@@ -870,6 +880,20 @@ mod tests {
         );
         let e = spawn(dir.path(), &spec(dir.path(), &[])).await.unwrap_err();
         assert_eq!(e.to_string(), "empty command");
+        // An image is never run as a host command.
+        let mut s = spec(dir.path(), &["true"]);
+        s.image = Some(flotilla_core::instance::ImageSpec {
+            image: "localhost/some:1".into(),
+            ports: vec![8080],
+            scratch_mb: None,
+        });
+        let e = spawn(dir.path(), &s).await.unwrap_err();
+        assert!(matches!(e, SpawnError::ImageOnProcessNode), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("this node runs processes; images need a container node"),
+            "{e}"
+        );
     }
 
     #[tokio::test]

@@ -362,7 +362,9 @@ pub struct Users {
 }
 
 impl Users {
-    fn new(config: &SandboxConfig) -> Result<Users, RuntimeError> {
+    /// The users of `config`'s work directory and uid range (the same
+    /// claims whichever runtime runs the tenant's work).
+    pub fn new(config: &SandboxConfig) -> Result<Users, RuntimeError> {
         let dir = config.work_dir.join("users");
         create_private_dir(&dir).map_err(|source| RuntimeError::Io {
             what: format!("creating {}", dir.display()),

@@ -12,6 +12,7 @@ use flotilla_core::api::{
 };
 use flotilla_core::id::{GpuId, InstanceId, NodeId, ProviderId};
 use flotilla_core::node::NodeState;
+use flotilla_core::registry::registry_of;
 use flotilla_core::tenant::{validate_name, Role};
 use flotilla_core::FieldError;
 use flotilla_store::instances::Applied;
@@ -175,8 +176,12 @@ pub async fn sync(
         other => other?,
     };
     req.validate_gpus().map_err(ApiError::field)?;
+    req.validate_images().map_err(ApiError::field)?;
     let now = st.now();
     st.store().heartbeat(&id, now).await?;
+    if let Some(images) = &req.images {
+        st.store().set_node_images(&id, images, now).await?;
+    }
     if !req.gpus.is_empty() {
         st.record_telemetry(&id, now, req.gpus.clone());
     }
@@ -215,11 +220,57 @@ pub async fn sync(
         }
         assignments = st.store().assignments(&id).await?;
     }
+    attach_registry_auth(&st, &mut assignments, &req.observed).await?;
     Ok(Json(SyncResponse {
         assignments,
         reregister: false,
         lease_ms: lease_ms(&st),
     }))
+}
+
+/// Gives each assignment the agent is about to start (one it does not
+/// report yet, not to be stopped) its tenant's login for its image's
+/// registry, when the tenant stored one. Opened only here, only for that
+/// registry, and only until the agent reports the instance: the pull
+/// happens before that, and the secret need not cross the wire again.
+async fn attach_registry_auth(
+    st: &AppState,
+    assignments: &mut [Assignment],
+    observed: &[ObservedInstance],
+) -> ApiResult<()> {
+    for a in assignments.iter_mut() {
+        let (Some(image), Some(tenant)) = (&a.image, &a.tenant_id) else {
+            continue;
+        };
+        if a.stop || observed.iter().any(|o| o.instance_id == a.instance_id) {
+            continue;
+        }
+        let registry = registry_of(&image.image);
+        // The key is loaded only for a tenant that stored a login: a
+        // server without one still runs public images.
+        let stored = st.store().registry_credentials(tenant).await?;
+        if !stored.iter().any(|c| c.registry == registry) {
+            continue;
+        }
+        // A login that cannot be opened (the key changed) must not stop
+        // the node's sync: the pull goes without it and fails with the
+        // registry's answer, which the instance's failure shows.
+        let opened = match st.secret_key() {
+            Ok(key) => st
+                .store()
+                .registry_auth(tenant, &registry, &key)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.message),
+        };
+        match opened {
+            Ok(auth) => a.registry_auth = auth,
+            Err(error) => {
+                tracing::error!(instance_id = %a.instance_id, %registry, %error, "cannot open the registry credential")
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Appends an instance's output. Lines the server has (same seq) are

@@ -53,7 +53,7 @@ pub async fn create_endpoint(
         .await?;
     tracing::info!(endpoint = %ep.id, tenant = %ep.tenant_id, name = %ep.name, policy = %ep.spec.policy, "endpoint deployed");
     st.wake_endpoints();
-    Ok((StatusCode::CREATED, Json(ep)))
+    Ok((StatusCode::CREATED, Json(ep.redacted())))
 }
 
 /// Endpoints of the caller's tenant (operators: all).
@@ -65,11 +65,12 @@ pub async fn list_endpoints(
     caller: Caller,
     p: Pagination,
 ) -> ApiResult<Json<Page<Endpoint>>> {
-    Ok(page(
-        st.store()
-            .list_endpoints(caller.scope(), &page_req(&p))
-            .await?,
-    ))
+    let mut eps = st
+        .store()
+        .list_endpoints(caller.scope(), &page_req(&p))
+        .await?;
+    eps.items = eps.items.into_iter().map(Endpoint::redacted).collect();
+    Ok(page(eps))
 }
 
 /// One endpoint with its replicas, last signals and decision.
@@ -81,7 +82,7 @@ pub async fn get_endpoint(
     caller: Caller,
     Path(raw): Path<String>,
 ) -> ApiResult<Json<Endpoint>> {
-    Ok(Json(visible(&st, &caller, &raw).await?))
+    Ok(Json(visible(&st, &caller, &raw).await?.redacted()))
 }
 
 /// Changes an endpoint. A new command, environment or resources make a
@@ -111,7 +112,7 @@ pub async fn update_endpoint(
         .await?;
     tracing::info!(endpoint = %ep.id, revision = ep.revision, new_revision = bump, "endpoint updated");
     st.wake_endpoints();
-    Ok(Json(ep))
+    Ok(Json(ep.redacted()))
 }
 
 /// Deletes an endpoint: it leaves the gateway's routes at once, its
@@ -129,7 +130,7 @@ pub async fn delete_endpoint(
     let ep = st.store().delete_endpoint(&ep.id, st.now()).await?;
     tracing::info!(endpoint = %ep.id, "endpoint deleted");
     st.wake_endpoints();
-    Ok(Json(ep))
+    Ok(Json(ep.redacted()))
 }
 
 /// Reports a custom metric (a queue depth, say); policies that scale on a
@@ -150,7 +151,7 @@ pub async fn report_metric(
         .set_endpoint_custom_metric(&ep.id, m.value)
         .await?;
     st.wake_endpoints();
-    Ok(Json(st.store().endpoint(&ep.id).await?))
+    Ok(Json(st.store().endpoint(&ep.id).await?.redacted()))
 }
 
 #[derive(Deserialize)]

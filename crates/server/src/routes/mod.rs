@@ -29,6 +29,7 @@ pub mod nodes;
 pub mod payouts;
 pub mod pools;
 pub mod prices;
+pub mod registries;
 pub mod telemetry;
 pub mod tenants;
 pub mod usage;
@@ -59,6 +60,7 @@ pub(crate) mod work;
         (name = "pools", description = "Replica pools scaled by an autoscaling policy (superseded by endpoints)"),
         (name = "endpoints", description = "Serverless endpoints: replicas scaled from zero behind the gateway"),
         (name = "gateway", description = "Protocol of the inference gateway"),
+        (name = "registries", description = "Tenants' logins to private container registries"),
         (name = "meta", description = "Identity and health"),
     )
 )]
@@ -119,6 +121,11 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(jobs::job_queue))
         .routes(routes!(jobs::get_job))
         .routes(routes!(jobs::cancel_job))
+        .routes(routes!(
+            registries::list_registry_credentials,
+            registries::create_registry_credential
+        ))
+        .routes(routes!(registries::delete_registry_credential))
         .routes(routes!(agent::register))
         .routes(routes!(agent::sync))
         .routes(routes!(agent::push_logs))
