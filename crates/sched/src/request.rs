@@ -1,7 +1,7 @@
 //! What a workload asks for: a number of whole GPUs or a share of one GPU,
 //! the GPU models it accepts, CPU and memory.
 
-use crate::snapshot::ModelId;
+use crate::snapshot::{ModelId, Runtime};
 use crate::{Error, MILLI};
 
 /// The GPU part of a request.
@@ -120,6 +120,8 @@ pub struct Request {
     pub models: ModelSet,
     pub cpu_milli: u32,
     pub mem_mib: u64,
+    /// The runtime its node must run (an image needs containers).
+    pub runtime: Runtime,
 }
 
 impl Request {
@@ -129,11 +131,17 @@ impl Request {
             models: ModelSet::Any,
             cpu_milli,
             mem_mib,
+            runtime: Runtime::Process,
         }
     }
 
     pub fn with_models(mut self, models: ModelSet) -> Self {
         self.models = models;
+        self
+    }
+
+    pub fn with_runtime(mut self, runtime: Runtime) -> Self {
+        self.runtime = runtime;
         self
     }
 }
