@@ -91,9 +91,8 @@ impl std::str::FromStr for RuntimeKind {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::parse(s).ok_or_else(|| {
-            format!("unknown runtime `{s}` (expected `process` or `container`)")
-        })
+        Self::parse(s)
+            .ok_or_else(|| format!("unknown runtime `{s}` (expected `process` or `container`)"))
     }
 }
 

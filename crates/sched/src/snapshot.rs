@@ -726,7 +726,10 @@ mod tests {
         assert_eq!(c.active_classes().count(), 1);
         match engine.decide(&c, &image, &mut rng) {
             crate::Decision::Unschedulable(why) => {
-                assert_eq!(why.to_string(), "0/3 nodes fit: 3 runs processes, not images")
+                assert_eq!(
+                    why.to_string(),
+                    "0/3 nodes fit: 3 runs processes, not images"
+                )
             }
             other => panic!("expected no fit, got {other:?}"),
         }

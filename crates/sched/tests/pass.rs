@@ -283,7 +283,9 @@ fn work_goes_to_machines_of_its_runtime_and_says_why_when_there_are_none() {
     .unwrap();
     assert_eq!(
         p.wait_of(1),
-        Some(&Wait::NoFit("0/2 nodes fit: 2 runs processes, not images".into()))
+        Some(&Wait::NoFit(
+            "0/2 nodes fit: 2 runs processes, not images".into()
+        ))
     );
     assert!(placed(&p, 3));
     let mut cpu_only = work(4, GpuAsk::None);
