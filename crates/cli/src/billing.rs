@@ -20,7 +20,7 @@ use crate::client::decode;
 use crate::commands::Ctx;
 use crate::output::{outln, print_json, print_table, table, wire};
 
-fn this_month() -> String {
+pub(crate) fn this_month() -> String {
     Utc::now().format("%Y-%m").to_string()
 }
 

@@ -521,6 +521,7 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
         Some(_) => say!("try:      flotilla run --gpus 2 -- sh -c 'echo $CUDA_VISIBLE_DEVICES'"),
         None => say!("try:      flotilla run --gpus 1 -- nvidia-smi"),
     }
+    say!("demo:     flotilla demo (an emulated model takes a traffic spike: replicas, latency and cost, live)");
     say!("press Ctrl-C to stop");
 
     let failure = tokio::select! {

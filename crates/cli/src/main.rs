@@ -11,6 +11,7 @@ mod billing;
 mod client;
 mod commands;
 mod config;
+mod demo;
 mod endpoints;
 mod follow;
 mod gateway;
@@ -192,6 +193,10 @@ enum Command {
         /// Instance id or job id.
         id: String,
     },
+    /// Deploy an emulated model, drive a viral traffic spike through the
+    /// gateway and watch replicas follow demand, latency against the SLO
+    /// and the running bill; the endpoint is deleted at the end.
+    Demo(demo::DemoArgs),
     /// Serverless endpoints: deploy, list, show, update, delete, logs.
     Endpoints {
         #[command(subcommand)]
@@ -385,6 +390,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Explain { id } => commands::explain(&ctx, &id).await,
         Command::Jobs { command } => jobs::dispatch(&ctx, command).await,
         Command::Endpoints { command } => endpoints::dispatch(&ctx, command).await,
+        Command::Demo(args) => demo::run(&ctx, &creds.api_key, args).await,
         Command::Usage { from, to, csv } => commands::usage(&ctx, from, to, csv).await,
         Command::Invoices { command } => billing::invoices(&ctx, command).await,
         Command::Prices { command } => billing::prices(&ctx, command).await,

@@ -484,6 +484,10 @@ fn up_quick_start_and_ctrl_c() {
         printed.contains("/v1/docs") && printed.contains(&key),
         "URLs and the key once: {printed}"
     );
+    assert!(
+        printed.contains("flotilla demo"),
+        "the demo hint: {printed}"
+    );
 
     // A second start keeps the data and prints no new key.
     let mut up2 = start_up();

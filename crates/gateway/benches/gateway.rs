@@ -172,13 +172,13 @@ impl Nginx {
     }
 }
 
-async fn nginx(upstream: &str) -> Result<Nginx> {
+async fn nginx(upstream: &str, workers: usize) -> Result<Nginx> {
     let dir = tempfile::tempdir()?;
     let port = free_port()?;
     let upstream = upstream.trim_start_matches("http://");
     let p = dir.path().display();
     let conf = format!(
-        "worker_processes auto;\ndaemon off;\npid {p}/nginx.pid;\nerror_log {p}/error.log warn;\n\
+        "worker_processes {workers};\ndaemon off;\npid {p}/nginx.pid;\nerror_log {p}/error.log warn;\n\
          events {{ worker_connections 4096; }}\n\
          http {{\n  access_log off;\n  client_body_temp_path {p}/body;\n  proxy_temp_path {p}/proxy;\n\
          fastcgi_temp_path {p}/fastcgi;\n  uwsgi_temp_path {p}/uwsgi;\n  scgi_temp_path {p}/scgi;\n\
@@ -224,8 +224,6 @@ async fn wait_for_port(port: u16) -> Result<()> {
 
 struct WrkResult {
     rps: f64,
-    /// Each round's rate, when this is a median over rounds.
-    rounds_rps: Vec<f64>,
     p99_ms: f64,
     p50_ms: f64,
     errors: u64,
@@ -261,7 +259,6 @@ async fn wrk(url: &str, script: &Path, connections: u32, seconds: u32) -> Result
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     let mut r = WrkResult {
         rps: 0.0,
-        rounds_rps: Vec::new(),
         p99_ms: f64::NAN,
         p50_ms: f64::NAN,
         errors: 0,
@@ -291,37 +288,85 @@ async fn wrk(url: &str, script: &Path, connections: u32, seconds: u32) -> Result
     Ok(r)
 }
 
-/// Runs wrk on every target in turn, `rounds` times over (so a burst of
-/// other work on the machine hits every path alike), and keeps each path's
-/// median rate and median p50/p99 over the rounds.
+/// One wrk run per path and round.
+struct Rounds {
+    /// `runs[path][round]`.
+    runs: Vec<Vec<WrkResult>>,
+}
+
+impl Rounds {
+    fn median(&self, path: usize, f: impl Fn(&WrkResult) -> f64) -> f64 {
+        percentile(&mut self.runs[path].iter().map(f).collect::<Vec<_>>(), 0.5)
+    }
+
+    /// Per round, `f(a's run, b's run)`: paired in time, so a burst of
+    /// other work that hits one round hits both sides of the pair.
+    fn paired(&self, a: usize, b: usize, f: impl Fn(&WrkResult, &WrkResult) -> f64) -> Vec<f64> {
+        self.runs[a]
+            .iter()
+            .zip(&self.runs[b])
+            .map(|(x, y)| f(x, y))
+            .collect()
+    }
+
+    fn errors(&self) -> u64 {
+        self.runs.iter().flatten().map(|r| r.errors).sum()
+    }
+}
+
+/// `{median, min, max, rounds}` of per-round values.
+fn spread(v: &[f64], digits: i32) -> Value {
+    let mut sorted = v.to_vec();
+    let median = percentile(&mut sorted, 0.5);
+    json!({
+        "median": round(median, digits),
+        "min": round(sorted.first().copied().unwrap_or(f64::NAN), digits),
+        "max": round(sorted.last().copied().unwrap_or(f64::NAN), digits),
+        "rounds": v.iter().map(|x| round(*x, digits)).collect::<Vec<_>>(),
+    })
+}
+
+/// Runs wrk on every target, `rounds` times over, starting each round at
+/// the next path (so no path always runs first, right after a pause, or
+/// last), back to back so that a burst of other work on the machine hits
+/// neighbouring runs of different paths alike.
 async fn rounds_of(
     targets: &[(&str, String)],
     script: &Path,
     connections: u32,
     secs: u32,
     rounds: usize,
-) -> Result<Vec<WrkResult>> {
+) -> Result<Rounds> {
     let mut runs: Vec<Vec<WrkResult>> = targets.iter().map(|_| Vec::new()).collect();
-    for _ in 0..rounds {
-        for (i, (name, url)) in targets.iter().enumerate() {
+    for round in 0..rounds {
+        for k in 0..targets.len() {
+            let i = (round + k) % targets.len();
+            let (name, url) = &targets[i];
             let r = wrk(url, script, connections, secs).await?;
             eprintln!(
-                "{connections} connections, {name}: {:.0} rps, p50 {:.3} ms, p99 {:.3} ms, errors {}",
+                "round {round}, {connections} connections, {name}: {:.0} rps, p50 {:.3} ms, p99 {:.3} ms, errors {}",
                 r.rps, r.p50_ms, r.p99_ms, r.errors
             );
             runs[i].push(r);
         }
     }
-    Ok(runs
-        .into_iter()
-        .map(|rs| WrkResult {
-            rps: percentile(&mut rs.iter().map(|r| r.rps).collect::<Vec<_>>(), 0.5),
-            rounds_rps: rs.iter().map(|r| r.rps.round()).collect(),
-            p50_ms: percentile(&mut rs.iter().map(|r| r.p50_ms).collect::<Vec<_>>(), 0.5),
-            p99_ms: percentile(&mut rs.iter().map(|r| r.p99_ms).collect::<Vec<_>>(), 0.5),
-            errors: rs.iter().map(|r| r.errors).sum(),
-        })
-        .collect())
+    Ok(Rounds { runs })
+}
+
+/// Worker threads of the gateway's runtime and nginx's worker processes:
+/// `$FLOTILLA_BENCH_WORKERS`, default the machine's CPUs.
+fn workers() -> usize {
+    std::env::var("FLOTILLA_BENCH_WORKERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
 
 /// wrk against the emulator directly, through nginx and through the
@@ -334,8 +379,21 @@ async fn proxy_overhead(quick: bool) -> Result<Value> {
         Balance::LeastOutstanding,
         vec![replica(upstream.clone())],
     ));
-    let gw = gateway(&control).await?;
-    let ngx = nginx(&upstream).await?;
+    let n_workers = workers();
+    // The gateway gets a runtime of its own with as many workers as nginx
+    // has worker processes.
+    let gw_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(n_workers)
+        .thread_name("gateway")
+        .enable_all()
+        .build()?;
+    let gw = {
+        let control = control.clone();
+        gw_rt
+            .spawn(async move { gateway(&control).await })
+            .await??
+    };
+    let ngx = nginx(&upstream, n_workers).await?;
     let dir = tempfile::tempdir()?;
     let script = dir.path().join("post.lua");
     std::fs::write(
@@ -345,22 +403,23 @@ async fn proxy_overhead(quick: bool) -> Result<Value> {
              wrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.headers[\"Authorization\"] = \"Bearer {KEY}\"\n"
         ),
     )?;
-    let secs = if quick { 2 } else { 5 };
-    let rounds = if quick { 1 } else { 3 };
+    let secs = if quick { 2 } else { 4 };
+    let rounds = if quick { 1 } else { 7 };
     let top_c = 64;
     let targets = [
         ("direct", upstream.clone()),
         ("nginx", ngx.url.clone()),
         ("gateway", gw.url()),
     ];
-    // Warm every path's connection pools first.
+    let load_before = loadavg();
+    // Warm-up: every path's connection pools and caches, at the top load.
     for (_, url) in &targets {
-        wrk(url, &script, 16, 1).await?;
+        wrk(url, &script, top_c, 2).await?;
     }
     let top = rounds_of(&targets, &script, top_c, secs, rounds).await?;
     // Half load: the connection count at which the gateway's closed-loop
     // rate is nearest half its top rate (wrk has no fixed-rate mode).
-    let half_target = top[2].rps / 2.0;
+    let half_target = top.median(2, |r| r.rps) / 2.0;
     let mut half_c = 1;
     let mut best = f64::INFINITY;
     for c in [1, 2, 4, 8, 16, 32] {
@@ -372,35 +431,52 @@ async fn proxy_overhead(quick: bool) -> Result<Value> {
         }
     }
     let half = rounds_of(&targets, &script, half_c, secs, rounds).await?;
+    let load_after = loadavg();
     ngx.stop().await?;
     let _ = emu.kill().await;
-    gw.shutdown().await;
-    let ratio = top[2].rps / top[1].rps;
-    let added = half[2].p99_ms - half[0].p99_ms;
+    gw_rt.spawn(gw.shutdown()).await?;
+    gw_rt.shutdown_background();
+    let ratio = top.paired(2, 1, |g, n| g.rps / n.rps);
+    let direct_ratio = top.paired(2, 0, |g, d| g.rps / d.rps);
+    let nginx_direct_ratio = top.paired(1, 0, |n, d| n.rps / d.rps);
+    let added = half.paired(2, 0, |g, d| g.p99_ms - d.p99_ms);
+    let nginx_added = half.paired(1, 0, |n, d| n.p99_ms - d.p99_ms);
+    let ratio_median = percentile(&mut ratio.clone(), 0.5);
+    let added_median = percentile(&mut added.clone(), 0.5);
     Ok(json!({
+        "workers": n_workers,
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
         "top_connections": top_c,
         "seconds": secs,
         "rounds": rounds,
-        "direct_rps": round(top[0].rps, 0),
-        "nginx_rps": round(top[1].rps, 0),
-        "gateway_rps": round(top[2].rps, 0),
-        "ratio": round(ratio, 3),
-        "direct_rps_rounds": top[0].rounds_rps,
-        "nginx_rps_rounds": top[1].rounds_rps,
-        "gateway_rps_rounds": top[2].rounds_rps,
-        "errors": top.iter().chain(&half).map(|r| r.errors).sum::<u64>(),
+        "direct_rps": round(top.median(0, |r| r.rps), 0),
+        "nginx_rps": round(top.median(1, |r| r.rps), 0),
+        "gateway_rps": round(top.median(2, |r| r.rps), 0),
+        "ratio": round(ratio_median, 3),
+        "ratio_spread": spread(&ratio, 3),
+        "gateway_direct_ratio": spread(&direct_ratio, 3),
+        "nginx_direct_ratio": spread(&nginx_direct_ratio, 3),
+        "direct_rps_rounds": top.runs[0].iter().map(|r| r.rps.round()).collect::<Vec<_>>(),
+        "nginx_rps_rounds": top.runs[1].iter().map(|r| r.rps.round()).collect::<Vec<_>>(),
+        "gateway_rps_rounds": top.runs[2].iter().map(|r| r.rps.round()).collect::<Vec<_>>(),
+        "errors": top.errors() + half.errors(),
         "half_load_connections": half_c,
-        "half_load_gateway_rps": round(half[2].rps, 0),
-        "half_load_nginx_rps": round(half[1].rps, 0),
-        "direct_p50_ms": round(half[0].p50_ms, 3),
-        "direct_p99_ms": round(half[0].p99_ms, 3),
-        "nginx_p99_ms": round(half[1].p99_ms, 3),
-        "gateway_p50_ms": round(half[2].p50_ms, 3),
-        "gateway_p99_ms": round(half[2].p99_ms, 3),
-        "added_p99_ms": round(added, 3),
-        "nginx_added_p99_ms": round(half[1].p99_ms - half[0].p99_ms, 3),
-        "ratio_target_met": ratio >= 0.9,
-        "added_p99_target_met": added <= 1.0,
+        "half_load_gateway_rps": round(half.median(2, |r| r.rps), 0),
+        "half_load_nginx_rps": round(half.median(1, |r| r.rps), 0),
+        "half_load_direct_rps": round(half.median(0, |r| r.rps), 0),
+        "direct_p50_ms": round(half.median(0, |r| r.p50_ms), 3),
+        "direct_p99_ms": round(half.median(0, |r| r.p99_ms), 3),
+        "nginx_p50_ms": round(half.median(1, |r| r.p50_ms), 3),
+        "nginx_p99_ms": round(half.median(1, |r| r.p99_ms), 3),
+        "gateway_p50_ms": round(half.median(2, |r| r.p50_ms), 3),
+        "gateway_p99_ms": round(half.median(2, |r| r.p99_ms), 3),
+        "added_p99_ms": round(added_median, 3),
+        "added_p99_spread": spread(&added, 3),
+        "nginx_added_p99_ms": spread(&nginx_added, 3),
+        "added_p50_ms": spread(&half.paired(2, 0, |g, d| g.p50_ms - d.p50_ms), 3),
+        "ratio_target_met": ratio_median >= 0.9,
+        "added_p99_target_met": added_median <= 1.0,
     }))
 }
 
@@ -631,33 +707,72 @@ fn table(r: &Value) -> String {
         "| path | rps at {} connections | p50 at {} connections (ms) | p99 at {} connections (ms) |\n|---|---|---|---|\n",
         p["top_connections"], p["half_load_connections"], p["half_load_connections"]
     ));
+    for (name, key) in [
+        ("emulator directly", "direct"),
+        ("nginx", "nginx"),
+        ("gateway", "gateway"),
+    ] {
+        s.push_str(&format!(
+            "| {name} | {} | {} | {} |\n",
+            p[format!("{key}_rps")],
+            p[format!("{key}_p50_ms")],
+            p[format!("{key}_p99_ms")]
+        ));
+    }
+    let sp = |v: &Value| {
+        format!(
+            "median **{}**, min {}, max {}, per round {}",
+            v["median"], v["min"], v["max"], v["rounds"]
+        )
+    };
     s.push_str(&format!(
-        "| emulator directly | {} | {} | {} |\n",
-        p["direct_rps"], p["direct_p50_ms"], p["direct_p99_ms"]
+        "\nMedians over {} rounds of {} s per path; the gateway's runtime has {} worker threads and nginx {} worker processes; load average before {}, after {}.\n\n",
+        p["rounds"],
+        p["seconds"],
+        p["workers"],
+        p["workers"],
+        p["loadavg_before"].as_str().unwrap_or("?"),
+        p["loadavg_after"].as_str().unwrap_or("?")
     ));
     s.push_str(&format!(
-        "| nginx | {} | | {} |\n",
-        p["nginx_rps"], p["nginx_p99_ms"]
-    ));
-    s.push_str(&format!(
-        "| gateway | {} | {} | {} |\n\n",
-        p["gateway_rps"], p["gateway_p50_ms"], p["gateway_p99_ms"]
-    ));
-    s.push_str(&format!(
-        "- rps per round at {} connections: direct {}, nginx {}, gateway {}\n- ratio gateway/nginx of the medians: **{}** (target >= 0.9: {})\n- added p99 at half load (gateway minus direct, {} connections, gateway at {} rps): **{} ms** (target <= 1 ms: {}); nginx adds {} ms\n- non-2xx responses and socket errors over all runs: {}\n\n",
+        "- rps per round at {} connections: direct {}, nginx {}, gateway {}\n\
+         - ratio gateway/nginx, paired per round: {} (target >= 0.9: {})\n\
+         - gateway/direct: {}; nginx/direct: {}\n\
+         - added p99 at half load (gateway minus direct, {} connections, gateway at {} rps), paired per round: {} ms (target <= 1 ms: {})\n\
+         - nginx's added p99 the same way: {} ms\n\
+         - gateway's added p50: {} ms\n\
+         - non-2xx responses and socket errors over all runs: {}\n\n",
         p["top_connections"],
         p["direct_rps_rounds"],
         p["nginx_rps_rounds"],
         p["gateway_rps_rounds"],
-        p["ratio"],
+        sp(&p["ratio_spread"]),
         yes(&p["ratio_target_met"]),
+        sp(&p["gateway_direct_ratio"]),
+        sp(&p["nginx_direct_ratio"]),
         p["half_load_connections"],
         p["half_load_gateway_rps"],
-        p["added_p99_ms"],
+        sp(&p["added_p99_spread"]),
         yes(&p["added_p99_target_met"]),
-        p["nginx_added_p99_ms"],
+        sp(&p["nginx_added_p99_ms"]),
+        sp(&p["added_p50_ms"]),
         p["errors"]
     ));
+    if p["added_p99_target_met"] == json!(false) {
+        s.push_str(&format!(
+            "The added p99 target is missed by {} ms. At this load every path's p99 is mostly the\n\
+             machine's scheduling delay (processes outnumber the CPUs): the gateway's per-round\n\
+             differences run from {} to {} ms, nginx's measured alike from {} to {} ms (median {}),\n\
+             while the gateway's added p50, which scheduling hardly moves, is {} ms.\n\n",
+            round(p["added_p99_ms"].as_f64().unwrap_or(f64::NAN) - 1.0, 3),
+            p["added_p99_spread"]["min"],
+            p["added_p99_spread"]["max"],
+            p["nginx_added_p99_ms"]["min"],
+            p["nginx_added_p99_ms"]["max"],
+            p["nginx_added_p99_ms"]["median"],
+            p["added_p50_ms"]["median"]
+        ));
+    }
     s.push_str("## Scale from zero\n\n");
     s.push_str(&format!(
         "First request to first byte minus the {} ms weight load, {} trials: p50 **{} ms**, p99 **{} ms**, max {} ms (target p99 <= 1 s: {})\n\n",

@@ -20,7 +20,6 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use crate::pool::{Endpoint, Lease};
-use crate::signals::{EndpointLabel, ResponseLabels};
 use crate::Inner;
 
 /// JSON bodies larger than this are passed through without reading their
@@ -246,6 +245,10 @@ impl Drop for Tracker {
             }
         }
         let instance_id = self.lease.as_ref().map(|l| l.replica.instance_id.clone());
+        let series = self
+            .endpoint
+            .series
+            .get_or_init(|| self.inner.metrics.series(self.endpoint.id.as_str()));
         if self.lease.take().is_some() {
             self.endpoint
                 .stats
@@ -254,30 +257,12 @@ impl Drop for Tracker {
             let latency = now - self.arrived;
             let ttft = self.first_byte.map(|t| t - self.arrived);
             self.endpoint.stats.record(now, ttft, latency);
-            let label = EndpointLabel {
-                endpoint: self.endpoint.id.to_string(),
-            };
             if let Some(t) = ttft {
-                self.inner
-                    .metrics
-                    .ttft
-                    .get_or_create(&label)
-                    .observe(t.as_secs_f64());
+                series.ttft.observe(t.as_secs_f64());
             }
-            self.inner
-                .metrics
-                .latency
-                .get_or_create(&label)
-                .observe(latency.as_secs_f64());
+            series.latency.observe(latency.as_secs_f64());
         }
-        self.inner
-            .metrics
-            .responses
-            .get_or_create(&ResponseLabels {
-                endpoint: self.endpoint.id.to_string(),
-                code: self.status,
-            })
-            .inc();
+        series.response(&self.inner.metrics, self.status);
         let (input_tokens, output_tokens) = self.tokens.unwrap_or((0, 0));
         let elapsed = chrono::Duration::from_std(now - self.arrived).unwrap_or_default();
         self.inner.meter.push(RequestUsage {

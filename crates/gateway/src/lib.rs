@@ -158,6 +158,18 @@ struct RouteIndex {
 
 type Limiter = DefaultKeyedRateLimiter<String>;
 
+/// A key's grant (`None`: no such key) and when it was asked for.
+type CachedGrant = (Instant, Option<Arc<KeyGrant>>);
+
+/// What the control plane said about a key.
+#[derive(Debug, Clone)]
+enum AuthAnswer {
+    /// Its grant, or `None`: no such key.
+    Grant(Option<Arc<KeyGrant>>),
+    /// The control plane could not be asked.
+    Unavailable,
+}
+
 /// The gateway's shared state.
 pub(crate) struct Inner {
     control: Arc<dyn Control>,
@@ -166,7 +178,11 @@ pub(crate) struct Inner {
     /// Every endpoint runtime, by id; kept across refreshes.
     runtimes: Mutex<HashMap<EndpointId, Arc<Endpoint>>>,
     last_table: Mutex<Option<RouteTable>>,
-    auth: Mutex<HashMap<String, (Instant, Option<KeyGrant>)>>,
+    auth: Mutex<HashMap<String, CachedGrant>>,
+    /// Keys being asked about now: requests that find their key here wait
+    /// for that one answer instead of asking again (an expired hot key
+    /// costs one control-plane call, not one per request in flight).
+    auth_pending: Mutex<HashMap<String, watch::Receiver<Option<AuthAnswer>>>>,
     limiters: Mutex<HashMap<EndpointId, (u32, Arc<Limiter>)>>,
     client: Client<HttpConnector, Full<Bytes>>,
     meter: MeterQueue,
@@ -253,32 +269,68 @@ impl Inner {
         }
     }
 
-    /// The key's grant, from the cache or the control plane.
-    async fn authorize(&self, key: &str) -> Result<KeyGrant, Refusal> {
+    /// The key's grant, from the cache or the control plane. One call per
+    /// key at a time: concurrent requests with the same uncached key share
+    /// its answer. The call runs in a task of its own, so a caller that
+    /// goes away does not cancel it for the others.
+    async fn authorize(self: &Arc<Self>, key: &str) -> Result<Arc<KeyGrant>, Refusal> {
         let now = Instant::now();
         if let Some((at, grant)) = lock(&self.auth).get(key) {
             if now.duration_since(*at) < self.config.auth_cache_ttl {
                 return grant.clone().ok_or(Refusal::InvalidKey);
             }
         }
+        let mut answer = {
+            let mut pending = lock(&self.auth_pending);
+            match pending.get(key) {
+                Some(rx) => rx.clone(),
+                None => {
+                    let (tx, rx) = watch::channel(None);
+                    pending.insert(key.to_string(), rx.clone());
+                    tokio::spawn(self.clone().ask_grant(key.to_string(), tx));
+                    rx
+                }
+            }
+        };
+        let answer = match answer.wait_for(Option::is_some).await {
+            Ok(a) => a.clone(),
+            // The asking task ended without an answer (the runtime is
+            // shutting down).
+            Err(_) => None,
+        };
+        match answer {
+            Some(AuthAnswer::Grant(Some(grant))) => Ok(grant),
+            Some(AuthAnswer::Grant(None)) => Err(Refusal::InvalidKey),
+            Some(AuthAnswer::Unavailable) | None => Err(Refusal::ControlUnavailable),
+        }
+    }
+
+    /// Asks the control plane about `key`, caches the grant and hands the
+    /// answer to every request waiting for it.
+    async fn ask_grant(self: Arc<Self>, key: String, tx: watch::Sender<Option<AuthAnswer>>) {
+        let asked = Instant::now();
         let answer =
-            tokio::time::timeout(Duration::from_secs(10), self.control.authorize(key)).await;
-        let grant = match answer {
-            Ok(Ok(grant)) => grant,
+            tokio::time::timeout(Duration::from_secs(10), self.control.authorize(&key)).await;
+        let answer = match answer {
+            Ok(Ok(grant)) => {
+                let grant = grant.map(Arc::new);
+                let mut cache = lock(&self.auth);
+                if cache.len() >= AUTH_CACHE_MAX {
+                    cache.clear();
+                }
+                cache.insert(key.clone(), (asked, grant.clone()));
+                AuthAnswer::Grant(grant)
+            }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "key authorisation failed");
-                return Err(Refusal::ControlUnavailable);
+                AuthAnswer::Unavailable
             }
-            Err(_) => return Err(Refusal::ControlUnavailable),
+            Err(_) => AuthAnswer::Unavailable,
         };
-        {
-            let mut cache = lock(&self.auth);
-            if cache.len() >= AUTH_CACHE_MAX {
-                cache.clear();
-            }
-            cache.insert(key.to_string(), (now, grant.clone()));
-        }
-        grant.ok_or(Refusal::InvalidKey)
+        // Out of the pending set before the answer goes out: a request
+        // arriving after it reads the cache (or asks anew after a failure).
+        lock(&self.auth_pending).remove(&key);
+        let _ = tx.send(Some(answer));
     }
 
     /// Applies the endpoint's per-key rate limit.
@@ -407,6 +459,7 @@ pub async fn serve(
             runtimes: Mutex::new(HashMap::new()),
             last_table: Mutex::new(None),
             auth: Mutex::new(HashMap::new()),
+            auth_pending: Mutex::new(HashMap::new()),
             limiters: Mutex::new(HashMap::new()),
             client,
             urgent: Arc::new(Notify::new()),

@@ -12,16 +12,18 @@
 use std::collections::VecDeque;
 use std::hash::Hasher;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 
 use flotilla_core::gateway::{Balance, EndpointRoute};
 use flotilla_core::id::{EndpointId, InstanceId};
+use http::uri::{Authority, Scheme};
+use http::Uri;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
-use crate::signals::EndpointStats;
+use crate::signals::{EndpointSeries, EndpointStats};
 
 /// Points per replica on the hash ring: enough that keys spread evenly over
 /// a handful of replicas.
@@ -33,6 +35,9 @@ pub(crate) struct Replica {
     pub instance_id: InstanceId,
     /// `scheme://authority`, no trailing slash.
     pub base: String,
+    /// `base` parsed once: the scheme and authority of every request sent
+    /// there; `None` when `base` is not an absolute URL without a path.
+    pub origin: Option<(Scheme, Authority)>,
     pub revision: u32,
     outstanding: AtomicU32,
     draining: AtomicBool,
@@ -43,9 +48,19 @@ pub(crate) struct Replica {
 
 impl Replica {
     fn new(instance_id: InstanceId, url: &str, revision: u32, draining: bool) -> Self {
+        let base = url.trim_end_matches('/').to_string();
+        let origin = base.parse::<Uri>().ok().and_then(|u| {
+            let parts = u.into_parts();
+            let bare = parts
+                .path_and_query
+                .as_ref()
+                .is_none_or(|p| p.as_str() == "/");
+            bare.then_some((parts.scheme?, parts.authority?))
+        });
         Self {
             instance_id,
-            base: url.trim_end_matches('/').to_string(),
+            origin,
+            base,
             revision,
             outstanding: AtomicU32::new(0),
             draining: AtomicBool::new(draining),
@@ -124,6 +139,8 @@ pub(crate) struct Endpoint {
     route: RwLock<Arc<EndpointRoute>>,
     pool: Mutex<Pool>,
     pub stats: EndpointStats,
+    /// Its Prometheus series, made on its first finished request.
+    pub series: OnceLock<EndpointSeries>,
     /// Fired when a request waits with no replica at all: the reporter
     /// sends demand at once.
     urgent: Arc<Notify>,
@@ -172,6 +189,7 @@ impl Endpoint {
                 rng: ChaCha8Rng::seed_from_u64(endpoint_seed),
             }),
             stats: EndpointStats::default(),
+            series: OnceLock::new(),
             urgent,
             balance,
             epoch,

@@ -13,6 +13,7 @@ use flotilla_core::gateway::{Balance, KeyGrant};
 use flotilla_core::id::RequestId;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
+use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
@@ -21,7 +22,7 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::body::{Scan, Tracker};
-use crate::pool::{affinity_key, Endpoint, NoReplica};
+use crate::pool::{affinity_key, Endpoint, NoReplica, Replica};
 use crate::{GatewayBody, Inner, Refusal};
 
 /// The OpenAI paths routed by the body's `model`.
@@ -42,6 +43,7 @@ const HOP_HEADERS: [HeaderName; 9] = [
 ];
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 const SESSION_ID: &str = "x-session-id";
 
 pub(crate) async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<GatewayBody> {
@@ -101,7 +103,8 @@ struct ModelPeek<'a> {
 enum Target {
     Endpoint {
         endpoint: Arc<Endpoint>,
-        path: String,
+        /// The path and query to send upstream.
+        path: PathAndQuery,
     },
     Models,
 }
@@ -145,11 +148,14 @@ fn resolve(
 ) -> Result<Target, Refusal> {
     let index = inner.index();
     let path = parts.uri.path();
-    let query = parts
-        .uri
-        .query()
-        .map(|q| format!("?{q}"))
-        .unwrap_or_default();
+    // Sent upstream as it came, except under `/e/{name}/`.
+    let same_path = || {
+        parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"))
+    };
     let by_name = |name: &str| {
         index
             .by_name
@@ -160,10 +166,17 @@ fn resolve(
     if let Some(rest) = path.strip_prefix("/e/") {
         let (name, tail) = rest.split_once('/').map_or((rest, ""), |(n, t)| (n, t));
         let endpoint = by_name(name).ok_or_else(|| Refusal::EndpointNotFound(name.to_string()))?;
-        return Ok(Target::Endpoint {
-            endpoint,
-            path: format!("/{tail}{query}"),
-        });
+        let query = parts
+            .uri
+            .query()
+            .map(|q| format!("?{q}"))
+            .unwrap_or_default();
+        let path =
+            PathAndQuery::try_from(format!("/{tail}{query}")).map_err(|e| Refusal::BadRequest {
+                field: "path",
+                message: e.to_string(),
+            })?;
+        return Ok(Target::Endpoint { endpoint, path });
     }
     let host = parts
         .headers
@@ -175,7 +188,7 @@ fn resolve(
             Some(endpoint) => {
                 return Ok(Target::Endpoint {
                     endpoint,
-                    path: format!("{path}{query}"),
+                    path: same_path(),
                 })
             }
             // With a configured domain the host names the endpoint; without
@@ -207,7 +220,7 @@ fn resolve(
             .ok_or_else(|| Refusal::ModelNotFound(model.to_string()))?;
         return Ok(Target::Endpoint {
             endpoint,
-            path: format!("{path}{query}"),
+            path: same_path(),
         });
     }
     Err(Refusal::NoRoute(path.to_string()))
@@ -237,6 +250,7 @@ async fn route(
     let started_at = Utc::now();
     let key = bearer(req.headers())?.to_string();
     let grant = inner.authorize(&key).await?;
+    let grant = &*grant;
     let (parts, body) = req.into_parts();
     let limit = inner.config.max_body_bytes;
     let body = match Limited::new(body, limit).collect().await {
@@ -254,8 +268,8 @@ async fn route(
             })
         }
     };
-    let (endpoint, path) = match resolve(&inner, &grant, &parts, &body)? {
-        Target::Models => return Ok(list_models(&inner, &grant)),
+    let (endpoint, path) = match resolve(&inner, grant, &parts, &body)? {
+        Target::Models => return Ok(list_models(&inner, grant)),
         Target::Endpoint { endpoint, path } => (endpoint, path),
     };
     endpoint
@@ -308,16 +322,11 @@ async fn route(
                 return refused(tracker, Refusal::QueueTimeout(route.name.clone()))
             }
         };
-        let upstream = match upstream_request(
-            &lease.replica.base,
-            &path,
-            &parts,
-            &body,
-            &tracker.request_id,
-        ) {
-            Ok(r) => r,
-            Err(message) => return refused(tracker, Refusal::Upstream(message)),
-        };
+        let upstream =
+            match upstream_request(&lease.replica, &path, &parts, &body, &tracker.request_id) {
+                Ok(r) => r,
+                Err(message) => return refused(tracker, Refusal::Upstream(message)),
+            };
         let replica = lease.replica.clone();
         tracker.sent(lease);
         match inner.client.request(upstream).await {
@@ -371,29 +380,44 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 fn strip_hop_headers(headers: &mut HeaderMap) {
     // Headers named by `Connection` are hop-by-hop too.
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for h in named.iter().chain(HOP_HEADERS.iter()) {
+    if headers.contains_key(header::CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+            .collect();
+        for h in &named {
+            headers.remove(h);
+        }
+    }
+    for h in HOP_HEADERS.iter().chain([&KEEP_ALIVE]) {
         headers.remove(h);
     }
-    headers.remove("keep-alive");
 }
 
 fn upstream_request(
-    base: &str,
-    path: &str,
+    replica: &Replica,
+    path: &PathAndQuery,
     parts: &Parts,
     body: &Bytes,
     request_id: &RequestId,
 ) -> Result<Request<Full<Bytes>>, String> {
-    let uri: Uri = format!("{base}{path}")
-        .parse()
-        .map_err(|e| format!("bad replica URL {base}: {e}"))?;
+    let uri = match &replica.origin {
+        Some((scheme, authority)) => {
+            let mut uri = http::uri::Parts::default();
+            uri.scheme = Some(scheme.clone());
+            uri.authority = Some(authority.clone());
+            uri.path_and_query = Some(path.clone());
+            Uri::from_parts(uri).map_err(|e| e.to_string())
+        }
+        // A base with a path of its own: the request's path goes after it.
+        None => format!("{}{path}", replica.base)
+            .parse::<Uri>()
+            .map_err(|e| e.to_string()),
+    }
+    .map_err(|e| format!("bad replica URL {}: {e}", replica.base))?;
     let mut req = Request::new(Full::new(body.clone()));
     *req.method_mut() = parts.method.clone();
     *req.uri_mut() = uri;

@@ -180,7 +180,51 @@ impl prometheus_client::collector::Collector for Live {
     }
 }
 
+/// One endpoint's series, looked up once per endpoint rather than per
+/// request (a family lookup allocates the label and hashes it under the
+/// family's lock).
+pub(crate) struct EndpointSeries {
+    pub ttft: Histogram,
+    pub latency: Histogram,
+    /// Response counters by status code, the few codes seen so far.
+    responses: Mutex<Vec<(u16, Counter)>>,
+    label: String,
+}
+
+impl EndpointSeries {
+    /// Counts one response with `code`.
+    pub fn response(&self, metrics: &Metrics, code: u16) {
+        let mut seen = self.responses.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, c)) = seen.iter().find(|(k, _)| *k == code) {
+            c.inc();
+            return;
+        }
+        let c = metrics
+            .responses
+            .get_or_create(&ResponseLabels {
+                endpoint: self.label.clone(),
+                code,
+            })
+            .clone();
+        c.inc();
+        seen.push((code, c));
+    }
+}
+
 impl Metrics {
+    /// The series of the endpoint labelled `endpoint`.
+    pub fn series(&self, endpoint: &str) -> EndpointSeries {
+        let label = EndpointLabel {
+            endpoint: endpoint.to_string(),
+        };
+        EndpointSeries {
+            ttft: self.ttft.get_or_create(&label).clone(),
+            latency: self.latency.get_or_create(&label).clone(),
+            responses: Mutex::new(Vec::new()),
+            label: label.endpoint,
+        }
+    }
+
     /// The metrics; `live` is the gateway they read gauges from (weak,
     /// as the gateway owns them).
     pub fn new(live: Weak<crate::Inner>) -> Self {

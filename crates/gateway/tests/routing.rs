@@ -316,3 +316,93 @@ async fn a_full_queue_answers_429_and_a_passed_deadline_503() {
     assert_eq!(usage.iter().filter(|u| u.status == 503).count(), 2);
     gw.shutdown().await;
 }
+
+/// A control plane that answers key lookups slowly and counts them.
+struct SlowKeys {
+    inner: Arc<StaticControl>,
+    asked: std::sync::atomic::AtomicU32,
+}
+
+impl flotilla_gateway::Control for SlowKeys {
+    fn routes(&self) -> flotilla_gateway::ControlFuture<'_, RouteTable> {
+        self.inner.routes()
+    }
+
+    fn authorize<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> flotilla_gateway::ControlFuture<'a, Option<flotilla_core::gateway::KeyGrant>> {
+        self.asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            self.inner.authorize(key).await
+        })
+    }
+
+    fn report(
+        &self,
+        signals: Vec<flotilla_core::gateway::EndpointSignals>,
+    ) -> flotilla_gateway::ControlFuture<'_, ()> {
+        self.inner.report(signals)
+    }
+
+    fn meter(
+        &self,
+        usage: Vec<flotilla_core::gateway::RequestUsage>,
+    ) -> flotilla_gateway::ControlFuture<'_, ()> {
+        self.inner.meter(usage)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_with_an_uncached_key_ask_the_control_plane_once() {
+    use flotilla_gateway::Control;
+    let alice = tenant();
+    let statik = Arc::new(StaticControl::new());
+    statik.set_routes(RouteTable {
+        endpoints: vec![route(&alice, "chat", Vec::new())],
+    });
+    statik.set_key("alice-key", grant(&alice));
+    let control = Arc::new(SlowKeys {
+        inner: statik,
+        asked: Default::default(),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let cfg = flotilla_gateway::GatewayConfig {
+        auth_cache_ttl: Duration::from_secs(60),
+        ..config()
+    };
+    let gw = flotilla_gateway::serve(listener, control.clone() as Arc<dyn Control>, cfg)
+        .await
+        .expect("gateway starts");
+    let http = client();
+    let url = gw.url();
+    let calls = |key: &'static str| {
+        let (http, url) = (http.clone(), url.clone());
+        (0..20).map(move |_| {
+            let (http, url) = (http.clone(), format!("{url}/v1/models"));
+            tokio::spawn(async move {
+                http.get(url)
+                    .bearer_auth(key)
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
+                    .unwrap_or(0)
+            })
+        })
+    };
+    let good: Vec<_> = calls("alice-key").collect();
+    for h in good {
+        assert_eq!(h.await.unwrap(), 200);
+    }
+    assert_eq!(control.asked.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let bad: Vec<_> = calls("nobody-key").collect();
+    for h in bad {
+        assert_eq!(h.await.unwrap(), 401);
+    }
+    // The unknown key was asked about once too, and its absence cached.
+    assert_eq!(control.asked.load(std::sync::atomic::Ordering::SeqCst), 2);
+    gw.shutdown().await;
+}

@@ -243,6 +243,16 @@ fn check(f: &Fence, current: Option<i64>) -> Result<()> {
     }
 }
 
+/// Takes SQLite's write lock when run as a transaction's first statement:
+/// an UPDATE acquires it before evaluating its WHERE clause, so one that
+/// matches nothing writes nothing and still holds the lock until the end,
+/// waiting behind the busy timeout like any first write. Not `BEGIN
+/// IMMEDIATE` through sqlx's `begin_with`: on a pooled connection whose
+/// previous transaction was dropped uncommitted, that fails with "attempted
+/// to call begin_with at non-zero transaction depth" (seen: every agent
+/// sync answered 500 until the server restarted).
+pub(crate) const TAKE_WRITE_LOCK: &str = "UPDATE leases SET name = name WHERE 1 = 0";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,13 +278,3 @@ mod tests {
         ));
     }
 }
-
-/// Takes SQLite's write lock when run as a transaction's first statement:
-/// an UPDATE acquires it before evaluating its WHERE clause, so one that
-/// matches nothing writes nothing and still holds the lock until the end,
-/// waiting behind the busy timeout like any first write. Not `BEGIN
-/// IMMEDIATE` through sqlx's `begin_with`: on a pooled connection whose
-/// previous transaction was dropped uncommitted, that fails with "attempted
-/// to call begin_with at non-zero transaction depth" (seen: every agent
-/// sync answered 500 until the server restarted).
-pub(crate) const TAKE_WRITE_LOCK: &str = "UPDATE leases SET name = name WHERE 1 = 0";

@@ -6,7 +6,6 @@
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Duration, Utc};
 use flotilla_billing::budget::{Budget, BudgetAlert};
@@ -21,14 +20,8 @@ use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{GpuId, InvoiceId, NodeId, ProviderId, TenantId};
 use flotilla_store::budgets::{DeliveryState, StoredBudget};
 use flotilla_store::{PageReq, Store, StoreError};
+use flotilla_testdb::rnd;
 use rust_decimal::Decimal;
-
-static SEQ: AtomicU64 = AtomicU64::new(1);
-
-fn rnd() -> u128 {
-    let n = SEQ.fetch_add(1, Ordering::Relaxed) as u128;
-    n << 40 | std::process::id() as u128
-}
 
 fn d(s: &str) -> Decimal {
     Decimal::from_str(s).unwrap()

@@ -3,8 +3,6 @@
 //! of a tenant, revisions, signals and the idle clock, replicas with
 //! readiness and draining, the route table, and inference-key scopes.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use chrono::{DateTime, Duration, Utc};
 use flotilla_core::catalog::Catalog;
 use flotilla_core::endpoint::CreateEndpoint;
@@ -14,17 +12,7 @@ use flotilla_core::instance::InstanceState;
 use flotilla_core::tenant::Role;
 use flotilla_store::keys::NewKey;
 use flotilla_store::{Store, StoreError};
-
-static SEQ: AtomicU64 = AtomicU64::new(1);
-
-fn rnd() -> u128 {
-    let n = SEQ.fetch_add(1, Ordering::Relaxed) as u128;
-    n << 40 | std::process::id() as u128
-}
-
-fn t0() -> DateTime<Utc> {
-    DateTime::from_timestamp(1_800_000_000, 0).unwrap()
-}
+use flotilla_testdb::{rnd, t0};
 
 flotilla_testdb::backend_suite!(
     "endpoints":

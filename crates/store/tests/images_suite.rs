@@ -3,25 +3,13 @@
 //! sealed it, only for its own tenant and registry; a node's reported
 //! images replace what was stored.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use chrono::{DateTime, Duration, Utc};
+use chrono::Duration;
 use flotilla_core::api::{NodeImage, RegisterNode};
 use flotilla_core::id::{NodeId, RegistryCredentialId, TenantId};
 use flotilla_core::registry::CreateRegistryCredential;
 use flotilla_store::secrets::{SecretError, SecretKey};
 use flotilla_store::{Store, StoreError};
-
-static SEQ: AtomicU64 = AtomicU64::new(1);
-
-fn rnd() -> u128 {
-    let n = SEQ.fetch_add(1, Ordering::Relaxed) as u128;
-    n << 40 | std::process::id() as u128
-}
-
-fn t0() -> DateTime<Utc> {
-    DateTime::from_timestamp(1_800_000_000, 0).unwrap()
-}
+use flotilla_testdb::{rnd, t0};
 
 flotilla_testdb::backend_suite!(
     "images":

@@ -5,9 +5,7 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 
-use chrono::{DateTime, Utc};
 use flotilla_core::api::{DiscoveredGpu, ObservedInstance, ObservedPhase, RegisterNode};
 use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId};
@@ -17,17 +15,7 @@ use flotilla_core::placement::{Placement, PlacementRequest};
 use flotilla_core::quota::Quota;
 use flotilla_store::instances::Applied;
 use flotilla_store::{PageReq, Store, StoreError};
-
-static SEQ: AtomicU64 = AtomicU64::new(1);
-
-fn rnd() -> u128 {
-    let n = SEQ.fetch_add(1, Ordering::Relaxed) as u128;
-    n << 40 | std::process::id() as u128
-}
-
-fn t0() -> DateTime<Utc> {
-    DateTime::from_timestamp(1_800_000_000, 0).unwrap()
-}
+use flotilla_testdb::{rnd, t0};
 
 flotilla_testdb::backend_suite!(
     "jobs":

@@ -1,25 +1,13 @@
 //! Replica pools on every backend (SQLite always, PostgreSQL when
 //! `FLOTILLA_TEST_DATABASE_URL` is set).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use chrono::{DateTime, Duration, Utc};
+use chrono::Duration;
 use flotilla_core::api::{CreateReplicaPool, PoolMetrics, PoolPolicy};
 use flotilla_core::catalog::Catalog;
 use flotilla_core::id::{InstanceId, ReplicaPoolId, TenantId};
 use flotilla_core::instance::{CreateInstance, InstanceState};
 use flotilla_store::{Store, StoreError};
-
-static SEQ: AtomicU64 = AtomicU64::new(1);
-
-fn rnd() -> u128 {
-    let n = SEQ.fetch_add(1, Ordering::Relaxed) as u128;
-    n << 40 | std::process::id() as u128
-}
-
-fn t0() -> DateTime<Utc> {
-    DateTime::from_timestamp(1_800_000_000, 0).unwrap()
-}
+use flotilla_testdb::{rnd, t0};
 
 flotilla_testdb::backend_suite!(
     "pools":

@@ -5,7 +5,6 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Duration, Utc};
 use flotilla_core::api::{
@@ -21,17 +20,7 @@ use flotilla_store::idempotency::Claim;
 use flotilla_store::instances::Applied;
 use flotilla_store::keys::NewKey;
 use flotilla_store::{PageReq, Store, StoreError};
-
-static SEQ: AtomicU64 = AtomicU64::new(1);
-
-fn rnd() -> u128 {
-    let n = SEQ.fetch_add(1, Ordering::Relaxed) as u128;
-    n << 40 | std::process::id() as u128
-}
-
-fn t0() -> DateTime<Utc> {
-    DateTime::from_timestamp(1_800_000_000, 0).unwrap()
-}
+use flotilla_testdb::{rnd, t0};
 
 flotilla_testdb::backend_suite!(
     "store":
@@ -144,6 +133,15 @@ async fn place(s: &Store, id: &InstanceId, now: DateTime<Utc>) -> Result<(), Sto
         None => Err(StoreError::Conflict("no node fits".into())),
     }
 }
+
+/// The states an instance that ran and exited 0 went through, in order.
+const RAN_TO_SUCCESS: [InstanceState; 5] = [
+    InstanceState::Pending,
+    InstanceState::Scheduled,
+    InstanceState::Starting,
+    InstanceState::Running,
+    InstanceState::Succeeded,
+];
 
 fn observed(id: &InstanceId, phase: ObservedPhase) -> ObservedInstance {
     ObservedInstance {
@@ -337,16 +335,7 @@ async fn instance_lifecycle_and_gpu_release(s: &Store) {
     assert_eq!(i.state, InstanceState::Succeeded);
     assert_eq!(i.exit_code, Some(0));
     let states: Vec<_> = i.events.iter().map(|e| e.state).collect();
-    assert_eq!(
-        states,
-        vec![
-            InstanceState::Pending,
-            InstanceState::Scheduled,
-            InstanceState::Starting,
-            InstanceState::Running,
-            InstanceState::Succeeded
-        ]
-    );
+    assert_eq!(states, RAN_TO_SUCCESS);
     assert!(
         s.node(&n)
             .await
@@ -966,16 +955,7 @@ async fn an_exit_seen_before_running_still_counts_as_run(s: &Store) {
     assert_eq!(i.state, InstanceState::Succeeded);
     assert_eq!((i.started_at, i.finished_at), (Some(later), Some(later)));
     let states: Vec<_> = i.events.iter().map(|e| e.state).collect();
-    assert_eq!(
-        states,
-        vec![
-            InstanceState::Pending,
-            InstanceState::Scheduled,
-            InstanceState::Starting,
-            InstanceState::Running,
-            InstanceState::Succeeded
-        ]
-    );
+    assert_eq!(states, RAN_TO_SUCCESS);
     let to_meter = s.instances_to_meter(100).await.unwrap();
     assert!(
         to_meter.iter().any(|(i, _)| i.id == id),

@@ -4,7 +4,6 @@
 //! (`check_append`), so the SQL ledger cannot drift from the reference.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Duration, Utc};
 use flotilla_billing::invoice::{build_invoice, InvoiceInput};
@@ -20,14 +19,8 @@ use flotilla_core::catalog::Vendor;
 use flotilla_core::id::{GpuId, InvoiceId, NodeId, ProviderId, TenantId};
 use flotilla_core::instance::BillingClass;
 use flotilla_store::Store;
+use flotilla_testdb::rnd;
 use rust_decimal::Decimal;
-
-static SEQ: AtomicU64 = AtomicU64::new(1);
-
-fn rnd() -> u128 {
-    let n = SEQ.fetch_add(1, Ordering::Relaxed) as u128;
-    n << 40 | std::process::id() as u128
-}
 
 /// 2025-01-10T00:00:00Z.
 fn day() -> DateTime<Utc> {

@@ -15,6 +15,18 @@ use flotilla_store::Store;
 
 static SEQ: AtomicU64 = AtomicU64::new(1);
 
+/// Randomness for the ids a suite generates, unique across the suites'
+/// tests and processes that share one PostgreSQL (a counter and the pid).
+pub fn rnd() -> u128 {
+    let n = SEQ.fetch_add(1, Ordering::Relaxed) as u128;
+    n << 40 | std::process::id() as u128
+}
+
+/// The suites' fixed "now": decisions take a clock, so tests pass one.
+pub fn t0() -> chrono::DateTime<chrono::Utc> {
+    chrono::DateTime::from_timestamp(1_800_000_000, 0).expect("a valid instant")
+}
+
 /// A store on its own database; dropping it removes a SQLite file (a
 /// PostgreSQL database is left for `.ci/run` to drop: its name starts with
 /// `flotilla_t_`).

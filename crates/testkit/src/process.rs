@@ -343,10 +343,15 @@ impl Home {
         Proc(child)
     }
 
-    /// Starts `flotilla gateway` on `port` with the agent token, logging
-    /// to `gateway.log`, and waits until it listens.
+    /// Starts `flotilla gateway` against this home's server with the
+    /// agent token, on `port`, logging to `gateway.log`, and waits until
+    /// it listens.
     pub fn gateway(&self, port: u16) -> Proc {
-        let token = std::fs::read_to_string(self.data().join("agent.token")).expect("agent token");
+        let path = self.data().join("agent.token");
+        wait_until("the agent token", Duration::from_secs(20), || {
+            std::fs::read_to_string(&path).is_ok_and(|t| !t.trim().is_empty())
+        });
+        let token = std::fs::read_to_string(&path).expect("agent token");
         let child = self
             .cmd()
             .args(["--server", &self.url(), "gateway", "--token", token.trim()])

@@ -1,0 +1,136 @@
+//! `flotilla demo` end to end: the real binary as server, agent (simulated
+//! GPUs) and gateway; the demo deploys its emulated model, drives a short
+//! spike through the gateway and prints a line a second and a summary.
+//! Every request succeeds, replicas scale above zero, the draft invoice
+//! grows, and the endpoint is deleted at the end, or on Ctrl-C.
+
+use std::time::Duration;
+
+use flotilla_testkit::process::{free_port, wait_until, Home, Proc};
+
+const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
+/// Generous: a loaded two-core CI machine.
+const LONG: Duration = Duration::from_secs(120);
+
+/// The number after `label` in `text` (`"peak 2 ready"` → 2).
+fn number_after(text: &str, label: &str) -> Option<f64> {
+    let rest = &text[text.find(label)? + label.len()..];
+    let num: String = rest
+        .trim_start()
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    num.parse().ok()
+}
+
+#[test]
+fn a_short_demo_scales_up_serves_every_request_and_bills_it() {
+    let home = Home::new(BIN);
+    let _server = home.server();
+    let _agent = home.agent("n0", "4xH100");
+    let (_, key) = home.tenant("acme");
+    let port = free_port();
+    let _gw = home.gateway(port);
+    let gw = format!("http://127.0.0.1:{port}");
+
+    let out = home.cli(
+        Some(&key),
+        &[
+            "demo",
+            "--gateway",
+            &gw,
+            "--duration",
+            "20",
+            "--peak-rps",
+            "6",
+            "--max",
+            "3",
+            "--load-delay-ms",
+            "500",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    // What a user would see (shown with --nocapture).
+    eprintln!("{stdout}");
+    assert!(out.status.success(), "demo failed: {stderr}\n{stdout}");
+    // A live line about every second (the load lasts 20 s).
+    let live = stdout
+        .lines()
+        .filter(|l| {
+            ["quiet", "ramp", "peak", "decay"]
+                .iter()
+                .any(|p| l.split_whitespace().nth(1) == Some(*p))
+        })
+        .count();
+    assert!(live >= 10, "live lines: {live}\n{stdout}");
+    assert!(stdout.contains(" 0 failed"), "{stdout}");
+    let sent = number_after(&stdout, "requests:").expect("requests sent");
+    assert!(sent >= 20.0, "{stdout}");
+    let peak = number_after(&stdout, "replicas: peak").expect("peak replicas");
+    assert!(peak >= 1.0, "replicas never scaled above zero:\n{stdout}");
+    let cost = number_after(&stdout, "cost:").expect("a cost");
+    assert!(cost > 0.0, "no cost:\n{stdout}");
+
+    // Cleaned up: the endpoint is gone or going.
+    wait_until("the demo endpoint is deleted", LONG, || {
+        let eps = home.cli_json(Some(&key), &["endpoints", "list"]);
+        eps.as_array()
+            .is_some_and(|a| a.iter().all(|e| e["deleting"] == true))
+    });
+}
+
+#[test]
+fn ctrl_c_stops_the_load_and_deletes_the_endpoint() {
+    use std::io::BufRead;
+    let home = Home::new(BIN);
+    let _server = home.server();
+    let _agent = home.agent("n0", "4xH100");
+    let (_, key) = home.tenant("acme");
+    let port = free_port();
+    let _gw = home.gateway(port);
+    let gw = format!("http://127.0.0.1:{port}");
+    let mut child = home
+        .cmd()
+        .args(["--server", &home.url(), "demo", "--gateway", &gw])
+        .args(["--duration", "600", "--load-delay-ms", "200"])
+        .env("FLOTILLA_API_KEY", &key)
+        .stdout(std::process::Stdio::piped())
+        .stderr(home.log("demo"))
+        .spawn()
+        .expect("start flotilla demo");
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let stdout = std::io::BufReader::new(child.stdout.take().expect("demo stdout"));
+    let mut demo = Proc(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in stdout.lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    wait_until("a live line with a ready replica", LONG, || {
+        while let Ok(l) = rx.try_recv() {
+            seen.push(l);
+        }
+        seen.iter().any(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            w.get(1) == Some(&"quiet") && w.get(5).is_some_and(|r| r.starts_with('1'))
+        })
+    });
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("SIGINT");
+    let mut status = None;
+    wait_until("the demo exits", LONG, || {
+        status = demo.0.try_wait().expect("wait");
+        status.is_some()
+    });
+    assert_eq!(status.and_then(|s| s.code()), Some(130), "{seen:?}");
+    let eps = home.cli_json(Some(&key), &["endpoints", "list"]);
+    assert!(
+        eps.as_array()
+            .is_some_and(|a| a.iter().all(|e| e["deleting"] == true)),
+        "the demo endpoint is deleted: {eps}"
+    );
+}
