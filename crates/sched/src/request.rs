@@ -113,7 +113,7 @@ impl ModelSet {
 }
 
 /// One placement request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request {
     pub gpu: GpuDemand,
     /// Allowed GPU models; only consulted when the request needs a GPU.
@@ -122,6 +122,17 @@ pub struct Request {
     pub mem_mib: u64,
     /// The runtime its node must run (an image needs containers).
     pub runtime: Runtime,
+}
+
+/// By hand so that the runtime costs the engine's shape cache no extra
+/// hasher call: it rides in the word that carries the CPU demand.
+impl std::hash::Hash for Request {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.gpu.hash(state);
+        self.models.hash(state);
+        state.write_u64(u64::from(self.cpu_milli) | (self.runtime as u64) << 32);
+        state.write_u64(self.mem_mib);
+    }
 }
 
 impl Request {

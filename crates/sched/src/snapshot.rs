@@ -110,7 +110,7 @@ pub struct NodeSpec {
 /// Everything about a node that a filter or scorer may look at. It is also
 /// the key of the node's equivalence class, which is why the GPU shares are
 /// kept sorted (largest free first) rather than by device index.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeState {
     pub model: Option<ModelId>,
     /// Part of the class key: a process node and a container node are not
@@ -123,6 +123,19 @@ pub struct NodeState {
     pub gpu_free: Vec<u16>,
     /// GPU-clustering tags of the work on the node ([`GpuDemand::tag`]).
     pub tags: u32,
+}
+
+/// By hand so that the runtime costs the class index no extra hasher
+/// call: it rides in the byte that carries the cordoned flag.
+impl std::hash::Hash for NodeState {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.model.hash(state);
+        state.write_u8(u8::from(self.cordoned) | (self.runtime as u8) << 1);
+        state.write_u32(self.cpu_free);
+        state.write_u64(self.mem_free);
+        self.gpu_free.hash(state);
+        state.write_u32(self.tags);
+    }
 }
 
 impl NodeState {
