@@ -228,6 +228,7 @@ pub async fn run(
         simulated: config.simulate_gpus.is_some(),
         gpus,
         agent_version: env!("CARGO_PKG_VERSION").to_string(),
+        runtime: config.runtime,
         running: Vec::new(),
     };
     let runtime = runtime_for(&config).await?;

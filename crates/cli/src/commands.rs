@@ -108,13 +108,23 @@ pub async fn nodes(ctx: &Ctx) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let now = Utc::now();
-    let mut t = table(["ID", "NAME", "REGION", "POOL", "STATE", "GPUS", "HEARTBEAT"]);
+    let mut t = table([
+        "ID",
+        "NAME",
+        "REGION",
+        "POOL",
+        "RUNTIME",
+        "STATE",
+        "GPUS",
+        "HEARTBEAT",
+    ]);
     for n in decode_all::<Node>(raw)? {
         t.add_row([
             n.id.to_string(),
             n.name.clone(),
             n.region.clone(),
             n.pool.clone(),
+            n.runtime.to_string(),
             output::node_state(&n),
             output::node_gpus(&n),
             age(now, n.last_heartbeat_at),

@@ -10,7 +10,7 @@ use crate::catalog::Vendor;
 use crate::id::{GpuId, InstanceId, JobId, KeyId, NodeId, TenantId, WorkId};
 use crate::instance::{ImageSpec, InstanceState};
 use crate::job::{JobSpec, JobState};
-use crate::node::NodeState;
+use crate::node::{NodeState, RuntimeKind};
 use crate::tenant::Role;
 
 /// One page of a list. Pass `next_cursor` back as `cursor` for the next
@@ -211,6 +211,10 @@ pub struct Node {
     pub cpu_milli: u64,
     /// Memory capacity in MiB.
     pub memory_mb: u64,
+    /// How its agent runs workloads: work with an image goes only to
+    /// `container` nodes, work without one only to `process` nodes.
+    #[serde(default)]
+    pub runtime: RuntimeKind,
     /// Last heartbeat.
     pub last_heartbeat_at: DateTime<Utc>,
     /// Registration time.
@@ -463,6 +467,11 @@ pub struct RegisterNode {
     /// Agent version.
     #[serde(default)]
     pub agent_version: String,
+    /// How the agent runs workloads. Absent means `process`, so agents
+    /// from before it was sent keep registering; left out when `process`,
+    /// so such an agent still registers with an older server.
+    #[serde(default, skip_serializing_if = "RuntimeKind::is_process")]
+    pub runtime: RuntimeKind,
     /// Instances the agent still runs (taken over from an earlier agent
     /// process after a restart): the server must not fail them. Every
     /// other instance it had started there is gone.

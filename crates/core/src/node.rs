@@ -31,6 +31,71 @@ impl NodeState {
     }
 }
 
+/// How a node runs workloads: as sandboxed processes or in containers. An
+/// agent runs one of the two, so placement sends work with an image only
+/// to container nodes and a command only to process nodes.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, utoipa::ToSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum RuntimeKind {
+    /// Sandboxed processes (the agent's default).
+    #[default]
+    Process,
+    /// Containers through the Docker Engine API.
+    Container,
+}
+
+impl RuntimeKind {
+    /// The name used in configuration, the API and the store.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RuntimeKind::Process => "process",
+            RuntimeKind::Container => "container",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "process" => Some(RuntimeKind::Process),
+            "container" => Some(RuntimeKind::Container),
+            _ => None,
+        }
+    }
+
+    /// The runtime that work runs in: a container when it has an image,
+    /// else a process.
+    pub fn for_work(has_image: bool) -> Self {
+        if has_image {
+            RuntimeKind::Container
+        } else {
+            RuntimeKind::Process
+        }
+    }
+
+    /// Whether this is the default (what an old agent that does not say
+    /// registers as); lets the wire form leave it out.
+    pub fn is_process(&self) -> bool {
+        *self == RuntimeKind::Process
+    }
+}
+
+impl std::fmt::Display for RuntimeKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for RuntimeKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+            .ok_or_else(|| format!("unknown runtime `{s}` (expected `process` or `container`)"))
+    }
+}
+
 /// One entry of a simulated inventory: `count` GPUs of `model`, in MIG
 /// mode or not.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -164,6 +164,8 @@ pub struct NodeSnapshot {
     pub region: String,
     /// Node pool, the topology domain a gang may be kept within.
     pub pool: String,
+    /// How its agent runs workloads (processes or containers).
+    pub runtime: crate::node::RuntimeKind,
     /// CPU not yet reserved, in milli-cores.
     pub cpu_milli_free: u64,
     /// Memory not yet reserved, in MiB.

@@ -6,7 +6,7 @@
 use std::fmt;
 
 use crate::request::Request;
-use crate::snapshot::NodeState;
+use crate::snapshot::{NodeState, Runtime};
 
 /// Why a node cannot host a request. Named so that metrics and the
 /// `explain` command can count them.
@@ -16,6 +16,10 @@ pub enum Reason {
     /// the engine never sees them).
     Unreachable,
     Cordoned,
+    /// A process node, and the request has an image.
+    RunsProcesses,
+    /// A container node, and the request has no image.
+    RunsContainers,
     NoGpus,
     ModelNotAllowed,
     TooFewGpus,
@@ -25,9 +29,11 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 8] = [
+    pub const ALL: [Reason; 10] = [
         Reason::Unreachable,
         Reason::Cordoned,
+        Reason::RunsProcesses,
+        Reason::RunsContainers,
         Reason::NoGpus,
         Reason::ModelNotAllowed,
         Reason::TooFewGpus,
@@ -40,6 +46,8 @@ impl Reason {
         match self {
             Reason::Unreachable => "unreachable",
             Reason::Cordoned => "cordoned",
+            Reason::RunsProcesses => "runs processes, not images",
+            Reason::RunsContainers => "runs containers only",
             Reason::NoGpus => "no GPUs",
             Reason::ModelNotAllowed => "GPU model not allowed",
             Reason::TooFewGpus => "too few GPUs",
@@ -58,6 +66,12 @@ impl Reason {
 pub fn check(state: &NodeState, req: &Request) -> Result<(), Reason> {
     if state.cordoned {
         return Err(Reason::Cordoned);
+    }
+    if state.runtime != req.runtime {
+        return Err(match state.runtime {
+            Runtime::Process => Reason::RunsProcesses,
+            Runtime::Container => Reason::RunsContainers,
+        });
     }
     let count = usize::from(req.gpu.gpu_count());
     if count > 0 {
@@ -131,6 +145,7 @@ mod tests {
     fn state(model: u8, gpus: &[u16]) -> NodeState {
         NodeState {
             model: Some(model),
+            runtime: Runtime::Process,
             cordoned: false,
             cpu_free: 4000,
             mem_free: 100,
@@ -162,6 +177,26 @@ mod tests {
         );
         let cpu = Request::new(GpuDemand::None, 5000, 0);
         assert_eq!(check(&state(0, &[]), &cpu), Err(Reason::TooLittleCpu));
+    }
+
+    #[test]
+    fn a_node_takes_only_work_of_its_runtime() {
+        let image = Request::new(GpuDemand::whole(1), 0, 0).with_runtime(Runtime::Container);
+        let command = Request::new(GpuDemand::whole(1), 0, 0);
+        let process = state(0, &[1000]);
+        let mut container = state(0, &[1000]);
+        container.runtime = Runtime::Container;
+        assert_eq!(check(&process, &image), Err(Reason::RunsProcesses));
+        assert_eq!(check(&container, &command), Err(Reason::RunsContainers));
+        assert_eq!(check(&container, &image), Ok(()));
+        assert_eq!(check(&process, &command), Ok(()));
+        // Cordoned still comes first; the runtime before any capacity.
+        container.cordoned = true;
+        assert_eq!(check(&container, &command), Err(Reason::Cordoned));
+        let big = Request::new(GpuDemand::whole(8), 99_000, 0).with_runtime(Runtime::Container);
+        assert_eq!(check(&process, &big), Err(Reason::RunsProcesses));
+        assert_eq!(Reason::RunsProcesses.label(), "runs processes, not images");
+        assert_eq!(Reason::RunsContainers.label(), "runs containers only");
     }
 
     #[test]

@@ -238,6 +238,7 @@ mod tests {
     fn state(gpus: &[u16]) -> NodeState {
         NodeState {
             model: Some(0),
+            runtime: crate::snapshot::Runtime::Process,
             cordoned: false,
             cpu_free: 10_000,
             mem_free: 0,

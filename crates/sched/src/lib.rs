@@ -49,7 +49,7 @@ pub use frag::TargetWorkload;
 pub use request::{GpuDemand, ModelSet, Request};
 pub use score::{Policy, Scorer};
 pub use select::{Decision, Engine, Placement};
-pub use snapshot::{Cluster, ModelId, ModelTable, NodeSpec, NodeState};
+pub use snapshot::{Cluster, ModelId, ModelTable, NodeSpec, NodeState, Runtime};
 
 /// Errors of the placement engine. Every variant is a caller mistake or an
 /// inconsistent snapshot; an unschedulable request is not an error but a

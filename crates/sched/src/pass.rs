@@ -46,7 +46,7 @@ use crate::quota::{self, Admission, Denial, Quota, QuotaUse};
 use crate::request::{GpuDemand, ModelSet, Request};
 use crate::score::Policy;
 use crate::select::{Engine, Placement};
-use crate::snapshot::{Cluster, ModelId, ModelTable, NodeSpec};
+use crate::snapshot::{Cluster, ModelId, ModelTable, NodeSpec, Runtime};
 use crate::{Error, TargetWorkload, MILLI};
 
 /// The caller's name for a piece of work (queued or running), opaque here.
@@ -121,6 +121,8 @@ pub struct NodeSnap {
     pub region: String,
     /// Node pool (the topology domain a gang may be kept within).
     pub pool: String,
+    /// How it runs work: only work needing that runtime goes there.
+    pub runtime: Runtime,
     /// CPU the machine offers, milli-cores.
     pub cpu_total_milli: u32,
     /// Memory the machine offers, MiB.
@@ -203,6 +205,8 @@ pub struct QueuedWork {
     pub cpu_milli: u32,
     /// Per member.
     pub mem_mib: u64,
+    /// The runtime its machines must run (containers for an image).
+    pub runtime: Runtime,
     /// How long it runs at most once started (a time limit), if known:
     /// work that ends before the head's start may backfill on its nodes.
     pub max_runtime_ms: Option<u64>,
@@ -451,6 +455,7 @@ impl Pool {
                 };
                 let idx = cluster.add_node(spec)?;
                 cluster.set_cordoned(idx, n.cordoned)?;
+                cluster.set_runtime(idx, n.runtime)?;
                 cluster.set_host(idx, host)?;
                 first_slot.entry(i).or_insert(idx);
                 for (d, &gi) in gpus.iter().enumerate() {
@@ -942,7 +947,9 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
                 h.per_model.get(m).copied().unwrap_or(0).saturating_add(ask) <= limit
             })
         });
-        let req = Request::new(demand, w.cpu_milli, w.mem_mib).with_models(models);
+        let req = Request::new(demand, w.cpu_milli, w.mem_mib)
+            .with_models(models)
+            .with_runtime(w.runtime);
         let mut gang = Gang::uniform(req, members, w.locality);
         gang.spread = w.spread && members > 1;
         let shape = ShapeKey {

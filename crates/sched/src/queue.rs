@@ -457,6 +457,7 @@ fn could_ever_host(node: &Node, req: &Request) -> bool {
     };
     let empty = NodeState {
         model: node.spec.model,
+        runtime: node.runtime,
         cordoned: node.cordoned,
         cpu_free: node.spec.cpu_milli,
         mem_free: node.spec.mem_mib,

@@ -1,7 +1,7 @@
 //! What a workload asks for: a number of whole GPUs or a share of one GPU,
 //! the GPU models it accepts, CPU and memory.
 
-use crate::snapshot::ModelId;
+use crate::snapshot::{ModelId, Runtime};
 use crate::{Error, MILLI};
 
 /// The GPU part of a request.
@@ -113,13 +113,26 @@ impl ModelSet {
 }
 
 /// One placement request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request {
     pub gpu: GpuDemand,
     /// Allowed GPU models; only consulted when the request needs a GPU.
     pub models: ModelSet,
     pub cpu_milli: u32,
     pub mem_mib: u64,
+    /// The runtime its node must run (an image needs containers).
+    pub runtime: Runtime,
+}
+
+/// By hand so that the runtime costs the engine's shape cache no extra
+/// hasher call: it rides in the word that carries the CPU demand.
+impl std::hash::Hash for Request {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.gpu.hash(state);
+        self.models.hash(state);
+        state.write_u64(u64::from(self.cpu_milli) | (self.runtime as u64) << 32);
+        state.write_u64(self.mem_mib);
+    }
 }
 
 impl Request {
@@ -129,11 +142,17 @@ impl Request {
             models: ModelSet::Any,
             cpu_milli,
             mem_mib,
+            runtime: Runtime::Process,
         }
     }
 
     pub fn with_models(mut self, models: ModelSet) -> Self {
         self.models = models;
+        self
+    }
+
+    pub fn with_runtime(mut self, runtime: Runtime) -> Self {
+        self.runtime = runtime;
         self
     }
 }

@@ -548,6 +548,7 @@ mod tests {
         gpu_free.sort_unstable_by(|a, b| b.cmp(a));
         NodeState {
             model: Some(0),
+            runtime: crate::snapshot::Runtime::Process,
             cordoned: false,
             cpu_free,
             mem_free: 1 << 20,

@@ -86,6 +86,17 @@ impl ModelTable {
     }
 }
 
+/// How a node runs work: sandboxed processes or containers. A request
+/// names the one it needs ([`Request::runtime`]) and only nodes running it
+/// fit. Process is the default, so callers that never mention runtimes
+/// (the simulator, the benchmarks) place exactly as before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Runtime {
+    #[default]
+    Process,
+    Container,
+}
+
 /// A node's capacity as registered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeSpec {
@@ -99,9 +110,12 @@ pub struct NodeSpec {
 /// Everything about a node that a filter or scorer may look at. It is also
 /// the key of the node's equivalence class, which is why the GPU shares are
 /// kept sorted (largest free first) rather than by device index.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeState {
     pub model: Option<ModelId>,
+    /// Part of the class key: a process node and a container node are not
+    /// interchangeable even with the same free capacity.
+    pub runtime: Runtime,
     pub cordoned: bool,
     pub cpu_free: u32,
     pub mem_free: u64,
@@ -109,6 +123,19 @@ pub struct NodeState {
     pub gpu_free: Vec<u16>,
     /// GPU-clustering tags of the work on the node ([`GpuDemand::tag`]).
     pub tags: u32,
+}
+
+/// By hand so that the runtime costs the class index no extra hasher
+/// call: it rides in the byte that carries the cordoned flag.
+impl std::hash::Hash for NodeState {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.model.hash(state);
+        state.write_u8(u8::from(self.cordoned) | (self.runtime as u8) << 1);
+        state.write_u32(self.cpu_free);
+        state.write_u64(self.mem_free);
+        self.gpu_free.hash(state);
+        state.write_u32(self.tags);
+    }
 }
 
 impl NodeState {
@@ -191,6 +218,8 @@ pub struct Node {
     /// twice. Also what a gang that spreads its members counts as one node
     /// ([`crate::gang::Gang::spread`]).
     pub host: u32,
+    /// How the node runs work ([`Cluster::set_runtime`]).
+    pub runtime: Runtime,
     class: u32,
 }
 
@@ -220,6 +249,7 @@ impl Node {
         gpu_free.sort_unstable_by(|a, b| b.cmp(a));
         NodeState {
             model: self.spec.model,
+            runtime: self.runtime,
             cordoned: self.cordoned,
             cpu_free: self.cpu_free,
             mem_free: self.mem_free,
@@ -334,6 +364,7 @@ impl Cluster {
             domain: 0,
             region: 0,
             host: 0,
+            runtime: Runtime::Process,
             class: 0,
             spec,
         };
@@ -404,6 +435,20 @@ impl Cluster {
             .ok_or(Error::UnknownNode(idx))?;
         node.cordoned = cordoned;
         self.reclassify(idx);
+        Ok(())
+    }
+
+    /// Sets how a node runs work; nodes start as [`Runtime::Process`].
+    /// Unlike the domain it is part of the node's class ([`NodeState`]).
+    pub fn set_runtime(&mut self, idx: u32, runtime: Runtime) -> Result<(), Error> {
+        let node = self
+            .nodes
+            .get_mut(idx as usize)
+            .ok_or(Error::UnknownNode(idx))?;
+        if node.runtime != runtime {
+            node.runtime = runtime;
+            self.reclassify(idx);
+        }
         Ok(())
     }
 
@@ -660,6 +705,47 @@ mod tests {
         assert_eq!(c.gpu_allocated_milli(), 300);
         let sizes: usize = c.active_classes().map(|(_, k)| k.members.len()).sum();
         assert_eq!(sizes, 3);
+    }
+
+    #[test]
+    fn runtime_separates_classes_and_decides_placement() {
+        let mut c = cluster();
+        assert_eq!(c.active_classes().count(), 1);
+        c.set_runtime(2, Runtime::Container).unwrap();
+        assert_eq!(c.active_classes().count(), 2);
+        assert_eq!(c.state_of(2).unwrap().runtime, Runtime::Container);
+        assert_eq!(c.state_of(0).unwrap().runtime, Runtime::Process);
+        assert!(c.set_runtime(9, Runtime::Container).is_err());
+
+        let mut engine = crate::Engine::new(crate::Policy::Flotilla.scorer(
+            &crate::TargetWorkload::from_gpu_requests(
+                std::iter::empty(),
+                crate::TargetWorkload::DEFAULT_COVERAGE,
+            ),
+        ));
+        use rand::SeedableRng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        let image = Request::new(GpuDemand::whole(1), 0, 0).with_runtime(Runtime::Container);
+        match engine.decide(&c, &image, &mut rng) {
+            crate::Decision::Placed(p) => assert_eq!(p.node, 2),
+            other => panic!("expected a placement, got {other:?}"),
+        }
+        let command = Request::new(GpuDemand::whole(1), 0, 0);
+        match engine.decide(&c, &command, &mut rng) {
+            crate::Decision::Placed(p) => assert_ne!(p.node, 2),
+            other => panic!("expected a placement, got {other:?}"),
+        }
+        c.set_runtime(2, Runtime::Process).unwrap();
+        assert_eq!(c.active_classes().count(), 1);
+        match engine.decide(&c, &image, &mut rng) {
+            crate::Decision::Unschedulable(why) => {
+                assert_eq!(
+                    why.to_string(),
+                    "0/3 nodes fit: 3 runs processes, not images"
+                )
+            }
+            other => panic!("expected no fit, got {other:?}"),
+        }
     }
 
     #[test]

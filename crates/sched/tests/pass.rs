@@ -14,7 +14,7 @@ use flotilla_sched::pass::{
 use flotilla_sched::preempt::PreemptConfig;
 use flotilla_sched::queue::FairShareConfig;
 use flotilla_sched::quota::Quota;
-use flotilla_sched::{Policy, Tier};
+use flotilla_sched::{Policy, Runtime, Tier};
 use proptest::prelude::*;
 
 fn gpu(model: &str, mig: bool, free: u16) -> GpuSnap {
@@ -31,6 +31,7 @@ fn node(gpus: Vec<GpuSnap>) -> NodeSnap {
         cordoned: false,
         region: "r1".into(),
         pool: "p1".into(),
+        runtime: Runtime::Process,
         cpu_total_milli: 64_000,
         mem_total_mib: 512_000,
         cpu_free_milli: 64_000,
@@ -53,6 +54,7 @@ fn work(key: WorkKey, gpu: GpuAsk) -> QueuedWork {
         models: Vec::new(),
         cpu_milli: 1000,
         mem_mib: 1024,
+        runtime: Runtime::Process,
         max_runtime_ms: None,
     }
 }
@@ -248,6 +250,50 @@ fn a_machine_with_two_models_never_promises_its_cpu_twice() {
     assert_eq!(
         p.wait_of(2),
         Some(&Wait::NoFit("0/1 nodes fit: 1 too little free CPU".into()))
+    );
+}
+
+#[test]
+fn work_goes_to_machines_of_its_runtime_and_says_why_when_there_are_none() {
+    let process = node(vec![gpu("H100", false, 1000)]);
+    let mut container = node(vec![gpu("H100", false, 1000)]);
+    container.runtime = Runtime::Container;
+    let mut image = work(1, GpuAsk::Whole(1));
+    image.runtime = Runtime::Container;
+    let command = work(2, GpuAsk::Whole(1));
+    // Process machine first: lowest index would win a tie on equal nodes.
+    let p = plan(&snapshot(
+        vec![process.clone(), container.clone()],
+        vec![image.clone(), command.clone()],
+    ))
+    .unwrap();
+    let at = |key| {
+        p.placements
+            .iter()
+            .find(|x| x.key == key)
+            .map(|x| x.members[0].node)
+    };
+    assert_eq!(at(1), Some(1), "the image goes to the container machine");
+    assert_eq!(at(2), Some(0), "the command goes to the process machine");
+
+    let p = plan(&snapshot(
+        vec![process.clone(), process],
+        vec![image, work(3, GpuAsk::None)],
+    ))
+    .unwrap();
+    assert_eq!(
+        p.wait_of(1),
+        Some(&Wait::NoFit(
+            "0/2 nodes fit: 2 runs processes, not images".into()
+        ))
+    );
+    assert!(placed(&p, 3));
+    let mut cpu_only = work(4, GpuAsk::None);
+    cpu_only.runtime = Runtime::Process;
+    let p = plan(&snapshot(vec![container], vec![cpu_only])).unwrap();
+    assert_eq!(
+        p.wait_of(4),
+        Some(&Wait::NoFit("0/1 nodes fit: 1 runs containers only".into()))
     );
 }
 
@@ -449,6 +495,7 @@ fn arb_node() -> impl Strategy<Value = NodeSnap> {
             cordoned,
             region: format!("r{region}"),
             pool: format!("p{pool}"),
+            runtime: Runtime::Process,
             cpu_total_milli: cpu,
             mem_total_mib: 256_000,
             cpu_free_milli: cpu,
@@ -510,6 +557,7 @@ fn arb_work() -> impl Strategy<Value = QueuedWork> {
                     models: model.map(|m| vec![m.to_string()]).unwrap_or_default(),
                     cpu_milli: cpu,
                     mem_mib: 1024,
+                    runtime: Runtime::Process,
                     max_runtime_ms: runtime,
                 }
             },

@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Duration as ChronoDuration, Utc};
 use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId, WorkId};
 use flotilla_core::job::Locality as JobLocality;
+use flotilla_core::node::RuntimeKind;
 use flotilla_core::placement::{GpuShare, Placement};
 use flotilla_core::quota::Quota;
 use flotilla_sched::gang::Locality;
@@ -24,7 +25,7 @@ use flotilla_sched::pass::{
 };
 use flotilla_sched::preempt::PreemptConfig;
 use flotilla_sched::queue::FairShareConfig;
-use flotilla_sched::{Policy, Tier};
+use flotilla_sched::{Policy, Runtime, Tier};
 use flotilla_store::instances::PendingInstance;
 use flotilla_store::jobs::QueuedJob;
 use flotilla_store::StoreError;
@@ -133,6 +134,13 @@ fn mig_milli(compute: u8, memory: u8) -> (u16, u16) {
     (c.max(m) as u16, c.min(m) as u16)
 }
 
+fn runtime_of(r: RuntimeKind) -> Runtime {
+    match r {
+        RuntimeKind::Process => Runtime::Process,
+        RuntimeKind::Container => Runtime::Container,
+    }
+}
+
 fn locality_of(l: JobLocality) -> Locality {
     match l {
         JobLocality::Any => Locality::Any,
@@ -197,6 +205,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
             cordoned: n.cordoned,
             region: n.region.clone(),
             pool: n.pool.clone(),
+            runtime: runtime_of(n.runtime),
             // Totals are the free capacity plus what running work holds,
             // added below.
             cpu_total_milli: cpu,
@@ -240,6 +249,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
                 models: p.gpu_types.clone(),
                 cpu_milli: p.cpu_milli,
                 mem_mib: p.memory_mb,
+                runtime: runtime_of(p.runtime),
                 max_runtime_ms: None,
             },
             Queued::Job(j) => QueuedWork {
@@ -256,6 +266,8 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
                 models: j.spec.gpu_types.clone(),
                 cpu_milli: j.spec.cpu_milli,
                 mem_mib: j.spec.memory_mb,
+                // Members run from the job's image, if it has one.
+                runtime: runtime_of(RuntimeKind::for_work(j.spec.image.is_some())),
                 max_runtime_ms: j.spec.time_limit_s.map(|s| s.saturating_mul(1000)),
             },
         });

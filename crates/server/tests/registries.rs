@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use flotilla_core::api::ObservedPhase;
+use flotilla_core::node::RuntimeKind;
 use flotilla_testkit::server::{fast, start, TestServer as Server};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -182,7 +183,15 @@ async fn an_assignment_carries_the_login_only_for_its_registry_and_tenant() {
     let (a, a_admin, a_member) = tenant(&s, "tenant-a").await;
     let (_, b_admin, b_member) = tenant(&s, "tenant-b").await;
     let provider = s.key(&a, "provider").await;
-    let node = s.register_node(&provider, "img-node", &[("H100", 4)]).await;
+    // Image instances are placed on container nodes only.
+    let node = s
+        .register_node_running(
+            &provider,
+            "img-node",
+            &[("H100", 4)],
+            RuntimeKind::Container,
+        )
+        .await;
     s.ok(
         &a_admin,
         Method::POST,
@@ -249,7 +258,12 @@ async fn a_nodes_image_cache_is_reported_with_its_sync_and_shown_on_the_node() {
     let t = s.create_tenant("prov").await;
     let provider = s.key(&t, "provider").await;
     let node = s
-        .register_node(&provider, "cache-node", &[("H100", 1)])
+        .register_node_running(
+            &provider,
+            "cache-node",
+            &[("H100", 1)],
+            RuntimeKind::Container,
+        )
         .await;
     let images = json!([
         {"image": "registry.example.com/app:1", "id": "sha256:aaa", "size_bytes": 123456789,

@@ -358,6 +358,7 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
                     mig_mode: false,
                 }],
                 agent_version: "bench".into(),
+                runtime: Default::default(),
                 running: Vec::new(),
             },
             || (NodeId::generate(5, 5), vec![GpuId::generate(6, 6)]),

@@ -13,6 +13,7 @@ use flotilla_core::api::{
 use flotilla_core::catalog::{MigProfile, MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId, WorkId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
+use flotilla_core::node::RuntimeKind;
 use flotilla_core::placement::{GpuShare, Placement, MILLI_PER_GPU};
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
@@ -429,6 +430,9 @@ pub struct PendingInstance {
     pub created_at: DateTime<Utc>,
     /// Whole GPUs, a fraction of one or a MIG instance.
     pub share: GpuShare,
+    /// The runtime its node must run: containers when it has an image
+    /// (endpoint replicas with one too), processes otherwise.
+    pub runtime: RuntimeKind,
 }
 
 /// What preemption planning needs of an instance holding GPUs.
@@ -711,6 +715,7 @@ impl Store {
                     priority: i.priority,
                     tier: i.tier,
                     created_at: i.created_at,
+                    runtime: RuntimeKind::for_work(i.image.is_some()),
                 })
             })
             .collect()

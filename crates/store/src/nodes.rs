@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use flotilla_core::api::{DiscoveredGpu, Gpu, Node, NodeImage, RegisterNode};
 use flotilla_core::catalog::{MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
-use flotilla_core::node::NodeState;
+use flotilla_core::node::{NodeState, RuntimeKind};
 use flotilla_core::placement::{GpuSlot, NodeSnapshot, MILLI_PER_GPU};
 use sqlx::any::AnyRow;
 use sqlx::Row;
@@ -33,6 +33,7 @@ fn gpu(row: &AnyRow) -> Result<(NodeId, Gpu)> {
 
 fn node(row: &AnyRow) -> Result<Node> {
     let state: String = row.try_get("state")?;
+    let runtime: String = row.try_get("runtime")?;
     Ok(Node {
         id: NodeId::from_trusted(row.try_get("id")?),
         name: row.try_get("name")?,
@@ -45,6 +46,8 @@ fn node(row: &AnyRow) -> Result<Node> {
         simulated: row.try_get::<i64, _>("simulated")? != 0,
         cpu_milli: row.try_get::<i64, _>("cpu_milli")?.max(0) as u64,
         memory_mb: row.try_get::<i64, _>("memory_mb")?.max(0) as u64,
+        runtime: RuntimeKind::parse(&runtime)
+            .ok_or_else(|| StoreError::Corrupt(format!("node runtime `{runtime}`")))?,
         last_heartbeat_at: at(row.try_get("last_heartbeat_at")?),
         created_at: at(row.try_get("created_at")?),
         gpus: Vec::new(),
@@ -92,7 +95,7 @@ impl Store {
                 }
                 sqlx::query(
                     "UPDATE nodes SET region = $1, pool = $2, state = 'ready', simulated = $3, cpu_milli = $4, \
-                     memory_mb = $5, agent_version = $6, last_heartbeat_at = $7 WHERE id = $8",
+                     memory_mb = $5, agent_version = $6, last_heartbeat_at = $7, runtime = $8 WHERE id = $9",
                 )
                 .bind(&region)
                 .bind(&pool)
@@ -101,6 +104,7 @@ impl Store {
                 .bind(req.memory_mb as i64)
                 .bind(&req.agent_version)
                 .bind(ms(now))
+                .bind(req.runtime.as_str())
                 .bind(id.as_str())
                 .execute(&mut *tx)
                 .await?;
@@ -111,8 +115,8 @@ impl Store {
                 let (id, gpu_ids) = new_ids();
                 sqlx::query(
                     "INSERT INTO nodes (id, name, owner_tenant_id, region, pool, state, simulated, cpu_milli, \
-                     memory_mb, agent_version, last_heartbeat_at, created_at) \
-                     VALUES ($1, $2, $3, $4, $5, 'ready', $6, $7, $8, $9, $10, $10)",
+                     memory_mb, agent_version, last_heartbeat_at, created_at, runtime) \
+                     VALUES ($1, $2, $3, $4, $5, 'ready', $6, $7, $8, $9, $10, $10, $11)",
                 )
                 .bind(id.as_str())
                 .bind(&req.name)
@@ -124,6 +128,7 @@ impl Store {
                 .bind(req.memory_mb as i64)
                 .bind(&req.agent_version)
                 .bind(ms(now))
+                .bind(req.runtime.as_str())
                 .execute(&mut *tx)
                 .await?;
                 ((id, gpu_ids), true)
@@ -456,6 +461,7 @@ impl Store {
                     cordoned: n.cordoned,
                     region: n.region.clone(),
                     pool: n.pool.clone(),
+                    runtime: n.runtime,
                     cpu_milli_free: n.cpu_milli.saturating_sub(cpu.max(0) as u64),
                     memory_mb_free: n.memory_mb.saturating_sub(mem.max(0) as u64),
                     gpus: gpus.remove(&n.id).unwrap_or_default(),

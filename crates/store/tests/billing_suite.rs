@@ -371,6 +371,7 @@ async fn providers_own_nodes(s: &Store) {
             mig_mode: false,
         }],
         agent_version: "t".into(),
+        runtime: Default::default(),
         running: Vec::new(),
     };
     let node = s

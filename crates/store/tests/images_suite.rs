@@ -161,6 +161,7 @@ async fn a_nodes_reported_images_replace_the_stored_ones(s: &Store) {
         simulated: true,
         gpus: Vec::new(),
         agent_version: "test".into(),
+        runtime: Default::default(),
         running: Vec::new(),
     };
     let node = s

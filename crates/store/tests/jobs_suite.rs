@@ -52,6 +52,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: u32) -> NodeId {
         simulated: true,
         gpus: list,
         agent_version: "test".into(),
+        runtime: Default::default(),
         running: Vec::new(),
     };
     s.register_node(

@@ -90,6 +90,7 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
         simulated: true,
         gpus,
         agent_version: "test".into(),
+        runtime: Default::default(),
         running: Vec::new(),
     };
     s.register_node(

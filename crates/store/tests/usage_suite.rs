@@ -506,6 +506,7 @@ async fn node_of(s: &Store, owner: &TenantId) -> NodeId {
             mig_mode: false,
         }],
         agent_version: "t".into(),
+        runtime: Default::default(),
         running: Vec::new(),
     };
     s.register_node(

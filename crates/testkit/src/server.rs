@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use flotilla_core::api::{DiscoveredGpu, ObservedInstance, ObservedPhase, RegisterNode};
 use flotilla_core::catalog::Vendor;
+use flotilla_core::node::RuntimeKind;
 use flotilla_server::{bootstrap, open_store, serve, ServerConfig, Store};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -214,6 +215,19 @@ impl TestServer {
     /// Registers a node with simulated GPUs (`[("H100", 4), ("L40S", 2)]`;
     /// `"H100:mig"` for GPUs in MIG mode) through the agent protocol; its id.
     pub async fn register_node(&self, key: &str, name: &str, gpus: &[(&str, u32)]) -> String {
+        self.register_node_running(key, name, gpus, RuntimeKind::Process)
+            .await
+    }
+
+    /// [`Self::register_node`] for an agent that runs workloads with
+    /// `runtime` (processes or containers).
+    pub async fn register_node_running(
+        &self,
+        key: &str,
+        name: &str,
+        gpus: &[(&str, u32)],
+        runtime: RuntimeKind,
+    ) -> String {
         let mut list = Vec::new();
         for (model, n) in gpus {
             let (model, mig) = match model.strip_suffix(":mig") {
@@ -241,6 +255,7 @@ impl TestServer {
             simulated: true,
             gpus: list,
             agent_version: "test".into(),
+            runtime,
             running: Vec::new(),
         };
         let body = serde_json::to_value(req).expect("register body");

@@ -154,45 +154,9 @@ pub struct Exit {
     pub oom_killed: bool,
 }
 
-/// Which runtime a node runs its workloads with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum RuntimeKind {
-    /// Sandboxed processes ([`process`]).
-    #[default]
-    Process,
-    /// Containers through the Docker Engine API.
-    Container,
-}
-
-impl RuntimeKind {
-    /// The name used in configuration and logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RuntimeKind::Process => "process",
-            RuntimeKind::Container => "container",
-        }
-    }
-}
-
-impl std::fmt::Display for RuntimeKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for RuntimeKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "process" => Ok(RuntimeKind::Process),
-            "container" => Ok(RuntimeKind::Container),
-            other => Err(format!(
-                "unknown runtime `{other}` (expected `process` or `container`)"
-            )),
-        }
-    }
-}
+/// Which runtime a node runs its workloads with (shared with the server,
+/// which places work by it).
+pub use flotilla_core::node::RuntimeKind;
 
 /// Where an instance's work runs. Object safe, so the agent holds an
 /// `Arc<dyn Runtime>` chosen by configuration.

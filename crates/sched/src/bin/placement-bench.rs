@@ -19,7 +19,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use flotilla_sched::{
-    Cluster, Decision, Engine, GpuDemand, ModelSet, ModelTable, NodeSpec, Policy, Request,
+    Cluster, Decision, Engine, GpuDemand, ModelSet, ModelTable, NodeSpec, Policy, Request, Runtime,
     TargetWorkload,
 };
 use rand::seq::SliceRandom;
@@ -451,6 +451,7 @@ fn pass_row(nodes: usize, queued: usize) -> Row {
             cordoned: false,
             region: format!("r{}", i % 3),
             pool: format!("p{}", i % 12),
+            runtime: Runtime::Process,
             cpu_total_milli: 128_000,
             mem_total_mib: 1_048_576,
             cpu_free_milli: 128_000,
@@ -526,6 +527,7 @@ fn pass_row(nodes: usize, queued: usize) -> Row {
                 },
                 cpu_milli: 8000,
                 mem_mib: 65_536,
+                runtime: Runtime::Process,
                 max_runtime_ms: rng.gen_bool(0.3).then_some(1_800_000),
             }
         })
