@@ -1140,7 +1140,7 @@ impl Backoff {
         self.next = (self.next * 2).min(BACKOFF_MAX);
         self.failures += 1;
         let retry_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
-        if self.failures == 1 || self.failures % 20 == 0 {
+        if self.failures == 1 || self.failures.is_multiple_of(20) {
             tracing::warn!(call = self.what, failures = self.failures, retry_ms, %error, "server call failed, retrying");
         } else {
             tracing::debug!(call = self.what, failures = self.failures, retry_ms, %error, "server call failed, retrying");

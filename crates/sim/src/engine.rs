@@ -322,7 +322,7 @@ pub fn simulate(
             }
             sim.arrive(next as u32);
             next += 1;
-            if next % report_every == 0 {
+            if next.is_multiple_of(report_every) {
                 progress(next as u64, n as u64);
             }
             continue;

@@ -670,7 +670,7 @@ impl LogBuffer {
             inner.lose_front();
             let lost = inner.lost_seq;
             inner.passed(lost);
-            if inner.dropped == 1 || inner.dropped % 10_000 == 0 {
+            if inner.dropped == 1 || inner.dropped.is_multiple_of(10_000) {
                 tracing::warn!(
                     instance_id = %self.instance_id,
                     dropped = inner.dropped,

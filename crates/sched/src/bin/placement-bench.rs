@@ -323,7 +323,7 @@ fn trace_benchmark(args: &Args) -> Result<Option<Vec<Row>>, String> {
                     .or_default()
                     .push(r);
                 let d = done.fetch_add(1, Ordering::Relaxed) + 1;
-                if d % 50 == 0 || d == jobs.len() {
+                if d.is_multiple_of(50) || d == jobs.len() {
                     eprintln!("placement-bench: {d}/{} replays", jobs.len());
                 }
             });
