@@ -18,7 +18,9 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
+use flotilla_core::api::{CreateApiKey, CreatedApiKey};
 use flotilla_core::endpoint::{CreateEndpoint, Endpoint};
+use flotilla_core::tenant::Role;
 use rust_decimal::Decimal;
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -461,10 +463,21 @@ pub async fn run(ctx: &Ctx, api_key: &str, args: DemoArgs) -> Result<ExitCode> {
     );
     let keep = args.keep;
     let deleted = AtomicBool::new(false);
+    let minted = inference_key(ctx, &ep).await;
+    let key = minted.as_ref().map_or(api_key, |k| k.secret.as_str());
     let outcome = tokio::select! {
-        r = show(ctx, api_key, &gateway, &id, Arc::new(args), (baseline, currency), &deleted) => Some(r),
+        r = show(ctx, key, &gateway, &id, Arc::new(args), (baseline, currency), &deleted) => Some(r),
         _ = tokio::signal::ctrl_c() => None,
     };
+    if let Some(k) = &minted {
+        let path = format!("/v1/keys/{}", k.key.id);
+        if let Err(e) = ctx.client.delete_json::<Value>(&path).await {
+            eprintln!(
+                "could not revoke the demo's inference key {}: {e}",
+                k.key.id
+            );
+        }
+    }
     Ok(match outcome {
         Some(Ok(true)) => ExitCode::SUCCESS,
         Some(Ok(false)) => ExitCode::FAILURE,
@@ -478,6 +491,21 @@ pub async fn run(ctx: &Ctx, api_key: &str, args: DemoArgs) -> Result<ExitCode> {
             ExitCode::from(130)
         }
     })
+}
+
+/// An inference key for the demo's endpoint alone, revoked when the demo
+/// ends. The gateway takes only tenant keys, and the key `flotilla up`
+/// saves is the operator's: without this the demo would fail on a fresh
+/// `up`. `None` (the caller's own key is used) when the caller may not
+/// create keys, a tenant member.
+async fn inference_key(ctx: &Ctx, ep: &Endpoint) -> Option<CreatedApiKey> {
+    let req = CreateApiKey {
+        tenant_id: Some(ep.tenant_id.clone()),
+        role: Role::TenantMember,
+        name: "flotilla demo".into(),
+        endpoints: Some(vec![ep.id.clone()]),
+    };
+    ctx.client.post("/v1/keys", &req).await.ok()
 }
 
 /// Deletes the demo endpoint unless `keep`, once (`deleted` says whether

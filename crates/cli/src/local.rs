@@ -482,7 +482,7 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
     // hands its GPUs to other work (a quick restart takes it over first).
     agent_config.fence_program = std::env::current_exe().ok();
     agent_config.insecure_process_runtime = args.insecure_process_runtime;
-    agent_config.sandbox_shares = args.sandbox_share.clone();
+    agent_config.sandbox_shares = with_own_binary(args.sandbox_share.clone());
     args.containers.apply(&mut agent_config);
     let (agent_stop, agent_stopped) = oneshot::channel::<()>();
     let mut agent = tokio::spawn(flotilla_agent::run(agent_config, async move {
@@ -640,7 +640,7 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     cfg.simulate_gpus = args.simulate_gpus;
     cfg.runtime = args.runtime;
     cfg.insecure_process_runtime = args.insecure_process_runtime;
-    cfg.sandbox_shares = args.sandbox_share;
+    cfg.sandbox_shares = with_own_binary(args.sandbox_share);
     args.containers.apply(&mut cfg);
     cfg.image_cache_bytes =
         (args.image_cache_gb > 0).then(|| args.image_cache_gb.saturating_mul(1_000_000_000));
@@ -673,6 +673,26 @@ pub fn default_database_url(data_dir: &Path) -> String {
         "sqlite://{}?mode=rwc",
         data_dir.join("flotilla.db").display()
     )
+}
+
+/// The operator's shares plus this `flotilla` binary, read-only, so that a
+/// workload can run `flotilla emulator` (what `flotilla demo` and the docs'
+/// endpoint examples deploy) wherever the binary lives: the sandbox shows
+/// only the system directories, and a binary in a build directory or a
+/// home was `not found` to every replica. The binary holds no secret; the
+/// files it would read (credentials, the database) stay hidden.
+fn with_own_binary(
+    mut shares: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
+) -> Vec<flotilla_agent::runtime::sandbox::SharedPath> {
+    if let Ok(exe) = std::env::current_exe() {
+        if !shares.iter().any(|s| exe.starts_with(&s.path)) {
+            shares.push(flotilla_agent::runtime::sandbox::SharedPath {
+                path: exe,
+                writable: false,
+            });
+        }
+    }
+    shares
 }
 
 #[cfg(test)]

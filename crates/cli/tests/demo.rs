@@ -28,7 +28,9 @@ fn a_short_demo_scales_up_serves_every_request_and_bills_it() {
     let home = Home::new(BIN);
     let _server = home.server();
     let _agent = home.agent("n0", "4xH100");
-    let (_, key) = home.tenant("acme");
+    // The key `flotilla up` saves: the operator's, which the gateway does
+    // not take; the demo mints an inference key for its endpoint.
+    let key = home.operator_key();
     let port = free_port();
     let _gw = home.gateway(port);
     let gw = format!("http://127.0.0.1:{port}");
@@ -78,6 +80,16 @@ fn a_short_demo_scales_up_serves_every_request_and_bills_it() {
         eps.as_array()
             .is_some_and(|a| a.iter().all(|e| e["deleting"] == true))
     });
+    // The inference key it minted is revoked.
+    let keys = home.cli_json(Some(&key), &["keys", "list"]);
+    let demo_keys: Vec<&serde_json::Value> = keys
+        .as_array()
+        .expect("a list of keys")
+        .iter()
+        .filter(|k| k["name"] == "flotilla demo")
+        .collect();
+    assert_eq!(demo_keys.len(), 1, "{keys}");
+    assert!(demo_keys[0]["revoked_at"].is_string(), "{keys}");
 }
 
 #[test]
