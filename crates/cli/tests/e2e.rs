@@ -379,10 +379,12 @@ fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
 fn up_quick_start_and_ctrl_c() {
     let env = Env::new();
     let bind = format!("127.0.0.1:{}", env.port);
+    // Not the default 7430: another `up` on the machine may hold it.
+    let gateway_bind = format!("127.0.0.1:{}", flotilla_testkit::process::free_port());
     let start_up = || {
         let child = env
             .cmd()
-            .args(["up", "--bind", &bind])
+            .args(["up", "--bind", &bind, "--gateway-bind", &gateway_bind])
             .stdout(Stdio::piped())
             .stderr(env.log("up"))
             .spawn()

@@ -10,7 +10,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use flotilla_testkit::process::{http, wait_until, Home, Proc};
+use flotilla_testkit::process::{free_port, http, wait_until, Home, Proc};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
@@ -20,6 +20,8 @@ fn up(home: &Home) -> Proc {
     let child = home
         .cmd()
         .args(["up", "--bind", &format!("127.0.0.1:{}", home.port)])
+        // Not the default 7430: another `up` on the machine may hold it.
+        .args(["--gateway-bind", &format!("127.0.0.1:{}", free_port())])
         .args([
             "--simulate-gpus",
             &format!("{GPUS}xH100"),
