@@ -134,12 +134,45 @@ pub struct ContainerArgs {
     pub public_host: Option<String>,
 }
 
-impl ContainerArgs {
-    /// Sets the agent's container runtime options.
-    fn apply(&self, config: &mut flotilla_agent::AgentConfig) {
-        config.docker_host = self.docker_host.clone();
-        config.container_gpus = self.container_gpus;
-        config.public_host = self.public_host.clone();
+/// How a node runs workloads: the options `up` and `agent` share, declared
+/// and applied to the agent's configuration in one place.
+#[derive(Debug, Clone, Args)]
+pub struct WorkloadArgs {
+    /// Where workloads run: `process` (sandboxed processes) or
+    /// `container`.
+    #[arg(long, value_name = "RUNTIME", default_value = "process")]
+    pub runtime: flotilla_agent::runtime::RuntimeKind,
+    /// As root without bubblewrap, run workloads anyway, separated only by
+    /// per-tenant users (they see the host's files and processes).
+    #[arg(long)]
+    pub insecure_process_runtime: bool,
+    /// A host path shown inside every sandboxed workload, at the same path:
+    /// `PATH` read-only or `PATH:rw` (repeatable). Every tenant on the node
+    /// sees it: for shared weights, datasets or scratch, never secrets.
+    #[arg(long, value_name = "PATH[:rw]")]
+    pub sandbox_share: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
+    /// The container runtime's options.
+    #[command(flatten)]
+    pub containers: ContainerArgs,
+    /// Size limit of the node's image cache (container runtime), in GB:
+    /// past it the least recently used images no container uses are
+    /// removed. 0: no limit.
+    #[arg(long, value_name = "GB", default_value_t = flotilla_agent::image_cache::DEFAULT_IMAGE_CACHE_GB)]
+    pub image_cache_gb: u64,
+}
+
+impl WorkloadArgs {
+    /// Sets the agent's runtime, sandbox, container and image cache
+    /// options.
+    fn apply(self, config: &mut flotilla_agent::AgentConfig) {
+        config.runtime = self.runtime;
+        config.insecure_process_runtime = self.insecure_process_runtime;
+        config.sandbox_shares = with_own_binary(self.sandbox_share);
+        config.docker_host = self.containers.docker_host;
+        config.container_gpus = self.containers.container_gpus;
+        config.public_host = self.containers.public_host;
+        config.image_cache_bytes =
+            (self.image_cache_gb > 0).then(|| self.image_cache_gb.saturating_mul(1_000_000_000));
     }
 }
 
@@ -159,22 +192,9 @@ pub struct UpArgs {
     /// Address the inference gateway listens on.
     #[arg(long, default_value = crate::gateway::DEFAULT_GATEWAY_BIND, value_name = "ADDR")]
     pub gateway_bind: String,
-    /// Where the local node runs workloads: `process` (sandboxed
-    /// processes) or `container`.
-    #[arg(long, value_name = "RUNTIME", default_value = "process")]
-    pub runtime: flotilla_agent::runtime::RuntimeKind,
-    /// As root without bubblewrap, run workloads anyway, separated only by
-    /// per-tenant users (they see the host's files and processes).
-    #[arg(long)]
-    pub insecure_process_runtime: bool,
-    /// A host path shown inside every sandboxed workload, at the same path:
-    /// `PATH` read-only or `PATH:rw` (repeatable). Every tenant on the node
-    /// sees it: for shared weights, datasets or scratch, never secrets.
-    #[arg(long, value_name = "PATH[:rw]")]
-    pub sandbox_share: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
-    /// The container runtime's options.
+    /// How the local node runs workloads.
     #[command(flatten)]
-    pub containers: ContainerArgs,
+    pub workloads: WorkloadArgs,
 }
 
 /// Options of `agent`.
@@ -199,27 +219,9 @@ pub struct AgentArgs {
     /// default: the platform data directory + `flotilla/agent`.
     #[arg(long, value_name = "DIR")]
     pub work_dir: Option<PathBuf>,
-    /// Where workloads run: `process` (sandboxed processes) or
-    /// `container`.
-    #[arg(long, value_name = "RUNTIME", default_value = "process")]
-    pub runtime: flotilla_agent::runtime::RuntimeKind,
-    /// As root without bubblewrap, run workloads anyway, separated only by
-    /// per-tenant users (they see the host's files and processes).
-    #[arg(long)]
-    pub insecure_process_runtime: bool,
-    /// A host path shown inside every sandboxed workload, at the same path:
-    /// `PATH` read-only or `PATH:rw` (repeatable). Every tenant on the node
-    /// sees it: for shared weights, datasets or scratch, never secrets.
-    #[arg(long, value_name = "PATH[:rw]")]
-    pub sandbox_share: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
-    /// The container runtime's options.
+    /// How this node runs workloads.
     #[command(flatten)]
-    pub containers: ContainerArgs,
-    /// Size limit of the node's image cache (container runtime), in GB:
-    /// past it the least recently used images no container uses are
-    /// removed. 0: no limit.
-    #[arg(long, value_name = "GB", default_value_t = flotilla_agent::image_cache::DEFAULT_IMAGE_CACHE_GB)]
-    pub image_cache_gb: u64,
+    pub workloads: WorkloadArgs,
 }
 
 /// Installs the stderr logger: `RUST_LOG` when set, else `info` for the
@@ -476,14 +478,11 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
         server.data_dir.join("agent"),
     );
     agent_config.simulate_gpus = simulate.clone();
-    agent_config.runtime = args.runtime;
     // The node lease's fence, as for `flotilla agent`: if this process is
     // killed, the work is stopped before the lease runs out and the server
     // hands its GPUs to other work (a quick restart takes it over first).
     agent_config.fence_program = std::env::current_exe().ok();
-    agent_config.insecure_process_runtime = args.insecure_process_runtime;
-    agent_config.sandbox_shares = with_own_binary(args.sandbox_share.clone());
-    args.containers.apply(&mut agent_config);
+    args.workloads.apply(&mut agent_config);
     let (agent_stop, agent_stopped) = oneshot::channel::<()>();
     let mut agent = tokio::spawn(flotilla_agent::run(agent_config, async move {
         let _ = agent_stopped.await;
@@ -638,12 +637,7 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     cfg.region = args.region;
     cfg.pool = args.pool;
     cfg.simulate_gpus = args.simulate_gpus;
-    cfg.runtime = args.runtime;
-    cfg.insecure_process_runtime = args.insecure_process_runtime;
-    cfg.sandbox_shares = with_own_binary(args.sandbox_share);
-    args.containers.apply(&mut cfg);
-    cfg.image_cache_bytes =
-        (args.image_cache_gb > 0).then(|| args.image_cache_gb.saturating_mul(1_000_000_000));
+    args.workloads.apply(&mut cfg);
     // The node lease's fence: this binary, as `flotilla agent-fence`.
     cfg.fence_program = std::env::current_exe().ok();
     let (stop, stopped) = oneshot::channel::<()>();
