@@ -20,6 +20,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use flotilla_core::api::{CreateApiKey, CreatedApiKey};
 use flotilla_core::endpoint::{CreateEndpoint, Endpoint};
+use flotilla_core::gateway::nearest_rank;
 use flotilla_core::tenant::Role;
 use rust_decimal::Decimal;
 use serde_json::{json, Value};
@@ -123,16 +124,6 @@ pub fn offered_rps(t: f64, duration: f64, base: f64, peak: f64) -> (Phase, f64) 
         let k = (x - 0.5) / 0.10;
         (Phase::Decay, base + (peak - base) * (-k).exp())
     }
-}
-
-/// The `q` quantile (nearest rank) of `v`, sorted in place.
-fn quantile(v: &mut [f64], q: f64) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
-    Some(v[i])
 }
 
 /// What the load generator has seen, shared with the view.
@@ -577,9 +568,9 @@ async fn show(
         let recent = tally.latencies_since(Instant::now().checked_sub(LIVE_WINDOW));
         let mut v = recent.clone();
         let (p50, p95, p99) = (
-            quantile(&mut v, 0.5),
-            quantile(&mut v, 0.95),
-            quantile(&mut v, 0.99),
+            nearest_rank(&mut v, 0.5),
+            nearest_rank(&mut v, 0.95),
+            nearest_rank(&mut v, 0.99),
         );
         let slo = match p95 {
             Some(p) if p <= args.slo_ms as f64 => "met",
@@ -648,7 +639,7 @@ async fn show(
     let sent = tally.sent.load(Ordering::Relaxed);
     let ok = tally.ok.load(Ordering::Relaxed);
     let failed = tally.failed.load(Ordering::Relaxed);
-    let p95 = quantile(&mut all, 0.95);
+    let p95 = nearest_rank(&mut all, 0.95);
     outln!("summary:")?;
     outln!("  requests: {sent} sent, {ok} ok, {failed} failed")?;
     if let Some(why) = tally
@@ -661,9 +652,9 @@ async fn show(
     }
     outln!(
         "  latency: p50 {} ms, p95 {} ms, p99 {} ms (SLO p95 {} ms: {})",
-        ms(quantile(&mut all, 0.5)),
+        ms(nearest_rank(&mut all, 0.5)),
         ms(p95),
-        ms(quantile(&mut all, 0.99)),
+        ms(nearest_rank(&mut all, 0.99)),
         args.slo_ms,
         match p95 {
             Some(p) if p <= args.slo_ms as f64 => "met",
@@ -710,13 +701,5 @@ mod tests {
             let (_, r) = offered_rps(t as f64, d, base, peak);
             assert!((base..=peak).contains(&r), "{t}: {r}");
         }
-    }
-
-    #[test]
-    fn quantiles_are_nearest_rank() {
-        let mut v = vec![5.0, 1.0, 3.0, 2.0, 4.0];
-        assert_eq!(quantile(&mut v, 0.5), Some(3.0));
-        assert_eq!(quantile(&mut v, 0.99), Some(5.0));
-        assert_eq!(quantile(&mut [], 0.5), None);
     }
 }

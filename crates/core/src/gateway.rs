@@ -13,6 +13,19 @@ use serde::{Deserialize, Serialize};
 
 use crate::id::{EndpointId, InstanceId, RequestId, TenantId};
 
+/// The `q` quantile of `v` by nearest rank (sorts `v` in place); `None`
+/// when `v` is empty. How every latency percentile the gateway reports
+/// (and `flotilla demo` shows) is computed: a value that was measured,
+/// never an interpolation between two.
+pub fn nearest_rank(v: &mut [f64], q: f64) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+    Some(v[i])
+}
+
 /// Everything the gateway needs to route: every endpoint that exists, with
 /// the replicas ready to take requests. Replaced as a whole on each poll.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -179,4 +192,15 @@ pub struct Accepted {
     /// need not re-send them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rejected: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn quantiles_are_nearest_rank() {
+        let mut v = vec![5.0, 1.0, 3.0, 2.0, 4.0];
+        assert_eq!(super::nearest_rank(&mut v, 0.5), Some(3.0));
+        assert_eq!(super::nearest_rank(&mut v, 0.99), Some(5.0));
+        assert_eq!(super::nearest_rank(&mut [], 0.5), None);
+    }
 }

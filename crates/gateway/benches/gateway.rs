@@ -485,13 +485,9 @@ fn round(v: f64, digits: i32) -> f64 {
     (v * f).round() / f
 }
 
+/// Nearest rank, as the gateway's own signals; NaN for no samples.
 fn percentile(v: &mut [f64], q: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
-    v[i]
+    flotilla_core::gateway::nearest_rank(v, q).unwrap_or(f64::NAN)
 }
 
 /// Time from the first request at zero replicas to its first byte, minus

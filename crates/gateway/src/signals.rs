@@ -44,12 +44,7 @@ fn percentile(w: &VecDeque<(Instant, f64)>, since: Instant, q: f64) -> Option<f6
         .filter(|(t, _)| *t >= since)
         .map(|(_, v)| *v)
         .collect();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
-    Some(v[i])
+    flotilla_core::gateway::nearest_rank(&mut v, q)
 }
 
 /// One endpoint's counters.
