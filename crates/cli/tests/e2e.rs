@@ -148,9 +148,6 @@ fn run_scenario(env: &Env) {
     );
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    if !out.status.success() {
-        env.dump_logs();
-    }
     assert!(
         out.status.success(),
         "run failed: {stderr}\nstdout: {stdout}"

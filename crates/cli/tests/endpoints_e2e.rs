@@ -152,9 +152,6 @@ fn an_endpoint_scales_from_zero_serves_200_requests_and_returns_to_zero() {
     }
     let results = results.lock().unwrap();
     let failed: Vec<&(u16, Value)> = results.iter().filter(|(s, _)| *s != 200).collect();
-    if !failed.is_empty() {
-        home.dump_logs();
-    }
     assert!(
         failed.is_empty(),
         "{} of 200 failed: {:?}",

@@ -88,9 +88,6 @@ fn a_two_node_job_runs_one_rank_per_node_and_succeeds() {
             "echo rank=$FLOTILLA_JOB_RANK of $FLOTILLA_JOB_WORLD_SIZE attempt=$FLOTILLA_JOB_ATTEMPT nodes=$FLOTILLA_JOB_NODES gpus=$CUDA_VISIBLE_DEVICES",
         ],
     );
-    if !out.status.success() {
-        env.dump_logs();
-    }
     assert!(out.status.success(), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let id = stdout.split_whitespace().next().unwrap().to_string();
@@ -238,9 +235,6 @@ fn a_tier_one_instance_preempts_a_spot_job_member_and_the_whole_job_is_requeued_
 
     // A tier-1 run needs one GPU: the job is preempted whole.
     let out = env.cli(Some(&key), &["run", "--gpus", "1", "--", "echo", "hi"]);
-    if !out.status.success() {
-        env.dump_logs();
-    }
     assert!(out.status.success(), "tier-1 run failed: {}", text(&out));
     assert!(String::from_utf8_lossy(&out.stdout)
         .lines()

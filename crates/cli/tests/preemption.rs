@@ -92,9 +92,6 @@ fn tier_one_run_preempts_a_spot_job_which_is_requeued_and_completes() {
 
     let out = env.cli(Some(&key), &["run", "--gpus", "2", "--", "echo", "hi"]);
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    if !out.status.success() {
-        env.dump_logs();
-    }
     assert!(
         out.status.success(),
         "tier-1 run failed: {}\n{stdout}",

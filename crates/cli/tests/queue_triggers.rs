@@ -183,7 +183,6 @@ fn a_rabbitmq_queue_scales_a_batch_endpoint_from_zero_and_back() {
     }));
     rt.block_on(q.delete());
     if let Err(p) = result {
-        home.dump_logs();
         std::panic::resume_unwind(p);
     }
 }
@@ -232,7 +231,6 @@ fn a_nats_jetstream_consumer_scales_a_batch_endpoint_from_zero_and_back() {
     }));
     rt.block_on(q.delete());
     if let Err(p) = result {
-        home.dump_logs();
         std::panic::resume_unwind(p);
     }
 }

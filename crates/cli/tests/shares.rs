@@ -66,7 +66,6 @@ fn three_mig_slices_run_at_once_on_one_simulated_h100_and_a_fraction_gets_mps_li
         .all(|id| instance(&home, &key, id)["state"] == "running")
     {
         if std::time::Instant::now() > deadline {
-            home.dump_logs();
             let states: Vec<Value> = ids.iter().map(|id| instance(&home, &key, id)).collect();
             panic!("three MIG instances never ran at once: {states:#?}");
         }
