@@ -31,6 +31,60 @@ impl NodeState {
     }
 }
 
+/// Which engine runs a node's work: Flotilla's own agent, or a cluster
+/// engine the fleet already runs (Slurm, Kubernetes) reached through an
+/// executor bridge. Placement never looks at it (the decision core never
+/// names a backend); operators see it in `flotilla nodes`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, utoipa::ToSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecutorKind {
+    /// Flotilla's node agent.
+    #[default]
+    Agent,
+    /// A Slurm cluster, through `slurmrestd`.
+    Slurm,
+    /// A Kubernetes cluster, through its API server.
+    Kubernetes,
+}
+
+impl ExecutorKind {
+    /// The name used in configuration, the API and the store.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExecutorKind::Agent => "agent",
+            ExecutorKind::Slurm => "slurm",
+            ExecutorKind::Kubernetes => "kubernetes",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "agent" => Some(ExecutorKind::Agent),
+            "slurm" => Some(ExecutorKind::Slurm),
+            "kubernetes" => Some(ExecutorKind::Kubernetes),
+            _ => None,
+        }
+    }
+
+    /// Whether this is the default (lets the wire form leave it out).
+    pub fn is_agent(&self) -> bool {
+        *self == ExecutorKind::Agent
+    }
+}
+
+impl std::fmt::Display for ExecutorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ExecutorKind::Agent => "the agent",
+            ExecutorKind::Slurm => "Slurm",
+            ExecutorKind::Kubernetes => "Kubernetes",
+        })
+    }
+}
+
 /// How a node runs workloads: as sandboxed processes or in containers. An
 /// agent runs one of the two, so placement sends work with an image only
 /// to container nodes and a command only to process nodes.
