@@ -229,6 +229,7 @@ pub async fn run(
         gpus,
         agent_version: env!("CARGO_PKG_VERSION").to_string(),
         runtime: config.runtime,
+        executor: Default::default(),
         running: Vec::new(),
     };
     let runtime = runtime_for(&config).await?;

@@ -11,6 +11,8 @@
 //! engine submission that honours Flotilla's placement (that node, those
 //! GPUs), and the engine's job states become [`ObservedInstance`]s.
 
+pub mod bridge;
 pub mod executor;
+pub mod slurm;
 
 pub use executor::{Executor, ExecutorError};

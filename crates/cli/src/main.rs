@@ -13,6 +13,7 @@ mod commands;
 mod config;
 mod demo;
 mod endpoints;
+mod executor;
 mod follow;
 mod gateway;
 mod jobs;
@@ -74,6 +75,12 @@ enum Command {
     Agent(AgentArgs),
     /// Run the inference gateway against a server (`--server URL`).
     Gateway(gateway::GatewayArgs),
+    /// Offer a cluster engine's nodes (Slurm) to a server: a bridge that
+    /// registers each engine node and runs placed work there.
+    Executor {
+        #[command(subcommand)]
+        command: executor::ExecutorCommand,
+    },
     /// Run the OpenAI-compatible model-server emulator (the same as the
     /// `flotilla-emulator` binary): a replica command for endpoint demos
     /// and tests on machines without GPUs, e.g.
@@ -354,6 +361,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Server(args) => return local::server(args).await,
         Command::Agent(args) => return local::agent(server, args).await,
         Command::Gateway(args) => return gateway::run(server, args).await,
+        Command::Executor { command } => return executor::run(server, command).await,
         Command::Emulator(config) => return gateway::emulator(config).await,
         Command::QueueWorker(args) => return queue_worker::run(args).await,
         Command::AgentFence { file, agent_pid } => {
@@ -433,6 +441,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         | Command::Server(_)
         | Command::Agent(_)
         | Command::Gateway(_)
+        | Command::Executor { .. }
         | Command::Emulator(_)
         | Command::QueueWorker(_)
         | Command::AgentFence { .. }

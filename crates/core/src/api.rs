@@ -10,7 +10,7 @@ use crate::catalog::Vendor;
 use crate::id::{GpuId, InstanceId, JobId, KeyId, NodeId, TenantId, WorkId};
 use crate::instance::{ImageSpec, InstanceState};
 use crate::job::{JobSpec, JobState};
-use crate::node::{NodeState, RuntimeKind};
+use crate::node::{ExecutorKind, NodeState, RuntimeKind};
 use crate::tenant::Role;
 
 /// One page of a list. Pass `next_cursor` back as `cursor` for the next
@@ -215,6 +215,11 @@ pub struct Node {
     /// `container` nodes, work without one only to `process` nodes.
     #[serde(default)]
     pub runtime: RuntimeKind,
+    /// Which engine runs its work: `agent` (Flotilla's node agent),
+    /// `slurm` or `kubernetes` (a cluster engine's node, registered by an
+    /// executor bridge).
+    #[serde(default)]
+    pub executor: ExecutorKind,
     /// Last heartbeat.
     pub last_heartbeat_at: DateTime<Utc>,
     /// Registration time.
@@ -472,6 +477,12 @@ pub struct RegisterNode {
     /// so such an agent still registers with an older server.
     #[serde(default, skip_serializing_if = "RuntimeKind::is_process")]
     pub runtime: RuntimeKind,
+    /// Which engine runs the node's work: Flotilla's agent, or a cluster
+    /// engine through an executor bridge. Absent means `agent`, so agents
+    /// from before it was sent keep registering; left out when `agent`, so
+    /// an agent still registers with an older server.
+    #[serde(default, skip_serializing_if = "ExecutorKind::is_agent")]
+    pub executor: ExecutorKind,
     /// Instances the agent still runs (taken over from an earlier agent
     /// process after a restart): the server must not fail them. Every
     /// other instance it had started there is gone.

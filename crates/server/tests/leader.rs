@@ -53,6 +53,7 @@ async fn a_deposed_leader_cannot_place_or_declare_nodes_lost(s: &Store) {
         }],
         agent_version: "test".into(),
         runtime: Default::default(),
+        executor: Default::default(),
         running: Vec::new(),
     };
     let node_id = s

@@ -359,6 +359,7 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
                 }],
                 agent_version: "bench".into(),
                 runtime: Default::default(),
+                executor: Default::default(),
                 running: Vec::new(),
             },
             || (NodeId::generate(5, 5), vec![GpuId::generate(6, 6)]),

@@ -795,7 +795,7 @@ impl Store {
         use InstanceState::*;
         let row = sqlx::query(
             "SELECT state, node_id, stop_requested, gpu_ids, preempted_by, job_id, share_milli, mig_profile, \
-             mig_compute, mig_memory, mig_memory_mib FROM instances WHERE id = $1",
+             mig_compute, mig_memory, mig_memory_mib, updated_at FROM instances WHERE id = $1",
         )
         .bind(obs.instance_id.as_str())
         .fetch_optional(self.pool())
@@ -813,6 +813,13 @@ impl Store {
         // A job member is not requeued alone: its job requeues the gang.
         let in_job = row.try_get::<Option<String>, _>("job_id")?.is_some();
         let id = &obs.instance_id;
+        // When the phase began, as the node saw it (an executor reports the
+        // engine's own start and end times), so metering counts the time
+        // the work ran rather than when the report arrived. Kept between
+        // the instance's last change and now: a node's clock cannot move
+        // billing before what the server already recorded, or ahead of it.
+        let since = at(row.try_get("updated_at")?);
+        let seen = obs.at.clamp(since, now.max(since));
         let mut tx = self.begin().await?;
         if let Some(c) = &obs.container {
             // What the container runtime reports (ports, cold start) is
@@ -844,9 +851,9 @@ impl Store {
             (ObservedPhase::Running { pid }, Scheduled | Starting) => {
                 let reason = format!("running as pid {pid}");
                 if state == Scheduled {
-                    mark_starting(&mut tx, id, now).await?;
+                    mark_starting(&mut tx, id, seen).await?;
                 }
-                transition(&mut tx, id, Starting, Running, &reason, None, now).await?
+                transition(&mut tx, id, Starting, Running, &reason, None, seen).await?
             }
             (ObservedPhase::Running { .. }, Lost) => {
                 // The agent came back and the command survived: take the
@@ -900,12 +907,12 @@ impl Store {
                 // lifetime.
                 let done = if matches!(from, Scheduled | Starting) && to != Stopped {
                     if from == Scheduled {
-                        mark_starting(&mut tx, id, now).await?;
+                        mark_starting(&mut tx, id, seen).await?;
                     }
-                    transition(&mut tx, id, Starting, Running, "running", None, now).await?;
-                    transition(&mut tx, id, Running, to, &reason, Some(*code), now).await?
+                    transition(&mut tx, id, Starting, Running, "running", None, seen).await?;
+                    transition(&mut tx, id, Running, to, &reason, Some(*code), seen).await?
                 } else {
-                    transition(&mut tx, id, from, to, &reason, Some(*code), now).await?
+                    transition(&mut tx, id, from, to, &reason, Some(*code), seen).await?
                 };
                 if done && preempted_by.is_some() && !in_job {
                     self.requeue_in(&mut tx, id, now).await?;

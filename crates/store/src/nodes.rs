@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use flotilla_core::api::{DiscoveredGpu, Gpu, Node, NodeImage, RegisterNode};
 use flotilla_core::catalog::{MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
-use flotilla_core::node::{NodeState, RuntimeKind};
+use flotilla_core::node::{ExecutorKind, NodeState, RuntimeKind};
 use flotilla_core::placement::{GpuSlot, NodeSnapshot, MILLI_PER_GPU};
 use sqlx::any::AnyRow;
 use sqlx::Row;
@@ -34,6 +34,7 @@ fn gpu(row: &AnyRow) -> Result<(NodeId, Gpu)> {
 fn node(row: &AnyRow) -> Result<Node> {
     let state: String = row.try_get("state")?;
     let runtime: String = row.try_get("runtime")?;
+    let executor: String = row.try_get("executor")?;
     Ok(Node {
         id: NodeId::from_trusted(row.try_get("id")?),
         name: row.try_get("name")?,
@@ -48,6 +49,8 @@ fn node(row: &AnyRow) -> Result<Node> {
         memory_mb: row.try_get::<i64, _>("memory_mb")?.max(0) as u64,
         runtime: RuntimeKind::parse(&runtime)
             .ok_or_else(|| StoreError::Corrupt(format!("node runtime `{runtime}`")))?,
+        executor: ExecutorKind::parse(&executor)
+            .ok_or_else(|| StoreError::Corrupt(format!("node executor `{executor}`")))?,
         last_heartbeat_at: at(row.try_get("last_heartbeat_at")?),
         created_at: at(row.try_get("created_at")?),
         gpus: Vec::new(),
@@ -95,7 +98,8 @@ impl Store {
                 }
                 sqlx::query(
                     "UPDATE nodes SET region = $1, pool = $2, state = 'ready', simulated = $3, cpu_milli = $4, \
-                     memory_mb = $5, agent_version = $6, last_heartbeat_at = $7, runtime = $8 WHERE id = $9",
+                     memory_mb = $5, agent_version = $6, last_heartbeat_at = $7, runtime = $8, \
+                     executor = $9 WHERE id = $10",
                 )
                 .bind(&region)
                 .bind(&pool)
@@ -105,6 +109,7 @@ impl Store {
                 .bind(&req.agent_version)
                 .bind(ms(now))
                 .bind(req.runtime.as_str())
+                .bind(req.executor.as_str())
                 .bind(id.as_str())
                 .execute(&mut *tx)
                 .await?;
@@ -115,8 +120,8 @@ impl Store {
                 let (id, gpu_ids) = new_ids();
                 sqlx::query(
                     "INSERT INTO nodes (id, name, owner_tenant_id, region, pool, state, simulated, cpu_milli, \
-                     memory_mb, agent_version, last_heartbeat_at, created_at, runtime) \
-                     VALUES ($1, $2, $3, $4, $5, 'ready', $6, $7, $8, $9, $10, $10, $11)",
+                     memory_mb, agent_version, last_heartbeat_at, created_at, runtime, executor) \
+                     VALUES ($1, $2, $3, $4, $5, 'ready', $6, $7, $8, $9, $10, $10, $11, $12)",
                 )
                 .bind(id.as_str())
                 .bind(&req.name)
@@ -129,6 +134,7 @@ impl Store {
                 .bind(&req.agent_version)
                 .bind(ms(now))
                 .bind(req.runtime.as_str())
+                .bind(req.executor.as_str())
                 .execute(&mut *tx)
                 .await?;
                 ((id, gpu_ids), true)

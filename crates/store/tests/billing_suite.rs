@@ -372,6 +372,7 @@ async fn providers_own_nodes(s: &Store) {
         }],
         agent_version: "t".into(),
         runtime: Default::default(),
+        executor: Default::default(),
         running: Vec::new(),
     };
     let node = s

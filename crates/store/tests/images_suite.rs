@@ -162,6 +162,7 @@ async fn a_nodes_reported_images_replace_the_stored_ones(s: &Store) {
         gpus: Vec::new(),
         agent_version: "test".into(),
         runtime: Default::default(),
+        executor: Default::default(),
         running: Vec::new(),
     };
     let node = s

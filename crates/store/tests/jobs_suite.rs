@@ -53,6 +53,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: u32) -> NodeId {
         gpus: list,
         agent_version: "test".into(),
         runtime: Default::default(),
+        executor: Default::default(),
         running: Vec::new(),
     };
     s.register_node(

@@ -91,6 +91,7 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
         gpus,
         agent_version: "test".into(),
         runtime: Default::default(),
+        executor: Default::default(),
         running: Vec::new(),
     };
     s.register_node(

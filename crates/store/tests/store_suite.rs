@@ -99,6 +99,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: &[(&str, u32)]) -> 
         gpus: list,
         agent_version: "test".into(),
         runtime: Default::default(),
+        executor: Default::default(),
         running: Vec::new(),
     };
     let count = req.gpus.len();
@@ -266,6 +267,7 @@ async fn node_registration_is_idempotent_by_name(s: &Store) {
                 gpus: vec![],
                 agent_version: String::new(),
                 runtime: Default::default(),
+                executor: Default::default(),
                 running: Vec::new(),
             },
             || (NodeId::generate(1, rnd()), vec![]),

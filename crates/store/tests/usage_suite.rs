@@ -507,6 +507,7 @@ async fn node_of(s: &Store, owner: &TenantId) -> NodeId {
         }],
         agent_version: "t".into(),
         runtime: Default::default(),
+        executor: Default::default(),
         running: Vec::new(),
     };
     s.register_node(

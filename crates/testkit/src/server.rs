@@ -256,6 +256,7 @@ impl TestServer {
             gpus: list,
             agent_version: "test".into(),
             runtime,
+            executor: Default::default(),
             running: Vec::new(),
         };
         let body = serde_json::to_value(req).expect("register body");
