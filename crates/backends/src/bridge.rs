@@ -294,10 +294,21 @@ impl NodeLoop {
         let mut report = Vec::new();
         let mut reported_running = Vec::new();
         for o in observed {
-            // Report only what the server assigned here (after the first
-            // answer); the rest is cancelled by `apply` as orphaned.
-            if let Some(list) = assigned.as_ref() {
-                if !list.iter().any(|a| a.instance_id == o.instance_id) {
+            // Report only what the server assigned here; the rest is
+            // cancelled by `apply` as orphaned. Before the first answer
+            // the server's list is unknown: report only what still runs
+            // (so it is kept), and ship no output yet (the engine may
+            // still list work of an earlier deployment).
+            match assigned.as_ref() {
+                Some(list) if !list.iter().any(|a| a.instance_id == o.instance_id) => continue,
+                Some(_) => {}
+                None => {
+                    if matches!(
+                        o.phase,
+                        ObservedPhase::Running { .. } | ObservedPhase::Starting
+                    ) {
+                        report.push(o);
+                    }
                     continue;
                 }
             }
