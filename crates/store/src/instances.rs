@@ -818,8 +818,16 @@ impl Store {
         // the work ran rather than when the report arrived. Kept between
         // the instance's last change and now: a node's clock cannot move
         // billing before what the server already recorded, or ahead of it.
+        // A time far outside that window (a node whose clock is off, a
+        // server on a test clock) is not trusted at all: the server's own
+        // time stands. The slack covers whole-second engine clocks.
         let since = at(row.try_get("updated_at")?);
-        let seen = obs.at.clamp(since, now.max(since));
+        let slack = chrono::Duration::seconds(2);
+        let seen = if obs.at >= since - slack && obs.at <= now + slack {
+            obs.at.clamp(since, now.max(since))
+        } else {
+            now
+        };
         let mut tx = self.begin().await?;
         if let Some(c) = &obs.container {
             // What the container runtime reports (ports, cold start) is

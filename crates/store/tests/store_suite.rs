@@ -38,6 +38,7 @@ flotilla_testdb::backend_suite!(
     idempotency_keys_replay_and_detect_mismatch,
     containers_report_ports_cold_starts_and_oom_kills,
     an_exit_seen_before_running_still_counts_as_run,
+    observed_times_bound_metering,
 );
 
 async fn tenant(s: &Store, name: &str) -> TenantId {
@@ -145,10 +146,15 @@ const RAN_TO_SUCCESS: [InstanceState; 5] = [
 ];
 
 fn observed(id: &InstanceId, phase: ObservedPhase) -> ObservedInstance {
+    seen(id, phase, t0())
+}
+
+/// An observation of a phase the node saw begin at `at`.
+fn seen(id: &InstanceId, phase: ObservedPhase, at: DateTime<Utc>) -> ObservedInstance {
     ObservedInstance {
         instance_id: id.clone(),
         phase,
-        at: t0(),
+        at,
         message: None,
         container: None,
     }
@@ -305,7 +311,7 @@ async fn instance_lifecycle_and_gpu_release(s: &Store) {
     assert_eq!(
         s.apply_observed(
             &n,
-            &observed(&id, ObservedPhase::Running { pid: 42 }),
+            &seen(&id, ObservedPhase::Running { pid: 42 }, later),
             later
         )
         .await
@@ -315,7 +321,7 @@ async fn instance_lifecycle_and_gpu_release(s: &Store) {
     assert_eq!(
         s.apply_observed(
             &n,
-            &observed(&id, ObservedPhase::Running { pid: 42 }),
+            &seen(&id, ObservedPhase::Running { pid: 42 }, later),
             later
         )
         .await
@@ -325,12 +331,13 @@ async fn instance_lifecycle_and_gpu_release(s: &Store) {
     let i = s.instance(&id).await.unwrap();
     assert_eq!(i.state, InstanceState::Running);
     assert_eq!(i.started_at, Some(later));
-    let done = observed(
+    let done = seen(
         &id,
         ObservedPhase::Exited {
             code: 0,
             stopped: false,
         },
+        later,
     );
     s.apply_observed(&n, &done, later).await.unwrap();
     let i = s.instance(&id).await.unwrap();
@@ -948,7 +955,7 @@ async fn an_exit_seen_before_running_still_counts_as_run(s: &Store) {
         stopped: false,
     };
     assert_eq!(
-        s.apply_observed(&n, &observed(&id, exited), later)
+        s.apply_observed(&n, &seen(&id, exited, later), later)
             .await
             .unwrap(),
         Applied::Changed
@@ -962,5 +969,81 @@ async fn an_exit_seen_before_running_still_counts_as_run(s: &Store) {
     assert!(
         to_meter.iter().any(|(i, _)| i.id == id),
         "a command that ran is metered"
+    );
+}
+
+/// The time a node says a phase began (an executor reports its engine's
+/// start and end times) is when the instance entered it, so usage is
+/// metered from it; kept between the instance's last change and now, and
+/// ignored when far outside (a node whose clock is off).
+async fn observed_times_bound_metering(s: &Store) {
+    let t = tenant(s, "clocks").await;
+    let n = node(s, &t, "n1", &[("H100", 4)]).await;
+    let secs = Duration::seconds;
+    let t = &t;
+    let new = |k: u64| async move {
+        let id = InstanceId::generate(9, rnd() ^ u128::from(k));
+        s.create_instance(&id, t, &spec(1, &["H100"]), t0())
+            .await
+            .unwrap();
+        place(s, &id, t0()).await.unwrap();
+        id
+    };
+    let running = ObservedPhase::Running { pid: 1 };
+    let exited = ObservedPhase::Exited {
+        code: 0,
+        stopped: false,
+    };
+    // The engine's times, reported late: both are kept.
+    let a = new(1).await;
+    s.apply_observed(
+        &n,
+        &seen(&a, running.clone(), t0() + secs(3)),
+        t0() + secs(10),
+    )
+    .await
+    .unwrap();
+    s.apply_observed(
+        &n,
+        &seen(&a, exited.clone(), t0() + secs(8)),
+        t0() + secs(20),
+    )
+    .await
+    .unwrap();
+    let i = s.instance(&a).await.unwrap();
+    assert_eq!(
+        (i.started_at, i.finished_at),
+        (Some(t0() + secs(3)), Some(t0() + secs(8)))
+    );
+    // A whole-second engine clock just before the placement: the placement.
+    let b = new(2).await;
+    s.apply_observed(
+        &n,
+        &seen(&b, running.clone(), t0() - secs(1)),
+        t0() + secs(5),
+    )
+    .await
+    .unwrap();
+    assert_eq!(s.instance(&b).await.unwrap().started_at, Some(t0()));
+    // A clock an hour off, either way: the server's time.
+    let c = new(3).await;
+    s.apply_observed(
+        &n,
+        &seen(&c, running.clone(), t0() - secs(3600)),
+        t0() + secs(5),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        s.instance(&c).await.unwrap().started_at,
+        Some(t0() + secs(5))
+    );
+    let d = new(4).await;
+    s.apply_observed(&n, &seen(&d, running, t0() + secs(3600)), t0() + secs(5))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.instance(&d).await.unwrap().started_at,
+        Some(t0() + secs(5))
     );
 }
