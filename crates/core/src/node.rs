@@ -249,4 +249,39 @@ mod tests {
         assert!(parse_simulated_gpus("4xNOPE", &c).is_err());
         assert!(parse_simulated_gpus("", &c).is_err());
     }
+
+    /// Agents from before executors existed send no `executor` and still
+    /// register as agents; agents leave it out, so older servers (whose
+    /// registration refuses unknown fields) still take them; a bridge's
+    /// node says which engine it is.
+    #[test]
+    fn registrations_without_an_executor_are_agents() {
+        use crate::api::RegisterNode;
+        let old = serde_json::json!({
+            "name": "n1", "cpu_milli": 1000, "memory_mb": 1024,
+            "simulated": true, "gpus": []
+        });
+        let r: RegisterNode = serde_json::from_value(old).unwrap();
+        assert_eq!(r.executor, ExecutorKind::Agent);
+        let back = serde_json::to_value(&r).unwrap();
+        assert!(back.get("executor").is_none(), "{back}");
+        let slurm = RegisterNode {
+            executor: ExecutorKind::Slurm,
+            ..r
+        };
+        let v = serde_json::to_value(&slurm).unwrap();
+        assert_eq!(v["executor"], "slurm");
+        let bad = serde_json::json!({
+            "name": "n1", "cpu_milli": 1, "memory_mb": 1, "simulated": true,
+            "gpus": [], "executor": "nomad"
+        });
+        assert!(serde_json::from_value::<RegisterNode>(bad).is_err());
+        for k in [
+            ExecutorKind::Agent,
+            ExecutorKind::Slurm,
+            ExecutorKind::Kubernetes,
+        ] {
+            assert_eq!(ExecutorKind::parse(k.as_str()), Some(k));
+        }
+    }
 }
