@@ -346,6 +346,23 @@ impl SlurmExecutor {
                 }
             }
         }
+        // What the server no longer lists for this node is done with for
+        // good (an instance id is never assigned again once dropped; a
+        // requeue makes a new instance): forget it.
+        {
+            let assigned = |id: &InstanceId| assignments.iter().any(|a| &a.instance_id == id);
+            let mut local = self.local();
+            local
+                .submitted
+                .retain(|id, (n, _)| n != node || assigned(id));
+            local
+                .failed
+                .retain(|id, (n, _, _)| n != node || assigned(id));
+            let on_node: HashSet<InstanceId> = existing.keys().cloned().collect();
+            local
+                .logs
+                .retain(|id, _| !on_node.contains(id) || assigned(id));
+        }
         match first_error {
             Some(e) => Err(e),
             None => Ok(()),
