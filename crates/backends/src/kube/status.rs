@@ -1,0 +1,184 @@
+//! A pod's status as the agent protocol's [`ObservedInstance`]. Pure.
+//!
+//! | Pod                                          | Observed                       |
+//! |----------------------------------------------|--------------------------------|
+//! | `Pending`, waiting to pull / create          | `starting` (the reason as message) |
+//! | `Pending`, waiting on a bad image or config  | `failed_to_start`              |
+//! | `Failed` before the container ran (rejected by the kubelet, e.g. `OutOfnvidia.com/gpu`) | `failed_to_start` |
+//! | `Running`                                    | `running` (since the container started) |
+//! | `Succeeded` / `Failed` after running         | `exited` with the exit code, at its finish |
+//!
+//! Usage is metered from these times, so they are the pod's own (the
+//! container's `startedAt` and `finishedAt`), not when the watch saw them.
+
+use chrono::{DateTime, Utc};
+use flotilla_core::api::{ObservedContainer, ObservedInstance, ObservedPhase};
+use flotilla_core::id::InstanceId;
+use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use super::pods::{CONTAINER, LABEL_INSTANCE};
+
+/// Waiting reasons that do not clear without a new pod: the image cannot
+/// be pulled or the container cannot be created as specified.
+const FATAL_WAITING: &[&str] = &[
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+];
+
+/// Exit code reported when a pod vanished without a container exit code:
+/// SIGKILL (128 + 9), as the agent reports a killed process.
+pub const KILLED: i32 = 137;
+/// Exit code of a requested stop whose pod vanished before reporting one:
+/// SIGTERM (128 + 15).
+pub const TERMINATED: i32 = 143;
+
+/// The instance a Flotilla pod runs, from its label.
+pub fn instance_of(pod: &Pod) -> Option<InstanceId> {
+    let v = pod.metadata.labels.as_ref()?.get(LABEL_INSTANCE)?;
+    InstanceId::parse(v, LABEL_INSTANCE).ok()
+}
+
+/// The node a pod is bound to.
+pub fn node_of(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.node_name.as_deref()
+}
+
+/// Converts an API time.
+pub fn time(t: &Time) -> DateTime<Utc> {
+    let ts = t.0;
+    DateTime::from_timestamp(
+        ts.as_second(),
+        u32::try_from(ts.subsec_nanosecond()).unwrap_or(0),
+    )
+    .unwrap_or_default()
+}
+
+fn main_status(pod: &Pod) -> Option<&ContainerStatus> {
+    pod.status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .iter()
+        .find(|c| c.name == CONTAINER)
+}
+
+/// What the pod says of its instance. `stopped`: the executor deleted it
+/// because the server asked for a stop. `seen`: when the watch saw this
+/// version, for phases the pod carries no time for.
+pub fn observe(pod: &Pod, stopped: bool, seen: DateTime<Utc>) -> Option<ObservedInstance> {
+    let instance_id = instance_of(pod)?;
+    let status = pod.status.as_ref();
+    let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
+    let created = pod.metadata.creation_timestamp.as_ref().map(time);
+    let started = status.and_then(|s| s.start_time.as_ref()).map(time);
+    let main = main_status(pod);
+    let state = main.and_then(|c| c.state.as_ref());
+    let container = main.and_then(|c| {
+        c.container_id.as_ref().map(|id| ObservedContainer {
+            container_id: id.clone(),
+            ports: vec![],
+            cold_start: None,
+            oom_killed: c
+                .state
+                .as_ref()
+                .and_then(|s| s.terminated.as_ref())
+                .and_then(|t| t.reason.as_deref())
+                == Some("OOMKilled"),
+        })
+    });
+    let pod_reason = status.and_then(|s| s.reason.clone());
+    let pod_message = status.and_then(|s| s.message.clone());
+
+    let (phase, at, message) = if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
+        let at = t.finished_at.as_ref().map(time).unwrap_or(seen);
+        (
+            ObservedPhase::Exited {
+                code: t.exit_code,
+                stopped,
+            },
+            at,
+            t.reason.clone(),
+        )
+    } else if let Some(r) = state.and_then(|s| s.running.as_ref()) {
+        let at = r.started_at.as_ref().map(time).or(started).unwrap_or(seen);
+        (ObservedPhase::Running { pid: 0 }, at, None)
+    } else if phase == "Failed" || phase == "Succeeded" {
+        // Ended without a container that ran: the kubelet refused it
+        // (`OutOfnvidia.com/gpu`, `UnexpectedAdmissionError`) or evicted it
+        // before its container started.
+        let reason = match (&pod_reason, &pod_message) {
+            (Some(r), Some(m)) => format!("{r}: {m}"),
+            (Some(r), None) => r.clone(),
+            (None, Some(m)) => m.clone(),
+            (None, None) => format!("pod {phase} before its container started"),
+        };
+        (ObservedPhase::FailedToStart { reason }, seen, None)
+    } else if let Some(w) = state.and_then(|s| s.waiting.as_ref()) {
+        let reason = w.reason.clone().unwrap_or_default();
+        let text = match &w.message {
+            Some(m) => format!("{reason}: {m}"),
+            None => reason.clone(),
+        };
+        if FATAL_WAITING.contains(&reason.as_str()) {
+            (ObservedPhase::FailedToStart { reason: text }, seen, None)
+        } else {
+            (ObservedPhase::Starting, created.unwrap_or(seen), Some(text))
+        }
+    } else {
+        // Not bound or not started yet: the scheduler's condition says why.
+        let unscheduled = status
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| {
+                cs.iter()
+                    .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+            })
+            .and_then(|c| c.message.clone());
+        (
+            ObservedPhase::Starting,
+            created.unwrap_or(seen),
+            unscheduled,
+        )
+    };
+    Some(ObservedInstance {
+        instance_id,
+        phase,
+        at,
+        message,
+        container,
+    })
+}
+
+/// The last word on a pod that is gone: its final status when it had
+/// ended, else an exit as a killed process (143 when Flotilla stopped it,
+/// 137 when something else deleted it: an eviction, a person, a drained
+/// node), at the time of deletion.
+pub fn tombstone(pod: &Pod, stopped: bool, seen: DateTime<Utc>) -> Option<ObservedInstance> {
+    let mut o = observe(pod, stopped, seen)?;
+    match o.phase {
+        ObservedPhase::Exited { .. } | ObservedPhase::FailedToStart { .. } => {}
+        ObservedPhase::Starting | ObservedPhase::Running { .. } => {
+            o.phase = ObservedPhase::Exited {
+                code: if stopped { TERMINATED } else { KILLED },
+                stopped,
+            };
+            o.at = pod
+                .metadata
+                .deletion_timestamp
+                .as_ref()
+                .map(time)
+                .unwrap_or(seen);
+            o.message = Some(if stopped {
+                "pod deleted on request".into()
+            } else {
+                "pod deleted outside Flotilla".into()
+            });
+        }
+    }
+    Some(o)
+}
