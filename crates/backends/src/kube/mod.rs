@@ -668,7 +668,10 @@ impl KubeExecutor {
                 st.staged.get(&key).and_then(|g| {
                     let sample = g.values().next()?;
                     let expected = self.expected_members(&sample.assignment, &st);
-                    (g.len() >= expected).then(|| {
+                    // Members whose pods exist already (an earlier life
+                    // of the executor created the gang) count as there.
+                    let existing = existing_members(&st, &key);
+                    (g.len() + existing >= expected).then(|| {
                         let mut members: Vec<Staged> = g.values().cloned().collect();
                         members.sort_by_key(|m| {
                             m.assignment
@@ -954,6 +957,20 @@ impl KubeExecutor {
         }
         Ok(out)
     }
+}
+
+/// How many pods of the job attempt `key` exist.
+fn existing_members(st: &State, key: &(String, String)) -> usize {
+    st.pods
+        .values()
+        .filter(|(p, _)| {
+            let Some(labels) = p.metadata.labels.as_ref() else {
+                return false;
+            };
+            labels.get(pods::LABEL_JOB) == Some(&key.0)
+                && labels.get(pods::LABEL_ATTEMPT).cloned().unwrap_or_default() == key.1
+        })
+        .count()
 }
 
 /// Why creating a pod failed.

@@ -36,6 +36,8 @@ pub const LABEL_TENANT: &str = "flotilla.dev/tenant";
 pub const LABEL_JOB: &str = "flotilla.dev/job";
 /// The job member's rank.
 pub const LABEL_RANK: &str = "flotilla.dev/rank";
+/// The job attempt a member pod was started for.
+pub const LABEL_ATTEMPT: &str = "flotilla.dev/attempt";
 /// The one container of a Flotilla pod.
 pub const CONTAINER: &str = "main";
 /// Name of each tenant namespace's quota and network policy.
@@ -102,6 +104,9 @@ pub fn pod_for(
     }
     if let Some(rank) = a.env.get("FLOTILLA_JOB_RANK") {
         labels.insert(LABEL_RANK.into(), rank.clone());
+    }
+    if let Some(attempt) = a.env.get("FLOTILLA_JOB_ATTEMPT") {
+        labels.insert(LABEL_ATTEMPT.into(), attempt.clone());
     }
 
     let mut limits: BTreeMap<String, Quantity> = BTreeMap::new();

@@ -44,9 +44,16 @@ pub fn instance_of(pod: &Pod) -> Option<InstanceId> {
     InstanceId::parse(v, LABEL_INSTANCE).ok()
 }
 
-/// The node a pod is bound to.
+/// The node a pod is bound to, or pinned to by a hostname selector while
+/// it waits for the scheduler.
 pub fn node_of(pod: &Pod) -> Option<&str> {
-    pod.spec.as_ref()?.node_name.as_deref()
+    let spec = pod.spec.as_ref()?;
+    spec.node_name.as_deref().or_else(|| {
+        spec.node_selector
+            .as_ref()?
+            .get("kubernetes.io/hostname")
+            .map(String::as_str)
+    })
 }
 
 /// Converts an API time.
@@ -181,4 +188,151 @@ pub fn tombstone(pod: &Pod, stopped: bool, seen: DateTime<Utc>) -> Option<Observ
         }
     }
     Some(o)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{
+        ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStateWaiting,
+        PodSpec, PodStatus,
+    };
+    use k8s_openapi::jiff::Timestamp;
+    use std::collections::BTreeMap;
+
+    const ID: &str = "inst_01jd3x7k2q9v8m4n6p5r0s1t2w";
+
+    fn pod(phase: &str, state: Option<ContainerState>) -> Pod {
+        let mut p = Pod::default();
+        p.metadata.labels = Some(BTreeMap::from([(
+            LABEL_INSTANCE.to_string(),
+            ID.to_string(),
+        )]));
+        p.metadata.creation_timestamp = Some(Time(Timestamp::from_second(1_700_000_000).unwrap()));
+        p.spec = Some(PodSpec {
+            node_name: Some("n1".into()),
+            ..Default::default()
+        });
+        p.status = Some(PodStatus {
+            phase: Some(phase.into()),
+            container_statuses: state.map(|s| {
+                vec![ContainerStatus {
+                    name: CONTAINER.into(),
+                    container_id: Some("containerd://abc".into()),
+                    state: Some(s),
+                    ..Default::default()
+                }]
+            }),
+            ..Default::default()
+        });
+        p
+    }
+
+    fn seen() -> DateTime<Utc> {
+        DateTime::from_timestamp(1_700_000_500, 0).unwrap()
+    }
+
+    #[test]
+    fn a_bad_image_fails_to_start_and_a_pull_in_progress_is_starting() {
+        let waiting = |reason: &str| ContainerState {
+            waiting: Some(ContainerStateWaiting {
+                reason: Some(reason.into()),
+                message: Some("rpc error: not found".into()),
+            }),
+            ..Default::default()
+        };
+        let o = observe(
+            &pod("Pending", Some(waiting("ImagePullBackOff"))),
+            false,
+            seen(),
+        )
+        .unwrap();
+        assert_eq!(
+            o.phase,
+            ObservedPhase::FailedToStart {
+                reason: "ImagePullBackOff: rpc error: not found".into()
+            }
+        );
+        let o = observe(
+            &pod("Pending", Some(waiting("ContainerCreating"))),
+            false,
+            seen(),
+        )
+        .unwrap();
+        assert_eq!(o.phase, ObservedPhase::Starting);
+        assert_eq!(
+            o.at,
+            DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+            "since creation"
+        );
+    }
+
+    #[test]
+    fn an_oom_kill_is_an_exit_with_the_flag() {
+        let st = ContainerState {
+            terminated: Some(ContainerStateTerminated {
+                exit_code: 137,
+                reason: Some("OOMKilled".into()),
+                finished_at: Some(Time(Timestamp::from_second(1_700_000_100).unwrap())),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let o = observe(&pod("Failed", Some(st)), false, seen()).unwrap();
+        assert_eq!(
+            o.phase,
+            ObservedPhase::Exited {
+                code: 137,
+                stopped: false
+            }
+        );
+        assert!(o.container.unwrap().oom_killed);
+        assert_eq!(o.at, DateTime::from_timestamp(1_700_000_100, 0).unwrap());
+    }
+
+    #[test]
+    fn a_running_pod_that_vanishes_was_killed_unless_flotilla_stopped_it() {
+        let running = ContainerState {
+            running: Some(ContainerStateRunning {
+                started_at: Some(Time(Timestamp::from_second(1_700_000_050).unwrap())),
+            }),
+            ..Default::default()
+        };
+        let p = pod("Running", Some(running));
+        let o = observe(&p, false, seen()).unwrap();
+        assert_eq!(o.phase, ObservedPhase::Running { pid: 0 });
+        assert_eq!(o.at, DateTime::from_timestamp(1_700_000_050, 0).unwrap());
+        let gone = tombstone(&p, false, seen()).unwrap();
+        assert_eq!(
+            gone.phase,
+            ObservedPhase::Exited {
+                code: KILLED,
+                stopped: false
+            }
+        );
+        let stopped = tombstone(&p, true, seen()).unwrap();
+        assert_eq!(
+            stopped.phase,
+            ObservedPhase::Exited {
+                code: TERMINATED,
+                stopped: true
+            }
+        );
+    }
+
+    #[test]
+    fn a_pod_waiting_for_the_scheduler_belongs_to_its_selected_node() {
+        let mut p = pod("Pending", None);
+        p.spec = Some(PodSpec {
+            node_selector: Some(BTreeMap::from([(
+                "kubernetes.io/hostname".to_string(),
+                "n2".to_string(),
+            )])),
+            ..Default::default()
+        });
+        assert_eq!(node_of(&p), Some("n2"));
+        let o = observe(&p, false, seen()).unwrap();
+        assert_eq!(o.phase, ObservedPhase::Starting);
+        assert!(instance_of(&Pod::default()).is_none());
+    }
 }
