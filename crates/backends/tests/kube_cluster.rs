@@ -51,10 +51,10 @@ where
 #[ignore = "needs a cluster"]
 async fn a_pod_runs_to_completion_with_its_logs_and_is_cleaned_up() {
     let ex = KubeExecutor::connect(KubeConfig::default()).await.unwrap();
+    until("the pod watch", || async { ex.synced().then_some(()) }).await;
     let nodes = ex.inventory().await.unwrap();
     assert!(!nodes.is_empty(), "the cluster has no Ready node");
     let node = nodes[0].name.clone();
-    until("the pod watch", || async { ex.synced().then_some(()) }).await;
 
     let instance = InstanceId::parse(&unique_id("inst_"), "instance_id").unwrap();
     let tenant = TenantId::parse(&unique_id("ten_"), "tenant_id").unwrap();
@@ -117,8 +117,8 @@ async fn a_pod_runs_to_completion_with_its_logs_and_is_cleaned_up() {
 #[ignore = "needs a cluster"]
 async fn a_stopped_pod_reports_a_requested_stop() {
     let ex = KubeExecutor::connect(KubeConfig::default()).await.unwrap();
-    let node = ex.inventory().await.unwrap()[0].name.clone();
     until("the pod watch", || async { ex.synced().then_some(()) }).await;
+    let node = ex.inventory().await.unwrap()[0].name.clone();
     let instance = InstanceId::parse(&unique_id("inst_"), "instance_id").unwrap();
     let mut a = Assignment {
         instance_id: instance.clone(),

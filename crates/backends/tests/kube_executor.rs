@@ -122,9 +122,10 @@ async fn inventory_reads_gpu_and_mig_nodes() {
         "/api/v1/nodes",
         Reply::Json(200, fixture("nodes.json")),
     );
-    fake.on("GET", PODS, Reply::Json(200, fixture("pods-empty.json")));
+    fake.on("GET", PODS, Reply::Json(200, fixture("pods-list.json")));
     let ex = KubeExecutor::new(fake.client(), KubeConfig::default());
     assert_eq!(ex.kind(), flotilla_core::node::ExecutorKind::Kubernetes);
+    synced(&ex).await;
 
     let nodes = ex.inventory().await.unwrap();
     let names: Vec<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
@@ -146,6 +147,8 @@ async fn inventory_reads_gpu_and_mig_nodes() {
     assert_eq!(h100.memory_mb, 2_085_388_576 / 1024);
     assert_eq!(h100.runtime, flotilla_core::node::RuntimeKind::Container);
     assert!(!h100.simulated);
+    // What it still runs, so that registering again fails nothing there.
+    assert_eq!(h100.running, vec![id(A), id(B)]);
 
     // Mixed strategy: one whole GPU, one in MIG mode (7 x 1g.10gb).
     let mig = &nodes[1];
@@ -156,6 +159,7 @@ async fn inventory_reads_gpu_and_mig_nodes() {
         .all(|g| g.model == "A100-80GB" && g.memory_mib == 81920));
     assert!(!mig.gpus[0].mig_mode);
     assert!(mig.gpus[1].mig_mode);
+    assert!(mig.running.is_empty());
     assert_eq!(mig.pool, None);
     assert_eq!(mig.region.as_deref(), Some("eu-west"));
 
@@ -169,6 +173,7 @@ async fn inventory_reads_gpu_and_mig_nodes() {
         ..KubeConfig::default()
     };
     let ex = KubeExecutor::new(fake.client(), config);
+    synced(&ex).await;
     ex.inventory().await.unwrap();
     let lists = fake.requests_to("GET", "/api/v1/nodes");
     assert!(
@@ -318,8 +323,8 @@ async fn a_gang_whose_second_pod_is_refused_leaves_no_pod_behind() {
         Reply::Json(200, fixture("pod-rank0-deleted.json")),
     );
     let ex = KubeExecutor::new(fake.client(), KubeConfig::default());
-    ex.inventory().await.unwrap();
     synced(&ex).await;
+    ex.inventory().await.unwrap();
     let nodes = "gpu-h100-0,gpu-a100-mig-0";
 
     // Rank 0 alone is held: its peer has not been assigned yet.
@@ -415,8 +420,8 @@ async fn a_member_whose_peers_run_elsewhere_is_not_held() {
         Reply::Json(201, fixture("pod-created-rank0.json")),
     );
     let ex = KubeExecutor::new(fake.client(), KubeConfig::default());
-    ex.inventory().await.unwrap();
     synced(&ex).await;
+    ex.inventory().await.unwrap();
     // Rank 1 runs on an agent node, not on this cluster.
     ex.apply("gpu-h100-0", &[member(RANK0, 0, "gpu-h100-0,agent-7")])
         .await
@@ -653,13 +658,9 @@ async fn api_errors_surface_as_executor_errors() {
         "/api/v1/nodes",
         Reply::Json(503, fixture("status-unavailable-503.json")),
     );
-    // The pod list fails too: the executor must not pretend nothing runs.
-    fake.on(
-        "GET",
-        PODS,
-        Reply::Json(503, fixture("status-unavailable-503.json")),
-    );
+    fake.on("GET", PODS, Reply::Json(200, fixture("pods-empty.json")));
     let ex = KubeExecutor::new(fake.client(), KubeConfig::default());
+    synced(&ex).await;
 
     match ex.inventory().await.unwrap_err() {
         e @ ExecutorError::Refused { .. } => {
@@ -682,23 +683,40 @@ async fn api_errors_surface_as_executor_errors() {
         }
         other => panic!("{other:?}"),
     }
-    // Give the watch time to have tried (and failed) its list.
+    assert_eq!(
+        fake.requests_to("GET", "/api/v1/nodes").len(),
+        2,
+        "a 503 is answered at once, not retried inside the call"
+    );
+
+    // The pod list fails: the executor must not pretend nothing runs.
+    let down = FakeKube::start().await;
+    down.on(
+        "GET",
+        PODS,
+        Reply::Json(503, fixture("status-unavailable-503.json")),
+    );
+    down.on(
+        "GET",
+        "/api/v1/nodes",
+        Reply::Json(200, fixture("nodes.json")),
+    );
+    let ex = KubeExecutor::new(down.client(), KubeConfig::default());
     wait_for("the watch's failed list", || async {
-        (!fake.requests_to("GET", PODS).is_empty()).then_some(())
+        (!down.requests_to("GET", PODS).is_empty()).then_some(())
     })
     .await;
-    assert!(matches!(
+    for e in [
         ex.observe("gpu-h100-0").await.unwrap_err(),
-        ExecutorError::Unavailable { .. }
-    ));
-    assert!(matches!(
         ex.apply("gpu-h100-0", &[assignment(A, 1)])
             .await
             .unwrap_err(),
-        ExecutorError::Unavailable { .. }
-    ));
+        ex.inventory().await.unwrap_err(),
+    ] {
+        assert!(matches!(e, ExecutorError::Unavailable { .. }), "{e:?}");
+    }
 
-    // Nobody listening at all.
+    // Nobody listening at all: the watch never lists.
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}", l.local_addr().unwrap())

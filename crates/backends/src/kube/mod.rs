@@ -441,7 +441,14 @@ impl KubeExecutor {
                 Ok(())
             }
             Err(e) if is_status(&e, 409) => Ok(()),
-            Err(e) => Err(CreateError::Api(e)),
+            Err(e) => {
+                if is_status(&e, 404) {
+                    // The namespace was deleted behind our back: set it up
+                    // again next time.
+                    self.lock().namespaces.remove(&ns);
+                }
+                Err(CreateError::Api(e))
+            }
         }
     }
 
@@ -516,7 +523,12 @@ impl KubeExecutor {
             let orphans: Vec<(String, InstanceId)> = st
                 .pods
                 .iter()
-                .filter(|(id, (p, _))| status::node_of(p) == Some(node) && !wanted.contains(id))
+                .filter(|(id, (p, _))| {
+                    // Already being deleted: asking again changes nothing.
+                    status::node_of(p) == Some(node)
+                        && !wanted.contains(id)
+                        && p.metadata.deletion_timestamp.is_none()
+                })
                 .filter_map(|(id, (p, _))| Some((p.metadata.namespace.clone()?, id.clone())))
                 .collect();
             let forgotten: Vec<InstanceId> = st
@@ -831,6 +843,9 @@ impl KubeExecutor {
     }
 
     async fn inventory_inner(&self) -> Result<Vec<RegisterNode>, ExecutorError> {
+        // Registration names the instances a node still runs (the server
+        // fails every other one it had there), so it waits for the watch.
+        self.require_synced()?;
         let mut lp = ListParams::default();
         if let Some(sel) = &self.config.node_selector {
             lp = lp.labels(sel);
@@ -840,9 +855,26 @@ impl KubeExecutor {
             .await
             .map_err(map_error)?;
         let mut out = Vec::new();
+        let now = Utc::now();
         for node in &list.items {
             match inventory::register(node, &self.config, &self.catalog) {
-                Ok(r) => out.push(r),
+                Ok(mut r) => {
+                    let st = self.lock();
+                    r.running = st
+                        .pods
+                        .iter()
+                        .filter(|(_, (p, _))| status::node_of(p) == Some(r.name.as_str()))
+                        .filter(|(id, (p, _))| {
+                            matches!(
+                                status::observe(p, st.stopping.contains(*id), now).map(|o| o.phase),
+                                Some(ObservedPhase::Starting | ObservedPhase::Running { .. })
+                            )
+                        })
+                        .map(|(id, _)| id.clone())
+                        .collect();
+                    r.running.sort();
+                    out.push(r)
+                }
                 Err(skip) => {
                     tracing::debug!(node = ?node.metadata.name, ?skip, "node left out of the inventory")
                 }
