@@ -12,7 +12,7 @@
 //! container's `startedAt` and `finishedAt`), not when the watch saw them.
 
 use chrono::{DateTime, Utc};
-use flotilla_core::api::{ObservedContainer, ObservedInstance, ObservedPhase};
+use flotilla_core::api::{ObservedContainer, ObservedInstance, ObservedPhase, PublishedPort};
 use flotilla_core::id::InstanceId;
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -75,6 +75,36 @@ fn main_status(pod: &Pod) -> Option<&ContainerStatus> {
         .find(|c| c.name == CONTAINER)
 }
 
+/// The container's declared ports at the pod's IP: pods are reached
+/// directly on the cluster network (as far as the tenant namespace's
+/// network policy lets them), so the "host" port is the container port.
+fn published_ports(pod: &Pod) -> Vec<PublishedPort> {
+    let Some(ip) = pod.status.as_ref().and_then(|s| s.pod_ip.as_deref()) else {
+        return vec![];
+    };
+    let host = if ip.contains(':') {
+        format!("[{ip}]")
+    } else {
+        ip.to_string()
+    };
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.containers.iter().find(|c| c.name == CONTAINER))
+        .and_then(|c| c.ports.as_ref())
+        .map(|ports| {
+            ports
+                .iter()
+                .filter_map(|p| u16::try_from(p.container_port).ok())
+                .map(|port| PublishedPort {
+                    container_port: port,
+                    host_port: port,
+                    url: format!("http://{host}:{port}"),
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// What the pod says of its instance. `stopped`: the executor deleted it
 /// because the server asked for a stop. `seen`: when the watch saw this
 /// version, for phases the pod carries no time for.
@@ -86,10 +116,11 @@ pub fn observe(pod: &Pod, stopped: bool, seen: DateTime<Utc>) -> Option<Observed
     let started = status.and_then(|s| s.start_time.as_ref()).map(time);
     let main = main_status(pod);
     let state = main.and_then(|c| c.state.as_ref());
+    let ports = published_ports(pod);
     let container = main.and_then(|c| {
         c.container_id.as_ref().map(|id| ObservedContainer {
             container_id: id.clone(),
-            ports: vec![],
+            ports: ports.clone(),
             cold_start: None,
             oom_killed: c
                 .state
@@ -318,6 +349,27 @@ mod tests {
                 stopped: true
             }
         );
+    }
+
+    #[test]
+    fn a_running_pod_publishes_its_ports_at_its_ip() {
+        let running = ContainerState {
+            running: Some(ContainerStateRunning { started_at: None }),
+            ..Default::default()
+        };
+        let mut p = pod("Running", Some(running));
+        p.spec.as_mut().unwrap().containers = vec![k8s_openapi::api::core::v1::Container {
+            name: CONTAINER.into(),
+            ports: Some(vec![k8s_openapi::api::core::v1::ContainerPort {
+                container_port: 8000,
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }];
+        p.status.as_mut().unwrap().pod_ip = Some("10.244.1.23".into());
+        let c = observe(&p, false, seen()).unwrap().container.unwrap();
+        assert_eq!(c.ports.len(), 1);
+        assert_eq!(c.ports[0].url, "http://10.244.1.23:8000");
     }
 
     #[test]
