@@ -174,6 +174,16 @@ fn the_server_reads_its_database_url_from_a_secret_and_runs_unprivileged() {
         .unwrap();
     assert!(db["value"].is_null(), "never in clear");
     assert!(db["valueFrom"]["secretKeyRef"].is_object());
+    let key = env
+        .iter()
+        .find(|e| e["name"] == "FLOTILLA_SECRETS_KEY")
+        .unwrap();
+    assert!(key["value"].is_null() && key["valueFrom"]["secretKeyRef"].is_object());
+    let mounts = c["volumeMounts"].as_array().unwrap();
+    assert!(
+        mounts.iter().any(|m| m["mountPath"] == "/tmp"),
+        "a writable /tmp on a read-only root"
+    );
 
     let values: Value =
         serde_saphyr::from_str(&std::fs::read_to_string(chart().join("values.yaml")).unwrap())
