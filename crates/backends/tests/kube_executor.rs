@@ -99,6 +99,10 @@ fn serve_tenancy(fake: &FakeKube) {
     );
 }
 
+fn c_security(pod: &serde_json::Value) -> &serde_json::Value {
+    &pod["spec"]["containers"][0]["securityContext"]
+}
+
 async fn synced(ex: &KubeExecutor) {
     wait_for("the pod watch's first list", || async {
         ex.synced().then_some(())
@@ -204,6 +208,10 @@ async fn a_pod_is_created_on_the_placed_node_with_its_gpu_limits() {
     assert!(ns[0].has_param("fieldManager", "flotilla") && ns[0].has_param("force", "true"));
     let ns_body = ns[0].body.as_ref().unwrap();
     assert_eq!(ns_body["metadata"]["labels"]["flotilla.dev/tenant"], TENANT);
+    assert_eq!(
+        ns_body["metadata"]["labels"]["pod-security.kubernetes.io/enforce"],
+        "baseline"
+    );
     let quota = &fake.requests_to(
         "PATCH",
         &format!("/api/v1/namespaces/{NS}/resourcequotas/flotilla-tenant"),
@@ -240,6 +248,11 @@ async fn a_pod_is_created_on_the_placed_node_with_its_gpu_limits() {
     assert_eq!(pod["spec"]["nodeName"], "gpu-h100-0");
     assert_eq!(pod["spec"]["restartPolicy"], "Never");
     assert_eq!(pod["spec"]["automountServiceAccountToken"], false);
+    assert_eq!(
+        pod["spec"]["securityContext"]["seccompProfile"]["type"],
+        "RuntimeDefault"
+    );
+    assert_eq!(c_security(pod)["allowPrivilegeEscalation"], false);
     assert_eq!(pod["spec"]["terminationGracePeriodSeconds"], 30);
     let c = &pod["spec"]["containers"][0];
     assert_eq!(c["image"], "nvcr.io/nvidia/pytorch:24.05-py3");

@@ -10,8 +10,8 @@ use flotilla_core::id::{InstanceId, TenantId};
 use flotilla_core::instance::SCRATCH_DIR;
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, LocalObjectReference,
-    Namespace, Pod, PodSpec, ResourceQuota, ResourceQuotaSpec, ResourceRequirements, Secret,
-    SecurityContext, Toleration, Volume, VolumeMount,
+    Namespace, Pod, PodSecurityContext, PodSpec, ResourceQuota, ResourceQuotaSpec,
+    ResourceRequirements, SeccompProfile, Secret, SecurityContext, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicySpec,
@@ -234,6 +234,13 @@ pub fn pod_for(
             termination_grace_period_seconds: Some(grace_s),
             // Tenant work gets no Kubernetes API credentials.
             automount_service_account_token: Some(false),
+            security_context: Some(PodSecurityContext {
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
             enable_service_links: Some(false),
             image_pull_secrets: a.registry_auth.as_ref().map(|_| {
                 vec![LocalObjectReference {
@@ -293,9 +300,18 @@ pub fn pull_secret(a: &Assignment, namespace: &str) -> Option<Secret> {
     })
 }
 
-/// A tenant's namespace, labelled so that policies can select it.
+/// A tenant's namespace, labelled so that policies can select it, and
+/// under Pod Security admission's `baseline` level: whatever creates pods
+/// there (a bug, a person with access), none may be privileged, share the
+/// host's namespaces or mount its paths. Flotilla's pods meet it.
 pub fn namespace(name: &str, tenant: Option<&TenantId>) -> Namespace {
-    let mut labels = BTreeMap::from([(LABEL_MANAGED_BY.to_string(), MANAGED_BY.to_string())]);
+    let mut labels = BTreeMap::from([
+        (LABEL_MANAGED_BY.to_string(), MANAGED_BY.to_string()),
+        (
+            "pod-security.kubernetes.io/enforce".to_string(),
+            "baseline".to_string(),
+        ),
+    ]);
     if let Some(t) = tenant {
         labels.insert(LABEL_TENANT.into(), t.as_str().into());
     }
