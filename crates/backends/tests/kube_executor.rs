@@ -289,6 +289,54 @@ async fn a_pod_is_created_on_the_placed_node_with_its_gpu_limits() {
 }
 
 #[tokio::test]
+async fn a_private_image_gets_a_pull_secret_named_like_its_pod() {
+    let fake = FakeKube::start().await;
+    fake.on("GET", PODS, Reply::Json(200, fixture("pods-empty.json")));
+    serve_tenancy(&fake);
+    let secret =
+        format!("/api/v1/namespaces/{NS}/secrets/flotilla-inst-01jd3x7k2q9v8m4n6p5r0s1t2w");
+    fake.on(
+        "PATCH",
+        &secret,
+        Reply::Json(200, fixture("secret-pull.json")),
+    );
+    fake.on(
+        "POST",
+        &format!("/api/v1/namespaces/{NS}/pods"),
+        Reply::Json(201, fixture("pod-created.json")),
+    );
+    let ex = KubeExecutor::new(fake.client(), KubeConfig::default());
+    synced(&ex).await;
+    let mut a = assignment(A, 1);
+    a.image.as_mut().unwrap().image = "registry.example.com/acme/train:7".into();
+    a.registry_auth = Some(flotilla_core::registry::RegistryAuth {
+        registry: "registry.example.com".into(),
+        username: "acme".into(),
+        secret: "s3cret".into(),
+    });
+    ex.apply("gpu-h100-0", &[a]).await.unwrap();
+
+    let put = &fake.requests_to("PATCH", &secret)[0];
+    let body = put.body.as_ref().unwrap();
+    assert_eq!(body["type"], "kubernetes.io/dockerconfigjson");
+    let config: serde_json::Value =
+        serde_json::from_str(body["stringData"][".dockerconfigjson"].as_str().unwrap()).unwrap();
+    assert_eq!(config["auths"]["registry.example.com"]["username"], "acme");
+    assert_eq!(
+        config["auths"]["registry.example.com"]["password"],
+        "s3cret"
+    );
+    let pod = fake.requests_to("POST", &format!("/api/v1/namespaces/{NS}/pods"))[0]
+        .body
+        .clone()
+        .unwrap();
+    assert_eq!(
+        pod["spec"]["imagePullSecrets"],
+        serde_json::json!([{"name": "flotilla-inst-01jd3x7k2q9v8m4n6p5r0s1t2w"}])
+    );
+}
+
+#[tokio::test]
 async fn a_pod_that_already_exists_counts_as_created() {
     // A restarted executor's first round: the pod was created by its
     // previous life and the watch has not shown it yet.
