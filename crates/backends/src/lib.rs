@@ -13,6 +13,8 @@
 
 pub mod bridge;
 pub mod executor;
+#[cfg(feature = "kubernetes")]
+pub mod kube;
 pub mod slurm;
 
 pub use executor::{Executor, ExecutorError};
