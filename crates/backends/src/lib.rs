@@ -20,5 +20,7 @@
 
 pub mod capacity;
 pub mod executor;
+#[cfg(feature = "kubernetes")]
+pub mod kube;
 
 pub use executor::{Executor, ExecutorError};
