@@ -18,6 +18,7 @@ mod follow;
 mod gateway;
 mod jobs;
 mod local;
+mod nodepools;
 mod output;
 mod queue_worker;
 mod registries;
