@@ -161,6 +161,7 @@ async fn join_and_register(live: &OnClock, token: &str) -> (String, String) {
             .collect(),
         agent_version: "test".into(),
         runtime: RuntimeKind::Process,
+        executor: Default::default(),
         running: Vec::new(),
     };
     let (status, reg) = live

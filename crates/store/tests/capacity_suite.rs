@@ -143,6 +143,7 @@ async fn machines_move_through_their_states(s: &Store) {
         gpus: Vec::new(),
         agent_version: "test".into(),
         runtime: Default::default(),
+        executor: Default::default(),
         running: Vec::new(),
     };
     let node = s
