@@ -20,6 +20,30 @@ pub enum ExecutorCommand {
     /// Offer a Slurm cluster's nodes through slurmrestd: placed work runs
     /// as Slurm batch jobs pinned to the node and GPUs Flotilla chose.
     Slurm(SlurmArgs),
+    /// Offer a Kubernetes cluster's GPU nodes through its API server:
+    /// placed work runs as Pods pinned to the node Flotilla chose, in one
+    /// namespace per tenant (needs the `kubernetes` build feature, on by
+    /// default).
+    Kubernetes(KubernetesArgs),
+}
+
+/// `flotilla executor kubernetes`.
+#[derive(Debug, Args)]
+pub struct KubernetesArgs {
+    /// Provider or operator key the nodes register with (the server's
+    /// `agent.token`, as for agents).
+    #[arg(long, env = "FLOTILLA_AGENT_TOKEN", hide_env_values = true)]
+    pub token: String,
+    /// The executor's configuration: a JSON file with the fields of
+    /// `KubeConfig` (node selector, pool label, tenant quota, pinning; see
+    /// docs/executors.md); every field has a default, unknown ones are
+    /// refused. The cluster itself is found as kubectl finds it
+    /// (`KUBECONFIG`, `~/.kube/config`, then the pod's service account).
+    #[arg(long, env = "FLOTILLA_KUBE_CONFIG", value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// Long-poll wait of each node's sync, in milliseconds.
+    #[arg(long, default_value_t = 2_000)]
+    pub sync_wait_ms: u64,
 }
 
 /// `flotilla executor slurm`.
@@ -68,7 +92,11 @@ pub struct SlurmArgs {
 /// Runs the bridge until SIGINT or SIGTERM.
 pub async fn run(server: Option<String>, command: ExecutorCommand) -> Result<ExitCode> {
     init_logging();
-    let ExecutorCommand::Slurm(args) = command;
+    let server_url = server_url(server);
+    let args = match command {
+        ExecutorCommand::Slurm(args) => args,
+        ExecutorCommand::Kubernetes(args) => return run_kubernetes(server_url, args).await,
+    };
     if args.token.trim().is_empty() {
         bail!("--token is empty: pass the server's agent token");
     }
@@ -88,16 +116,6 @@ pub async fn run(server: Option<String>, command: ExecutorCommand) -> Result<Exi
             args.output_dir.display()
         )
     })?;
-    let server_url = server
-        .map(|s| {
-            s.split(',')
-                .filter(|u| !u.trim().is_empty())
-                .map(config::normalize_server)
-                .collect::<Vec<_>>()
-                .join(",")
-        })
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| config::DEFAULT_SERVER.to_string());
     let mut slurm = SlurmConfig::new(args.slurmrestd.clone(), auth, args.output_dir);
     slurm.partitions = args.partitions;
     slurm.region = args.region;
@@ -120,4 +138,91 @@ pub async fn run(server: Option<String>, command: ExecutorCommand) -> Result<Exi
     }
     eprintln!("stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// The server's address(es), as given or the default.
+fn server_url(server: Option<String>) -> String {
+    server
+        .map(|s| {
+            s.split(',')
+                .filter(|u| !u.trim().is_empty())
+                .map(config::normalize_server)
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| config::DEFAULT_SERVER.to_string())
+}
+
+/// The Kubernetes executor's configuration from `path` (defaults when
+/// absent), with the file and the field named when it does not parse.
+#[cfg(feature = "kubernetes")]
+fn kube_config(path: Option<&std::path::Path>) -> Result<flotilla_backends::kube::KubeConfig> {
+    let Some(path) = path else {
+        return Ok(flotilla_backends::kube::KubeConfig::default());
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the executor configuration {}", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("invalid executor configuration {}", path.display()))
+}
+
+#[cfg(feature = "kubernetes")]
+async fn run_kubernetes(server_url: String, args: KubernetesArgs) -> Result<ExitCode> {
+    use flotilla_backends::kube::KubeExecutor;
+
+    if args.token.trim().is_empty() {
+        bail!("--token is empty: pass the server's agent token");
+    }
+    let kube = kube_config(args.config.as_deref())?;
+    let executor = Arc::new(
+        KubeExecutor::connect(kube)
+            .await
+            .context("cannot reach the Kubernetes API server")?,
+    );
+    let mut cfg = BridgeConfig::new(server_url.clone(), args.token.trim());
+    cfg.sync_wait_ms = args.sync_wait_ms;
+    cfg.inventory_interval = Duration::from_secs(30);
+    let mut signals = Signals::new()?;
+    eprintln!("bridging Kubernetes to {server_url}; press Ctrl-C to stop");
+    tokio::select! {
+        r = bridge::run(executor, cfg, std::future::pending::<()>()) => {
+            r.context("the Kubernetes bridge stopped")?;
+        }
+        () = signals.recv() => {}
+    }
+    eprintln!("stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "kubernetes"))]
+async fn run_kubernetes(_server_url: String, _args: KubernetesArgs) -> Result<ExitCode> {
+    bail!("this flotilla was built without the `kubernetes` feature; rebuild with `--features kubernetes`")
+}
+
+#[cfg(all(test, feature = "kubernetes"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kube_config_defaults_without_a_file_and_names_a_bad_field() {
+        let d = kube_config(None).unwrap();
+        assert_eq!(d.pool_label, "flotilla.dev/pool");
+        let dir = std::env::temp_dir().join(format!("flotilla-kcfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.json");
+        std::fs::write(
+            &good,
+            r#"{"pool_label": "pool", "pinning": "hostname_selector"}"#,
+        )
+        .unwrap();
+        let c = kube_config(Some(&good)).unwrap();
+        assert_eq!(c.pool_label, "pool");
+        let bad = dir.join("bad.json");
+        std::fs::write(&bad, r#"{"pool_lable": "pool"}"#).unwrap();
+        let err = format!("{:#}", kube_config(Some(&bad)).unwrap_err());
+        assert!(err.contains("pool_lable"), "{err}");
+        assert!(err.contains("bad.json"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

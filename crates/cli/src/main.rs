@@ -76,7 +76,7 @@ enum Command {
     Agent(AgentArgs),
     /// Run the inference gateway against a server (`--server URL`).
     Gateway(gateway::GatewayArgs),
-    /// Offer a cluster engine's nodes (Slurm) to a server: a bridge that
+    /// Offer a cluster engine's nodes (Slurm, Kubernetes) to a server: a bridge that
     /// registers each engine node and runs placed work there.
     Executor {
         #[command(subcommand)]
