@@ -31,7 +31,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-use flotilla_scale::{Latency, Observation, Policy};
+use flotilla_scale::{Latency, Observation, Policy, ReadinessTiers, Tier};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
@@ -48,6 +48,74 @@ pub struct NodePoolConfig {
     pub provider: ProviderConfig,
     /// Idle time before an empty node is released.
     pub idle_grace_ms: u64,
+}
+
+/// Readiness tiers under the endpoint's replicas: where a replica the
+/// policy stops waits, and how fast it comes back.
+///
+/// A replica the policy stops is **parked** (weights kept in host memory,
+/// GPU released and no longer paid) while the policy's
+/// [`Policy::parked`] wants more parked than there are and host memory has
+/// room; otherwise it is released, leaving its weights on a local disk
+/// (**cached**) while the disks have room, the least recently used copy
+/// evicted first. A new replica comes back from the fastest tier that
+/// holds one: parked (restore time from the host-to-GPU bandwidth),
+/// cached (from the disk bandwidth), else remote (a cold start drawn from
+/// the [`ColdStartModel`]). Parked replicas cost host memory by the
+/// GB-second; the report prices it from the price book.
+///
+/// Capacities are stated per node over a number of nodes: without a node
+/// pool the replicas' GPUs are not tied to nodes, so the budgets are the
+/// fleet's (nodes × per-node size); a node pool with tiers is not modelled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierSetting {
+    /// Tier speeds.
+    pub tiers: ReadinessTiers,
+    /// Size of the model's weights, GB.
+    pub model_gb: f64,
+    /// Nodes the endpoint's replicas run on.
+    pub nodes: u32,
+    /// Host memory one node sets aside for parked replicas, GB.
+    pub host_memory_gb_per_node: f64,
+    /// Local disk one node sets aside for cached weights, GB.
+    pub disk_gb_per_node: f64,
+}
+
+impl TierSetting {
+    /// Replicas the nodes' host memory holds parked.
+    pub fn parked_capacity(&self) -> u32 {
+        self.copies(self.host_memory_gb_per_node)
+    }
+
+    /// Weight copies the nodes' disks hold.
+    pub fn cached_capacity(&self) -> u32 {
+        self.copies(self.disk_gb_per_node)
+    }
+
+    fn copies(&self, per_node_gb: f64) -> u32 {
+        if !(self.model_gb > 0.0 && per_node_gb.is_finite() && per_node_gb > 0.0) {
+            return 0;
+        }
+        let per_node = (per_node_gb / self.model_gb)
+            .floor()
+            .min(f64::from(u32::MAX)) as u32;
+        per_node.saturating_mul(self.nodes)
+    }
+}
+
+/// Cold starts by the tier they came from, and the parked time.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct TierStats {
+    /// Restores from host memory.
+    pub parked_starts: u64,
+    /// Starts from a local disk copy.
+    pub cached_starts: u64,
+    /// Starts from nothing local.
+    pub remote_starts: u64,
+    /// Replica-milliseconds spent parked.
+    pub parked_replica_ms: u64,
+    /// GB-seconds of host memory parked replicas held.
+    pub parked_gb_seconds: f64,
 }
 
 /// Everything a run needs besides the trace and the policy.
@@ -80,6 +148,9 @@ pub struct SimConfig {
     /// The price version GPU time is costed from; `None`: the billing
     /// crate's list-price book of the built-in catalog.
     pub prices: Option<flotilla_billing::price::PriceVersion>,
+    /// Readiness tiers; `None`: every stopped replica is released and every
+    /// start is a cold start from the [`ColdStartModel`].
+    pub tiers: Option<TierSetting>,
 }
 
 impl SimConfig {
@@ -97,6 +168,7 @@ impl SimConfig {
             node_pool: None,
             warmup_ms: 0,
             prices: None,
+            tiers: None,
         }
     }
 }
@@ -142,8 +214,10 @@ pub struct SimResult {
     pub gpu_ms: u64,
     /// Node GPU-milliseconds `(on-demand, spot)` with a node pool.
     pub node_gpu_ms: Option<(u64, u64)>,
-    /// Replicas started.
+    /// Replicas started (from any tier).
     pub cold_starts: u64,
+    /// With readiness tiers: starts by tier and parked time.
+    pub tiers: Option<TierStats>,
     /// Policy decisions that changed the replica target.
     pub scaling_actions: u64,
     /// Nodes preempted.
@@ -189,6 +263,8 @@ enum State {
     Starting,
     Ready,
     Draining,
+    /// Weights in host memory, GPU released.
+    Parked,
     Gone,
 }
 
@@ -238,6 +314,14 @@ struct Sim<'a> {
     sample_from: (u64, u64),
     /// Node GPU time spent during the warm-up, subtracted at the end.
     pool_gpu_before: Option<(u64, u64)>,
+    /// Parked replicas, least recently parked first.
+    parked: VecDeque<u32>,
+    /// Free weight copies on local disks (their GPUs run nothing of this
+    /// endpoint).
+    cached: u32,
+    /// What the policy last asked to keep parked.
+    want_parked: u32,
+    tier_stats: TierStats,
 }
 
 /// Run `policy` over `trace`. `progress(done, total)` is called now and
@@ -295,6 +379,10 @@ pub fn simulate(
         series: Vec::new(),
         sample_from: (0, 0),
         pool_gpu_before: None,
+        parked: VecDeque::new(),
+        cached: 0,
+        want_parked: 0,
+        tier_stats: TierStats::default(),
     };
     // Start at the policy's minimum, ready: the endpoint existed before
     // the trace began.
@@ -360,6 +448,7 @@ impl Sim<'_> {
         }
         self.pool_gpu_before = self.pool.as_ref().map(|p| p.gpu_ms(self.now));
         self.cold_starts = 0;
+        self.tier_stats = TierStats::default();
         self.scaling_actions = 0;
         self.preemptions = 0;
         self.series.clear();
@@ -498,9 +587,77 @@ impl Sim<'_> {
         self.place(r);
     }
 
+    /// The start-up time of a new replica, from the fastest tier that
+    /// holds one (tiers off: a cold start from the model).
+    fn restore_ms(&mut self) -> u64 {
+        let Some(t) = &self.cfg.tiers else {
+            return self.cfg.cold_start.sample(&mut self.rng);
+        };
+        if let Some(p) = self.parked.pop_back() {
+            // The most recently parked: any parked copy is as good, and
+            // the oldest are the first to be released.
+            self.unpark(p);
+            self.tier_stats.parked_starts += 1;
+            return t.tiers.restore_ms(Tier::Parked, t.model_gb);
+        }
+        if self.cached > 0 {
+            self.cached -= 1;
+            self.tier_stats.cached_starts += 1;
+            return t.tiers.restore_ms(Tier::Cached, t.model_gb);
+        }
+        self.tier_stats.remote_starts += 1;
+        self.cfg.cold_start.sample(&mut self.rng)
+    }
+
+    /// A parked replica leaves host memory: pay its parked time.
+    fn unpark(&mut self, r: u32) {
+        let rep = &mut self.replicas[r as usize];
+        self.tier_stats.parked_replica_ms += self.now.saturating_sub(rep.since_ms);
+        rep.state = State::Gone;
+    }
+
+    /// A replica stopped on a GPU: park it when the policy wants more
+    /// parked and host memory has room, else release it to the disk cache.
+    fn park_or_release(&mut self, r: u32) {
+        let Some(t) = &self.cfg.tiers else { return };
+        let cap = t.parked_capacity();
+        if (self.parked.len() as u32) < self.want_parked.min(cap) {
+            let rep = &mut self.replicas[r as usize];
+            rep.state = State::Parked;
+            rep.since_ms = self.now;
+            self.parked.push_back(r);
+        } else {
+            self.release_to_cache();
+        }
+    }
+
+    /// One more free weight copy on disk, unless the disks are full (the
+    /// least recently used copy goes: copies are alike, so the count
+    /// stays).
+    fn release_to_cache(&mut self) {
+        let cap = self
+            .cfg
+            .tiers
+            .as_ref()
+            .map_or(0, TierSetting::cached_capacity);
+        self.cached = (self.cached + 1).min(cap);
+    }
+
+    /// Release parked replicas beyond what the policy wants, the least
+    /// recently parked first.
+    fn trim_parked(&mut self) {
+        while self.parked.len() as u32 > self.want_parked {
+            let Some(r) = self.parked.pop_front() else {
+                break;
+            };
+            self.unpark(r);
+            self.release_to_cache();
+        }
+    }
+
     /// Give an unplaced replica a GPU and schedule its readiness.
     fn place(&mut self, r: u32) {
-        let cold = self.cfg.cold_start.sample(&mut self.rng);
+        let cold = self.restore_ms();
         let from = if self.pool.is_none() {
             self.now
         } else {
@@ -538,14 +695,22 @@ impl Sim<'_> {
         Some((node, ready_at))
     }
 
-    /// Stop replica `r` now, paying for its time.
+    /// Stop replica `r` now, paying for its time; with tiers it is parked
+    /// or released to the disk cache.
     fn stop(&mut self, r: u32) {
         let rep = &mut self.replicas[r as usize];
-        if rep.state != State::Unplaced {
+        let was_running = rep.state != State::Unplaced;
+        if was_running {
             self.gpu_ms += self.now - rep.since_ms;
         }
         rep.state = State::Gone;
-        if let Some(node) = rep.node {
+        let node = rep.node;
+        // One cancelled while starting goes back the same way: its weights
+        // are in host memory or on disk already.
+        if was_running {
+            self.park_or_release(r);
+        }
+        if let Some(node) = node {
             if let Some(pool) = &mut self.pool {
                 pool.free(self.now, node, self.cfg.tier);
             }
@@ -561,7 +726,7 @@ impl Sim<'_> {
         self.preemptions += 1;
         for r in 0..self.replicas.len() {
             let rep = &mut self.replicas[r];
-            if rep.node == Some(node) && rep.state != State::Gone {
+            if rep.node == Some(node) && !matches!(rep.state, State::Gone | State::Parked) {
                 for i in rep.in_flight.drain(..) {
                     self.ttft[i as usize] = DROPPED;
                     self.e2e[i as usize] = DROPPED;
@@ -632,6 +797,10 @@ impl Sim<'_> {
         }
         let obs = self.observe();
         let want = policy.decide(self.now, &obs).replicas;
+        if self.cfg.tiers.is_some() {
+            self.want_parked = policy.parked();
+            self.trim_parked();
+        }
         if self.last_target != Some(want) {
             self.scaling_actions += 1;
             self.last_target = Some(want);
@@ -705,11 +874,18 @@ impl Sim<'_> {
 
     fn finish(mut self, name: &str) -> SimResult {
         let end = self.now;
+        self.want_parked = 0;
         for r in 0..self.replicas.len() as u32 {
-            if self.replicas[r as usize].state != State::Gone {
-                self.stop(r);
+            match self.replicas[r as usize].state {
+                State::Gone => {}
+                State::Parked => self.unpark(r),
+                _ => self.stop(r),
             }
         }
+        let tiers = self.cfg.tiers.as_ref().map(|t| TierStats {
+            parked_gb_seconds: self.tier_stats.parked_replica_ms as f64 / 1000.0 * t.model_gb,
+            ..self.tier_stats
+        });
         let before = self.pool_gpu_before.unwrap_or((0, 0));
         let node_gpu_ms = self.pool.as_mut().map(|p| {
             p.close(end);
@@ -753,6 +929,7 @@ impl Sim<'_> {
             gpu_ms: self.gpu_ms,
             node_gpu_ms,
             cold_starts: self.cold_starts,
+            tiers,
             scaling_actions: self.scaling_actions,
             preemptions: self.preemptions,
             end_ms: end - self.origin,
