@@ -145,10 +145,10 @@ fn flotilla_config(ep: &Endpoint) -> Result<FlotillaConfig, ScaleError> {
     ))
 }
 
-/// Shortest peak window of the tiered policy's warm side: one SLO-scale
-/// burst pattern (a few seconds of burst, a few of lull) must not be
-/// forgotten between two of its bursts.
-pub const TIERED_MIN_PEAK_WINDOW_MS: u64 = 10_000;
+/// Shortest peak window of the tiered policy's warm side: one second, the
+/// untiered policy's decision cadence, so demand is never forgotten
+/// between two decisions of the policy it replaces.
+pub const TIERED_MIN_PEAK_WINDOW_MS: u64 = 1_000;
 
 /// Flotilla's tiered policy for `ep` (`ep.cold_start_ms` is the cold start
 /// of a replica that comes from neither host memory nor disk) with the

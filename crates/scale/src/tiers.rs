@@ -240,21 +240,38 @@ pub struct TieredFlotilla {
     plan: TierPlan,
 }
 
-/// How many restores the warm policy's peak window spans: the untiered
-/// policy keeps its peak for 300 s over a 60 s cold start, five of them.
-const PEAK_WINDOW_STARTS: u64 = 5;
+/// Time constant of the warm side's rate level, ms (trend: four times).
+const WARM_LEVEL_MS: u64 = 5_000;
 
 impl TieredFlotilla {
     /// The tiered policy within `bounds`. `base` is the untiered
     /// configuration: its cold start is the one a replica pays when nothing
     /// is parked (remote, or cached), its GPU price the warm holding cost.
     ///
-    /// The warm side runs `base` with the parked restore as its cold start,
-    /// a peak window of five restores (at least `min_peak_window_ms`), the
-    /// same quiet time before zero scaled the same way, and a decision
-    /// cadence of a quarter of the restore (at most `base.tick_ms`): a
-    /// burst should wait for one tick plus one restore, not for a tick
-    /// longer than the restore itself.
+    /// The warm side runs `base` with the parked restore `r` as its cold
+    /// start and every time scale shrunk with it, each rule keeping its
+    /// reason:
+    ///
+    /// - the peak of demand is kept for one restore (at least
+    ///   `min_peak_window_ms`), as is the quiet time before zero: a level
+    ///   released now can be back within a restore, so holding it longer
+    ///   only pays for a GPU the parked copy makes unnecessary (the
+    ///   untiered policy keeps five 60 s cold starts' worth for the
+    ///   opposite reason);
+    /// - the rate estimate's time constants are 5 s (level) and 20 s
+    ///   (trend) instead of 30 s and 120 s: a forecast over a horizon of
+    ///   `r` must follow the rate at that scale;
+    /// - no square-root headroom: headroom covers arrivals during a cold
+    ///   start; when the restore fits in the SLO, a short queue is the
+    ///   headroom;
+    /// - a climb met from host memory costs no SLO miss when the restore
+    ///   and one decision fit in three quarters of the SLO (the rest is
+    ///   for the prefill), so the miss cost of the
+    ///   level-keeping and scale-to-zero trade-offs is zero then (the idle
+    ///   GPU is the only cost left, and it wins);
+    /// - decisions every quarter restore (at least 100 ms, at most
+    ///   `base.tick_ms`): a burst waits for one tick plus one restore, not
+    ///   for a tick longer than the restore itself.
     pub fn new(
         base: FlotillaConfig,
         econ: TierEconomics,
@@ -269,10 +286,16 @@ impl TieredFlotilla {
             pull_ms: 0,
             load_ms: restore,
         };
-        let window = (PEAK_WINDOW_STARTS * restore).max(min_peak_window_ms);
+        let window = restore.max(min_peak_window_ms);
         warm.peak_window_ms = window.min(base.peak_window_ms);
         warm.min_idle_ms = window.min(base.min_idle_ms);
+        warm.level_time_constant_ms = WARM_LEVEL_MS.min(base.level_time_constant_ms);
+        warm.trend_time_constant_ms = (4 * WARM_LEVEL_MS).min(base.trend_time_constant_ms);
+        warm.headroom_beta = 0.0;
         warm.tick_ms = (restore / 4).clamp(100, base.tick_ms.max(100));
+        if (restore + warm.tick_ms) as f64 <= 0.75 * base.slo_ms {
+            warm.miss_cost = 0.0;
+        }
         let mut standby = base;
         standby.hold_price_per_hour = Some(econ.model_gb * econ.memory_price_per_gb_hour);
         Ok(Self {
@@ -377,21 +400,24 @@ mod tests {
     fn bad_economics_name_the_field() {
         let mut e = econ();
         e.tiers.cached.bandwidth_gb_per_s = 0.0;
-        let err = TieredFlotilla::new(base(), e, 10_000, Bounds::new(0, 10).unwrap()).unwrap_err();
+        let err = TieredFlotilla::new(base(), e, 1_000, Bounds::new(0, 10).unwrap()).unwrap_err();
         assert!(err.to_string().contains("tiers.cached"), "{err}");
         let mut e = econ();
         e.memory_price_per_gb_hour = -1.0;
-        let err = TieredFlotilla::new(base(), e, 10_000, Bounds::new(0, 10).unwrap()).unwrap_err();
+        let err = TieredFlotilla::new(base(), e, 1_000, Bounds::new(0, 10).unwrap()).unwrap_err();
         assert!(err.to_string().contains("memory_price"), "{err}");
     }
 
     #[test]
     fn warm_side_runs_on_the_parked_restore() {
-        let p = TieredFlotilla::new(base(), econ(), 10_000, Bounds::new(0, 10).unwrap()).unwrap();
+        let p = TieredFlotilla::new(base(), econ(), 1_000, Bounds::new(0, 10).unwrap()).unwrap();
         let w = p.warm_config();
         assert_eq!(w.cold_start.total_ms(), 820);
-        assert_eq!(w.peak_window_ms, 10_000);
+        assert_eq!(w.peak_window_ms, 1_000);
         assert_eq!(w.tick_ms, 205);
+        assert_eq!(w.headroom_beta, 0.0);
+        // 0.82 s restore + 0.2 s tick fit in 3/4 of the 2 s SLO: no miss.
+        assert_eq!(w.miss_cost, 0.0);
     }
 
     /// A burst needing 5 replicas for 10 s every 120 s.
@@ -424,7 +450,7 @@ mod tests {
     #[test]
     fn lulls_shorter_than_a_cold_start_are_parked_not_warm() {
         let mut p =
-            TieredFlotilla::new(base(), econ(), 10_000, Bounds::new(0, 100).unwrap()).unwrap();
+            TieredFlotilla::new(base(), econ(), 1_000, Bounds::new(0, 100).unwrap()).unwrap();
         let plans = bursts(&mut p, 1_200);
         // During a burst: its 5 replicas warm.
         let in_burst = plans[(960 + 5) * 10];
@@ -463,7 +489,7 @@ mod tests {
     fn parking_is_bounded_by_host_memory_and_its_price() {
         let mut e = econ();
         e.parked_capacity = 2;
-        let mut p = TieredFlotilla::new(base(), e, 10_000, Bounds::new(0, 100).unwrap()).unwrap();
+        let mut p = TieredFlotilla::new(base(), e, 1_000, Bounds::new(0, 100).unwrap()).unwrap();
         let plans = bursts(&mut p, 1_200);
         assert!(plans.iter().all(|t| t.parked <= 2));
         assert_eq!(p.parked(), p.plan().parked);

@@ -112,6 +112,10 @@ pub struct TierStats {
     pub cached_starts: u64,
     /// Starts from nothing local.
     pub remote_starts: u64,
+    /// Loads into host memory (no GPU) from a disk copy.
+    pub cached_fills: u64,
+    /// Loads into host memory (no GPU) from remote.
+    pub remote_fills: u64,
     /// Replica-milliseconds spent parked.
     pub parked_replica_ms: u64,
     /// GB-seconds of host memory parked replicas held.
@@ -252,6 +256,8 @@ enum Event {
     Ready { replica: u32 },
     /// A node of the pool was preempted.
     Preempt { node: u32 },
+    /// A replica's weights finished loading into host memory.
+    Filled { replica: u32 },
     /// The policy's next call.
     Tick,
 }
@@ -265,6 +271,9 @@ enum State {
     Draining,
     /// Weights in host memory, GPU released.
     Parked,
+    /// Weights being loaded into host memory (from disk or remote), no
+    /// GPU: becomes parked.
+    Filling,
     Gone,
 }
 
@@ -276,6 +285,11 @@ struct Replica {
     ready_at_ms: u64,
     node: Option<usize>,
     in_flight: Vec<u32>,
+    /// With tiers: host memory held from then until `since_ms`, while its
+    /// weights are staged into host memory before it takes a GPU.
+    mem_from_ms: Option<u64>,
+    /// When the last request it started will be done.
+    busy_until_ms: u64,
 }
 
 /// Dropped-request marker in the per-request latency arrays.
@@ -319,6 +333,10 @@ struct Sim<'a> {
     /// Free weight copies on local disks (their GPUs run nothing of this
     /// endpoint).
     cached: u32,
+    /// Replicas filling host memory.
+    filling: Vec<u32>,
+    /// Draining replicas (told to stop, finishing their requests).
+    draining: Vec<u32>,
     /// What the policy last asked to keep parked.
     want_parked: u32,
     tier_stats: TierStats,
@@ -381,6 +399,8 @@ pub fn simulate(
         pool_gpu_before: None,
         parked: VecDeque::new(),
         cached: 0,
+        filling: Vec::new(),
+        draining: Vec::new(),
         want_parked: 0,
         tier_stats: TierStats::default(),
     };
@@ -423,6 +443,7 @@ pub fn simulate(
             Event::Done { replica, request } => sim.done(replica, request),
             Event::Ready { replica } => sim.replica_ready(replica),
             Event::Preempt { node } => sim.preempt(node as usize),
+            Event::Filled { replica } => sim.filled(replica),
             Event::Tick => {
                 let finished = next == n && sim.queue.is_empty() && sim.in_flight == 0;
                 if finished {
@@ -443,7 +464,9 @@ impl Sim<'_> {
         self.gpu_ms = 0;
         for rep in &mut self.replicas {
             if !matches!(rep.state, State::Gone | State::Unplaced) {
-                rep.since_ms = self.now;
+                // A start still staging weights takes its GPU later.
+                rep.since_ms = rep.since_ms.max(self.now);
+                rep.mem_from_ms = rep.mem_from_ms.map(|m| m.max(self.now));
             }
         }
         self.pool_gpu_before = self.pool.as_ref().map(|p| p.gpu_ms(self.now));
@@ -494,7 +517,9 @@ impl Sim<'_> {
         self.ttft[i as usize] = ttft;
         self.e2e[i as usize] = sat32(wait + service);
         self.recent_ttft.push(ttft);
-        self.replicas[r as usize].in_flight.push(i);
+        let rep = &mut self.replicas[r as usize];
+        rep.in_flight.push(i);
+        rep.busy_until_ms = rep.busy_until_ms.max(self.now + service);
         self.in_flight += 1;
         self.push(
             self.now + service,
@@ -571,6 +596,8 @@ impl Sim<'_> {
             ready_at_ms: 0,
             node: None,
             in_flight: Vec::new(),
+            mem_from_ms: None,
+            busy_until_ms: 0,
         });
         if warm {
             let rep = &mut self.replicas[r as usize];
@@ -587,26 +614,52 @@ impl Sim<'_> {
         self.place(r);
     }
 
-    /// The start-up time of a new replica, from the fastest tier that
-    /// holds one (tiers off: a cold start from the model).
-    fn restore_ms(&mut self) -> u64 {
+    /// How a new replica starts: `(staging, start-up)` ms — the time its
+    /// weights take to reach host memory before it takes a GPU (with
+    /// tiers, nothing else is loaded with a GPU held), then the start-up
+    /// on the GPU, from the fastest tier that holds it. Tiers off: no
+    /// staging, a cold start from the model.
+    fn restore_ms(&mut self) -> (u64, u64) {
         let Some(t) = &self.cfg.tiers else {
-            return self.cfg.cold_start.sample(&mut self.rng);
+            return (0, self.cfg.cold_start.sample(&mut self.rng));
         };
         if let Some(p) = self.parked.pop_back() {
             // The most recently parked: any parked copy is as good, and
             // the oldest are the first to be released.
             self.unpark(p);
             self.tier_stats.parked_starts += 1;
-            return t.tiers.restore_ms(Tier::Parked, t.model_gb);
+            return (0, t.tiers.restore_ms(Tier::Parked, t.model_gb));
+        }
+        // Weights on their way into host memory: restore once they are
+        // there, if that is sooner than from disk.
+        let parked_ms = t.tiers.restore_ms(Tier::Parked, t.model_gb);
+        let cached_ms = t.tiers.restore_ms(Tier::Cached, t.model_gb);
+        let reps = &self.replicas;
+        let soonest = self
+            .filling
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, &r)| (reps[r as usize].ready_at_ms, r))
+            .map(|(i, &r)| (i, reps[r as usize].ready_at_ms));
+        if let Some((i, at)) = soonest {
+            let staging = at.saturating_sub(self.now);
+            if self.cached == 0 || staging + parked_ms < cached_ms {
+                let r = self.filling.swap_remove(i);
+                self.unpark(r);
+                self.tier_stats.parked_starts += 1;
+                return (staging, parked_ms);
+            }
         }
         if self.cached > 0 {
             self.cached -= 1;
             self.tier_stats.cached_starts += 1;
-            return t.tiers.restore_ms(Tier::Cached, t.model_gb);
+            return (0, cached_ms);
         }
+        // Remote: the download lands in host memory first (a GPU held
+        // through a minute of download is a minute of GPU paid for
+        // nothing), then the replica restores from there.
         self.tier_stats.remote_starts += 1;
-        self.cfg.cold_start.sample(&mut self.rng)
+        (self.cfg.cold_start.sample(&mut self.rng), parked_ms)
     }
 
     /// A parked replica leaves host memory: pay its parked time.
@@ -643,21 +696,73 @@ impl Sim<'_> {
         self.cached = (self.cached + 1).min(cap);
     }
 
-    /// Release parked replicas beyond what the policy wants, the least
-    /// recently parked first.
+    /// Match host memory to what the policy wants parked: release what is
+    /// beyond it (loads under way first, the latest first; then the least
+    /// recently parked), and load weights into host memory for what is
+    /// missing, from a disk copy when there is one, else remote. A load
+    /// holds its host memory (and is paid) from its start; it uses no GPU.
     fn trim_parked(&mut self) {
-        while self.parked.len() as u32 > self.want_parked {
+        let Some(t) = self.cfg.tiers.clone() else {
+            return;
+        };
+        let want = self.want_parked.min(t.parked_capacity()) as usize;
+        while self.parked.len() + self.filling.len() > want {
+            let reps = &self.replicas;
+            let latest = self
+                .filling
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, &r)| (reps[r as usize].ready_at_ms, r))
+                .map(|(i, _)| i);
+            if let Some(i) = latest {
+                let r = self.filling.swap_remove(i);
+                self.unpark(r);
+                continue;
+            }
             let Some(r) = self.parked.pop_front() else {
                 break;
             };
             self.unpark(r);
             self.release_to_cache();
         }
+        while self.parked.len() + self.filling.len() < want {
+            let load_ms = if self.cached > 0 {
+                self.cached -= 1;
+                self.tier_stats.cached_fills += 1;
+                t.tiers.cached.restore_ms(t.model_gb) - t.tiers.cached.overhead_ms
+            } else {
+                self.tier_stats.remote_fills += 1;
+                self.cfg.cold_start.sample(&mut self.rng)
+            };
+            let r = self.replicas.len() as u32;
+            self.replicas.push(Replica {
+                state: State::Filling,
+                since_ms: self.now,
+                ready_at_ms: self.now + load_ms,
+                node: None,
+                in_flight: Vec::new(),
+                mem_from_ms: None,
+                busy_until_ms: 0,
+            });
+            self.filling.push(r);
+            self.push(self.now + load_ms, Event::Filled { replica: r });
+        }
+    }
+
+    /// A load into host memory finished: the replica is parked.
+    fn filled(&mut self, r: u32) {
+        let rep = &mut self.replicas[r as usize];
+        if rep.state != State::Filling || rep.ready_at_ms != self.now {
+            return; // taken or cancelled
+        }
+        rep.state = State::Parked;
+        self.filling.retain(|&x| x != r);
+        self.parked.push_back(r);
     }
 
     /// Give an unplaced replica a GPU and schedule its readiness.
     fn place(&mut self, r: u32) {
-        let cold = self.restore_ms();
+        let (staging, cold) = self.restore_ms();
         let from = if self.pool.is_none() {
             self.now
         } else {
@@ -671,8 +776,9 @@ impl Sim<'_> {
         };
         let rep = &mut self.replicas[r as usize];
         rep.state = State::Starting;
-        rep.since_ms = self.now;
-        rep.ready_at_ms = from + cold;
+        rep.since_ms = from + staging;
+        rep.mem_from_ms = (staging > 0).then_some(self.now);
+        rep.ready_at_ms = from + staging + cold;
         let t = rep.ready_at_ms;
         self.push(t, Event::Ready { replica: r });
     }
@@ -700,8 +806,15 @@ impl Sim<'_> {
     fn stop(&mut self, r: u32) {
         let rep = &mut self.replicas[r as usize];
         let was_running = rep.state != State::Unplaced;
+        if rep.state == State::Draining {
+            self.draining.retain(|&x| x != r);
+        }
+        let rep = &mut self.replicas[r as usize];
         if was_running {
-            self.gpu_ms += self.now - rep.since_ms;
+            self.gpu_ms += self.now.saturating_sub(rep.since_ms);
+            if let Some(m) = rep.mem_from_ms {
+                self.tier_stats.parked_replica_ms += self.now.min(rep.since_ms).saturating_sub(m);
+            }
         }
         rep.state = State::Gone;
         let node = rep.node;
@@ -726,7 +839,9 @@ impl Sim<'_> {
         self.preemptions += 1;
         for r in 0..self.replicas.len() {
             let rep = &mut self.replicas[r];
-            if rep.node == Some(node) && !matches!(rep.state, State::Gone | State::Parked) {
+            if rep.node == Some(node)
+                && !matches!(rep.state, State::Gone | State::Parked | State::Filling)
+            {
                 for i in rep.in_flight.drain(..) {
                     self.ttft[i as usize] = DROPPED;
                     self.e2e[i as usize] = DROPPED;
@@ -807,6 +922,26 @@ impl Sim<'_> {
         }
         let current = (self.ready.len() + self.starting.len()) as u32;
         if want > current {
+            let mut current = current;
+            if self.cfg.tiers.is_some() {
+                // A replica still draining is warm: take it back before
+                // restoring another (the most loaded first: it would drain
+                // longest).
+                while current < want && !self.draining.is_empty() {
+                    let reps = &self.replicas;
+                    let (i, _) = self
+                        .draining
+                        .iter()
+                        .enumerate()
+                        .max_by_key(|(_, &r)| (reps[r as usize].in_flight.len(), r))
+                        .unwrap_or((0, &0));
+                    let r = self.draining.swap_remove(i);
+                    self.replicas[r as usize].state = State::Ready;
+                    self.ready.push(r);
+                    self.fill(r);
+                    current += 1;
+                }
+            }
             for _ in current..want {
                 self.add_replica(false);
             }
@@ -846,12 +981,33 @@ impl Sim<'_> {
                 .enumerate()
                 .min_by_key(|(_, &r)| (reps[r as usize].in_flight.len(), Reverse(r)))
                 .map(|(i, _)| i);
-            let Some(i) = least else { break };
+            // With tiers, the replica free soonest (its requests' ends are
+            // known from their token counts): it parks soonest, instead of
+            // holding its GPU through a long drain.
+            let soonest = if self.cfg.tiers.is_some() {
+                self.ready
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, &r)| {
+                        let rep = &reps[r as usize];
+                        let until = if rep.in_flight.is_empty() {
+                            0
+                        } else {
+                            rep.busy_until_ms
+                        };
+                        (until, Reverse(r))
+                    })
+                    .map(|(i, _)| i)
+            } else {
+                least
+            };
+            let Some(i) = soonest else { break };
             let r = self.ready.remove(i);
             if self.replicas[r as usize].in_flight.is_empty() {
                 self.stop(r);
             } else {
                 self.replicas[r as usize].state = State::Draining;
+                self.draining.push(r);
             }
             k -= 1;
         }
@@ -878,7 +1034,7 @@ impl Sim<'_> {
         for r in 0..self.replicas.len() as u32 {
             match self.replicas[r as usize].state {
                 State::Gone => {}
-                State::Parked => self.unpark(r),
+                State::Parked | State::Filling => self.unpark(r),
                 _ => self.stop(r),
             }
         }

@@ -2,7 +2,9 @@
 //! setting (see docs/autoscaling.md), plus the one-core speed run.
 //!
 //! Usage: `autoscaling-bench --data DIR --json FILE --table FILE
-//! [--seed N] [--slo-ms MS] [--speed-requests N]`. Traces whose files are
+//! [--seed N] [--slo-ms MS] [--speed-requests N] [--only a,b]
+//! [--tiered-only]` (the last two for trying changes on a few traces; the
+//! recorded results run everything). Traces whose files are
 //! missing under DIR are skipped with a message; the synthetic scenarios
 //! always run.
 
@@ -33,6 +35,10 @@ struct Args {
     seed: u64,
     slo_ms: u64,
     speed_requests: usize,
+    /// Only these traces (comma-separated names); all when empty.
+    only: Vec<String>,
+    /// Untiered policies as well as the tiered setting.
+    untiered: bool,
 }
 
 fn args() -> Result<Args, Error> {
@@ -43,6 +49,8 @@ fn args() -> Result<Args, Error> {
         seed: 1,
         slo_ms: 2_000,
         speed_requests: 1_000_000,
+        only: Vec::new(),
+        untiered: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -54,6 +62,8 @@ fn args() -> Result<Args, Error> {
             "--seed" => a.seed = value()?.parse()?,
             "--slo-ms" => a.slo_ms = value()?.parse()?,
             "--speed-requests" => a.speed_requests = value()?.parse()?,
+            "--only" => a.only = value()?.split(',').map(str::to_string).collect(),
+            "--tiered-only" => a.untiered = false,
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
@@ -129,9 +139,13 @@ fn main() -> Result<(), Error> {
     let mut rows: Vec<Row> = Vec::new();
     let mut notes = String::new();
     for t in &traces {
+        if !a.only.is_empty() && !a.only.contains(&t.name) {
+            continue;
+        }
         let (scaled, k) = scale_to_peak(t, &service, 20.0, a.seed)?;
         let started = Instant::now();
-        let c = compare(&scaled, &PolicyKind::ALL, &cfg, 1_000, &mut |_, _, _| {})?;
+        let kinds: &[PolicyKind] = if a.untiered { &PolicyKind::ALL } else { &[] };
+        let c = compare(&scaled, kinds, &cfg, 1_000, &mut |_, _, _| {})?;
         notes.push_str(&format!(
             "- `{}`: {} requests × {k} = {} over {:.1} h; oracle peak {} replicas; fixed-delay oracle ({} s) {:.0} GPU-s (envelope {:.0}, work {:.0}, work with cold starts {:.0}); strict oracle ({} s) {:.0} GPU-s; 5 policies in {:.1} s\n",
             t.name,
