@@ -474,7 +474,12 @@ fn parked_replica_memory_is_billed_per_gb_hour() {
         16,
     );
     let (spot, used) = (SpotSeries::new(), BTreeMap::new());
-    let inv = invoice(&t, &[parked.clone()], &book, plain(&spot, &used));
+    let inv = invoice(
+        &t,
+        std::slice::from_ref(&parked),
+        &book,
+        plain(&spot, &used),
+    );
     // 16 GB x 5400 s = 86400 GB-s x 0.000001 = 0.0864 -> 0.09.
     let lines = rows(&inv);
     assert_eq!(lines.len(), 1, "{lines:?}");

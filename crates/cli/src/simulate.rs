@@ -256,7 +256,9 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
             t.disk_gb_per_node,
             t.cached_capacity(),
             pr.currency,
-            (pr.parked_per_gb_second * rust_decimal::Decimal::from(3600)).normalize(),
+            (pr.parked_per_gb_second * rust_decimal::Decimal::from(3600))
+                .round_dp(6)
+                .normalize(),
         ));
         md.push_str(&tiered_markdown_table(&cmp.rows));
         md.push('\n');

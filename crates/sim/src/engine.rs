@@ -914,7 +914,6 @@ impl Sim<'_> {
         let want = policy.decide(self.now, &obs).replicas;
         if self.cfg.tiers.is_some() {
             self.want_parked = policy.parked();
-            self.trim_parked();
         }
         if self.last_target != Some(want) {
             self.scaling_actions += 1;
@@ -948,6 +947,11 @@ impl Sim<'_> {
         } else if want < current {
             self.remove(current - want);
         }
+        // Host memory follows the plan once the GPUs have: a scale-up
+        // restores from what is parked before the plan's new parked count
+        // releases any, and what is missing then starts loading.
+        self.trim_parked();
+
         if let Some(pool) = &mut self.pool {
             pool.reap(self.now);
         }

@@ -246,8 +246,12 @@ fn main() -> Result<(), Error> {
         tiers.nodes,
         tiers.host_memory_gb_per_node,
         tiers.parked_capacity(),
-        (pricing.on_demand_per_gpu_second * rust_decimal::Decimal::from(3600)).normalize(),
-        (pricing.parked_per_gb_second * rust_decimal::Decimal::from(3600)).normalize(),
+        (pricing.on_demand_per_gpu_second * rust_decimal::Decimal::from(3600))
+            .round_dp(4)
+            .normalize(),
+        (pricing.parked_per_gb_second * rust_decimal::Decimal::from(3600))
+            .round_dp(6)
+            .normalize(),
     ));
     table.push_str(&tiered_markdown_table(&tiered_rows));
     if !speed.is_empty() {
