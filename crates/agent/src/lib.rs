@@ -26,6 +26,7 @@ pub mod fence;
 pub mod image_cache;
 pub mod runtime;
 pub mod telemetry;
+pub mod weight_cache;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;

@@ -30,7 +30,8 @@ pub struct PriceCatalog {
     /// `serverless` (`per_request`, `per_million_input_tokens`,
     /// `per_million_output_tokens` schedules, `per_gpu_second` per model),
     /// `reserved_offers` (`term_days`, `discount`), `per_instance_second`,
-    /// `per_storage_gb_second`. Prices are decimal strings.
+    /// `per_storage_gb_second`, `per_parked_gb_hour`. Prices are decimal
+    /// strings.
     #[schema(value_type = Vec<Object>)]
     pub versions: Vec<PriceVersion>,
 }

@@ -57,6 +57,9 @@ pub enum LineKind {
     InstanceTime,
     /// Storage GB-seconds.
     Storage,
+    /// Host memory of parked replicas, GB-seconds (priced per GB-hour in
+    /// the catalog).
+    ParkedMemory,
     /// A percentage discount (negative).
     Discount,
     /// Credit or prepaid balance drawn (negative).
@@ -96,6 +99,7 @@ impl LineKind {
             ServerlessOutputTokens => "serverless output tokens",
             InstanceTime => "instance time",
             Storage => "storage",
+            ParkedMemory => "parked replica memory",
             Discount => "discount",
             Credit => "credit",
         }
@@ -570,7 +574,7 @@ pub fn build_invoice(input: InvoiceInput<'_>) -> Result<Draft> {
             Meter::Requests => (LineKind::ServerlessRequests, false),
             Meter::InputTokens => (LineKind::ServerlessInputTokens, true),
             Meter::OutputTokens => (LineKind::ServerlessOutputTokens, true),
-            Meter::InstanceSeconds | Meter::StorageGbSeconds => {
+            Meter::InstanceSeconds | Meter::StorageGbSeconds | Meter::ParkedGbSeconds => {
                 let a = e.start.max(from);
                 let b = e.end.min(to);
                 for (p0, p1) in if a < b {
@@ -579,16 +583,24 @@ pub fn build_invoice(input: InvoiceInput<'_>) -> Result<Draft> {
                     Vec::new()
                 } {
                     let v = book.in_force(p0)?;
-                    let (kind, price, unit) = if e.meter == Meter::InstanceSeconds {
-                        (
+                    let (kind, price, unit) = match e.meter {
+                        Meter::InstanceSeconds => (
                             LineKind::InstanceTime,
                             v.per_instance_second,
                             "instance_second",
-                        )
-                    } else {
-                        (LineKind::Storage, v.per_storage_gb_second, "gb_second")
+                        ),
+                        Meter::ParkedGbSeconds => (
+                            LineKind::ParkedMemory,
+                            v.parked_per_gb_second(),
+                            "gb_second",
+                        ),
+                        _ => (LineKind::Storage, v.per_storage_gb_second, "gb_second"),
                     };
-                    if kind == LineKind::InstanceTime && price.is_zero() {
+                    // Free instance time and free parking (the operator set
+                    // the price to zero) add no line.
+                    if matches!(kind, LineKind::InstanceTime | LineKind::ParkedMemory)
+                        && price.is_zero()
+                    {
                         continue;
                     }
                     let key = LineKey {

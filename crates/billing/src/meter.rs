@@ -124,6 +124,9 @@ pub enum Meter {
     InstanceSeconds,
     /// Storage: `amount` GB held over the interval.
     StorageGbSeconds,
+    /// Host memory held by a parked endpoint replica (weights in host
+    /// memory, GPU released): `amount` GB over the interval.
+    ParkedGbSeconds,
     /// `amount` served requests, counted at the event's end.
     Requests,
     /// `amount` input (prompt) tokens.
@@ -137,7 +140,10 @@ impl Meter {
     pub fn is_rate(&self) -> bool {
         matches!(
             self,
-            Self::GpuSeconds { .. } | Self::InstanceSeconds | Self::StorageGbSeconds
+            Self::GpuSeconds { .. }
+                | Self::InstanceSeconds
+                | Self::StorageGbSeconds
+                | Self::ParkedGbSeconds
         )
     }
 }

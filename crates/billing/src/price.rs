@@ -237,7 +237,19 @@ pub struct PriceVersion {
     pub per_instance_second: Decimal,
     /// Per GB-second of storage.
     pub per_storage_gb_second: Decimal,
+    /// Per GB-hour of host memory held by a parked endpoint replica
+    /// (weights in host memory, GPU released). Per hour, as memory is
+    /// quoted; the operator may set it to zero. Absent in versions written
+    /// before parking existed: zero.
+    #[serde(default)]
+    pub per_parked_gb_hour: Decimal,
 }
+
+/// The list price of one GB-hour of host memory: Google Cloud's N2
+/// custom-machine memory price, us-central1 on-demand (USD 0.004237 per
+/// GB-hour), the published price of memory alone. A 16 GB parked replica
+/// costs 0.068 per hour, 2.3 % of an H100's 2.99.
+pub const LIST_PARKED_GB_HOUR: Decimal = Decimal::from_parts(4237, 0, 0, false, 6);
 
 impl PriceVersion {
     /// Checks every price; the error names the field.
@@ -277,7 +289,13 @@ impl PriceVersion {
             check_fraction(o.discount, &format!("reserved_offers[{i}].discount"))?;
         }
         non_negative(self.per_instance_second, "per_instance_second")?;
-        non_negative(self.per_storage_gb_second, "per_storage_gb_second")
+        non_negative(self.per_storage_gb_second, "per_storage_gb_second")?;
+        non_negative(self.per_parked_gb_hour, "per_parked_gb_hour")
+    }
+
+    /// The price of one GB-second of parked host memory.
+    pub fn parked_per_gb_second(&self) -> Decimal {
+        self.per_parked_gb_hour / Decimal::from(3600)
     }
 
     /// The on-demand price of `model`.
@@ -415,7 +433,8 @@ impl PriceBook {
 /// 1, in force since the epoch, USD, on-demand and serverless GPU time at
 /// the catalog's list price per hour / 3600 (exact to 28 digits), no
 /// minimum, spot bands from 30% (idle pool) to 90% (full pool) of
-/// on-demand, requests, tokens, instance time and storage free.
+/// on-demand, parked host memory at [`LIST_PARKED_GB_HOUR`], requests,
+/// tokens, instance time and storage free.
 pub fn list_price_book(catalog: &Catalog) -> Result<PriceBook> {
     let hour = Decimal::from(3600);
     let mut on_demand = BTreeMap::new();
@@ -461,6 +480,7 @@ pub fn list_price_book(catalog: &Catalog) -> Result<PriceBook> {
         reserved_offers: Vec::new(),
         per_instance_second: Decimal::ZERO,
         per_storage_gb_second: Decimal::ZERO,
+        per_parked_gb_hour: LIST_PARKED_GB_HOUR,
     })
 }
 

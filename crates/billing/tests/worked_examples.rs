@@ -453,3 +453,47 @@ fn example_6_provider_payout() {
         ("43.20".into(), "6.48".into(), "36.72".into())
     );
 }
+
+#[test]
+fn parked_replica_memory_is_billed_per_gb_hour() {
+    // An endpoint's replica parked 16 GB of weights in host memory for
+    // 90 minutes; the catalog prices parked memory at 0.0036 per GB-hour
+    // (0.000001 per GB-second).
+    let t = tenant(1);
+    let mut v = version1();
+    v.per_parked_gb_hour = d("0.0036");
+    let book = PriceBook::new(v.clone()).unwrap();
+    let parked = event(
+        &t,
+        "park-1",
+        (SubjectKind::Endpoint, "ep_1"),
+        Meter::ParkedGbSeconds,
+        BillingClass::OnDemand,
+        at(1, 0, 0),
+        at(2, 30, 0),
+        16,
+    );
+    let (spot, used) = (SpotSeries::new(), BTreeMap::new());
+    let inv = invoice(
+        &t,
+        std::slice::from_ref(&parked),
+        &book,
+        plain(&spot, &used),
+    );
+    // 16 GB x 5400 s = 86400 GB-s x 0.000001 = 0.0864 -> 0.09.
+    let lines = rows(&inv);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0].0, LineKind::ParkedMemory);
+    assert_eq!(lines[0].1, "86400");
+    assert_eq!(lines[0].3, "0.09");
+    assert!(
+        inv.lines()[0].description.contains("parked"),
+        "{:?}",
+        inv.lines()[0].description
+    );
+    // The operator may give parking away: no line at all.
+    v.per_parked_gb_hour = d("0");
+    let free = PriceBook::new(v).unwrap();
+    let inv = invoice(&t, &[parked], &free, plain(&spot, &used));
+    assert!(inv.lines().is_empty(), "{:?}", rows(&inv));
+}

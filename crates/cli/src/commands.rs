@@ -743,6 +743,7 @@ pub async fn usage(
             Meter::GpuSeconds { model, .. } => format!("gpu {model}"),
             Meter::InstanceSeconds => "instance seconds".to_string(),
             Meter::StorageGbSeconds => "storage gb seconds".to_string(),
+            Meter::ParkedGbSeconds => "parked gb seconds".to_string(),
             Meter::Requests => "requests".to_string(),
             Meter::InputTokens => "input tokens".to_string(),
             Meter::OutputTokens => "output tokens".to_string(),

@@ -9,11 +9,13 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use flotilla_sim::engine::{NodePoolConfig, SimResult};
+use flotilla_sim::engine::{NodePoolConfig, SimResult, TierSetting};
 use flotilla_sim::nodes::ProviderConfig;
-use flotilla_sim::report::{compare, json, markdown_table};
+use flotilla_sim::report::{compare, json, markdown_table, tiered_markdown_table};
 use flotilla_sim::scenario::{scale_to_peak, Scenario};
-use flotilla_sim::{trace, ColdStartModel, PolicyKind, ServiceModel, SimConfig};
+use flotilla_sim::{
+    trace, ColdStartModel, PolicyKind, ReadinessTiers, ServiceModel, SimConfig, Tier,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Options of `flotilla simulate`.
@@ -68,6 +70,23 @@ pub struct SimulateArgs {
     /// Endpoint tier: 1 runs on on-demand nodes only.
     #[arg(long, default_value_t = 2)]
     tier: u8,
+    /// Readiness tiers: stopped replicas may be parked in host memory or
+    /// leave their weights on local disk, and come back at those tiers'
+    /// speeds (docs/autoscaling.md); Flotilla's policy runs tiered.
+    #[arg(long)]
+    tiered: bool,
+    /// With --tiered: size of the model's weights, GB (8B in BF16: 16).
+    #[arg(long, default_value_t = 16.0, requires = "tiered")]
+    model_gb: f64,
+    /// With --tiered: nodes the replicas run on.
+    #[arg(long, default_value_t = 8, requires = "tiered")]
+    tier_nodes: u32,
+    /// With --tiered: host memory per node set aside for parked replicas, GB.
+    #[arg(long, default_value_t = 512.0, requires = "tiered")]
+    parked_gb_per_node: f64,
+    /// With --tiered: local disk per node set aside for cached weights, GB.
+    #[arg(long, default_value_t = 0.0, requires = "tiered")]
+    cache_gb_per_node: f64,
 }
 
 /// Run the simulation and write the report.
@@ -104,6 +123,29 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     cfg.seed = args.seed;
     cfg.tier = args.tier;
     cfg.warmup_ms = args.warmup_s.saturating_mul(1_000);
+    if args.tiered {
+        if args.node_pool {
+            bail!("--tiered with --node-pool is not modelled yet: give one of them");
+        }
+        if !(args.model_gb.is_finite() && args.model_gb > 0.0) {
+            bail!("--model-gb must be a positive number");
+        }
+        for (flag, x) in [
+            ("--parked-gb-per-node", args.parked_gb_per_node),
+            ("--cache-gb-per-node", args.cache_gb_per_node),
+        ] {
+            if !(x.is_finite() && x >= 0.0) {
+                bail!("{flag} must be a number of GB, not negative");
+            }
+        }
+        cfg.tiers = Some(TierSetting {
+            tiers: ReadinessTiers::default(),
+            model_gb: args.model_gb,
+            nodes: args.tier_nodes,
+            host_memory_gb_per_node: args.parked_gb_per_node,
+            disk_gb_per_node: args.cache_gb_per_node,
+        });
+    }
     if args.node_pool {
         cfg.node_pool = Some(NodePoolConfig {
             provider: ProviderConfig::cloud(&service.gpu),
@@ -202,6 +244,25 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     ));
     md.push_str(&table);
     md.push('\n');
+    if let Some(t) = &cfg.tiers {
+        md.push_str(&format!(
+            "Readiness tiers: {:.0} GB of weights; restore from host memory {} ms, from disk {} ms, remote from the cold-start shape; {} nodes with {:.0} GB for parking ({} replicas) and {:.0} GB of disk cache ({} copies) each; parked memory at {} {} per GB-hour. The ratio in money is (GPU cost + memory cost) / the fixed-delay oracle's GPU time at the same price.\n\n",
+            t.model_gb,
+            t.tiers.restore_ms(Tier::Parked, t.model_gb),
+            t.tiers.restore_ms(Tier::Cached, t.model_gb),
+            t.nodes,
+            t.host_memory_gb_per_node,
+            t.parked_capacity(),
+            t.disk_gb_per_node,
+            t.cached_capacity(),
+            pr.currency,
+            (pr.parked_per_gb_second * rust_decimal::Decimal::from(3600))
+                .round_dp(6)
+                .normalize(),
+        ));
+        md.push_str(&tiered_markdown_table(&cmp.rows));
+        md.push('\n');
+    }
     if args.node_pool {
         md.push_str(
             "Node pool (8-GPU nodes; GPU-seconds of whole nodes, from request to release):\n\n",
@@ -226,6 +287,9 @@ pub fn run(args: SimulateArgs) -> Result<ExitCode> {
     write(&args.out.join("report.md"), &md)?;
     write(&args.out.join("results.json"), &json(&cmp.rows))?;
     print!("{table}");
+    if cfg.tiers.is_some() {
+        print!("{}", tiered_markdown_table(&cmp.rows));
+    }
     println!("report: {}", args.out.join("report.md").display());
     Ok(ExitCode::SUCCESS)
 }

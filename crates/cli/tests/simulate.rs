@@ -156,3 +156,69 @@ fn scenarios_run_and_bad_input_is_named() {
     let e = fail(&["--trace", bad.to_str().unwrap()]);
     assert!(e.contains("line 3") && e.contains("arrival_ms"), "{e}");
 }
+
+#[test]
+fn tiered_simulation_reports_starts_by_tier_and_cost_in_money() {
+    let home = Home::new(BIN);
+    let trace = home.dir.path().join("trace.csv");
+    std::fs::write(&trace, trace_csv()).unwrap();
+    let out = home.dir.path().join("tiered");
+    let o = home
+        .cmd()
+        .args(["simulate", "--trace"])
+        .arg(&trace)
+        .args(["--policy", "flotilla,kpa", "--peak-replicas", "4"])
+        .args(["--tiered", "--tier-nodes", "1", "--cache-gb-per-node", "64"])
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let report = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(
+        report.contains("Readiness tiers: 16 GB")
+            && report.contains("| flotilla-tiered |")
+            && report.contains("ratio in money"),
+        "{report}"
+    );
+    let rows: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let tiered = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["policy"] == "flotilla-tiered")
+        .cloned()
+        .unwrap();
+    let t = &tiered["tiers"];
+    let starts: u64 = [
+        "cold_starts_parked",
+        "cold_starts_cached",
+        "cold_starts_remote",
+    ]
+    .iter()
+    .map(|k| t[k].as_u64().unwrap())
+    .sum();
+    assert_eq!(starts, tiered["cold_starts"].as_u64().unwrap(), "{t}");
+    assert!(t["cold_starts_parked"].as_u64().unwrap() > 0, "{t}");
+    assert!(t["money_ratio_to_oracle"].as_f64().unwrap() > 0.0, "{t}");
+
+    // Tiers on a node pool are not modelled: refused by name.
+    let o = home
+        .cmd()
+        .args([
+            "simulate",
+            "--scenario",
+            "on-off",
+            "--tiered",
+            "--node-pool",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--node-pool"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

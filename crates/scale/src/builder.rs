@@ -25,7 +25,7 @@ use std::str::FromStr;
 use crate::{
     Bounds, ColdStart, Decision, Flotilla, FlotillaConfig, Hpa, HpaConfig, Keda, KedaConfig, Kpa,
     KpaConfig, MetricTarget, Observation, Policy, RayServe, RayServeConfig, ScaleError,
-    ServiceModel, Signal,
+    ServiceModel, Signal, TierEconomics, TieredFlotilla,
 };
 
 /// Target utilisation of the baselines' concurrency target.
@@ -121,6 +121,53 @@ pub fn replay(policy: &mut dyn Policy, steps: &[(u64, Observation)]) -> Vec<Deci
         .collect()
 }
 
+/// Flotilla's configuration for `ep`: its cold start, its service model
+/// (rate from the mean service time) and its SLO; the rest defaults.
+fn flotilla_config(ep: &Endpoint) -> Result<FlotillaConfig, ScaleError> {
+    if !(ep.mean_service_ms.is_finite() && ep.mean_service_ms > 0.0) {
+        return Err(ScaleError::InvalidConfig {
+            field: "mean_service_ms",
+            reason: "must be positive",
+        });
+    }
+    let c = f64::from(ep.max_concurrency.max(1));
+    Ok(FlotillaConfig::new(
+        ColdStart {
+            provision_ms: 0,
+            pull_ms: 0,
+            load_ms: ep.cold_start_ms,
+        },
+        ServiceModel {
+            service_rate: c * 1000.0 / ep.mean_service_ms,
+            max_concurrency: ep.max_concurrency,
+        },
+        ep.slo_ms as f64,
+    ))
+}
+
+/// Shortest peak window of the tiered policy's warm side: one second, the
+/// untiered policy's decision cadence, so demand is never forgotten
+/// between two decisions of the policy it replaces.
+pub const TIERED_MIN_PEAK_WINDOW_MS: u64 = 1_000;
+
+/// Flotilla's tiered policy for `ep` (`ep.cold_start_ms` is the cold start
+/// of a replica that comes from neither host memory nor disk) with the
+/// tiers of `econ`; scale to zero allowed.
+pub fn build_tiered(ep: &Endpoint, econ: TierEconomics) -> Result<TieredFlotilla, ScaleError> {
+    let err = |source| ScaleError::Policy {
+        policy: "flotilla-tiered",
+        source: Box::new(source),
+    };
+    let bounds = Bounds::new(0, ep.max_replicas).map_err(err)?;
+    TieredFlotilla::new(
+        flotilla_config(ep)?,
+        econ,
+        TIERED_MIN_PEAK_WINDOW_MS,
+        bounds,
+    )
+    .map_err(err)
+}
+
 /// Build `kind` for `ep`. A configuration a policy rejects comes back as
 /// [`ScaleError::Policy`] naming the policy.
 pub fn build(kind: PolicyKind, ep: &Endpoint) -> Result<Box<dyn Policy + Send>, ScaleError> {
@@ -133,25 +180,7 @@ pub fn build(kind: PolicyKind, ep: &Endpoint) -> Result<Box<dyn Policy + Send>, 
     let bounds = |min| Bounds::new(min, ep.max_replicas).map_err(err);
     Ok(match kind {
         PolicyKind::Flotilla => {
-            if !(ep.mean_service_ms.is_finite() && ep.mean_service_ms > 0.0) {
-                return Err(ScaleError::InvalidConfig {
-                    field: "mean_service_ms",
-                    reason: "must be positive",
-                });
-            }
-            let cfg = FlotillaConfig::new(
-                ColdStart {
-                    provision_ms: 0,
-                    pull_ms: 0,
-                    load_ms: ep.cold_start_ms,
-                },
-                ServiceModel {
-                    service_rate: c * 1000.0 / ep.mean_service_ms,
-                    max_concurrency: ep.max_concurrency,
-                },
-                ep.slo_ms as f64,
-            );
-            Box::new(Flotilla::new(cfg, bounds(0)?).map_err(err)?)
+            Box::new(Flotilla::new(flotilla_config(ep)?, bounds(0)?).map_err(err)?)
         }
         PolicyKind::Hpa => {
             let cfg = HpaConfig::new(vec![MetricTarget::per_replica(Signal::Concurrency, target)]);

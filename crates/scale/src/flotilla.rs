@@ -135,6 +135,12 @@ pub struct FlotillaConfig {
     pub miss_cost: f64,
     /// Quiet time before scale to zero is considered (default 60 s).
     pub min_idle_ms: u64,
+    /// Price of holding one replica at a level for an hour when that is not
+    /// its GPUs (`None`, the default: `gpus × gpu_price_per_hour`). The
+    /// tiered policy sets it to the host memory a parked replica occupies,
+    /// so the same trade-off decides how many replicas stay parked.
+    #[serde(default)]
+    pub hold_price_per_hour: Option<f64>,
 }
 
 impl FlotillaConfig {
@@ -154,6 +160,7 @@ impl FlotillaConfig {
             gpu_price_per_hour: 2.5,
             miss_cost: 0.1,
             min_idle_ms: 60_000,
+            hold_price_per_hour: None,
         }
     }
 
@@ -175,6 +182,10 @@ impl FlotillaConfig {
             ("headroom_beta", self.headroom_beta),
             ("gpu_price_per_hour", self.gpu_price_per_hour),
             ("miss_cost", self.miss_cost),
+            (
+                "hold_price_per_hour",
+                self.hold_price_per_hour.unwrap_or(0.0),
+            ),
         ] {
             if !(x.is_finite() && x >= 0.0) {
                 return Err(ScaleError::InvalidConfig {
@@ -189,16 +200,19 @@ impl FlotillaConfig {
     /// Step 6's two sides for a long-run arrival rate `rate` (requests per
     /// second): `(idle cost of one warm replica over the cold-start
     /// horizon, expected penalty of being cold over it)`. Scale to zero
-    /// only when the first is larger.
+    /// only when the first is larger. The idle side is priced at
+    /// [`FlotillaConfig::hold_price_per_hour`] when set; the cold start a
+    /// miss costs always burns GPU time.
     pub fn zero_tradeoff(&self, rate: f64) -> (f64, f64) {
         let h = self.cold_start.total_ms() as f64 / 1000.0;
         let price_s = f64::from(self.gpus_per_replica) * self.gpu_price_per_hour / 3600.0;
+        let hold_s = self.hold_price_per_hour.map_or(price_s, |p| p / 3600.0);
         let lambda = if rate.is_finite() && rate > 0.0 {
             rate
         } else {
             0.0
         };
-        let idle = price_s * h;
+        let idle = hold_s * h;
         let p = 1.0 - (-lambda * h).exp();
         let penalty = p * (self.miss_cost * (1.0 + lambda * h) + price_s * h);
         (idle, penalty)

@@ -31,6 +31,7 @@ pub mod nodepool;
 pub mod observe;
 pub mod policy;
 pub mod ray;
+pub mod tiers;
 pub mod vertical;
 
 pub use builder::{Endpoint, PolicyKind};
@@ -43,6 +44,7 @@ pub use kpa::{Kpa, KpaConfig};
 pub use observe::{Aggregation, Latency, Observation, Signal};
 pub use policy::{Bounds, Decision, Policy, Reason};
 pub use ray::{RayServe, RayServeConfig};
+pub use tiers::{ReadinessTiers, Tier, TierEconomics, TierPlan, TierSpeed, TieredFlotilla};
 pub use vertical::{GpuClass, Move, Vertical, VerticalConfig, VerticalSignals};
 
 /// Errors of this crate: all are invalid configuration, caught when a

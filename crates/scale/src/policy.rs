@@ -30,6 +30,13 @@ pub trait Policy {
 
     /// Decide the desired replica count given what is observed at `now_ms`.
     fn decide(&mut self, now_ms: u64, obs: &Observation) -> Decision;
+
+    /// Replicas the last decision wants parked (weights in host memory, GPU
+    /// released) besides the [`Decision::replicas`] on GPUs. Policies that
+    /// know no tiers park none: what they stop is released.
+    fn parked(&self) -> u32 {
+        0
+    }
 }
 
 /// The answer of one [`Policy::decide`] call.

@@ -6,7 +6,9 @@
 //! [`select`]), with pluggable scorers: faithful re-implementations of the
 //! baselines of the ATC'23 paper *Beware of Fragmentation* (Random, BestFit,
 //! DotProd, GpuPacking, GpuClustering, FGD) and Flotilla's default policy.
-//! [`frag`] holds the paper's fragmentation measure.
+//! [`frag`] holds the paper's fragmentation measure; [`startup`] ranks
+//! nodes by how soon a replica would be ready there (what each caches),
+//! then by the scorer.
 //!
 //! Around the single-request pipeline, and built on it: [`gang`] placement
 //! (all-or-nothing, optionally in one topology domain or region), [`mig`]
@@ -42,6 +44,7 @@ pub mod request;
 pub mod score;
 pub mod select;
 pub mod snapshot;
+pub mod startup;
 
 pub use alloc::{Allocation, AllocationId, Resources, Tenant, Tier};
 pub use filter::{Explanation, Reason};
@@ -50,6 +53,7 @@ pub use request::{GpuDemand, ModelSet, Request};
 pub use score::{Policy, Scorer};
 pub use select::{Decision, Engine, Placement};
 pub use snapshot::{Cluster, ModelId, ModelTable, NodeSpec, NodeState, Runtime};
+pub use startup::NodeStartup;
 
 /// Errors of the placement engine. Every variant is a caller mistake or an
 /// inconsistent snapshot; an unschedulable request is not an error but a

@@ -182,6 +182,31 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// The scorer's raw verdict on a node state (no normalisation across
+    /// nodes): for callers that rank nodes on more than the score.
+    pub(crate) fn score_state(&self, state: &crate::snapshot::NodeState, req: &Request) -> Scored {
+        self.scorer.score(state, req)
+    }
+
+    /// Place `req` on `node`, which the caller checked is feasible, with
+    /// the scorer's GPU choice for a share.
+    pub(crate) fn place_on<R: Rng + ?Sized>(
+        &mut self,
+        cluster: &Cluster,
+        req: &Request,
+        node: u32,
+        rng: &mut R,
+    ) -> Decision {
+        let Some(n) = cluster.node(node) else {
+            return self.decide(cluster, req, rng);
+        };
+        let s = self.scorer.score(&n.state(), req);
+        let gpus = pick_gpus(cluster, node, req, s.share_from, s.share_ties, rng);
+        Decision::Placed(Placement { node, gpus })
+    }
+}
+
 /// kube-scheduler's default min-max normalisation to integers in 0..=100
 /// (all equal scores become 0).
 fn normalize(scored: &mut [(u32, Scored)]) {

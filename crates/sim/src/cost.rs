@@ -21,6 +21,8 @@ pub struct Pricing {
     /// spot until it records a price series from pool utilisation (the
     /// on-demand price where the version has no band for the type).
     pub spot_per_gpu_second: Decimal,
+    /// Price of one GB-second of host memory held by a parked replica.
+    pub parked_per_gb_second: Decimal,
 }
 
 const MS_PER_S: i64 = 1_000;
@@ -38,6 +40,7 @@ impl Pricing {
             currency: version.currency.code.clone(),
             on_demand_per_gpu_second: on_demand,
             spot_per_gpu_second: spot,
+            parked_per_gb_second: version.parked_per_gb_second(),
         })
     }
 
@@ -52,6 +55,15 @@ impl Pricing {
     /// Cost of `gpu_ms` GPU-milliseconds on demand, to the cent.
     pub fn on_demand(&self, gpu_ms: u64) -> Decimal {
         (Decimal::from(gpu_ms) * self.on_demand_per_gpu_second / Decimal::from(MS_PER_S))
+            .round_dp(2)
+    }
+
+    /// Cost of `replica_ms` replica-milliseconds parked, each holding
+    /// `model_gb` GB of host memory, to the cent (a size that is not a
+    /// finite number costs nothing rather than panicking).
+    pub fn parked(&self, replica_ms: u64, model_gb: f64) -> Decimal {
+        let gb = Decimal::try_from(model_gb).unwrap_or(Decimal::ZERO);
+        (Decimal::from(replica_ms) * gb * self.parked_per_gb_second / Decimal::from(MS_PER_S))
             .round_dp(2)
     }
 
@@ -80,6 +92,12 @@ mod tests {
             (h100 * Decimal::new(3, 1)).round_dp(2)
         );
         assert_eq!(p.currency, "USD");
+        // 16 GB parked for an hour at the list memory price.
+        assert_eq!(
+            p.parked(3_600_000, 16.0),
+            (Decimal::from(16) * flotilla_billing::price::LIST_PARKED_GB_HOUR).round_dp(2)
+        );
+        assert_eq!(p.parked(3_600_000, f64::NAN), Decimal::ZERO);
     }
 
     #[test]

@@ -31,7 +31,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-use flotilla_scale::{Latency, Observation, Policy};
+use flotilla_scale::{Latency, Observation, Policy, ReadinessTiers, Tier};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
@@ -48,6 +48,78 @@ pub struct NodePoolConfig {
     pub provider: ProviderConfig,
     /// Idle time before an empty node is released.
     pub idle_grace_ms: u64,
+}
+
+/// Readiness tiers under the endpoint's replicas: where a replica the
+/// policy stops waits, and how fast it comes back.
+///
+/// A replica the policy stops is **parked** (weights kept in host memory,
+/// GPU released and no longer paid) while the policy's
+/// [`Policy::parked`] wants more parked than there are and host memory has
+/// room; otherwise it is released, leaving its weights on a local disk
+/// (**cached**) while the disks have room, the least recently used copy
+/// evicted first. A new replica comes back from the fastest tier that
+/// holds one: parked (restore time from the host-to-GPU bandwidth),
+/// cached (from the disk bandwidth), else remote (a cold start drawn from
+/// the [`ColdStartModel`]). Parked replicas cost host memory by the
+/// GB-second; the report prices it from the price book.
+///
+/// Capacities are stated per node over a number of nodes: without a node
+/// pool the replicas' GPUs are not tied to nodes, so the budgets are the
+/// fleet's (nodes × per-node size); a node pool with tiers is not modelled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierSetting {
+    /// Tier speeds.
+    pub tiers: ReadinessTiers,
+    /// Size of the model's weights, GB.
+    pub model_gb: f64,
+    /// Nodes the endpoint's replicas run on.
+    pub nodes: u32,
+    /// Host memory one node sets aside for parked replicas, GB.
+    pub host_memory_gb_per_node: f64,
+    /// Local disk one node sets aside for cached weights, GB.
+    pub disk_gb_per_node: f64,
+}
+
+impl TierSetting {
+    /// Replicas the nodes' host memory holds parked.
+    pub fn parked_capacity(&self) -> u32 {
+        self.copies(self.host_memory_gb_per_node)
+    }
+
+    /// Weight copies the nodes' disks hold.
+    pub fn cached_capacity(&self) -> u32 {
+        self.copies(self.disk_gb_per_node)
+    }
+
+    fn copies(&self, per_node_gb: f64) -> u32 {
+        if !(self.model_gb > 0.0 && per_node_gb.is_finite() && per_node_gb > 0.0) {
+            return 0;
+        }
+        let per_node = (per_node_gb / self.model_gb)
+            .floor()
+            .min(f64::from(u32::MAX)) as u32;
+        per_node.saturating_mul(self.nodes)
+    }
+}
+
+/// Cold starts by the tier they came from, and the parked time.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct TierStats {
+    /// Restores from host memory.
+    pub parked_starts: u64,
+    /// Starts from a local disk copy.
+    pub cached_starts: u64,
+    /// Starts from nothing local.
+    pub remote_starts: u64,
+    /// Loads into host memory (no GPU) from a disk copy.
+    pub cached_fills: u64,
+    /// Loads into host memory (no GPU) from remote.
+    pub remote_fills: u64,
+    /// Replica-milliseconds spent parked.
+    pub parked_replica_ms: u64,
+    /// GB-seconds of host memory parked replicas held.
+    pub parked_gb_seconds: f64,
 }
 
 /// Everything a run needs besides the trace and the policy.
@@ -80,6 +152,9 @@ pub struct SimConfig {
     /// The price version GPU time is costed from; `None`: the billing
     /// crate's list-price book of the built-in catalog.
     pub prices: Option<flotilla_billing::price::PriceVersion>,
+    /// Readiness tiers; `None`: every stopped replica is released and every
+    /// start is a cold start from the [`ColdStartModel`].
+    pub tiers: Option<TierSetting>,
 }
 
 impl SimConfig {
@@ -97,6 +172,7 @@ impl SimConfig {
             node_pool: None,
             warmup_ms: 0,
             prices: None,
+            tiers: None,
         }
     }
 }
@@ -142,8 +218,10 @@ pub struct SimResult {
     pub gpu_ms: u64,
     /// Node GPU-milliseconds `(on-demand, spot)` with a node pool.
     pub node_gpu_ms: Option<(u64, u64)>,
-    /// Replicas started.
+    /// Replicas started (from any tier).
     pub cold_starts: u64,
+    /// With readiness tiers: starts by tier and parked time.
+    pub tiers: Option<TierStats>,
     /// Policy decisions that changed the replica target.
     pub scaling_actions: u64,
     /// Nodes preempted.
@@ -178,6 +256,8 @@ enum Event {
     Ready { replica: u32 },
     /// A node of the pool was preempted.
     Preempt { node: u32 },
+    /// A replica's weights finished loading into host memory.
+    Filled { replica: u32 },
     /// The policy's next call.
     Tick,
 }
@@ -189,6 +269,11 @@ enum State {
     Starting,
     Ready,
     Draining,
+    /// Weights in host memory, GPU released.
+    Parked,
+    /// Weights being loaded into host memory (from disk or remote), no
+    /// GPU: becomes parked.
+    Filling,
     Gone,
 }
 
@@ -200,6 +285,11 @@ struct Replica {
     ready_at_ms: u64,
     node: Option<usize>,
     in_flight: Vec<u32>,
+    /// With tiers: host memory held from then until `since_ms`, while its
+    /// weights are staged into host memory before it takes a GPU.
+    mem_from_ms: Option<u64>,
+    /// When the last request it started will be done.
+    busy_until_ms: u64,
 }
 
 /// Dropped-request marker in the per-request latency arrays.
@@ -238,6 +328,18 @@ struct Sim<'a> {
     sample_from: (u64, u64),
     /// Node GPU time spent during the warm-up, subtracted at the end.
     pool_gpu_before: Option<(u64, u64)>,
+    /// Parked replicas, least recently parked first.
+    parked: VecDeque<u32>,
+    /// Free weight copies on local disks (their GPUs run nothing of this
+    /// endpoint).
+    cached: u32,
+    /// Replicas filling host memory.
+    filling: Vec<u32>,
+    /// Draining replicas (told to stop, finishing their requests).
+    draining: Vec<u32>,
+    /// What the policy last asked to keep parked.
+    want_parked: u32,
+    tier_stats: TierStats,
 }
 
 /// Run `policy` over `trace`. `progress(done, total)` is called now and
@@ -295,6 +397,12 @@ pub fn simulate(
         series: Vec::new(),
         sample_from: (0, 0),
         pool_gpu_before: None,
+        parked: VecDeque::new(),
+        cached: 0,
+        filling: Vec::new(),
+        draining: Vec::new(),
+        want_parked: 0,
+        tier_stats: TierStats::default(),
     };
     // Start at the policy's minimum, ready: the endpoint existed before
     // the trace began.
@@ -335,6 +443,7 @@ pub fn simulate(
             Event::Done { replica, request } => sim.done(replica, request),
             Event::Ready { replica } => sim.replica_ready(replica),
             Event::Preempt { node } => sim.preempt(node as usize),
+            Event::Filled { replica } => sim.filled(replica),
             Event::Tick => {
                 let finished = next == n && sim.queue.is_empty() && sim.in_flight == 0;
                 if finished {
@@ -355,11 +464,14 @@ impl Sim<'_> {
         self.gpu_ms = 0;
         for rep in &mut self.replicas {
             if !matches!(rep.state, State::Gone | State::Unplaced) {
-                rep.since_ms = self.now;
+                // A start still staging weights takes its GPU later.
+                rep.since_ms = rep.since_ms.max(self.now);
+                rep.mem_from_ms = rep.mem_from_ms.map(|m| m.max(self.now));
             }
         }
         self.pool_gpu_before = self.pool.as_ref().map(|p| p.gpu_ms(self.now));
         self.cold_starts = 0;
+        self.tier_stats = TierStats::default();
         self.scaling_actions = 0;
         self.preemptions = 0;
         self.series.clear();
@@ -405,7 +517,9 @@ impl Sim<'_> {
         self.ttft[i as usize] = ttft;
         self.e2e[i as usize] = sat32(wait + service);
         self.recent_ttft.push(ttft);
-        self.replicas[r as usize].in_flight.push(i);
+        let rep = &mut self.replicas[r as usize];
+        rep.in_flight.push(i);
+        rep.busy_until_ms = rep.busy_until_ms.max(self.now + service);
         self.in_flight += 1;
         self.push(
             self.now + service,
@@ -482,6 +596,8 @@ impl Sim<'_> {
             ready_at_ms: 0,
             node: None,
             in_flight: Vec::new(),
+            mem_from_ms: None,
+            busy_until_ms: 0,
         });
         if warm {
             let rep = &mut self.replicas[r as usize];
@@ -498,9 +614,155 @@ impl Sim<'_> {
         self.place(r);
     }
 
+    /// How a new replica starts: `(staging, start-up)` ms — the time its
+    /// weights take to reach host memory before it takes a GPU (with
+    /// tiers, nothing else is loaded with a GPU held), then the start-up
+    /// on the GPU, from the fastest tier that holds it. Tiers off: no
+    /// staging, a cold start from the model.
+    fn restore_ms(&mut self) -> (u64, u64) {
+        let Some(t) = &self.cfg.tiers else {
+            return (0, self.cfg.cold_start.sample(&mut self.rng));
+        };
+        if let Some(p) = self.parked.pop_back() {
+            // The most recently parked: any parked copy is as good, and
+            // the oldest are the first to be released.
+            self.unpark(p);
+            self.tier_stats.parked_starts += 1;
+            return (0, t.tiers.restore_ms(Tier::Parked, t.model_gb));
+        }
+        // Weights on their way into host memory: restore once they are
+        // there, if that is sooner than from disk.
+        let parked_ms = t.tiers.restore_ms(Tier::Parked, t.model_gb);
+        let cached_ms = t.tiers.restore_ms(Tier::Cached, t.model_gb);
+        let reps = &self.replicas;
+        let soonest = self
+            .filling
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, &r)| (reps[r as usize].ready_at_ms, r))
+            .map(|(i, &r)| (i, reps[r as usize].ready_at_ms));
+        if let Some((i, at)) = soonest {
+            let staging = at.saturating_sub(self.now);
+            if self.cached == 0 || staging + parked_ms < cached_ms {
+                let r = self.filling.swap_remove(i);
+                self.unpark(r);
+                self.tier_stats.parked_starts += 1;
+                return (staging, parked_ms);
+            }
+        }
+        if self.cached > 0 {
+            self.cached -= 1;
+            self.tier_stats.cached_starts += 1;
+            return (0, cached_ms);
+        }
+        // Remote: the download lands in host memory first (a GPU held
+        // through a minute of download is a minute of GPU paid for
+        // nothing), then the replica restores from there.
+        self.tier_stats.remote_starts += 1;
+        (self.cfg.cold_start.sample(&mut self.rng), parked_ms)
+    }
+
+    /// A parked replica leaves host memory: pay its parked time.
+    fn unpark(&mut self, r: u32) {
+        let rep = &mut self.replicas[r as usize];
+        self.tier_stats.parked_replica_ms += self.now.saturating_sub(rep.since_ms);
+        rep.state = State::Gone;
+    }
+
+    /// A replica stopped on a GPU: park it when the policy wants more
+    /// parked and host memory has room, else release it to the disk cache.
+    fn park_or_release(&mut self, r: u32) {
+        let Some(t) = &self.cfg.tiers else { return };
+        let cap = t.parked_capacity();
+        if (self.parked.len() as u32) < self.want_parked.min(cap) {
+            let rep = &mut self.replicas[r as usize];
+            rep.state = State::Parked;
+            rep.since_ms = self.now;
+            self.parked.push_back(r);
+        } else {
+            self.release_to_cache();
+        }
+    }
+
+    /// One more free weight copy on disk, unless the disks are full (the
+    /// least recently used copy goes: copies are alike, so the count
+    /// stays).
+    fn release_to_cache(&mut self) {
+        let cap = self
+            .cfg
+            .tiers
+            .as_ref()
+            .map_or(0, TierSetting::cached_capacity);
+        self.cached = (self.cached + 1).min(cap);
+    }
+
+    /// Match host memory to what the policy wants parked: release what is
+    /// beyond it (loads under way first, the latest first; then the least
+    /// recently parked), and load weights into host memory for what is
+    /// missing, from a disk copy when there is one, else remote. A load
+    /// holds its host memory (and is paid) from its start; it uses no GPU.
+    fn trim_parked(&mut self) {
+        let Some(t) = self.cfg.tiers.clone() else {
+            return;
+        };
+        let want = self.want_parked.min(t.parked_capacity()) as usize;
+        while self.parked.len() + self.filling.len() > want {
+            let reps = &self.replicas;
+            let latest = self
+                .filling
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, &r)| (reps[r as usize].ready_at_ms, r))
+                .map(|(i, _)| i);
+            if let Some(i) = latest {
+                let r = self.filling.swap_remove(i);
+                self.unpark(r);
+                continue;
+            }
+            let Some(r) = self.parked.pop_front() else {
+                break;
+            };
+            self.unpark(r);
+            self.release_to_cache();
+        }
+        while self.parked.len() + self.filling.len() < want {
+            let load_ms = if self.cached > 0 {
+                self.cached -= 1;
+                self.tier_stats.cached_fills += 1;
+                t.tiers.cached.restore_ms(t.model_gb) - t.tiers.cached.overhead_ms
+            } else {
+                self.tier_stats.remote_fills += 1;
+                self.cfg.cold_start.sample(&mut self.rng)
+            };
+            let r = self.replicas.len() as u32;
+            self.replicas.push(Replica {
+                state: State::Filling,
+                since_ms: self.now,
+                ready_at_ms: self.now + load_ms,
+                node: None,
+                in_flight: Vec::new(),
+                mem_from_ms: None,
+                busy_until_ms: 0,
+            });
+            self.filling.push(r);
+            self.push(self.now + load_ms, Event::Filled { replica: r });
+        }
+    }
+
+    /// A load into host memory finished: the replica is parked.
+    fn filled(&mut self, r: u32) {
+        let rep = &mut self.replicas[r as usize];
+        if rep.state != State::Filling || rep.ready_at_ms != self.now {
+            return; // taken or cancelled
+        }
+        rep.state = State::Parked;
+        self.filling.retain(|&x| x != r);
+        self.parked.push_back(r);
+    }
+
     /// Give an unplaced replica a GPU and schedule its readiness.
     fn place(&mut self, r: u32) {
-        let cold = self.cfg.cold_start.sample(&mut self.rng);
+        let (staging, cold) = self.restore_ms();
         let from = if self.pool.is_none() {
             self.now
         } else {
@@ -514,8 +776,9 @@ impl Sim<'_> {
         };
         let rep = &mut self.replicas[r as usize];
         rep.state = State::Starting;
-        rep.since_ms = self.now;
-        rep.ready_at_ms = from + cold;
+        rep.since_ms = from + staging;
+        rep.mem_from_ms = (staging > 0).then_some(self.now);
+        rep.ready_at_ms = from + staging + cold;
         let t = rep.ready_at_ms;
         self.push(t, Event::Ready { replica: r });
     }
@@ -538,14 +801,29 @@ impl Sim<'_> {
         Some((node, ready_at))
     }
 
-    /// Stop replica `r` now, paying for its time.
+    /// Stop replica `r` now, paying for its time; with tiers it is parked
+    /// or released to the disk cache.
     fn stop(&mut self, r: u32) {
         let rep = &mut self.replicas[r as usize];
-        if rep.state != State::Unplaced {
-            self.gpu_ms += self.now - rep.since_ms;
+        let was_running = rep.state != State::Unplaced;
+        if rep.state == State::Draining {
+            self.draining.retain(|&x| x != r);
+        }
+        let rep = &mut self.replicas[r as usize];
+        if was_running {
+            self.gpu_ms += self.now.saturating_sub(rep.since_ms);
+            if let Some(m) = rep.mem_from_ms {
+                self.tier_stats.parked_replica_ms += self.now.min(rep.since_ms).saturating_sub(m);
+            }
         }
         rep.state = State::Gone;
-        if let Some(node) = rep.node {
+        let node = rep.node;
+        // One cancelled while starting goes back the same way: its weights
+        // are in host memory or on disk already.
+        if was_running {
+            self.park_or_release(r);
+        }
+        if let Some(node) = node {
             if let Some(pool) = &mut self.pool {
                 pool.free(self.now, node, self.cfg.tier);
             }
@@ -561,7 +839,9 @@ impl Sim<'_> {
         self.preemptions += 1;
         for r in 0..self.replicas.len() {
             let rep = &mut self.replicas[r];
-            if rep.node == Some(node) && rep.state != State::Gone {
+            if rep.node == Some(node)
+                && !matches!(rep.state, State::Gone | State::Parked | State::Filling)
+            {
                 for i in rep.in_flight.drain(..) {
                     self.ttft[i as usize] = DROPPED;
                     self.e2e[i as usize] = DROPPED;
@@ -632,18 +912,46 @@ impl Sim<'_> {
         }
         let obs = self.observe();
         let want = policy.decide(self.now, &obs).replicas;
+        if self.cfg.tiers.is_some() {
+            self.want_parked = policy.parked();
+        }
         if self.last_target != Some(want) {
             self.scaling_actions += 1;
             self.last_target = Some(want);
         }
         let current = (self.ready.len() + self.starting.len()) as u32;
         if want > current {
+            let mut current = current;
+            if self.cfg.tiers.is_some() {
+                // A replica still draining is warm: take it back before
+                // restoring another (the most loaded first: it would drain
+                // longest).
+                while current < want && !self.draining.is_empty() {
+                    let reps = &self.replicas;
+                    let (i, _) = self
+                        .draining
+                        .iter()
+                        .enumerate()
+                        .max_by_key(|(_, &r)| (reps[r as usize].in_flight.len(), r))
+                        .unwrap_or((0, &0));
+                    let r = self.draining.swap_remove(i);
+                    self.replicas[r as usize].state = State::Ready;
+                    self.ready.push(r);
+                    self.fill(r);
+                    current += 1;
+                }
+            }
             for _ in current..want {
                 self.add_replica(false);
             }
         } else if want < current {
             self.remove(current - want);
         }
+        // Host memory follows the plan once the GPUs have: a scale-up
+        // restores from what is parked before the plan's new parked count
+        // releases any, and what is missing then starts loading.
+        self.trim_parked();
+
         if let Some(pool) = &mut self.pool {
             pool.reap(self.now);
         }
@@ -677,12 +985,33 @@ impl Sim<'_> {
                 .enumerate()
                 .min_by_key(|(_, &r)| (reps[r as usize].in_flight.len(), Reverse(r)))
                 .map(|(i, _)| i);
-            let Some(i) = least else { break };
+            // With tiers, the replica free soonest (its requests' ends are
+            // known from their token counts): it parks soonest, instead of
+            // holding its GPU through a long drain.
+            let soonest = if self.cfg.tiers.is_some() {
+                self.ready
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, &r)| {
+                        let rep = &reps[r as usize];
+                        let until = if rep.in_flight.is_empty() {
+                            0
+                        } else {
+                            rep.busy_until_ms
+                        };
+                        (until, Reverse(r))
+                    })
+                    .map(|(i, _)| i)
+            } else {
+                least
+            };
+            let Some(i) = soonest else { break };
             let r = self.ready.remove(i);
             if self.replicas[r as usize].in_flight.is_empty() {
                 self.stop(r);
             } else {
                 self.replicas[r as usize].state = State::Draining;
+                self.draining.push(r);
             }
             k -= 1;
         }
@@ -705,11 +1034,18 @@ impl Sim<'_> {
 
     fn finish(mut self, name: &str) -> SimResult {
         let end = self.now;
+        self.want_parked = 0;
         for r in 0..self.replicas.len() as u32 {
-            if self.replicas[r as usize].state != State::Gone {
-                self.stop(r);
+            match self.replicas[r as usize].state {
+                State::Gone => {}
+                State::Parked | State::Filling => self.unpark(r),
+                _ => self.stop(r),
             }
         }
+        let tiers = self.cfg.tiers.as_ref().map(|t| TierStats {
+            parked_gb_seconds: self.tier_stats.parked_replica_ms as f64 / 1000.0 * t.model_gb,
+            ..self.tier_stats
+        });
         let before = self.pool_gpu_before.unwrap_or((0, 0));
         let node_gpu_ms = self.pool.as_mut().map(|p| {
             p.close(end);
@@ -753,6 +1089,7 @@ impl Sim<'_> {
             gpu_ms: self.gpu_ms,
             node_gpu_ms,
             cold_starts: self.cold_starts,
+            tiers,
             scaling_actions: self.scaling_actions,
             preemptions: self.preemptions,
             end_ms: end - self.origin,

@@ -32,7 +32,8 @@ pub mod service;
 pub mod trace;
 
 pub use coldstart::ColdStartModel;
-pub use engine::{simulate, SimConfig, SimResult};
+pub use engine::{simulate, SimConfig, SimResult, TierSetting, TierStats};
+pub use flotilla_scale::{ReadinessTiers, Tier};
 pub use policies::PolicyKind;
 pub use service::ServiceModel;
 pub use trace::{Request, Trace};

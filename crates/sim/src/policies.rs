@@ -5,23 +5,39 @@
 //! module only names the builder's errors in the simulator's terms.
 
 pub use flotilla_scale::builder::{replay, Endpoint, PolicyKind, TARGET_UTILIZATION};
-use flotilla_scale::{Policy, ScaleError};
+use flotilla_scale::{Policy, ScaleError, TierEconomics};
 
 use crate::SimError;
 
 /// Build `kind` for `ep` (see [`flotilla_scale::builder::build`]).
 pub fn build(kind: PolicyKind, ep: &Endpoint) -> Result<Box<dyn Policy + Send>, SimError> {
-    flotilla_scale::builder::build(kind, ep).map_err(|e| match e {
+    flotilla_scale::builder::build(kind, ep).map_err(|e| named(kind.as_str(), e))
+}
+
+/// Build Flotilla's tiered policy for `ep` and `econ` (see
+/// [`flotilla_scale::builder::build_tiered`]).
+pub fn build_tiered(
+    ep: &Endpoint,
+    econ: TierEconomics,
+) -> Result<Box<dyn Policy + Send>, SimError> {
+    match flotilla_scale::builder::build_tiered(ep, econ) {
+        Ok(p) => Ok(Box::new(p)),
+        Err(e) => Err(named("flotilla-tiered", e)),
+    }
+}
+
+fn named(policy: &'static str, e: ScaleError) -> SimError {
+    match e {
         ScaleError::InvalidConfig { field, reason } => SimError::invalid(field, reason),
         ScaleError::Policy { policy, source } => SimError::Policy {
             policy,
             source: *source,
         },
         other => SimError::Policy {
-            policy: kind.as_str(),
+            policy,
             source: other,
         },
-    })
+    }
 }
 
 #[cfg(test)]

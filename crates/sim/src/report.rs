@@ -8,9 +8,11 @@ use serde::Serialize;
 use crate::cost::Pricing;
 use crate::engine::{simulate, SimConfig, SimResult};
 use crate::oracle::{lower_bound, Oracle};
-use crate::policies::{build, Endpoint, PolicyKind};
+use crate::policies::{build, build_tiered, Endpoint, PolicyKind};
 use crate::trace::Trace;
 use crate::SimError;
+use flotilla_scale::TierEconomics;
+use rust_decimal::prelude::ToPrimitive;
 
 /// One policy on one trace: the row of the benchmark table.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -40,6 +42,31 @@ pub struct Row {
     pub scaling_actions: u64,
     pub dropped: u64,
     pub requests: u64,
+    /// With readiness tiers: starts by tier, parked memory and the cost
+    /// in money.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tiers: Option<TierRow>,
+}
+
+/// The tiered columns of a [`Row`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TierRow {
+    /// Starts restored from host memory.
+    pub cold_starts_parked: u64,
+    /// Starts from a local disk copy.
+    pub cold_starts_cached: u64,
+    /// Starts from nothing local.
+    pub cold_starts_remote: u64,
+    /// GB-seconds of host memory held by parked replicas.
+    pub parked_gb_seconds: f64,
+    /// Parked memory at the price book's `per_parked_gb_hour`.
+    pub memory_cost: Decimal,
+    /// GPU cost plus memory cost.
+    pub total_cost: Decimal,
+    /// The fixed-delay oracle's GPU time at the same on-demand price.
+    pub oracle_cost: Decimal,
+    /// `total_cost / oracle_cost`: the ratio in money.
+    pub money_ratio_to_oracle: f64,
 }
 
 /// Every policy's result on one trace, with the oracle.
@@ -63,7 +90,11 @@ fn round(x: f64, digits: i32) -> f64 {
 }
 
 /// Run `policies` on `trace` with `cfg`. `max_replicas` bounds every
-/// policy. `progress(policy, done, total)` reports progress.
+/// policy. `progress(policy, done, total)` reports progress. With
+/// readiness tiers (`cfg.tiers`), Flotilla's policy runs in its tiered
+/// form ([`flotilla_scale::TieredFlotilla`]: it parks replicas); the
+/// baselines know no tiers (they park nothing, but their released
+/// replicas leave weights on disk like anyone's).
 pub fn compare(
     trace: &Trace,
     policies: &[PolicyKind],
@@ -94,12 +125,47 @@ pub fn compare(
     let mut results = Vec::new();
     let mut rows = Vec::new();
     for &kind in policies {
-        let mut policy = build(kind, &ep)?;
+        let mut policy = match (&cfg.tiers, kind) {
+            (Some(t), PolicyKind::Flotilla) => {
+                let econ = TierEconomics {
+                    tiers: t.tiers,
+                    model_gb: t.model_gb,
+                    memory_price_per_gb_hour: (pricing.parked_per_gb_second * Decimal::from(3600))
+                        .to_f64()
+                        .unwrap_or(0.0),
+                    parked_capacity: t.parked_capacity(),
+                };
+                build_tiered(&ep, econ)?
+            }
+            _ => build(kind, &ep)?,
+        };
         let r = simulate(trace, policy.as_mut(), cfg, &mut |d, t| {
             progress(kind.as_str(), d, t)
         });
         let cost = pricing.on_demand(r.gpu_ms);
         let node_cost = r.node_gpu_ms.map(|(od, spot)| pricing.nodes(od, spot));
+        let tiers = match (&cfg.tiers, r.tiers) {
+            (Some(t), Some(st)) => {
+                let memory_cost = pricing.parked(st.parked_replica_ms, t.model_gb);
+                let total_cost = cost + memory_cost;
+                let oracle_cost = pricing.on_demand(oracle.gpu_ms);
+                Some(TierRow {
+                    cold_starts_parked: st.parked_starts,
+                    cold_starts_cached: st.cached_starts,
+                    cold_starts_remote: st.remote_starts,
+                    parked_gb_seconds: round(st.parked_gb_seconds, 1),
+                    memory_cost,
+                    total_cost,
+                    oracle_cost,
+                    money_ratio_to_oracle: if oracle_cost.is_zero() {
+                        0.0
+                    } else {
+                        round((total_cost / oracle_cost).to_f64().unwrap_or(0.0), 3)
+                    },
+                })
+            }
+            _ => None,
+        };
         rows.push(Row {
             trace: trace.name.clone(),
             policy: r.policy.clone(),
@@ -123,6 +189,7 @@ pub fn compare(
             scaling_actions: r.scaling_actions,
             dropped: r.dropped,
             requests: r.requests,
+            tiers,
         });
         results.push(r);
     }
@@ -161,6 +228,38 @@ pub fn markdown_table(rows: &[Row]) -> String {
             r.cold_starts,
             r.scaling_actions,
             r.dropped
+        ));
+    }
+    s
+}
+
+/// The Markdown table of tiered `rows` (rows without tiers are skipped):
+/// cold starts by tier, parked memory and the cost ratio in money.
+pub fn tiered_markdown_table(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "| trace | policy | SLO attainment % | TTFT p50 ms | p95 ms | p99 ms | GPU-s | parked GB-s | starts parked / cached / remote | GPU cost | memory cost | total cost | oracle cost (fixed delay) | ratio in money |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        let Some(t) = &r.tiers else { continue };
+        s.push_str(&format!(
+            "| {} | {} | {:.3} | {} | {} | {} | {:.1} | {:.0} | {} / {} / {} | {} | {} | {} | {} | {:.3} |\n",
+            r.trace,
+            r.policy,
+            r.slo_attainment_pct,
+            r.p50_ms,
+            r.p95_ms,
+            r.p99_ms,
+            r.gpu_seconds,
+            t.parked_gb_seconds,
+            t.cold_starts_parked,
+            t.cold_starts_cached,
+            t.cold_starts_remote,
+            r.cost,
+            t.memory_cost,
+            t.total_cost,
+            t.oracle_cost,
+            t.money_ratio_to_oracle,
         ));
     }
     s

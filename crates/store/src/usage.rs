@@ -175,6 +175,7 @@ fn meter_str(m: &Meter) -> &'static str {
         Meter::GpuSeconds { .. } => "gpu_seconds",
         Meter::InstanceSeconds => "instance_seconds",
         Meter::StorageGbSeconds => "storage_gb_seconds",
+        Meter::ParkedGbSeconds => "parked_gb_seconds",
         Meter::Requests => "requests",
         Meter::InputTokens => "input_tokens",
         Meter::OutputTokens => "output_tokens",

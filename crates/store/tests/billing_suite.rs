@@ -81,6 +81,7 @@ fn version(n: u32, from: DateTime<Utc>, h100: &str) -> PriceVersion {
         reserved_offers: Vec::new(),
         per_instance_second: Decimal::ZERO,
         per_storage_gb_second: Decimal::ZERO,
+        per_parked_gb_hour: Decimal::ZERO,
     }
 }
 

@@ -101,6 +101,7 @@ pub fn version1() -> PriceVersion {
         ],
         per_instance_second: Decimal::ZERO,
         per_storage_gb_second: d("0.0000001"),
+        per_parked_gb_hour: Decimal::ZERO,
     }
 }
 

@@ -86,6 +86,7 @@ pub fn usage_csv(events: &[UsageEvent]) -> Result<String, ApiError> {
             ),
             Meter::InstanceSeconds => ("instance_seconds", "", String::new()),
             Meter::StorageGbSeconds => ("storage_gb_seconds", "", String::new()),
+            Meter::ParkedGbSeconds => ("parked_gb_seconds", "", String::new()),
             Meter::Requests => ("requests", "", String::new()),
             Meter::InputTokens => ("input_tokens", "", String::new()),
             Meter::OutputTokens => ("output_tokens", "", String::new()),

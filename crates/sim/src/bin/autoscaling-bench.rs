@@ -2,20 +2,31 @@
 //! setting (see docs/autoscaling.md), plus the one-core speed run.
 //!
 //! Usage: `autoscaling-bench --data DIR --json FILE --table FILE
-//! [--seed N] [--slo-ms MS] [--speed-requests N]`. Traces whose files are
+//! [--seed N] [--slo-ms MS] [--speed-requests N] [--only a,b]
+//! [--tiered-only]` (the last two for trying changes on a few traces; the
+//! recorded results run everything). Traces whose files are
 //! missing under DIR are skipped with a message; the synthetic scenarios
 //! always run.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
-use flotilla_sim::report::{compare, json, markdown_table, Row};
+use flotilla_scale::{tiers::model_gb, ReadinessTiers, Tier};
+use flotilla_sim::engine::TierSetting;
+use flotilla_sim::report::{compare, json, markdown_table, tiered_markdown_table, Row};
 use flotilla_sim::scenario::{constant, scale_to_peak, Scenario};
 use flotilla_sim::{
     coldstart::ColdStartModel, simulate, trace, PolicyKind, ServiceModel, SimConfig,
 };
 
 type Error = Box<dyn std::error::Error>;
+
+/// Nodes under the endpoint in the tiered setting: 8 nodes of 8 GPUs hold
+/// the largest fleet any trace needs.
+const TIER_NODES: u32 = 8;
+/// Host memory each node sets aside for parked replicas, GB: a quarter of
+/// an 8-GPU H100 server's 2 TB.
+const TIER_HOST_GB_PER_NODE: f64 = 512.0;
 
 struct Args {
     data: PathBuf,
@@ -24,6 +35,10 @@ struct Args {
     seed: u64,
     slo_ms: u64,
     speed_requests: usize,
+    /// Only these traces (comma-separated names); all when empty.
+    only: Vec<String>,
+    /// Untiered policies as well as the tiered setting.
+    untiered: bool,
 }
 
 fn args() -> Result<Args, Error> {
@@ -34,6 +49,8 @@ fn args() -> Result<Args, Error> {
         seed: 1,
         slo_ms: 2_000,
         speed_requests: 1_000_000,
+        only: Vec::new(),
+        untiered: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -45,6 +62,8 @@ fn args() -> Result<Args, Error> {
             "--seed" => a.seed = value()?.parse()?,
             "--slo-ms" => a.slo_ms = value()?.parse()?,
             "--speed-requests" => a.speed_requests = value()?.parse()?,
+            "--only" => a.only = value()?.split(',').map(str::to_string).collect(),
+            "--tiered-only" => a.untiered = false,
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
@@ -66,6 +85,7 @@ fn main() -> Result<(), Error> {
         );
         ColdStartModel::lognormal(60_000)
     };
+    let pricing = flotilla_sim::cost::Pricing::list(&service.gpu)?;
     let mut cfg = SimConfig::new(service.clone(), cold.clone(), a.slo_ms);
     cfg.seed = a.seed;
     cfg.warmup_ms = 600_000;
@@ -103,12 +123,29 @@ fn main() -> Result<(), Error> {
     traces.push(Scenario::OnOff.trace(a.seed)?);
     traces.push(Scenario::Diurnal.trace(a.seed)?);
 
+    // The tiered setting: the same traces, replica model and remote cold
+    // start, plus parking in host memory (docs/autoscaling.md).
+    let tiers = TierSetting {
+        tiers: ReadinessTiers::default(),
+        model_gb: model_gb(8.0, 2.0),
+        nodes: TIER_NODES,
+        host_memory_gb_per_node: TIER_HOST_GB_PER_NODE,
+        disk_gb_per_node: 0.0,
+    };
+    let mut tcfg = cfg.clone();
+    tcfg.tiers = Some(tiers.clone());
+    let mut tiered_rows: Vec<Row> = Vec::new();
+
     let mut rows: Vec<Row> = Vec::new();
     let mut notes = String::new();
     for t in &traces {
+        if !a.only.is_empty() && !a.only.contains(&t.name) {
+            continue;
+        }
         let (scaled, k) = scale_to_peak(t, &service, 20.0, a.seed)?;
         let started = Instant::now();
-        let c = compare(&scaled, &PolicyKind::ALL, &cfg, 1_000, &mut |_, _, _| {})?;
+        let kinds: &[PolicyKind] = if a.untiered { &PolicyKind::ALL } else { &[] };
+        let c = compare(&scaled, kinds, &cfg, 1_000, &mut |_, _, _| {})?;
         notes.push_str(&format!(
             "- `{}`: {} requests × {k} = {} over {:.1} h; oracle peak {} replicas; fixed-delay oracle ({} s) {:.0} GPU-s (envelope {:.0}, work {:.0}, work with cold starts {:.0}); strict oracle ({} s) {:.0} GPU-s; 5 policies in {:.1} s\n",
             t.name,
@@ -127,6 +164,15 @@ fn main() -> Result<(), Error> {
         ));
         eprintln!("{}", markdown_table(&c.rows));
         rows.extend(c.rows);
+        let tc = compare(
+            &scaled,
+            &[PolicyKind::Flotilla],
+            &tcfg,
+            1_000,
+            &mut |_, _, _| {},
+        )?;
+        eprintln!("{}", tiered_markdown_table(&tc.rows));
+        tiered_rows.extend(tc.rows);
     }
 
     // Speed: one policy, one core, a long synthetic trace.
@@ -168,7 +214,9 @@ fn main() -> Result<(), Error> {
         }
     }
 
-    std::fs::write(&a.json, json(&rows))?;
+    let mut all_rows = rows.clone();
+    all_rows.extend(tiered_rows.iter().cloned());
+    std::fs::write(&a.json, json(&all_rows))?;
     let mut table = String::new();
     table.push_str(&format!(
         "Cold start: {} (median {} s, min {} s, p90 {} s, p99 {} s).\n\n",
@@ -182,6 +230,30 @@ fn main() -> Result<(), Error> {
     table.push_str(&notes);
     table.push('\n');
     table.push_str(&markdown_table(&rows));
+    table.push_str(&format!(
+        "\nTiered setting: the same traces, replica model, seed and remote cold start; a replica the policy \
+         stops may be parked (weights of an 8B model, {:.0} GB in BF16, kept in host memory, GPU released) and \
+         comes back in {:.2} s ({} ms overhead + {:.0} GB at {:.0} GB/s host to GPU); {} nodes set aside {:.0} GB \
+         of host memory each for parking ({} replicas); no disk cache, so every other start is remote. \
+         Flotilla's policy runs in its tiered form. Costs: GPU time at {} per GPU-hour plus parked memory at {} \
+         per GB-hour (the list price book's `per_parked_gb_hour`); the ratio divides that total by the \
+         fixed-delay oracle's GPU time at the same GPU price.\n\n",
+        tiers.model_gb,
+        tiers.tiers.restore_ms(Tier::Parked, tiers.model_gb) as f64 / 1000.0,
+        tiers.tiers.parked.overhead_ms,
+        tiers.model_gb,
+        tiers.tiers.parked.bandwidth_gb_per_s,
+        tiers.nodes,
+        tiers.host_memory_gb_per_node,
+        tiers.parked_capacity(),
+        (pricing.on_demand_per_gpu_second * rust_decimal::Decimal::from(3600))
+            .round_dp(4)
+            .normalize(),
+        (pricing.parked_per_gb_second * rust_decimal::Decimal::from(3600))
+            .round_dp(6)
+            .normalize(),
+    ));
+    table.push_str(&tiered_markdown_table(&tiered_rows));
     if !speed.is_empty() {
         table.push_str(
             "\nSpeed (one core, one policy, synthetic Poisson trace at 300 requests/s):\n\n",
