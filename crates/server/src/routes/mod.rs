@@ -26,6 +26,7 @@ pub mod invoices;
 pub mod jobs;
 pub mod keys;
 pub mod nodes;
+pub mod offers;
 pub mod payouts;
 pub mod pools;
 pub mod prices;
@@ -90,6 +91,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(catalog::list_gpu_types))
         .routes(routes!(nodes::list_nodes))
         .routes(routes!(nodes::get_node))
+        .routes(routes!(offers::get_offer, offers::set_offer))
         .routes(routes!(pools::create_pool))
         .routes(routes!(pools::get_pool))
         .routes(routes!(pools::report_metrics))
