@@ -17,7 +17,7 @@ import { chromium } from 'playwright-core';
 const env = (k) => { const v = process.env[k]; if (!v) { throw new Error(`${k} is not set`); } return v; };
 const URL0 = env('FLOTILLA_URL');
 const SHOTS = env('SHOTS');
-const LONG = 120_000;
+const LONG = Number(process.env.STEP_TIMEOUT_MS || 120_000);
 mkdirSync(SHOTS, { recursive: true });
 
 const browser = await chromium.launch({
@@ -123,6 +123,7 @@ try {
   }, `/endpoints/${made.endpoint}/series`, { timeout: LONG, polling: 2000 });
   await a.page.waitForFunction(() => Number(document.querySelector('#replica-chart').getAttribute('data-points')) >= 3,
     null, { timeout: LONG, polling: 1000 });
+  await a.page.locator('#ready-replicas', { hasText: /^[1-9]/ }).waitFor();
   await shot(a.page, 'endpoint');
 
   // --- Usage and invoices: open this month's invoice, download its CSV.
@@ -162,7 +163,8 @@ try {
   await a.page.getByRole('button', { name: 'Save budget' }).click();
   await a.page.locator('#spend').waitFor();
   await a.page.goto(`${URL0}/estimate?model=H100&gpus=2&hours_per_day=8&tier=2`);
-  await a.page.locator('table', { hasText: 'reserved' }).waitFor();
+  await a.page.locator('table', { hasText: 'reserved 365 days, 35% off' }).waitFor();
+  await a.page.locator('table', { hasText: 'on demand' }).waitFor();
   await shot(a.page, 'estimate');
 
   // --- Provider: an offer window that excludes now keeps new work off
@@ -181,7 +183,7 @@ try {
   await shot(prov.page, 'provider');
   await a.page.goto(`${URL0}/instances`);
   await a.page.getByLabel('Name (optional)').fill('outside-window');
-  await a.page.getByLabel('GPU model').selectOption('L40S');
+  await a.page.getByLabel('GPU model').selectOption('H100');
   await a.page.getByLabel('Command (run with sh -c)').fill('echo offered; sleep 600');
   await a.page.getByRole('button', { name: 'Launch' }).click();
   await a.page.waitForURL(/\/instances\/inst_/);

@@ -75,6 +75,27 @@ fn the_console_in_a_browser_rents_gpus_deploys_bills_isolates_and_cordons() {
             })
     });
 
+    // A catalog version with a reserved offer, in force within seconds,
+    // so that the estimator compares a commitment too.
+    let mut v = home.get(&op, "/v1/prices")["versions"][0].clone();
+    v.as_object_mut().expect("a version").remove("version");
+    v["effective_from"] = json!((chrono::Utc::now() + chrono::Duration::seconds(2)).to_rfc3339());
+    v["reserved_offers"] = json!([{"term_days": 365, "discount": "0.35"}]);
+    let (status, body) = http(
+        "POST",
+        &format!("{}/v1/prices", home.url()),
+        Some(&op),
+        Some(&v.to_string()),
+    )
+    .expect("the server answers");
+    assert!(
+        status == 200 || status == 201,
+        "publish prices: {status} {body}"
+    );
+    wait_until("the new prices are in force", LONG, || {
+        home.get(&op, "/v1/prices")["in_force"] == 2
+    });
+
     // The local agent's token is the provider key of the node's owner.
     let provider_key =
         std::fs::read_to_string(home.data().join("agent.token")).expect("agent token");
@@ -134,7 +155,7 @@ fn the_console_in_a_browser_rents_gpus_deploys_bills_isolates_and_cordons() {
         events.iter().any(|e| e["state"] == "running"),
         "ran once offered: {o}"
     );
-    assert_eq!(o["gpu_model"], "L40S", "{o}");
+    assert_eq!(o["gpu_model"], "H100", "{o}");
     let ep = made["endpoint"].as_str().expect("an endpoint");
     let e = home.get(&a_key, &format!("/v1/endpoints/{ep}"));
     assert_eq!(e["name"], "chat");

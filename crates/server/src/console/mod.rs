@@ -438,35 +438,23 @@ async fn login(
             )
         }
     };
-    let role = match me["role"].as_str() {
+    let role = match me["key"]["role"].as_str() {
         Some("operator") => flotilla_core::tenant::Role::Operator,
         Some("tenant_admin") => flotilla_core::tenant::Role::TenantAdmin,
         Some("tenant_member") => flotilla_core::tenant::Role::TenantMember,
         Some("provider") => flotilla_core::tenant::Role::Provider,
         _ => return fail(StatusCode::UNAUTHORIZED, "that key cannot sign in"),
     };
-    let Some(tenant) = me["tenant_id"]
+    let Some(tenant) = me["key"]["tenant_id"]
         .as_str()
         .and_then(|t| flotilla_core::id::TenantId::parse(t, "tenant_id").ok())
     else {
         return fail(StatusCode::UNAUTHORIZED, "that key cannot sign in");
     };
-    let name = match st
-        .api
-        .raw(
-            secret,
-            axum::http::Method::GET,
-            &format!("/v1/tenants/{tenant}"),
-            None,
-        )
-        .await
-    {
-        Ok(a) if a.status.is_success() => serde_json::from_slice::<Value>(&a.body)
-            .ok()
-            .and_then(|v| v["name"].as_str().map(str::to_string))
-            .unwrap_or_else(|| tenant.to_string()),
-        _ => tenant.to_string(),
-    };
+    let name = me["tenant"]["name"]
+        .as_str()
+        .map(str::to_string)
+        .unwrap_or_else(|| tenant.to_string());
     let s = st.sessions.open(secret.to_string(), role, tenant, name);
     let to = if s.is_operator() {
         "/fleet"

@@ -34,7 +34,7 @@ pub(super) fn routes() -> Router<ConsoleState> {
 /// revoked or changed since sign-in is refused.
 async fn require_operator(st: &ConsoleState, s: &Session) -> ConsoleResult<()> {
     let me: Value = st.api.get(s, "/v1/me").await?;
-    if me["role"].as_str() == Some("operator") {
+    if me["key"]["role"].as_str() == Some("operator") {
         Ok(())
     } else {
         Err(ConsoleError::Api {
@@ -296,11 +296,10 @@ async fn prices(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Res
                         td.num { (per_hour(&v["spot"][model]["floor"])) }
                         td.num { (per_hour(&v["spot"][model]["ceiling"])) }
                     } }).collect()).unwrap_or_default(), "No GPU prices"))
-                (table("Reserved offers", &["Term (days)", "Discount", "Models"],
+                (table("Reserved offers", &["Term (days)", "Discount"],
                     v["reserved_offers"].as_array().map(|a| a.iter().map(|o| html! { tr {
                         td.num { (show(&o["term_days"])) }
                         td.num { (unit_price(&o["discount"])) }
-                        td { (o["models"].as_array().map(|m| m.iter().map(show).collect::<Vec<_>>().join(", ")).unwrap_or_else(|| "all".into())) }
                     } }).collect()).unwrap_or_default(), "No reserved offers"))
             }
         }

@@ -525,20 +525,43 @@ async fn endpoint(
     State(st): State<ConsoleState>,
     s: Session,
     Path(id): Path<String>,
+    h: HeaderMap,
 ) -> ConsoleResult<Response> {
     let id = seg(&id)?;
     let e: Value = st.api.get(&s, &format!("/v1/endpoints/{id}")).await?;
     let reps = e["replicas"].as_array().cloned().unwrap_or_default();
     let name = e["name"].as_str().unwrap_or(id).to_string();
+    let ready = reps
+        .iter()
+        .filter(|r| r["ready"].as_bool() == Some(true))
+        .count();
+    let live = html! {
+        div #ep-state hx-get={ "/endpoints/" (id) } hx-trigger="every 2s" hx-swap="outerHTML" hx-select="#ep-state" {
+            dl.facts {
+                dt { "Ready replicas" } dd #ready-replicas { (ready) " of " (reps.len()) }
+                dt { "Desired replicas" } dd { (show(&e["desired_replicas"])) }
+                dt { "Why" } dd { (e["reason"].as_str().unwrap_or("")) }
+                dt { "Replicas" } dd { (show(&e["spec"]["min_replicas"])) "–" (show(&e["spec"]["max_replicas"])) }
+                dt { "SLO p95" } dd { (show(&e["spec"]["slo_p95_ms"])) " ms" }
+                dt { "Models" } dd { (e["spec"]["models"].as_array().map(|m| m.iter().map(show).collect::<Vec<_>>().join(", ")).unwrap_or_default()) }
+            }
+            (table("Replicas", &["Instance", "Revision", "State", "Ready", "Draining"], reps.iter().map(|r| {
+                let iid = r["instance_id"].as_str().unwrap_or("");
+                html! { tr {
+                    th scope="row" { a href={ "/instances/" (iid) } { (iid) } }
+                    td.num { (show(&r["revision"])) }
+                    td { (badge(r["state"].as_str().unwrap_or(""))) }
+                    td { (if r["ready"].as_bool() == Some(true) { "yes" } else { "no" }) }
+                    td { (if r["draining"].as_bool() == Some(true) { "yes" } else { "no" }) }
+                } }
+            }).collect(), "No replicas (scaled to zero)"))
+        }
+    };
+    if is_htmx(&h) {
+        return Ok(fragment(live));
+    }
     let body = html! {
         p.muted { (id) " · revision " (show(&e["revision"])) " · policy " (show(&e["spec"]["policy"])) }
-        dl.facts {
-            dt { "Desired replicas" } dd { (show(&e["desired_replicas"])) }
-            dt { "Why" } dd { (e["reason"].as_str().unwrap_or("")) }
-            dt { "Replicas" } dd { (show(&e["spec"]["min_replicas"])) "–" (show(&e["spec"]["max_replicas"])) }
-            dt { "SLO p95" } dd { (show(&e["spec"]["slo_p95_ms"])) " ms" }
-            dt { "Models" } dd { (e["spec"]["models"].as_array().map(|m| m.iter().map(show).collect::<Vec<_>>().join(", ")).unwrap_or_default()) }
-        }
         section aria-labelledby="chart-h" {
             h2 #chart-h { "Replicas against traffic" }
             div.chart #replica-chart data-series={ "/endpoints/" (id) "/series" } data-kind="replicas"
@@ -548,16 +571,7 @@ async fn endpoint(
                 role="img" aria-label="Chart of p95 latency and the SLO over time" {}
             p.help { "Sampled every 2 s while this page is open; the server keeps the last 10 minutes." }
         }
-        (table("Replicas", &["Instance", "Revision", "State", "Ready", "Draining"], reps.iter().map(|r| {
-            let iid = r["instance_id"].as_str().unwrap_or("");
-            html! { tr {
-                th scope="row" { a href={ "/instances/" (iid) } { (iid) } }
-                td.num { (show(&r["revision"])) }
-                td { (badge(r["state"].as_str().unwrap_or(""))) }
-                td { (if r["ready"].as_bool() == Some(true) { "yes" } else { "no" }) }
-                td { (if r["draining"].as_bool() == Some(true) { "yes" } else { "no" }) }
-            } }
-        }).collect(), "No replicas (scaled to zero)"))
+        (live)
         form method="post" action={ "/endpoints/" (id) "/delete" } {
             (csrf_field(&s))
             button.danger type="submit" { "Delete endpoint" }
@@ -1057,8 +1071,7 @@ async fn estimate(
         let tier_n: u8 = tier
             .parse()
             .map_err(|_| ConsoleError::field("tier", "must be 1 or 2"))?;
-        let mut w =
-            json!({"kind": "gpu", "gpus": gpus_n, "hours_per_day": hours_n, "tier": tier_n});
+        let mut w = json!({"kind": "gpu", "gpus": gpus_n, "hours_per_day": hours_n, "duty_cycle": 1.0, "tier": tier_n, "serves_requests": false});
         if let Some(m) = &model {
             w["model"] = json!(m);
         }
@@ -1108,24 +1121,19 @@ async fn estimate(
     Ok(page(&s, "Cost estimator", "/estimate", body))
 }
 
-/// `on_demand`, `spot`, or a reserved offer with its term and discount.
+/// `on demand`, `spot`, `serverless`, or a reserved offer with its term
+/// and discount.
 fn billing_model(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.replace('_', " "),
-        Value::Object(o) => {
-            if let Some(r) = o.get("reserved") {
-                format!(
-                    "reserved {} days, {} off",
-                    show(&r["term_days"]),
-                    dec(&r["discount"])
-                        .map(|d| format!("{}%", (d * rust_decimal::Decimal::from(100)).normalize()))
-                        .unwrap_or_default()
-                )
-            } else {
-                o.keys().next().cloned().unwrap_or_default()
-            }
-        }
-        other => show(other),
+    match v["kind"].as_str() {
+        Some("reserved") => format!(
+            "reserved {} days, {} off",
+            show(&v["term_days"]),
+            dec(&v["discount"])
+                .map(|d| format!("{}%", (d * rust_decimal::Decimal::from(100)).normalize()))
+                .unwrap_or_default()
+        ),
+        Some(k) => k.replace('_', " "),
+        None => show(v),
     }
 }
 
@@ -1160,8 +1168,8 @@ mod tests {
 
     #[test]
     fn reserved_offers_read_as_words() {
-        let v = json!({"reserved": {"term_days": 365, "discount": "0.3"}});
+        let v = json!({"kind": "reserved", "term_days": 365, "discount": "0.3"});
         assert_eq!(billing_model(&v), "reserved 365 days, 30% off");
-        assert_eq!(billing_model(&json!("on_demand")), "on demand");
+        assert_eq!(billing_model(&json!({"kind": "on_demand"})), "on demand");
     }
 }
