@@ -62,7 +62,7 @@ fn the_console_in_a_browser_rents_gpus_deploys_bills_isolates_and_cordons() {
 
     let home = Home::new(BIN);
     let _server = home.server();
-    let _agent = home.agent("gpu-a", "2xH100,1xL40S");
+    let _agent = home.agent("gpu-a", "4xH100,2xL40S");
     let op = home.operator_key();
     let (a_tenant, a_key) = home.tenant("acme");
     let (_b_tenant, b_key) = home.tenant("bolt");

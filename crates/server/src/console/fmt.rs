@@ -32,11 +32,18 @@ pub fn unit_price(v: &Value) -> String {
         .unwrap_or_else(|| "—".into())
 }
 
-/// A per-second price as a price per hour, at the catalog's precision.
+/// A per-second price as a price per hour, at the catalog's precision
+/// and at least to the cent (`2.00`, `0.105`).
 pub fn per_hour(per_second: &Value) -> String {
     dec(per_second)
         .and_then(|d| d.checked_mul(Decimal::from(3600)))
-        .map(flotilla_billing::money::display_unit_price)
+        .and_then(|h| Decimal::from_str(&flotilla_billing::money::display_unit_price(h)).ok())
+        .map(|mut h| {
+            if h.scale() < 2 {
+                h.rescale(2);
+            }
+            h.to_string()
+        })
         .unwrap_or_else(|| "—".into())
 }
 
@@ -65,7 +72,8 @@ mod tests {
             unit_price(&json!("0.0004166666666666666666666667")),
             "0.0004166667"
         );
-        assert_eq!(per_hour(&json!("0.0004166666666666666666666667")), "1.5");
+        assert_eq!(per_hour(&json!("0.0004166666666666666666666667")), "1.50");
+        assert_eq!(per_hour(&json!("0.0000291666666666666666666667")), "0.105");
         assert_eq!(amount(&json!("12.345"), "USD"), "12.34 USD");
         assert_eq!(amount(&Value::Null, "USD"), "—");
         assert_eq!(

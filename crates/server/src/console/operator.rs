@@ -124,7 +124,7 @@ async fn fleet(
                                         (level(t.map(|t| t - 30.0), 60.0), t.map(|t| format!("{t:.0} °C")).unwrap_or_else(|| "no reading".into()))
                                     }
                                 };
-                                li.gpu class={ "heat" (lvl.map(|l| l.to_string()).unwrap_or_else(|| "-none".into())) }
+                                li class={ "gpu heat" (lvl.map(|l| l.to_string()).unwrap_or_else(|| "-none".into())) }
                                     title={ (show(&g["model"])) " #" (idx) ": " (text) } {
                                     span.gpu-model { (show(&g["model"])) }
                                     span.gpu-val { (text) }

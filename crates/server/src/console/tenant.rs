@@ -107,7 +107,9 @@ async fn gpus(State(st): State<ConsoleState>, s: Session, h: HeaderMap) -> Conso
         .and_then(|vs| vs.iter().find(|v| v["version"].as_u64() == in_force))
         .cloned()
         .unwrap_or(Value::Null);
-    let items = types["items"].as_array().cloned().unwrap_or_default();
+    let mut items = types["items"].as_array().cloned().unwrap_or_default();
+    // Models the pool has first, then the rest of the catalog.
+    items.sort_by_key(|t| t["total"].as_u64().unwrap_or(0) == 0);
     let latest_spot = |model: &str| -> Value {
         spot["latest"]
             .as_array()
