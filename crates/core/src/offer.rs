@@ -139,8 +139,8 @@ mod tests {
     }
 
     fn at(d: u32, h: u32, m: u32) -> DateTime<Utc> {
-        // 2026-11-30 is a Monday.
-        Utc.with_ymd_and_hms(2026, 11, 30 + d - 1, h, m, 0).unwrap()
+        // 2026-11-30 is a Monday; day 1 is that Monday.
+        Utc.with_ymd_and_hms(2026, 11, 30, h, m, 0).unwrap() + Duration::days(i64::from(d) - 1)
     }
 
     #[test]

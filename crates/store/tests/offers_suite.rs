@@ -38,16 +38,17 @@ async fn node(s: &Store) -> (TenantId, NodeId) {
     (t, id)
 }
 
+async fn snap(s: &Store, id: NodeId) -> flotilla_core::placement::NodeSnapshot {
+    s.placement_snapshot()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|n| n.id == id)
+        .expect("the node in the snapshot")
+}
+
 async fn cordon_and_offer_reach_the_placement_snapshot(s: &Store) {
     let (_t, id) = node(s).await;
-    let snap = |s: &Store, id: NodeId| async move {
-        s.placement_snapshot()
-            .await
-            .unwrap()
-            .into_iter()
-            .find(|n| n.id == id)
-            .expect("the node in the snapshot")
-    };
     let n = snap(s, id.clone()).await;
     assert!(!n.cordoned);
     assert_eq!(n.offer, NodeOffer::default(), "no offer: offered always");
