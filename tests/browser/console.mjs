@@ -3,7 +3,7 @@
 // and a provider would. Started by crates/cli/tests/console.rs, which runs
 // a real server and agent with simulated GPUs and passes, in the
 // environment: FLOTILLA_URL, the keys (OP_KEY, A_KEY, B_KEY, and the
-// agent's PROVIDER_KEY), BIN (the
+// agent's PROVIDER_KEY), GATEWAY (`flotilla gateway`'s URL), BIN (the
 // flotilla binary, an endpoint replica runs its emulator), SHOTS (where
 // screenshots go), CHROMIUM, and NODE_NAME (the agent's node). Each step
 // asserts what a person would see; the first failure exits non-zero. On
@@ -124,6 +124,25 @@ try {
   await a.page.waitForFunction(() => Number(document.querySelector('#replica-chart').getAttribute('data-points')) >= 3,
     null, { timeout: LONG, polling: 1000 });
   await a.page.locator('#ready-replicas', { hasText: /^[1-9]/ }).waitFor();
+  // Traffic through the gateway (bounded: 4 requests a second for 15 s),
+  // then the chart shows requests per second and a p95 against the SLO.
+  const gw = env('GATEWAY');
+  let served = 0;
+  for (let i = 0; i < 60; i++) {
+    const r = await fetch(`${gw}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { 'authorization': `Bearer ${env('A_KEY')}`, 'content-type': 'application/json' },
+      body: JSON.stringify({ model: 'chat', messages: [{ role: 'user', content: 'hello' }], max_tokens: 4 }),
+    }).catch(() => null);
+    if (r && r.ok) { served++; }
+    await new Promise((res) => setTimeout(res, 250));
+  }
+  assert.ok(served >= 50, `the gateway served ${served} of 60 requests`);
+  await a.page.waitForFunction(async (url) => {
+    const b = await (await fetch(url, { credentials: 'same-origin' })).json();
+    return b.points.some((p) => p.rps > 0) && b.points.some((p) => p.p95_ms !== null);
+  }, `/endpoints/${made.endpoint}/series`, { timeout: LONG, polling: 2000 });
+  made.served = served;
   await shot(a.page, 'endpoint');
 
   // --- Usage and invoices: open this month's invoice, download its CSV.

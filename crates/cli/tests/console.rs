@@ -1,7 +1,7 @@
-//! The web console in a real browser: the real `flotilla` binary as server
-//! and agent (simulated GPUs), and `tests/browser/console.mjs` driving
-//! Debian's headless Chromium through Playwright as tenant A, tenant B and
-//! the operator (sign in; launch an instance, see it running, read its
+//! The web console in a real browser: the real `flotilla` binary as
+//! server, agent (simulated GPUs) and gateway, and `tests/browser/console.mjs` driving
+//! Debian's headless Chromium through Playwright as tenant A, tenant B,
+//! the provider and the operator (sign in; launch an instance, see it running, read its
 //! logs, stop it; deploy an endpoint and see its replica chart; open an
 //! invoice and download its CSV; the provider sets an offer window and
 //! its node takes no new work outside it; B sees none of A's objects by
@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use flotilla_testkit::process::{http, wait_until, Home};
+use flotilla_testkit::process::{free_port, http, wait_until, Home};
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
@@ -63,6 +63,8 @@ fn the_console_in_a_browser_rents_gpus_deploys_bills_isolates_and_cordons() {
     let home = Home::new(BIN);
     let _server = home.server();
     let _agent = home.agent("gpu-a", "4xH100,2xL40S");
+    let gw_port = free_port();
+    let _gateway = home.gateway(gw_port);
     let op = home.operator_key();
     let (a_tenant, a_key) = home.tenant("acme");
     let (_b_tenant, b_key) = home.tenant("bolt");
@@ -110,6 +112,7 @@ fn the_console_in_a_browser_rents_gpus_deploys_bills_isolates_and_cordons() {
         .env("A_KEY", &a_key)
         .env("B_KEY", &b_key)
         .env("PROVIDER_KEY", provider_key.trim())
+        .env("GATEWAY", format!("http://127.0.0.1:{gw_port}"))
         .env("BIN", BIN)
         .env("SHOTS", &shots)
         .env("CHROMIUM", &chromium)
@@ -161,6 +164,7 @@ fn the_console_in_a_browser_rents_gpus_deploys_bills_isolates_and_cordons() {
     assert_eq!(e["name"], "chat");
     assert_eq!(e["spec"]["min_replicas"], 1);
     assert!(made["csv_rows"].as_u64().unwrap_or(0) >= 1, "{made}");
+    assert!(made["served"].as_u64().unwrap_or(0) >= 50, "{made}");
     // B gets 404 for A's objects from the API as well.
     for path in [
         format!("/v1/instances/{inst}"),

@@ -7,6 +7,12 @@
     return Math.max(280, Math.min(el.clientWidth || 600, 1000));
   }
 
+  // At least a minute wide, so that a young series reads in seconds.
+  function span(_, min, max) {
+    if (min == null || max == null) { return [min, max]; }
+    return [Math.min(min, max - 60), max];
+  }
+
   // Live series of an endpoint: polled every 2 s, redrawn in place.
   function liveChart(el) {
     var url = el.getAttribute("data-series");
@@ -21,6 +27,7 @@
             { label: "p95 latency (ms)", stroke: "#b45309", width: 2, spanGaps: true },
             { label: "SLO (ms)", stroke: "#b91c1c", dash: [6, 4], width: 2 },
           ],
+          scales: { x: { range: span } },
           axes: [{}, { label: "ms" }],
         };
       }
@@ -32,7 +39,7 @@
           { label: "desired replicas", stroke: "#7c3aed", dash: [4, 4], width: 2, paths: uPlot.paths.stepped({ align: 1 }) },
           { label: "requests/s", stroke: "#047857", width: 2, scale: "rps" },
         ],
-        scales: { rps: {} },
+        scales: { x: { range: span }, rps: {} },
         axes: [{}, { label: "replicas" }, { side: 1, scale: "rps", label: "requests/s", grid: { show: false } }],
       };
     }
