@@ -2,6 +2,7 @@
 //! are offered. Outside them the node takes no new work, and work running
 //! when a window closes is stopped with notice ([`crate::offers`]).
 
+use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::Json;
 use flotilla_core::id::NodeId;
@@ -11,7 +12,7 @@ use flotilla_core::tenant::Role;
 use super::path_id;
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
-use crate::extract::ApiJson;
+use crate::extract::parse_json;
 use crate::state::AppState;
 
 /// A node the caller owns (operators: any), or 404.
@@ -49,10 +50,12 @@ pub async fn set_offer(
     State(st): State<AppState>,
     caller: Caller,
     Path(raw): Path<String>,
-    ApiJson(offer): ApiJson<NodeOffer>,
+    body: Bytes,
 ) -> ApiResult<Json<NodeOffer>> {
+    // Another tenant's node is 404 whatever the body: read it only after.
     let id = own_node(&st, &caller, &raw).await?;
     caller.require(&[Role::Provider], "set a node's offer")?;
+    let offer: NodeOffer = parse_json(&body)?;
     offer.validate()?;
     st.store().set_node_offer(&id, &offer).await?;
     tracing::info!(node = %id, windows = offer.windows.len(), "node offer set");
