@@ -294,21 +294,6 @@ impl Store {
         Ok(n > 0)
     }
 
-    /// Takes a node out of scheduling (`cordoned`) or puts it back: its
-    /// running work stays, new work goes elsewhere. The node as it is now.
-    pub async fn set_node_cordoned(&self, id: &NodeId, cordoned: bool) -> Result<Node> {
-        let n = sqlx::query("UPDATE nodes SET cordoned = $1 WHERE id = $2")
-            .bind(i64::from(cordoned))
-            .bind(id.as_str())
-            .execute(self.pool())
-            .await?
-            .rows_affected();
-        if n == 0 {
-            return Err(StoreError::NotFound("node"));
-        }
-        self.node(id).await
-    }
-
     /// Sets when a node's GPUs are offered (its provider's windows).
     pub async fn set_node_offer(&self, id: &NodeId, offer: &NodeOffer) -> Result<()> {
         let json = serde_json::to_string(offer)

@@ -53,9 +53,10 @@ async fn cordon_and_offer_reach_the_placement_snapshot(s: &Store) {
     assert!(!n.cordoned);
     assert_eq!(n.offer, NodeOffer::default(), "no offer: offered always");
 
-    assert!(s.set_node_cordoned(&id, true).await.unwrap().cordoned);
+    s.set_node_cordoned(&id, true).await.unwrap();
     assert!(snap(s, id.clone()).await.cordoned);
-    assert!(!s.set_node_cordoned(&id, false).await.unwrap().cordoned);
+    assert!(s.node(&id).await.unwrap().cordoned);
+    s.set_node_cordoned(&id, false).await.unwrap();
     assert!(!snap(s, id.clone()).await.cordoned);
 
     let offer = NodeOffer {
