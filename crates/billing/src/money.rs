@@ -68,6 +68,27 @@ impl Currency {
     }
 }
 
+/// Decimal places a unit price is shown with. Catalog prices are set per
+/// hour with at most four decimals and stored per second (the hourly price
+/// / 3600, exact to 28 digits); ten places keep four significant digits of
+/// a per-second price of a cent an hour, and drop the 28-digit tail that
+/// says nothing to a reader. Display only: rating uses the exact price.
+pub const UNIT_PRICE_DISPLAY_DP: u32 = 10;
+
+/// A unit price as the console and the CLI show it: rounded half-even to
+/// [`UNIT_PRICE_DISPLAY_DP`] places, trailing zeros dropped
+/// (`0.0004166666666666666666666667` -> `0.0004166667`, `2.50` -> `2.5`).
+pub fn display_unit_price(price: Decimal) -> String {
+    let r = price
+        .round_dp_with_strategy(UNIT_PRICE_DISPLAY_DP, RoundingStrategy::MidpointNearestEven)
+        .normalize();
+    if r.is_zero() {
+        "0".into()
+    } else {
+        r.to_string()
+    }
+}
+
 /// A half-open billing period `[start, end)`, in UTC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Period {
@@ -166,6 +187,23 @@ pub(crate) fn tidy(d: Decimal) -> Decimal {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn unit_prices_display_at_catalog_precision() {
+        use std::str::FromStr;
+        let per_second = Decimal::from_str("1.5").unwrap() / Decimal::from(3600);
+        assert_eq!(display_unit_price(per_second), "0.0004166667");
+        assert_eq!(
+            display_unit_price(Decimal::from_str("2.50").unwrap()),
+            "2.5"
+        );
+        assert_eq!(display_unit_price(Decimal::ZERO), "0");
+        assert_eq!(
+            display_unit_price(Decimal::from_str("-0.00000000001").unwrap()),
+            "0"
+        );
+    }
+
     use super::*;
     use std::str::FromStr;
 

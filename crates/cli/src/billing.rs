@@ -182,7 +182,7 @@ fn print_invoice(inv: &Invoice) -> Result<()> {
             l.description.clone(),
             wire(&l.quantity),
             l.unit.clone(),
-            wire(&l.unit_price),
+            flotilla_billing::money::display_unit_price(l.unit_price),
             wire(&l.amount),
             price,
         ]);
@@ -530,7 +530,7 @@ pub async fn payouts(ctx: &Ctx, period: Option<String>) -> Result<ExitCode> {
                 l.model.clone(),
                 wire(&l.kind),
                 wire(&l.gpu_seconds),
-                wire(&l.unit_price),
+                flotilla_billing::money::display_unit_price(l.unit_price),
                 wire(&l.gross),
             ]);
         }

@@ -375,6 +375,11 @@ pub(crate) async fn work_queue<E: serde::de::DeserializeOwned>(
         print_json(&raw.items)?;
         return Ok(ExitCode::SUCCESS);
     }
+    if raw.items.is_empty() {
+        // A bare header reads like a broken command; say what it means.
+        outln!("the queue is empty: nothing is waiting for GPUs")?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let now = Utc::now();
     let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
     for e in decode_all::<E>(raw.items)? {

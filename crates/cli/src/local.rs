@@ -432,6 +432,7 @@ fn announce_credentials(server: &RunningServer) {
 
 fn announce_urls(url: &str) {
     say!("API:      {url}");
+    say!("console:  {url}/ (sign in with an API key)");
     say!("docs:     {url}/v1/docs");
     say!("OpenAPI:  {url}/v1/openapi.json");
 }

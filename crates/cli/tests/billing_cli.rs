@@ -170,6 +170,12 @@ fn billing_commands_round_trip_through_the_api() {
     let list = text(&home.cli(Some(&admin), &["invoices"]));
     assert!(list.starts_with("ID") && list.contains(&id), "{list}");
     let show = text(&home.cli(Some(&admin), &["invoices", "show", &id]));
+    // The unit price at the catalog's precision ($2.093/h per second), not
+    // its 28-digit exact value.
+    assert!(
+        show.contains("0.0005813889") && !show.contains("0.00058138888888"),
+        "{show}"
+    );
     assert!(
         show.contains("reserved, unused (res-1)") && show.contains("total: 3013.92 USD"),
         "{show}"

@@ -143,4 +143,8 @@ fn tier_one_run_preempts_a_spot_job_which_is_requeued_and_completes() {
     // Nothing is left queued.
     let q = env.cli(Some(&key), &["queue"]);
     assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    // An empty queue says so rather than printing a bare header.
+    let out = String::from_utf8_lossy(&q.stdout);
+    assert!(out.contains("the queue is empty"), "{out}");
+    assert!(!out.contains("POS"), "{out}");
 }

@@ -17,6 +17,7 @@ pub mod instance;
 pub mod job;
 pub mod node;
 pub mod nodepool;
+pub mod offer;
 pub mod placement;
 pub mod queue_trigger;
 pub mod quota;

@@ -160,6 +160,9 @@ pub struct NodeSnapshot {
     pub ready: bool,
     /// Taken out of scheduling by an operator.
     pub cordoned: bool,
+    /// When its provider offers it; the pass treats it as unavailable
+    /// outside those windows.
+    pub offer: crate::offer::NodeOffer,
     /// Region (gangs may be kept within one).
     pub region: String,
     /// Node pool, the topology domain a gang may be kept within.

@@ -26,6 +26,7 @@ use tower_http::trace::TraceLayer;
 pub mod auth;
 pub mod autoscale;
 pub mod budgets;
+pub mod console;
 pub mod endpoints;
 pub mod error;
 pub mod extract;
@@ -35,6 +36,7 @@ pub mod leader;
 pub mod metering;
 pub mod metrics;
 pub mod nodepools;
+pub mod offers;
 pub mod pricing;
 pub mod reconcile;
 pub mod routes;
@@ -297,6 +299,13 @@ pub fn app(state: AppState) -> Router {
     let doc_json = Arc::new(doc);
     let docs_html = Arc::new(routes::docs::render(&doc_json));
     let request_id = HeaderName::from_static("x-request-id");
+    // The console calls the API in-process, as the signed-in key.
+    let console = console::router(console::ConsoleState {
+        app: state.clone(),
+        api: console::session::Api::new(api.clone().with_state(state.clone())),
+        sessions: Default::default(),
+        series: Default::default(),
+    });
     api.route(
         "/v1/openapi.json",
         get({
@@ -327,6 +336,7 @@ pub fn app(state: AppState) -> Router {
     .layer(middleware::from_fn_with_state(state.clone(), idempotency::layer))
     .layer(DefaultBodyLimit::max(extract::BODY_LIMIT))
     .with_state(state)
+    .merge(console)
     .layer(PropagateRequestIdLayer::new(request_id.clone()))
     .layer(
         TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<_>| {

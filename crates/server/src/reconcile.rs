@@ -76,6 +76,9 @@ pub async fn run(st: AppState, tick: Duration) {
         if let Err(e) = schedule_pass(&st).await {
             tracing::warn!(error = %e, "placement pass failed; retrying");
         }
+        if let Err(e) = crate::offers::offers_pass(&st).await {
+            tracing::warn!(error = %e, "offer window pass failed; retrying");
+        }
         if let Err(e) = liveness_pass(&st).await {
             tracing::warn!(error = %e, "liveness pass failed; retrying");
         }

@@ -202,7 +202,9 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
         let cpu = u32::try_from(n.cpu_milli_free).unwrap_or(u32::MAX);
         snap_nodes.push(NodeSnap {
             ready: n.ready,
-            cordoned: n.cordoned,
+            // Outside its provider's offer windows a node takes no new
+            // work, as if cordoned.
+            cordoned: n.cordoned || !n.offer.offered_at(now),
             region: n.region.clone(),
             pool: n.pool.clone(),
             runtime: runtime_of(n.runtime),

@@ -1123,6 +1123,32 @@ impl Store {
         Ok(())
     }
 
+    /// Asks a running (or scheduled, starting) instance to stop, saying
+    /// why in its `state_reason`: the notice its tenant reads while the
+    /// agent stops it (SIGTERM, then the grace period). False when it is
+    /// not live or already asked to stop.
+    pub async fn stop_with_notice(
+        &self,
+        id: &InstanceId,
+        reason: &str,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        // Fenced: the leader's offer pass calls it.
+        let mut tx = self.begin().await?;
+        let n = sqlx::query(
+            "UPDATE instances SET stop_requested = 1, state_reason = $1, updated_at = $2 \
+             WHERE id = $3 AND stop_requested = 0 AND state IN ('scheduled', 'starting', 'running')",
+        )
+        .bind(reason)
+        .bind(ms(now))
+        .bind(id.as_str())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        tx.commit().await?;
+        Ok(n > 0)
+    }
+
     /// Instances holding GPUs on one node (for shutdown and tests).
     pub async fn instances_on(&self, node: &NodeId) -> Result<Vec<InstanceId>> {
         let rows = sqlx::query(

@@ -7,6 +7,7 @@ use flotilla_core::api::{DiscoveredGpu, Gpu, Node, NodeImage, RegisterNode};
 use flotilla_core::catalog::{MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
 use flotilla_core::node::{ExecutorKind, NodeState, RuntimeKind};
+use flotilla_core::offer::NodeOffer;
 use flotilla_core::placement::{GpuSlot, NodeSnapshot, MILLI_PER_GPU};
 use sqlx::any::AnyRow;
 use sqlx::Row;
@@ -56,6 +57,16 @@ fn node(row: &AnyRow) -> Result<Node> {
         gpus: Vec::new(),
         images: Vec::new(),
     })
+}
+
+/// The offer column: its JSON, or offered always when NULL.
+fn offer_of(row: &AnyRow) -> Result<NodeOffer> {
+    match row.try_get::<Option<String>, _>("offer")? {
+        None => Ok(NodeOffer::default()),
+        Some(j) => {
+            serde_json::from_str(&j).map_err(|e| StoreError::Corrupt(format!("node offer: {e}")))
+        }
+    }
 }
 
 /// The node a registration created or re-attached to.
@@ -289,6 +300,43 @@ impl Store {
         Ok(n > 0)
     }
 
+    /// Sets when a node's GPUs are offered (its provider's windows).
+    pub async fn set_node_offer(&self, id: &NodeId, offer: &NodeOffer) -> Result<()> {
+        let json = serde_json::to_string(offer)
+            .map_err(|e| StoreError::Corrupt(format!("node offer: {e}")))?;
+        let n = sqlx::query("UPDATE nodes SET offer = $1 WHERE id = $2")
+            .bind(json)
+            .bind(id.as_str())
+            .execute(self.pool())
+            .await?
+            .rows_affected();
+        if n == 0 {
+            return Err(StoreError::NotFound("node"));
+        }
+        Ok(())
+    }
+
+    /// When a node's GPUs are offered.
+    pub async fn node_offer(&self, id: &NodeId) -> Result<NodeOffer> {
+        let row = sqlx::query("SELECT offer FROM nodes WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound("node"))?;
+        offer_of(&row)
+    }
+
+    /// Every node with an offer, for the reconciler that stops work when
+    /// a window closes.
+    pub async fn node_offers(&self) -> Result<Vec<(NodeId, NodeOffer)>> {
+        let rows = sqlx::query("SELECT id, offer FROM nodes WHERE offer IS NOT NULL ORDER BY id")
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter()
+            .map(|r| Ok((NodeId::from_trusted(r.try_get("id")?), offer_of(r)?)))
+            .collect()
+    }
+
     /// One node with its GPUs.
     pub async fn node(&self, id: &NodeId) -> Result<Node> {
         let row = sqlx::query("SELECT * FROM nodes WHERE id = $1")
@@ -465,6 +513,7 @@ impl Store {
                 Ok(NodeSnapshot {
                     ready: n.state == NodeState::Ready,
                     cordoned: n.cordoned,
+                    offer: offer_of(r)?,
                     region: n.region.clone(),
                     pool: n.pool.clone(),
                     runtime: n.runtime,

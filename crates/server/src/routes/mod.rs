@@ -27,6 +27,7 @@ pub mod jobs;
 pub mod keys;
 pub mod nodepools;
 pub mod nodes;
+pub mod offers;
 pub mod payouts;
 pub mod pools;
 pub mod prices;
@@ -91,6 +92,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(catalog::list_gpu_types))
         .routes(routes!(nodes::list_nodes))
         .routes(routes!(nodes::get_node))
+        .routes(routes!(offers::get_offer, offers::set_offer))
         .routes(routes!(pools::create_pool))
         .routes(routes!(pools::get_pool))
         .routes(routes!(pools::report_metrics))

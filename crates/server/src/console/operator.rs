@@ -1,0 +1,479 @@
+//! The operator's pages (the fleet map with cordon buttons, the queue with
+//! reasons, tenants and quotas, the price catalog) and the provider's
+//! page (its nodes, their use, and payout statements).
+
+use axum::extract::{Form, Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use flotilla_core::id::NodeId;
+use flotilla_core::offer::{NodeOffer, OfferWindow};
+use maud::{html, Markup};
+use serde_json::Value;
+
+use super::fmt::{amount, per_hour, time, unit_price};
+use super::session::Session;
+use super::{
+    badge, check, csrf_field, fragment, is_htmx, page, show, table, ConsoleError, ConsoleResult,
+    ConsoleState, Fields,
+};
+
+pub(super) fn routes() -> Router<ConsoleState> {
+    Router::new()
+        .route("/fleet", get(fleet))
+        .route("/fleet/{node}/cordon", post(cordon))
+        .route("/queue", get(queue))
+        .route("/tenants", get(tenants))
+        .route("/prices", get(prices))
+        .route("/provider", get(provider))
+        .route("/provider/{node}/offer", post(set_offer))
+}
+
+/// A 404 unless the key is an operator's now: asked of the API, so a key
+/// revoked or changed since sign-in is refused.
+async fn require_operator(st: &ConsoleState, s: &Session) -> ConsoleResult<()> {
+    let me: Value = st.api.get(s, "/v1/me").await?;
+    if me["key"]["role"].as_str() == Some("operator") {
+        Ok(())
+    } else {
+        Err(ConsoleError::Api {
+            status: axum::http::StatusCode::NOT_FOUND,
+            message: "no such page for this key".into(),
+        })
+    }
+}
+
+/// How a GPU cell is coloured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ColourBy {
+    /// Share held by work (always known).
+    Allocation,
+    /// Kernel utilisation from telemetry.
+    Utilisation,
+    /// Core temperature from telemetry.
+    Temperature,
+}
+
+impl ColourBy {
+    fn parse(s: Option<&str>) -> Self {
+        match s {
+            Some("utilisation") => Self::Utilisation,
+            Some("temperature") => Self::Temperature,
+            _ => Self::Allocation,
+        }
+    }
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Allocation => "allocation",
+            Self::Utilisation => "utilisation",
+            Self::Temperature => "temperature",
+        }
+    }
+}
+
+/// A heat level 0–5 for a value in `0..=max` (`None`: no reading).
+fn level(v: Option<f64>, max: f64) -> Option<u8> {
+    v.map(|x| ((x / max).clamp(0.0, 1.0) * 5.0).round() as u8)
+}
+
+#[derive(serde::Deserialize, Default)]
+struct FleetQuery {
+    by: Option<String>,
+}
+
+async fn fleet(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Query(q): Query<FleetQuery>,
+    h: HeaderMap,
+) -> ConsoleResult<Response> {
+    require_operator(&st, &s).await?;
+    let by = ColourBy::parse(q.by.as_deref());
+    let nodes = st.api.list(&s, "/v1/nodes", 2000).await?;
+    let telemetry = st.app.fresh_telemetry();
+    let map = html! {
+        div #fleet hx-get={ "/fleet?by=" (by.as_str()) } hx-trigger="every 3s" hx-swap="outerHTML" hx-select="#fleet" {
+            @if nodes.is_empty() { p { "No nodes have joined yet: start `flotilla agent` on a GPU machine." } }
+            ul.fleet {
+                @for n in &nodes {
+                    @let nid = n["id"].as_str().unwrap_or("");
+                    @let state = n["state"].as_str().unwrap_or("");
+                    @let cordoned = n["cordoned"].as_bool() == Some(true);
+                    @let samples = NodeId::parse(nid, "node").ok().and_then(|id| telemetry.get(&id).cloned());
+                    li.node .unhealthy[state != "ready"] .cordoned[cordoned] data-node=(nid) data-name=(show(&n["name"])) {
+                        div.node-head {
+                            strong { (show(&n["name"])) }
+                            " " (badge(state))
+                            @if cordoned { " " (badge("cordoned")) }
+                            span.muted { " " (show(&n["region"])) " · " (show(&n["pool"])) @if n["simulated"].as_bool() == Some(true) { " · simulated" } }
+                        }
+                        ol.gpus aria-label={ "GPUs of " (show(&n["name"])) } {
+                            @for g in n["gpus"].as_array().cloned().unwrap_or_default() {
+                                @let idx = g["index"].as_u64().unwrap_or(0);
+                                @let sample = samples.as_ref().and_then(|t| t.gpus.iter().find(|x| u64::from(x.index) == idx));
+                                @let used = g["used_milli"].as_u64().unwrap_or(0) as f64;
+                                @let (lvl, text) = match by {
+                                    ColourBy::Allocation => (level(Some(used), 1000.0), format!("{:.0}% allocated", used / 10.0)),
+                                    ColourBy::Utilisation => {
+                                        let u = sample.and_then(|x| x.gpu_util_pct).map(f64::from);
+                                        (level(u, 100.0), u.map(|u| format!("{u:.0}% busy")).unwrap_or_else(|| "no reading".into()))
+                                    }
+                                    ColourBy::Temperature => {
+                                        let t = sample.and_then(|x| x.temperature_c).map(f64::from);
+                                        (level(t.map(|t| t - 30.0), 60.0), t.map(|t| format!("{t:.0} °C")).unwrap_or_else(|| "no reading".into()))
+                                    }
+                                };
+                                li class={ "gpu heat" (lvl.map(|l| l.to_string()).unwrap_or_else(|| "-none".into())) }
+                                    title={ (show(&g["model"])) " #" (idx) ": " (text) } {
+                                    span.gpu-model { (show(&g["model"])) }
+                                    span.gpu-val { (text) }
+                                }
+                            }
+                        }
+                        form.inline method="post" action={ "/fleet/" (nid) "/cordon" } {
+                            (csrf_field(&s))
+                            input type="hidden" name="cordoned" value=(if cordoned { "false" } else { "true" });
+                            button type="submit" .danger[!cordoned] aria-label={ (if cordoned { "Uncordon " } else { "Cordon " }) (show(&n["name"])) } {
+                                (if cordoned { "Uncordon" } else { "Cordon" })
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    if is_htmx(&h) {
+        return Ok(fragment(map));
+    }
+    let body = html! {
+        form.inline method="get" action="/fleet" {
+            label for="by" { "Colour GPUs by " }
+            select #by name="by" {
+                @for b in [ColourBy::Allocation, ColourBy::Utilisation, ColourBy::Temperature] {
+                    option value=(b.as_str()) selected[b == by] { (b.as_str()) }
+                }
+            }
+            " " button type="submit" { "Show" }
+        }
+        p.legend aria-hidden="true" {
+            "Low " @for l in 0..=5u8 { span class={ "swatch heat" (l) } {} } " high · "
+            span.swatch.heat-none {} " no reading"
+        }
+        (map)
+    };
+    Ok(page(&s, "Fleet map", "/fleet", body))
+}
+
+async fn cordon(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(node): Path<String>,
+    Form(f): Form<Fields>,
+) -> ConsoleResult<Response> {
+    check(&s, &f)?;
+    require_operator(&st, &s).await?;
+    let id =
+        NodeId::parse(&node, "node_id").map_err(|e| ConsoleError::field("node_id", e.message))?;
+    let cordoned = super::field(&f, "cordoned") != Some("false");
+    st.app
+        .store()
+        .set_node_cordoned(&id, cordoned)
+        .await
+        .map_err(|e| match e {
+            flotilla_store::StoreError::NotFound(_) => ConsoleError::Api {
+                status: axum::http::StatusCode::NOT_FOUND,
+                message: "no such node".into(),
+            },
+            other => ConsoleError::internal(other),
+        })?;
+    tracing::info!(node = %id, cordoned, "node cordon changed from the console");
+    // The next pass must see it (and skip the node) at once.
+    st.app.notify_change();
+    Ok(Redirect::to("/fleet").into_response())
+}
+
+async fn queue(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
+    let inst = st.api.list(&s, "/v1/queue", 1000).await?;
+    let jobs = st.api.list(&s, "/v1/jobs/queue", 1000).await?;
+    let rows: Vec<Markup> = inst
+        .iter()
+        .map(|e| {
+            let i = &e["instance"];
+            html! { tr {
+                td.num { (show(&e["position"])) }
+                th scope="row" { a href={ "/instances/" (show(&i["id"])) } { (show(&i["id"])) } }
+                td { (show(&i["tenant_id"])) }
+                td.num { (show(&i["gpus"])) }
+                td.reason { (show(&i["state_reason"])) }
+                td { (time(&i["created_at"])) }
+            } }
+        })
+        .collect();
+    let job_rows: Vec<Markup> = jobs
+        .iter()
+        .map(|e| {
+            html! { tr {
+                td.num { (show(&e["position"])) }
+                th scope="row" { (show(&e["job"]["id"])) }
+                td { (show(&e["job"]["tenant_id"])) }
+                td.reason { (show(&e["job"]["state_reason"])) }
+            } }
+        })
+        .collect();
+    let body = html! {
+        div #queue hx-get="/queue" hx-trigger="every 3s" hx-swap="outerHTML" hx-select="#queue" {
+            (table("Pending instances in queue order", &["#", "Instance", "Tenant", "GPUs", "Why it waits", "Queued"], rows,
+                "The queue is empty: nothing is waiting for GPUs"))
+            (table("Pending jobs in queue order", &["#", "Job", "Tenant", "Why it waits"], job_rows, "No jobs are waiting"))
+        }
+    };
+    Ok(page(&s, "Queue", "/queue", body))
+}
+
+async fn tenants(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
+    require_operator(&st, &s).await?;
+    let list = st.api.list(&s, "/v1/tenants", 1000).await?;
+    let mut rows = Vec::new();
+    for t in &list {
+        let tid = t["id"].as_str().unwrap_or("");
+        let q: Value = st
+            .api
+            .get(&s, &format!("/v1/tenants/{tid}/quota"))
+            .await
+            .unwrap_or(Value::Null);
+        let per_model = q["quota"]["gpus_per_model"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| format!("{k} ≤ {v}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .unwrap_or_default();
+        rows.push(html! { tr {
+            th scope="row" { (show(&t["name"])) }
+            td { (tid) }
+            td.num { (show(&q["usage"]["gpus_total"])) }
+            td.num { (q["quota"]["gpus_total"].as_u64().map(|n| n.to_string()).unwrap_or_else(|| "no limit".into())) }
+            td { (per_model) }
+            td.num { (show(&q["quota"]["gpus_guaranteed"])) }
+            td.num { (show(&q["quota"]["weight"])) }
+        } });
+    }
+    let body = table(
+        "Tenants, their GPUs in use and quotas",
+        &[
+            "Name",
+            "Id",
+            "GPUs in use",
+            "GPU quota",
+            "Per model",
+            "Guaranteed",
+            "Weight",
+        ],
+        rows,
+        "No tenants",
+    );
+    Ok(page(&s, "Tenants & quotas", "/tenants", body))
+}
+
+async fn prices(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
+    let p: Value = st.api.get(&s, "/v1/prices").await?;
+    let currency = p["currency"].as_str().unwrap_or("USD").to_string();
+    let in_force = p["in_force"].as_u64();
+    let versions = p["versions"].as_array().cloned().unwrap_or_default();
+    let body = html! {
+        @for v in versions.iter().rev() {
+            @let ver = v["version"].as_u64();
+            section {
+                h2 { "Version " (show(&v["version"])) @if ver == in_force { " (in force)" } }
+                p.muted { "Effective from " (time(&v["effective_from"])) }
+                (table(&format!("GPU prices per hour, {currency}"), &["Model", "On demand /h", "Spot floor /h", "Spot ceiling /h"],
+                    v["on_demand"].as_object().map(|m| m.iter().map(|(model, od)| html! { tr {
+                        th scope="row" { (model) }
+                        td.num { (per_hour(&od["per_gpu_second"])) }
+                        td.num { (per_hour(&v["spot"][model]["floor"])) }
+                        td.num { (per_hour(&v["spot"][model]["ceiling"])) }
+                    } }).collect()).unwrap_or_default(), "No GPU prices"))
+                (table("Reserved offers", &["Term (days)", "Discount"],
+                    v["reserved_offers"].as_array().map(|a| a.iter().map(|o| html! { tr {
+                        td.num { (show(&o["term_days"])) }
+                        td.num { (unit_price(&o["discount"])) }
+                    } }).collect()).unwrap_or_default(), "No reserved offers"))
+            }
+        }
+    };
+    Ok(page(&s, "Price catalog", "/prices", body))
+}
+
+async fn provider(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
+    if !s.is_provider() {
+        return Err(ConsoleError::Api {
+            status: axum::http::StatusCode::NOT_FOUND,
+            message: "no such page for this key".into(),
+        });
+    }
+    let nodes = st.api.list(&s, "/v1/nodes", 1000).await?;
+    let month = st.app.now().format("%Y-%m").to_string();
+    let payouts: Value = st
+        .api
+        .get(&s, &format!("/v1/payouts?period={month}"))
+        .await
+        .unwrap_or(Value::Null);
+    let node_rows = nodes
+        .iter()
+        .filter(|n| s.is_operator() || n["owner_tenant_id"].as_str() == Some(s.tenant_id.as_str()))
+        .map(|n| {
+            let gpus = n["gpus"].as_array().cloned().unwrap_or_default();
+            let used: u64 = gpus.iter().map(|g| g["used_milli"].as_u64().unwrap_or(0)).sum();
+            html! { tr {
+                th scope="row" { (show(&n["name"])) }
+                td { (badge(n["state"].as_str().unwrap_or(""))) @if n["cordoned"].as_bool() == Some(true) { " " (badge("cordoned")) } }
+                td.num { (gpus.len()) }
+                td.num { (format!("{:.0}%", if gpus.is_empty() { 0.0 } else { used as f64 / (gpus.len() as f64 * 10.0) })) }
+            } }
+        })
+        .collect();
+    let statements = payouts["items"].as_array().cloned().unwrap_or_default();
+    let now = st.app.now();
+    let mut offers = Vec::new();
+    for n in nodes
+        .iter()
+        .filter(|n| s.is_operator() || n["owner_tenant_id"].as_str() == Some(s.tenant_id.as_str()))
+    {
+        let nid = n["id"].as_str().unwrap_or("").to_string();
+        let offer: NodeOffer = st.api.get(&s, &format!("/v1/nodes/{nid}/offer")).await?;
+        offers.push((nid, show(&n["name"]), offer));
+    }
+    let body = html! {
+        (table("Your nodes and their use now", &["Node", "State", "GPUs", "Allocated"], node_rows, "No nodes: join one with `flotilla agent`"))
+        h2 { "When your GPUs are offered (UTC)" }
+        p.help { "One window a line: optional days, then start-end, e.g. `mon,tue,wed,thu,fri 18:00-08:00` "
+            "(past midnight) or `12:00-14:00` (every day). No lines: always offered. Outside its windows a node "
+            "takes no new work; work still running is stopped, with notice, " (crate::offers::NOTICE.num_minutes()) " minutes before a window closes." }
+        @for (nid, name, offer) in &offers {
+            section.offer data-node=(nid) data-name=(name) {
+                h3 { (name) " · offered now: "
+                    span.offered { (if offer.offered_at(now) { "yes" } else { "no (outside its windows)" }) } }
+                form method="post" action={ "/provider/" (nid) "/offer" } {
+                    (csrf_field(&s))
+                    label for={ "w-" (nid) } { "Offer windows of " (name) }
+                    br;
+                    textarea id={ "w-" (nid) } name="windows" rows="3" cols="40" {
+                        (offer.windows.iter().map(window_line).collect::<Vec<_>>().join("\n"))
+                    }
+                    br;
+                    button type="submit" { "Save windows of " (name) }
+                }
+            }
+        }
+        h2 { "Payout statements, " (month) }
+        @if statements.is_empty() { p { "No payout statement for this month yet." } }
+        @for p in &statements {
+            @let cur = p["currency"]["code"].as_str().unwrap_or("USD").to_string();
+            (table(&format!("Provider {}", show(&p["provider"])), &["Model", "Kind", "GPU-seconds", "Unit price", "Gross"],
+                p["lines"].as_array().map(|ls| ls.iter().map(|l| html! { tr {
+                    td { (show(&l["model"])) } td { (show(&l["kind"])) }
+                    td.num { (show(&l["gpu_seconds"])) } td.num { (unit_price(&l["unit_price"])) }
+                    td.num { (amount(&l["gross"], &cur)) }
+                } }).collect()).unwrap_or_default(), "No usage on these nodes this month"))
+            dl.facts.totals {
+                dt { "Gross" } dd { (amount(&p["gross"], &cur)) }
+                dt { "Operator fee" } dd { (amount(&p["operator_fee"], &cur)) }
+                dt { "Payout" } dd { (amount(&p["payout"], &cur)) }
+            }
+        }
+    };
+    Ok(page(&s, "My GPUs & payouts", "/provider", body))
+}
+
+/// A window as the provider page writes it: `mon,tue 08:00-18:00`.
+fn window_line(w: &OfferWindow) -> String {
+    if w.days.is_empty() {
+        format!("{}-{}", w.start, w.end)
+    } else {
+        format!("{} {}-{}", w.days.join(","), w.start, w.end)
+    }
+}
+
+/// The provider page's lines as windows; checked by the API after.
+fn parse_windows(text: &str) -> ConsoleResult<Vec<OfferWindow>> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let (days, span) = match l.rsplit_once(' ') {
+                Some((d, span)) => (
+                    d.split(',')
+                        .map(|d| d.trim().to_ascii_lowercase())
+                        .filter(|d| !d.is_empty())
+                        .collect(),
+                    span,
+                ),
+                None => (Vec::new(), l),
+            };
+            let (start, end) = span.split_once('-').ok_or_else(|| {
+                ConsoleError::field("windows", format!("`{l}` is not `[days] HH:MM-HH:MM`"))
+            })?;
+            Ok(OfferWindow {
+                days,
+                start: start.trim().to_string(),
+                end: end.trim().to_string(),
+            })
+        })
+        .collect()
+}
+
+async fn set_offer(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(node): Path<String>,
+    Form(f): Form<Fields>,
+) -> ConsoleResult<Response> {
+    check(&s, &f)?;
+    let id =
+        NodeId::parse(&node, "node_id").map_err(|e| ConsoleError::field("node_id", e.message))?;
+    let offer = NodeOffer {
+        windows: parse_windows(super::field(&f, "windows").unwrap_or(""))?,
+    };
+    let body = serde_json::to_value(&offer).map_err(ConsoleError::internal)?;
+    let _: Value = st
+        .api
+        .call(
+            &s,
+            axum::http::Method::PUT,
+            &format!("/v1/nodes/{id}/offer"),
+            Some(&body),
+        )
+        .await?;
+    Ok(Redirect::to("/provider").into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offer_lines_round_trip() {
+        let w = parse_windows("mon,TUE 18:00-08:00\n\n12:00-14:00\n").unwrap();
+        assert_eq!(w.len(), 2);
+        assert_eq!(w[0].days, vec!["mon", "tue"]);
+        assert_eq!((w[0].start.as_str(), w[0].end.as_str()), ("18:00", "08:00"));
+        assert!(w[1].days.is_empty());
+        assert_eq!(window_line(&w[0]), "mon,tue 18:00-08:00");
+        assert_eq!(window_line(&w[1]), "12:00-14:00");
+        assert!(parse_windows("sometimes").is_err());
+    }
+
+    #[test]
+    fn heat_levels_are_clamped_and_missing_readings_stay_missing() {
+        assert_eq!(level(Some(0.0), 100.0), Some(0));
+        assert_eq!(level(Some(100.0), 100.0), Some(5));
+        assert_eq!(level(Some(250.0), 100.0), Some(5));
+        assert_eq!(level(Some(-5.0), 100.0), Some(0));
+        assert_eq!(level(None, 100.0), None);
+        assert_eq!(ColourBy::parse(Some("temperature")), ColourBy::Temperature);
+        assert_eq!(ColourBy::parse(Some("x")), ColourBy::Allocation);
+    }
+}

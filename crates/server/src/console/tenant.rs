@@ -1,0 +1,1177 @@
+//! The tenant's pages: the GPU catalog, instances (launch, logs, stop),
+//! jobs, endpoints (replicas against traffic, latency against the SLO),
+//! usage and invoices (cost chart, CSV), budget, API keys and the cost
+//! estimator. Each reads and writes through the API as the signed-in key.
+
+use std::collections::BTreeMap;
+
+use axum::extract::{Form, Path, Query, State};
+use axum::http::header::{CONTENT_DISPOSITION, CONTENT_TYPE};
+use axum::http::{HeaderMap, Method};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use maud::{html, Markup};
+use serde_json::{json, Value};
+
+use super::fmt::{amount, dec, per_hour, time, unit_price};
+use super::session::{api_error, Session};
+use super::{
+    badge, check, csrf_field, field, fragment, is_htmx, json_data, page, show, table, ConsoleError,
+    ConsoleResult, ConsoleState, Fields, Sample,
+};
+
+/// Samples kept per endpoint chart (10 minutes at one every 2 s).
+const SERIES_LEN: usize = 300;
+
+pub(super) fn routes() -> Router<ConsoleState> {
+    Router::new()
+        .route("/gpus", get(gpus))
+        .route("/instances", get(instances).post(launch))
+        .route("/instances/{id}", get(instance))
+        .route("/instances/{id}/logs", get(instance_logs))
+        .route("/instances/{id}/stop", post(stop_instance))
+        .route("/jobs", get(jobs))
+        .route("/endpoints", get(endpoints).post(deploy))
+        .route("/endpoints/{id}", get(endpoint))
+        .route("/endpoints/{id}/series", get(endpoint_series))
+        .route("/endpoints/{id}/delete", post(delete_endpoint))
+        .route("/billing", get(billing))
+        .route("/invoices/draft/{period}", get(draft_invoice))
+        .route("/invoices/draft/{period}/csv", get(draft_invoice_csv))
+        .route("/invoices/{id}", get(final_invoice))
+        .route("/invoices/{id}/csv", get(final_invoice_csv))
+        .route("/budget", get(budget).post(set_budget))
+        .route("/keys", get(keys).post(create_key))
+        .route("/keys/{id}/revoke", post(revoke_key))
+        .route("/estimate", get(estimate))
+}
+
+/// A path segment as the API expects it: ids are `[a-z0-9_]`; anything
+/// else cannot name an object, and is refused before it reaches a URL.
+fn seg(raw: &str) -> ConsoleResult<&str> {
+    if !raw.is_empty()
+        && raw.len() <= 100
+        && raw
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        Ok(raw)
+    } else {
+        Err(ConsoleError::Api {
+            status: axum::http::StatusCode::NOT_FOUND,
+            message: "no such object".into(),
+        })
+    }
+}
+
+/// `KEY=VALUE` lines as an environment.
+fn env_lines(text: Option<&str>) -> ConsoleResult<BTreeMap<String, String>> {
+    let mut env = BTreeMap::new();
+    for line in text.unwrap_or("").lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (k, v) = line
+            .split_once('=')
+            .ok_or_else(|| ConsoleError::field("env", format!("`{line}` is not KEY=VALUE")))?;
+        env.insert(k.trim().to_string(), v.to_string());
+    }
+    Ok(env)
+}
+
+fn parse_num<T: std::str::FromStr>(f: &Fields, name: &'static str) -> ConsoleResult<Option<T>> {
+    field(f, name)
+        .map(|v| {
+            v.parse::<T>()
+                .map_err(|_| ConsoleError::field(name, format!("`{v}` is not a number")))
+        })
+        .transpose()
+}
+
+// ---- GPUs ------------------------------------------------------------------
+
+async fn gpus(State(st): State<ConsoleState>, s: Session, h: HeaderMap) -> ConsoleResult<Response> {
+    let types: Value = st.api.get(&s, "/v1/gpu-types").await?;
+    let prices: Value = st.api.get(&s, "/v1/prices").await?;
+    let spot: Value = st
+        .api
+        .get(&s, "/v1/prices/spot")
+        .await
+        .unwrap_or(Value::Null);
+    let in_force = prices["in_force"].as_u64();
+    let currency = prices["currency"].as_str().unwrap_or("USD").to_string();
+    let version = prices["versions"]
+        .as_array()
+        .and_then(|vs| vs.iter().find(|v| v["version"].as_u64() == in_force))
+        .cloned()
+        .unwrap_or(Value::Null);
+    let mut items = types["items"].as_array().cloned().unwrap_or_default();
+    // Models the pool has first, then the rest of the catalog.
+    items.sort_by_key(|t| t["total"].as_u64().unwrap_or(0) == 0);
+    let latest_spot = |model: &str| -> Value {
+        spot["latest"]
+            .as_array()
+            .and_then(|l| l.iter().find(|p| p["model"].as_str() == Some(model)))
+            .map(|p| p["per_gpu_second"].clone())
+            .unwrap_or(Value::Null)
+    };
+    let rows = items
+        .iter()
+        .map(|t| {
+            let name = t["name"].as_str().unwrap_or("");
+            let od = &version["on_demand"][name]["per_gpu_second"];
+            let (free, total) = (t["free"].as_u64().unwrap_or(0), t["total"].as_u64().unwrap_or(0));
+            html! {
+                tr data-model=(name) {
+                    th scope="row" { (name) }
+                    td { (show(&t["vendor"])) }
+                    td.num { (show(&t["memory_gib"])) " GiB" }
+                    td.num.free { (free) " / " (total) }
+                    td { meter min="0" max=(total.max(1)) value=(free) aria-label={ (name) " GPUs free" } {} }
+                    td.num { (per_hour(od)) }
+                    td.num { (per_hour(&latest_spot(name))) }
+                }
+            }
+        })
+        .collect();
+    let body = html! {
+        div #catalog hx-get="/gpus" hx-trigger="every 5s" hx-swap="outerHTML" hx-select="#catalog" {
+            (table(&format!("GPU models, free now, and prices per GPU-hour in {currency} (catalog version {})", in_force.unwrap_or(0)),
+                &["Model", "Vendor", "Memory", "Free / total", "Availability", "On demand /h", "Spot /h"],
+                rows, "No GPU models in the catalog"))
+        }
+        p { a.button href="/instances#launch" { "Launch an instance" } }
+    };
+    if is_htmx(&h) {
+        return Ok(fragment(body));
+    }
+    Ok(page(&s, "GPUs", "/gpus", body))
+}
+
+// ---- Instances -------------------------------------------------------------
+
+fn instance_row(i: &Value) -> Markup {
+    let id = i["id"].as_str().unwrap_or("");
+    let share = i["gpu_slices"]
+        .as_array()
+        .and_then(|s| s.first())
+        .and_then(|s| s["milli"].as_u64())
+        .filter(|m| *m < 1000);
+    html! {
+        tr data-instance=(id) {
+            th scope="row" { a href={ "/instances/" (id) } { (id) } }
+            td { (i["name"].as_str().unwrap_or("")) }
+            td { (badge(i["state"].as_str().unwrap_or(""))) }
+            td.reason { (i["state_reason"].as_str().unwrap_or("")) }
+            td.num {
+                @if let Some(m) = share { (format!("{:.2}", m as f64 / 1000.0)) " × " } @else { (show(&i["gpus"])) " × " }
+                (i["gpu_model"].as_str().unwrap_or("any"))
+            }
+            td { (i["node_id"].as_str().unwrap_or("—")) }
+            td { (time(&i["created_at"])) }
+        }
+    }
+}
+
+async fn instances(
+    State(st): State<ConsoleState>,
+    s: Session,
+    h: HeaderMap,
+) -> ConsoleResult<Response> {
+    let list = st.api.list(&s, "/v1/instances", 200).await?;
+    let mut list = list;
+    list.reverse();
+    let rows = list.iter().map(instance_row).collect();
+    let tbl = html! {
+        div #instances hx-get="/instances" hx-trigger="every 2s" hx-swap="outerHTML" hx-select="#instances" {
+            (table("Instances, newest first", &["Id", "Name", "State", "Reason", "GPUs", "Node", "Created"], rows,
+                "No instances yet: launch one below"))
+        }
+    };
+    if is_htmx(&h) {
+        return Ok(fragment(tbl));
+    }
+    let types: Value = st.api.get(&s, "/v1/gpu-types").await?;
+    let models: Vec<String> = types["items"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t["name"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let body = html! {
+        (tbl)
+        section #launch aria-labelledby="launch-h" {
+            h2 #launch-h { "Launch an instance" }
+            form.grid method="post" action="/instances" {
+                (csrf_field(&s))
+                label for="i-name" { "Name (optional)" }
+                input #i-name name="name" maxlength="63";
+                label for="i-model" { "GPU model" }
+                select #i-model name="model" {
+                    option value="" { "Any model" }
+                    @for m in &models { option value=(m) { (m) } }
+                }
+                label for="i-count" { "Whole GPUs" }
+                input #i-count name="gpus" type="number" min="1" max="64" value="1";
+                label for="i-share" { "Or a share of one GPU (0.05–0.95)" }
+                input #i-share name="gpu_fraction" type="number" min="0.05" max="0.95" step="0.05" placeholder="whole GPUs";
+                label for="i-class" { "Billing class" }
+                select #i-class name="billing_class" {
+                    option value="on_demand" { "On demand" }
+                    option value="spot" { "Spot (preemptible, cheaper)" }
+                    option value="reserved" { "Reserved (under a commitment)" }
+                }
+                label for="i-cmd" { "Command (run with sh -c)" }
+                input #i-cmd name="command" placeholder="python train.py";
+                label for="i-image" { "Or a container image" }
+                input #i-image name="image" placeholder="registry.example/app:1";
+                label for="i-env" { "Environment (KEY=VALUE per line)" }
+                textarea #i-env name="env" rows="3" {}
+                div.actions { button type="submit" { "Launch" } }
+            }
+        }
+    };
+    Ok(page(&s, "Instances", "/instances", body))
+}
+
+async fn launch(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Form(f): Form<Fields>,
+) -> ConsoleResult<Response> {
+    check(&s, &f)?;
+    let fraction: Option<f64> = parse_num(&f, "gpu_fraction")?;
+    let gpus: u32 = if fraction.is_some() {
+        1
+    } else {
+        parse_num(&f, "gpus")?.unwrap_or(1)
+    };
+    let mut body = json!({
+        "gpus": gpus,
+        "billing_class": field(&f, "billing_class").unwrap_or("on_demand"),
+        "env": env_lines(field(&f, "env"))?,
+    });
+    if let Some(n) = field(&f, "name") {
+        body["name"] = json!(n);
+    }
+    if let Some(m) = field(&f, "model") {
+        body["gpu_types"] = json!([m]);
+    }
+    if let Some(fr) = fraction {
+        body["gpu_fraction"] = json!(fr);
+    }
+    if let Some(c) = field(&f, "command") {
+        body["command"] = json!(["sh", "-c", c]);
+    }
+    if let Some(i) = field(&f, "image") {
+        body["image"] = json!(i);
+    }
+    let inst: Value = st
+        .api
+        .call(&s, Method::POST, "/v1/instances", Some(&body))
+        .await?;
+    let id = inst["id"].as_str().unwrap_or("");
+    Ok(Redirect::to(&format!("/instances/{}", seg(id)?)).into_response())
+}
+
+async fn instance(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(id): Path<String>,
+    h: HeaderMap,
+) -> ConsoleResult<Response> {
+    let id = seg(&id)?;
+    let i: Value = st.api.get(&s, &format!("/v1/instances/{id}")).await?;
+    let state = i["state"].as_str().unwrap_or("");
+    let live = matches!(state, "pending" | "scheduled" | "starting" | "running");
+    let summary = html! {
+        div #summary hx-get={ "/instances/" (id) } hx-trigger=[live.then_some("every 2s")] hx-swap="outerHTML" hx-select="#summary" {
+            dl.facts {
+                dt { "State" } dd #state { (badge(state)) }
+                dt { "Reason" } dd { (i["state_reason"].as_str().unwrap_or("")) }
+                dt { "GPUs" } dd { (show(&i["gpus"])) " × " (i["gpu_model"].as_str().unwrap_or("any")) }
+                dt { "Node" } dd { (i["node_id"].as_str().unwrap_or("—")) }
+                dt { "Exit code" } dd { (show(&i["exit_code"])) }
+                dt { "Started" } dd { (time(&i["started_at"])) }
+                dt { "Finished" } dd { (time(&i["finished_at"])) }
+            }
+            @if live && !i["stop_requested"].as_bool().unwrap_or(false) {
+                form method="post" action={ "/instances/" (id) "/stop" } {
+                    (csrf_field(&s))
+                    button.danger type="submit" { "Stop instance" }
+                }
+            }
+            @let events = i["events"].as_array().cloned().unwrap_or_default();
+            (table("Lifecycle", &["When", "State", "Why"], events.iter().map(|e| html! {
+                tr { td { (time(&e["at"])) } td { (badge(e["state"].as_str().unwrap_or(""))) } td { (show(&e["reason"])) } }
+            }).collect(), "No events"))
+        }
+    };
+    if is_htmx(&h) {
+        return Ok(fragment(summary));
+    }
+    let title = format!("Instance {}", i["name"].as_str().unwrap_or(id));
+    let body = html! {
+        p.muted { (id) }
+        (summary)
+        section aria-labelledby="logs-h" {
+            h2 #logs-h { "Logs" }
+            div.logs #logs role="log" aria-live="polite" tabindex="0" {
+                (log_poller(id, 0))
+            }
+        }
+    };
+    Ok(page(&s, &title, "/instances", body))
+}
+
+/// The element that fetches the next lines once, then replaces itself
+/// with them and a new poller: the log grows without refetching.
+fn log_poller(id: &str, since: u64) -> Markup {
+    html! {
+        span.poll hx-get={ "/instances/" (id) "/logs?since=" (since) } hx-trigger="load delay:1s" hx-swap="outerHTML" {}
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct SinceQuery {
+    since: Option<u64>,
+}
+
+async fn instance_logs(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(id): Path<String>,
+    Query(q): Query<SinceQuery>,
+) -> ConsoleResult<Response> {
+    let id = seg(&id)?;
+    let since = q.since.unwrap_or(0);
+    let page: Value = st
+        .api
+        .get(
+            &s,
+            &format!("/v1/instances/{id}/logs?since={since}&limit=1000"),
+        )
+        .await?;
+    let lines = page["items"].as_array().cloned().unwrap_or_default();
+    let next = lines
+        .last()
+        .and_then(|l| l["seq"].as_u64())
+        .map(|n| n + 1)
+        .unwrap_or(since);
+    // Keep polling while the instance can still write, or lines remain.
+    let more = if lines.len() == 1000 {
+        true
+    } else {
+        let i: Value = st.api.get(&s, &format!("/v1/instances/{id}")).await?;
+        !matches!(
+            i["state"].as_str(),
+            Some("succeeded" | "failed" | "stopped" | "lost")
+        ) || !lines.is_empty()
+    };
+    Ok(fragment(html! {
+        @for l in &lines {
+            div class={ "line " (l["stream"].as_str().unwrap_or("stdout")) } { (l["line"].as_str().unwrap_or("")) }
+        }
+        @if more { (log_poller(id, next)) } @else { div.end { "— end of output —" } }
+    }))
+}
+
+async fn stop_instance(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(id): Path<String>,
+    Form(f): Form<Fields>,
+) -> ConsoleResult<Response> {
+    check(&s, &f)?;
+    let id = seg(&id)?;
+    let _: Value = st
+        .api
+        .call(&s, Method::POST, &format!("/v1/instances/{id}/stop"), None)
+        .await?;
+    Ok(Redirect::to(&format!("/instances/{id}")).into_response())
+}
+
+// ---- Jobs ------------------------------------------------------------------
+
+async fn jobs(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
+    let mut list = st.api.list(&s, "/v1/jobs", 200).await?;
+    list.reverse();
+    let rows = list
+        .iter()
+        .map(|j| {
+            html! {
+                tr {
+                    th scope="row" { (show(&j["id"])) }
+                    td { (j["name"].as_str().unwrap_or("")) }
+                    td { (badge(j["state"].as_str().unwrap_or(""))) }
+                    td.reason { (j["state_reason"].as_str().unwrap_or("")) }
+                    td.num { (show(&j["nodes"])) " × " (show(&j["gpus_per_node"])) }
+                    td.num { (show(&j["attempt"])) }
+                    td { (time(&j["created_at"])) }
+                }
+            }
+        })
+        .collect();
+    let body = html! {
+        (table("Jobs, newest first", &["Id", "Name", "State", "Reason", "Nodes × GPUs", "Attempt", "Created"], rows,
+            "No jobs: submit one with `flotilla jobs submit`"))
+    };
+    Ok(page(&s, "Jobs", "/jobs", body))
+}
+
+// ---- Endpoints -------------------------------------------------------------
+
+async fn endpoints(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
+    let list = st.api.list(&s, "/v1/endpoints", 200).await?;
+    let rows = list
+        .iter()
+        .map(|e| {
+            let id = e["id"].as_str().unwrap_or("");
+            let reps = e["replicas"].as_array().cloned().unwrap_or_default();
+            let ready = reps.iter().filter(|r| r["ready"].as_bool() == Some(true)).count();
+            html! {
+                tr data-endpoint=(id) {
+                    th scope="row" { a href={ "/endpoints/" (id) } { (show(&e["name"])) } }
+                    td.num { (ready) " / " (reps.len()) }
+                    td.num { (show(&e["desired_replicas"])) }
+                    td { (e["reason"].as_str().unwrap_or("")) }
+                    td.num { (show(&e["spec"]["min_replicas"])) "–" (show(&e["spec"]["max_replicas"])) }
+                    td.num { (show(&e["spec"]["slo_p95_ms"])) " ms" }
+                }
+            }
+        })
+        .collect();
+    let body = html! {
+        (table("Endpoints", &["Name", "Ready / replicas", "Desired", "Reason", "Min–max", "SLO p95"], rows,
+            "No endpoints yet: deploy one below"))
+        section aria-labelledby="deploy-h" {
+            h2 #deploy-h { "Deploy an endpoint" }
+            form.grid method="post" action="/endpoints" {
+                (csrf_field(&s))
+                label for="e-name" { "Name (a DNS label)" }
+                input #e-name name="name" required pattern="[a-z0-9]([a-z0-9-]*[a-z0-9])?" maxlength="63";
+                label for="e-cmd" { "Replica command (run with sh -c; serve HTTP on $PORT)" }
+                input #e-cmd name="command" placeholder="exec my-server --port $PORT";
+                label for="e-image" { "Or a container image" }
+                input #e-image name="image";
+                label for="e-models" { "Model names it serves (comma separated)" }
+                input #e-models name="models" placeholder="chat";
+                label for="e-share" { "Share of one GPU per replica (blank: one whole GPU)" }
+                input #e-share name="gpu_fraction" type="number" min="0.05" max="0.95" step="0.05";
+                label for="e-min" { "Min replicas" }
+                input #e-min name="min_replicas" type="number" min="0" value="0";
+                label for="e-max" { "Max replicas" }
+                input #e-max name="max_replicas" type="number" min="1" value="4";
+                label for="e-slo" { "SLO p95 (ms)" }
+                input #e-slo name="slo_p95_ms" type="number" min="1" value="800";
+                label for="e-env" { "Environment (KEY=VALUE per line)" }
+                textarea #e-env name="env" rows="2" {}
+                div.actions { button type="submit" { "Deploy" } }
+            }
+        }
+    };
+    Ok(page(&s, "Endpoints", "/endpoints", body))
+}
+
+async fn deploy(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Form(f): Form<Fields>,
+) -> ConsoleResult<Response> {
+    check(&s, &f)?;
+    let name = field(&f, "name").ok_or_else(|| ConsoleError::field("name", "enter a name"))?;
+    let mut body = json!({ "name": name, "env": env_lines(field(&f, "env"))? });
+    if let Some(c) = field(&f, "command") {
+        body["command"] = json!(["sh", "-c", c]);
+    }
+    if let Some(i) = field(&f, "image") {
+        body["image"] = json!(i);
+    }
+    if let Some(m) = field(&f, "models") {
+        body["models"] = json!(m
+            .split(',')
+            .map(str::trim)
+            .filter(|m| !m.is_empty())
+            .collect::<Vec<_>>());
+    }
+    if let Some(fr) = parse_num::<f64>(&f, "gpu_fraction")? {
+        body["gpu_fraction"] = json!(fr);
+    }
+    for (k, name) in [
+        ("min_replicas", "min_replicas"),
+        ("max_replicas", "max_replicas"),
+    ] {
+        if let Some(n) = parse_num::<u32>(&f, name)? {
+            body[k] = json!(n);
+        }
+    }
+    if let Some(n) = parse_num::<u64>(&f, "slo_p95_ms")? {
+        body["slo_p95_ms"] = json!(n);
+    }
+    let ep: Value = st
+        .api
+        .call(&s, Method::POST, "/v1/endpoints", Some(&body))
+        .await?;
+    Ok(Redirect::to(&format!(
+        "/endpoints/{}",
+        seg(ep["id"].as_str().unwrap_or(""))?
+    ))
+    .into_response())
+}
+
+async fn endpoint(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(id): Path<String>,
+    h: HeaderMap,
+) -> ConsoleResult<Response> {
+    let id = seg(&id)?;
+    let e: Value = st.api.get(&s, &format!("/v1/endpoints/{id}")).await?;
+    let reps = e["replicas"].as_array().cloned().unwrap_or_default();
+    let name = e["name"].as_str().unwrap_or(id).to_string();
+    let ready = reps
+        .iter()
+        .filter(|r| r["ready"].as_bool() == Some(true))
+        .count();
+    let live = html! {
+        div #ep-state hx-get={ "/endpoints/" (id) } hx-trigger="every 2s" hx-swap="outerHTML" hx-select="#ep-state" {
+            dl.facts {
+                dt { "Ready replicas" } dd #ready-replicas { (ready) " of " (reps.len()) }
+                dt { "Desired replicas" } dd { (show(&e["desired_replicas"])) }
+                dt { "Why" } dd { (e["reason"].as_str().unwrap_or("")) }
+                dt { "Replicas" } dd { (show(&e["spec"]["min_replicas"])) "–" (show(&e["spec"]["max_replicas"])) }
+                dt { "SLO p95" } dd { (show(&e["spec"]["slo_p95_ms"])) " ms" }
+                dt { "Models" } dd { (e["spec"]["models"].as_array().map(|m| m.iter().map(show).collect::<Vec<_>>().join(", ")).unwrap_or_default()) }
+            }
+            (table("Replicas", &["Instance", "Revision", "State", "Ready", "Draining"], reps.iter().map(|r| {
+                let iid = r["instance_id"].as_str().unwrap_or("");
+                html! { tr {
+                    th scope="row" { a href={ "/instances/" (iid) } { (iid) } }
+                    td.num { (show(&r["revision"])) }
+                    td { (badge(r["state"].as_str().unwrap_or(""))) }
+                    td { (if r["ready"].as_bool() == Some(true) { "yes" } else { "no" }) }
+                    td { (if r["draining"].as_bool() == Some(true) { "yes" } else { "no" }) }
+                } }
+            }).collect(), "No replicas (scaled to zero)"))
+        }
+    };
+    if is_htmx(&h) {
+        return Ok(fragment(live));
+    }
+    let body = html! {
+        p.muted { (id) " · revision " (show(&e["revision"])) " · policy " (show(&e["spec"]["policy"])) }
+        section aria-labelledby="chart-h" {
+            h2 #chart-h { "Replicas against traffic" }
+            div.chart #replica-chart data-series={ "/endpoints/" (id) "/series" } data-kind="replicas"
+                role="img" aria-label="Chart of ready replicas, desired replicas and requests per second over time" {}
+            h2 { "Latency against the SLO" }
+            div.chart #latency-chart data-series={ "/endpoints/" (id) "/series" } data-kind="latency"
+                role="img" aria-label="Chart of p95 latency and the SLO over time" {}
+            p.help { "Sampled every 2 s while this page is open; the server keeps the last 10 minutes." }
+        }
+        (live)
+        form method="post" action={ "/endpoints/" (id) "/delete" } {
+            (csrf_field(&s))
+            button.danger type="submit" { "Delete endpoint" }
+        }
+    };
+    Ok(page(&s, &format!("Endpoint {name}"), "/endpoints", body))
+}
+
+/// The endpoint's chart series: samples it now (at most once a second),
+/// then returns the kept points.
+async fn endpoint_series(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(id): Path<String>,
+) -> ConsoleResult<Response> {
+    let id = seg(&id)?;
+    let e: Value = st.api.get(&s, &format!("/v1/endpoints/{id}")).await?;
+    let reps = e["replicas"].as_array().cloned().unwrap_or_default();
+    let now = st.app.now().timestamp();
+    let requests_total = e["signals"]["requests_total"].as_u64().unwrap_or(0);
+    let mut map = st
+        .series
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let q = map.entry(id.to_string()).or_default();
+    if q.back().is_none_or(|last| last.t < now) {
+        let rps = q
+            .back()
+            .map(|last| {
+                let dt = (now - last.t).max(1) as f64;
+                requests_total.saturating_sub(last.requests_total) as f64 / dt
+            })
+            .unwrap_or(0.0);
+        q.push_back(Sample {
+            t: now,
+            ready: reps
+                .iter()
+                .filter(|r| r["ready"].as_bool() == Some(true))
+                .count() as u32,
+            replicas: reps.len() as u32,
+            desired: e["desired_replicas"].as_u64().unwrap_or(0) as u32,
+            rps,
+            in_flight: (e["signals"]["in_flight"].as_u64().unwrap_or(0)
+                + e["signals"]["queued"].as_u64().unwrap_or(0)) as u32,
+            p95_ms: e["signals"]["latency_p95_ms"].as_f64(),
+            slo_ms: e["spec"]["slo_p95_ms"].as_u64().unwrap_or(0),
+            requests_total,
+        });
+        while q.len() > SERIES_LEN {
+            q.pop_front();
+        }
+    }
+    let points: Vec<Sample> = q.iter().cloned().collect();
+    drop(map);
+    Ok(super::secure(Json(json!({ "points": points }))))
+}
+
+async fn delete_endpoint(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(id): Path<String>,
+    Form(f): Form<Fields>,
+) -> ConsoleResult<Response> {
+    check(&s, &f)?;
+    let id = seg(&id)?;
+    let _: Value = st
+        .api
+        .call(&s, Method::DELETE, &format!("/v1/endpoints/{id}"), None)
+        .await?;
+    Ok(Redirect::to("/endpoints").into_response())
+}
+
+// ---- Usage and invoices ----------------------------------------------------
+
+fn this_month(st: &ConsoleState) -> String {
+    st.app.now().format("%Y-%m").to_string()
+}
+
+fn invoice_lines(inv: &Value) -> Markup {
+    let currency = inv["currency"]["code"]
+        .as_str()
+        .unwrap_or("USD")
+        .to_string();
+    let lines = inv["lines"].as_array().cloned().unwrap_or_default();
+    html! {
+        (table("Lines", &["Description", "Model", "Quantity", "Unit", "Unit price", "Amount"], lines.iter().map(|l| html! {
+            tr {
+                td { (show(&l["description"])) }
+                td { (l["model"].as_str().unwrap_or("")) }
+                td.num { (dec(&l["quantity"]).map(|d| d.round_dp(3).normalize().to_string()).unwrap_or_default()) }
+                td { (show(&l["unit"])) }
+                td.num { (unit_price(&l["unit_price"])) }
+                td.num { (amount(&l["amount"], &currency)) }
+            }
+        }).collect(), "No charges in this period"))
+        dl.facts.totals {
+            dt { "Subtotal" } dd { (amount(&inv["subtotal"], &currency)) }
+            dt { "Total" } dd #invoice-total { (amount(&inv["total"], &currency)) }
+        }
+    }
+}
+
+async fn billing(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
+    let month = this_month(&st);
+    let draft: Value = st
+        .api
+        .get(&s, &format!("/v1/invoices/preview?period={month}"))
+        .await?;
+    let finals = st.api.list(&s, "/v1/invoices", 120).await?;
+    let currency = draft["currency"]["code"]
+        .as_str()
+        .unwrap_or("USD")
+        .to_string();
+    // Cost by month: final invoices, then this month's draft.
+    let mut months: Vec<(String, f64)> = finals
+        .iter()
+        .filter(|i| s.is_operator() || i["tenant"].as_str() == Some(s.tenant_id.as_str()))
+        .map(|i| {
+            (
+                time(&i["period"]["start"]).chars().take(7).collect(),
+                dec(&i["total"])
+                    .and_then(|d| d.to_string().parse().ok())
+                    .unwrap_or(0.0),
+            )
+        })
+        .collect();
+    months.push((
+        month.clone(),
+        dec(&draft["total"])
+            .and_then(|d| d.to_string().parse().ok())
+            .unwrap_or(0.0),
+    ));
+    // This month's cost by model.
+    let mut by_model: BTreeMap<String, f64> = BTreeMap::new();
+    for l in draft["lines"].as_array().cloned().unwrap_or_default() {
+        let key = l["model"]
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_else(|| show(&l["kind"]));
+        *by_model.entry(key).or_default() += dec(&l["amount"])
+            .and_then(|d| d.to_string().parse().ok())
+            .unwrap_or(0.0);
+    }
+    let chart = json!({
+        "months": months.iter().map(|m| &m.0).collect::<Vec<_>>(),
+        "totals": months.iter().map(|m| m.1).collect::<Vec<_>>(),
+        "models": by_model.keys().collect::<Vec<_>>(),
+        "model_totals": by_model.values().collect::<Vec<_>>(),
+        "currency": currency,
+    });
+    let body = html! {
+        section aria-labelledby="cost-h" {
+            h2 #cost-h { "Cost by month (" (currency) ")" }
+            (json_data("cost-data", &chart))
+            div.chart #cost-chart data-json="cost-data" data-kind="cost" role="img"
+                aria-label="Bar chart of the invoice total of each month" {}
+        }
+        section aria-labelledby="draft-h" {
+            h2 #draft-h { "This month so far (" (month) ", draft)" }
+            p { a #open-draft href={ "/invoices/draft/" (month) } { "Open this month's invoice" } " · "
+                a href={ "/invoices/draft/" (month) "/csv" } download { "Download CSV" } }
+            (invoice_lines(&draft))
+        }
+        section aria-labelledby="final-h" {
+            h2 #final-h { "Final invoices" }
+            (table("Finalised invoices", &["Invoice", "Period", "Tenant", "Total", "CSV"], finals.iter().rev().map(|i| {
+                let iid = i["id"].as_str().unwrap_or("");
+                let cur = i["currency"]["code"].as_str().unwrap_or("USD");
+                html! { tr {
+                    th scope="row" { a href={ "/invoices/" (iid) } { (iid) } }
+                    td { (time(&i["period"]["start"]).chars().take(7).collect::<String>()) }
+                    td { (show(&i["tenant"])) }
+                    td.num { (amount(&i["total"], cur)) }
+                    td { a href={ "/invoices/" (iid) "/csv" } download { "CSV" } }
+                } }
+            }).collect(), "No final invoices yet: a month is finalised 72 hours after it ends"))
+        }
+    };
+    Ok(page(&s, "Usage & invoices", "/billing", body))
+}
+
+fn valid_month(p: &str) -> ConsoleResult<&str> {
+    let ok = p.len() == 7
+        && p.as_bytes()[4] == b'-'
+        && p.bytes()
+            .enumerate()
+            .all(|(i, b)| i == 4 || b.is_ascii_digit());
+    if ok {
+        Ok(p)
+    } else {
+        Err(ConsoleError::field("period", "must be YYYY-MM"))
+    }
+}
+
+async fn draft_invoice(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(period): Path<String>,
+) -> ConsoleResult<Response> {
+    let period = valid_month(&period)?;
+    let inv: Value = st
+        .api
+        .get(&s, &format!("/v1/invoices/preview?period={period}"))
+        .await?;
+    let body = html! {
+        p { "Draft: rated now from the ledger with the prices in force; it may still change until the month is finalised." }
+        p { a.button #download-csv href={ "/invoices/draft/" (period) "/csv" } download { "Download CSV" } }
+        (invoice_lines(&inv))
+    };
+    Ok(page(
+        &s,
+        &format!("Invoice {period} (draft)"),
+        "/billing",
+        body,
+    ))
+}
+
+fn csv_download(name: &str, body: String) -> Response {
+    super::secure((
+        [
+            (CONTENT_TYPE, "text/csv; charset=utf-8".to_string()),
+            (
+                CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{name}\""),
+            ),
+        ],
+        body,
+    ))
+}
+
+async fn draft_invoice_csv(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(period): Path<String>,
+) -> ConsoleResult<Response> {
+    let period = valid_month(&period)?;
+    let inv: flotilla_billing::invoice::Invoice = st
+        .api
+        .get(&s, &format!("/v1/invoices/preview?period={period}"))
+        .await?;
+    // The same writer as the API's CSV of final invoices.
+    let csv = crate::routes::export::invoices_csv(&[inv])
+        .map_err(|e| ConsoleError::internal(e.message))?;
+    Ok(csv_download(&format!("invoice-{period}-draft.csv"), csv))
+}
+
+async fn final_invoice(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(id): Path<String>,
+) -> ConsoleResult<Response> {
+    let id = seg(&id)?;
+    let inv: Value = st.api.get(&s, &format!("/v1/invoices/{id}")).await?;
+    let body = html! {
+        p.muted { "Finalised " (time(&inv["status"]["at"])) " · tenant " (show(&inv["tenant"])) }
+        p { a.button #download-csv href={ "/invoices/" (id) "/csv" } download { "Download CSV" } }
+        (invoice_lines(&inv))
+    };
+    Ok(page(&s, &format!("Invoice {id}"), "/billing", body))
+}
+
+async fn final_invoice_csv(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(id): Path<String>,
+) -> ConsoleResult<Response> {
+    let id = seg(&id)?;
+    let a = st
+        .api
+        .raw_as(
+            &s,
+            Method::GET,
+            &format!("/v1/invoices/{id}?format=csv"),
+            None,
+        )
+        .await?;
+    if !a.status.is_success() {
+        return Err(api_error(&a));
+    }
+    Ok(csv_download(
+        &format!("{id}.csv"),
+        String::from_utf8_lossy(&a.body).into_owned(),
+    ))
+}
+
+// ---- Budget ----------------------------------------------------------------
+
+async fn budget(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
+    let b: Option<Value> = match st.api.get::<Value>(&s, "/v1/budget").await {
+        Ok(v) => Some(v),
+        Err(ConsoleError::Api { status, .. }) if status == axum::http::StatusCode::NOT_FOUND => {
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    let body = html! {
+        @if let Some(b) = &b {
+            @let cur = b["currency"]["code"].as_str().unwrap_or("USD");
+            dl.facts {
+                dt { "Limit" } dd { (amount(&b["limit"], cur)) }
+                dt { "Spent this month" } dd #spend { (amount(&b["spend"], cur)) }
+                dt { "Thresholds" } dd { (b["thresholds"].as_array().map(|t| t.iter().map(|x| format!("{}%", show(x))).collect::<Vec<_>>().join(", ")).unwrap_or_default()) }
+                dt { "Hard cap on spot work" } dd { (if b["hard_cap"].as_bool() == Some(true) { "yes" } else { "no" }) }
+            }
+            @if let (Some(spend), Some(limit)) = (dec(&b["spend"]), dec(&b["limit"])) {
+                label for="budget-meter" { "Spent of limit" }
+                meter #budget-meter min="0" max=(limit.to_string()) value=(spend.to_string()) high=((limit * rust_decimal::Decimal::new(8, 1)).to_string()) {}
+            }
+        } @else {
+            p { "No budget set." }
+        }
+        section aria-labelledby="set-h" {
+            h2 #set-h { "Set the monthly budget" }
+            form.grid method="post" action="/budget" {
+                (csrf_field(&s))
+                label for="b-limit" { "Limit" }
+                input #b-limit name="limit" inputmode="decimal" required value=(b.as_ref().map(|b| show(&b["limit"])).unwrap_or_default());
+                label for="b-thr" { "Alert thresholds, % (comma separated)" }
+                input #b-thr name="thresholds" value="50, 80, 100";
+                label for="b-cap" { "Hard cap: no new spot work once reached" }
+                input #b-cap name="hard_cap" type="checkbox" value="true" checked[b.as_ref().is_some_and(|b| b["hard_cap"].as_bool() == Some(true))];
+                label for="b-hook" { "Webhook URL (optional)" }
+                input #b-hook name="webhook_url" type="url";
+                div.actions { button type="submit" { "Save budget" } }
+            }
+        }
+    };
+    Ok(page(&s, "Budget", "/budget", body))
+}
+
+async fn set_budget(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Form(f): Form<Fields>,
+) -> ConsoleResult<Response> {
+    check(&s, &f)?;
+    let limit = field(&f, "limit").ok_or_else(|| ConsoleError::field("limit", "enter a limit"))?;
+    let thresholds = field(&f, "thresholds")
+        .map(|t| {
+            t.split(',')
+                .map(str::trim)
+                .filter(|x| !x.is_empty())
+                .map(|x| {
+                    x.trim_end_matches('%').parse::<u32>().map_err(|_| {
+                        ConsoleError::field("thresholds", format!("`{x}` is not a whole percent"))
+                    })
+                })
+                .collect::<ConsoleResult<Vec<_>>>()
+        })
+        .transpose()?;
+    let mut body = json!({ "limit": limit, "hard_cap": field(&f, "hard_cap") == Some("true") });
+    if let Some(t) = thresholds {
+        body["thresholds"] = json!(t);
+    }
+    if let Some(u) = field(&f, "webhook_url") {
+        body["webhook_url"] = json!(u);
+    }
+    let _: Value = st
+        .api
+        .call(&s, Method::PUT, "/v1/budget", Some(&body))
+        .await?;
+    Ok(Redirect::to("/budget").into_response())
+}
+
+// ---- API keys --------------------------------------------------------------
+
+async fn keys_page(
+    st: &ConsoleState,
+    s: &Session,
+    created: Option<&Value>,
+) -> ConsoleResult<Response> {
+    let list = st.api.list(s, "/v1/keys", 500).await?;
+    let rows = list
+        .iter()
+        .map(|k| {
+            let kid = k["id"].as_str().unwrap_or("");
+            let revoked = !k["revoked_at"].is_null();
+            html! { tr {
+                th scope="row" { (kid) }
+                td { (show(&k["name"])) }
+                td { (show(&k["role"])) }
+                td { code { (show(&k["prefix"])) "…" } }
+                td { (time(&k["created_at"])) }
+                td {
+                    @if revoked { "revoked " (time(&k["revoked_at"])) } @else {
+                        form.inline method="post" action={ "/keys/" (kid) "/revoke" } {
+                            (csrf_field(s))
+                            button.danger type="submit" aria-label={ "Revoke key " (kid) } { "Revoke" }
+                        }
+                    }
+                }
+            } }
+        })
+        .collect();
+    let body = html! {
+        @if let Some(c) = created {
+            div.notice role="status" {
+                p { "New key " (show(&c["id"])) ". Copy its secret now: it is shown once." }
+                p { code #new-secret { (show(&c["secret"])) } }
+            }
+        }
+        (table("API keys", &["Id", "Name", "Role", "Prefix", "Created", ""], rows, "No keys"))
+        section aria-labelledby="newkey-h" {
+            h2 #newkey-h { "Create a key" }
+            form.grid method="post" action="/keys" {
+                (csrf_field(s))
+                label for="k-name" { "Name" }
+                input #k-name name="name" required maxlength="100";
+                label for="k-role" { "Role" }
+                select #k-role name="role" {
+                    option value="tenant_member" { "Member: run work, read billing" }
+                    option value="tenant_admin" { "Admin: also keys and budget" }
+                    @if s.is_operator() { option value="operator" { "Operator" } option value="provider" { "Provider" } }
+                }
+                div.actions { button type="submit" { "Create key" } }
+            }
+        }
+    };
+    Ok(page(s, "API keys", "/keys", body))
+}
+
+async fn keys(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
+    keys_page(&st, &s, None).await
+}
+
+async fn create_key(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Form(f): Form<Fields>,
+) -> ConsoleResult<Response> {
+    check(&s, &f)?;
+    let body = json!({
+        "name": field(&f, "name").unwrap_or("console"),
+        "role": field(&f, "role").unwrap_or("tenant_member"),
+        "tenant_id": s.tenant_id.as_str(),
+    });
+    let created: Value = st
+        .api
+        .call(&s, Method::POST, "/v1/keys", Some(&body))
+        .await?;
+    keys_page(&st, &s, Some(&created)).await
+}
+
+async fn revoke_key(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(id): Path<String>,
+    Form(f): Form<Fields>,
+) -> ConsoleResult<Response> {
+    check(&s, &f)?;
+    let id = seg(&id)?;
+    let a = st
+        .api
+        .raw_as(&s, Method::DELETE, &format!("/v1/keys/{id}"), None)
+        .await?;
+    if !a.status.is_success() {
+        return Err(api_error(&a));
+    }
+    Ok(Redirect::to("/keys").into_response())
+}
+
+// ---- Estimator -------------------------------------------------------------
+
+#[derive(serde::Deserialize, Default)]
+struct EstimateQuery {
+    model: Option<String>,
+    gpus: Option<String>,
+    hours_per_day: Option<String>,
+    tier: Option<String>,
+}
+
+async fn estimate(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Query(q): Query<EstimateQuery>,
+) -> ConsoleResult<Response> {
+    let types: Value = st.api.get(&s, "/v1/gpu-types").await?;
+    let models: Vec<String> = types["items"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t["name"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let model = q.model.clone().filter(|m| !m.is_empty());
+    let gpus = q.gpus.as_deref().unwrap_or("1");
+    let hours = q.hours_per_day.as_deref().unwrap_or("8");
+    let tier = q.tier.as_deref().unwrap_or("2");
+    let result: Option<Value> = if q.gpus.is_some() {
+        let gpus_n: u32 = gpus
+            .parse()
+            .map_err(|_| ConsoleError::field("gpus", "must be a whole number"))?;
+        let hours_n: f64 = hours
+            .parse()
+            .map_err(|_| ConsoleError::field("hours_per_day", "must be a number"))?;
+        let tier_n: u8 = tier
+            .parse()
+            .map_err(|_| ConsoleError::field("tier", "must be 1 or 2"))?;
+        let mut w = json!({"kind": "gpu", "gpus": gpus_n, "hours_per_day": hours_n, "duty_cycle": 1.0, "tier": tier_n, "serves_requests": false});
+        if let Some(m) = &model {
+            w["model"] = json!(m);
+        }
+        Some(
+            st.api
+                .call(&s, Method::POST, "/v1/estimates", Some(&w))
+                .await?,
+        )
+    } else {
+        None
+    };
+    let body = html! {
+        form.grid method="get" action="/estimate" {
+            label for="x-model" { "GPU model" }
+            select #x-model name="model" {
+                option value="" { "Every model" }
+                @for m in &models { option value=(m) selected[model.as_deref() == Some(m.as_str())] { (m) } }
+            }
+            label for="x-gpus" { "GPUs" }
+            input #x-gpus name="gpus" type="number" min="1" value=(gpus);
+            label for="x-hours" { "Hours a day" }
+            input #x-hours name="hours_per_day" type="number" min="0" max="24" step="0.5" value=(hours);
+            label for="x-tier" { "Tier" }
+            select #x-tier name="tier" {
+                option value="2" selected[tier == "2"] { "2: may be preempted (spot allowed)" }
+                option value="1" selected[tier == "1"] { "1: never preempted" }
+            }
+            div.actions { button type="submit" { "Estimate" } }
+        }
+        @if let Some(r) = &result {
+            @let cur = r["currency"]["code"].as_str().unwrap_or("USD").to_string();
+            @let opts = r["options"].as_array().cloned().unwrap_or_default();
+            @if let Some(c) = r["cheapest"].as_object() {
+                p.notice role="status" { "Cheapest that meets it: " strong { (show(&c["model"].clone())) " " (billing_model(&r["cheapest"]["billing_model"])) } " at " (amount(&r["cheapest"]["monthly_cost"], &cur)) " a month." }
+            }
+            (table(&format!("Monthly cost by billing model (price version {})", show(&r["price_version"])), &["Model", "Billing model", "GPUs", "Monthly cost", "Meets", "Note"],
+                opts.iter().map(|o| html! { tr {
+                    td { (show(&o["model"])) }
+                    td { (billing_model(&o["billing_model"])) }
+                    td.num { (show(&o["gpus"])) }
+                    td.num { (amount(&o["monthly_cost"], &cur)) }
+                    td { (if o["meets"].as_bool() == Some(true) { "yes" } else { "no" }) }
+                    td { (show(&o["note"])) }
+                } }).collect(), "No options"))
+        }
+    };
+    Ok(page(&s, "Cost estimator", "/estimate", body))
+}
+
+/// `on demand`, `spot`, `serverless`, or a reserved offer with its term
+/// and discount.
+fn billing_model(v: &Value) -> String {
+    match v["kind"].as_str() {
+        Some("reserved") => format!(
+            "reserved {} days, {} off",
+            show(&v["term_days"]),
+            dec(&v["discount"])
+                .map(|d| format!("{}%", (d * rust_decimal::Decimal::from(100)).normalize()))
+                .unwrap_or_default()
+        ),
+        Some(k) => k.replace('_', " "),
+        None => show(v),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_segments_that_cannot_be_ids_are_refused() {
+        assert!(seg("inst_01abc").is_ok());
+        for bad in ["", "../v1/keys", "a?b", "a/b", "a%2Fb"] {
+            assert!(seg(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn environment_lines_parse_and_name_the_bad_one() {
+        let env = env_lines(Some("A=1\n\n# c\nB = x=y\n")).unwrap();
+        assert_eq!(env["A"], "1");
+        assert_eq!(env["B"], " x=y");
+        let e = env_lines(Some("nope")).unwrap_err();
+        assert!(e.to_string().contains("env"), "{e}");
+    }
+
+    #[test]
+    fn months_are_checked() {
+        assert!(valid_month("2026-12").is_ok());
+        for bad in ["2026-1", "2026/12", "abcd-ef", "2026-123"] {
+            assert!(valid_month(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn reserved_offers_read_as_words() {
+        let v = json!({"kind": "reserved", "term_days": 365, "discount": "0.3"});
+        assert_eq!(billing_model(&v), "reserved 365 days, 30% off");
+        assert_eq!(billing_model(&json!({"kind": "on_demand"})), "on demand");
+    }
+}
