@@ -275,6 +275,8 @@ impl Controller {
         st.store()
             .set_endpoint_decision(id, desired, &reason)
             .await?;
+        st.ops()
+            .scaling_decision("endpoint", ep.desired_replicas.unwrap_or(0), desired);
         for inst in &plan.drain {
             st.store().mark_replica_draining(inst, now).await?;
             tracing::info!(endpoint = %id, instance = %inst, "replica draining");

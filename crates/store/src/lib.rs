@@ -16,6 +16,7 @@ use sqlx::{AnyPool, Executor, SqlitePool};
 
 pub mod budgets;
 pub mod endpoints;
+pub mod fleet;
 pub mod idempotency;
 pub mod instances;
 pub mod invoices;

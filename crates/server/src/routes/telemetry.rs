@@ -4,6 +4,7 @@
 
 use axum::extract::{Path, State};
 use axum::Json;
+use flotilla_core::advice::InstanceAdvice;
 use flotilla_core::api::InstanceTelemetry;
 
 use super::instances::visible;
@@ -51,4 +52,32 @@ pub async fn instance_telemetry(
         .collect();
     answer.at = (!answer.gpus.is_empty()).then_some(reading.at);
     Ok(Json(answer))
+}
+
+/// Utilisation summary (mean and p95 GPU utilisation, peak memory, idle
+/// fraction) of an instance's GPUs, and a right-sizing recommendation with
+/// its hourly cost effect at the catalog's list prices.
+#[utoipa::path(get, path = "/v1/instances/{instance_id}/advice", tag = "instances",
+    params(("instance_id" = String, Path, description = "instance id (inst_…)")),
+    responses((status = 200, body = InstanceAdvice), (status = 404, body = flotilla_core::api::ErrorBody)))]
+pub async fn instance_advice(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Json<InstanceAdvice>> {
+    let inst = visible(&st, &caller, &raw).await?;
+    let summary = flotilla_core::advice::summarise(&st.profile(&inst.id));
+    let recommendation = match (&summary, &inst.gpu_model) {
+        (Some(s), Some(model)) => {
+            flotilla_core::advice::recommend(s, model, inst.gpus, st.catalog().models()).ok()
+        }
+        _ => None,
+    };
+    Ok(Json(InstanceAdvice {
+        instance_id: inst.id,
+        gpu_model: inst.gpu_model,
+        gpus: inst.gpus,
+        summary,
+        recommendation,
+    }))
 }
