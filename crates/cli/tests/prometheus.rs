@@ -222,6 +222,9 @@ fn prometheus_scrapes_server_and_agent_and_every_dashboard_query_has_data() {
             .spawn()
             .expect("start prometheus"),
     );
+    wait_until("prometheus is ready", Duration::from_secs(60), || {
+        http("GET", &format!("{prom}/-/ready"), None, None).is_ok_and(|(s, _)| s == 200)
+    });
     wait_until("both targets are up", Duration::from_secs(60), || {
         let up = query(&prom, "up == 1");
         up.len() == 2
