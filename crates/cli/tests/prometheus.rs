@@ -314,12 +314,11 @@ fn prometheus_scrapes_server_and_agent_and_every_dashboard_query_has_data() {
     );
     // The alert on XID errors fires from the agent's and the server's series.
     wait_until("the XID alert fires", Duration::from_secs(60), || {
-        query(
+        !query(
             &prom,
             r#"ALERTS{alertname="FlotillaGpuXidOrEccErrors",alertstate="firing"}"#,
         )
-        .len()
-            >= 1
+        .is_empty()
     });
     let (_, loaded) = http("GET", &format!("{prom}/api/v1/rules"), None, None).unwrap();
     let groups = loaded["data"]["groups"]
