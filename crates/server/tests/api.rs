@@ -512,6 +512,14 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
         ("instance_id", inst.clone()),
         ("job_id", job),
         ("node_id", node.clone()),
+        (
+            "gpu_id",
+            s.ok(&s.operator, Method::GET, &format!("/v1/nodes/{node}"), None)
+                .await["gpus"][0]["id"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        ),
         ("key_id", key_id),
         ("invoice_id", invoice.id().to_string()),
         ("pool_id", pool),

@@ -143,10 +143,14 @@ pub async fn reset_gpu(
     caller: Caller,
     Path((raw, raw_gpu)): Path<(String, String)>,
 ) -> ApiResult<Json<Node>> {
-    caller.require(&[Role::Operator], "reset gpus")?;
     let id = path_id(&raw, "node_id", NodeId::parse)?;
     let gpu = path_id(&raw_gpu, "gpu_id", GpuId::parse)?;
     let node = st.store().node(&id).await?;
+    // Another tenant's node is not found, whatever the role.
+    if !caller.sees(&node.owner_tenant_id) {
+        return Err(ApiError::not_found("node"));
+    }
+    caller.require(&[Role::Operator], "reset gpus")?;
     if !node.gpus.iter().any(|g| g.id == gpu) {
         return Err(ApiError::not_found("gpu"));
     }
