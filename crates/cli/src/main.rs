@@ -131,11 +131,11 @@ enum Command {
         /// Instance id.
         id: String,
     },
-    /// How much of its GPUs an instance used (mean and p95 utilisation,
-    /// peak memory, idle share) and the cheapest catalog class that would
-    /// serve the same load.
+    /// How much of its GPUs an instance or an endpoint's replicas used
+    /// (mean and p95 utilisation, peak memory, idle share) and the
+    /// cheapest catalog class that would serve the same load.
     Advise {
-        /// Instance id.
+        /// Instance id (`inst_…`) or endpoint id (`ep_…`).
         id: String,
     },
     /// Stop an instance.

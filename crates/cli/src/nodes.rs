@@ -101,32 +101,45 @@ pub async fn events(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `flotilla advise ID`.
+/// `flotilla advise ID`: an instance's (`inst_…`) or an endpoint's
+/// (`ep_…`) utilisation and right-sizing advice.
 pub async fn advise(ctx: &Ctx, id: &str) -> Result<ExitCode> {
-    let id = flotilla_core::id::InstanceId::parse(id.trim(), "instance id")
-        .map_err(|e| anyhow!("{e}"))?;
-    let raw: Value = ctx
-        .client
-        .get(&format!("/v1/instances/{id}/advice"), &[])
-        .await?;
+    let id = id.trim();
+    let (path, what) = if id.starts_with("ep_") {
+        let id =
+            flotilla_core::id::EndpointId::parse(id, "endpoint id").map_err(|e| anyhow!("{e}"))?;
+        (format!("/v1/endpoints/{id}/advice"), id.to_string())
+    } else {
+        let id =
+            flotilla_core::id::InstanceId::parse(id, "instance id").map_err(|e| anyhow!("{e}"))?;
+        (format!("/v1/instances/{id}/advice"), id.to_string())
+    };
+    let raw: Value = ctx.client.get(&path, &[]).await?;
     if ctx.json {
         print_json(&raw)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let a: flotilla_core::advice::InstanceAdvice = decode(raw)?;
-    let Some(s) = &a.summary else {
-        outln!("{id}: no GPU readings yet (simulated GPUs report none)")?;
+    let (summary, recommendation, per) = if what.starts_with("ep_") {
+        let a: flotilla_core::advice::EndpointAdvice = decode(raw)?;
+        let per = format!(" over {} replica(s)", a.replicas);
+        (a.summary, a.recommendation, per)
+    } else {
+        let a: flotilla_core::advice::InstanceAdvice = decode(raw)?;
+        (a.summary, a.recommendation, String::new())
+    };
+    let Some(s) = summary else {
+        outln!("{what}: no GPU readings yet (simulated GPUs report none)")?;
         return Ok(ExitCode::SUCCESS);
     };
     outln!(
-        "utilisation: mean {:.1} %, p95 {} %, idle {:.0} % of {} readings",
+        "utilisation: mean {:.1} %, p95 {} %, idle {:.0} % of {} readings{per}",
         s.mean_util_pct,
         s.p95_util_pct,
         s.idle_fraction * 100.0,
         s.samples
     )?;
     outln!("peak memory: {} MiB per GPU", s.peak_memory_mib)?;
-    if let Some(r) = &a.recommendation {
+    if let Some(r) = &recommendation {
         outln!("advice:      {}", r.reason)?;
     }
     Ok(ExitCode::SUCCESS)

@@ -408,20 +408,24 @@ fn advice_prices_an_instances_measured_use_against_the_catalog() {
     // Both GPUs run at 18 % with 10 GB in use: the issue's example.
     std::fs::write(
         &readings,
-        r#"{"0": {"gpu_util_pct": 18, "fb_used_mib": 10000}, "1": {"gpu_util_pct": 18, "fb_used_mib": 9000}}"#,
+        r#"{"0": {"gpu_util_pct": 18, "fb_used_mib": 10000}, "1": {"gpu_util_pct": 18, "fb_used_mib": 9000},
+            "2": {"gpu_util_pct": 30, "fb_used_mib": 4000}}"#,
     )
     .unwrap();
     let _agent = env.agent_with(
         "advice-node",
-        "2xH100",
+        "3xH100",
         &env.url(),
         &["--simulated-telemetry", readings.to_str().unwrap()],
     );
     let (_tenant, key) = env.tenant("advice");
-    wait_until("two free GPUs", Duration::from_secs(30), || {
-        free(&env, &key, "H100") == 2
+    wait_until("three free GPUs", Duration::from_secs(30), || {
+        free(&env, &key, "H100") == 3
     });
     let id = env.run_detached(&key, &["--gpus", "2", "--", "sleep", "600"]);
+    wait_until("the instance runs", Duration::from_secs(30), || {
+        env.get(&key, &format!("/v1/instances/{id}"))["state"] == "running"
+    });
     let mut advice = Value::Null;
     wait_until(
         "a few readings of its GPUs",
@@ -464,4 +468,50 @@ fn advice_prices_an_instances_measured_use_against_the_catalog() {
     )
     .unwrap();
     assert_eq!(status, 404);
+
+    // An endpoint's advice covers its replicas: one replica on GPU 2.
+    let (status, ep) = http(
+        "POST",
+        &format!("{}/v1/endpoints", env.url()),
+        Some(&key),
+        Some(
+            &serde_json::json!({"name": "chat", "command": ["sleep", "600"], "gpus": 1,
+                "min_replicas": 1})
+            .to_string(),
+        ),
+    )
+    .unwrap();
+    assert!(status == 200 || status == 201, "{status} {ep}");
+    let ep = ep["id"].as_str().unwrap().to_string();
+    let mut advice = Value::Null;
+    wait_until(
+        "readings of the replica's GPU",
+        Duration::from_secs(60),
+        || {
+            advice = env.get(&key, &format!("/v1/endpoints/{ep}/advice"));
+            advice["summary"]["samples"].as_u64().unwrap_or(0) >= 3
+        },
+    );
+    assert_eq!(advice["replicas"], 1, "{advice}");
+    assert_eq!(advice["gpus_per_replica"], 1);
+    assert_eq!(advice["gpu_model"], "H100");
+    assert_eq!(advice["summary"]["p95_util_pct"], 30);
+    assert_eq!(advice["summary"]["peak_memory_mib"], 4000);
+    let summary: flotilla_core::advice::UtilisationSummary =
+        serde_json::from_value(advice["summary"].clone()).unwrap();
+    let want = flotilla_core::advice::recommend(
+        &summary,
+        "H100",
+        1,
+        flotilla_core::catalog::Catalog::default().models(),
+    )
+    .unwrap();
+    let got: flotilla_core::advice::Recommendation =
+        serde_json::from_value(advice["recommendation"].clone()).unwrap();
+    assert_eq!(got, want);
+    let out = cli_ok(&env, &key, &["advise", &ep]);
+    assert!(
+        out.contains("over 1 replica(s)") && out.contains("of 1×H100"),
+        "{out}"
+    );
 }

@@ -225,6 +225,28 @@ pub struct InstanceAdvice {
     pub recommendation: Option<Recommendation>,
 }
 
+/// An endpoint's utilisation over its replicas' GPUs, and the cheapest
+/// class one replica could run on (`GET /v1/endpoints/{id}/advice`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct EndpointAdvice {
+    /// The endpoint.
+    pub endpoint_id: crate::id::EndpointId,
+    /// The GPU model its newest placed replica runs on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_model: Option<String>,
+    /// GPUs per replica.
+    pub gpus_per_replica: u32,
+    /// Replicas whose readings are summarised.
+    pub replicas: u32,
+    /// Utilisation of every replica's GPUs together; absent before any
+    /// reading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<UtilisationSummary>,
+    /// Per replica, against the catalog's list prices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recommendation: Option<Recommendation>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -91,6 +91,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(nodes::list_nodes))
         .routes(routes!(nodes::get_node))
         .routes(routes!(telemetry::instance_advice))
+        .routes(routes!(telemetry::endpoint_advice))
         .routes(routes!(nodes::cordon_node))
         .routes(routes!(nodes::uncordon_node))
         .routes(routes!(nodes::drain_node))
