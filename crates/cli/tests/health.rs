@@ -517,3 +517,111 @@ fn advice_prices_an_instances_measured_use_against_the_catalog() {
         "{out}"
     );
 }
+
+#[test]
+fn an_opted_in_endpoint_moves_class_after_the_sustained_window() {
+    let env = Home::new(BIN);
+    let _server = env.server();
+    let readings = env.dir.path().join("readings.json");
+    // Whatever runs is 10 % busy: an H100 is far more than it needs.
+    std::fs::write(
+        &readings,
+        r#"{"0": {"gpu_util_pct": 10, "fb_used_mib": 3000}, "1": {"gpu_util_pct": 10, "fb_used_mib": 3000}}"#,
+    )
+    .unwrap();
+    let _agent = env.agent_with(
+        "vertical-node",
+        "1xH100,1xL40S",
+        &env.url(),
+        &["--simulated-telemetry", readings.to_str().unwrap()],
+    );
+    let (_tenant, key) = env.tenant("vertical");
+    wait_until("the GPUs", Duration::from_secs(30), || {
+        free(&env, &key, "H100") == 1 && free(&env, &key, "L40S") == 1
+    });
+    let post = |path: &str, method: &str, body: Value| {
+        let (status, v) = http(
+            method,
+            &format!("{}{path}", env.url()),
+            Some(&key),
+            Some(&body.to_string()),
+        )
+        .unwrap();
+        assert!(
+            status == 200 || status == 201,
+            "{method} {path}: {status} {v}"
+        );
+        v
+    };
+    let ep = post(
+        "/v1/endpoints",
+        "POST",
+        serde_json::json!({"name": "chat", "command": ["sleep", "600"], "gpus": 1,
+            "gpu_types": ["H100"], "min_replicas": 1}),
+    );
+    let ep = ep["id"].as_str().unwrap().to_string();
+    wait_until(
+        "the replica's readings on the H100",
+        Duration::from_secs(60),
+        || {
+            let a = env.get(&key, &format!("/v1/endpoints/{ep}/advice"));
+            a["gpu_model"] == "H100" && a["summary"]["samples"].as_u64().unwrap_or(0) >= 2
+        },
+    );
+    // A class outside the catalog is refused, naming it.
+    let (status, bad) = http(
+        "PUT",
+        &format!("{}/v1/endpoints/{ep}/vertical", env.url()),
+        Some(&key),
+        Some(r#"{"classes": ["H100", "Z80"]}"#),
+    )
+    .unwrap();
+    assert_eq!(status, 422, "{bad}");
+    assert_eq!(bad["error"]["details"]["field"], "classes[1]");
+
+    let sustain = 3;
+    let opted = post(
+        &format!("/v1/endpoints/{ep}/vertical"),
+        "PUT",
+        serde_json::json!({"classes": ["H100", "L40S"], "sustain_s": sustain}),
+    );
+    let opted_at = ts(&opted["opted_at"]).unwrap();
+    let mut moved = Value::Null;
+    wait_until(
+        "the endpoint moves to the L40S",
+        Duration::from_secs(90),
+        || {
+            moved = env.get(&key, &format!("/v1/endpoints/{ep}"));
+            moved["revision"] == 2
+        },
+    );
+    assert_eq!(moved["spec"]["gpu_types"], serde_json::json!(["L40S"]));
+    let status = env.get(&key, &format!("/v1/endpoints/{ep}/vertical"));
+    let moved_at = ts(&status["moved_at"]).unwrap();
+    assert!(
+        moved_at - opted_at >= chrono::Duration::seconds(sustain),
+        "moved only after the recommendation held {sustain} s: opted {opted_at}, moved {moved_at}"
+    );
+    let why = status["last_move"].as_str().unwrap();
+    assert!(
+        why.starts_with("to L40S (revision 2): 10% busy on H100"),
+        "{why}"
+    );
+    eprintln!(
+        "measured: moved {} ms after the opt-in (sustain {sustain} s): {why}",
+        (moved_at - opted_at).num_milliseconds()
+    );
+    // The new revision's replica runs on the L40S.
+    wait_until(
+        "a replica runs on the L40S",
+        Duration::from_secs(60),
+        || {
+            env.get(&key, "/v1/instances")["items"]
+                .as_array()
+                .is_some_and(|a| {
+                    a.iter()
+                        .any(|i| i["gpu_model"] == "L40S" && i["state"] == "running")
+                })
+        },
+    );
+}

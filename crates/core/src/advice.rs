@@ -247,6 +247,74 @@ pub struct EndpointAdvice {
     pub recommendation: Option<Recommendation>,
 }
 
+/// An endpoint's opt-in to automatic vertical moves
+/// (`PUT /v1/endpoints/{id}/vertical`): `flotilla_scale::vertical` may
+/// move its replicas between these GPU classes, each move a new revision.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VerticalOptIn {
+    /// Catalog models the replicas may run on (2 to 16), the current one
+    /// among them.
+    pub classes: Vec<String>,
+    /// How long a recommendation must hold before it is a move, seconds
+    /// (default 600, 1 to 86400).
+    #[serde(default = "default_sustain_s")]
+    pub sustain_s: u64,
+}
+
+fn default_sustain_s() -> u64 {
+    600
+}
+
+impl VerticalOptIn {
+    /// Checks the opt-in against `catalog`; the field names the fault.
+    pub fn validate(&self, catalog: &[GpuModel]) -> Result<(), crate::FieldError> {
+        if !(2..=16).contains(&self.classes.len()) {
+            return Err(crate::FieldError::new(
+                "classes",
+                "must list 2 to 16 gpu models",
+            ));
+        }
+        for (i, c) in self.classes.iter().enumerate() {
+            if !catalog.iter().any(|m| &m.name == c) {
+                return Err(crate::FieldError::new(
+                    format!("classes[{i}]"),
+                    format!("`{c}` is not a gpu model of the catalog"),
+                ));
+            }
+            if self.classes[..i].contains(c) {
+                return Err(crate::FieldError::new(
+                    format!("classes[{i}]"),
+                    format!("`{c}` is listed twice"),
+                ));
+            }
+        }
+        if !(1..=86_400).contains(&self.sustain_s) {
+            return Err(crate::FieldError::new(
+                "sustain_s",
+                "must be between 1 and 86400",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// An endpoint's vertical opt-in and its last move.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct VerticalStatus {
+    /// The opt-in.
+    #[serde(flatten)]
+    pub opt_in: VerticalOptIn,
+    /// When it was made.
+    pub opted_at: chrono::DateTime<chrono::Utc>,
+    /// The last move and why, in words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_move: Option<String>,
+    /// When it was made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

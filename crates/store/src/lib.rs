@@ -32,6 +32,7 @@ pub mod registry_credentials;
 pub mod secrets;
 pub mod tenants;
 pub mod usage;
+pub mod vertical;
 mod work;
 
 pub(crate) use work::WorkTable;

@@ -92,6 +92,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(nodes::get_node))
         .routes(routes!(telemetry::instance_advice))
         .routes(routes!(telemetry::endpoint_advice))
+        .routes(routes!(endpoints::get_vertical, endpoints::set_vertical))
         .routes(routes!(nodes::cordon_node))
         .routes(routes!(nodes::uncordon_node))
         .routes(routes!(nodes::drain_node))
