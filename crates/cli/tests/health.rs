@@ -453,6 +453,7 @@ fn advice_prices_an_instances_measured_use_against_the_catalog() {
     let got: flotilla_core::advice::Recommendation =
         serde_json::from_value(advice["recommendation"].clone()).unwrap();
     assert_eq!(got, want);
+    eprintln!("measured: {}", got.reason);
     assert!(got.advised, "{got:?}");
     assert!(got.saving_percent >= 15);
     let out = cli_ok(&env, &key, &["advise", &id]);
