@@ -34,6 +34,7 @@ pub mod jobs;
 pub mod leader;
 pub mod metering;
 pub mod metrics;
+pub mod nodepools;
 pub mod ops_metrics;
 pub mod pricing;
 pub mod reconcile;
@@ -74,6 +75,9 @@ pub struct ServerConfig {
     /// Which GPU readings take a GPU out of placement (XID and ECC errors,
     /// a temperature limit): the agent reports, the server decides.
     pub gpu_health: flotilla_core::health::HealthPolicy,
+    /// Node pools grown and shrunk through a capacity provider by the
+    /// leader's node-pool loop ([`nodepools`]); empty: none.
+    pub node_pools: Vec<nodepools::NodePoolConfig>,
 }
 
 impl Default for ServerConfig {
@@ -88,6 +92,7 @@ impl Default for ServerConfig {
             webhook_allow_private: false,
             secrets_key_file: None,
             gpu_health: flotilla_core::health::HealthPolicy::default(),
+            node_pools: Vec::new(),
         }
     }
 }

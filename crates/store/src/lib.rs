@@ -15,6 +15,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{AnyPool, Executor, SqlitePool};
 
 pub mod budgets;
+pub mod capacity;
 pub mod endpoints;
 pub mod fleet;
 pub mod idempotency;

@@ -487,21 +487,6 @@ impl Store {
             .collect()
     }
 
-    /// Cordons a node (no new work is placed there; what runs keeps
-    /// running) or uncordons it. `NotFound` for an unknown node.
-    pub async fn set_node_cordoned(&self, id: &NodeId, cordoned: bool) -> Result<Node> {
-        let n = sqlx::query("UPDATE nodes SET cordoned = $1 WHERE id = $2")
-            .bind(i64::from(cordoned))
-            .bind(id.as_str())
-            .execute(self.pool())
-            .await?
-            .rows_affected();
-        if n == 0 {
-            return Err(StoreError::NotFound("node"));
-        }
-        self.node(id).await
-    }
-
     /// Drains a node: cordons it and asks every instance it holds to stop
     /// (its agent stops them with their grace period; a job whose member
     /// was stopped restarts elsewhere as its restart policy says). Records

@@ -1005,8 +1005,10 @@ async fn gpu_faults_cordons_drains_and_node_events(s: &Store) {
     place(s, &id, later).await.unwrap();
 
     // Cordon and drain.
-    assert!(s.set_node_cordoned(&n, true).await.unwrap().cordoned);
-    assert!(!s.set_node_cordoned(&n, false).await.unwrap().cordoned);
+    s.set_node_cordoned(&n, true).await.unwrap();
+    assert!(s.node(&n).await.unwrap().cordoned);
+    s.set_node_cordoned(&n, false).await.unwrap();
+    assert!(!s.node(&n).await.unwrap().cordoned);
     assert!(matches!(
         s.set_node_cordoned(&NodeId::generate(1, rnd()), true).await,
         Err(StoreError::NotFound(_))

@@ -97,7 +97,8 @@ async fn set_cordoned(
     let verb = if cordoned { "cordon" } else { "uncordon" };
     let node = administered(&st, &caller, &raw, &format!("{verb} nodes")).await?;
     let was = node.cordoned;
-    let node = st.store().set_node_cordoned(&node.id, cordoned).await?;
+    st.store().set_node_cordoned(&node.id, cordoned).await?;
+    let node = st.store().node(&node.id).await?;
     if was != cordoned {
         let kind = if cordoned { "cordoned" } else { "uncordoned" };
         let message = format!("{kind} by {} key {}", caller.role.as_str(), caller.key_id);
