@@ -24,6 +24,7 @@ pub mod container;
 pub mod discovery;
 pub mod fence;
 pub mod image_cache;
+pub mod metrics;
 pub mod runtime;
 pub mod telemetry;
 pub mod weight_cache;
@@ -121,6 +122,13 @@ pub struct AgentConfig {
     /// ([`image_cache`]; its record lives in `work_dir`); `None`: no
     /// limit.
     pub image_cache_bytes: Option<u64>,
+    /// For simulated GPUs: a readings file standing in for the driver
+    /// (`--simulated-telemetry`; see [`telemetry`]), read at every sync,
+    /// so XID errors, ECC errors, heat or utilisation can be injected.
+    pub simulated_telemetry: Option<PathBuf>,
+    /// Where to serve the agent's own `/metrics` ([`metrics`]); `None`:
+    /// nowhere.
+    pub metrics_bind: Option<std::net::SocketAddr>,
 }
 
 /// The Docker Engine's usual socket, used when no `--docker-host` is given.
@@ -146,6 +154,8 @@ impl std::fmt::Debug for AgentConfig {
             .field("container_gpus", &self.container_gpus)
             .field("public_host", &self.public_host)
             .field("image_cache_bytes", &self.image_cache_bytes)
+            .field("simulated_telemetry", &self.simulated_telemetry)
+            .field("metrics_bind", &self.metrics_bind)
             .finish()
     }
 }
@@ -176,6 +186,8 @@ impl AgentConfig {
             container_gpus: None,
             public_host: None,
             image_cache_bytes: Some(image_cache::DEFAULT_IMAGE_CACHE_GB * 1_000_000_000),
+            simulated_telemetry: None,
+            metrics_bind: None,
         }
     }
 }
@@ -206,7 +218,10 @@ pub async fn run(
     );
     let vendors = gpus.iter().map(|g| (g.index, g.vendor)).collect();
     let telemetry = if config.simulate_gpus.is_some() {
-        Telemetry::None
+        match &config.simulated_telemetry {
+            Some(file) => Telemetry::simulated(file.clone(), &gpus),
+            None => Telemetry::None,
+        }
     } else {
         let indices: Vec<u32> = gpus.iter().map(|g| g.index).collect();
         match tokio::task::spawn_blocking(move || Telemetry::nvml(indices))
@@ -236,7 +251,17 @@ pub async fn run(
     let runtime = runtime_for(&config).await?;
     let client = Client::new(&config.server_url, &config.token)?;
     let shared = Arc::new(Shared::default());
+    let metrics = Arc::new(metrics::AgentMetrics::default());
+    let metrics_server = match config.metrics_bind {
+        Some(addr) => Some(
+            metrics::serve(addr, metrics.clone(), config.name.clone())
+                .await
+                .with_context(|| format!("cannot serve agent metrics on {addr}"))?,
+        ),
+        None => None,
+    };
     let mut agent = Agent {
+        metrics,
         config,
         client: client.clone(),
         registration,
@@ -270,6 +295,9 @@ pub async fn run(
         () = &mut shutdown => {}
     }
     tracing::info!("agent shutting down");
+    if let Some(m) = metrics_server {
+        m.abort();
+    }
     shipper.abort();
     watchdog.abort();
     agent.shutdown().await;
@@ -546,6 +574,8 @@ impl Shared {
 }
 
 struct Agent {
+    /// What `/metrics` shows of the sync loop.
+    metrics: Arc<metrics::AgentMetrics>,
     config: AgentConfig,
     client: Client,
     registration: RegisterNode,
@@ -738,6 +768,12 @@ impl Agent {
                 }
                 Ok(resp) => {
                     backoff.succeeded();
+                    self.metrics.synced(
+                        node.node_id.as_str(),
+                        Utc::now(),
+                        &req.observed,
+                        &req.gpus,
+                    );
                     self.shared.node_lease().renewed(sent, resp.lease_ms);
                     self.apply(resp.assignments);
                     self.tell_fence();
@@ -754,6 +790,7 @@ impl Agent {
                     self.node = None;
                 }
                 Err(error) => {
+                    self.metrics.sync_failed();
                     for t in self.shared.lock().values_mut() {
                         t.flush_waiting_since = None;
                     }

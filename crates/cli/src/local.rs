@@ -229,6 +229,17 @@ pub struct AgentArgs {
     /// Simulated GPUs, e.g. `4xH100,2xL40S`; default: real GPUs via NVML.
     #[arg(long, value_name = "SPEC")]
     pub simulate_gpus: Option<String>,
+    /// With `--simulate-gpus`: a JSON file standing in for the GPU driver,
+    /// read at every sync: `{"0": {"last_xid": 79, "temperature_c": 95,
+    /// "gpu_util_pct": 40, "fb_used_mib": 2048}}` by GPU index. Injects
+    /// XID and ECC errors, heat and utilisation into simulated GPUs.
+    #[arg(long, value_name = "FILE", requires = "simulate_gpus")]
+    pub simulated_telemetry: Option<PathBuf>,
+    /// Serve the agent's own Prometheus metrics (sync outcomes, workloads,
+    /// GPU readings under DCGM's names) at `http://ADDR/metrics`, without
+    /// a key: bind an address only the monitoring network reaches.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_bind: Option<std::net::SocketAddr>,
     /// Directory for the instances' working directories and logs;
     /// default: the platform data directory + `flotilla/agent`.
     #[arg(long, value_name = "DIR")]
@@ -660,6 +671,8 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     cfg.region = args.region;
     cfg.pool = pool;
     cfg.simulate_gpus = args.simulate_gpus;
+    cfg.simulated_telemetry = args.simulated_telemetry;
+    cfg.metrics_bind = args.metrics_bind;
     args.workloads.apply(&mut cfg);
     // The node lease's fence: this binary, as `flotilla agent-fence`.
     cfg.fence_program = std::env::current_exe().ok();

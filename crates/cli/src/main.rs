@@ -19,6 +19,7 @@ mod gateway;
 mod jobs;
 mod local;
 mod nodepools;
+mod nodes;
 mod output;
 mod queue_worker;
 mod registries;
@@ -138,6 +139,13 @@ enum Command {
         /// Instance id.
         id: String,
     },
+    /// How much of its GPUs an instance or an endpoint's replicas used
+    /// (mean and p95 utilisation, peak memory, idle share) and the
+    /// cheapest catalog class that would serve the same load.
+    Advise {
+        /// Instance id (`inst_…`) or endpoint id (`ep_…`).
+        id: String,
+    },
     /// Stop an instance.
     Stop {
         /// Instance id.
@@ -243,6 +251,35 @@ enum NodesCommand {
     Show {
         /// Node id.
         id: String,
+    },
+    /// Take a node out of placement; what runs keeps running.
+    Cordon {
+        /// Node id.
+        id: String,
+    },
+    /// Put a cordoned node back into placement.
+    Uncordon {
+        /// Node id.
+        id: String,
+    },
+    /// Cordon a node and stop its work; jobs restart elsewhere as their
+    /// restart policy says.
+    Drain {
+        /// Node id.
+        id: String,
+    },
+    /// What happened to a node: GPU faults and resets, cordons, drains,
+    /// unreachability.
+    Events {
+        /// Node id.
+        id: String,
+    },
+    /// Put a GPU taken out by a fault back into placement (operators).
+    ResetGpu {
+        /// Node id.
+        id: String,
+        /// GPU id.
+        gpu: String,
     },
 }
 
@@ -387,6 +424,11 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Nodes { command } => match command {
             None | Some(NodesCommand::List) => commands::nodes(&ctx).await,
             Some(NodesCommand::Show { id }) => registries::node_show(&ctx, &id).await,
+            Some(NodesCommand::Cordon { id }) => nodes::cordon(&ctx, &id, true).await,
+            Some(NodesCommand::Uncordon { id }) => nodes::cordon(&ctx, &id, false).await,
+            Some(NodesCommand::Drain { id }) => nodes::drain(&ctx, &id).await,
+            Some(NodesCommand::Events { id }) => nodes::events(&ctx, &id).await,
+            Some(NodesCommand::ResetGpu { id, gpu }) => nodes::reset_gpu(&ctx, &id, &gpu).await,
         },
         Command::Registries { command } => registries::dispatch(&ctx, command).await,
         Command::Run(args) => commands::run(&ctx, args).await,
@@ -396,6 +438,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Stop { id } => commands::stop(&ctx, &id).await,
         Command::Explain { id } if id.trim().starts_with("job_") => jobs::explain(&ctx, &id).await,
         Command::Top { id } => commands::top(&ctx, &id).await,
+        Command::Advise { id } => nodes::advise(&ctx, &id).await,
         Command::Explain { id } => commands::explain(&ctx, &id).await,
         Command::Jobs { command } => jobs::dispatch(&ctx, command).await,
         Command::Endpoints { command } => endpoints::dispatch(&ctx, command).await,

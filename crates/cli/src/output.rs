@@ -127,7 +127,8 @@ pub fn instance_urls(inst: &Instance) -> String {
 pub fn node_gpus(node: &Node) -> String {
     let mut models: Vec<(&str, u32, u32)> = Vec::new();
     for g in &node.gpus {
-        let free = u32::from(g.instance_id.is_none() && g.used_milli == 0);
+        // A GPU out of placement by a fault is not free.
+        let free = u32::from(g.instance_id.is_none() && g.used_milli == 0 && g.fault.is_none());
         match models.iter_mut().find(|(m, _, _)| *m == g.model) {
             Some(entry) => {
                 entry.1 += 1;

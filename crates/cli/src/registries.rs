@@ -147,6 +147,11 @@ pub async fn node_show(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     outln!("region:    {} / pool {}", n.region, n.pool)?;
     outln!("gpus:      {}", output::node_gpus(&n))?;
     outln!("heartbeat: {} ago", age(now, n.last_heartbeat_at))?;
+    for g in &n.gpus {
+        if let Some(fault) = &g.fault {
+            outln!("fault:     gpu {} ({}): {fault}", g.index, g.id)?;
+        }
+    }
     if n.images.is_empty() {
         outln!("images:    none reported")?;
         return Ok(ExitCode::SUCCESS);

@@ -165,6 +165,43 @@ pub struct Gpu {
     /// instances), 0..=1000.
     #[serde(default)]
     pub used_milli: u32,
+    /// Why the GPU is out of placement (an XID or ECC error, over
+    /// temperature), as the server decided from its agent's telemetry;
+    /// absent while it is healthy. Work already on it keeps running; no new
+    /// work is placed there until an operator resets it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault: Option<String>,
+}
+
+/// Something that happened to a node or one of its GPUs, for operators
+/// (`GET /v1/nodes/{id}/events`): a GPU taken out of placement, a cordon,
+/// a drain, the node declared unreachable.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct NodeEvent {
+    /// The node.
+    pub node_id: NodeId,
+    /// 1, 2, … per node, in order.
+    pub seq: u64,
+    /// What happened: `gpu_fault`, `gpu_reset`, `cordoned`, `uncordoned`,
+    /// `drained`, `unreachable`.
+    pub kind: String,
+    /// The GPU concerned, for GPU events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_id: Option<GpuId>,
+    /// What a person reads.
+    pub message: String,
+    /// When.
+    pub at: DateTime<Utc>,
+}
+
+/// What `POST /v1/nodes/{id}/drain` did.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct DrainReport {
+    /// The node, now cordoned.
+    pub node: Node,
+    /// The instances asked to stop (their jobs restart elsewhere as their
+    /// restart policy says).
+    pub stopping: Vec<InstanceId>,
 }
 
 /// What one piece of work holds of one GPU: the whole of it, a fraction or
@@ -601,6 +638,14 @@ pub struct GpuSample {
     /// Streaming-multiprocessor clock, MHz.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sm_clock_mhz: Option<u32>,
+    /// The last XID error the driver raised on this GPU since the agent
+    /// started (DCGM's `DCGM_FI_DEV_XID_ERRORS`); absent when none was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_xid: Option<u64>,
+    /// Uncorrectable (double-bit) ECC errors since the driver loaded
+    /// (`DCGM_FI_DEV_ECC_DBE_VOL_TOTAL`); absent where ECC is off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ecc_uncorrected: Option<u64>,
 }
 
 /// The latest telemetry of the GPUs an instance holds

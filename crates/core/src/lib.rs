@@ -6,12 +6,14 @@
 //! reading of the wall clock. Decision code takes `now` as an argument so the
 //! live server and the simulator can call the same functions.
 
+pub mod advice;
 pub mod api;
 pub mod catalog;
 pub mod clock;
 pub mod endpoint;
 pub mod error;
 pub mod gateway;
+pub mod health;
 pub mod id;
 pub mod instance;
 pub mod job;

@@ -128,6 +128,8 @@ impl Autoscaler {
             st.store()
                 .set_pool_decision(&id, d.replicas, d.reason.as_str())
                 .await?;
+            st.ops()
+                .scaling_decision("pool", pool.desired_replicas.unwrap_or(0), d.replicas);
             if let Err(e) = apply(st, &pool, &members, d.replicas).await {
                 tracing::warn!(pool = %id, error = %e, "scaling the replica pool failed; retrying");
             }

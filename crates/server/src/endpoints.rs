@@ -24,6 +24,7 @@ use flotilla_core::id::{EndpointId, InstanceId};
 use flotilla_core::instance::InstanceState;
 use flotilla_core::queue_trigger::{queue_demand, trigger_wants, TriggerStatus};
 use flotilla_scale::builder::{build, PolicyKind};
+use flotilla_scale::vertical::{GpuClass, Vertical, VerticalConfig, VerticalSignals};
 use flotilla_scale::{Latency, Observation, Policy};
 use flotilla_store::endpoints::ReplicaRow;
 use flotilla_store::StoreError;
@@ -101,7 +102,14 @@ pub struct Controller {
     policies: BTreeMap<EndpointId, (String, Box<dyn Policy + Send>)>,
     http: reqwest::Client,
     queues: flotilla_triggers::Scaler,
+    /// Opted-in endpoints' vertical state machines, with the opt-in they
+    /// were built from (a changed opt-in starts afresh).
+    verticals: BTreeMap<EndpointId, (flotilla_core::advice::VerticalOptIn, Vertical)>,
 }
+
+/// Readings per replica the vertical policy looks at: the most recent,
+/// about a minute at the default sync interval.
+const VERTICAL_WINDOW_SAMPLES: usize = 12;
 
 impl std::fmt::Debug for Controller {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -138,6 +146,7 @@ impl Controller {
                 .build()
                 .unwrap_or_default(),
             queues: flotilla_triggers::Scaler::default(),
+            verticals: BTreeMap::new(),
         }
     }
 
@@ -145,6 +154,7 @@ impl Controller {
     pub async fn pass(&mut self, st: &AppState) -> Result<Vec<Outcome>, StoreError> {
         let ids = st.store().endpoint_ids_to_scale().await?;
         self.policies.retain(|id, _| ids.contains(id));
+        self.verticals.retain(|id, _| ids.contains(id));
         let mut out = Vec::new();
         for id in ids {
             match self.endpoint(st, &id).await {
@@ -275,6 +285,8 @@ impl Controller {
         st.store()
             .set_endpoint_decision(id, desired, &reason)
             .await?;
+        st.ops()
+            .scaling_decision("endpoint", ep.desired_replicas.unwrap_or(0), desired);
         for inst in &plan.drain {
             st.store().mark_replica_draining(inst, now).await?;
             tracing::info!(endpoint = %id, instance = %inst, "replica draining");
@@ -289,6 +301,11 @@ impl Controller {
         }
         if plan.start > 0 || !plan.stop.is_empty() {
             st.notify_change();
+        }
+        if !ep.deleting {
+            if let Err(e) = self.vertical(st, &ep, &live, now).await {
+                tracing::warn!(endpoint = %id, error = %e, "vertical move failed; retrying");
+            }
         }
         Ok(Outcome {
             endpoint: id.clone(),
@@ -368,5 +385,131 @@ pub async fn run(st: AppState, tick: Duration) {
             _ = wake.notified() => {}
             _ = shutdown.changed() => {}
         }
+    }
+}
+
+impl Controller {
+    /// Automatic vertical moves of an opted-in endpoint: gather its live
+    /// replicas' recent utilisation and its p95 time to first token, let
+    /// `flotilla_scale::vertical` decide, and roll a move out as a new
+    /// revision whose `gpu_types` name the new class. Without readings (no
+    /// replica, or GPUs that report nothing) it decides nothing.
+    async fn vertical(
+        &mut self,
+        st: &AppState,
+        ep: &Endpoint,
+        live: &[&ReplicaRow],
+        now: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        let Some(status) = st.store().vertical(&ep.id).await? else {
+            self.verticals.remove(&ep.id);
+            return Ok(());
+        };
+        let mut util = Vec::new();
+        let mut peak_mib = 0u64;
+        let mut model = None;
+        for r in live.iter().filter(|r| r.draining_at.is_none()) {
+            let p = st.profile(&r.instance_id);
+            let recent = &p[p.len().saturating_sub(VERTICAL_WINDOW_SAMPLES)..];
+            util.extend(
+                recent
+                    .iter()
+                    .map(|s| f64::from(s.util_pct.min(100)) / 100.0),
+            );
+            peak_mib = peak_mib.max(recent.iter().filter_map(|s| s.mem_mib).max().unwrap_or(0));
+            if model.is_none() && !recent.is_empty() {
+                model = st.store().instance(&r.instance_id).await?.gpu_model;
+            }
+        }
+        if util.is_empty() {
+            return Ok(());
+        }
+        if self
+            .verticals
+            .get(&ep.id)
+            .is_none_or(|(o, _)| *o != status.opt_in)
+        {
+            // The class it runs on: the one its spec pins, else its
+            // replicas'.
+            let current = match ep.spec.gpu_types.as_slice() {
+                [one] => Some(one.clone()),
+                _ => model.clone(),
+            };
+            let Some(current) = current else {
+                return Ok(());
+            };
+            let classes: Vec<GpuClass> = status
+                .opt_in
+                .classes
+                .iter()
+                .filter_map(|c| st.catalog().models().iter().find(|m| &m.name == c))
+                .map(|m| GpuClass {
+                    name: m.name.clone(),
+                    // A ranking input only; money is rated exactly elsewhere.
+                    price_per_hour: m.list_price_per_hour.to_string().parse().unwrap_or(0.0),
+                    relative_performance: m.relative_performance,
+                    memory_gib: m.memory_gib,
+                })
+                .collect();
+            let config = VerticalConfig {
+                sustain_ms: status.opt_in.sustain_s.saturating_mul(1000),
+                // What the replicas were seen to need, else the default.
+                min_memory_gib: u32::try_from(peak_mib.div_ceil(1024))
+                    .unwrap_or(u32::MAX)
+                    .max(1),
+                min_replicas: ep.spec.min_replicas.max(1),
+                ..VerticalConfig::default()
+            };
+            match Vertical::new(config, classes, &current) {
+                Ok(v) => {
+                    self.verticals
+                        .insert(ep.id.clone(), (status.opt_in.clone(), v));
+                }
+                Err(e) => {
+                    tracing::warn!(endpoint = %ep.id, error = %e, current, "vertical policy does not build");
+                    return Ok(());
+                }
+            }
+        }
+        let Some((_, policy)) = self.verticals.get_mut(&ep.id) else {
+            return Ok(());
+        };
+        let fresh = ep.signals.as_ref();
+        // Without a measurement of time to first token (no traffic), the
+        // whole of it is taken as GPU-bound: the cautious projection for a
+        // move to a slower class.
+        let p95 = fresh.and_then(|s| s.ttft_p95_ms).unwrap_or(0.0);
+        let signals = VerticalSignals {
+            p95_ttft_ms: p95,
+            p95_gpu_ms: p95,
+            slo_ms: ep.spec.slo_p95_ms as f64,
+            utilisation: util.iter().sum::<f64>() / util.len() as f64,
+            replicas: live.len() as u32,
+        };
+        let now_ms = u64::try_from(now.timestamp_millis()).unwrap_or(0);
+        let Some(mv) = policy.decide(now_ms, &signals) else {
+            return Ok(());
+        };
+        let update = flotilla_core::endpoint::UpdateEndpoint {
+            gpu_types: Some(vec![mv.to.clone()]),
+            ..Default::default()
+        };
+        let (spec, bump) = ep
+            .spec
+            .update(update, st.catalog())
+            .map_err(|e| StoreError::Conflict(format!("vertical move: {e}")))?;
+        let moved = st.store().update_endpoint(&ep.id, &spec, bump, now).await?;
+        let what = format!("to {} (revision {}): {}", mv.to, moved.revision, mv.reason);
+        st.store().record_vertical_move(&ep.id, &what, now).await?;
+        st.ops()
+            .scaling_decisions
+            .get_or_create(&vec![
+                ("kind", "vertical".to_string()),
+                ("direction", "move".to_string()),
+            ])
+            .inc();
+        tracing::info!(endpoint = %ep.id, to = %mv.to, revision = moved.revision, reason = %mv.reason, "vertical move");
+        st.notify_change();
+        Ok(())
     }
 }

@@ -37,6 +37,7 @@ pub mod metering;
 pub mod metrics;
 pub mod nodepools;
 pub mod offers;
+pub mod ops_metrics;
 pub mod pricing;
 pub mod reconcile;
 pub mod routes;
@@ -73,6 +74,9 @@ pub struct ServerConfig {
     /// `FLOTILLA_SECRETS_KEY` overrides it (replicas must share one key).
     /// `flotilla server` uses `<data dir>/secrets.key`.
     pub secrets_key_file: Option<std::path::PathBuf>,
+    /// Which GPU readings take a GPU out of placement (XID and ECC errors,
+    /// a temperature limit): the agent reports, the server decides.
+    pub gpu_health: flotilla_core::health::HealthPolicy,
     /// Node pools grown and shrunk through a capacity provider by the
     /// leader's node-pool loop ([`nodepools`]); empty: none.
     pub node_pools: Vec<nodepools::NodePoolConfig>,
@@ -89,6 +93,7 @@ impl Default for ServerConfig {
             operator_fee_percent: rust_decimal::Decimal::from(15),
             webhook_allow_private: false,
             secrets_key_file: None,
+            gpu_health: flotilla_core::health::HealthPolicy::default(),
             node_pools: Vec::new(),
         }
     }

@@ -172,7 +172,17 @@ pub async fn metering_pass(st: &AppState) -> Result<usize, StoreError> {
         };
         if !events.is_empty() {
             let events = as_endpoint_usage(st, &inst, events).await?;
+            let started = tokio::time::Instant::now();
             let out = st.store().append_usage(&events, grace(), now).await?;
+            st.ops()
+                .usage_ingest
+                .observe(started.elapsed().as_secs_f64());
+            st.ops().usage_outcome(
+                "metering",
+                out.accepted,
+                out.duplicates,
+                out.rejected.len() as u64,
+            );
             appended += out.accepted as usize;
             if !out.rejected.is_empty() {
                 tracing::warn!(instance = %inst.id, rejected = out.rejected.len(), "usage events refused by the ledger");

@@ -32,6 +32,7 @@ use prometheus_client::registry::Registry;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
+use crate::ops_metrics::OpsMetrics;
 use crate::state::{AppState, Telemetry};
 
 /// The OpenMetrics media type `encode` writes.
@@ -84,7 +85,34 @@ const FIELDS: &[Field] = &[
         help: "SM clock frequency (in MHz)",
         read: |g| g.sm_clock_mhz.map(f64::from),
     },
+    Field {
+        name: "DCGM_FI_DEV_XID_ERRORS",
+        help: "Value of the last XID error encountered",
+        read: |g| g.last_xid.map(|v| v as f64),
+    },
+    Field {
+        name: "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+        help: "Total number of double-bit volatile ECC errors",
+        read: |g| g.ecc_uncorrected.map(|v| v as f64),
+    },
 ];
+
+/// What `/metrics` shows of the fleet beyond nodes and GPUs: the queue,
+/// live work by tenant, endpoints' replica targets and budget alert
+/// levels, read from the store at scrape time.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    /// Waiting work by kind.
+    pub queue: Vec<flotilla_store::fleet::QueueStat>,
+    /// Live instances by tenant and state.
+    pub work: Vec<flotilla_store::fleet::TenantWork>,
+    /// Endpoints: id, tenant, replica target.
+    pub endpoints: Vec<(EndpointId, String, Option<u32>)>,
+    /// Highest budget alert threshold per tenant this period.
+    pub budgets: Vec<(flotilla_core::id::TenantId, u32)>,
+    /// When the scrape reads it (for the queue's wait).
+    pub now: Option<chrono::DateTime<chrono::Utc>>,
+}
 
 /// Prometheus exposition of GPU telemetry and pool capacity.
 pub async fn metrics(State(st): State<AppState>, caller: Caller) -> ApiResult<Response> {
@@ -92,8 +120,22 @@ pub async fn metrics(State(st): State<AppState>, caller: Caller) -> ApiResult<Re
     let nodes = all_nodes(&st).await?;
     let telemetry = st.fresh_telemetry();
     let queues = st.store().endpoint_trigger_statuses().await?;
-    let body =
-        render_all(&nodes, &telemetry, Some(st.leads()), &queues).map_err(ApiError::internal)?;
+    let fleet = Fleet {
+        queue: st.store().queue_stats().await?,
+        work: st.store().tenant_work().await?,
+        endpoints: st.store().endpoint_targets().await?,
+        budgets: st.store().budget_alert_levels().await?,
+        now: Some(st.now()),
+    };
+    let body = render_full(
+        &nodes,
+        &telemetry,
+        Some(st.leads()),
+        &queues,
+        &fleet,
+        Some(st.ops()),
+    )
+    .map_err(ApiError::internal)?;
     Ok(([(CONTENT_TYPE, CONTENT)], body).into_response())
 }
 
@@ -137,7 +179,24 @@ pub fn render_all(
     leader: Option<bool>,
     queues: &[(EndpointId, Vec<TriggerStatus>)],
 ) -> Result<String, std::fmt::Error> {
+    render_full(nodes, telemetry, leader, queues, &Fleet::default(), None)
+}
+
+/// [`render_all`], plus the [`Fleet`]'s series and this replica's
+/// operational counters and histograms ([`OpsMetrics`]) when given.
+pub fn render_full(
+    nodes: &[Node],
+    telemetry: &HashMap<flotilla_core::id::NodeId, Telemetry>,
+    leader: Option<bool>,
+    queues: &[(EndpointId, Vec<TriggerStatus>)],
+    fleet: &Fleet,
+    ops: Option<&OpsMetrics>,
+) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::default();
+    if let Some(ops) = ops {
+        ops.register(&mut registry);
+    }
+    register_fleet(&mut registry, fleet);
     if let Some(leads) = leader {
         let g = Gauge::<f64, AtomicU64>::default();
         g.set(if leads { 1.0 } else { 0.0 });
@@ -148,8 +207,9 @@ pub fn render_all(
         );
     }
 
-    // Capacity, from the store: every GPU is free, allocated, or
-    // unavailable (its node not ready or cordoned).
+    // Capacity, from the store: every GPU is free, allocated, faulty (out
+    // of placement by an XID or ECC error or heat; work on it may still
+    // run), or unavailable (its node not ready or cordoned).
     let mut capacity: BTreeMap<(String, &'static str), u32> = BTreeMap::new();
     let mut node_states: BTreeMap<String, u32> = BTreeMap::new();
     for n in nodes {
@@ -157,6 +217,7 @@ pub fn render_all(
         let usable = n.state == flotilla_core::node::NodeState::Ready && !n.cordoned;
         for g in &n.gpus {
             let state = match (&g.instance_id, usable) {
+                _ if g.fault.is_some() => "faulty",
                 (Some(_), _) => "allocated",
                 (None, true) => "free",
                 (None, false) => "unavailable",
@@ -171,8 +232,58 @@ pub fn render_all(
     }
     registry.register(
         "flotilla_gpus",
-        "GPUs of the pool by model and state (free, allocated, unavailable)",
+        "GPUs of the pool by model and state (free, allocated, faulty, unavailable)",
         gpus,
+    );
+    // One series per faulty GPU, so an alert names it.
+    let faulty = GaugeFamily::default();
+    for n in nodes {
+        for g in n.gpus.iter().filter(|g| g.fault.is_some()) {
+            faulty
+                .get_or_create(&vec![
+                    ("node_id", n.id.to_string()),
+                    ("Hostname", n.name.clone()),
+                    ("gpu", g.index.to_string()),
+                    ("gpu_id", g.id.to_string()),
+                    ("model", g.model.clone()),
+                    ("reason", g.fault.clone().unwrap_or_default()),
+                ])
+                .set(1.0);
+        }
+    }
+    registry.register(
+        "flotilla_gpu_faulty",
+        "1 for each GPU out of placement by a fault, with the reason",
+        faulty,
+    );
+    let cordoned = GaugeFamily::default();
+    for n in nodes {
+        cordoned
+            .get_or_create(&vec![
+                ("node_id", n.id.to_string()),
+                ("Hostname", n.name.clone()),
+            ])
+            .set(if n.cordoned { 1.0 } else { 0.0 });
+    }
+    registry.register(
+        "flotilla_node_cordoned",
+        "1 for a cordoned node (no new work placed), else 0",
+        cordoned,
+    );
+    let heartbeat = GaugeFamily::default();
+    for n in nodes {
+        heartbeat
+            .get_or_create(&vec![
+                ("node_id", n.id.to_string()),
+                ("Hostname", n.name.clone()),
+                ("state", n.state.as_str().to_string()),
+            ])
+            .set(n.last_heartbeat_at.timestamp_millis() as f64 / 1000.0);
+    }
+    registry.register(
+        "flotilla_node_last_heartbeat_timestamp_seconds",
+        "When each node's agent last synced, Unix seconds",
+        heartbeat,
     );
     let states = GaugeFamily::default();
     for (state, count) in node_states {
@@ -248,4 +359,80 @@ pub fn render_all(
     let mut out = String::new();
     encode(&mut out, &registry)?;
     Ok(out)
+}
+
+/// The [`Fleet`]'s series.
+fn register_fleet(registry: &mut Registry, fleet: &Fleet) {
+    if !fleet.queue.is_empty() {
+        let depth = GaugeFamily::default();
+        let wait = GaugeFamily::default();
+        for q in &fleet.queue {
+            let labels: Labels = vec![("kind", q.kind.to_string())];
+            depth.get_or_create(&labels).set(q.depth as f64);
+            let waited = match (q.oldest, fleet.now) {
+                (Some(oldest), Some(now)) => {
+                    (now - oldest).num_milliseconds().max(0) as f64 / 1000.0
+                }
+                _ => 0.0,
+            };
+            wait.get_or_create(&labels).set(waited);
+        }
+        registry.register(
+            "flotilla_queue_depth",
+            "Work waiting for placement: pending instances, queued jobs",
+            depth,
+        );
+        registry.register(
+            "flotilla_queue_oldest_wait_seconds",
+            "How long the longest-waiting work of each kind has waited (0 when none waits)",
+            wait,
+        );
+    }
+    let instances = GaugeFamily::default();
+    let gpus = GaugeFamily::default();
+    for w in &fleet.work {
+        let labels: Labels = vec![
+            ("tenant_id", w.tenant.to_string()),
+            ("state", w.state.clone()),
+        ];
+        instances.get_or_create(&labels).set(w.instances as f64);
+        gpus.get_or_create(&labels).set(w.gpus as f64);
+    }
+    registry.register(
+        "flotilla_tenant_instances",
+        "Live instances (job members and endpoint replicas included) by tenant and state",
+        instances,
+    );
+    registry.register(
+        "flotilla_tenant_gpus",
+        "GPUs asked for by live instances, by tenant and state",
+        gpus,
+    );
+    let desired = GaugeFamily::default();
+    for (id, tenant, want) in &fleet.endpoints {
+        if let Some(want) = want {
+            desired
+                .get_or_create(&vec![
+                    ("endpoint", id.to_string()),
+                    ("tenant_id", tenant.clone()),
+                ])
+                .set(f64::from(*want));
+        }
+    }
+    registry.register(
+        "flotilla_endpoint_desired_replicas",
+        "Replicas each endpoint's autoscaler last asked for",
+        desired,
+    );
+    let budget = GaugeFamily::default();
+    for (tenant, level) in &fleet.budgets {
+        budget
+            .get_or_create(&vec![("tenant_id", tenant.to_string())])
+            .set(f64::from(*level));
+    }
+    registry.register(
+        "flotilla_budget_alert_percent",
+        "Highest budget threshold (percent of the limit) each tenant reached this period; 100 or more: spent",
+        budget,
+    );
 }

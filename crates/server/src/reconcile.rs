@@ -37,6 +37,13 @@ pub async fn liveness_pass(st: &AppState) -> Result<usize, StoreError> {
             let stopped_by = (last + lease).min(now);
             let ids = st.store().mark_node_lost(&node, stopped_by).await?;
             tracing::warn!(node = %node, lost = ids.len(), "node unreachable: its lease ran out");
+            let message = format!(
+                "unreachable: no heartbeat since {last}; {} instance(s) lost, billed until {stopped_by}",
+                ids.len()
+            );
+            st.store()
+                .add_node_event(&node, "unreachable", &message, now)
+                .await?;
             lost += ids.len();
         }
     }

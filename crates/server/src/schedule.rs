@@ -551,12 +551,20 @@ async fn set_reason(
 /// One scheduling pass: gather, plan, apply. Returns how many works it
 /// placed.
 pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
+    let started = tokio::time::Instant::now();
     let g = gather(st).await?;
     if g.input.queue.is_empty() {
         return Ok(0);
     }
+    let planning = tokio::time::Instant::now();
     let plan = pass::plan(&g.input).map_err(|e| StoreError::Corrupt(format!("planner: {e}")))?;
+    st.ops()
+        .placement_plan
+        .observe(planning.elapsed().as_secs_f64());
     let done = apply(st, &g, &plan).await?;
+    st.ops()
+        .placement_pass
+        .observe(started.elapsed().as_secs_f64());
     if done.placed > 0 || done.preempted > 0 {
         st.notify_change();
     }

@@ -51,7 +51,27 @@ struct Inner {
     /// The secrets key, loaded (or created) on first use; under a lock so
     /// that concurrent first uses load it once.
     secret_key: Mutex<Option<flotilla_store::secrets::SecretKey>>,
+    /// Counters and histograms of what this replica did (`/metrics`).
+    ops: crate::ops_metrics::OpsMetrics,
+    /// Each instance's GPU readings as its agents reported them, for its
+    /// utilisation summary and right-sizing advice. In memory, like the
+    /// latest telemetry: a restart starts the profile afresh.
+    profiles: Mutex<HashMap<flotilla_core::id::InstanceId, Profile>>,
 }
+
+/// An instance's recent GPU readings.
+#[derive(Debug, Default)]
+pub struct Profile {
+    /// When the last reading came.
+    pub last: Option<DateTime<Utc>>,
+    /// Readings, oldest first, at most [`PROFILE_SAMPLES`].
+    pub samples: std::collections::VecDeque<flotilla_core::advice::UsageSample>,
+}
+
+/// Readings kept per instance: a day of one GPU at the default 5 s sync.
+pub const PROFILE_SAMPLES: usize = 17_280;
+/// Profiles not fed for this long are forgotten (their instance ended).
+const PROFILE_TTL_HOURS: i64 = 24;
 
 /// This replica's part among the servers on one database.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,6 +138,8 @@ impl AppState {
                 replica: crate::leader::replica_id(),
                 endpoints_wake: Arc::default(),
                 secret_key: Mutex::default(),
+                ops: crate::ops_metrics::OpsMetrics::default(),
+                profiles: Mutex::default(),
             }),
         }
     }
@@ -130,6 +152,11 @@ impl AppState {
             inner: self.inner.clone(),
             store: self.store.fenced(flotilla_store::leases::LEADER, token),
         }
+    }
+
+    /// This replica's operational series.
+    pub fn ops(&self) -> &crate::ops_metrics::OpsMetrics {
+        &self.inner.ops
     }
 
     /// This replica's name in the leader lease.
@@ -161,6 +188,47 @@ impl AppState {
     pub fn record_telemetry(&self, node: &NodeId, at: DateTime<Utc>, gpus: Vec<GpuSample>) {
         self.telemetry_map()
             .insert(node.clone(), Telemetry { at, gpus });
+    }
+
+    /// Adds readings of GPUs `instance` holds to its profile.
+    pub fn record_profile(
+        &self,
+        instance: &flotilla_core::id::InstanceId,
+        at: DateTime<Utc>,
+        samples: impl IntoIterator<Item = flotilla_core::advice::UsageSample>,
+    ) {
+        // One push per reading: a poisoned lock still holds whole values.
+        let mut map = self
+            .inner
+            .profiles
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if map.len() > 1000 {
+            let cutoff = at - chrono::Duration::hours(PROFILE_TTL_HOURS);
+            map.retain(|_, p| p.last.is_some_and(|l| l >= cutoff));
+        }
+        let p = map.entry(instance.clone()).or_default();
+        p.last = Some(at);
+        for s in samples {
+            if p.samples.len() >= PROFILE_SAMPLES {
+                p.samples.pop_front();
+            }
+            p.samples.push_back(s);
+        }
+    }
+
+    /// The readings recorded for `instance`, oldest first.
+    pub fn profile(
+        &self,
+        instance: &flotilla_core::id::InstanceId,
+    ) -> Vec<flotilla_core::advice::UsageSample> {
+        self.inner
+            .profiles
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(instance)
+            .map(|p| p.samples.iter().copied().collect())
+            .unwrap_or_default()
     }
 
     /// The latest telemetry of every node that reported since `since`.

@@ -512,6 +512,14 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
         ("instance_id", inst.clone()),
         ("job_id", job),
         ("node_id", node.clone()),
+        (
+            "gpu_id",
+            s.ok(&s.operator, Method::GET, &format!("/v1/nodes/{node}"), None)
+                .await["gpus"][0]["id"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        ),
         ("key_id", key_id),
         ("invoice_id", invoice.id().to_string()),
         ("pool_id", pool),
@@ -529,6 +537,9 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
         for method in item.as_object().unwrap().keys() {
             let m = Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
             let body = match (m.as_str(), path.as_str()) {
+                ("PUT", p) if p.ends_with("/vertical") => {
+                    Some(json!({"classes": ["H100", "L40S"]}))
+                }
                 ("PUT", _) => Some(json!({"gpus_total": 100})),
                 ("POST", p) if p.ends_with("/sync") => Some(json!({"observed": [], "wait_ms": 0})),
                 ("POST", p) if p.ends_with("/logs") => Some(json!({"lines": []})),

@@ -17,6 +17,7 @@ use sqlx::{AnyPool, Executor, SqlitePool};
 pub mod budgets;
 pub mod capacity;
 pub mod endpoints;
+pub mod fleet;
 pub mod idempotency;
 pub mod instances;
 pub mod invoices;
@@ -32,6 +33,7 @@ pub mod registry_credentials;
 pub mod secrets;
 pub mod tenants;
 pub mod usage;
+pub mod vertical;
 mod work;
 
 pub(crate) use work::WorkTable;

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use flotilla_core::api::{DiscoveredGpu, Gpu, Node, NodeImage, RegisterNode};
+use flotilla_core::api::{DiscoveredGpu, Gpu, Node, NodeEvent, NodeImage, RegisterNode};
 use flotilla_core::catalog::{MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
 use flotilla_core::node::{ExecutorKind, NodeState, RuntimeKind};
@@ -28,6 +28,7 @@ fn gpu(row: &AnyRow) -> Result<(NodeId, Gpu)> {
             instance_id: inst.map(InstanceId::from_trusted),
             mig_mode: row.try_get::<i64, _>("mig_mode")? != 0,
             used_milli: row.try_get::<i64, _>("used_milli")?.clamp(0, 1000) as u32,
+            fault: row.try_get("fault")?,
         },
     ))
 }
@@ -493,13 +494,28 @@ impl Store {
                 // Clamped to 0..=of above.
                 Ok(if g.mig_mode { of - used as u8 } else { 0 })
             };
+            // A faulty GPU offers nothing: placement sees it as full, so
+            // no new work lands there while its work runs on.
+            let healthy = g.fault.is_none();
             gpus.entry(nid).or_default().push(GpuSlot {
-                free: g.instance_id.is_none() && g.used_milli == 0,
+                free: healthy && g.instance_id.is_none() && g.used_milli == 0,
                 // used_milli is clamped to 0..=1000 when read.
-                free_milli: MILLI_PER_GPU - g.used_milli as u16,
+                free_milli: if healthy {
+                    MILLI_PER_GPU - g.used_milli as u16
+                } else {
+                    0
+                },
                 mig_mode: g.mig_mode,
-                mig_compute_free: slices("used_mig_compute", MIG_COMPUTE_SLICES)?,
-                mig_memory_free: slices("used_mig_memory", MIG_MEMORY_SLICES)?,
+                mig_compute_free: if healthy {
+                    slices("used_mig_compute", MIG_COMPUTE_SLICES)?
+                } else {
+                    0
+                },
+                mig_memory_free: if healthy {
+                    slices("used_mig_memory", MIG_MEMORY_SLICES)?
+                } else {
+                    0
+                },
                 id: g.id,
                 index: g.index,
                 model: g.model,
@@ -525,4 +541,161 @@ impl Store {
             })
             .collect()
     }
+
+    /// Drains a node: cordons it and asks every instance it holds to stop
+    /// (its agent stops them with their grace period; a job whose member
+    /// was stopped restarts elsewhere as its restart policy says). Records
+    /// a `drained` event. Returns the instances asked to stop.
+    pub async fn drain_node(&self, id: &NodeId, now: DateTime<Utc>) -> Result<Vec<InstanceId>> {
+        let mut tx = self.begin().await?;
+        let n = sqlx::query("UPDATE nodes SET cordoned = 1 WHERE id = $1")
+            .bind(id.as_str())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if n == 0 {
+            return Err(StoreError::NotFound("node"));
+        }
+        let rows = sqlx::query(
+            "SELECT id FROM instances WHERE node_id = $1 AND state IN ('scheduled', 'starting', 'running') \
+             AND stop_requested = 0 ORDER BY id",
+        )
+        .bind(id.as_str())
+        .fetch_all(&mut *tx)
+        .await?;
+        let ids = rows
+            .iter()
+            .map(|r| Ok(InstanceId::from_trusted(r.try_get("id")?)))
+            .collect::<Result<Vec<_>>>()?;
+        for i in &ids {
+            sqlx::query(
+                "UPDATE instances SET stop_requested = 1, state_reason = $1, updated_at = $2 \
+                 WHERE id = $3 AND state IN ('scheduled', 'starting', 'running')",
+            )
+            .bind("stopping: its node is drained")
+            .bind(ms(now))
+            .bind(i.as_str())
+            .execute(&mut *tx)
+            .await?;
+        }
+        let message = format!("drained: cordoned, {} instance(s) asked to stop", ids.len());
+        insert_node_event(&mut tx, id, "drained", None, &message, now).await?;
+        tx.commit().await?;
+        Ok(ids)
+    }
+
+    /// Sets (`Some`) or clears (`None`) a GPU's fault and records the
+    /// matching event (`gpu_fault`, `gpu_reset`), unless the GPU is
+    /// already in that condition (a fault is kept as first seen). Returns
+    /// whether anything changed.
+    pub async fn set_gpu_fault(
+        &self,
+        node: &NodeId,
+        gpu: &GpuId,
+        fault: Option<&str>,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let mut tx = self.begin().await?;
+        let changed = match fault {
+            Some(f) => sqlx::query(
+                "UPDATE gpus SET fault = $1, fault_at = $2 WHERE id = $3 AND node_id = $4 AND fault IS NULL",
+            )
+            .bind(f)
+            .bind(ms(now))
+            .bind(gpu.as_str())
+            .bind(node.as_str()),
+            None => sqlx::query(
+                "UPDATE gpus SET fault = NULL, fault_at = NULL WHERE id = $1 AND node_id = $2 AND fault IS NOT NULL",
+            )
+            .bind(gpu.as_str())
+            .bind(node.as_str()),
+        }
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+            > 0;
+        if changed {
+            let (kind, message) = match fault {
+                Some(f) => ("gpu_fault", format!("gpu {gpu} out of placement: {f}")),
+                None => ("gpu_reset", format!("gpu {gpu} reset: back in placement")),
+            };
+            insert_node_event(&mut tx, node, kind, Some(gpu), &message, now).await?;
+        }
+        tx.commit().await?;
+        Ok(changed)
+    }
+
+    /// Records an event of `node`.
+    pub async fn add_node_event(
+        &self,
+        node: &NodeId,
+        kind: &str,
+        message: &str,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let mut tx = self.begin().await?;
+        insert_node_event(&mut tx, node, kind, None, message, now).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// A node's events after `after_seq`, oldest first, at most `limit`.
+    pub async fn node_events(
+        &self,
+        node: &NodeId,
+        after_seq: u64,
+        limit: u32,
+    ) -> Result<Vec<NodeEvent>> {
+        let rows = sqlx::query(
+            "SELECT * FROM node_events WHERE node_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+        )
+        .bind(node.as_str())
+        .bind(i64::try_from(after_seq).unwrap_or(i64::MAX))
+        .bind(i64::from(limit))
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(NodeEvent {
+                    node_id: NodeId::from_trusted(r.try_get("node_id")?),
+                    seq: r.try_get::<i64, _>("seq")?.max(0) as u64,
+                    kind: r.try_get("kind")?,
+                    gpu_id: r
+                        .try_get::<Option<String>, _>("gpu_id")?
+                        .map(GpuId::from_trusted),
+                    message: r.try_get("message")?,
+                    at: at(r.try_get("at")?),
+                })
+            })
+            .collect()
+    }
+}
+
+/// Appends an event to `node`'s, numbered after its last.
+async fn insert_node_event(
+    tx: &mut sqlx::Transaction<'static, sqlx::Any>,
+    node: &NodeId,
+    kind: &str,
+    gpu: Option<&GpuId>,
+    message: &str,
+    now: DateTime<Utc>,
+) -> Result<()> {
+    let seq: i64 = sqlx::query_scalar(
+        "SELECT CAST(COALESCE(MAX(seq), 0) + 1 AS BIGINT) FROM node_events WHERE node_id = $1",
+    )
+    .bind(node.as_str())
+    .fetch_one(&mut **tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO node_events (node_id, seq, kind, gpu_id, message, at) VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(node.as_str())
+    .bind(seq)
+    .bind(kind)
+    .bind(gpu.map(GpuId::as_str))
+    .bind(message)
+    .bind(ms(now))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }

@@ -17,6 +17,7 @@ use flotilla_testdb::{rnd, t0};
 flotilla_testdb::backend_suite!(
     "endpoints":
     endpoints_keep_spec_revision_signals_replicas_and_routes,
+    vertical_opt_ins_and_moves,
 );
 
 fn signals(id: &EndpointId, in_flight: u32, total: u64, at: DateTime<Utc>) -> EndpointSignals {
@@ -149,4 +150,44 @@ async fn endpoints_keep_spec_revision_signals_replicas_and_routes(s: &Store) {
         .await
         .unwrap();
     assert_eq!(key.endpoints, Some(vec![dup]));
+}
+
+async fn vertical_opt_ins_and_moves(s: &Store) {
+    use flotilla_core::advice::VerticalOptIn;
+    let c = Catalog::default();
+    let tenant = TenantId::generate(1, rnd());
+    s.create_tenant(&tenant, "acme", t0()).await.unwrap();
+    let spec = CreateEndpoint {
+        name: "chat".into(),
+        command: vec!["serve".into()],
+        ..CreateEndpoint::default()
+    }
+    .validate(&c)
+    .unwrap();
+    let id = EndpointId::generate(1, rnd());
+    s.create_endpoint(&id, &tenant, &spec, t0()).await.unwrap();
+    assert_eq!(s.vertical(&id).await.unwrap(), None);
+    let opt = VerticalOptIn {
+        classes: vec!["H100".into(), "L40S".into()],
+        sustain_s: 30,
+    };
+    let st = s.set_vertical(&id, &opt, t0()).await.unwrap();
+    assert_eq!(
+        (st.opt_in.clone(), st.opted_at, st.last_move),
+        (opt.clone(), t0(), None)
+    );
+    let later = t0() + Duration::seconds(40);
+    s.record_vertical_move(&id, "to L40S (revision 2): idle", later)
+        .await
+        .unwrap();
+    let st = s.vertical(&id).await.unwrap().unwrap();
+    assert_eq!(st.last_move.as_deref(), Some("to L40S (revision 2): idle"));
+    assert_eq!(st.moved_at, Some(later));
+    // A new opt-in replaces the old one and forgets its move.
+    let again = VerticalOptIn {
+        sustain_s: 60,
+        ..opt
+    };
+    let st = s.set_vertical(&id, &again, later).await.unwrap();
+    assert_eq!((st.opt_in.sustain_s, st.moved_at), (60, None));
 }

@@ -39,6 +39,8 @@ flotilla_testdb::backend_suite!(
     containers_report_ports_cold_starts_and_oom_kills,
     an_exit_seen_before_running_still_counts_as_run,
     observed_times_bound_metering,
+    gpu_faults_cordons_drains_and_node_events,
+    fleet_counts_for_metrics,
 );
 
 async fn tenant(s: &Store, name: &str) -> TenantId {
@@ -1046,4 +1048,122 @@ async fn observed_times_bound_metering(s: &Store) {
         s.instance(&d).await.unwrap().started_at,
         Some(t0() + secs(5))
     );
+async fn gpu_faults_cordons_drains_and_node_events(s: &Store) {
+    let t = tenant(s, "health").await;
+    let n = node(s, &t, "hn", &[("H100", 2)]).await;
+    let gpus = s.node(&n).await.unwrap().gpus;
+    let (g0, g1) = (gpus[0].id.clone(), gpus[1].id.clone());
+
+    // A fault takes the GPU out of placement, once, with an event.
+    let later = t0() + Duration::seconds(1);
+    assert!(s
+        .set_gpu_fault(&n, &g1, Some("xid error 79"), later)
+        .await
+        .unwrap());
+    assert!(!s
+        .set_gpu_fault(&n, &g1, Some("xid error 48"), later)
+        .await
+        .unwrap());
+    let seen = s.node(&n).await.unwrap();
+    assert_eq!(
+        seen.gpus[1].fault.as_deref(),
+        Some("xid error 79"),
+        "first fault kept"
+    );
+    assert_eq!(seen.gpus[0].fault, None);
+    let snap = s.placement_snapshot().await.unwrap();
+    let slots = &snap.iter().find(|x| x.id == n).unwrap().gpus;
+    assert!(slots[0].free && !slots[1].free);
+    assert_eq!(slots[1].free_milli, 0);
+    // Two GPUs wanted, one offered: no fit.
+    let id = InstanceId::generate(1, rnd());
+    s.create_instance(&id, &t, &spec(2, &["H100"]), t0())
+        .await
+        .unwrap();
+    assert!(place(s, &id, later).await.is_err());
+    // A GPU of another node is not this node's to reset.
+    let other = node(s, &t, "hn2", &[("H100", 1)]).await;
+    assert!(!s.set_gpu_fault(&other, &g1, None, later).await.unwrap());
+    assert!(s.set_gpu_fault(&n, &g1, None, later).await.unwrap());
+    place(s, &id, later).await.unwrap();
+
+    // Cordon and drain.
+    s.set_node_cordoned(&n, true).await.unwrap();
+    assert!(s.node(&n).await.unwrap().cordoned);
+    s.set_node_cordoned(&n, false).await.unwrap();
+    assert!(!s.node(&n).await.unwrap().cordoned);
+    assert!(matches!(
+        s.set_node_cordoned(&NodeId::generate(1, rnd()), true).await,
+        Err(StoreError::NotFound(_))
+    ));
+    let stopping = s.drain_node(&n, later).await.unwrap();
+    assert_eq!(stopping, vec![id.clone()]);
+    assert!(s.node(&n).await.unwrap().cordoned);
+    let inst = s.instance(&id).await.unwrap();
+    assert!(inst.stop_requested);
+    assert!(s.assignments(&n).await.unwrap()[0].stop);
+    // Draining again asks nothing new.
+    assert!(s.drain_node(&n, later).await.unwrap().is_empty());
+    s.add_node_event(&n, "uncordoned", "by test", later)
+        .await
+        .unwrap();
+
+    let events = s.node_events(&n, 0, 100).await.unwrap();
+    let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["gpu_fault", "gpu_reset", "drained", "drained", "uncordoned"]
+    );
+    assert_eq!(
+        events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        [1, 2, 3, 4, 5]
+    );
+    assert_eq!(events[0].gpu_id.as_ref(), Some(&g1));
+    assert_eq!(events[0].at, later);
+    assert_eq!(s.node_events(&n, 3, 1).await.unwrap()[0].seq, 4);
+    assert!(s.node_events(&other, 0, 10).await.unwrap().is_empty());
+    let _ = g0;
+}
+
+async fn fleet_counts_for_metrics(s: &Store) {
+    let t = tenant(s, "fleet").await;
+    assert_eq!(
+        s.queue_stats()
+            .await
+            .unwrap()
+            .iter()
+            .map(|q| (q.kind, q.depth, q.oldest))
+            .collect::<Vec<_>>(),
+        [("instance", 0, None), ("job", 0, None)]
+    );
+    let _n = node(s, &t, "fn", &[("H100", 1)]).await;
+    let a = InstanceId::generate(1, rnd());
+    let b = InstanceId::generate(2, rnd());
+    s.create_instance(&a, &t, &spec(1, &["H100"]), t0())
+        .await
+        .unwrap();
+    s.create_instance(&b, &t, &spec(1, &["H100"]), t0() + Duration::seconds(3))
+        .await
+        .unwrap();
+    place(s, &a, t0() + Duration::seconds(4)).await.unwrap();
+    let q = s.queue_stats().await.unwrap();
+    assert_eq!(
+        (q[0].kind, q[0].depth, q[0].oldest),
+        ("instance", 1, Some(t0() + Duration::seconds(3)))
+    );
+    let work = s.tenant_work().await.unwrap();
+    let mine: Vec<(String, u64, u64)> = work
+        .iter()
+        .filter(|w| w.tenant == t)
+        .map(|w| (w.state.clone(), w.instances, w.gpus))
+        .collect();
+    assert_eq!(
+        mine,
+        [
+            ("pending".to_string(), 1, 1),
+            ("scheduled".to_string(), 1, 1)
+        ]
+    );
+    assert!(s.endpoint_targets().await.unwrap().is_empty());
+    assert!(s.budget_alert_levels().await.unwrap().is_empty());
 }

@@ -130,6 +130,89 @@ async fn own_node(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<NodeId
     Ok(id)
 }
 
+/// Takes every GPU whose reading shows a fault (see
+/// [`flotilla_core::health::assess`]) out of placement, with a `gpu_fault`
+/// event on its node. A GPU already out stays as first judged; only an
+/// operator's reset brings it back. Returns whether any GPU went out.
+async fn take_out_faulty_gpus(
+    st: &AppState,
+    node: &NodeId,
+    samples: &[flotilla_core::api::GpuSample],
+    now: chrono::DateTime<chrono::Utc>,
+) -> ApiResult<bool> {
+    let policy = st.config().gpu_health;
+    let faults: Vec<_> = samples
+        .iter()
+        .filter_map(|s| flotilla_core::health::assess(s, &policy).map(|f| (s, f)))
+        .collect();
+    if faults.is_empty() {
+        return Ok(false);
+    }
+    let gpus = st.store().node(node).await?.gpus;
+    let mut any = false;
+    for (sample, fault) in faults {
+        // Only a GPU the node registered, matched by index and UUID.
+        let Some(gpu) = gpus
+            .iter()
+            .find(|g| g.index == sample.index && g.uuid == sample.uuid)
+        else {
+            continue;
+        };
+        if gpu.fault.is_some() {
+            continue;
+        }
+        if st
+            .store()
+            .set_gpu_fault(node, &gpu.id, Some(&fault.to_string()), now)
+            .await?
+        {
+            tracing::warn!(node = %node, gpu = %gpu.id, kind = fault.kind(), %fault, "gpu out of placement");
+            st.ops()
+                .gpu_faults
+                .get_or_create(&vec![("kind", fault.kind().to_string())])
+                .inc();
+            any = true;
+        }
+    }
+    Ok(any)
+}
+
+/// Adds each reading of a GPU held whole by an instance to that
+/// instance's profile (utilisation and memory), for its advice.
+async fn profile_instances(
+    st: &AppState,
+    node: &NodeId,
+    samples: &[flotilla_core::api::GpuSample],
+    now: chrono::DateTime<chrono::Utc>,
+) -> ApiResult<()> {
+    if !samples.iter().any(|s| s.gpu_util_pct.is_some()) {
+        return Ok(());
+    }
+    let gpus = st.store().node(node).await?.gpus;
+    let mut by_instance: std::collections::BTreeMap<&InstanceId, Vec<_>> = Default::default();
+    for s in samples {
+        let Some(util) = s.gpu_util_pct else { continue };
+        let Some(inst) = gpus
+            .iter()
+            .find(|g| g.index == s.index && g.uuid == s.uuid)
+            .and_then(|g| g.instance_id.as_ref())
+        else {
+            continue;
+        };
+        by_instance
+            .entry(inst)
+            .or_default()
+            .push(flotilla_core::advice::UsageSample {
+                util_pct: util,
+                mem_mib: s.fb_used_mib,
+            });
+    }
+    for (inst, readings) in by_instance {
+        st.record_profile(inst, now, readings);
+    }
+    Ok(())
+}
+
 /// Whether the agent has something to do now: new work, a stop, or an
 /// instance to forget.
 fn needs_action(assignments: &[Assignment], observed: &[ObservedInstance]) -> bool {
@@ -183,6 +266,11 @@ pub async fn sync(
         st.store().set_node_images(&id, images, now).await?;
     }
     if !req.gpus.is_empty() {
+        if take_out_faulty_gpus(&st, &id, &req.gpus, now).await? {
+            // Placement must see the GPU gone before it places again.
+            st.notify_change();
+        }
+        profile_instances(&st, &id, &req.gpus, now).await?;
         st.record_telemetry(&id, now, req.gpus.clone());
     }
     let was_unreachable = st.store().node_state(&id).await? == NodeState::Unreachable;

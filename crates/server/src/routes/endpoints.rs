@@ -6,6 +6,7 @@
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
+use flotilla_core::advice::{VerticalOptIn, VerticalStatus};
 use flotilla_core::api::Page;
 use flotilla_core::endpoint::{
     CreateEndpoint, CustomMetric, Endpoint, ReplicaLogLine, UpdateEndpoint,
@@ -207,4 +208,46 @@ pub async fn endpoint_logs(
         items,
         next_cursor: None,
     }))
+}
+
+/// Opts the endpoint into automatic vertical moves between the listed GPU
+/// classes: when `flotilla_scale::vertical`'s recommendation (from its
+/// replicas' utilisation and its time to first token against its SLO) has
+/// held for `sustain_s`, its `gpu_types` become the new class, rolled out
+/// as a new revision. Replaces an earlier opt-in.
+#[utoipa::path(put, path = "/v1/endpoints/{endpoint_id}/vertical", tag = "endpoints", request_body = VerticalOptIn,
+    params(("endpoint_id" = String, Path, description = "endpoint id (ep_…)")),
+    responses((status = 200, body = VerticalStatus), (status = 404, body = flotilla_core::api::ErrorBody),
+              (status = 422, body = flotilla_core::api::ErrorBody)))]
+pub async fn set_vertical(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(opt_in): ApiJson<VerticalOptIn>,
+) -> ApiResult<Json<VerticalStatus>> {
+    let ep = visible(&st, &caller, &raw).await?;
+    caller.require(&WORK_ROLES, "change endpoints")?;
+    opt_in
+        .validate(st.catalog().models())
+        .map_err(ApiError::field)?;
+    let status = st.store().set_vertical(&ep.id, &opt_in, st.now()).await?;
+    tracing::info!(endpoint = %ep.id, classes = ?opt_in.classes, sustain_s = opt_in.sustain_s, "vertical moves opted in");
+    Ok(Json(status))
+}
+
+/// The endpoint's vertical opt-in and its last move; 404 without one.
+#[utoipa::path(get, path = "/v1/endpoints/{endpoint_id}/vertical", tag = "endpoints",
+    params(("endpoint_id" = String, Path, description = "endpoint id (ep_…)")),
+    responses((status = 200, body = VerticalStatus), (status = 404, body = flotilla_core::api::ErrorBody)))]
+pub async fn get_vertical(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Json<VerticalStatus>> {
+    let ep = visible(&st, &caller, &raw).await?;
+    st.store()
+        .vertical(&ep.id)
+        .await?
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found("vertical opt-in"))
 }

@@ -200,6 +200,13 @@ pub async fn usage(
             )
             .into());
         }
+        // Every request the gateway finished counts in its latency,
+        // refused ones too: that is what its clients waited.
+        let took = (u.finished_at - u.started_at).num_milliseconds().max(0) as f64 / 1000.0;
+        st.ops()
+            .gateway_requests
+            .get_or_create(&vec![("endpoint", u.endpoint_id.to_string())])
+            .observe(took);
         if u.instance_id.is_none() {
             continue;
         }
@@ -228,10 +235,14 @@ pub async fn usage(
     let mut rejected = Vec::new();
     // The ledger takes bounded batches.
     for chunk in events.chunks(1000) {
+        let started = tokio::time::Instant::now();
         let out = st
             .store()
             .append_usage(chunk, crate::metering::grace(), st.now())
             .await?;
+        st.ops()
+            .usage_ingest
+            .observe(started.elapsed().as_secs_f64());
         accepted += out.accepted;
         duplicates += out.duplicates;
         for r in out.rejected {
@@ -239,6 +250,8 @@ pub async fn usage(
             rejected.push(format!("{}: {} {}", r.key, r.code, r.message));
         }
     }
+    st.ops()
+        .usage_outcome("gateway", accepted, duplicates, rejected.len() as u64);
     Ok(Json(Accepted {
         accepted,
         duplicates,

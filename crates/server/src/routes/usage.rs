@@ -170,10 +170,20 @@ pub async fn post_usage_events(
             }
         }
     }
+    let started = tokio::time::Instant::now();
     let out = st
         .store()
         .append_usage(&batch.events, grace(), st.now())
         .await?;
+    st.ops()
+        .usage_ingest
+        .observe(started.elapsed().as_secs_f64());
+    st.ops().usage_outcome(
+        "api",
+        out.accepted,
+        out.duplicates,
+        out.rejected.len() as u64,
+    );
     tracing::info!(
         accepted = out.accepted,
         duplicates = out.duplicates,

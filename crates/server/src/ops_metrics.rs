@@ -1,0 +1,183 @@
+//! The server's own operational series, kept across scrapes: how long
+//! placement passes take, what the autoscalers decided, how long gateway
+//! requests took, and what the ledger ingested. `GET /metrics` builds the
+//! fleet's gauges afresh from the store on every scrape ([`crate::metrics`]);
+//! these are counters and histograms of what this replica did since it
+//! started, so they live here, shared by the loops and the routes.
+//!
+//! Naming follows Prometheus' conventions: base units (seconds), `_total`
+//! on counters, `flotilla_` prefix.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Buckets for the control plane's passes, seconds: a millisecond to ten.
+const PASS_BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+/// Buckets for inference requests, seconds: 10 ms to two minutes.
+const REQUEST_BUCKETS: [f64; 14] = [
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
+];
+
+fn pass_histogram() -> Histogram {
+    Histogram::new(PASS_BUCKETS)
+}
+
+fn request_histogram() -> Histogram {
+    Histogram::new(REQUEST_BUCKETS)
+}
+
+/// The series; cheap to clone (every metric is shared).
+#[derive(Clone)]
+pub struct OpsMetrics {
+    /// Whole scheduling passes (gather, plan, apply) that had work queued.
+    pub placement_pass: Histogram,
+    /// The planner's part of those passes (pure decision time).
+    pub placement_plan: Histogram,
+    /// Scaling decisions by `kind` (endpoint, pool) and `direction` (up,
+    /// down, hold).
+    pub scaling_decisions: Family<Labels, Counter<u64, AtomicU64>>,
+    /// Gateway requests, from the usage the gateways report, by `endpoint`:
+    /// start to finish.
+    pub gateway_requests: Family<Labels, Histogram, fn() -> Histogram>,
+    /// Usage events offered to the ledger by `source` (agent metering,
+    /// gateway, api) and `outcome` (accepted, duplicate, rejected).
+    pub usage_events: Family<Labels, Counter<u64, AtomicU64>>,
+    /// Usage batches' ingestion time, seconds.
+    pub usage_ingest: Histogram,
+    /// GPUs taken out of placement by a fault, by `kind` (xid, ecc,
+    /// over_temperature).
+    pub gpu_faults: Family<Labels, Counter<u64, AtomicU64>>,
+}
+
+impl Default for OpsMetrics {
+    fn default() -> Self {
+        Self {
+            placement_pass: pass_histogram(),
+            placement_plan: pass_histogram(),
+            scaling_decisions: Family::default(),
+            gateway_requests: Family::new_with_constructor(request_histogram),
+            usage_events: Family::default(),
+            usage_ingest: pass_histogram(),
+            gpu_faults: Family::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for OpsMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OpsMetrics")
+    }
+}
+
+impl OpsMetrics {
+    /// Counts one scaling decision from `from` to `to` replicas.
+    pub fn scaling_decision(&self, kind: &str, from: u32, to: u32) {
+        let direction = match to.cmp(&from) {
+            std::cmp::Ordering::Greater => "up",
+            std::cmp::Ordering::Less => "down",
+            std::cmp::Ordering::Equal => "hold",
+        };
+        self.scaling_decisions
+            .get_or_create(&vec![
+                ("kind", kind.to_string()),
+                ("direction", direction.to_string()),
+            ])
+            .inc();
+    }
+
+    /// Counts what the ledger did with a batch from `source`.
+    pub fn usage_outcome(&self, source: &str, accepted: u64, duplicates: u64, rejected: u64) {
+        for (outcome, n) in [
+            ("accepted", accepted),
+            ("duplicate", duplicates),
+            ("rejected", rejected),
+        ] {
+            // Created even at 0, so a rate over it exists from the start.
+            self.usage_events
+                .get_or_create(&vec![
+                    ("source", source.to_string()),
+                    ("outcome", outcome.to_string()),
+                ])
+                .inc_by(n);
+        }
+    }
+
+    /// Adds every series to `registry` (shared, not copied).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "flotilla_placement_pass_duration_seconds",
+            "Scheduling passes with work queued: gather, plan and apply",
+            self.placement_pass.clone(),
+        );
+        registry.register(
+            "flotilla_placement_plan_duration_seconds",
+            "The planner's part of a scheduling pass",
+            self.placement_plan.clone(),
+        );
+        registry.register(
+            "flotilla_scaling_decisions",
+            "Autoscaling decisions by kind (endpoint, pool) and direction (up, down, hold)",
+            self.scaling_decisions.clone(),
+        );
+        registry.register(
+            "flotilla_gateway_request_duration_seconds",
+            "Inference requests through the gateways, start to finish, by endpoint",
+            self.gateway_requests.clone(),
+        );
+        registry.register(
+            "flotilla_usage_events",
+            "Usage events offered to the ledger by source and outcome (accepted, duplicate, rejected)",
+            self.usage_events.clone(),
+        );
+        registry.register(
+            "flotilla_usage_ingest_duration_seconds",
+            "Time to write one batch of usage events to the ledger",
+            self.usage_ingest.clone(),
+        );
+        registry.register(
+            "flotilla_gpu_faults",
+            "GPUs taken out of placement by a fault, by kind (xid, ecc, over_temperature)",
+            self.gpu_faults.clone(),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn series_are_named_the_prometheus_way() {
+        let m = OpsMetrics::default();
+        m.placement_pass.observe(0.004);
+        m.scaling_decision("endpoint", 1, 3);
+        m.scaling_decision("endpoint", 3, 3);
+        m.usage_outcome("gateway", 5, 1, 0);
+        m.gateway_requests
+            .get_or_create(&vec![("endpoint", "ep_x".to_string())])
+            .observe(0.3);
+        let mut r = Registry::default();
+        m.register(&mut r);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &r).unwrap();
+        for line in [
+            "flotilla_placement_pass_duration_seconds_count 1",
+            "flotilla_scaling_decisions_total{kind=\"endpoint\",direction=\"up\"} 1",
+            "flotilla_scaling_decisions_total{kind=\"endpoint\",direction=\"hold\"} 1",
+            "flotilla_usage_events_total{source=\"gateway\",outcome=\"accepted\"} 5",
+            "flotilla_usage_events_total{source=\"gateway\",outcome=\"rejected\"} 0",
+            "flotilla_gateway_request_duration_seconds_bucket{le=\"0.5\",endpoint=\"ep_x\"} 1",
+        ] {
+            assert!(out.contains(line), "missing `{line}` in:\n{out}");
+        }
+    }
+}
