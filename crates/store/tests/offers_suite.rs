@@ -28,6 +28,7 @@ async fn node(s: &Store) -> (TenantId, NodeId) {
         gpus: Vec::new(),
         agent_version: "test".into(),
         runtime: Default::default(),
+        executor: Default::default(),
         running: Vec::new(),
     };
     let id = s

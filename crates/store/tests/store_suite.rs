@@ -1048,6 +1048,8 @@ async fn observed_times_bound_metering(s: &Store) {
         s.instance(&d).await.unwrap().started_at,
         Some(t0() + secs(5))
     );
+}
+
 async fn gpu_faults_cordons_drains_and_node_events(s: &Store) {
     let t = tenant(s, "health").await;
     let n = node(s, &t, "hn", &[("H100", 2)]).await;
