@@ -39,6 +39,15 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
     let Some(key) = req.headers().get(HEADER).cloned() else {
         return next.run(req).await;
     };
+    // Only an authenticated caller gets a stored answer: authentication
+    // ran first (`crate::auth::layer`), and a missing, unknown or revoked
+    // key is refused here, before any replay. Answers are scoped by the
+    // key, so one caller's keys never collide with another's.
+    let scope = match req.extensions().get::<Authn>() {
+        Some(Authn(Ok(caller))) => caller.key_id.to_string(),
+        Some(Authn(Err(failure))) => return failure.error().into_response(),
+        None => return AuthFailure::Missing.error().into_response(),
+    };
     let key = match key.to_str() {
         Ok(k) if !k.is_empty() && k.len() <= 255 => k.to_string(),
         _ => {
@@ -48,15 +57,6 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
             )
             .into_response();
         }
-    };
-    // Only an authenticated caller gets a stored answer: authentication
-    // ran first (`crate::auth::layer`), and a missing, unknown or revoked
-    // key is refused here, before any replay. Answers are scoped by the
-    // key, so one caller's keys never collide with another's.
-    let scope = match req.extensions().get::<Authn>() {
-        Some(Authn(Ok(caller))) => caller.key_id.to_string(),
-        Some(Authn(Err(failure))) => return failure.error().into_response(),
-        None => return AuthFailure::Missing.error().into_response(),
     };
     let (parts, body) = req.into_parts();
     let bytes = match to_bytes(body, BODY_LIMIT).await {

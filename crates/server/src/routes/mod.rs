@@ -156,6 +156,8 @@ impl Modify for CommonResponses {
                 }
                 if has_body {
                     add("413", error("the body is larger than the limit").build());
+                }
+                if has_body || mutating {
                     add(
                         "422",
                         error("a value is wrong, or the Idempotency-Key was used with another request; `details.field` names it").build(),
