@@ -12,5 +12,7 @@
 //! GPUs), and the engine's job states become [`ObservedInstance`]s.
 
 pub mod executor;
+#[cfg(feature = "kubernetes")]
+pub mod kube;
 
 pub use executor::{Executor, ExecutorError};
