@@ -10,7 +10,15 @@
 //! the server. The executor only translates: an assignment becomes an
 //! engine submission that honours Flotilla's placement (that node, those
 //! GPUs), and the engine's job states become [`ObservedInstance`]s.
+//!
+//! A [`capacity::CapacityProvider`] hands out machines for a node pool:
+//! the simulated cloud (shared with the simulator), OpenStack Nova, or
+//! local agent processes. The node-pool autoscaler's loop in the server
+//! drives it; new machines join with a one-time join token.
+//!
+//! [`ObservedInstance`]: flotilla_core::api::ObservedInstance
 
+pub mod capacity;
 pub mod executor;
 #[cfg(feature = "kubernetes")]
 pub mod kube;

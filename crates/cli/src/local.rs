@@ -81,6 +81,9 @@ pub struct ServerArgs {
     /// statements: a decimal from 0 to 100, e.g. `15` or `12.5`.
     #[arg(long, default_value = "15", value_name = "PERCENT", value_parser = parse_fee_percent)]
     pub operator_fee_percent: rust_decimal::Decimal,
+    /// Node pools grown and shrunk through a capacity provider.
+    #[command(flatten)]
+    pub node_pools: crate::nodepools::NodePoolArgs,
 }
 
 /// An operator fee: a plain decimal between 0 and 100 inclusive.
@@ -207,7 +210,18 @@ pub struct UpArgs {
 pub struct AgentArgs {
     /// Agent token (from the server's data directory, `agent.token`).
     #[arg(long, env = "FLOTILLA_AGENT_TOKEN", hide_env_values = true)]
-    pub token: String,
+    pub token: Option<String>,
+    /// A node-pool machine's one-time join token, instead of `--token`:
+    /// traded once for this machine's own agent key, node name and pool
+    /// (kept in the work directory, so a restarted agent does not need
+    /// the spent token again).
+    #[arg(
+        long,
+        env = "FLOTILLA_JOIN_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "token"
+    )]
+    pub join_token: Option<String>,
     /// Node name; default: the hostname.
     #[arg(long)]
     pub name: Option<String>,
@@ -363,6 +377,7 @@ async fn start_server(args: ServerArgs) -> Result<RunningServer> {
     // Bind before bootstrap: a first start that fails on a taken port must
     // not mint an operator key that is then never shown.
     let (listener, url) = bind(&args.bind).await?;
+    server_config.node_pools = crate::nodepools::build(&args.node_pools, &url, &data_dir).await?;
     let store = flotilla_server::open_store(&database_url)
         .await
         .map_err(|e| anyhow!("opening the database: {e:#}"))?;
@@ -612,9 +627,6 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     if let Some(spec) = &args.simulate_gpus {
         check_simulated(spec)?;
     }
-    if args.token.trim().is_empty() {
-        bail!("--token is empty: pass the server's agent token");
-    }
     // Several comma-separated URLs are replicas of one control plane: the
     // agent fails over between them.
     let server_url = server_url
@@ -631,16 +643,26 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
         Some(w) => w,
         None => data_dir(None)?.join("agent"),
     };
-    let name = args.name.unwrap_or_else(hostname);
+    let (token, name, pool) = match (args.token, args.join_token) {
+        (_, Some(join)) => {
+            let joined = join_pool(&server_url, join.trim(), &work_dir).await?;
+            (joined.agent_token, joined.name, Some(joined.pool))
+        }
+        (Some(token), None) if !token.trim().is_empty() => (
+            token.trim().to_string(),
+            args.name.unwrap_or_else(hostname),
+            args.pool,
+        ),
+        _ => bail!(
+            "pass --token (the server's agent token) or --join-token (a node-pool machine's \
+             one-time join token)"
+        ),
+    };
     let mut signals = Signals::new()?;
-    let mut cfg = flotilla_agent::AgentConfig::new(
-        server_url.clone(),
-        args.token.trim().to_string(),
-        name.clone(),
-        work_dir,
-    );
+    let mut cfg =
+        flotilla_agent::AgentConfig::new(server_url.clone(), token, name.clone(), work_dir);
     cfg.region = args.region;
-    cfg.pool = args.pool;
+    cfg.pool = pool;
     cfg.simulate_gpus = args.simulate_gpus;
     args.workloads.apply(&mut cfg);
     // The node lease's fence: this binary, as `flotilla agent-fence`.
@@ -664,6 +686,51 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     }
     eprintln!("stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// A node-pool machine joins: trades its one-time join token for its own
+/// agent key, node name and pool, and keeps them in `work_dir/joined.json`
+/// (mode 0600). A restarted agent finds them there and does not spend the
+/// token again (the server would refuse it as used).
+async fn join_pool(
+    server_url: &str,
+    token: &str,
+    work_dir: &Path,
+) -> Result<flotilla_core::nodepool::Joined> {
+    let saved = work_dir.join("joined.json");
+    if let Ok(text) = std::fs::read_to_string(&saved) {
+        if let Ok(joined) = serde_json::from_str::<flotilla_core::nodepool::Joined>(&text) {
+            eprintln!("joined before as {} in pool {}", joined.name, joined.pool);
+            return Ok(joined);
+        }
+    }
+    if token.is_empty() {
+        bail!("--join-token is empty");
+    }
+    let client = flotilla_client::Client::new(server_url, "")?;
+    let joined = client
+        .join_node(token)
+        .await
+        .map_err(|e| anyhow!("joining the node pool: {e}"))?;
+    config::create_private_dir(work_dir)?;
+    write_private_file(&saved, &serde_json::to_string(&joined)?)?;
+    eprintln!("joined as {} in pool {}", joined.name, joined.pool);
+    Ok(joined)
+}
+
+/// Writes `text` to `path`, readable by this user only.
+fn write_private_file(path: &Path, text: &str) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    f.write_all(text.as_bytes())?;
+    Ok(())
 }
 
 /// The default database URL for a data directory.

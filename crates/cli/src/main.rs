@@ -17,6 +17,7 @@ mod follow;
 mod gateway;
 mod jobs;
 mod local;
+mod nodepools;
 mod output;
 mod queue_worker;
 mod registries;

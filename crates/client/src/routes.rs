@@ -105,6 +105,26 @@ impl Client {
 
     // ---- Agent protocol ---------------------------------------------------
 
+    /// `POST /v1/agent/join`: trades a node-pool machine's one-time join
+    /// token for its agent key (the client's own key is not used). Sent
+    /// once, never retried: a retry of a join the server took would find
+    /// the token spent.
+    pub async fn join_node(&self, token: &str) -> Result<flotilla_core::nodepool::Joined> {
+        let mut call = Call::new(Method::POST, "/v1/agent/join");
+        call.body = Some(
+            serde_json::to_vec(&flotilla_core::nodepool::JoinNode {
+                token: token.to_string(),
+            })
+            .map_err(|e| crate::Error::Config {
+                field: "body",
+                message: format!("cannot encode the request: {e}"),
+            })?,
+        );
+        call.idempotent = false;
+        call.timeout = Some(AGENT_TIMEOUT);
+        self.json(&call).await
+    }
+
     /// `POST /v1/agent/register`.
     pub async fn register_node(&self, node: &RegisterNode) -> Result<Registered> {
         self.post_agent("/v1/agent/register", node, Some(AGENT_TIMEOUT))

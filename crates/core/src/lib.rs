@@ -16,6 +16,7 @@ pub mod id;
 pub mod instance;
 pub mod job;
 pub mod node;
+pub mod nodepool;
 pub mod placement;
 pub mod queue_trigger;
 pub mod quota;

@@ -16,6 +16,9 @@
 //! give the same decisions. Bad readings (NaN, negative) never panic and
 //! never scale past the [`Bounds`].
 //!
+//! [`nodepool`] decides the size of a node pool (machines from a capacity
+//! provider) from the work that fits no node, on the same terms.
+//!
 //! Each baseline module cites the published algorithm and defaults it
 //! follows and lists what it simplifies.
 
@@ -24,6 +27,7 @@ pub mod flotilla;
 pub mod hpa;
 pub mod keda;
 pub mod kpa;
+pub mod nodepool;
 pub mod observe;
 pub mod policy;
 pub mod ray;

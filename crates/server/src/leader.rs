@@ -122,6 +122,7 @@ impl Term {
             tasks: vec![
                 tokio::spawn(crate::reconcile::run(fenced.clone(), tick)),
                 tokio::spawn(crate::autoscale::run(fenced.clone(), tick)),
+                tokio::spawn(crate::nodepools::run(fenced.clone(), tick)),
                 tokio::spawn(crate::endpoints::run(fenced, tick)),
             ],
         }

@@ -35,6 +35,7 @@ pub mod jobs;
 pub mod leader;
 pub mod metering;
 pub mod metrics;
+pub mod nodepools;
 pub mod pricing;
 pub mod reconcile;
 pub mod routes;
@@ -76,6 +77,9 @@ pub struct ServerConfig {
     /// `FLOTILLA_SECRETS_KEY` overrides it (replicas must share one key).
     /// `flotilla server` uses `<data dir>/secrets.key`.
     pub secrets_key_file: Option<std::path::PathBuf>,
+    /// Node pools grown and shrunk through a capacity provider by the
+    /// leader's node-pool loop ([`nodepools`]); empty: none.
+    pub node_pools: Vec<nodepools::NodePoolConfig>,
 }
 
 impl Default for ServerConfig {
@@ -90,6 +94,7 @@ impl Default for ServerConfig {
             operator_fee_percent: rust_decimal::Decimal::from(15),
             webhook_allow_private: false,
             secrets_key_file: None,
+            node_pools: Vec::new(),
         }
     }
 }

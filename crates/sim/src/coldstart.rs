@@ -133,6 +133,12 @@ impl ColdStartModel {
         self.samples[rng.gen_range(0..self.samples.len())]
     }
 
+    /// The sorted samples, to hand the distribution to another model
+    /// (the simulated cloud's provisioning delay) that draws the same way.
+    pub fn samples(&self) -> &[u64] {
+        &self.samples
+    }
+
     /// The shortest cold start the model can draw (the oracle's bound).
     pub fn min_ms(&self) -> u64 {
         self.samples[0]

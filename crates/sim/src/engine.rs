@@ -37,7 +37,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use crate::coldstart::ColdStartModel;
-use crate::nodes::{NodePool, ProviderConfig, SimulatedProvider};
+use crate::nodes::{NodePool, ProviderConfig, SimulatedCloud};
 use crate::service::ServiceModel;
 use crate::trace::{Request, Trace};
 
@@ -233,7 +233,7 @@ struct Sim<'a> {
     scaling_actions: u64,
     preemptions: u64,
     last_target: Option<u32>,
-    pool: Option<NodePool<SimulatedProvider>>,
+    pool: Option<NodePool<SimulatedCloud>>,
     series: Vec<Sample>,
     sample_from: (u64, u64),
     /// Node GPU time spent during the warm-up, subtracted at the end.
@@ -287,7 +287,7 @@ pub fn simulate(
         last_target: None,
         pool: cfg.node_pool.as_ref().map(|p| {
             NodePool::new(
-                SimulatedProvider::new(p.provider.clone(), cfg.seed ^ 0x9e37_79b9_7f4a_7c15),
+                p.provider.cloud_with_seed(cfg.seed ^ 0x9e37_79b9_7f4a_7c15),
                 cfg.service.gpu.clone(),
                 p.idle_grace_ms,
             )

@@ -1,25 +1,29 @@
 //! Node pools: the GPUs replicas run on, grown and shrunk through a
 //! [`CapacityProvider`].
 //!
-//! A provider is whatever hands out nodes — a cloud API, a bare-metal
-//! inventory, the simulator's [`SimulatedProvider`]. The pool asks it for a
-//! node when no node has a free GPU, places replicas onto nodes through the
-//! real placement engine (`flotilla-sched`, best-fit scorer: the fullest
-//! node that still has room, so whole nodes free up to be removed; the
-//! pool's nodes are a `sched` cluster snapshot kept in step with grants,
-//! releases and preemptions), removes a node once it has been idle for a
-//! grace period, and
-//! never removes a node that runs tier-1 work. Tier-1 replicas run on
+//! A provider is whatever hands out machines; the trait and the simulated
+//! cloud live in `flotilla-backends` (the server runs node pools on the same
+//! ones), and the simulator drives the [`SimulatedCloud`] from its virtual
+//! clock. The pool asks it for a node when no node has a free GPU, places
+//! replicas onto nodes through the real placement engine
+//! (`flotilla-sched`, best-fit scorer: the fullest node that still has
+//! room, so whole nodes free up to be removed; the pool's nodes are a
+//! `sched` cluster snapshot kept in step with grants, releases and
+//! preemptions), removes a node once it has been idle for a grace period,
+//! and never removes a node that runs tier-1 work. Tier-1 replicas run on
 //! on-demand nodes only; other tiers try spot first and fall back to
 //! on-demand. Everything here is pure: the provider's randomness comes from
-//! a seeded generator and its clock is the `now_ms` it is given.
+//! a seeded generator and its clock is the `now_ms` it is given (its
+//! futures are ready at once, so `block_on` never waits).
 
-use std::collections::BTreeMap;
-
-use rand::{Rng, SeedableRng};
+use futures::executor::block_on;
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use serde::{Deserialize, Serialize};
 
+pub use flotilla_backends::capacity::{
+    CapacityError, CapacityProvider, Machine, ProvisionRequest, RegionLimit, SimulatedCloud,
+};
+use flotilla_backends::capacity::{ProvisionDelay, SimulatedCloudConfig};
 use flotilla_sched::score::BestFit;
 use flotilla_sched::{
     Cluster, Decision, Engine, GpuDemand, ModelId, ModelSet, ModelTable, NodeSpec, Placement,
@@ -28,68 +32,20 @@ use flotilla_sched::{
 
 use crate::coldstart::ColdStartModel;
 
-/// What the pool asks a provider for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NodeRequest {
-    /// GPU type (catalog name).
-    pub gpu: String,
-    /// Spot (preemptible) capacity rather than on-demand.
-    pub spot: bool,
-}
-
-/// A node a provider granted.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NodeGrant {
-    /// Provider's node number, unique among its grants.
-    pub node: u32,
-    /// Region the node is in.
-    pub region: String,
-    /// GPUs on the node.
-    pub gpus: u32,
-    /// Whether it is spot capacity.
-    pub spot: bool,
-    /// When the node is ready for replicas.
-    pub ready_at_ms: u64,
-    /// When the provider will take it back (spot preemption), if known.
-    pub preempt_at_ms: Option<u64>,
-}
-
-/// Why a provider refused a node.
+/// Why the pool could not place a replica.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum CapacityError {
-    /// Every region is at its limit for this GPU type.
-    #[error("no {gpu} capacity left in any region")]
-    NoCapacity { gpu: String },
-    /// No spot capacity is on offer right now.
-    #[error("no spot {gpu} capacity available")]
-    NoSpot { gpu: String },
+pub enum PoolError {
+    /// The provider had no machine to give.
+    #[error(transparent)]
+    Capacity(#[from] CapacityError),
     /// The placement engine refused a step the pool's bookkeeping expected
     /// to succeed (a bug, reported rather than a panic).
     #[error("placement: {0}")]
     Placement(String),
 }
 
-/// Something that hands out GPU nodes. Pure: `now_ms` is the caller's
-/// clock; implementations keep their own seeded randomness.
-pub trait CapacityProvider {
-    /// Ask for one node.
-    fn provision(&mut self, now_ms: u64, want: &NodeRequest) -> Result<NodeGrant, CapacityError>;
-    /// Give a node back.
-    fn release(&mut self, now_ms: u64, node: u32);
-}
-
-/// The node capacity of one region for one GPU type.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RegionLimit {
-    /// Region name.
-    pub region: String,
-    /// GPU type.
-    pub gpu: String,
-    /// Most nodes of that type live at once in the region.
-    pub max_nodes: u32,
-}
-
-/// Settings of the [`SimulatedProvider`].
+/// Settings of the simulator's cloud (the [`SimulatedCloud`] with the
+/// simulator's cold-start model as its provisioning delay).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProviderConfig {
     /// Capacity per region and GPU type, tried in this order.
@@ -125,91 +81,32 @@ impl ProviderConfig {
             spot_mean_lifetime_ms: 2 * 3_600_000,
         }
     }
-}
 
-/// A provider with provisioning delays, per-region limits, spot
-/// availability and preemption, all drawn from a seeded generator.
-#[derive(Debug, Clone)]
-pub struct SimulatedProvider {
-    cfg: ProviderConfig,
-    rng: ChaCha8Rng,
-    /// Live nodes per index into `cfg.limits`.
-    live: Vec<u32>,
-    /// Live node → its index into `cfg.limits`.
-    nodes: BTreeMap<u32, usize>,
-    next: u32,
-}
-
-impl SimulatedProvider {
-    /// A provider seeded with `seed`.
-    pub fn new(cfg: ProviderConfig, seed: u64) -> Self {
-        let live = vec![0; cfg.limits.len()];
-        Self {
-            cfg,
-            rng: ChaCha8Rng::seed_from_u64(seed),
-            live,
-            nodes: BTreeMap::new(),
-            next: 0,
-        }
-    }
-
-    /// Live nodes in total.
-    pub fn live_nodes(&self) -> usize {
-        self.nodes.len()
-    }
-}
-
-impl CapacityProvider for SimulatedProvider {
-    fn provision(&mut self, now_ms: u64, want: &NodeRequest) -> Result<NodeGrant, CapacityError> {
-        let slot = self
-            .cfg
-            .limits
-            .iter()
-            .enumerate()
-            .position(|(i, l)| l.gpu.eq_ignore_ascii_case(&want.gpu) && self.live[i] < l.max_nodes)
-            .ok_or_else(|| CapacityError::NoCapacity {
-                gpu: want.gpu.clone(),
-            })?;
-        if want.spot
-            && !self
-                .rng
-                .gen_bool(self.cfg.spot_availability.clamp(0.0, 1.0))
-        {
-            return Err(CapacityError::NoSpot {
-                gpu: want.gpu.clone(),
-            });
-        }
-        let ready_at_ms = now_ms + self.cfg.provision_delay.sample(&mut self.rng);
-        let preempt_at_ms = want.spot.then(|| {
-            let u: f64 = self.rng.gen_range(f64::EPSILON..1.0);
-            ready_at_ms + (-u.ln() * self.cfg.spot_mean_lifetime_ms as f64) as u64
-        });
-        let node = self.next;
-        self.next += 1;
-        self.live[slot] += 1;
-        self.nodes.insert(node, slot);
-        Ok(NodeGrant {
-            node,
-            region: self.cfg.limits[slot].region.clone(),
-            gpus: self.cfg.gpus_per_node,
-            spot: want.spot,
-            ready_at_ms,
-            preempt_at_ms,
-        })
-    }
-
-    fn release(&mut self, _now_ms: u64, node: u32) {
-        if let Some(slot) = self.nodes.remove(&node) {
-            self.live[slot] -= 1;
-        }
+    /// The simulated cloud these settings describe, seeded with `seed`.
+    /// The simulator acts on preemptions when they happen, so the cloud
+    /// gives no advance notice.
+    pub fn cloud_with_seed(&self, seed: u64) -> SimulatedCloud {
+        SimulatedCloud::new(
+            SimulatedCloudConfig {
+                limits: self.limits.clone(),
+                gpus_per_node: self.gpus_per_node,
+                provision_delay: ProvisionDelay::from_samples(
+                    self.provision_delay.samples().to_vec(),
+                ),
+                spot_availability: self.spot_availability,
+                spot_mean_lifetime_ms: self.spot_mean_lifetime_ms,
+                spot_notice_ms: 0,
+            },
+            seed,
+        )
     }
 }
 
 /// One node of the pool.
 #[derive(Debug, Clone)]
 pub struct Node {
-    /// The provider's grant.
-    pub grant: NodeGrant,
+    /// The provider's machine.
+    pub grant: Machine,
     /// When the pool asked for it (GPU time is billed from here).
     pub requested_ms: u64,
     /// GPUs in use by replicas.
@@ -244,8 +141,8 @@ pub struct NodePool<P> {
     rng: ChaCha8Rng,
 }
 
-fn placement_error(e: flotilla_sched::Error) -> CapacityError {
-    CapacityError::Placement(e.to_string())
+fn placement_error(e: flotilla_sched::Error) -> PoolError {
+    PoolError::Placement(e.to_string())
 }
 
 /// One replica's demand: one whole GPU.
@@ -298,35 +195,47 @@ impl<P: CapacityProvider> NodePool<P> {
         }
     }
 
+    /// Give machine `id` back. The simulated cloud cannot fail a
+    /// termination; another provider's failure leaves the machine to it.
+    fn release(provider: &P, now_ms: u64, id: &str) {
+        let _ = block_on(provider.terminate(now_ms, id));
+    }
+
     /// All nodes ever granted, by pool index.
     pub fn nodes(&self) -> &[Node] {
         &self.nodes
     }
 
+    /// What to ask the provider for.
+    fn request(&self, spot: bool) -> ProvisionRequest {
+        ProvisionRequest {
+            name: format!("{}-{}", self.gpu, self.nodes.len()),
+            instance_type: self.gpu.clone(),
+            region: None,
+            spot,
+            join: None,
+        }
+    }
+
     /// Place one replica of `tier`: best fit on a live node with a free
     /// GPU (on-demand only for tier 1), else a new node from the provider.
     /// Returns the pool index of the node and when it is (or was) ready.
-    pub fn place(&mut self, now_ms: u64, tier: u8) -> Result<(usize, u64), CapacityError> {
+    pub fn place(&mut self, now_ms: u64, tier: u8) -> Result<(usize, u64), PoolError> {
         let tier1 = tier <= 1;
         let placement = match self.decide(tier1) {
             Some(p) => p,
             None => {
                 let mut grant = Err(CapacityError::NoCapacity {
-                    gpu: self.gpu.clone(),
+                    instance_type: self.gpu.clone(),
+                    message: "no spot asked".to_string(),
                 });
                 if !tier1 {
-                    let want = NodeRequest {
-                        gpu: self.gpu.clone(),
-                        spot: true,
-                    };
-                    grant = self.provider.provision(now_ms, &want);
+                    let want = self.request(true);
+                    grant = block_on(self.provider.provision(now_ms, &want));
                 }
                 if grant.is_err() {
-                    let want = NodeRequest {
-                        gpu: self.gpu.clone(),
-                        spot: false,
-                    };
-                    grant = self.provider.provision(now_ms, &want);
+                    let want = self.request(false);
+                    grant = block_on(self.provider.provision(now_ms, &want));
                 }
                 let grant = grant?;
                 let spec = NodeSpec {
@@ -351,7 +260,8 @@ impl<P: CapacityProvider> NodePool<P> {
                 self.devices.push(Vec::new());
                 self.decide(tier1)
                     .ok_or_else(|| CapacityError::NoCapacity {
-                        gpu: self.gpu.clone(),
+                        instance_type: self.gpu.clone(),
+                        message: "a new node did not fit one GPU".to_string(),
                     })?
             }
         };
@@ -366,7 +276,7 @@ impl<P: CapacityProvider> NodePool<P> {
         n.used += 1;
         n.tier1 += u32::from(tier1);
         n.idle_since_ms = None;
-        Ok((i, n.grant.ready_at_ms.max(now_ms)))
+        Ok((i, n.grant.ready_at_ms.unwrap_or(now_ms).max(now_ms)))
     }
 
     /// A replica of `tier` left node `i`.
@@ -400,7 +310,7 @@ impl<P: CapacityProvider> NodePool<P> {
                 .idle_since_ms
                 .is_some_and(|t| now_ms.saturating_sub(t) >= self.idle_grace_ms);
             if n.gone_ms.is_none() && n.used == 0 && n.tier1 == 0 && idle_long {
-                self.provider.release(now_ms, n.grant.node);
+                Self::release(&self.provider, now_ms, &n.grant.id);
                 n.gone_ms = Some(now_ms);
                 gone.push(i);
             }
@@ -415,7 +325,7 @@ impl<P: CapacityProvider> NodePool<P> {
     pub fn preempted(&mut self, now_ms: u64, i: usize) {
         if let Some(n) = self.nodes.get_mut(i) {
             if n.gone_ms.is_none() {
-                self.provider.release(now_ms, n.grant.node);
+                Self::release(&self.provider, now_ms, &n.grant.id);
                 n.gone_ms = Some(now_ms);
                 n.used = 0;
                 n.tier1 = 0;
@@ -429,7 +339,7 @@ impl<P: CapacityProvider> NodePool<P> {
         let mut gone = Vec::new();
         for (i, n) in self.nodes.iter_mut().enumerate() {
             if n.gone_ms.is_none() {
-                self.provider.release(end_ms, n.grant.node);
+                Self::release(&self.provider, end_ms, &n.grant.id);
                 n.gone_ms = Some(end_ms);
                 gone.push(i);
             }
@@ -487,54 +397,8 @@ mod tests {
     }
 
     #[test]
-    fn provider_respects_region_limits_in_order() {
-        let mut p = SimulatedProvider::new(cfg(1, 1.0), 7);
-        let want = NodeRequest {
-            gpu: "H100".into(),
-            spot: false,
-        };
-        let a = p.provision(0, &want).unwrap();
-        let b = p.provision(0, &want).unwrap();
-        assert_eq!((a.region.as_str(), b.region.as_str()), ("a", "b"));
-        assert_eq!(a.ready_at_ms, 1_000);
-        assert!(a.preempt_at_ms.is_none());
-        assert!(matches!(
-            p.provision(0, &want),
-            Err(CapacityError::NoCapacity { .. })
-        ));
-        p.release(5, a.node);
-        assert_eq!(p.provision(5, &want).unwrap().region, "a");
-        let other = NodeRequest {
-            gpu: "A100-80GB".into(),
-            spot: false,
-        };
-        assert!(p.provision(0, &other).is_err());
-    }
-
-    #[test]
-    fn spot_nodes_get_preempted_and_may_be_unavailable() {
-        let mut p = SimulatedProvider::new(cfg(100, 0.5), 3);
-        let want = NodeRequest {
-            gpu: "H100".into(),
-            spot: true,
-        };
-        let (mut ok, mut none) = (0, 0);
-        for _ in 0..100 {
-            match p.provision(0, &want) {
-                Ok(g) => {
-                    ok += 1;
-                    assert!(g.preempt_at_ms.unwrap() >= g.ready_at_ms);
-                }
-                Err(CapacityError::NoSpot { .. }) => none += 1,
-                Err(e) => panic!("{e}"),
-            }
-        }
-        assert!(ok > 20 && none > 20, "{ok} {none}");
-    }
-
-    #[test]
     fn pool_bin_packs_and_reaps_idle_nodes_after_grace() {
-        let mut pool = NodePool::new(SimulatedProvider::new(cfg(10, 1.0), 1), "H100", 30_000);
+        let mut pool = NodePool::new(cfg(10, 1.0).cloud_with_seed(1), "H100", 30_000);
         let (n0, ready) = pool.place(0, 2).unwrap();
         assert_eq!(ready, 1_000);
         let (n1, _) = pool.place(0, 2).unwrap();
@@ -551,7 +415,7 @@ mod tests {
 
     #[test]
     fn tier1_runs_on_demand_and_its_node_is_never_reaped() {
-        let mut pool = NodePool::new(SimulatedProvider::new(cfg(10, 1.0), 1), "H100", 0);
+        let mut pool = NodePool::new(cfg(10, 1.0).cloud_with_seed(1), "H100", 0);
         let (spot_node, _) = pool.place(0, 3).unwrap();
         let (n, _) = pool.place(0, 1).unwrap();
         assert_ne!(n, spot_node, "tier 1 does not share the spot node");
@@ -567,28 +431,28 @@ mod tests {
 
     #[test]
     fn full_provider_refuses_placement() {
-        let mut pool = NodePool::new(SimulatedProvider::new(cfg(1, 0.0), 1), "H100", 0);
+        let mut pool = NodePool::new(cfg(1, 0.0).cloud_with_seed(1), "H100", 0);
         for _ in 0..4 {
             pool.place(0, 2).unwrap(); // spot unavailable: on-demand fallback
         }
         assert!(pool.nodes().iter().all(|n| !n.grant.spot));
         assert!(matches!(
             pool.place(0, 2),
-            Err(CapacityError::NoCapacity { .. })
+            Err(PoolError::Capacity(CapacityError::NoCapacity { .. }))
         ));
         let (od, spot) = pool.gpu_ms(10);
         assert_eq!((od, spot), (2 * 2 * 10, 0));
     }
 
     /// Whole GPUs free on node `i` as the placement engine sees them.
-    fn engine_free(pool: &NodePool<SimulatedProvider>, i: usize) -> usize {
+    fn engine_free(pool: &NodePool<SimulatedCloud>, i: usize) -> usize {
         let state = pool.cluster.state_of(i as u32).unwrap();
         state.gpus_with_at_least(1_000)
     }
 
     #[test]
     fn the_engine_snapshot_follows_the_pool() {
-        let mut pool = NodePool::new(SimulatedProvider::new(cfg(10, 1.0), 1), "H100", 0);
+        let mut pool = NodePool::new(cfg(10, 1.0).cloud_with_seed(1), "H100", 0);
         let (a, _) = pool.place(0, 2).unwrap();
         let (b, _) = pool.place(0, 2).unwrap();
         assert_eq!(a, b);

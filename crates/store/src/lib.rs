@@ -16,6 +16,7 @@ use sqlx::{AnyPool, Executor, SqlitePool};
 
 pub mod audit;
 pub mod budgets;
+pub mod capacity;
 pub mod endpoints;
 pub mod idempotency;
 pub mod instances;

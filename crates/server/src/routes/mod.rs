@@ -26,6 +26,7 @@ pub mod instances;
 pub mod invoices;
 pub mod jobs;
 pub mod keys;
+pub mod nodepools;
 pub mod nodes;
 pub mod payouts;
 pub mod pools;
@@ -233,6 +234,8 @@ pub fn api() -> OpenApiRouter<AppState> {
         ))
         .routes(routes!(registries::delete_registry_credential))
         .routes(routes!(agent::register))
+        .routes(routes!(nodepools::join))
+        .routes(routes!(nodepools::list_node_pools))
         .routes(routes!(agent::sync))
         .routes(routes!(agent::push_logs))
         .routes(routes!(usage::post_usage_events))
