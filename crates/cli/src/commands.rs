@@ -846,6 +846,42 @@ pub async fn keys_list(ctx: &Ctx) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `flotilla audit`: the newest `limit` entries of the audit log.
+pub async fn audit(ctx: &Ctx, tenant: Option<String>, limit: u64) -> Result<ExitCode> {
+    let query = match tenant {
+        Some(t) => vec![(
+            "tenant_id",
+            resolve_tenant(&ctx.client, Some(&t)).await?.to_string(),
+        )],
+        None => Vec::new(),
+    };
+    let raw: Vec<Value> = ctx
+        .client
+        .list(
+            "/v1/audit",
+            &query,
+            Some(usize::try_from(limit).unwrap_or(usize::MAX)),
+        )
+        .await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut t = table(["AT", "TENANT", "KEY", "CALL", "OBJECT", "STATUS"]);
+    for e in decode_all::<flotilla_core::api::AuditEntry>(raw)? {
+        t.add_row([
+            e.at.format("%Y-%m-%d %H:%M:%S").to_string(),
+            e.tenant_id.to_string(),
+            e.key_id.to_string(),
+            format!("{} {}", e.method, e.route),
+            e.object_id.unwrap_or_else(|| "-".into()),
+            e.status.to_string(),
+        ]);
+    }
+    print_table(&t)?;
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Parses a role name.
 pub fn parse_role(s: &str) -> std::result::Result<Role, String> {
     Role::parse(s.trim()).ok_or_else(|| {

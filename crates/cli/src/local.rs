@@ -59,6 +59,10 @@ pub struct ServerArgs {
     /// Requests per second allowed per API key (bursts of twice that).
     #[arg(long, default_value_t = 100, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub rate_limit: u32,
+    /// Requests per second allowed per source address without a valid
+    /// API key (bursts of twice that); more answer 429.
+    #[arg(long, default_value_t = 10, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub anonymous_rate_limit: u32,
     /// Placement policy: flotilla (default), fgd, bestfit, dotprod,
     /// gpupacking, gpuclustering or random.
     #[arg(long, default_value = "flotilla", value_name = "POLICY", value_parser = parse_policy)]
@@ -109,6 +113,7 @@ impl ServerArgs {
         flotilla_server::ServerConfig {
             heartbeat_timeout: std::time::Duration::from_secs(self.heartbeat_timeout),
             rate_limit_per_second: self.rate_limit,
+            anonymous_rate_limit_per_second: self.anonymous_rate_limit,
             placement_policy: self.placement_policy,
             webhook_allow_private: self.webhook_allow_private,
             billing_every: std::time::Duration::from_secs(self.billing_every),

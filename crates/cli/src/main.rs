@@ -233,6 +233,16 @@ enum Command {
         #[command(subcommand)]
         command: Option<KeysCommand>,
     },
+    /// The audit log: who changed what and when, newest first (operators:
+    /// every tenant's; tenant admins: their own).
+    Audit {
+        /// Only this tenant's calls (id or name; operators).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// How many entries to show.
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+        limit: u64,
+    },
     /// Show a tenant's GPU quota and use, or change it.
     Quota {
         /// Tenant id or name (default: your own).
@@ -461,6 +471,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
             }
             Some(KeysCommand::Revoke { id }) => commands::keys_revoke(&ctx, &id).await,
         },
+        Command::Audit { tenant, limit } => commands::audit(&ctx, tenant, limit).await,
         Command::Quota { tenant, command } => match command {
             None => commands::quota_show(&ctx, tenant).await,
             Some(QuotaCommand::Set {

@@ -89,6 +89,34 @@ pub struct ApiKey {
     pub endpoints: Option<Vec<crate::id::EndpointId>>,
 }
 
+/// One mutating API call, as the audit log keeps it: who (the key and
+/// its tenant), what (method, route and the object it named or created),
+/// when, and how it ended. Written by the server for every authenticated
+/// POST, PUT, PATCH and DELETE, whatever its result; never edited.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct AuditEntry {
+    /// Id; sorts by time.
+    pub id: crate::id::AuditId,
+    /// When the answer was sent.
+    pub at: DateTime<Utc>,
+    /// The key that made the call.
+    pub key_id: KeyId,
+    /// The key's tenant.
+    pub tenant_id: TenantId,
+    /// HTTP method.
+    pub method: String,
+    /// The route's template, e.g. `/v1/instances/{instance_id}/stop`.
+    pub route: String,
+    /// The object the call named in its path, or the one it created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object_id: Option<String>,
+    /// The HTTP status of the answer.
+    pub status: u16,
+    /// The request's `x-request-id`, to find it in the server's log.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+}
+
 /// Create an API key.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -126,6 +126,10 @@ prefixed_id!(
 prefixed_id!(
     /// A tenant's credentials for one container registry.
     RegistryCredentialId, "rcred_");
+prefixed_id!(
+    /// One entry of the audit log: a mutating API call, who made it and
+    /// how it ended.
+    AuditId, "aud_");
 
 /// A piece of queued work: an instance or a job. Names what a preemption
 /// made room for (`preempted_by`); sent as the plain id.

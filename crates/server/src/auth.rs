@@ -1,13 +1,17 @@
-//! Bearer API keys: minting, hashing and the `Caller` extractor that
-//! authenticates and rate-limits every request.
+//! Bearer API keys: minting, hashing, the layer that authenticates and
+//! rate-limits every request, and the `Caller` extractor handlers take.
 //!
 //! A secret is `flt_` plus 64 hex digits (32 random bytes). Only its
 //! SHA-256 is stored; with that much entropy a slow password hash would buy
 //! nothing and cost every request.
 
-use axum::extract::FromRequestParts;
+use std::net::SocketAddr;
+
+use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
 use axum::http::header::AUTHORIZATION;
 use axum::http::request::Parts;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use flotilla_core::id::{KeyId, TenantId};
 use flotilla_core::tenant::Role;
 use rand::RngCore;
@@ -97,6 +101,110 @@ pub fn bearer(parts: &Parts) -> Option<&str> {
         .then_some(token.trim())
 }
 
+/// Why a request has no caller. Kept in the request's extensions by
+/// [`layer`] so that the handler's [`Caller`] extractor (and the
+/// idempotency layer, before any replay) answer the same error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthFailure {
+    /// No `Authorization: Bearer …` header.
+    Missing,
+    /// A secret that is not one of ours, or revoked.
+    Invalid,
+    /// An inference key, which works at the gateway only.
+    InferenceKey,
+}
+
+impl AuthFailure {
+    /// The API error for it.
+    pub fn error(self) -> ApiError {
+        match self {
+            AuthFailure::Missing => {
+                ApiError::unauthenticated("missing `Authorization: Bearer <api key>` header")
+            }
+            AuthFailure::Invalid => ApiError::unauthenticated("invalid or revoked API key"),
+            AuthFailure::InferenceKey => ApiError::forbidden(
+                "an inference key calls endpoints through the gateway only, not the API",
+            ),
+        }
+    }
+}
+
+/// What authentication found for one request.
+#[derive(Debug, Clone)]
+pub struct Authn(pub Result<Caller, AuthFailure>);
+
+/// Looks the request's key up. `Err` only when the store fails.
+pub async fn authenticate(
+    state: &AppState,
+    parts: &Parts,
+) -> Result<Result<Caller, AuthFailure>, ApiError> {
+    let Some(secret) = bearer(parts) else {
+        return Ok(Err(AuthFailure::Missing));
+    };
+    if !secret.starts_with(SECRET_PREFIX) || secret.len() > 200 {
+        return Ok(Err(AuthFailure::Invalid));
+    }
+    let Some(key) = state.store().key_by_hash(&hash_secret(secret)).await? else {
+        return Ok(Err(AuthFailure::Invalid));
+    };
+    if key.endpoints.is_some() {
+        return Ok(Err(AuthFailure::InferenceKey));
+    }
+    Ok(Ok(Caller {
+        key_id: key.id,
+        tenant_id: key.tenant_id,
+        role: key.role,
+    }))
+}
+
+/// Routes anyone may read without a key: probes and the API's own
+/// description.
+fn public(path: &str) -> bool {
+    matches!(
+        path,
+        "/healthz" | "/v1/health" | "/v1/openapi.json" | "/v1/docs"
+    )
+}
+
+/// The authentication layer, outermost of the API's own layers: every
+/// request's key is looked up once, before the idempotency layer could
+/// replay a stored answer (a revoked key must not get back the secret a
+/// `POST /v1/keys` minted) and before the audit layer records who called.
+///
+/// Rate limits: a valid key gets its own budget
+/// ([`crate::ServerConfig::rate_limit_per_second`]); a request without a
+/// valid key (none, unknown, revoked) on a route that needs one is limited
+/// by its source address
+/// ([`crate::ServerConfig::anonymous_rate_limit_per_second`]), so guessing
+/// keys or hammering the API without one answers 429 rather than costing
+/// a database lookup each time.
+pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let (mut parts, body) = req.into_parts();
+    let found = match authenticate(&st, &parts).await {
+        Ok(found) => found,
+        Err(e) => return e.into_response(),
+    };
+    match &found {
+        Ok(caller) => {
+            if let Err(e) = st.check_rate(caller.key_id.as_str()) {
+                return e.into_response();
+            }
+        }
+        Err(AuthFailure::Missing) if public(parts.uri.path()) => {}
+        Err(_) => {
+            let addr = parts
+                .extensions
+                .get::<ConnectInfo<SocketAddr>>()
+                .map(|c| c.0.ip());
+            if let Err(e) = st.check_anonymous_rate(addr) {
+                return e.into_response();
+            }
+        }
+    }
+    parts.extensions.insert(Authn(found));
+    next.run(Request::from_parts(parts, body)).await
+}
+
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
@@ -104,28 +212,15 @@ impl FromRequestParts<AppState> for Caller {
         parts: &mut Parts,
         state: &AppState,
     ) -> Result<Self, Self::Rejection> {
-        let secret = bearer(parts).ok_or_else(|| {
-            ApiError::unauthenticated("missing `Authorization: Bearer <api key>` header")
-        })?;
-        if !secret.starts_with(SECRET_PREFIX) || secret.len() > 200 {
-            return Err(ApiError::unauthenticated("invalid API key"));
+        if let Some(Authn(found)) = parts.extensions.get::<Authn>() {
+            return found.clone().map_err(AuthFailure::error);
         }
-        let key = state
-            .store()
-            .key_by_hash(&hash_secret(secret))
+        // A router without [`layer`] (tests that mount routes alone).
+        let caller = authenticate(state, parts)
             .await?
-            .ok_or_else(|| ApiError::unauthenticated("invalid or revoked API key"))?;
-        if key.endpoints.is_some() {
-            return Err(ApiError::forbidden(
-                "an inference key calls endpoints through the gateway only, not the API",
-            ));
-        }
-        state.check_rate(key.id.as_str())?;
-        Ok(Caller {
-            key_id: key.id,
-            tenant_id: key.tenant_id,
-            role: key.role,
-        })
+            .map_err(AuthFailure::error)?;
+        state.check_rate(caller.key_id.as_str())?;
+        Ok(caller)
     }
 }
 

@@ -110,6 +110,19 @@ impl ApiError {
         }
     }
 
+    /// 429 with `Retry-After` for requests without a valid key, limited
+    /// by their source address.
+    pub fn rate_limited_anonymous(retry_after_s: u64) -> Self {
+        Self {
+            retry_after: Some(retry_after_s.max(1)),
+            ..Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                "too many requests without a valid API key from this address; retry after the Retry-After seconds",
+            )
+        }
+    }
+
     /// 500; the cause is logged, not shown.
     pub fn internal(cause: impl std::fmt::Display) -> Self {
         tracing::error!(error = %cause, "internal error");

@@ -1,6 +1,8 @@
 //! `Idempotency-Key` on every POST, PATCH and DELETE: the first answer (2xx) is stored and
 //! replayed for a retry with the same key and body; a different body with
 //! the same key is refused; a retry while the first is in flight gets 409.
+//! Authentication comes first: a request whose key is missing, unknown or
+//! revoked is refused before a stored answer could be replayed to it.
 //! Non-2xx answers are not stored, so a corrected retry can succeed.
 //! Agent and gateway routes and usage batches are exempt: they are idempotent by design
 //! (agents long-poll; usage events carry their own keys).
@@ -13,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use flotilla_store::idempotency::Claim;
 use sha2::{Digest, Sha256};
 
-use crate::auth::hash_secret;
+use crate::auth::{AuthFailure, Authn};
 use crate::error::ApiError;
 use crate::extract::BODY_LIMIT;
 use crate::state::AppState;
@@ -37,6 +39,15 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
     let Some(key) = req.headers().get(HEADER).cloned() else {
         return next.run(req).await;
     };
+    // Only an authenticated caller gets a stored answer: authentication
+    // ran first (`crate::auth::layer`), and a missing, unknown or revoked
+    // key is refused here, before any replay. Answers are scoped by the
+    // key, so one caller's keys never collide with another's.
+    let scope = match req.extensions().get::<Authn>() {
+        Some(Authn(Ok(caller))) => caller.key_id.to_string(),
+        Some(Authn(Err(failure))) => return failure.error().into_response(),
+        None => return AuthFailure::Missing.error().into_response(),
+    };
     let key = match key.to_str() {
         Ok(k) if !k.is_empty() && k.len() <= 255 => k.to_string(),
         _ => {
@@ -47,14 +58,6 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
             .into_response();
         }
     };
-    // Scope by the caller's credential: one tenant's keys never collide
-    // with another's. Unauthenticated requests fail in the handler anyway.
-    let scope = req
-        .headers()
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .map(hash_secret)
-        .unwrap_or_default();
     let (parts, body) = req.into_parts();
     let bytes = match to_bytes(body, BODY_LIMIT).await {
         Ok(b) => b,

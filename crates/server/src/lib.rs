@@ -23,6 +23,7 @@ pub use flotilla_store::Store;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
+pub mod audit;
 pub mod auth;
 pub mod autoscale;
 pub mod budgets;
@@ -55,6 +56,11 @@ pub struct ServerConfig {
     pub heartbeat_timeout: Duration,
     /// Sustained requests per second per API key (bursts of twice that).
     pub rate_limit_per_second: u32,
+    /// Sustained requests per second per source address that carry no
+    /// valid key (none, unknown or revoked) to a route that needs one
+    /// (bursts of twice that). Low: such a request can only be a mistake or
+    /// a guess at a key.
+    pub anonymous_rate_limit_per_second: u32,
     /// Longest pause of the reconcile loop when nothing signals a change.
     pub reconcile_tick: Duration,
     /// The placement policy (`flotilla-sched`); Flotilla's own by default.
@@ -87,6 +93,7 @@ impl Default for ServerConfig {
         Self {
             heartbeat_timeout: Duration::from_secs(15),
             rate_limit_per_second: 100,
+            anonymous_rate_limit_per_second: 10,
             reconcile_tick: Duration::from_secs(1),
             placement_policy: flotilla_sched::Policy::Flotilla,
             billing_every: Duration::from_secs(30),
@@ -300,7 +307,7 @@ pub async fn bootstrap(store: &Store, data_dir: &Path) -> anyhow::Result<Bootstr
 
 /// The whole HTTP application for `state`.
 pub fn app(state: AppState) -> Router {
-    let (api, doc) = routes::api().split_for_parts();
+    let (api, doc) = routes::documented();
     let doc_json = Arc::new(doc);
     let docs_html = Arc::new(routes::docs::render(&doc_json));
     let request_id = HeaderName::from_static("x-request-id");
@@ -338,7 +345,12 @@ pub fn app(state: AppState) -> Router {
             retry_after: None,
         }
     })
+    // Outermost first: authentication (and its rate limits), the audit
+    // log (which needs the caller), then idempotent replays (which must
+    // come after authentication and be audited as what they answer).
     .layer(middleware::from_fn_with_state(state.clone(), idempotency::layer))
+    .layer(middleware::from_fn_with_state(state.clone(), audit::layer))
+    .layer(middleware::from_fn_with_state(state.clone(), auth::layer))
     .layer(DefaultBodyLimit::max(extract::BODY_LIMIT))
     .with_state(state)
     .merge(console)
@@ -423,13 +435,18 @@ pub async fn serve(
     let leading = tokio::spawn(leader::run(state.clone(), tick, me));
     let addr = listener.local_addr().ok();
     tracing::info!(addr = ?addr, replica = %state.replica(), "serving the api");
-    axum::serve(listener, app(state))
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            let _ = stop_tx.send(true);
-        })
-        .await
-        .context("http server failed")?;
+    // With the peer's address: requests without a valid key are
+    // rate-limited by it (`auth::layer`).
+    axum::serve(
+        listener,
+        app(state).into_make_service_with_connect_info::<std::net::SocketAddr>(),
+    )
+    .with_graceful_shutdown(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    })
+    .await
+    .context("http server failed")?;
     let _ = leading.await;
     store.close().await;
     tracing::info!("server stopped");

@@ -2,6 +2,7 @@
 //! limiter and the change signal that wakes long-polls and log followers.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 
@@ -33,6 +34,8 @@ struct Inner {
     config: ServerConfig,
     clock: Arc<dyn Clock>,
     limiter: DefaultKeyedRateLimiter<String>,
+    /// Requests without a valid key, by source address.
+    anonymous: DefaultKeyedRateLimiter<Option<IpAddr>>,
     changes: watch::Sender<u64>,
     shutdown: watch::Receiver<bool>,
     started_at: DateTime<Utc>,
@@ -121,12 +124,24 @@ impl AppState {
         let per_s = NonZeroU32::new(config.rate_limit_per_second.max(1)).unwrap_or(NonZeroU32::MIN);
         let burst = NonZeroU32::new(config.rate_limit_per_second.saturating_mul(2).max(1))
             .unwrap_or(NonZeroU32::MIN);
+        let anon_per_s = NonZeroU32::new(config.anonymous_rate_limit_per_second.max(1))
+            .unwrap_or(NonZeroU32::MIN);
+        let anon_burst = NonZeroU32::new(
+            config
+                .anonymous_rate_limit_per_second
+                .saturating_mul(2)
+                .max(1),
+        )
+        .unwrap_or(NonZeroU32::MIN);
         let started_at = clock.now();
         Self {
             store,
             inner: Arc::new(Inner {
                 catalog: Catalog::default(),
                 limiter: RateLimiter::keyed(Quota::per_second(per_s).allow_burst(burst)),
+                anonymous: RateLimiter::keyed(
+                    Quota::per_second(anon_per_s).allow_burst(anon_burst),
+                ),
                 config,
                 clock,
                 changes: watch::channel(0).0,
@@ -324,11 +339,28 @@ impl AppState {
         }
     }
 
+    /// 429 when requests without a valid key from `addr` (`None`: a
+    /// connection whose peer is unknown, all counted together) used up
+    /// theirs.
+    pub fn check_anonymous_rate(&self, addr: Option<IpAddr>) -> Result<(), ApiError> {
+        match self.inner.anonymous.check_key(&addr) {
+            Ok(()) => Ok(()),
+            Err(not_until) => {
+                let wait = not_until.wait_time_from(DefaultClock::default().now());
+                Err(ApiError::rate_limited_anonymous(
+                    wait.as_secs_f64().ceil() as u64
+                ))
+            }
+        }
+    }
+
     /// Forgets rate-limit state of keys that have been idle long enough to
     /// be back at a full burst, so the limiter does not grow forever.
     pub fn prune_rate_limits(&self) {
         self.inner.limiter.retain_recent();
         self.inner.limiter.shrink_to_fit();
+        self.inner.anonymous.retain_recent();
+        self.inner.anonymous.shrink_to_fit();
     }
 
     /// Signals that instances, assignments or logs changed.

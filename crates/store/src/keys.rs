@@ -118,13 +118,35 @@ impl Store {
         Ok(PageOf::from_overfetch(items, page, |k| k.id.to_string()))
     }
 
-    /// Revokes a key; revoking twice is a no-op.
+    /// Revokes a key; revoking twice is a no-op. Refuses ([`StoreError::Conflict`])
+    /// to revoke the last live operator key: nobody could then manage
+    /// tenants or mint an operator key again short of editing the database.
+    /// The count and the update share one transaction that holds SQLite's
+    /// write lock, or on PostgreSQL locks every live operator key's row, so
+    /// two operators revoking each other's keys at once cannot both win.
     pub async fn revoke_key(&self, id: &KeyId, now: DateTime<Utc>) -> Result<ApiKey> {
+        let mut tx = self.begin().await?;
+        let lock = match self.backend() {
+            crate::Backend::Postgres => {
+                "SELECT id FROM api_keys WHERE role = 'operator' AND revoked_at IS NULL FOR UPDATE"
+            }
+            crate::Backend::Sqlite => {
+                "SELECT id FROM api_keys WHERE role = 'operator' AND revoked_at IS NULL"
+            }
+        };
+        let live_operators: Vec<String> = sqlx::query_scalar(lock).fetch_all(&mut *tx).await?;
+        if live_operators.len() == 1 && live_operators[0] == id.as_str() {
+            return Err(StoreError::Conflict(
+                "this is the last operator key: mint another operator key before revoking it"
+                    .into(),
+            ));
+        }
         sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL")
             .bind(ms(now))
             .bind(id.as_str())
-            .execute(self.pool())
+            .execute(&mut *tx)
             .await?;
+        tx.commit().await?;
         self.key(id).await
     }
 

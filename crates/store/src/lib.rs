@@ -14,6 +14,7 @@ use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{AnyPool, Executor, SqlitePool};
 
+pub mod audit;
 pub mod budgets;
 pub mod capacity;
 pub mod endpoints;

@@ -56,6 +56,22 @@ pub async fn register(
     if req.gpus.len() > 64 {
         return Err(FieldError::new("gpus", "at most 64 GPUs per node").into());
     }
+    // The store keeps these as signed 64-bit integers: a larger value
+    // would come back negative.
+    for (field, v) in [("cpu_milli", req.cpu_milli), ("memory_mb", req.memory_mb)] {
+        if i64::try_from(v).is_err() {
+            return Err(FieldError::new(field, format!("at most {}", i64::MAX)).into());
+        }
+    }
+    for (i, g) in req.gpus.iter().enumerate() {
+        if i64::try_from(g.memory_mib).is_err() {
+            return Err(FieldError::new(
+                format!("gpus[{i}].memory_mib"),
+                format!("at most {}", i64::MAX),
+            )
+            .into());
+        }
+    }
     let mut seen = std::collections::BTreeSet::new();
     for (i, g) in req.gpus.iter().enumerate() {
         st.catalog()
@@ -384,6 +400,20 @@ pub async fn push_logs(
     caller.require(&AGENT_ROLES, "push logs")?;
     if batch.lines.len() > 10_000 {
         return Err(FieldError::new("lines", "at most 10000 lines per batch").into());
+    }
+    if let Some(i) = batch
+        .lines
+        .iter()
+        .position(|l| i64::try_from(l.seq).is_err())
+    {
+        return Err(FieldError::new(
+            format!("lines[{i}].seq"),
+            format!(
+                "at most {} (the store keeps seq as a signed 64-bit integer)",
+                i64::MAX
+            ),
+        )
+        .into());
     }
     st.store().append_logs(&id, &batch.lines).await?;
     st.notify_change();

@@ -154,10 +154,11 @@ struct LogQuery {
 /// line was sent.
 #[utoipa::path(get, path = "/v1/instances/{instance_id}/logs", tag = "instances",
     params(("instance_id" = String, Path, description = "instance id (inst_…)"),
-           ("since" = Option<u64>, Query, description = "first seq to return"),
+           ("since" = Option<u64>, Query, description = "first seq to return, at most 2^63-1"),
            ("follow" = Option<bool>, Query, description = "stream as NDJSON until the instance ends"),
            ("limit" = Option<u32>, Query, description = "page size, 1-1000"), ("cursor" = Option<String>, Query, description = "from next_cursor")),
-    responses((status = 200, body = Page<LogLine>, description = "a page, or with follow=true an application/x-ndjson stream of LogLine"),
+    responses((status = 200, description = "a page, or with follow=true an application/x-ndjson stream of LogLine, one a line",
+               content((Page<LogLine> = "application/json"), (LogLine = "application/x-ndjson"))),
               (status = 404, body = flotilla_core::api::ErrorBody)))]
 pub async fn instance_logs(
     State(st): State<AppState>,
@@ -169,8 +170,16 @@ pub async fn instance_logs(
     let inst = visible(&st, &caller, &raw).await?;
     let q: LogQuery = serde_urlencoded_query(uri.query())?;
     let parse_seq = |s: &str, field: &str| {
+        // Sequence numbers are stored as signed 64-bit integers.
         s.parse::<u64>()
-            .map_err(|_| ApiError::bad_request(field, "must be a log sequence number"))
+            .ok()
+            .filter(|n| i64::try_from(*n).is_ok())
+            .ok_or_else(|| {
+                ApiError::bad_request(
+                    field,
+                    format!("must be a log sequence number from 0 to {}", i64::MAX),
+                )
+            })
     };
     let since = match (&q.since, &p.cursor) {
         (Some(s), _) => parse_seq(s, "since")?,

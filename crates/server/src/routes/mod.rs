@@ -15,6 +15,7 @@ use crate::extract::Pagination;
 use crate::state::AppState;
 
 pub mod agent;
+pub mod audit;
 pub mod budgets;
 pub mod catalog;
 pub mod docs;
@@ -63,6 +64,7 @@ pub(crate) mod work;
         (name = "endpoints", description = "Serverless endpoints: replicas scaled from zero behind the gateway"),
         (name = "gateway", description = "Protocol of the inference gateway"),
         (name = "registries", description = "Tenants' logins to private container registries"),
+        (name = "audit", description = "Who changed what, when, and how it ended"),
         (name = "meta", description = "Identity and health"),
     )
 )]
@@ -80,6 +82,109 @@ impl Modify for BearerAuth {
     }
 }
 
+/// Documents the answers every route may give besides its own: those of
+/// the layers in front of every handler (authentication and its rate
+/// limits, the idempotency layer) and of the extractors (a query, path or
+/// body that cannot be read). Added here once, so that no route's entry can
+/// leave them out; an entry that documents one itself keeps its own text.
+pub struct CommonResponses;
+
+impl Modify for CommonResponses {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::header::HeaderBuilder;
+        use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder, Type};
+
+        let error = |description: &str| {
+            ResponseBuilder::new().description(description).content(
+                "application/json",
+                ContentBuilder::new()
+                    .schema(Some(Ref::from_schema_name("ErrorBody")))
+                    .build(),
+            )
+        };
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            let ops = [
+                (false, item.get.as_mut()),
+                (true, item.put.as_mut()),
+                (true, item.post.as_mut()),
+                (true, item.delete.as_mut()),
+                (true, item.patch.as_mut()),
+            ];
+            for (mutating, op) in ops {
+                let Some(op) = op else { continue };
+                let has_body = op.request_body.is_some();
+                let has_params = op.parameters.as_ref().is_some_and(|p| !p.is_empty());
+                let mut add = |status: &str, response: utoipa::openapi::Response| {
+                    op.responses
+                        .responses
+                        .entry(status.to_string())
+                        .or_insert(response.into());
+                };
+                add(
+                    "401",
+                    error(
+                        "no `Authorization: Bearer <api key>` header, or an unknown or revoked key",
+                    )
+                    .build(),
+                );
+                add(
+                    "403",
+                    error("the key's role may not do this (or it is an inference key, which works at the gateway only)").build(),
+                );
+                add(
+                    "429",
+                    error(
+                        "too many requests for this key, or without a valid key from this address",
+                    )
+                    .header(
+                        "Retry-After",
+                        HeaderBuilder::new()
+                            .schema(
+                                utoipa::openapi::ObjectBuilder::new().schema_type(Type::Integer),
+                            )
+                            .description(Some("seconds to wait before retrying"))
+                            .build(),
+                    )
+                    .build(),
+                );
+                if has_params || has_body || mutating {
+                    add(
+                        "400",
+                        error("a query, path parameter, header or body that cannot be read; `details.field` names it").build(),
+                    );
+                }
+                if path.contains('{') {
+                    add("404", error("not found, or another tenant's").build());
+                }
+                if has_body {
+                    add("413", error("the body is larger than the limit").build());
+                }
+                if has_body || mutating {
+                    add(
+                        "422",
+                        error("a value is wrong, or the Idempotency-Key was used with another request; `details.field` names it").build(),
+                    );
+                }
+                if mutating {
+                    add(
+                        "409",
+                        error("the object's state forbids the change, or a request with this Idempotency-Key is still being handled").build(),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Every documented route and the document describing them, whole: with
+/// the answers every route may give ([`CommonResponses`], applied once the
+/// routes are in).
+pub fn documented() -> (axum::Router<AppState>, utoipa::openapi::OpenApi) {
+    let (router, mut doc) = api().split_for_parts();
+    CommonResponses.modify(&mut doc);
+    (router, doc)
+}
+
 /// Every documented route, and the document describing them.
 pub fn api() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
@@ -89,6 +194,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(tenants::get_quota, tenants::set_quota))
         .routes(routes!(keys::list_keys, keys::create_key))
         .routes(routes!(keys::revoke_key))
+        .routes(routes!(audit::list_audit))
         .routes(routes!(catalog::list_gpu_types))
         .routes(routes!(nodes::list_nodes))
         .routes(routes!(nodes::get_node))

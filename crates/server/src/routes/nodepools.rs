@@ -18,7 +18,7 @@ use crate::state::AppState;
 /// it registers under. No bearer key: the token is the credential. A token
 /// is good once and until it expires; a used, expired or unknown one is
 /// refused with 401 and says which.
-#[utoipa::path(post, path = "/v1/agent/join", tag = "agent", request_body = JoinNode,
+#[utoipa::path(post, path = "/v1/agent/join", tag = "agent", request_body = JoinNode, security(()),
     responses((status = 200, body = Joined), (status = 401, body = flotilla_core::api::ErrorBody)))]
 pub async fn join(
     State(st): State<AppState>,

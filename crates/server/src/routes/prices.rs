@@ -120,6 +120,26 @@ pub async fn get_spot_prices(
 ) -> ApiResult<Json<SpotPrices>> {
     let q: SpotQuery = serde_urlencoded_query(uri.query())?;
     let now = st.now();
+    // Every parameter is checked, `model` given or not: a bad value is
+    // refused rather than ignored.
+    let from = match q.from.as_deref() {
+        Some(f) => instant(f, "from")?,
+        None => now - chrono::Duration::hours(24),
+    };
+    let to = match q.to.as_deref() {
+        Some(t) => instant(t, "to")?,
+        None => now + chrono::Duration::milliseconds(1),
+    };
+    let limit = match q.limit.as_deref() {
+        None => 100,
+        Some(l) => l
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=1000).contains(n))
+            .ok_or_else(|| {
+                ApiError::bad_request("limit", "must be a whole number from 1 to 1000")
+            })?,
+    };
     let (history, next_from) = match q.model.as_deref() {
         None => (Vec::new(), None),
         Some(m) => {
@@ -127,24 +147,6 @@ pub async fn get_spot_prices(
                 .catalog()
                 .resolve(m, "model")
                 .map_err(|e| ApiError::bad_request("model", e.message))?;
-            let from = match q.from.as_deref() {
-                Some(f) => instant(f, "from")?,
-                None => now - chrono::Duration::hours(24),
-            };
-            let to = match q.to.as_deref() {
-                Some(t) => instant(t, "to")?,
-                None => now + chrono::Duration::milliseconds(1),
-            };
-            let limit = match q.limit.as_deref() {
-                None => 100,
-                Some(l) => l
-                    .parse::<u32>()
-                    .ok()
-                    .filter(|n| (1..=1000).contains(n))
-                    .ok_or_else(|| {
-                        ApiError::bad_request("limit", "must be a whole number from 1 to 1000")
-                    })?,
-            };
             let (points, more) = st.store().spot_history(&model, from, to, limit).await?;
             let next = more
                 .then(|| {
