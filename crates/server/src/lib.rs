@@ -311,10 +311,18 @@ pub fn app(state: AppState) -> Router {
     let doc_json = Arc::new(doc);
     let docs_html = Arc::new(routes::docs::render(&doc_json));
     let request_id = HeaderName::from_static("x-request-id");
-    // The console calls the API in-process, as the signed-in key.
+    // The console calls the API in-process, as the signed-in key, through
+    // the same authentication and audit layers as a call from outside, so
+    // a click in the console is rate-limited and audited like the API call
+    // it makes.
+    let console_api = api
+        .clone()
+        .layer(middleware::from_fn_with_state(state.clone(), audit::layer))
+        .layer(middleware::from_fn_with_state(state.clone(), auth::layer))
+        .with_state(state.clone());
     let console = console::router(console::ConsoleState {
         app: state.clone(),
-        api: console::session::Api::new(api.clone().with_state(state.clone())),
+        api: console::session::Api::new(console_api),
         sessions: Default::default(),
         series: Default::default(),
     });

@@ -455,3 +455,86 @@ async fn every_mutating_call_is_audited_and_tenants_read_their_own() {
         .await;
     assert_eq!(only_b["items"].as_array().unwrap().len(), 1);
 }
+
+/// The value of `name` in a `Set-Cookie` header of `r`.
+fn set_cookie(r: &reqwest::Response, name: &str) -> String {
+    r.headers()
+        .get_all(reqwest::header::SET_COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find_map(|v| v.strip_prefix(&format!("{name}=")))
+        .and_then(|v| v.split(';').next())
+        .unwrap_or_else(|| panic!("no {name} cookie"))
+        .to_string()
+}
+
+/// The first hidden `csrf` field of a page.
+fn csrf_of(html: &str) -> String {
+    let at = html.find("name=\"csrf\"").expect("a csrf field");
+    let rest = &html[at..];
+    let v = rest.find("value=\"").expect("its value") + 7;
+    rest[v..v + rest[v..].find('"').unwrap()].to_string()
+}
+
+/// A click in the console is the API call it makes, through the same
+/// authentication and audit layers: minting a key from the console's keys
+/// page leaves an audit entry under the signed-in key.
+#[tokio::test]
+async fn a_console_action_is_audited_like_the_api_call_it_makes() {
+    let s = start(fast()).await;
+    let (_t, admin) = tenant_admin(&s, "console-audit").await;
+    let admin_id = key_id(&s, &admin).await;
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let login = http.get(format!("{}/login", s.url)).send().await.unwrap();
+    let login_cookie = set_cookie(&login, "flotilla_login");
+    let token = csrf_of(&login.text().await.unwrap());
+    let signed = http
+        .post(format!("{}/login", s.url))
+        .header("cookie", format!("flotilla_login={login_cookie}"))
+        .form(&[("csrf", token.as_str()), ("api_key", admin.as_str())])
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        signed.status().is_redirection() || signed.status().is_success(),
+        "sign-in answered {}",
+        signed.status()
+    );
+    let session = format!(
+        "flotilla_session={}",
+        set_cookie(&signed, "flotilla_session")
+    );
+    let keys = http
+        .get(format!("{}/keys", s.url))
+        .header("cookie", &session)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(keys.status(), StatusCode::OK);
+    let csrf = csrf_of(&keys.text().await.unwrap());
+    let minted = http
+        .post(format!("{}/keys", s.url))
+        .header("cookie", &session)
+        .form(&[
+            ("csrf", csrf.as_str()),
+            ("name", "from-the-console"),
+            ("role", "tenant_member"),
+        ])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(minted.status(), StatusCode::OK);
+
+    let page = s.ok(&admin, Method::GET, "/v1/audit", None).await;
+    let items = page["items"].as_array().unwrap();
+    assert!(
+        items.iter().any(|e| e["method"] == "POST"
+            && e["route"] == "/v1/keys"
+            && e["key_id"] == admin_id.as_str()
+            && e["status"] == 201),
+        "no audit entry for the console's key: {page}"
+    );
+}
