@@ -311,57 +311,55 @@ pub fn app(state: AppState) -> Router {
     let doc_json = Arc::new(doc);
     let docs_html = Arc::new(routes::docs::render(&doc_json));
     let request_id = HeaderName::from_static("x-request-id");
-    // The console calls the API in-process, as the signed-in key, through
-    // the same authentication and audit layers as a call from outside, so
-    // a click in the console is rate-limited and audited like the API call
-    // it makes.
-    let console_api = api
-        .clone()
+    let api = api
+        .route(
+            "/v1/openapi.json",
+            get({
+                let d = doc_json.clone();
+                move || async move { Json((*d).clone()) }
+            }),
+        )
+        .route(
+            "/v1/docs",
+            get({
+                let h = docs_html.clone();
+                move || async move { Html((*h).clone()) }
+            }),
+        )
+        .route("/healthz", get(health))
+        .route("/v1/health", get(health_json))
+        .route("/metrics", get(metrics::metrics))
+        .fallback(|| async { error::ApiError::not_found("route") })
+        .method_not_allowed_fallback(|| async {
+            error::ApiError {
+                status: StatusCode::METHOD_NOT_ALLOWED,
+                code: "method_not_allowed",
+                message: "method not allowed on this route".into(),
+                details: serde_json::json!({}),
+                retry_after: None,
+            }
+        })
+        // Outermost first: authentication (and its rate limits), the audit
+        // log (which needs the caller), then idempotent replays (which must
+        // come after authentication and be audited as what they answer).
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            idempotency::layer,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), audit::layer))
         .layer(middleware::from_fn_with_state(state.clone(), auth::layer))
+        .layer(DefaultBodyLimit::max(extract::BODY_LIMIT))
         .with_state(state.clone());
+    // The console calls this very API in-process, as the signed-in key, so
+    // a click in the console passes the same authentication, rate limits
+    // and audit log as the API call it makes.
     let console = console::router(console::ConsoleState {
-        app: state.clone(),
-        api: console::session::Api::new(console_api),
+        app: state,
+        api: console::session::Api::new(api.clone()),
         sessions: Default::default(),
         series: Default::default(),
     });
-    api.route(
-        "/v1/openapi.json",
-        get({
-            let d = doc_json.clone();
-            move || async move { Json((*d).clone()) }
-        }),
-    )
-    .route(
-        "/v1/docs",
-        get({
-            let h = docs_html.clone();
-            move || async move { Html((*h).clone()) }
-        }),
-    )
-    .route("/healthz", get(health))
-    .route("/v1/health", get(health_json))
-    .route("/metrics", get(metrics::metrics))
-    .fallback(|| async { error::ApiError::not_found("route") })
-    .method_not_allowed_fallback(|| async {
-        error::ApiError {
-            status: StatusCode::METHOD_NOT_ALLOWED,
-            code: "method_not_allowed",
-            message: "method not allowed on this route".into(),
-            details: serde_json::json!({}),
-            retry_after: None,
-        }
-    })
-    // Outermost first: authentication (and its rate limits), the audit
-    // log (which needs the caller), then idempotent replays (which must
-    // come after authentication and be audited as what they answer).
-    .layer(middleware::from_fn_with_state(state.clone(), idempotency::layer))
-    .layer(middleware::from_fn_with_state(state.clone(), audit::layer))
-    .layer(middleware::from_fn_with_state(state.clone(), auth::layer))
-    .layer(DefaultBodyLimit::max(extract::BODY_LIMIT))
-    .with_state(state)
-    .merge(console)
+    api.merge(console)
     .layer(PropagateRequestIdLayer::new(request_id.clone()))
     .layer(
         TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<_>| {
