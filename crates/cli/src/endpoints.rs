@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::{anyhow, Result};
 use chrono::Utc;
 use clap::Subcommand;
+use flotilla_core::advice::VerticalOptIn;
 use flotilla_core::endpoint::{CreateEndpoint, Endpoint, UpdateEndpoint};
 use flotilla_core::gateway::Balance;
 use flotilla_core::queue_trigger::{redact_url, QueueTrigger, DEFAULT_MESSAGES_PER_REPLICA};
@@ -43,6 +44,22 @@ pub enum EndpointsCommand {
         /// Only this replica (instance id).
         #[arg(long)]
         replica: Option<String>,
+    },
+    /// Show or set the endpoint's automatic vertical moves: with
+    /// `--classes` it opts in (the replicas may move between those GPU
+    /// models when a recommendation holds for `--sustain-s`, each move a
+    /// new revision); without, it prints the opt-in and the last move.
+    Vertical {
+        /// Endpoint id or name.
+        endpoint: String,
+        /// GPU models the replicas may run on, comma-separated (2 to 16,
+        /// the current one among them).
+        #[arg(long, value_delimiter = ',', value_name = "MODELS")]
+        classes: Vec<String>,
+        /// How long a recommendation must hold before it is a move,
+        /// seconds (default 600).
+        #[arg(long = "sustain-s", value_name = "S", requires = "classes")]
+        sustain_s: Option<u64>,
     },
 }
 
@@ -252,6 +269,42 @@ pub async fn dispatch(ctx: &Ctx, command: EndpointsCommand) -> Result<ExitCode> 
             } else {
                 for l in lines {
                     outln!("[{} r{}] {}", l.instance_id, l.revision, l.line.line)?;
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        EndpointsCommand::Vertical {
+            endpoint,
+            classes,
+            sustain_s,
+        } => {
+            let ep = find(ctx, &endpoint).await?;
+            let status = if classes.is_empty() {
+                ctx.client.endpoint_vertical(ep.id.as_str()).await?
+            } else {
+                let opt_in = VerticalOptIn {
+                    classes,
+                    sustain_s: sustain_s.unwrap_or(600),
+                };
+                ctx.client
+                    .set_endpoint_vertical(ep.id.as_str(), &opt_in)
+                    .await?
+            };
+            if ctx.json {
+                print_json(&status)?;
+            } else {
+                outln!(
+                    "{}: may move between {} after {} s sustained (opted in {})",
+                    ep.name,
+                    status.opt_in.classes.join(", "),
+                    status.opt_in.sustain_s,
+                    status.opted_at.format("%Y-%m-%d %H:%M:%SZ")
+                )?;
+                match (&status.last_move, status.moved_at) {
+                    (Some(why), Some(at)) => {
+                        outln!("last move {}: {why}", at.format("%Y-%m-%d %H:%M:%SZ"))?
+                    }
+                    _ => outln!("no move yet")?,
                 }
             }
             Ok(ExitCode::SUCCESS)

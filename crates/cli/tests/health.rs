@@ -580,12 +580,21 @@ fn an_opted_in_endpoint_moves_class_after_the_sustained_window() {
     assert_eq!(status, 422, "{bad}");
     assert_eq!(bad["error"]["details"]["field"], "classes[1]");
 
+    // Opted in through the CLI, by the endpoint's name.
     let sustain = 3;
-    let opted = post(
-        &format!("/v1/endpoints/{ep}/vertical"),
-        "PUT",
-        serde_json::json!({"classes": ["H100", "L40S"], "sustain_s": sustain}),
+    let opted = env.cli_json(
+        Some(&key),
+        &[
+            "endpoints",
+            "vertical",
+            "chat",
+            "--classes",
+            "H100,L40S",
+            "--sustain-s",
+            &sustain.to_string(),
+        ],
     );
+    assert_eq!(opted["classes"], serde_json::json!(["H100", "L40S"]));
     let opted_at = ts(&opted["opted_at"]).unwrap();
     let mut moved = Value::Null;
     wait_until(
@@ -604,6 +613,11 @@ fn an_opted_in_endpoint_moves_class_after_the_sustained_window() {
         "moved only after the recommendation held {sustain} s: opted {opted_at}, moved {moved_at}"
     );
     let why = status["last_move"].as_str().unwrap();
+    let shown = cli_ok(&env, &key, &["endpoints", "vertical", "chat"]);
+    assert!(
+        shown.contains("may move between H100, L40S after 3 s") && shown.contains(why),
+        "{shown}"
+    );
     assert!(
         why.starts_with("to L40S (revision 2): 10% busy on H100"),
         "{why}"

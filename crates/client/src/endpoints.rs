@@ -2,6 +2,7 @@
 //! gateway's protocol (`/v1/gateway/*`, used by the gateway's control
 //! client).
 
+use flotilla_core::advice::{VerticalOptIn, VerticalStatus};
 use flotilla_core::api::Page;
 use flotilla_core::endpoint::{CreateEndpoint, Endpoint, ReplicaLogLine, UpdateEndpoint};
 use flotilla_core::gateway::{
@@ -50,6 +51,21 @@ impl Client {
         }
         let page: Page<ReplicaLogLine> = self.get(&format!("/v1/endpoints/{id}/logs"), &q).await?;
         Ok(page.items)
+    }
+
+    /// `PUT /v1/endpoints/{id}/vertical`: opt into automatic vertical moves.
+    pub async fn set_endpoint_vertical(
+        &self,
+        id: &str,
+        opt_in: &VerticalOptIn,
+    ) -> Result<VerticalStatus> {
+        self.put(&format!("/v1/endpoints/{id}/vertical"), opt_in)
+            .await
+    }
+
+    /// `GET /v1/endpoints/{id}/vertical`: the opt-in and its last move.
+    pub async fn endpoint_vertical(&self, id: &str) -> Result<VerticalStatus> {
+        self.get(&format!("/v1/endpoints/{id}/vertical"), &[]).await
     }
 
     /// `GET /v1/gateway/routes`.
