@@ -274,9 +274,9 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
                     n["name"] == *name
                         && n["executor"] == *executor
                         && n["state"] == "ready"
-                        && n["gpus"].as_array().is_some_and(|g| {
-                            g.len() == 2 && g.iter().all(|g| g["model"] == *model)
-                        })
+                        && n["gpus"]
+                            .as_array()
+                            .is_some_and(|g| g.len() == 2 && g.iter().all(|g| g["model"] == *model))
                 })
             })
         },
@@ -319,7 +319,7 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
             "--",
             "sh",
             "-c",
-            "echo agent up; exec sleep 300",
+            "echo agent up; for i in 1 2 3 4 5 6; do sleep 1; echo tick $i; done; exec sleep 300",
         ],
     );
     work.push(("agent", AGENT_NODE, agent_id));
@@ -333,7 +333,7 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
             "--",
             "sh",
             "-c",
-            "echo kube up; exec sleep 300",
+            "echo kube up; for i in 1 2 3 4 5 6; do sleep 1; echo tick $i; done; exec sleep 300",
         ],
     );
     work.push(("kubernetes", KUBE_NODE, kube_id.clone()));
@@ -346,7 +346,7 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
                 "--",
                 "sh",
                 "-c",
-                "echo slurm up; exec sleep 300",
+                "echo slurm up; for i in 1 2 3 4 5 6; do sleep 1; echo tick $i; done; exec sleep 300",
             ],
         )
     });
@@ -363,9 +363,15 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
             })
         },
     );
-    for (_, _, id) in &work {
+    for (executor, _, id) in &work {
         let i = instance(&env, &key, id);
         assert!(i["node_id"].is_null(), "held: {i}");
+        let reason = i["state_reason"].as_str().unwrap_or_default();
+        assert!(
+            reason.contains("GPU model not allowed"),
+            "held by the quota: {reason}"
+        );
+        eprintln!("{executor}: {id} waits: {reason}");
     }
 
     // Release: one quota write makes all of them placeable at once.
@@ -380,7 +386,10 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
     );
     let node_of = |id: &str| -> Value {
         let i = instance(&env, &key, id);
-        env.get(&op, &format!("/v1/nodes/{}", i["node_id"].as_str().unwrap_or("")))
+        env.get(
+            &op,
+            &format!("/v1/nodes/{}", i["node_id"].as_str().unwrap_or("")),
+        )
     };
     for (executor, name, id) in &work {
         let node = node_of(id);
@@ -395,7 +404,11 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
         wait_until(
             &format!("{id}'s output from {executor}"),
             Duration::from_secs(60),
-            || log_lines(&env, &key, id).iter().any(|l| l == &format!("{tag} up")),
+            || {
+                log_lines(&env, &key, id)
+                    .iter()
+                    .any(|l| l == &format!("{tag} up"))
+            },
         );
     }
 
@@ -417,6 +430,21 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
         "1"
     );
     assert_eq!(pod["status"]["phase"], "Running");
+    // Its cold start, from the pod's conditions and container state, as
+    // the agent reports its own.
+    let inst = instance(&env, &key, &kube_id);
+    let cold = &inst["cold_start"];
+    assert!(cold["ready_at"].is_string(), "{inst}");
+    assert_eq!(
+        secs_between(
+            &pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"],
+            &cold["ready_at"]
+        ),
+        0.0,
+        "ready when the container started: {inst}"
+    );
+    assert!(cold["starting_ms"].is_u64(), "{inst}");
+    assert!(cold["queued_ms"].is_u64(), "{inst}");
 
     // The Slurm job: running on the node Flotilla placed the instance on.
     if let (Some(s), Some(id)) = (&slurm, &slurm_id) {
@@ -424,6 +452,16 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
         assert_eq!(job.job_state, "RUNNING", "{job:?}");
         assert_eq!(node_of(id)["name"], job.nodes.as_str(), "{job:?}");
     }
+
+    // Each has run for six seconds by its own count.
+    wait_until(
+        "every instance to count to six",
+        Duration::from_secs(60),
+        || {
+            work.iter()
+                .all(|(_, _, id)| log_lines(&env, &key, id).iter().any(|l| l == "tick 6"))
+        },
+    );
 
     // Stop all three; each engine ends its work.
     for (_, _, id) in &work {
@@ -440,10 +478,14 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
             .all(|p| p["metadata"]["name"] != pod_name.as_str())
     });
     if let (Some(s), Some(id)) = (&slurm, &slurm_id) {
-        wait_until("the Slurm job to be cancelled", Duration::from_secs(30), || {
-            s.job_of(&rt, id)
-                .is_some_and(|j| j.job_state == "CANCELLED")
-        });
+        wait_until(
+            "the Slurm job to be cancelled",
+            Duration::from_secs(30),
+            || {
+                s.job_of(&rt, id)
+                    .is_some_and(|j| j.job_state == "CANCELLED")
+            },
+        );
     }
 
     // Usage: each metered for the time its engine ran it.
@@ -482,9 +524,14 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
             Duration::from_secs(90),
             || {
                 metered = metered_secs(&env, &key, id);
-                // Engines report whole seconds.
+                // Slurm and Kubernetes report whole seconds, and usage is
+                // metered in whole seconds.
                 (metered - engine).abs() <= 2.0
             },
+        );
+        assert!(
+            engine >= 5.0 && metered >= 5.0,
+            "{id}: ran {engine}s, metered {metered}s"
         );
         eprintln!("{executor}: {id} ran {engine:.3}s, metered {metered:.3}s");
     }

@@ -1144,7 +1144,8 @@ async fn kubelet(shared: Arc<Shared>, ns: String, name: String) {
             p.object["status"] = json!({
                 "phase": "Pending",
                 "conditions": [
-                    condition("PodReadyToStartContainers", "False", &now),
+                    // The sandbox is up; the image pull begins.
+                    condition("PodReadyToStartContainers", "True", &now),
                     condition("Initialized", "True", &now),
                     {"type": "Ready", "status": "False", "lastProbeTime": null, "lastTransitionTime": now,
                      "reason": "ContainersNotReady", "message": "containers with unready status: [main]"},
@@ -1255,9 +1256,10 @@ async fn kubelet(shared: Arc<Shared>, ns: String, name: String) {
         p.pgid = pgid;
         let img = image(p);
         let s = &mut p.object["status"];
+        let sandbox = s["startTime"].as_str().unwrap_or(&at).to_string();
         s["phase"] = json!("Running");
         s["conditions"] = json!([
-            condition("PodReadyToStartContainers", "True", &at),
+            condition("PodReadyToStartContainers", "True", &sandbox),
             condition("Initialized", "True", &at),
             condition("Ready", "True", &at),
             condition("ContainersReady", "True", &at),
