@@ -25,6 +25,8 @@
 //! It never decides anything: where work runs and when it stops is the
 //! server's; the cluster is the source of truth for what runs.
 
+#[cfg(feature = "testing")]
+pub mod fake;
 pub mod inventory;
 pub mod pods;
 pub mod quantity;

@@ -12,7 +12,9 @@
 //! container's `startedAt` and `finishedAt`), not when the watch saw them.
 
 use chrono::{DateTime, Utc};
-use flotilla_core::api::{ObservedContainer, ObservedInstance, ObservedPhase, PublishedPort};
+use flotilla_core::api::{
+    ColdStart, ObservedContainer, ObservedInstance, ObservedPhase, PublishedPort,
+};
 use flotilla_core::id::InstanceId;
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -105,6 +107,46 @@ fn published_ports(pod: &Pod) -> Vec<PublishedPort> {
         .unwrap_or_default()
 }
 
+/// The cold-start breakdown the pod's status allows, once its container
+/// has started: the sandbox was ready (`PodReadyToStartContainers` turned
+/// true: the kubelet then pulls the image) at `pull_started_at`, and the
+/// container started at `ready_at`. The status carries no pull times
+/// (those are in the kubelet's Events, which the executor does not read),
+/// so the pull, the create and the start are one step, `starting_ms`, and
+/// `pulling_ms` is left unknown. Kubernetes times have whole seconds.
+pub fn cold_start(pod: &Pod, main: &ContainerStatus) -> Option<ColdStart> {
+    let state = main.state.as_ref()?;
+    let ready = state
+        .running
+        .as_ref()
+        .and_then(|r| r.started_at.as_ref())
+        .or_else(|| {
+            state
+                .terminated
+                .as_ref()
+                .and_then(|t| t.started_at.as_ref())
+        })
+        .map(time)?;
+    let sandbox = pod
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "PodReadyToStartContainers" && c.status == "True")
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map(time)?;
+    Some(ColdStart {
+        image_cached: false,
+        queued_ms: None,
+        pulling_ms: None,
+        starting_ms: u64::try_from((ready - sandbox).num_milliseconds()).ok(),
+        pull_started_at: Some(sandbox),
+        created_at: None,
+        ready_at: Some(ready),
+    })
+}
+
 /// What the pod says of its instance. `stopped`: the executor deleted it
 /// because the server asked for a stop. `seen`: when the watch saw this
 /// version, for phases the pod carries no time for.
@@ -121,7 +163,7 @@ pub fn observe(pod: &Pod, stopped: bool, seen: DateTime<Utc>) -> Option<Observed
         c.container_id.as_ref().map(|id| ObservedContainer {
             container_id: id.clone(),
             ports: ports.clone(),
-            cold_start: None,
+            cold_start: cold_start(pod, c),
             oom_killed: c
                 .state
                 .as_ref()
@@ -349,6 +391,35 @@ mod tests {
                 stopped: true
             }
         );
+    }
+
+    #[test]
+    fn the_cold_start_runs_from_the_ready_sandbox_to_the_container_start() {
+        let running = ContainerState {
+            running: Some(ContainerStateRunning {
+                started_at: Some(Time(Timestamp::from_second(1_700_000_048).unwrap())),
+            }),
+            ..Default::default()
+        };
+        let mut p = pod("Running", Some(running));
+        let c = observe(&p, false, seen()).unwrap().container.unwrap();
+        assert_eq!(c.cold_start, None, "no sandbox condition yet");
+        p.status.as_mut().unwrap().conditions =
+            Some(vec![k8s_openapi::api::core::v1::PodCondition {
+                type_: "PodReadyToStartContainers".into(),
+                status: "True".into(),
+                last_transition_time: Some(Time(Timestamp::from_second(1_700_000_013).unwrap())),
+                ..Default::default()
+            }]);
+        let c = observe(&p, false, seen()).unwrap().container.unwrap();
+        let cold = c.cold_start.unwrap();
+        assert_eq!(cold.starting_ms, Some(35_000));
+        assert_eq!(cold.pulling_ms, None, "the status has no pull times");
+        assert_eq!(
+            cold.pull_started_at,
+            DateTime::from_timestamp(1_700_000_013, 0)
+        );
+        assert_eq!(cold.ready_at, DateTime::from_timestamp(1_700_000_048, 0));
     }
 
     #[test]
