@@ -141,6 +141,14 @@ pub struct FlotillaConfig {
     /// so the same trade-off decides how many replicas stay parked.
     #[serde(default)]
     pub hold_price_per_hour: Option<f64>,
+    /// How long a queued request may wait for a slot of the ready replicas
+    /// before the queue counts as demand, ms (default 0: every queued
+    /// request is demand at once). The tiered policy sets the part of the
+    /// SLO a restore leaves over: a short queue that the ready replicas
+    /// clear within it costs no miss, and a replica added for it would idle
+    /// once the queue is gone.
+    #[serde(default)]
+    pub queue_tolerance_ms: u64,
 }
 
 impl FlotillaConfig {
@@ -161,7 +169,17 @@ impl FlotillaConfig {
             miss_cost: 0.1,
             min_idle_ms: 60_000,
             hold_price_per_hour: None,
+            queue_tolerance_ms: 0,
         }
+    }
+
+    /// Of `queued` requests, those the `ready` replicas do not clear within
+    /// [`FlotillaConfig::queue_tolerance_ms`] (slots free at the service
+    /// rate of each ready replica while all are busy).
+    pub fn excess_queue(&self, queued: u32, ready: u32) -> f64 {
+        let cleared =
+            self.queue_tolerance_ms as f64 / 1000.0 * f64::from(ready) * self.service.service_rate;
+        (f64::from(queued) - cleared.floor()).max(0.0)
     }
 
     fn validate(&self) -> Result<(), ScaleError> {
@@ -310,7 +328,8 @@ impl Flotilla {
         }
         let hold_s = f64::from(self.cfg.service.max_concurrency) / self.cfg.service.service_rate;
         let drain = (hold_s * 1000.0 / self.cfg.slo_ms).min(1.0);
-        let demand = f64::from(obs.in_flight) + f64::from(obs.queued) * drain;
+        let demand =
+            f64::from(obs.in_flight) + self.cfg.excess_queue(obs.queued, obs.ready) * drain;
         self.count_level_climbs(now, demand);
         while self.peak_demand.back().is_some_and(|(_, d)| *d <= demand) {
             self.peak_demand.pop_back();
@@ -439,7 +458,7 @@ impl Flotilla {
         }
         .max(ceil_u32(self.peak_demand() / c))
         .max(self.recurring_level());
-        let queued = f64::from(obs.queued);
+        let queued = self.cfg.excess_queue(obs.queued, obs.ready);
         let by_backlog = ceil_u32(f64::from(obs.in_flight) / c).saturating_add(if queued > 0.0 {
             ceil_u32(queued * hold_s / (c * horizon_s)).max(1)
         } else {
@@ -523,6 +542,33 @@ mod tests {
             requests_total: total,
             ..Observation::default()
         }
+    }
+
+    #[test]
+    fn a_queue_the_ready_replicas_clear_in_time_is_not_demand() {
+        let mut c = cfg();
+        c.headroom_beta = 0.0;
+        let busy = |queued| Observation {
+            ready: 4,
+            in_flight: 32, // every slot of the 4 replicas busy
+            queued,
+            requests_total: 0,
+            ..Observation::default()
+        };
+        // Without a tolerance any queue is a replica more.
+        let mut f = Flotilla::new(c.clone(), Bounds::new(0, 100).unwrap()).unwrap();
+        assert_eq!(f.decide(0, &busy(3)).replicas, 5);
+        // 4 replicas free 4 × 2 = 8 slots a second: within 1 s they clear
+        // 8 queued requests, so 8 wait and the ninth is demand.
+        c.queue_tolerance_ms = 1_000;
+        assert_eq!(c.excess_queue(8, 4), 0.0);
+        assert_eq!(c.excess_queue(9, 4), 1.0);
+        assert_eq!(c.excess_queue(9, 0), 9.0, "no ready replica clears nothing");
+        let mut f = Flotilla::new(c.clone(), Bounds::new(0, 100).unwrap()).unwrap();
+        assert_eq!(f.decide(0, &busy(8)).replicas, 4);
+        // 40 queued: 32 beyond the tolerance are 4 replicas' slots more.
+        let mut f = Flotilla::new(c, Bounds::new(0, 100).unwrap()).unwrap();
+        assert_eq!(f.decide(0, &busy(40)).replicas, 8);
     }
 
     #[test]

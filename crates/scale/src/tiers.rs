@@ -243,6 +243,14 @@ pub struct TieredFlotilla {
 /// Time constant of the warm side's rate level, ms (trend: four times).
 const WARM_LEVEL_MS: u64 = 5_000;
 
+/// Share of the SLO the warm side keeps for a request's prefill when it
+/// lets a queue wait for the ready replicas (200 ms of a 2 s SLO: 3,000
+/// prompt tokens at 15,000 tokens/s). The rest, less one restore and one
+/// decision, is the queue tolerance: a queue the ready replicas clear in
+/// that time adds no replica, and one they do not is met by a restore that
+/// still lands inside the SLO. docs/autoscaling.md has the sweep.
+const PREFILL_RESERVE: f64 = 0.1;
+
 impl TieredFlotilla {
     /// The tiered policy within `bounds`. `base` is the untiered
     /// configuration: its cold start is the one a replica pays when nothing
@@ -271,7 +279,13 @@ impl TieredFlotilla {
     ///   GPU is the only cost left, and it wins);
     /// - decisions every quarter restore (at least 100 ms, at most
     ///   `base.tick_ms`): a burst waits for one tick plus one restore, not
-    ///   for a tick longer than the restore itself.
+    ///   for a tick longer than the restore itself;
+    /// - a queue is demand only beyond what the ready replicas clear within
+    ///   the SLO less a prefill reserve, one restore and one tick
+    ///   ([`FlotillaConfig::queue_tolerance_ms`]): the untiered policy
+    ///   meets any queue at once because a replica it adds arrives a cold
+    ///   start later; here a short queue costs no miss, and a replica
+    ///   restored for it would idle once the queue is gone.
     pub fn new(
         base: FlotillaConfig,
         econ: TierEconomics,
@@ -296,6 +310,8 @@ impl TieredFlotilla {
         if (restore + warm.tick_ms) as f64 <= 0.75 * base.slo_ms {
             warm.miss_cost = 0.0;
         }
+        let spare = (1.0 - PREFILL_RESERVE) * base.slo_ms - (restore + warm.tick_ms) as f64;
+        warm.queue_tolerance_ms = spare.max(0.0) as u64;
         let mut standby = base;
         standby.hold_price_per_hour = Some(econ.model_gb * econ.memory_price_per_gb_hour);
         Ok(Self {
@@ -418,6 +434,8 @@ mod tests {
         assert_eq!(w.headroom_beta, 0.0);
         // 0.82 s restore + 0.2 s tick fit in 3/4 of the 2 s SLO: no miss.
         assert_eq!(w.miss_cost, 0.0);
+        // A queue may wait 0.9 × 2 s − 0.82 s − 0.205 s for ready replicas.
+        assert_eq!(w.queue_tolerance_ms, 775);
     }
 
     /// A burst needing 5 replicas for 10 s every 120 s.
