@@ -26,19 +26,20 @@ pub fn explain(e: &rustls::Error) -> String {
 }
 
 /// The rustls error in `e`'s chain of sources, if any, including one
-/// wrapped in an `std::io::Error` (whose `source` skips what it wraps).
+/// wrapped in `std::io::Error`s (hyper-rustls wraps tokio-rustls's wrapper
+/// again), whose `source` skips what they wrap.
 pub fn find<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
     let mut next = Some(e);
     while let Some(err) = next {
         if let Some(r) = err.downcast_ref::<rustls::Error>() {
             return Some(r);
         }
-        if let Some(r) = err
+        if let Some(inner) = err
             .downcast_ref::<std::io::Error>()
             .and_then(|io| io.get_ref())
-            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
         {
-            return Some(r);
+            next = Some(inner as &(dyn std::error::Error + 'static));
+            continue;
         }
         next = err.source();
     }
@@ -70,6 +71,8 @@ mod tests {
         assert_eq!(explain(&e), want);
         let io = std::io::Error::new(std::io::ErrorKind::InvalidData, e);
         assert_eq!(explain(find(&io).unwrap()), want);
+        let twice = std::io::Error::other(io);
+        assert_eq!(explain(find(&twice).unwrap()), want);
         let plain = std::io::Error::other("connection reset");
         assert!(find(&plain).is_none());
         let e = rustls::Error::InvalidMessage(InvalidMessage::InvalidContentType);
