@@ -31,6 +31,8 @@ pub struct Ctx {
     pub client: Client,
     /// Print raw JSON instead of tables.
     pub json: bool,
+    /// How `https://` servers are trusted (the gateway too, for `demo`).
+    pub trust: flotilla_client::Trust,
 }
 
 fn decode_all<T: serde::de::DeserializeOwned>(items: Vec<Value>) -> Result<Vec<T>> {

@@ -446,8 +446,10 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         local::init_logging();
     }
     let creds = config::resolve(server.as_deref(), api_key.as_deref(), tls)?;
+    let trust = creds.trust()?;
     let ctx = Ctx {
-        client: client::connect(&creds.server, &creds.api_key, creds.trust()?)?,
+        client: client::connect(&creds.server, &creds.api_key, trust.clone())?,
+        trust,
         json,
     };
     match command {

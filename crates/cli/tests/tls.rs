@@ -274,6 +274,43 @@ fn a_self_signed_server_is_pinned_by_the_cli_and_agents_and_kept_across_restarts
     let nodes = ok(&cli(&env, &["nodes"]), "nodes");
     assert!(!nodes.contains("bad-pin"), "{nodes}");
 
+    // A gateway of its own: HTTPS with a self-signed certificate in the
+    // data directory's `gateway/`, calling the control plane by pin. An
+    // unknown key is answered 401 only once the control plane said so
+    // (were it unreachable, 503).
+    let gw_port = free_port();
+    let _gateway = Proc(
+        cmd(&env)
+            .args(["--server", &url, "--tls-fingerprint", &fp, "gateway"])
+            .args(["--token", token.trim(), "--tls", "self-signed"])
+            .args(["--bind", &format!("127.0.0.1:{gw_port}")])
+            .stdout(env.log("gateway"))
+            .stderr(env.log("gateway"))
+            .spawn()
+            .expect("start flotilla gateway"),
+    );
+    wait_https(gw_port);
+    let gw_cert = env.data().join("gateway/tls.crt");
+    assert_eq!(mode(&env.data().join("gateway/tls.key")), 0o600);
+    assert_ne!(
+        std::fs::read(&gw_cert).unwrap(),
+        std::fs::read(&cert).unwrap()
+    );
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(&gw_cert).unwrap()).unwrap();
+    let answer = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        reqwest::Client::builder()
+            .add_root_certificate(ca)
+            .build()
+            .unwrap()
+            .get(format!("https://localhost:{gw_port}/v1/models"))
+            .bearer_auth("flt_not_a_key")
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .map_err(|e| format!("{e:?}"))
+    });
+    assert_eq!(answer, Ok(401));
+
     // A restart keeps the certificate: same file, same fingerprint, and
     // the saved pin still holds.
     let before = std::fs::read(&cert).unwrap();
@@ -367,6 +404,18 @@ fn up_serves_the_api_and_the_gateway_over_https() {
             .await
     });
     assert!(untrusting.is_err(), "{untrusting:?}");
+
+    // `flotilla demo` drives its load through the HTTPS gateway, trusting
+    // it by the saved pin (the one certificate serves both ports).
+    let out = cmd(&env)
+        .args(["demo", "--gateway", &format!("https://127.0.0.1:{gw_port}")])
+        .args(["--duration", "5", "--peak-rps", "2", "--base-rps", "1"])
+        .args(["--max", "1", "--load-delay-ms", "200"])
+        .output()
+        .unwrap();
+    let shown = ok(&out, "demo over HTTPS");
+    assert!(shown.contains(" 0 failed"), "{shown}");
+    assert!(shown.contains("requests:"), "{shown}");
 
     stop(&mut up);
     let mut printed = String::new();

@@ -266,7 +266,10 @@ impl Inner {
         match tokio::time::timeout(Duration::from_secs(10), self.control.routes()).await {
             Ok(Ok(table)) => self.apply(table),
             Ok(Err(e)) => {
-                tracing::warn!(error = %e, "route table refresh failed, keeping the last one")
+                // With its cause: a certificate the gateway does not
+                // trust (a wrong pin) reads as such here, not as an outage.
+                let cause = e.source.as_ref().map(ToString::to_string);
+                tracing::warn!(error = %e, cause = cause.as_deref().unwrap_or(""), "route table refresh failed, keeping the last one")
             }
             Err(_) => tracing::warn!("route table refresh timed out, keeping the last one"),
         }
