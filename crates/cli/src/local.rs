@@ -522,7 +522,13 @@ async fn start_server(args: ServerArgs) -> Result<RunningServer> {
     // operator key that is then never shown.
     let tls = args.tls.load(&data_dir, &certificate_names(&args.bind))?;
     let (listener, url) = bind(&args.bind, tls.is_some()).await?;
-    server_config.node_pools = crate::nodepools::build(&args.node_pools, &url, &data_dir).await?;
+    // Machines that join pin a self-signed certificate like any agent.
+    let pin = tls
+        .as_ref()
+        .filter(|_| args.tls.self_signed())
+        .map(|t| t.fingerprint().to_string());
+    server_config.node_pools =
+        crate::nodepools::build(&args.node_pools, &url, pin, &data_dir).await?;
     let store = flotilla_server::open_store(&database_url)
         .await
         .map_err(|e| anyhow!("opening the database: {e:#}"))?;

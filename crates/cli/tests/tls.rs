@@ -517,3 +517,30 @@ fn certificate_files_are_served_or_refused_with_the_file_named() {
     );
     assert!(ok(&out, "gpus by pin").contains("H100"));
 }
+
+/// A node pool behind a self-signed HTTPS server: its machines are given
+/// the certificate's pin with their join token and join by it.
+#[test]
+fn node_pool_machines_join_a_self_signed_server_by_its_pin() {
+    let env = Home::new(BIN);
+    let _server = start_server(
+        &env,
+        &[
+            "--tls",
+            "self-signed",
+            "--node-pool",
+            "name=burst,provider=local,type=1xH100,min=1,max=1,idle=300,boot=120",
+        ],
+    );
+    env.operator_key();
+    wait_until(
+        "the pool's machine joins over HTTPS",
+        Duration::from_secs(90),
+        || {
+            let nodes = ok(&cli(&env, &["nodes"]), "nodes");
+            nodes
+                .lines()
+                .any(|l| l.contains("burst-") && l.contains("ready"))
+        },
+    );
+}
