@@ -32,6 +32,11 @@ impl Retryable for ClientError {
         match self {
             Self::Decode { .. } => true,
             Self::Config { .. } => false,
+            // A certificate the agent does not trust: the server's may be
+            // restored without restarting the agent, and a log line must
+            // not be given up over it. The first registration fails at
+            // once on it instead (`Agent::register`).
+            Self::Tls { .. } => true,
             e => e.is_transient() || e.is_auth(),
         }
     }
@@ -46,7 +51,17 @@ impl Client {
     /// `http://10.0.0.1:7420,http://10.0.0.2:7420`; a trailing `/` or `/v1`
     /// is tolerated) authenticating with `token`.
     pub fn new(server_urls: &str, token: &str) -> Result<Self, ClientError> {
+        Self::with_trust(server_urls, token, flotilla_client::Trust::System)
+    }
+
+    /// [`Client::new`], trusting `https://` servers by `trust`.
+    pub fn with_trust(
+        server_urls: &str,
+        token: &str,
+        trust: flotilla_client::Trust,
+    ) -> Result<Self, ClientError> {
         flotilla_client::Client::builder(server_urls, token)
+            .trust(trust)
             .retry(RetryPolicy::none())
             .user_agent(concat!("flotilla-agent/", env!("CARGO_PKG_VERSION")))
             .build()

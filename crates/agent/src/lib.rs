@@ -129,6 +129,10 @@ pub struct AgentConfig {
     /// Where to serve the agent's own `/metrics` ([`metrics`]); `None`:
     /// nowhere.
     pub metrics_bind: Option<std::net::SocketAddr>,
+    /// Which certificates an `https://` server may present: the system's
+    /// roots (default), a CA file, or a pinned fingerprint
+    /// (`--tls-fingerprint`).
+    pub trust: flotilla_client::Trust,
 }
 
 /// The Docker Engine's usual socket, used when no `--docker-host` is given.
@@ -156,6 +160,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("image_cache_bytes", &self.image_cache_bytes)
             .field("simulated_telemetry", &self.simulated_telemetry)
             .field("metrics_bind", &self.metrics_bind)
+            .field("trust", &self.trust)
             .finish()
     }
 }
@@ -188,6 +193,7 @@ impl AgentConfig {
             image_cache_bytes: Some(image_cache::DEFAULT_IMAGE_CACHE_GB * 1_000_000_000),
             simulated_telemetry: None,
             metrics_bind: None,
+            trust: flotilla_client::Trust::System,
         }
     }
 }
@@ -249,7 +255,7 @@ pub async fn run(
         running: Vec::new(),
     };
     let runtime = runtime_for(&config).await?;
-    let client = Client::new(&config.server_url, &config.token)?;
+    let client = Client::with_trust(&config.server_url, &config.token, config.trust.clone())?;
     let shared = Arc::new(Shared::default());
     let metrics = Arc::new(metrics::AgentMetrics::default());
     let metrics_server = match config.metrics_bind {
@@ -714,6 +720,9 @@ impl Agent {
                         "registered with the server"
                     );
                     return Ok(registered);
+                }
+                Err(error @ ClientError::Tls { .. }) if initial => {
+                    return Err(error).context("cannot register this node");
                 }
                 Err(error) if initial && (!error.is_retryable() || error.is_auth()) => {
                     return Err(error).context("the server refused to register this node");

@@ -72,6 +72,9 @@ pub struct BridgeConfig {
     pub sync_wait_ms: u64,
     /// How often the engine's node list is read again for new nodes.
     pub inventory_interval: Duration,
+    /// Which certificates an `https://` server may present (default: the
+    /// system's roots).
+    pub trust: flotilla_client::Trust,
 }
 
 impl std::fmt::Debug for BridgeConfig {
@@ -82,6 +85,7 @@ impl std::fmt::Debug for BridgeConfig {
             .field("token", &"<redacted>")
             .field("sync_wait_ms", &self.sync_wait_ms)
             .field("inventory_interval", &self.inventory_interval)
+            .field("trust", &self.trust)
             .finish()
     }
 }
@@ -94,6 +98,7 @@ impl BridgeConfig {
             token: token.into(),
             sync_wait_ms: 2_000,
             inventory_interval: Duration::from_secs(30),
+            trust: flotilla_client::Trust::System,
         }
     }
 }
@@ -115,6 +120,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), BridgeError> {
     let client = flotilla_client::Client::builder(&config.server_url, &config.token)
+        .trust(config.trust.clone())
         .retry(RetryPolicy::none())
         .user_agent(concat!("flotilla-bridge/", env!("CARGO_PKG_VERSION")))
         .build()

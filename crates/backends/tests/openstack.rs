@@ -361,6 +361,7 @@ fn req(name: &str, flavor: &str, spot: bool) -> ProvisionRequest {
         join: Some(Join {
             server_url: "http://cp.example:7420".into(),
             token: "fjt_abc".into(),
+            tls_fingerprint: None,
         }),
     }
 }

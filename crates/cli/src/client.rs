@@ -15,9 +15,10 @@ use serde_json::Value;
 pub use flotilla_client::{Client, Error as ClientError, LogFollow};
 
 /// A client of `servers` (one URL or several, comma-separated) with
-/// `api_key`.
-pub fn connect(servers: &str, api_key: &str) -> Result<Client> {
+/// `api_key`, trusting `https://` servers by `trust`.
+pub fn connect(servers: &str, api_key: &str, trust: flotilla_client::Trust) -> Result<Client> {
     Ok(Client::builder(servers, api_key)
+        .trust(trust)
         .user_agent(concat!("flotilla-cli/", env!("CARGO_PKG_VERSION")))
         .build()?)
 }
@@ -38,6 +39,12 @@ pub fn decode<T: DeserializeOwned>(v: Value) -> Result<T> {
 pub fn describe(e: &ClientError) -> String {
     if e.is_unreachable() {
         return format!("{e}: is `flotilla up` running?");
+    }
+    if e.code() == Some("https_required") {
+        return format!(
+            "{}: the server serves HTTPS; use its https:// URL (with --tls-fingerprint or --ca-cert for a self-signed certificate)",
+            e.message()
+        );
     }
     e.message()
 }

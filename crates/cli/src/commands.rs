@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use chrono::Utc;
 use flotilla_billing::meter::{Meter, UsageEvent};
 use flotilla_core::api::{
@@ -31,6 +31,8 @@ pub struct Ctx {
     pub client: Client,
     /// Print raw JSON instead of tables.
     pub json: bool,
+    /// How `https://` servers are trusted (the gateway too, for `demo`).
+    pub trust: flotilla_client::Trust,
 }
 
 fn decode_all<T: serde::de::DeserializeOwned>(items: Vec<Value>) -> Result<Vec<T>> {
@@ -44,22 +46,33 @@ fn instance_id(s: &str) -> Result<InstanceId> {
 }
 
 /// `flotilla login`.
-pub async fn login(server: Option<String>, api_key: Option<String>) -> Result<ExitCode> {
+pub async fn login(
+    server: Option<String>,
+    api_key: Option<String>,
+    tls: config::TlsFlags<'_>,
+) -> Result<ExitCode> {
     let server = config::normalize_server(server.as_deref().unwrap_or(config::DEFAULT_SERVER));
     let api_key = api_key
         .map(|k| k.trim().to_string())
         .filter(|k| !k.is_empty())
         .ok_or_else(|| anyhow!("login needs --api-key KEY (or FLOTILLA_API_KEY)"))?;
-    let client = crate::client::connect(&server, &api_key)?;
+    let creds = Credentials {
+        tls_fingerprint: tls
+            .fingerprint
+            .map(|f| f.trim().to_string())
+            .filter(|f| !f.is_empty()),
+        // Saved absolute: later commands may run from another directory.
+        ca_cert: tls
+            .ca_cert
+            .map(std::path::absolute)
+            .transpose()
+            .context("resolving --ca-cert")?,
+        ..Credentials::new(server.clone(), api_key.clone())
+    };
+    let client = crate::client::connect(&server, &api_key, creds.trust()?)?;
     let me: Me = client.me().await?;
     let path = config::credentials_path()?;
-    config::save(
-        &path,
-        &Credentials {
-            server: server.clone(),
-            api_key,
-        },
-    )?;
+    config::save(&path, &creds)?;
     outln!(
         "logged in to {server} as {} of tenant {}",
         me.key.role.as_str(),

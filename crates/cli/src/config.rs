@@ -27,6 +27,52 @@ pub struct Credentials {
     pub server: String,
     /// Bearer secret.
     pub api_key: String,
+    /// The server certificate's pinned fingerprint (`sha256:…`), for an
+    /// `https://` server with a self-signed certificate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_fingerprint: Option<String>,
+    /// A CA certificate file that vouches for an `https://` server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_cert: Option<PathBuf>,
+}
+
+impl Credentials {
+    /// Credentials for `server` with `api_key` and no TLS settings.
+    pub fn new(server: impl Into<String>, api_key: impl Into<String>) -> Self {
+        Self {
+            server: server.into(),
+            api_key: api_key.into(),
+            tls_fingerprint: None,
+            ca_cert: None,
+        }
+    }
+
+    /// The trust these credentials place in the server (the system's
+    /// roots unless a fingerprint or CA file is set).
+    pub fn trust(&self) -> Result<flotilla_client::Trust> {
+        trust(self.tls_fingerprint.as_deref(), self.ca_cert.as_deref())
+    }
+}
+
+/// The trust named by `--tls-fingerprint` or `--ca-cert` (at most one),
+/// else the system's roots.
+pub fn trust(fingerprint: Option<&str>, ca_cert: Option<&Path>) -> Result<flotilla_client::Trust> {
+    let fingerprint = fingerprint.map(str::trim).filter(|f| !f.is_empty());
+    match (fingerprint, ca_cert) {
+        (Some(_), Some(_)) => Err(anyhow!(
+            "pass either --tls-fingerprint or --ca-cert, not both"
+        )),
+        (Some(f), None) => {
+            let pin = f
+                .parse::<flotilla_client::Fingerprint>()
+                .map_err(|e| anyhow!("--tls-fingerprint: {e}"))?;
+            Ok(flotilla_client::Trust::Pinned(pin))
+        }
+        (None, Some(path)) => {
+            flotilla_client::Trust::ca_file(path).map_err(|e| anyhow!("--ca-cert: {e}"))
+        }
+        (None, None) => Ok(flotilla_client::Trust::System),
+    }
 }
 
 /// The config directory: `FLOTILLA_CONFIG_DIR`, else the platform's config
@@ -134,26 +180,62 @@ pub fn normalize_server(url: &str) -> String {
     flotilla_client::parse_servers(url).join(",")
 }
 
-/// Resolves the server and key for a client command: flags and environment
-/// first (clap already merged them), then the credentials file.
-pub fn resolve(server: Option<&str>, api_key: Option<&str>) -> Result<Credentials> {
+/// The TLS flags a client command was given (`--tls-fingerprint`,
+/// `--ca-cert`, or their environment variables).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TlsFlags<'a> {
+    /// `--tls-fingerprint`.
+    pub fingerprint: Option<&'a str>,
+    /// `--ca-cert`.
+    pub ca_cert: Option<&'a Path>,
+}
+
+impl TlsFlags<'_> {
+    fn given(&self) -> bool {
+        self.fingerprint.is_some_and(|f| !f.trim().is_empty()) || self.ca_cert.is_some()
+    }
+}
+
+/// Resolves the server, key and TLS trust for a client command: flags and
+/// environment first (clap already merged them), then the credentials
+/// file.
+pub fn resolve(
+    server: Option<&str>,
+    api_key: Option<&str>,
+    tls: TlsFlags<'_>,
+) -> Result<Credentials> {
     let path = credentials_path()?;
     let saved = if server.is_some() && api_key.is_some() {
         None
     } else {
         load(&path)?
     };
-    resolve_with(server, api_key, saved)
+    resolve_with(server, api_key, tls, saved)
 }
 
 fn resolve_with(
     server: Option<&str>,
     api_key: Option<&str>,
+    tls: TlsFlags<'_>,
     saved: Option<Credentials>,
 ) -> Result<Credentials> {
-    let server = server
+    let given_server = server
         .filter(|s| !s.trim().is_empty())
-        .map(normalize_server)
+        .map(normalize_server);
+    // The saved TLS settings belong to the saved server: they apply when
+    // no other server is named and no TLS flag replaces them.
+    let (saved_fingerprint, saved_ca) = match &saved {
+        Some(c)
+            if !tls.given()
+                && given_server
+                    .as_ref()
+                    .is_none_or(|s| *s == normalize_server(&c.server)) =>
+        {
+            (c.tls_fingerprint.clone(), c.ca_cert.clone())
+        }
+        _ => (None, None),
+    };
+    let server = given_server
         .or_else(|| saved.as_ref().map(|c| normalize_server(&c.server)))
         .unwrap_or_else(|| DEFAULT_SERVER.to_string());
     let api_key = api_key
@@ -161,7 +243,16 @@ fn resolve_with(
         .map(|k| k.trim().to_string())
         .or_else(|| saved.map(|c| c.api_key))
         .ok_or_else(|| anyhow!("no API key: run `flotilla up` or `flotilla login`"))?;
-    Ok(Credentials { server, api_key })
+    Ok(Credentials {
+        server,
+        api_key,
+        tls_fingerprint: tls
+            .fingerprint
+            .map(|f| f.trim().to_string())
+            .filter(|f| !f.is_empty())
+            .or(saved_fingerprint),
+        ca_cert: tls.ca_cert.map(Path::to_path_buf).or(saved_ca),
+    })
 }
 
 #[cfg(test)]
@@ -169,10 +260,7 @@ mod tests {
     use super::*;
 
     fn creds() -> Credentials {
-        Credentials {
-            server: "http://127.0.0.1:7420".into(),
-            api_key: "flt_secret".into(),
-        }
+        Credentials::new("http://127.0.0.1:7420", "flt_secret")
     }
 
     #[test]
@@ -185,6 +273,7 @@ mod tests {
 
         let other = Credentials {
             api_key: "flt_other".into(),
+            tls_fingerprint: Some(format!("sha256:{}", "0".repeat(64))),
             ..creds()
         };
         save(&path, &other).unwrap();
@@ -217,17 +306,92 @@ mod tests {
     #[test]
     fn flags_win_over_the_file_and_a_missing_key_says_what_to_do() {
         let saved = Some(creds());
-        let c = resolve_with(Some("localhost:9000/"), None, saved.clone()).unwrap();
+        let none = TlsFlags::default();
+        let c = resolve_with(Some("localhost:9000/"), None, none, saved.clone()).unwrap();
         assert_eq!(c.server, "http://localhost:9000");
-        let c = resolve_with(Some(" a:1/, https://b/v1 "), None, saved.clone()).unwrap();
+        let c = resolve_with(Some(" a:1/, https://b/v1 "), None, none, saved.clone()).unwrap();
         assert_eq!(c.server, "http://a:1,https://b");
         assert_eq!(c.api_key, "flt_secret");
-        let c = resolve_with(None, Some("flt_flag"), saved).unwrap();
+        let c = resolve_with(None, Some("flt_flag"), none, saved).unwrap();
         assert_eq!(
             (c.server.as_str(), c.api_key.as_str()),
             ("http://127.0.0.1:7420", "flt_flag")
         );
-        let e = resolve_with(None, None, None).unwrap_err().to_string();
+        let e = resolve_with(None, None, none, None)
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "no API key: run `flotilla up` or `flotilla login`");
+    }
+
+    #[test]
+    fn a_saved_pin_applies_to_its_own_server_unless_a_flag_replaces_it() {
+        let pin = format!("sha256:{}", "ab".repeat(32));
+        let other = format!("sha256:{}", "cd".repeat(32));
+        let saved = Some(Credentials {
+            tls_fingerprint: Some(pin.clone()),
+            ..Credentials::new("https://10.0.0.1:7420", "flt_secret")
+        });
+        let none = TlsFlags::default();
+        let c = resolve_with(None, None, none, saved.clone()).unwrap();
+        assert_eq!(c.tls_fingerprint.as_deref(), Some(pin.as_str()));
+        assert!(
+            matches!(c.trust().unwrap(), flotilla_client::Trust::Pinned(p) if p.to_string() == pin)
+        );
+        let c = resolve_with(Some("https://10.0.0.1:7420/"), None, none, saved.clone()).unwrap();
+        assert_eq!(c.tls_fingerprint.as_deref(), Some(pin.as_str()));
+        // Another server: the saved pin is not its pin.
+        let c = resolve_with(Some("https://10.0.0.2:7420"), None, none, saved.clone()).unwrap();
+        assert_eq!(c.tls_fingerprint, None);
+        let flag = TlsFlags {
+            fingerprint: Some(&other),
+            ca_cert: None,
+        };
+        let c = resolve_with(None, None, flag, saved.clone()).unwrap();
+        assert_eq!(c.tls_fingerprint.as_deref(), Some(other.as_str()));
+        let ca = TlsFlags {
+            fingerprint: None,
+            ca_cert: Some(Path::new("/etc/ca.pem")),
+        };
+        let c = resolve_with(None, None, ca, saved).unwrap();
+        assert_eq!(
+            (c.tls_fingerprint, c.ca_cert),
+            (None, Some(PathBuf::from("/etc/ca.pem")))
+        );
+    }
+
+    #[test]
+    fn tls_flags_are_checked() {
+        let e = trust(Some("sha256:12"), None).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--tls-fingerprint: invalid TLS fingerprint `sha256:12`"),
+            "{e}"
+        );
+        let e = trust(Some(&"ab".repeat(32)), Some(Path::new("/x")))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "pass either --tls-fingerprint or --ca-cert, not both");
+        let e = trust(None, Some(Path::new("/nonexistent/ca.pem")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("--ca-cert: cannot read the CA certificate /nonexistent/ca.pem"),
+            "{e}"
+        );
+        assert!(matches!(
+            trust(Some(" "), None).unwrap(),
+            flotilla_client::Trust::System
+        ));
+    }
+
+    #[test]
+    fn old_credentials_files_still_read() {
+        let c: Credentials =
+            serde_json::from_str(r#"{"server":"http://a:1","api_key":"k"}"#).unwrap();
+        assert_eq!(c, Credentials::new("http://a:1", "k"));
+        // And no TLS keys are written when there are none.
+        assert_eq!(
+            serde_json::to_string(&c).unwrap(),
+            r#"{"server":"http://a:1","api_key":"k"}"#
+        );
     }
 }

@@ -202,16 +202,13 @@ async fn one_request(
 
 /// Sends requests at the offered rate (evenly spaced) until `duration`.
 async fn drive(
+    http: reqwest::Client,
     args: Arc<DemoArgs>,
     url: String,
     key: Arc<str>,
     tally: Arc<Tally>,
     start: Instant,
 ) -> Vec<tokio::task::JoinHandle<()>> {
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_millis(QUEUE_TIMEOUT_MS + 30_000))
-        .build()
-        .unwrap_or_default();
     let body: Arc<str> = json!({
         "model": args.name,
         "messages": [{"role": "user", "content": "Say something about GPUs."}],
@@ -304,8 +301,12 @@ async fn watch(ctx: &Ctx, id: &str, baseline: Decimal, seen: &Mutex<Seen>) {
 
 /// Waits until the gateway routes the model: it reads the route table
 /// every fraction of a second, and a request before that would be a 404.
-async fn wait_for_route(gateway: &str, key: &str, model: &str) -> Result<()> {
-    let http = reqwest::Client::new();
+async fn wait_for_route(
+    http: &reqwest::Client,
+    gateway: &str,
+    key: &str,
+    model: &str,
+) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let listed = match http
@@ -388,12 +389,36 @@ impl View {
     }
 }
 
+/// The HTTP client of the gateway. Over HTTPS it trusts the gateway as
+/// the CLI trusts the server (`flotilla up` serves both with one
+/// certificate).
+fn gateway_client(gateway: &str, trust: &flotilla_client::Trust) -> Result<reqwest::Client> {
+    let mut builder =
+        reqwest::Client::builder().timeout(Duration::from_millis(QUEUE_TIMEOUT_MS + 30_000));
+    if gateway.starts_with("https://") {
+        builder = builder.use_preconfigured_tls(
+            trust
+                .client_config()
+                .map_err(|e| anyhow!("the gateway's TLS: {e}"))?,
+        );
+    }
+    builder
+        .build()
+        .context("setting up the gateway's HTTP client")
+}
+
 /// `flotilla demo`.
 pub async fn run(ctx: &Ctx, api_key: &str, args: DemoArgs) -> Result<ExitCode> {
+    // `flotilla up` serves its gateway over HTTPS when it serves the API so.
+    let scheme = if ctx.client.current_server().starts_with("https://") {
+        "https"
+    } else {
+        "http"
+    };
     let gateway = args
         .gateway
         .clone()
-        .unwrap_or_else(|| format!("http://{DEFAULT_GATEWAY_BIND}"));
+        .unwrap_or_else(|| format!("{scheme}://{DEFAULT_GATEWAY_BIND}"));
     let gateway = gateway.trim_end_matches('/').to_string();
     if !gateway.starts_with("http://") && !gateway.starts_with("https://") {
         bail!("--gateway: `{gateway}` is not an http:// or https:// URL");
@@ -533,11 +558,12 @@ async fn show(
         currency,
         ..Seen::default()
     });
-    wait_for_route(gateway, api_key, &args.name).await?;
+    let http = gateway_client(gateway, &ctx.trust)?;
+    wait_for_route(&http, gateway, api_key, &args.name).await?;
     let start = Instant::now();
     let url = format!("{gateway}/v1/chat/completions");
     let key: Arc<str> = api_key.into();
-    let mut load = tokio::spawn(drive(args.clone(), url, key, tally.clone(), start));
+    let mut load = tokio::spawn(drive(http, args.clone(), url, key, tally.clone(), start));
     let view = View::new(args.duration);
     view.line(&format!(
         "{:>5} {:>6} {:>8} {:>6} {:>9} {:>8} {:>7} {:>7} {:>8} {:>12}",

@@ -90,12 +90,17 @@ pub struct SlurmArgs {
 }
 
 /// Runs the bridge until SIGINT or SIGTERM.
-pub async fn run(server: Option<String>, command: ExecutorCommand) -> Result<ExitCode> {
+pub async fn run(
+    server: Option<String>,
+    tls: config::TlsFlags<'_>,
+    command: ExecutorCommand,
+) -> Result<ExitCode> {
     init_logging();
     let server_url = server_url(server);
+    let trust = config::trust(tls.fingerprint, tls.ca_cert)?;
     let args = match command {
         ExecutorCommand::Slurm(args) => args,
-        ExecutorCommand::Kubernetes(args) => return run_kubernetes(server_url, args).await,
+        ExecutorCommand::Kubernetes(args) => return run_kubernetes(server_url, trust, args).await,
     };
     if args.token.trim().is_empty() {
         bail!("--token is empty: pass the server's agent token");
@@ -125,6 +130,7 @@ pub async fn run(server: Option<String>, command: ExecutorCommand) -> Result<Exi
     let mut cfg = BridgeConfig::new(server_url.clone(), args.token.trim());
     cfg.sync_wait_ms = args.sync_wait_ms;
     cfg.inventory_interval = Duration::from_secs(30);
+    cfg.trust = trust;
     let mut signals = Signals::new()?;
     eprintln!(
         "bridging Slurm ({}) to {server_url}; press Ctrl-C to stop",
@@ -168,7 +174,11 @@ fn kube_config(path: Option<&std::path::Path>) -> Result<flotilla_backends::kube
 }
 
 #[cfg(feature = "kubernetes")]
-async fn run_kubernetes(server_url: String, args: KubernetesArgs) -> Result<ExitCode> {
+async fn run_kubernetes(
+    server_url: String,
+    trust: flotilla_client::Trust,
+    args: KubernetesArgs,
+) -> Result<ExitCode> {
     use flotilla_backends::kube::KubeExecutor;
 
     if args.token.trim().is_empty() {
@@ -183,6 +193,7 @@ async fn run_kubernetes(server_url: String, args: KubernetesArgs) -> Result<Exit
     let mut cfg = BridgeConfig::new(server_url.clone(), args.token.trim());
     cfg.sync_wait_ms = args.sync_wait_ms;
     cfg.inventory_interval = Duration::from_secs(30);
+    cfg.trust = trust;
     let mut signals = Signals::new()?;
     eprintln!("bridging Kubernetes to {server_url}; press Ctrl-C to stop");
     tokio::select! {
@@ -196,7 +207,11 @@ async fn run_kubernetes(server_url: String, args: KubernetesArgs) -> Result<Exit
 }
 
 #[cfg(not(feature = "kubernetes"))]
-async fn run_kubernetes(_server_url: String, _args: KubernetesArgs) -> Result<ExitCode> {
+async fn run_kubernetes(
+    _server_url: String,
+    _trust: flotilla_client::Trust,
+    _args: KubernetesArgs,
+) -> Result<ExitCode> {
     bail!("this flotilla was built without the `kubernetes` feature; rebuild with `--features kubernetes`")
 }
 

@@ -10,7 +10,8 @@ use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use flotilla_gateway::{ApiControl, GatewayConfig, GatewayHandle};
 
-use crate::local::{init_logging, Signals};
+use crate::config;
+use crate::local::{init_logging, Signals, TlsArgs};
 use crate::output::say;
 
 /// Where the gateway listens by default.
@@ -26,12 +27,24 @@ pub struct GatewayArgs {
     /// Address to listen on.
     #[arg(long, default_value = DEFAULT_GATEWAY_BIND, value_name = "ADDR")]
     pub bind: String,
+    /// HTTPS (a self-signed certificate is kept in the data directory's
+    /// `gateway/`).
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 /// Starts a gateway on `bind` with the control plane at `servers`
-/// (comma-separated URLs), authenticated by `token`.
-pub async fn start(servers: &str, token: &str, bind: &str) -> Result<GatewayHandle> {
+/// (comma-separated URLs, trusted by `trust` when `https://`),
+/// authenticated by `token`; it serves HTTPS with `tls` when given.
+pub async fn start(
+    servers: &str,
+    token: &str,
+    trust: flotilla_client::Trust,
+    bind: &str,
+    tls: Option<flotilla_tls::ServerTls>,
+) -> Result<GatewayHandle> {
     let client = flotilla_client::Client::builder(servers, token)
+        .trust(trust)
         .user_agent(concat!("flotilla-gateway/", env!("CARGO_PKG_VERSION")))
         .build()
         .map_err(|e| anyhow!("gateway's control client: {e}"))?;
@@ -41,24 +54,44 @@ pub async fn start(servers: &str, token: &str, bind: &str) -> Result<GatewayHand
     flotilla_gateway::serve(
         listener,
         Arc::new(ApiControl::new(client)),
-        GatewayConfig::default(),
+        GatewayConfig {
+            tls,
+            ..GatewayConfig::default()
+        },
     )
     .await
     .map_err(|e| anyhow!("starting the gateway: {e}"))
 }
 
 /// `flotilla gateway`.
-pub async fn run(server: Option<String>, args: GatewayArgs) -> Result<ExitCode> {
+pub async fn run(
+    server: Option<String>,
+    trust: config::TlsFlags<'_>,
+    args: GatewayArgs,
+) -> Result<ExitCode> {
     init_logging();
+    let trust = config::trust(trust.fingerprint, trust.ca_cert)?;
     let Some(server) = server else {
         bail!("--server is required: the URL of the control plane");
     };
     if args.token.trim().is_empty() {
         bail!("--token is empty: pass a provider (agent) or operator key");
     }
+    let dir = crate::local::data_dir(None)?.join("gateway");
+    if args.tls.self_signed() {
+        // The key file is owner-only; keep its directory so too.
+        config::create_private_dir(&dir)?;
+    }
+    let tls = args
+        .tls
+        .load(&dir, &crate::local::certificate_names(&args.bind))?;
     let mut signals = Signals::new()?;
-    let gw = start(&server, args.token.trim(), &args.bind).await?;
+    let fingerprint = tls.as_ref().map(|t| t.fingerprint());
+    let gw = start(&server, args.token.trim(), trust, &args.bind, tls).await?;
     say!("gateway:  {} (control plane {server})", gw.url());
+    if let Some(f) = fingerprint {
+        say!("TLS:      certificate fingerprint {f}");
+    }
     say!("press Ctrl-C to stop");
     signals.recv().await;
     eprintln!("stopping: requests in flight finish, usage is delivered");

@@ -84,6 +84,9 @@ pub struct ServerArgs {
     /// Node pools grown and shrunk through a capacity provider.
     #[command(flatten)]
     pub node_pools: crate::nodepools::NodePoolArgs,
+    /// HTTPS.
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 /// An operator fee: a plain decimal between 0 and 100 inclusive.
@@ -106,6 +109,107 @@ fn parse_policy(s: &str) -> Result<flotilla_sched::Policy, String> {
             .collect();
         format!("unknown policy `{s}`; one of {}", names.join(", "))
     })
+}
+
+/// Whether a server or gateway serves HTTPS, and with which certificate:
+/// `--tls self-signed`, or `--tls-cert` with `--tls-key`. Plain HTTP
+/// otherwise (the default, for loopback: `flotilla up` as the README
+/// starts it).
+#[derive(Debug, Clone, Args)]
+pub struct TlsArgs {
+    /// `self-signed`: serve HTTPS with a certificate made at first start and
+    /// kept in the data directory (`tls.crt`; `tls.key`, mode 0600), reused
+    /// on every restart; its SHA-256 fingerprint is printed for clients to
+    /// pin (`--tls-fingerprint`). `off`: plain HTTP.
+    #[arg(
+        long,
+        value_name = "MODE",
+        env = "FLOTILLA_TLS",
+        conflicts_with_all = ["tls_cert", "tls_key"]
+    )]
+    pub tls: Option<TlsMode>,
+    /// Serve HTTPS with this PEM certificate chain, leaf first (with
+    /// `--tls-key`).
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FLOTILLA_TLS_CERT",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert` (PKCS#8, PKCS#1 or SEC1); keep it
+    /// readable by the server's user only.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FLOTILLA_TLS_KEY",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+}
+
+/// `--tls`'s values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TlsMode {
+    /// Plain HTTP.
+    Off,
+    /// HTTPS with a self-signed certificate kept in the data directory.
+    SelfSigned,
+}
+
+impl TlsArgs {
+    /// The certificate to serve, or `None` for plain HTTP. A self-signed
+    /// one lives in `dir` and names `names`; files that cannot be read or
+    /// do not match refuse the start with the file named.
+    pub(crate) fn load(
+        &self,
+        dir: &Path,
+        names: &[String],
+    ) -> Result<Option<flotilla_tls::ServerTls>> {
+        match (&self.tls_cert, &self.tls_key, self.tls) {
+            (Some(cert), Some(key), _) => flotilla_tls::ServerTls::from_files(cert, key)
+                .map(Some)
+                .map_err(|e| anyhow!("--tls-cert/--tls-key: {e}")),
+            (_, _, Some(TlsMode::SelfSigned)) => flotilla_tls::ServerTls::self_signed(dir, names)
+                .map(Some)
+                .map_err(|e| anyhow!("--tls self-signed: {e}")),
+            _ => Ok(None),
+        }
+    }
+
+    /// Whether the certificate is ours (self-signed), so that clients
+    /// started here pin it and saved credentials carry its fingerprint.
+    pub(crate) fn self_signed(&self) -> bool {
+        self.tls == Some(TlsMode::SelfSigned)
+    }
+}
+
+/// The names a self-signed certificate for a listener on `bind` is made
+/// valid for: loopback, this host's name, and the bound address when it is
+/// a particular one. (Pinning clients ignore names; these serve clients
+/// that trust the certificate as a CA file instead.)
+pub(crate) fn certificate_names(bind: &str) -> Vec<String> {
+    let mut names = vec![
+        "localhost".to_string(),
+        "127.0.0.1".to_string(),
+        "::1".to_string(),
+    ];
+    let host = hostname();
+    if host != "local" {
+        names.push(host);
+    }
+    let bound = bind
+        .rsplit_once(':')
+        .map_or(bind, |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let wildcard = bound
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified());
+    if !bound.is_empty() && !wildcard && !names.iter().any(|n| n == bound) {
+        names.push(bound.to_string());
+    }
+    names
 }
 
 impl ServerArgs {
@@ -314,7 +418,7 @@ impl Signals {
     }
 }
 
-fn data_dir(flag: Option<PathBuf>) -> Result<PathBuf> {
+pub(crate) fn data_dir(flag: Option<PathBuf>) -> Result<PathBuf> {
     let env = std::env::var_os("FLOTILLA_DATA_DIR")
         .filter(|d| !d.is_empty())
         .map(PathBuf::from);
@@ -343,7 +447,7 @@ fn check_simulated(spec: &str) -> Result<()> {
 
 /// Binds the API listener and derives the URL clients and the local agent
 /// use (a wildcard address is reached through loopback).
-async fn bind(addr: &str) -> Result<(TcpListener, String)> {
+async fn bind(addr: &str, https: bool) -> Result<(TcpListener, String)> {
     let listener = TcpListener::bind(addr).await.map_err(|e| {
         if e.kind() == std::io::ErrorKind::AddrInUse {
             let host = addr.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
@@ -355,16 +459,17 @@ async fn bind(addr: &str) -> Result<(TcpListener, String)> {
     let local = listener
         .local_addr()
         .with_context(|| format!("reading the address of {addr}"))?;
-    Ok((listener, url_for(local)))
+    Ok((listener, url_for(local, https)))
 }
 
-fn url_for(addr: SocketAddr) -> String {
+fn url_for(addr: SocketAddr, https: bool) -> String {
     let ip = match addr.ip() {
         std::net::IpAddr::V4(ip) if ip.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
         std::net::IpAddr::V6(ip) if ip.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
         ip => ip,
     };
-    format!("http://{}", SocketAddr::new(ip, addr.port()))
+    let scheme = if https { "https" } else { "http" };
+    format!("{scheme}://{}", SocketAddr::new(ip, addr.port()))
 }
 
 /// The control plane, started: the serve task and its shutdown switch.
@@ -375,6 +480,33 @@ struct RunningServer {
     stop: oneshot::Sender<()>,
     operator_key: Option<String>,
     agent_token: String,
+    /// The certificate it serves, when it serves HTTPS.
+    tls: Option<flotilla_tls::ServerTls>,
+    /// Whether that certificate is the self-signed one in the data
+    /// directory (clients pin it) rather than the operator's files.
+    self_signed: bool,
+}
+
+impl RunningServer {
+    /// How clients started beside the server (the local agent, the
+    /// gateway) trust it: by the fingerprint of the certificate it serves,
+    /// self-signed or not, since they start and stop with it.
+    fn local_trust(&self) -> flotilla_client::Trust {
+        match &self.tls {
+            Some(tls) => flotilla_client::Trust::Pinned(tls.fingerprint()),
+            None => flotilla_client::Trust::System,
+        }
+    }
+
+    /// The pin clients elsewhere use: the self-signed certificate's
+    /// fingerprint. (A certificate from the operator's files is trusted
+    /// through its CA; pinning it would break at every renewal.)
+    fn pin(&self) -> Option<flotilla_tls::Fingerprint> {
+        self.tls
+            .as_ref()
+            .filter(|_| self.self_signed)
+            .map(|t| t.fingerprint())
+    }
 }
 
 async fn start_server(args: ServerArgs) -> Result<RunningServer> {
@@ -385,10 +517,18 @@ async fn start_server(args: ServerArgs) -> Result<RunningServer> {
     let database_url = args
         .database_url
         .unwrap_or_else(|| default_database_url(&data_dir));
-    // Bind before bootstrap: a first start that fails on a taken port must
-    // not mint an operator key that is then never shown.
-    let (listener, url) = bind(&args.bind).await?;
-    server_config.node_pools = crate::nodepools::build(&args.node_pools, &url, &data_dir).await?;
+    // Bind and read the certificate before bootstrap: a first start that
+    // fails on a taken port or a bad certificate must not mint an
+    // operator key that is then never shown.
+    let tls = args.tls.load(&data_dir, &certificate_names(&args.bind))?;
+    let (listener, url) = bind(&args.bind, tls.is_some()).await?;
+    // Machines that join pin a self-signed certificate like any agent.
+    let pin = tls
+        .as_ref()
+        .filter(|_| args.tls.self_signed())
+        .map(|t| t.fingerprint().to_string());
+    server_config.node_pools =
+        crate::nodepools::build(&args.node_pools, &url, pin, &data_dir).await?;
     let store = flotilla_server::open_store(&database_url)
         .await
         .map_err(|e| anyhow!("opening the database: {e:#}"))?;
@@ -396,14 +536,24 @@ async fn start_server(args: ServerArgs) -> Result<RunningServer> {
         .await
         .map_err(|e| anyhow!("initialising the database: {e:#}"))?;
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(flotilla_server::serve(
-        store,
-        server_config,
-        listener,
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+    let stopped = async move {
+        let _ = stopped.await;
+    };
+    let task = match tls.clone() {
+        Some(tls) => tokio::spawn(flotilla_server::serve_https(
+            store,
+            server_config,
+            listener,
+            tls,
+            stopped,
+        )),
+        None => tokio::spawn(flotilla_server::serve(
+            store,
+            server_config,
+            listener,
+            stopped,
+        )),
+    };
     tracing::info!(%url, data_dir = %data_dir.display(), "server listening");
     Ok(RunningServer {
         url,
@@ -412,18 +562,24 @@ async fn start_server(args: ServerArgs) -> Result<RunningServer> {
         stop,
         operator_key: boot.operator_key,
         agent_token: boot.agent_token,
+        tls,
+        self_signed: args.tls.self_signed(),
     })
 }
 
 /// Saves and shows the operator key of a first start, or says where the
-/// saved credentials are.
+/// saved credentials are. Credentials saved for this server's address are
+/// kept pointing at it as it serves now: its scheme and, for a self-signed
+/// certificate, the pin (so `flotilla up --tls self-signed` after plain
+/// starts leaves the CLI working without flags).
 fn announce_credentials(server: &RunningServer) {
     let path = config::credentials_path();
+    let pin = server.pin().map(|p| p.to_string());
     match (&server.operator_key, path) {
         (Some(key), Ok(path)) => {
             let creds = Credentials {
-                server: server.url.clone(),
-                api_key: key.clone(),
+                tls_fingerprint: pin,
+                ..Credentials::new(server.url.clone(), key.clone())
             };
             match config::save(&path, &creds) {
                 Ok(()) => say!(
@@ -438,11 +594,72 @@ fn announce_credentials(server: &RunningServer) {
         (Some(key), Err(e)) => {
             say!("operator API key (shown once; could not save it: {e:#}):\n  {key}")
         }
-        (None, Ok(path)) if path.exists() => say!("credentials: {}", path.display()),
+        (None, Ok(path)) if path.exists() => match follow_server(&path, &server.url, pin) {
+            Ok(true) => say!("credentials: {} (now for {})", path.display(), server.url),
+            Ok(false) => say!("credentials: {}", path.display()),
+            Err(e) => say!("credentials: {} (not updated: {e:#})", path.display()),
+        },
         (None, _) => say!(
             "credentials: none saved; use `flotilla login --server {} --api-key KEY`",
             server.url
         ),
+    }
+}
+
+/// Points saved credentials for the server at `url`'s address (same host
+/// and port, either scheme) at `url` and `pin`; whether it changed them.
+/// Credentials for another server are left alone.
+fn follow_server(path: &Path, url: &str, pin: Option<String>) -> Result<bool> {
+    let Some(saved) = config::load(path)? else {
+        return Ok(false);
+    };
+    let authority = |u: &str| {
+        u.split_once("://")
+            .map_or(u, |(_, rest)| rest)
+            .trim_end_matches('/')
+            .to_string()
+    };
+    if saved.server.contains(',') || authority(&saved.server) != authority(url) {
+        return Ok(false);
+    }
+    let https = url.starts_with("https://");
+    let updated = Credentials {
+        server: url.to_string(),
+        // A CA file the operator chose stays; a pin follows the server.
+        tls_fingerprint: if https {
+            pin.or(saved.tls_fingerprint.clone())
+                .filter(|_| saved.ca_cert.is_none())
+        } else {
+            None
+        },
+        ca_cert: if https { saved.ca_cert.clone() } else { None },
+        api_key: saved.api_key.clone(),
+    };
+    if updated == saved {
+        return Ok(false);
+    }
+    config::save(path, &updated)?;
+    Ok(true)
+}
+
+/// Says how the server's certificate is trusted: its fingerprint for
+/// clients to pin, or the files it came from.
+fn announce_tls(server: &RunningServer) {
+    let Some(tls) = &server.tls else {
+        return;
+    };
+    if let Some(pin) = server.pin() {
+        let made = if tls.created() { "made now" } else { "kept" };
+        say!(
+            "TLS:      self-signed certificate ({made}, {}), fingerprint\n  {pin}",
+            server.data_dir.join(flotilla_tls::CERT_FILE).display()
+        );
+        say!("          clients elsewhere: --tls-fingerprint {pin}");
+    } else {
+        say!(
+            "TLS:      certificate fingerprint {} (clients trust it through its CA, or --ca-cert)",
+            tls.fingerprint()
+        );
     }
 }
 
@@ -510,6 +727,7 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
         server.data_dir.join("agent"),
     );
     agent_config.simulate_gpus = simulate.clone();
+    agent_config.trust = server.local_trust();
     // The node lease's fence, as for `flotilla agent`: if this process is
     // killed, the work is stopped before the lease runs out and the server
     // hands its GPUs to other work (a quick restart takes it over first).
@@ -522,20 +740,29 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
 
     // The gateway speaks to the server's API with the local agent's
     // provider key, as a gateway on another machine would.
-    let gateway =
-        match crate::gateway::start(&server.url, &server.agent_token, &args.gateway_bind).await {
-            Ok(g) => g,
-            Err(e) => {
-                let _ = agent_stop.send(());
-                let _ = join_within("agent", &mut agent, AGENT_STOP_TIMEOUT).await;
-                let _ = server.stop.send(());
-                let _ = join_within("server", &mut server.task, SERVER_STOP_TIMEOUT).await;
-                return Err(e);
-            }
-        };
+    // It serves HTTPS with the server's certificate when the server does.
+    let gateway = match crate::gateway::start(
+        &server.url,
+        &server.agent_token,
+        server.local_trust(),
+        &args.gateway_bind,
+        server.tls.clone(),
+    )
+    .await
+    {
+        Ok(g) => g,
+        Err(e) => {
+            let _ = agent_stop.send(());
+            let _ = join_within("agent", &mut agent, AGENT_STOP_TIMEOUT).await;
+            let _ = server.stop.send(());
+            let _ = join_within("server", &mut server.task, SERVER_STOP_TIMEOUT).await;
+            return Err(e);
+        }
+    };
 
     say!("flotilla is up");
     announce_urls(&server.url);
+    announce_tls(&server);
     say!(
         "gateway:  {} (OpenAI-compatible; /e/<endpoint>/…)",
         gateway.url()
@@ -608,10 +835,15 @@ pub async fn server(args: ServerArgs) -> Result<ExitCode> {
     let mut server = start_server(args).await?;
     say!("flotilla server is up");
     announce_urls(&server.url);
+    announce_tls(&server);
     say!("data:     {}", server.data_dir.display());
     announce_credentials(&server);
+    let pin = server
+        .pin()
+        .map(|p| format!(" --tls-fingerprint {p}"))
+        .unwrap_or_default();
     say!(
-        "agents:   flotilla agent --server {} --token \"$(cat {})\"",
+        "agents:   flotilla agent --server {}{pin} --token \"$(cat {})\"",
         server.url,
         server.data_dir.join("agent.token").display()
     );
@@ -634,8 +866,13 @@ pub async fn server(args: ServerArgs) -> Result<ExitCode> {
 }
 
 /// `flotilla agent`.
-pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCode> {
+pub async fn agent(
+    server_url: Option<String>,
+    tls: config::TlsFlags<'_>,
+    args: AgentArgs,
+) -> Result<ExitCode> {
     init_logging();
+    let trust = config::trust(tls.fingerprint, tls.ca_cert)?;
     if let Some(spec) = &args.simulate_gpus {
         check_simulated(spec)?;
     }
@@ -657,7 +894,7 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     };
     let (token, name, pool) = match (args.token, args.join_token) {
         (_, Some(join)) => {
-            let joined = join_pool(&server_url, join.trim(), &work_dir).await?;
+            let joined = join_pool(&server_url, &trust, join.trim(), &work_dir).await?;
             (joined.agent_token, joined.name, Some(joined.pool))
         }
         (Some(token), None) if !token.trim().is_empty() => (
@@ -678,6 +915,7 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
     cfg.simulate_gpus = args.simulate_gpus;
     cfg.simulated_telemetry = args.simulated_telemetry;
     cfg.metrics_bind = args.metrics_bind;
+    cfg.trust = trust;
     args.workloads.apply(&mut cfg);
     // The node lease's fence: this binary, as `flotilla agent-fence`.
     cfg.fence_program = std::env::current_exe().ok();
@@ -708,6 +946,7 @@ pub async fn agent(server_url: Option<String>, args: AgentArgs) -> Result<ExitCo
 /// token again (the server would refuse it as used).
 async fn join_pool(
     server_url: &str,
+    trust: &flotilla_client::Trust,
     token: &str,
     work_dir: &Path,
 ) -> Result<flotilla_core::nodepool::Joined> {
@@ -721,7 +960,9 @@ async fn join_pool(
     if token.is_empty() {
         bail!("--join-token is empty");
     }
-    let client = flotilla_client::Client::new(server_url, "")?;
+    let client = flotilla_client::Client::builder(server_url, "")
+        .trust(trust.clone())
+        .build()?;
     let joined = client
         .join_node(token)
         .await
@@ -782,11 +1023,17 @@ mod tests {
     #[test]
     fn wildcard_binds_are_reached_through_loopback() {
         assert_eq!(
-            url_for("0.0.0.0:7420".parse().unwrap()),
+            url_for("0.0.0.0:7420".parse().unwrap(), false),
             "http://127.0.0.1:7420"
         );
-        assert_eq!(url_for("[::]:80".parse().unwrap()), "http://[::1]:80");
-        assert_eq!(url_for("10.0.0.5:9".parse().unwrap()), "http://10.0.0.5:9");
+        assert_eq!(
+            url_for("[::]:80".parse().unwrap(), false),
+            "http://[::1]:80"
+        );
+        assert_eq!(
+            url_for("10.0.0.5:9".parse().unwrap(), true),
+            "https://10.0.0.5:9"
+        );
     }
 
     #[test]
@@ -799,10 +1046,45 @@ mod tests {
 
     #[tokio::test]
     async fn a_taken_port_names_the_flag_to_use() {
-        let (held, _) = bind("127.0.0.1:0").await.unwrap();
+        let (held, _) = bind("127.0.0.1:0", false).await.unwrap();
         let addr = held.local_addr().unwrap().to_string();
-        let e = bind(&addr).await.unwrap_err().to_string();
+        let e = bind(&addr, false).await.unwrap_err().to_string();
         assert_eq!(e, format!("{addr} is in use: pass --bind 127.0.0.1:PORT"));
+    }
+
+    #[test]
+    fn self_signed_certificates_name_loopback_and_a_particular_bind() {
+        let names = certificate_names("0.0.0.0:7420");
+        assert!(names.starts_with(&["localhost".into(), "127.0.0.1".into(), "::1".into()]));
+        assert!(!names.iter().any(|n| n == "0.0.0.0"), "{names:?}");
+        assert!(!certificate_names("[::]:1").iter().any(|n| n == "::"));
+        assert!(certificate_names("10.1.2.3:7420").contains(&"10.1.2.3".to_string()));
+        assert!(certificate_names("[fd00::5]:7420").contains(&"fd00::5".to_string()));
+        let n = certificate_names("127.0.0.1:7420");
+        assert_eq!(n.iter().filter(|n| *n == "127.0.0.1").count(), 1, "{n:?}");
+    }
+
+    #[test]
+    fn credentials_follow_their_server_to_https_and_its_pin() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("credentials.json");
+        let pin = Some(format!("sha256:{}", "ab".repeat(32)));
+        assert!(!follow_server(&path, "https://127.0.0.1:7420", pin.clone()).unwrap());
+        config::save(&path, &Credentials::new("http://127.0.0.1:7420", "k")).unwrap();
+        // Another server's credentials are left alone.
+        assert!(!follow_server(&path, "https://127.0.0.1:7421", pin.clone()).unwrap());
+        assert!(follow_server(&path, "https://127.0.0.1:7420", pin.clone()).unwrap());
+        let c = config::load(&path).unwrap().unwrap();
+        assert_eq!(c.server, "https://127.0.0.1:7420");
+        assert_eq!(c.tls_fingerprint, pin);
+        assert_eq!(c.api_key, "k");
+        assert!(!follow_server(&path, "https://127.0.0.1:7420", pin.clone()).unwrap());
+        // Back to plain HTTP: the pin goes.
+        assert!(follow_server(&path, "http://127.0.0.1:7420", None).unwrap());
+        assert_eq!(
+            config::load(&path).unwrap().unwrap(),
+            Credentials::new("http://127.0.0.1:7420", "k")
+        );
     }
 
     #[test]

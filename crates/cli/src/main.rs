@@ -57,6 +57,21 @@ struct Cli {
         value_name = "KEY"
     )]
     api_key: Option<String>,
+    /// For an https:// server: trust exactly the certificate with this
+    /// SHA-256 fingerprint (`sha256:…`, printed by a server with
+    /// `--tls self-signed`) instead of the system's root certificates.
+    #[arg(
+        long,
+        global = true,
+        env = "FLOTILLA_TLS_FINGERPRINT",
+        value_name = "sha256:HEX",
+        conflicts_with = "ca_cert"
+    )]
+    tls_fingerprint: Option<String>,
+    /// For an https:// server: trust certificates signed by the CA
+    /// certificate(s) in this PEM file instead of the system's roots.
+    #[arg(long, global = true, env = "FLOTILLA_CA_CERT", value_name = "FILE")]
+    ca_cert: Option<std::path::PathBuf>,
     /// Print the API's JSON answer instead of a table.
     #[arg(long, global = true)]
     json: bool,
@@ -401,15 +416,21 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
     let Cli {
         server,
         api_key,
+        tls_fingerprint,
+        ca_cert,
         json,
         command,
     } = cli;
+    let tls = config::TlsFlags {
+        fingerprint: tls_fingerprint.as_deref(),
+        ca_cert: ca_cert.as_deref(),
+    };
     match command {
         Command::Up(args) => return local::up(args).await,
         Command::Server(args) => return local::server(args).await,
-        Command::Agent(args) => return local::agent(server, args).await,
-        Command::Gateway(args) => return gateway::run(server, args).await,
-        Command::Executor { command } => return executor::run(server, command).await,
+        Command::Agent(args) => return local::agent(server, tls, args).await,
+        Command::Gateway(args) => return gateway::run(server, tls, args).await,
+        Command::Executor { command } => return executor::run(server, tls, command).await,
         Command::Emulator(config) => return gateway::emulator(config).await,
         Command::QueueWorker(args) => return queue_worker::run(args).await,
         Command::AgentFence { file, agent_pid } => {
@@ -417,16 +438,18 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
                 .await?;
             return Ok(ExitCode::SUCCESS);
         }
-        Command::Login => return commands::login(server, api_key).await,
+        Command::Login => return commands::login(server, api_key, tls).await,
         Command::Simulate(args) => return simulate::run(args),
         _ => {}
     }
     if std::env::var_os("RUST_LOG").is_some() {
         local::init_logging();
     }
-    let creds = config::resolve(server.as_deref(), api_key.as_deref())?;
+    let creds = config::resolve(server.as_deref(), api_key.as_deref(), tls)?;
+    let trust = creds.trust()?;
     let ctx = Ctx {
-        client: client::connect(&creds.server, &creds.api_key)?,
+        client: client::connect(&creds.server, &creds.api_key, trust.clone())?,
+        trust,
         json,
     };
     match command {

@@ -178,8 +178,15 @@ fn openstack(args: &NodePoolArgs, spec: &Spec) -> Result<Arc<dyn CapacityProvide
 }
 
 /// The node pools of `args`; `url` is the server's own URL (the default
-/// join URL), `data_dir` holds local machines' work directories.
-pub async fn build(args: &NodePoolArgs, url: &str, data_dir: &Path) -> Result<Vec<NodePoolConfig>> {
+/// join URL) and `pin` its self-signed certificate's fingerprint, which
+/// joining machines are given; `data_dir` holds local machines' work
+/// directories.
+pub async fn build(
+    args: &NodePoolArgs,
+    url: &str,
+    pin: Option<String>,
+    data_dir: &Path,
+) -> Result<Vec<NodePoolConfig>> {
     let mut out: Vec<NodePoolConfig> = Vec::new();
     for raw in &args.node_pools {
         let spec = parse_spec(raw)?;
@@ -248,6 +255,7 @@ pub async fn build(args: &NodePoolArgs, url: &str, data_dir: &Path) -> Result<Ve
             spot: spec.spot,
             region: spec.region,
             join_url: args.join_url.clone().unwrap_or_else(|| url.to_string()),
+            join_fingerprint: pin.clone(),
             join_ttl: Duration::from_secs(args.join_token_ttl.saturating_mul(60)),
             status: Arc::new(Mutex::new(PoolStatus::default())),
         });

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_core::api::Page;
+use flotilla_tls::Trust;
 use reqwest::{header, Method};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -80,9 +81,19 @@ pub struct Builder {
     retry: RetryPolicy,
     timeout: Duration,
     user_agent: String,
+    trust: Trust,
 }
 
 impl Builder {
+    /// Which server certificates `https://` URLs may present (default:
+    /// [`Trust::System`], the operating system's roots). A pinned
+    /// fingerprint or a CA file is refused with an `http://` URL, which
+    /// would silently bypass it.
+    pub fn trust(mut self, trust: Trust) -> Self {
+        self.trust = trust;
+        self
+    }
+
     /// The retry policy (default: [`RetryPolicy::default`]).
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
         self.retry = policy;
@@ -118,14 +129,33 @@ impl Builder {
                 });
             }
         }
-        let http = reqwest::Client::builder()
+        let https = self.servers.iter().any(|s| s.starts_with("https://"));
+        if !matches!(self.trust, Trust::System) {
+            if let Some(plain) = self.servers.iter().find(|s| !s.starts_with("https://")) {
+                return Err(Error::Config {
+                    field: "server",
+                    message: format!(
+                        "`{plain}` is not an https:// URL, but a TLS fingerprint or CA certificate is set for it"
+                    ),
+                });
+            }
+        }
+        let mut http = reqwest::Client::builder()
             .connect_timeout(CONNECT_TIMEOUT)
-            .user_agent(self.user_agent)
-            .build()
-            .map_err(|e| Error::Config {
-                field: "http",
-                message: format!("cannot set up the HTTP client: {e}"),
+            .user_agent(self.user_agent);
+        // Built only for https URLs: plain-HTTP clients (the local default)
+        // never read the system's certificate store.
+        if https {
+            let tls = self.trust.client_config().map_err(|e| Error::Config {
+                field: "tls",
+                message: e.to_string(),
             })?;
+            http = http.use_preconfigured_tls(tls);
+        }
+        let http = http.build().map_err(|e| Error::Config {
+            field: "http",
+            message: format!("cannot set up the HTTP client: {e}"),
+        })?;
         Ok(Client {
             inner: Arc::new(Inner {
                 http,
@@ -210,6 +240,7 @@ impl Client {
             retry: RetryPolicy::default(),
             timeout: REQUEST_TIMEOUT,
             user_agent: concat!("flotilla-client/", env!("CARGO_PKG_VERSION")).to_string(),
+            trust: Trust::System,
         }
     }
 

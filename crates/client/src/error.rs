@@ -48,6 +48,17 @@ pub enum Error {
         /// One line: what happened, from the HTTP library's causes.
         message: String,
     },
+    /// The TLS handshake failed: the server's certificate is not trusted
+    /// (a pinned fingerprint that does not match, an unknown issuer, a
+    /// name it is not valid for) or the server does not speak TLS. Not
+    /// transient: trying again meets the same certificate.
+    #[error("TLS with {server} failed: {message}")]
+    Tls {
+        /// The server URL.
+        server: String,
+        /// What failed, naming both fingerprints for a pin mismatch.
+        message: String,
+    },
     /// The server answered 2xx with a body that is not the expected type.
     #[error("unexpected answer from the server: {source}")]
     Decode {
@@ -116,7 +127,7 @@ impl Error {
         match self {
             Self::Transport { .. } => true,
             Self::Api { status, .. } => *status >= 500 || matches!(status, 408 | 429),
-            Self::Decode { .. } | Self::Config { .. } => false,
+            Self::Decode { .. } | Self::Config { .. } | Self::Tls { .. } => false,
         }
     }
 
@@ -212,6 +223,12 @@ impl Error {
 
     /// The error of a failed request to `server`.
     pub(crate) fn from_reqwest(server: &str, e: &reqwest::Error) -> Self {
+        if let Some(tls) = flotilla_tls::find(e) {
+            return Self::Tls {
+                server: server.to_string(),
+                message: flotilla_tls::explain(tls),
+            };
+        }
         let kind = if e.is_connect() {
             TransportKind::Connect
         } else if e.is_timeout() {

@@ -15,6 +15,10 @@
 //!   tried on the next URL, and the URL that answered is remembered for the
 //!   next request.
 //!
+//! - TLS: `https://` URLs are verified by the [`Trust`] given to the
+//!   [`Builder`]: the system's roots, a CA file, or a pinned certificate
+//!   fingerprint; a failed verification is [`Error::Tls`], never retried.
+//!
 //! This crate never prints, never reads the process environment and never
 //! decides what an error means for the caller's work; it only says what
 //! happened ([`Error::is_transient`] and friends help the caller choose).
@@ -28,6 +32,8 @@ mod routes;
 
 pub use client::{idempotency_key, parse_servers, Builder, Client, LOG_PAGE_SIZE, PAGE_SIZE};
 pub use error::{Error, TransportKind};
+/// Server trust for `https://` URLs, and the fingerprints pinned in it.
+pub use flotilla_tls::{Fingerprint, Trust};
 pub use logs::LogFollow;
 pub use retry::RetryPolicy;
 pub use routes::LONG_POLL_SLACK;

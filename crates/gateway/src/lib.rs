@@ -97,6 +97,8 @@ pub struct GatewayConfig {
     pub max_attempts: u32,
     /// How long shutdown waits for requests in flight and undelivered usage.
     pub shutdown_timeout: Duration,
+    /// Serve HTTPS with this certificate; `None`: plain HTTP.
+    pub tls: Option<flotilla_tls::ServerTls>,
 }
 
 impl Default for GatewayConfig {
@@ -117,6 +119,7 @@ impl Default for GatewayConfig {
             eject_for: Duration::from_secs(2),
             max_attempts: 3,
             shutdown_timeout: Duration::from_secs(30),
+            tls: None,
         }
     }
 }
@@ -263,7 +266,10 @@ impl Inner {
         match tokio::time::timeout(Duration::from_secs(10), self.control.routes()).await {
             Ok(Ok(table)) => self.apply(table),
             Ok(Err(e)) => {
-                tracing::warn!(error = %e, "route table refresh failed, keeping the last one")
+                // With its cause: a certificate the gateway does not
+                // trust (a wrong pin) reads as such here, not as an outage.
+                let cause = e.source.as_ref().map(ToString::to_string);
+                tracing::warn!(error = %e, cause = cause.as_deref().unwrap_or(""), "route table refresh failed, keeping the last one")
             }
             Err(_) => tracing::warn!("route table refresh timed out, keeping the last one"),
         }
@@ -388,6 +394,7 @@ impl Gateway {
 /// A running gateway.
 pub struct GatewayHandle {
     addr: SocketAddr,
+    https: bool,
     inner: Arc<Inner>,
     stop: watch::Sender<bool>,
     stop_meter: watch::Sender<bool>,
@@ -401,9 +408,10 @@ impl GatewayHandle {
         self.addr
     }
 
-    /// `http://{addr}`.
+    /// `http://{addr}`, or `https://{addr}` when it serves TLS.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.https { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// Makes the gateway re-read the route table now.
@@ -438,6 +446,11 @@ pub async fn serve(
 ) -> Result<GatewayHandle, GatewayError> {
     config.validate()?;
     let addr = listener.local_addr().map_err(GatewayError::Listener)?;
+    let https = config.tls.is_some();
+    let listener = match &config.tls {
+        Some(tls) => Accept::Https(tls.listen(listener).map_err(GatewayError::Listener)?),
+        None => Accept::Http(listener),
+    };
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(config.connect_timeout));
@@ -479,6 +492,7 @@ pub async fn serve(
     let accept = tokio::spawn(accept_loop(listener, inner.clone(), stopped));
     Ok(GatewayHandle {
         addr,
+        https,
         inner,
         stop,
         stop_meter,
@@ -487,34 +501,52 @@ pub async fn serve(
     })
 }
 
-async fn accept_loop(listener: TcpListener, inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+/// The gateway's listener: plain TCP, or TLS with handshakes completed
+/// off the accept loop ([`flotilla_tls::TlsListener`]).
+enum Accept {
+    Http(TcpListener),
+    Https(flotilla_tls::TlsListener),
+}
+
+/// A connection ready for HTTP.
+enum Conn {
+    Plain(tokio::net::TcpStream),
+    Tls(Box<flotilla_tls::TlsStream<tokio::net::TcpStream>>),
+}
+
+impl Accept {
+    /// The next connection; `None` after a failed accept (backed off).
+    async fn next(&mut self) -> Option<Conn> {
+        match self {
+            Self::Http(listener) => match listener.accept().await {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    Some(Conn::Plain(stream))
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off
+                    // instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    None
+                }
+            },
+            Self::Https(listener) => Some(Conn::Tls(Box::new(listener.accept().await.0))),
+        }
+    }
+}
+
+async fn accept_loop(mut listener: Accept, inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
     let graceful = GracefulShutdown::new();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder.timer(TokioTimer::new());
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, _) = match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        // Out of file descriptors and the like: back off
-                        // instead of spinning.
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
-                let inner = inner.clone();
-                let service = hyper::service::service_fn(move |req| {
-                    let inner = inner.clone();
-                    async move { Ok::<_, std::convert::Infallible>(proxy::handle(inner, req).await) }
-                });
-                let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
-                tokio::spawn(async move {
-                    let _ = conn.await;
-                });
-            }
+            conn = listener.next() => match conn {
+                Some(Conn::Plain(stream)) => serve_connection(stream, &inner, &builder, &graceful),
+                Some(Conn::Tls(stream)) => serve_connection(stream, &inner, &builder, &graceful),
+                None => {}
+            },
             _ = stopped.changed() => break,
         }
     }
@@ -525,6 +557,27 @@ async fn accept_loop(listener: TcpListener, inner: Arc<Inner>, mut stopped: watc
     {
         tracing::warn!("requests still in flight at the shutdown timeout were cut");
     }
+}
+
+/// Serves one connection's requests in a task of its own, watched by
+/// `graceful`.
+fn serve_connection<I>(
+    io: I,
+    inner: &Arc<Inner>,
+    builder: &hyper::server::conn::http1::Builder,
+    graceful: &GracefulShutdown,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let inner = inner.clone();
+    let service = hyper::service::service_fn(move |req| {
+        let inner = inner.clone();
+        async move { Ok::<_, std::convert::Infallible>(proxy::handle(inner, req).await) }
+    });
+    let conn = graceful.watch(builder.serve_connection(TokioIo::new(io), service));
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
 }
 
 async fn route_loop(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {

@@ -430,6 +430,56 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    serve_on(store, config, listener, shutdown).await
+}
+
+/// [`serve`] over HTTPS: TLS handshakes with `tls`'s certificate on
+/// `listener` (a plain-HTTP request is answered 400 `https_required`).
+pub async fn serve_https(
+    store: Store,
+    config: ServerConfig,
+    listener: tokio::net::TcpListener,
+    tls: flotilla_tls::ServerTls,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let https = Https(
+        tls.listen(listener)
+            .context("reading the listener's address")?,
+    );
+    // `tap_io` only to get axum's `ConnectInfo<SocketAddr>` for any
+    // listener whose address is a `SocketAddr`: the anonymous rate limit
+    // (`auth::layer`) keys on the peer's address over TLS too.
+    use axum::serve::ListenerExt;
+    serve_on(store, config, https.tap_io(|_| {}), shutdown).await
+}
+
+/// The API's HTTPS listener, as axum's `serve` takes one.
+struct Https(flotilla_tls::TlsListener);
+
+impl axum::serve::Listener for Https {
+    type Io = flotilla_tls::TlsStream<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        self.0.accept().await
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.0.local_addr())
+    }
+}
+
+async fn serve_on<L>(
+    store: Store,
+    config: ServerConfig,
+    listener: L,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()>
+where
+    L: axum::serve::Listener<Addr = std::net::SocketAddr>,
+    for<'a> std::net::SocketAddr:
+        axum::extract::connect_info::Connected<axum::serve::IncomingStream<'a, L>>,
+{
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let tick = config.reconcile_tick;
     let lease = config.leader_lease();

@@ -66,6 +66,9 @@ pub struct NodePoolConfig {
     pub region: Option<String>,
     /// The URL new machines reach this control plane at.
     pub join_url: String,
+    /// The certificate fingerprint new machines pin the control plane by
+    /// (a self-signed certificate); `None`: their system roots.
+    pub join_fingerprint: Option<String>,
     /// How long a join token stays good.
     pub join_ttl: Duration,
     /// The last decision and the provisioning back-off, shared with the
@@ -93,6 +96,7 @@ impl std::fmt::Debug for NodePoolConfig {
             .field("bounds", &self.bounds)
             .field("spot", &self.spot)
             .field("join_url", &self.join_url)
+            .field("join_fingerprint", &self.join_fingerprint)
             .finish()
     }
 }
@@ -379,6 +383,7 @@ async fn provision_one(
         join: Some(Join {
             server_url: pool.join_url.clone(),
             token,
+            tls_fingerprint: pool.join_fingerprint.clone(),
         }),
     };
     match pool.provider.provision(ms_of(now), &req).await {

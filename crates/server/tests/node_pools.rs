@@ -100,6 +100,7 @@ fn pool(provider: Arc<Recording>, spot: bool) -> NodePoolConfig {
         spot,
         region: None,
         join_url: "http://127.0.0.1:7420".into(),
+        join_fingerprint: None,
         join_ttl: StdDuration::from_secs(1800),
         status: Arc::new(Mutex::new(PoolStatus::default())),
     }

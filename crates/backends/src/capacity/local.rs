@@ -138,7 +138,16 @@ impl LocalAgents {
         let log_err = log.try_clone().map_err(|e| CapacityError::Unavailable {
             message: format!("cannot open the agent log: {e}"),
         })?;
-        let child = Command::new(&self.cfg.program)
+        let mut command = Command::new(&self.cfg.program);
+        // The control plane's pin (a public value: an argument is fine),
+        // or none: never one inherited from the server's own environment.
+        command
+            .env_remove("FLOTILLA_TLS_FINGERPRINT")
+            .env_remove("FLOTILLA_CA_CERT");
+        if let Some(pin) = &join.tls_fingerprint {
+            command.arg("--tls-fingerprint").arg(pin);
+        }
+        let child = command
             .arg("--server")
             .arg(&join.server_url)
             .arg("agent")

@@ -107,6 +107,11 @@ pub struct Join {
     pub server_url: String,
     /// The one-time join token (a secret).
     pub token: String,
+    /// The fingerprint the machine pins the control plane's certificate
+    /// by, for an `https://` URL with a self-signed certificate; `None`:
+    /// the machine's system roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_fingerprint: Option<String>,
 }
 
 impl std::fmt::Debug for Join {
@@ -114,6 +119,7 @@ impl std::fmt::Debug for Join {
         f.debug_struct("Join")
             .field("server_url", &self.server_url)
             .field("token", &"***")
+            .field("tls_fingerprint", &self.tls_fingerprint)
             .finish()
     }
 }
@@ -123,9 +129,14 @@ impl Join {
     /// file that starts with `#!` as a script): start the agent with the
     /// join token. The agent binary must be in the machine's image.
     pub fn boot_script(&self) -> String {
+        let pin = self
+            .tls_fingerprint
+            .as_deref()
+            .map(|f| format!(" --tls-fingerprint '{}'", f.replace('\'', "")))
+            .unwrap_or_default();
         format!(
             "#!/bin/sh\n# flotilla node-pool machine: join the control plane once\n\
-             exec flotilla agent --server '{}' --join-token '{}'\n",
+             exec flotilla agent --server '{}'{pin} --join-token '{}'\n",
             self.server_url.replace('\'', ""),
             self.token.replace('\'', "")
         )
@@ -360,8 +371,22 @@ mod tests {
         let j = Join {
             server_url: "http://cp:7420".into(),
             token: "fjt_secret".into(),
+            tls_fingerprint: None,
         };
         assert!(!format!("{j:?}").contains("secret"));
         assert!(j.boot_script().contains("--join-token 'fjt_secret'"));
+        assert!(!j.boot_script().contains("--tls-fingerprint"));
+        let pinned = Join {
+            server_url: "https://cp:7420".into(),
+            tls_fingerprint: Some("sha256:ab12".into()),
+            ..j
+        };
+        assert!(
+            pinned.boot_script().contains(
+                "--server 'https://cp:7420' --tls-fingerprint 'sha256:ab12' --join-token"
+            ),
+            "{}",
+            pinned.boot_script()
+        );
     }
 }
