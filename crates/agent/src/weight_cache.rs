@@ -166,8 +166,34 @@ impl WeightCache {
         now: DateTime<Utc>,
         in_use: &[&str],
     ) -> Result<Vec<String>, WeightCacheError> {
+        self.insert(model, bytes.len() as u64, bytes, now, in_use)
+    }
+
+    /// Record that `model`'s weights of `size_bytes` landed on this node
+    /// through the model server's own download (a server that fetches
+    /// its weights itself, or the emulator, which has none): the file is
+    /// a small manifest naming the size, and the cache counts, reports and
+    /// evicts the declared size. Returns the models evicted.
+    pub fn record_download(
+        &mut self,
+        model: &str,
+        size_bytes: u64,
+        now: DateTime<Utc>,
+        in_use: &[&str],
+    ) -> Result<Vec<String>, WeightCacheError> {
+        let manifest = format!("{{\"size_bytes\":{size_bytes}}}\n");
+        self.insert(model, size_bytes, manifest.as_bytes(), now, in_use)
+    }
+
+    fn insert(
+        &mut self,
+        model: &str,
+        size: u64,
+        bytes: &[u8],
+        now: DateTime<Utc>,
+        in_use: &[&str],
+    ) -> Result<Vec<String>, WeightCacheError> {
         let path = self.path(model)?;
-        let size = bytes.len() as u64;
         if size > self.limit_bytes {
             return Err(WeightCacheError::TooLarge {
                 model: model.to_string(),

@@ -601,6 +601,7 @@ impl KubeExecutor {
                                 at: now,
                                 message: Some("stopped before its job's pods were created".into()),
                                 container: None,
+                                weights_tier: None,
                             },
                         },
                     );
@@ -636,6 +637,7 @@ impl KubeExecutor {
                                 at: now,
                                 message: Some("stopped before its pod was created".into()),
                                 container: None,
+                                weights_tier: None,
                             },
                         },
                     );
@@ -810,6 +812,7 @@ impl KubeExecutor {
                             expected
                         )),
                         container: None,
+                        weights_tier: None,
                     },
                 );
             }
@@ -825,6 +828,7 @@ impl KubeExecutor {
                     at: f.at,
                     message: None,
                     container: None,
+                    weights_tier: None,
                 },
             );
         }
