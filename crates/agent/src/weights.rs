@@ -242,7 +242,8 @@ mod tests {
         assert!(n.park(&replica(3), &w, t(20)));
         let held: Vec<_> = n.report().into_iter().filter_map(|w| w.replica).collect();
         assert_eq!(held, vec![replica(2), replica(3)]);
-        assert_eq!(n.expire(t(69)), vec![replica(2)]);
+        assert_eq!(n.expire(t(69)), vec![]);
+        assert_eq!(n.expire(t(70)), vec![replica(2)]);
         assert_eq!(n.expire(t(80)), vec![replica(3)]);
         assert_eq!(n.parked_bytes(), 0);
         // Not parked at all: 0 s to keep, or larger than host memory.

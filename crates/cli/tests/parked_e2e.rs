@@ -64,7 +64,16 @@ fn parked_on_node(home: &Home, op: &str) -> bool {
 }
 
 fn parked_usage(home: &Home, key: &str) -> Vec<Value> {
-    let page = home.get(key, "/v1/usage?limit=1000");
+    let from = (chrono::Utc::now() - chrono::Duration::hours(1)).to_rfc3339();
+    let to = (chrono::Utc::now() + chrono::Duration::hours(1)).to_rfc3339();
+    let page = home.get(
+        key,
+        &format!(
+            "/v1/usage?limit=1000&from={}&to={}",
+            from.replace('+', "%2B"),
+            to.replace('+', "%2B")
+        ),
+    );
     page["items"]
         .as_array()
         .map(|items| {

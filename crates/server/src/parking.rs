@@ -9,7 +9,7 @@
 //! replaces the stored one, so a pass cut between the two and replayed
 //! bills the park once.
 
-use chrono::{DateTime, Duration, Utc};
+use chrono::{DateTime, Duration, SubsecRound, Utc};
 use flotilla_billing::meter::{EventKey, Meter, Subject, SubjectKind, UsageEvent};
 use flotilla_core::api::{NodeWeights, WeightTier};
 use flotilla_core::id::{NodeId, TenantId};
@@ -34,13 +34,15 @@ pub fn park_usage(
         return None;
     }
     let (replica, endpoint) = (park.replica.as_ref()?, park.endpoint_id.as_ref()?);
-    // A park is at least a millisecond: rate events need a span.
-    let end = end.max(park.since + Duration::milliseconds(1));
+    // The ledger keeps whole milliseconds; a park is at least one (rate
+    // events need a span).
+    let start = park.since.trunc_subsecs(3);
+    let end = end.trunc_subsecs(3).max(start + Duration::milliseconds(1));
     Some(UsageEvent {
         key: EventKey {
             tenant: tenant.clone(),
             source: SOURCE.into(),
-            id: format!("{replica}/{}", park.since.timestamp_millis()),
+            id: format!("{replica}/{}", start.timestamp_millis()),
         },
         subject: Subject {
             kind: SubjectKind::Endpoint,
@@ -48,7 +50,7 @@ pub fn park_usage(
         },
         meter: Meter::ParkedGbSeconds,
         billing_class: BillingClass::OnDemand,
-        start: park.since,
+        start,
         end,
         // GB = 10^9 bytes, as the price book's per-GB-hour price reads it.
         amount: Decimal::from(park.size_bytes) / Decimal::from(1_000_000_000u64),
