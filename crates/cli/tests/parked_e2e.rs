@@ -155,7 +155,15 @@ fn a_parked_replica_serves_within_its_restore_time_and_a_remote_one_waits_the_lo
 
     // Nothing on the node yet: the first answer waits the whole remote
     // load, and the replica says it loaded remote.
-    let (status, body) = chat(&gw, &key);
+    // (The gateway learns a new endpoint's model with its next route
+    // refresh: until then it answers 404.)
+    let (status, body) = loop {
+        let (status, body) = chat(&gw, &key);
+        if status != 404 || deployed.elapsed() > LONG {
+            break (status, body);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     let remote_wait = deployed.elapsed();
     assert_eq!(status, 200, "{body}");
     assert!(
