@@ -8,9 +8,10 @@
 //! marks it used), and eviction deletes files. The order of use is kept in
 //! a state file beside them, so a restarted agent evicts in the same order.
 //! The host-memory side ([`ParkedSet`]) is the bookkeeping of what is
-//! parked: the bytes themselves live in the model server's process (the
-//! emulator holds them; vLLM's sleep mode does the same), and the agent
-//! decides which park is dropped when memory runs out.
+//! parked: the bytes themselves would live in the model server's process
+//! (vLLM's sleep mode keeps them; the emulator, which has none, exits and
+//! models the restore as a load time), and the agent decides which park is
+//! dropped when memory runs out ([`crate::weights`] ties both to replicas).
 //!
 //! Eviction is the image cache's policy ([`crate::image_cache::evictions`]):
 //! least recently used first, never an entry in use, no more than needed.
