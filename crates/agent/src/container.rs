@@ -1096,6 +1096,7 @@ impl StartTimings {
         let start_from = self.pull.map(|(_, end)| end).or(self.created_at)?;
         Some(ColdStart {
             image_cached: self.cached,
+            weights_tier: None,
             queued_ms: None,
             pulling_ms: Some(self.pull.map_or(0, |(from, to)| ms(from, to))),
             starting_ms: Some(ms(start_from, ready)),

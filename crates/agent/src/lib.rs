@@ -28,6 +28,7 @@ pub mod metrics;
 pub mod runtime;
 pub mod telemetry;
 pub mod weight_cache;
+pub mod weights;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -37,10 +38,12 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
+use flotilla_core::api::WeightTier;
 use flotilla_core::api::{
     Assignment, ObservedInstance, ObservedPhase, RegisterNode, Registered, SyncRequest,
 };
 use flotilla_core::catalog::{Catalog, Vendor};
+use flotilla_core::endpoint::{ReplicaWeights, ENV_LOAD_TIER};
 use flotilla_core::id::InstanceId;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -122,6 +125,12 @@ pub struct AgentConfig {
     /// ([`image_cache`]; its record lives in `work_dir`); `None`: no
     /// limit.
     pub image_cache_bytes: Option<u64>,
+    /// Size limit of the disk cache of endpoint replicas' model weights
+    /// ([`weights`]; under `work_dir/weights`), bytes.
+    pub weight_cache_bytes: u64,
+    /// Host memory parked replicas may hold, bytes; `None`: half the
+    /// node's memory.
+    pub parked_bytes: Option<u64>,
     /// For simulated GPUs: a readings file standing in for the driver
     /// (`--simulated-telemetry`; see [`telemetry`]), read at every sync,
     /// so XID errors, ECC errors, heat or utilisation can be injected.
@@ -158,6 +167,8 @@ impl std::fmt::Debug for AgentConfig {
             .field("container_gpus", &self.container_gpus)
             .field("public_host", &self.public_host)
             .field("image_cache_bytes", &self.image_cache_bytes)
+            .field("weight_cache_bytes", &self.weight_cache_bytes)
+            .field("parked_bytes", &self.parked_bytes)
             .field("simulated_telemetry", &self.simulated_telemetry)
             .field("metrics_bind", &self.metrics_bind)
             .field("trust", &self.trust)
@@ -191,6 +202,8 @@ impl AgentConfig {
             container_gpus: None,
             public_host: None,
             image_cache_bytes: Some(image_cache::DEFAULT_IMAGE_CACHE_GB * 1_000_000_000),
+            weight_cache_bytes: weights::DEFAULT_WEIGHT_CACHE_GB * 1_000_000_000,
+            parked_bytes: None,
             simulated_telemetry: None,
             metrics_bind: None,
             trust: flotilla_client::Trust::System,
@@ -266,7 +279,16 @@ pub async fn run(
         ),
         None => None,
     };
+    let parked_bytes = config
+        .parked_bytes
+        .unwrap_or(registration.memory_mb.saturating_mul(1 << 20) / 2);
+    let node_weights = weights::NodeWeightsState::new(
+        config.work_dir.join("weights"),
+        config.weight_cache_bytes,
+        parked_bytes,
+    );
     let mut agent = Agent {
+        weights: node_weights,
         metrics,
         config,
         client: client.clone(),
@@ -402,6 +424,10 @@ struct Tracked {
     flush_given_up: bool,
     /// Stopped by the agent because the node's lease ran out.
     fenced: bool,
+    /// An endpoint replica's weights, and the tier they loaded from.
+    weights: Option<(ReplicaWeights, WeightTier)>,
+    /// Parked (or found not to park) after its stop.
+    park_decided: bool,
 }
 
 impl Tracked {
@@ -414,6 +440,8 @@ impl Tracked {
             flush_waiting_since: None,
             flush_given_up: false,
             fenced: false,
+            weights: None,
+            park_decided: false,
         }
     }
 
@@ -462,6 +490,7 @@ impl Tracked {
             at,
             message: None,
             container,
+            weights_tier: self.weights.as_ref().map(|(_, t)| *t),
         }
     }
 }
@@ -594,6 +623,8 @@ struct Agent {
     runtime: Arc<dyn Runtime>,
     /// Every instance id ever started (or tried) by this process.
     seen: HashSet<InstanceId>,
+    /// Endpoint replicas' weights held here (disk cache, parked).
+    weights: weights::NodeWeightsState,
 }
 
 impl Agent {
@@ -760,6 +791,7 @@ impl Agent {
                 wait_ms,
                 gpus: self.telemetry.sample(),
                 images: self.runtime.cached_images(),
+                weights: Some(self.weights.report()),
             };
             let sent = Instant::now();
             let result = tokio::select! {
@@ -895,6 +927,26 @@ impl Agent {
                     t.flush_given_up = true;
                 }
             }
+            // A replica the server stopped that exited cleanly parks
+            // (a scale-down); decided once, before it may be forgotten.
+            let now = Utc::now();
+            for (id, t) in instances.iter_mut() {
+                if t.park_decided || !t.server_stop {
+                    continue;
+                }
+                let Some(exit) = t.workload().and_then(|w| w.exit()) else {
+                    continue;
+                };
+                t.park_decided = true;
+                if let (Some((w, _)), true) = (&t.weights, exit.stop_requested) {
+                    if self.weights.park(id, w, now) {
+                        tracing::info!(instance_id = %id, key = %w.key, keep_s = w.keep_parked_s, "replica parked");
+                    }
+                }
+            }
+            for r in self.weights.expire(now) {
+                tracing::info!(instance_id = %r, "parked replica released");
+            }
             instances.retain(|id, t| {
                 let keep = Self::keep(id, t, &listed);
                 if !keep {
@@ -963,11 +1015,20 @@ impl Agent {
                 }
             }
         }
+        // An endpoint replica that declares its weights loads them from
+        // the fastest tier this node has; the model server is told which.
+        let mut env = a.env;
+        let weights = ReplicaWeights::from_env(&env).map(|w| {
+            let tier = self.weights.start(&w, Utc::now());
+            tracing::info!(instance_id = %a.instance_id, key = %w.key, %tier, "replica weights");
+            env.insert(ENV_LOAD_TIER.into(), tier.as_str().into());
+            (w, tier)
+        });
         let spec = SpawnSpec {
             instance_id: a.instance_id.clone(),
             tenant_id: a.tenant_id,
             command: a.command,
-            env: a.env,
+            env,
             workdir,
             gpu_indices: a.gpu_indices,
             gpu_uuids: a.gpu_uuids,
@@ -978,13 +1039,12 @@ impl Agent {
             memory_mb: a.memory_mb,
             registry_auth: a.registry_auth,
         };
-        self.shared.lock().insert(
-            a.instance_id.clone(),
-            Tracked::new(
-                Work::Starting { since: Utc::now() },
-                Duration::from_millis(a.stop_grace_ms),
-            ),
+        let mut tracked = Tracked::new(
+            Work::Starting { since: Utc::now() },
+            Duration::from_millis(a.stop_grace_ms),
         );
+        tracked.weights = weights;
+        self.shared.lock().insert(a.instance_id.clone(), tracked);
         self.shared.wakers.changed.notify_one();
         // Off the sync loop: a container runtime may pull an image first.
         let runtime = self.runtime.clone();
@@ -1071,6 +1131,7 @@ impl Agent {
             wait_ms: 0,
             gpus: Vec::new(),
             images: None,
+            weights: None,
         };
         match tokio::time::timeout(SHUTDOWN_STEP_TIMEOUT, self.client.sync(&node.node_id, &req))
             .await

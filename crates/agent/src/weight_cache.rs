@@ -8,9 +8,10 @@
 //! marks it used), and eviction deletes files. The order of use is kept in
 //! a state file beside them, so a restarted agent evicts in the same order.
 //! The host-memory side ([`ParkedSet`]) is the bookkeeping of what is
-//! parked: the bytes themselves live in the model server's process (the
-//! emulator holds them; vLLM's sleep mode does the same), and the agent
-//! decides which park is dropped when memory runs out.
+//! parked: the bytes themselves would live in the model server's process
+//! (vLLM's sleep mode keeps them; the emulator, which has none, exits and
+//! models the restore as a load time), and the agent decides which park is
+//! dropped when memory runs out ([`crate::weights`] ties both to replicas).
 //!
 //! Eviction is the image cache's policy ([`crate::image_cache::evictions`]):
 //! least recently used first, never an entry in use, no more than needed.
@@ -166,8 +167,34 @@ impl WeightCache {
         now: DateTime<Utc>,
         in_use: &[&str],
     ) -> Result<Vec<String>, WeightCacheError> {
+        self.insert(model, bytes.len() as u64, bytes, now, in_use)
+    }
+
+    /// Record that `model`'s weights of `size_bytes` landed on this node
+    /// through the model server's own download (a server that fetches
+    /// its weights itself, or the emulator, which has none): the file is
+    /// a small manifest naming the size, and the cache counts, reports and
+    /// evicts the declared size. Returns the models evicted.
+    pub fn record_download(
+        &mut self,
+        model: &str,
+        size_bytes: u64,
+        now: DateTime<Utc>,
+        in_use: &[&str],
+    ) -> Result<Vec<String>, WeightCacheError> {
+        let manifest = format!("{{\"size_bytes\":{size_bytes}}}\n");
+        self.insert(model, size_bytes, manifest.as_bytes(), now, in_use)
+    }
+
+    fn insert(
+        &mut self,
+        model: &str,
+        size: u64,
+        bytes: &[u8],
+        now: DateTime<Utc>,
+        in_use: &[&str],
+    ) -> Result<Vec<String>, WeightCacheError> {
         let path = self.path(model)?;
-        let size = bytes.len() as u64;
         if size > self.limit_bytes {
             return Err(WeightCacheError::TooLarge {
                 model: model.to_string(),

@@ -360,6 +360,7 @@ impl NodeLoop {
                         at: chrono::Utc::now(),
                         message: None,
                         container: None,
+                        weights_tier: None,
                     });
                 }
             }
@@ -369,6 +370,7 @@ impl NodeLoop {
             wait_ms: self.config.sync_wait_ms,
             gpus: Vec::new(),
             images: None,
+            weights: None,
         };
         let timeout =
             Duration::from_millis(self.config.sync_wait_ms) + flotilla_client::LONG_POLL_SLACK;

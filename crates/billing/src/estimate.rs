@@ -50,6 +50,11 @@ pub struct ServerlessWorkload {
     pub gpu_seconds_per_request: Decimal,
     /// 1: must not be preempted; 2–3: tolerates preemption.
     pub tier: u8,
+    /// GB of model weights kept parked in host memory on average between
+    /// bursts (an endpoint's `model_gb` times the replicas it keeps
+    /// parked), billed per GB-hour on the serverless option; 0: none.
+    #[serde(default)]
+    pub parked_gb: Decimal,
 }
 
 /// What to estimate.
@@ -199,6 +204,7 @@ pub fn estimate(
                 ("input_tokens_per_request", w.input_tokens_per_request),
                 ("output_tokens_per_request", w.output_tokens_per_request),
                 ("gpu_seconds_per_request", w.gpu_seconds_per_request),
+                ("parked_gb", w.parked_gb),
             ] {
                 check_range(x, Decimal::ZERO, Decimal::from(1_000_000_000), f)?;
             }
@@ -215,7 +221,12 @@ pub fn estimate(
                 "estimate",
             )?;
             let gpu_secs = money::mul(requests, w.gpu_seconds_per_request, "estimate")?;
-            let mut counted = Decimal::ZERO;
+            // Parked memory is held all month, GPU or not.
+            let mut counted = money::mul(
+                money::mul(w.parked_gb, month, "estimate")?,
+                v.parked_per_gb_second(),
+                "estimate",
+            )?;
             for (schedule, q) in [
                 (&v.serverless.per_request, requests),
                 (&v.serverless.per_million_input_tokens, input),

@@ -69,6 +69,7 @@ fn serverless_workload_against_dedicated_replicas() {
         output_tokens_per_request: d("50"),
         gpu_seconds_per_request: d("0.5"),
         tier: 1,
+        parked_gb: d("0"),
     });
     let e = estimate(&w, &book(), &SpotSeries::new(), at(0, 0, 0)).unwrap();
     // Requests: 1000 x 0.001 + 258,200 x 0.0005 = 130.10; input 25.92 M x 0.40
@@ -95,4 +96,32 @@ fn serverless_workload_against_dedicated_replicas() {
         at(0, 0, 0)
     )
     .is_err());
+}
+
+#[test]
+fn parked_memory_is_added_to_the_serverless_option_all_month() {
+    let mut v = version1();
+    v.per_parked_gb_hour = d("0.0036");
+    let book = flotilla_billing::price::PriceBook::new(v).unwrap();
+    let w = |parked: &str| {
+        Workload::Serverless(ServerlessWorkload {
+            model: Some("H100".into()),
+            requests_per_second: d("0.1"),
+            input_tokens_per_request: d("100"),
+            output_tokens_per_request: d("50"),
+            gpu_seconds_per_request: d("0.5"),
+            tier: 1,
+            parked_gb: d(parked),
+        })
+    };
+    let cost = |parked: &str| {
+        estimate(&w(parked), &book, &SpotSeries::new(), at(0, 0, 0))
+            .unwrap()
+            .options[0]
+            .monthly_cost
+    };
+    // 16 GB x 720 h x 0.0036 = 41.472 on top of 315.428: 356.90.
+    assert_eq!(cost("0").to_string(), "315.43");
+    assert_eq!(cost("16").to_string(), "356.90");
+    assert!(estimate(&w("-1"), &book, &SpotSeries::new(), at(0, 0, 0)).is_err());
 }

@@ -438,6 +438,10 @@ pub struct EstimateArgs {
     /// Serverless: GPU-seconds of compute per request.
     #[arg(long, default_value = "0", requires = "rps")]
     gpu_seconds_per_request: rust_decimal::Decimal,
+    /// Serverless: GB of model weights kept parked in host memory all
+    /// month (billed per GB-hour).
+    #[arg(long, default_value = "0", requires = "rps")]
+    parked_gb: rust_decimal::Decimal,
 }
 
 pub async fn estimate(ctx: &Ctx, a: EstimateArgs) -> Result<ExitCode> {
@@ -449,6 +453,7 @@ pub async fn estimate(ctx: &Ctx, a: EstimateArgs) -> Result<ExitCode> {
             "input_tokens_per_request": a.input_tokens.to_string(),
             "output_tokens_per_request": a.output_tokens.to_string(),
             "gpu_seconds_per_request": a.gpu_seconds_per_request.to_string(),
+            "parked_gb": a.parked_gb.to_string(),
             "tier": a.tier,
         }),
         (None, Some(count)) => json!({

@@ -115,6 +115,15 @@ pub struct Settings {
     /// is stopped, ms.
     #[arg(long = "drain-grace-ms", value_name = "MS")]
     pub drain_grace_ms: Option<u64>,
+    /// Size of a replica's model weights, GB: nodes cache them, scaled-down
+    /// replicas park in host memory, and replicas start where they are
+    /// ready soonest.
+    #[arg(long = "model-gb", value_name = "GB")]
+    pub model_gb: Option<f64>,
+    /// How long a scaled-down replica stays parked, s (0: never parked;
+    /// default 600 with --model-gb).
+    #[arg(long = "keep-parked-s", value_name = "S")]
+    pub keep_parked_s: Option<u64>,
     /// Environment variable of the replicas (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
     pub env: Vec<(String, String)>,
@@ -352,6 +361,8 @@ async fn deploy(ctx: &Ctx, a: DeployArgs) -> Result<ExitCode> {
         balance: s.balance,
         rate_limit_rps: s.rate_limit_rps,
         drain_grace_ms: s.drain_grace_ms,
+        model_gb: s.model_gb,
+        keep_parked_s: s.keep_parked_s,
         queue_triggers,
         ..CreateEndpoint::default()
     };
@@ -389,6 +400,8 @@ async fn update(ctx: &Ctx, a: UpdateArgs) -> Result<ExitCode> {
         balance: s.balance,
         rate_limit_rps: s.rate_limit_rps,
         drain_grace_ms: s.drain_grace_ms,
+        model_gb: s.model_gb,
+        keep_parked_s: s.keep_parked_s,
         queue_triggers,
         ..UpdateEndpoint::default()
     };

@@ -271,6 +271,14 @@ pub struct WorkloadArgs {
     /// removed. 0: no limit.
     #[arg(long, value_name = "GB", default_value_t = flotilla_agent::image_cache::DEFAULT_IMAGE_CACHE_GB)]
     pub image_cache_gb: u64,
+    /// Size limit of the node's disk cache of endpoint replicas' model
+    /// weights, in GB (least recently used evicted first).
+    #[arg(long, value_name = "GB", default_value_t = flotilla_agent::weights::DEFAULT_WEIGHT_CACHE_GB)]
+    pub weight_cache_gb: u64,
+    /// Host memory parked endpoint replicas may hold, in GB (oldest park
+    /// dropped first); default: half the node's memory.
+    #[arg(long, value_name = "GB")]
+    pub parked_gb: Option<u64>,
 }
 
 impl WorkloadArgs {
@@ -285,6 +293,8 @@ impl WorkloadArgs {
         config.public_host = self.containers.public_host;
         config.image_cache_bytes =
             (self.image_cache_gb > 0).then(|| self.image_cache_gb.saturating_mul(1_000_000_000));
+        config.weight_cache_bytes = self.weight_cache_gb.saturating_mul(1_000_000_000);
+        config.parked_bytes = self.parked_gb.map(|gb| gb.saturating_mul(1_000_000_000));
     }
 }
 

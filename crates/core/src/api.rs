@@ -296,6 +296,11 @@ pub struct Node {
     /// agents that run no containers).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub images: Vec<NodeImage>,
+    /// The endpoint replicas' model weights its agent last reported:
+    /// parked replicas in host memory and weights on its disk
+    /// (`GET /v1/nodes/{id}` only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub weights: Vec<NodeWeights>,
 }
 
 /// One image in a node's image cache, as its agent reports it.
@@ -392,6 +397,67 @@ pub struct Instance {
 }
 }
 
+/// Where a replica's weights are on a node, fastest to start from first.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightTier {
+    /// In host memory, the GPU released: back in about a second.
+    Parked,
+    /// On the node's local disk.
+    Cached,
+    /// Nothing on the node: downloaded.
+    Remote,
+}
+
+impl WeightTier {
+    /// Lowercase name, as the API and `FLOTILLA_LOAD_TIER` spell it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Parked => "parked",
+            Self::Cached => "cached",
+            Self::Remote => "remote",
+        }
+    }
+}
+
+impl std::fmt::Display for WeightTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Model weights a node holds, as its agent reports them: on its disk
+/// (`cached`) or as a parked replica in host memory (`parked`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct NodeWeights {
+    /// The cache key (`ep_…-rN`: an endpoint's weights at a revision).
+    pub key: String,
+    /// `parked` or `cached`.
+    pub tier: WeightTier,
+    /// Bytes held (disk or host memory).
+    pub size_bytes: u64,
+    /// Parked: when it was parked; cached: when last used.
+    pub since: DateTime<Utc>,
+    /// Parked: the replica instance that parked (one entry each).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<InstanceId>,
+    /// Parked: the endpoint billed for the host memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint_id: Option<crate::id::EndpointId>,
+}
+
 /// A container port published on the instance's node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PublishedPort {
@@ -410,6 +476,11 @@ pub struct PublishedPort {
 pub struct ColdStart {
     /// The image was already on the node: no pull.
     pub image_cached: bool,
+    /// Where the replica's model weights loaded from (endpoints that
+    /// declare `model_gb`): host memory (parked), the node's disk
+    /// (cached) or nothing local (remote).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_tier: Option<WeightTier>,
     /// Waiting for a placement, ms (creation to `scheduled`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queued_ms: Option<u64>,
@@ -610,6 +681,10 @@ pub struct ObservedInstance {
     /// Its container, when it runs in one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container: Option<ObservedContainer>,
+    /// Where its model weights loaded from, for a replica that declares
+    /// them; recorded in its cold-start breakdown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_tier: Option<WeightTier>,
 }
 
 /// An agent's periodic report; the answer is its desired work.
@@ -632,6 +707,10 @@ pub struct SyncRequest {
     /// what it had).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub images: Option<Vec<NodeImage>>,
+    /// Model weights the node holds (disk cache and parked replicas):
+    /// replaces what the server knew. Absent: nothing to report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<Vec<NodeWeights>>,
 }
 
 /// One reading of one GPU's counters, as the driver reports them. A field
@@ -701,6 +780,61 @@ impl SyncRequest {
 
     /// Most cached images one sync may report.
     pub const MAX_IMAGES: usize = 1000;
+
+    /// Most weight entries one sync may report.
+    pub const MAX_WEIGHTS: usize = 1000;
+
+    /// Checks the weights part; the field names the entry at fault.
+    pub fn validate_weights(&self) -> Result<(), crate::FieldError> {
+        let Some(weights) = &self.weights else {
+            return Ok(());
+        };
+        if weights.len() > Self::MAX_WEIGHTS {
+            return Err(crate::FieldError::new(
+                "weights",
+                format!("at most {} entries", Self::MAX_WEIGHTS),
+            ));
+        }
+        for (i, w) in weights.iter().enumerate() {
+            if w.key.is_empty() || w.key.len() > 200 {
+                return Err(crate::FieldError::new(
+                    format!("weights[{i}].key"),
+                    "1 to 200 characters",
+                ));
+            }
+            if i64::try_from(w.size_bytes).is_err() {
+                return Err(crate::FieldError::new(
+                    format!("weights[{i}].size_bytes"),
+                    "too large",
+                ));
+            }
+            match w.tier {
+                WeightTier::Remote => {
+                    return Err(crate::FieldError::new(
+                        format!("weights[{i}].tier"),
+                        "a node holds weights parked or cached, never remote",
+                    ))
+                }
+                WeightTier::Parked if w.replica.is_none() || w.endpoint_id.is_none() => {
+                    return Err(crate::FieldError::new(
+                        format!("weights[{i}].replica"),
+                        "a parked entry names its replica and endpoint",
+                    ))
+                }
+                _ => {}
+            }
+            if weights[..i]
+                .iter()
+                .any(|o| o.tier == w.tier && o.key == w.key && o.replica == w.replica)
+            {
+                return Err(crate::FieldError::new(
+                    format!("weights[{i}].key"),
+                    format!("`{}` is listed twice", w.key),
+                ));
+            }
+        }
+        Ok(())
+    }
 
     /// Checks the image cache part; the field names the entry at fault.
     pub fn validate_images(&self) -> Result<(), crate::FieldError> {

@@ -133,6 +133,20 @@ pub struct CreateEndpoint {
     /// minimum of the windows open now wins over `min_replicas`.
     #[serde(default)]
     pub schedules: Vec<ScheduleWindow>,
+    /// Size of a replica's model weights, GB. With it the node's agent
+    /// keeps the weights in its disk cache after a first download, keeps
+    /// scaled-down replicas parked in host memory, and tells each replica
+    /// which tier its weights load from (`FLOTILLA_LOAD_TIER`); placement
+    /// prefers the node where the replica is ready soonest. Absent: every
+    /// start is a plain cold start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_gb: Option<f64>,
+    /// How long a replica scaled down stays parked (weights in the node's
+    /// host memory, GPU released, billed per GB-hour of memory) for a
+    /// restart in about a second, s. Needs `model_gb`; default 600 with
+    /// it; 0 parks nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_parked_s: Option<u64>,
     /// External queues whose depth asks for replicas (RabbitMQ queues,
     /// NATS JetStream consumers); the highest demand of traffic, schedule
     /// and queues wins, and a queue with messages keeps the endpoint from
@@ -241,6 +255,12 @@ pub struct UpdateEndpoint {
     /// Schedules, replacing the old ones.
     #[serde(default)]
     pub schedules: Option<Vec<ScheduleWindow>>,
+    /// Size of the model weights, GB (new revision: the weights differ).
+    #[serde(default)]
+    pub model_gb: Option<f64>,
+    /// Seconds a scaled-down replica stays parked (0: none).
+    #[serde(default)]
+    pub keep_parked_s: Option<u64>,
     /// Queue triggers, replacing the old ones (`[]` removes them). A URL
     /// sent back as shown (password `***`) keeps the stored password.
     #[serde(default)]
@@ -310,6 +330,12 @@ pub struct EndpointSpec {
     pub rate_limit_rps: Option<u32>,
     /// Drain grace, ms.
     pub drain_grace_ms: u64,
+    /// Size of the model weights, GB; `None`: no readiness tiers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_gb: Option<f64>,
+    /// Seconds a scaled-down replica stays parked; 0 parks nothing.
+    #[serde(default)]
+    pub keep_parked_s: u64,
     /// Time zone of the schedules.
     #[serde(default = "utc")]
     pub timezone: String,
@@ -436,6 +462,108 @@ fn instance_request(c: &CreateEndpoint, tier: u8) -> CreateInstance {
 /// image and no port.
 pub const DEFAULT_CONTAINER_PORT: u16 = 8080;
 
+/// Largest model an endpoint may declare, GB (a 1T-parameter model in
+/// BF16 is 2000 GB).
+pub const MAX_MODEL_GB: f64 = 4_000.0;
+/// Default time a scaled-down replica stays parked when the endpoint
+/// declares its weights, s: long enough to bridge the lulls of a bursty
+/// load (minutes), short enough that forgotten parks cost little.
+pub const DEFAULT_KEEP_PARKED_S: u64 = 600;
+/// Longest a replica may stay parked, s (a day).
+pub const MAX_KEEP_PARKED_S: u64 = 86_400;
+
+fn validate_weights(
+    model_gb: Option<f64>,
+    keep_parked_s: Option<u64>,
+) -> Result<(Option<f64>, u64), FieldError> {
+    let Some(gb) = model_gb else {
+        if keep_parked_s.is_some_and(|s| s > 0) {
+            return Err(FieldError::new(
+                "keep_parked_s",
+                "needs model_gb: parking holds the weights in host memory",
+            ));
+        }
+        return Ok((None, 0));
+    };
+    if !(gb.is_finite() && gb > 0.0 && gb <= MAX_MODEL_GB) {
+        return Err(FieldError::new(
+            "model_gb",
+            format!("must be a number of GB greater than 0 and at most {MAX_MODEL_GB}, got {gb}"),
+        ));
+    }
+    let keep = keep_parked_s.unwrap_or(DEFAULT_KEEP_PARKED_S);
+    if keep > MAX_KEEP_PARKED_S {
+        return Err(FieldError::new(
+            "keep_parked_s",
+            format!("must be at most {MAX_KEEP_PARKED_S} (a day), got {keep}"),
+        ));
+    }
+    Ok((Some(gb), keep))
+}
+
+/// Environment a replica of an endpoint that declares its weights gets,
+/// read back by the node's agent (which keeps its caches by it) and by
+/// the model server (which loads that much from the tier it is told).
+pub const ENV_WEIGHTS_KEY: &str = "FLOTILLA_WEIGHTS_KEY";
+/// The weights' size, GB.
+pub const ENV_MODEL_GB: &str = "FLOTILLA_MODEL_GB";
+/// Seconds the replica stays parked once scaled down.
+pub const ENV_KEEP_PARKED_S: &str = "FLOTILLA_KEEP_PARKED_S";
+/// Set by the agent: the tier the weights load from (`parked`, `cached`
+/// or `remote`).
+pub const ENV_LOAD_TIER: &str = "FLOTILLA_LOAD_TIER";
+
+/// What a replica's weights are, as the server, the agent and the model
+/// server share them through the replica's environment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaWeights {
+    /// What the node's caches hold them under: the endpoint and its
+    /// revision (a new revision may run other weights, and one tenant's
+    /// weights never serve another's endpoint).
+    pub key: String,
+    /// The endpoint.
+    pub endpoint_id: EndpointId,
+    /// Size, GB.
+    pub model_gb: f64,
+    /// Seconds to stay parked after a scale-down; 0: not parked.
+    pub keep_parked_s: u64,
+}
+
+impl ReplicaWeights {
+    /// The cache key of `endpoint`'s weights at `revision`.
+    pub fn key_of(endpoint: &EndpointId, revision: u32) -> String {
+        format!("{endpoint}-r{revision}")
+    }
+
+    /// Reads them from a replica's environment; `None` when the replica
+    /// declares no weights (or the variables are not Flotilla's).
+    pub fn from_env(env: &BTreeMap<String, String>) -> Option<Self> {
+        let key = env.get(ENV_WEIGHTS_KEY)?.clone();
+        let endpoint_id = EndpointId::parse(env.get("FLOTILLA_ENDPOINT_ID")?, "env").ok()?;
+        let model_gb: f64 = env.get(ENV_MODEL_GB)?.parse().ok()?;
+        let keep_parked_s = env
+            .get(ENV_KEEP_PARKED_S)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let key_ok = !key.is_empty()
+            && key.len() <= 200
+            && key
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        (key_ok && model_gb.is_finite() && model_gb > 0.0).then_some(Self {
+            key,
+            endpoint_id,
+            model_gb,
+            keep_parked_s,
+        })
+    }
+
+    /// The weights' size in bytes (GB = 10^9 bytes).
+    pub fn size_bytes(&self) -> u64 {
+        (self.model_gb * 1e9).round().min(u64::MAX as f64) as u64
+    }
+}
+
 fn positive_ms(v: u64, field: &str) -> Result<u64, FieldError> {
     if v == 0 || v > 24 * 3_600_000 {
         return Err(FieldError::new(
@@ -549,6 +677,7 @@ impl CreateEndpoint {
         let timezone = self.timezone.unwrap_or_else(utc);
         validate_schedules(&timezone, &self.schedules, max_replicas)?;
         validate_triggers(&self.queue_triggers)?;
+        let (model_gb, keep_parked_s) = validate_weights(self.model_gb, self.keep_parked_s)?;
         Ok(EndpointSpec {
             name: self.name,
             command: inst.command,
@@ -584,6 +713,8 @@ impl CreateEndpoint {
             balance: self.balance.unwrap_or_default(),
             rate_limit_rps: self.rate_limit_rps,
             drain_grace_ms: self.drain_grace_ms.unwrap_or(30_000),
+            model_gb,
+            keep_parked_s,
             timezone,
             schedules: self.schedules,
             queue_triggers: self.queue_triggers,
@@ -622,6 +753,8 @@ impl EndpointSpec {
             balance: Some(self.balance),
             rate_limit_rps: self.rate_limit_rps,
             drain_grace_ms: Some(self.drain_grace_ms),
+            model_gb: self.model_gb,
+            keep_parked_s: Some(self.keep_parked_s),
             timezone: Some(self.timezone.clone()),
             schedules: self.schedules.clone(),
             queue_triggers: self.queue_triggers.clone(),
@@ -678,6 +811,8 @@ impl EndpointSpec {
             balance,
             rate_limit_rps,
             drain_grace_ms,
+            model_gb,
+            keep_parked_s,
             timezone
         );
         // A share and a MIG profile exclude each other: naming one clears
@@ -700,7 +835,8 @@ impl EndpointSpec {
             || next.gpu_fraction != self.gpu_fraction
             || next.mig_profile != self.mig_profile
             || next.cpu_milli != self.cpu_milli
-            || next.memory_mb != self.memory_mb;
+            || next.memory_mb != self.memory_mb
+            || next.model_gb != self.model_gb;
         Ok((next, bump))
     }
 
@@ -738,6 +874,15 @@ impl EndpointSpec {
             .insert("FLOTILLA_ENDPOINT_ID".into(), endpoint.to_string());
         c.env
             .insert("FLOTILLA_ENDPOINT_REVISION".into(), revision.to_string());
+        if let Some(gb) = self.model_gb {
+            c.env.insert(
+                ENV_WEIGHTS_KEY.into(),
+                ReplicaWeights::key_of(endpoint, revision),
+            );
+            c.env.insert(ENV_MODEL_GB.into(), gb.to_string());
+            c.env
+                .insert(ENV_KEEP_PARKED_S.into(), self.keep_parked_s.to_string());
+        }
         c.validate(catalog)
     }
 
@@ -1005,6 +1150,84 @@ pub fn desired_replicas(
 mod tests {
     use super::*;
     use chrono::TimeZone;
+
+    #[test]
+    fn declared_weights_reach_the_replica_and_are_validated() {
+        let c = Catalog::default();
+        let s = CreateEndpoint {
+            model_gb: Some(16.0),
+            ..req()
+        }
+        .validate(&c)
+        .unwrap();
+        assert_eq!(s.keep_parked_s, DEFAULT_KEEP_PARKED_S);
+        let ep = EndpointId::generate(1, 2);
+        let inst = s.replica_instance(&c, &ep, 3, 4567).unwrap();
+        let w = ReplicaWeights::from_env(&inst.env).unwrap();
+        assert_eq!(w.key, format!("{ep}-r3"));
+        assert_eq!((w.model_gb, w.keep_parked_s), (16.0, 600));
+        assert_eq!(w.size_bytes(), 16_000_000_000);
+        // Without weights, nothing is declared.
+        let plain = req().validate(&c).unwrap();
+        let inst = plain.replica_instance(&c, &ep, 1, 4567).unwrap();
+        assert_eq!(ReplicaWeights::from_env(&inst.env), None);
+        assert_eq!(plain.keep_parked_s, 0);
+        // A new size is a new revision (other weights).
+        let (_, bump) = s
+            .update(
+                UpdateEndpoint {
+                    model_gb: Some(8.0),
+                    ..UpdateEndpoint::default()
+                },
+                &c,
+            )
+            .unwrap();
+        assert!(bump);
+        let (next, bump) = s
+            .update(
+                UpdateEndpoint {
+                    keep_parked_s: Some(0),
+                    ..UpdateEndpoint::default()
+                },
+                &c,
+            )
+            .unwrap();
+        assert!(!bump);
+        assert_eq!(next.keep_parked_s, 0);
+        for (bad, field) in [
+            (
+                CreateEndpoint {
+                    model_gb: Some(0.0),
+                    ..req()
+                },
+                "model_gb",
+            ),
+            (
+                CreateEndpoint {
+                    model_gb: Some(f64::INFINITY),
+                    ..req()
+                },
+                "model_gb",
+            ),
+            (
+                CreateEndpoint {
+                    keep_parked_s: Some(60),
+                    ..req()
+                },
+                "keep_parked_s",
+            ),
+            (
+                CreateEndpoint {
+                    model_gb: Some(1.0),
+                    keep_parked_s: Some(MAX_KEEP_PARKED_S + 1),
+                    ..req()
+                },
+                "keep_parked_s",
+            ),
+        ] {
+            assert_eq!(bad.validate(&c).unwrap_err().field, field);
+        }
+    }
 
     fn req() -> CreateEndpoint {
         CreateEndpoint {

@@ -521,11 +521,25 @@ async fn models(AxState(state): AxState<Arc<State>>) -> Response {
 }
 
 async fn health(AxState(state): AxState<Arc<State>>) -> Response {
-    if state.ready.load(Ordering::Acquire) {
+    let mut r = if state.ready.load(Ordering::Acquire) {
         (StatusCode::OK, "ok").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response()
+    };
+    // Where the weights came from and how long they took: what a cold
+    // start's breakdown names.
+    if let Some(tier) = state.tier {
+        let h = r.headers_mut();
+        h.insert(
+            "x-flotilla-load-tier",
+            axum::http::HeaderValue::from_static(tier.as_str()),
+        );
+        h.insert(
+            "x-flotilla-load-ms",
+            axum::http::HeaderValue::from(state.load_ms),
+        );
     }
+    r
 }
 
 async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {

@@ -13,6 +13,14 @@
 //! anything: the output is filler text of the requested length. Tokens are
 //! counted by a simple deterministic tokenizer (see [`tokens`]).
 //!
+//! With a model size (`--model-gb`) it loads its weights from a readiness
+//! tier (`--tier`, or `FLOTILLA_LOAD_TIER` as the node's agent sets it):
+//! the load takes the tier's restore time, `overhead + size / bandwidth`
+//! (`flotilla_scale::tiers`; each tier's speed is a flag, defaults from
+//! the published measurements there), added to `load_delay_ms`. `/health`
+//! names the tier and the load time in `x-flotilla-load-tier` and
+//! `x-flotilla-load-ms` headers.
+//!
 //! [`Emulator::start`] runs one in-process on a real socket; the
 //! `flotilla-emulator` binary runs one as a process. [`Emulator::kill`]
 //! drops every connection at once, as a crashed process would.
@@ -32,6 +40,8 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
+
+use flotilla_scale::tiers::{ReadinessTiers, Tier, TierSpeed};
 
 /// How the emulated model server behaves. Every option is also a flag and
 /// an environment variable of the `flotilla-emulator` binary.
@@ -54,6 +64,48 @@ pub struct EmulatorConfig {
     /// until it has passed.
     #[arg(long, env = "FLOTILLA_EMULATOR_LOAD_DELAY_MS", default_value_t = 0)]
     pub load_delay_ms: u64,
+    /// Size of the model's weights, GB: with it, the load also takes the
+    /// tier's restore time of that many GB (see `--tier`).
+    #[arg(long, env = "FLOTILLA_MODEL_GB")]
+    pub model_gb: Option<f64>,
+    /// Where the weights load from: parked (host memory), cached (local
+    /// disk) or remote (download); default remote. Only with `--model-gb`.
+    #[arg(long, env = "FLOTILLA_LOAD_TIER")]
+    pub tier: Option<String>,
+    /// Host-memory-to-GPU bandwidth of a parked restore, GB/s.
+    #[arg(
+        long,
+        env = "FLOTILLA_EMULATOR_PARKED_GB_PER_S",
+        default_value_t = 50.0
+    )]
+    pub parked_gb_per_s: f64,
+    /// Fixed part of a parked restore (waking the engine), ms.
+    #[arg(
+        long,
+        env = "FLOTILLA_EMULATOR_PARKED_OVERHEAD_MS",
+        default_value_t = 500
+    )]
+    pub parked_overhead_ms: u64,
+    /// Local-disk read bandwidth of a cached start, GB/s.
+    #[arg(long, env = "FLOTILLA_EMULATOR_CACHED_GB_PER_S", default_value_t = 6.5)]
+    pub cached_gb_per_s: f64,
+    /// Fixed part of a cached start (container and engine start), ms.
+    #[arg(
+        long,
+        env = "FLOTILLA_EMULATOR_CACHED_OVERHEAD_MS",
+        default_value_t = 10_000
+    )]
+    pub cached_overhead_ms: u64,
+    /// Download bandwidth of a remote start, GB/s.
+    #[arg(long, env = "FLOTILLA_EMULATOR_REMOTE_GB_PER_S", default_value_t = 0.5)]
+    pub remote_gb_per_s: f64,
+    /// Fixed part of a remote start (image pull and start), ms.
+    #[arg(
+        long,
+        env = "FLOTILLA_EMULATOR_REMOTE_OVERHEAD_MS",
+        default_value_t = 30_000
+    )]
+    pub remote_overhead_ms: u64,
     /// Prompt tokens prefilled per second; 0 prefills instantly.
     #[arg(
         long,
@@ -105,6 +157,14 @@ impl Default for EmulatorConfig {
             port: 0,
             model: "emulated-model".into(),
             load_delay_ms: 0,
+            model_gb: None,
+            tier: None,
+            parked_gb_per_s: 50.0,
+            parked_overhead_ms: 500,
+            cached_gb_per_s: 6.5,
+            cached_overhead_ms: 10_000,
+            remote_gb_per_s: 0.5,
+            remote_overhead_ms: 30_000,
             prefill_tokens_per_s: 0.0,
             decode_tokens_per_s: 0.0,
             max_concurrency: 0,
@@ -113,6 +173,57 @@ impl Default for EmulatorConfig {
             prefix_cache_tokens: 0,
             default_max_tokens: 16,
         }
+    }
+}
+
+impl EmulatorConfig {
+    /// The tier speeds the flags describe.
+    pub fn tiers(&self) -> ReadinessTiers {
+        ReadinessTiers {
+            parked: TierSpeed {
+                bandwidth_gb_per_s: self.parked_gb_per_s,
+                overhead_ms: self.parked_overhead_ms,
+            },
+            cached: TierSpeed {
+                bandwidth_gb_per_s: self.cached_gb_per_s,
+                overhead_ms: self.cached_overhead_ms,
+            },
+            remote: TierSpeed {
+                bandwidth_gb_per_s: self.remote_gb_per_s,
+                overhead_ms: self.remote_overhead_ms,
+            },
+        }
+    }
+
+    /// How the weights load: the tier (none without a model size) and
+    /// the whole load time, ms (`load_delay_ms` plus the tier's restore).
+    pub fn load(&self) -> Result<(Option<Tier>, u64), EmulatorError> {
+        let Some(gb) = self.model_gb else {
+            return Ok((None, self.load_delay_ms));
+        };
+        if !(gb.is_finite() && gb > 0.0) {
+            return Err(EmulatorError::Config {
+                field: "model_gb",
+                message: format!("must be a number of GB greater than 0, got {gb}"),
+            });
+        }
+        let tier = match self.tier.as_deref() {
+            None | Some("") => Tier::Remote,
+            Some(t) => t.parse::<Tier>().map_err(|_| EmulatorError::Config {
+                field: "tier",
+                message: format!("must be parked, cached or remote, got `{t}`"),
+            })?,
+        };
+        let tiers = self.tiers();
+        tiers.validate().map_err(|e| EmulatorError::Config {
+            field: "tiers",
+            message: e.to_string(),
+        })?;
+        Ok((
+            Some(tier),
+            self.load_delay_ms
+                .saturating_add(tiers.restore_ms(tier, gb)),
+        ))
     }
 }
 
@@ -157,6 +268,10 @@ pub enum EmulatorError {
 
 pub(crate) struct State {
     config: EmulatorConfig,
+    /// The tier the weights load from, when a model size is given.
+    pub(crate) tier: Option<Tier>,
+    /// The whole load time, ms.
+    pub(crate) load_ms: u64,
     ready: AtomicBool,
     slots: Option<Arc<Semaphore>>,
     cache: Mutex<tokens::PrefixCache>,
@@ -195,6 +310,7 @@ impl Emulator {
                 });
             }
         }
+        let (tier, load_ms) = config.load()?;
         let addr = listener
             .local_addr()
             .map_err(|source| EmulatorError::Bind {
@@ -207,7 +323,9 @@ impl Emulator {
             slots: (config.max_concurrency > 0)
                 .then(|| Arc::new(Semaphore::new(config.max_concurrency as usize))),
             cache: Mutex::new(tokens::PrefixCache::new(config.prefix_cache_tokens)),
-            ready: AtomicBool::new(config.load_delay_ms == 0),
+            ready: AtomicBool::new(load_ms == 0),
+            tier,
+            load_ms,
             stats: stats.clone(),
             registry,
             config,
@@ -215,7 +333,7 @@ impl Emulator {
         if !state.ready.load(Ordering::Relaxed) {
             let state = state.clone();
             tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(state.config.load_delay_ms)).await;
+                tokio::time::sleep(Duration::from_millis(state.load_ms)).await;
                 state.ready.store(true, Ordering::Release);
             });
         }
@@ -288,5 +406,43 @@ async fn accept_loop(
     tokio::select! {
         _ = graceful.shutdown() => {}
         _ = async { while connections.join_next().await.is_some() {} } => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flag_defaults_are_the_documented_tier_speeds() {
+        assert_eq!(EmulatorConfig::default().tiers(), ReadinessTiers::default());
+    }
+
+    #[test]
+    fn the_load_adds_the_tier_restore_to_the_delay() {
+        let mut c = EmulatorConfig {
+            load_delay_ms: 100,
+            ..EmulatorConfig::default()
+        };
+        assert_eq!(c.load().unwrap(), (None, 100));
+        c.model_gb = Some(16.0);
+        // Remote by default: 30 s + 16 GB at 0.5 GB/s.
+        assert_eq!(c.load().unwrap(), (Some(Tier::Remote), 100 + 62_000));
+        c.tier = Some("parked".into());
+        assert_eq!(c.load().unwrap(), (Some(Tier::Parked), 100 + 820));
+        c.tier = Some("warm-ish".into());
+        assert!(matches!(
+            c.load(),
+            Err(EmulatorError::Config { field: "tier", .. })
+        ));
+        c.tier = None;
+        c.model_gb = Some(f64::NAN);
+        assert!(matches!(
+            c.load(),
+            Err(EmulatorError::Config {
+                field: "model_gb",
+                ..
+            })
+        ));
     }
 }

@@ -210,6 +210,13 @@ pub struct QueuedWork {
     /// How long it runs at most once started (a time limit), if known:
     /// work that ends before the head's start may backfill on its nodes.
     pub max_runtime_ms: Option<u64>,
+    /// Time until it would be ready on each machine, ms, by machine index
+    /// (an endpoint replica: its weights parked, cached or remote there);
+    /// empty: where it starts does not change when it is ready. A single
+    /// member placed anywhere then goes where it is ready soonest, the
+    /// policy's score breaking ties ([`crate::startup`]); a machine the
+    /// list does not reach is taken as slowest.
+    pub ready_ms: Vec<u64>,
 }
 
 /// A tenant's quota and fair-share weight. Tenants absent from
@@ -952,6 +959,18 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
             .with_runtime(w.runtime);
         let mut gang = Gang::uniform(req, members, w.locality);
         gang.spread = w.spread && members > 1;
+        // Time to ready by engine node (slot), from the machine's.
+        let ready_by_slot: Vec<u64> = if w.ready_ms.is_empty() {
+            Vec::new()
+        } else {
+            pool.slots
+                .iter()
+                .map(|s| w.ready_ms.get(s.node).copied().unwrap_or(u64::MAX))
+                .collect()
+        };
+        let ready_fn = |n: u32| ready_by_slot.get(n as usize).copied().unwrap_or(u64::MAX);
+        let ready: Option<&dyn Fn(u32) -> u64> =
+            (!ready_by_slot.is_empty()).then_some(&ready_fn as &dyn Fn(u32) -> u64);
         let shape = ShapeKey {
             req,
             members,
@@ -979,6 +998,7 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
                 &mut engine_scratch,
                 &pool.cluster,
                 &gang,
+                ready,
                 &mut rng,
             ),
         };
@@ -994,9 +1014,14 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
                 backfilled = true;
             } else {
                 let around = match outside.as_ref() {
-                    Some(o) if !no_fit_outside.contains(&shape) => {
-                        place(&mut engine_out, &mut engine_scratch, o, &gang, &mut rng)
-                    }
+                    Some(o) if !no_fit_outside.contains(&shape) => place(
+                        &mut engine_out,
+                        &mut engine_scratch,
+                        o,
+                        &gang,
+                        ready,
+                        &mut rng,
+                    ),
                     _ => None,
                 };
                 match around {
@@ -1321,10 +1346,21 @@ fn place(
     scratch_engine: &mut Engine,
     cluster: &Cluster,
     gang: &Gang,
+    ready: Option<&dyn Fn(u32) -> u64>,
     rng: &mut ChaCha8Rng,
 ) -> Option<Vec<Placement>> {
     if gang.members.len() == 1 && gang.locality == Locality::Any {
-        return match engine.decide(cluster, &gang.members[0], rng) {
+        let decision = match ready {
+            Some(ready) => engine.decide_startup(
+                cluster,
+                &gang.members[0],
+                ready,
+                crate::startup::DEFAULT_QUANTUM_MS,
+                rng,
+            ),
+            None => engine.decide(cluster, &gang.members[0], rng),
+        };
+        return match decision {
             crate::select::Decision::Placed(p) => Some(vec![p]),
             crate::select::Decision::Unschedulable(_) => None,
         };

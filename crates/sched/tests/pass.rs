@@ -56,6 +56,7 @@ fn work(key: WorkKey, gpu: GpuAsk) -> QueuedWork {
         mem_mib: 1024,
         runtime: Runtime::Process,
         max_runtime_ms: None,
+        ready_ms: Vec::new(),
     }
 }
 
@@ -77,6 +78,28 @@ fn snapshot(nodes: Vec<NodeSnap>, queue: Vec<QueuedWork>) -> Snapshot {
 
 fn placed(p: &Plan, key: WorkKey) -> bool {
     p.placements.iter().any(|x| x.key == key)
+}
+
+#[test]
+fn a_replica_goes_where_it_is_ready_soonest_and_else_where_the_policy_packs() {
+    // Two equal machines, nothing running: without times to ready the
+    // policy picks machine 0.
+    let nodes = || vec![node(vec![gpu("H100", false, 1000); 4]); 2];
+    let p = plan(&snapshot(nodes(), vec![work(1, GpuAsk::Whole(1))])).unwrap();
+    assert_eq!(p.placements[0].members[0].node, 0);
+    // Machine 1 holds the weights (cached: 12.5 s), machine 0 would
+    // download them (62 s): machine 1.
+    let mut w = work(1, GpuAsk::Whole(1));
+    w.ready_ms = vec![62_000, 12_500];
+    let p = plan(&snapshot(nodes(), vec![w.clone()])).unwrap();
+    assert_eq!(p.placements[0].members[0].node, 1);
+    // Machine 1 full: the replica still starts, on machine 0.
+    let mut full = nodes();
+    for g in &mut full[1].gpus {
+        g.free_milli = 0;
+    }
+    let p = plan(&snapshot(full, vec![w])).unwrap();
+    assert_eq!(p.placements[0].members[0].node, 0);
 }
 
 fn mig(s: &str) -> GpuAsk {
@@ -559,6 +582,7 @@ fn arb_work() -> impl Strategy<Value = QueuedWork> {
                     mem_mib: 1024,
                     runtime: Runtime::Process,
                     max_runtime_ms: runtime,
+                    ready_ms: Vec::new(),
                 }
             },
         )

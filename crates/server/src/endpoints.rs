@@ -36,6 +36,10 @@ use crate::state::AppState;
 const SIGNALS_FRESH_MS: i64 = 10_000;
 /// How long a readiness probe may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often passes run while a replica is starting: its readiness is
+/// probed this often, so a replica restored from host memory in a second
+/// takes traffic within a tenth of one, not a whole tick later.
+const STARTING_TICK: Duration = Duration::from_millis(100);
 
 /// The policy settings an endpoint's spec carries; a change rebuilds it.
 fn policy_key(s: &EndpointSpec) -> String {
@@ -105,6 +109,8 @@ pub struct Controller {
     /// Opted-in endpoints' vertical state machines, with the opt-in they
     /// were built from (a changed opt-in starts afresh).
     verticals: BTreeMap<EndpointId, (flotilla_core::advice::VerticalOptIn, Vertical)>,
+    /// The last pass saw a live replica not yet ready.
+    starting: bool,
 }
 
 /// Readings per replica the vertical policy looks at: the most recent,
@@ -147,11 +153,13 @@ impl Controller {
                 .unwrap_or_default(),
             queues: flotilla_triggers::Scaler::default(),
             verticals: BTreeMap::new(),
+            starting: false,
         }
     }
 
     /// One pass over every endpoint.
     pub async fn pass(&mut self, st: &AppState) -> Result<Vec<Outcome>, StoreError> {
+        self.starting = false;
         let ids = st.store().endpoint_ids_to_scale().await?;
         self.policies.retain(|id, _| ids.contains(id));
         self.verticals.retain(|id, _| ids.contains(id));
@@ -221,6 +229,9 @@ impl Controller {
         let depths: Vec<Option<u64>> = statuses.iter().map(|s| s.depth).collect();
         let now = st.now();
         let live: Vec<&ReplicaRow> = rows.iter().filter(|r| r.is_live()).collect();
+        self.starting |= live
+            .iter()
+            .any(|r| r.draining_at.is_none() && !r.is_ready());
 
         // Decide.
         let (queue_wants, queue_depth) = queue_demand(triggers, &depths, ep.spec.max_replicas);
@@ -299,6 +310,7 @@ impl Controller {
             let inst = start_replica(st, &ep).await?;
             tracing::info!(endpoint = %id, instance = %inst, revision = ep.revision, "replica started");
         }
+        self.starting |= plan.start > 0;
         if plan.start > 0 || !plan.stop.is_empty() {
             st.notify_change();
         }
@@ -380,8 +392,13 @@ pub async fn run(st: AppState, tick: Duration) {
                 tracing::warn!(error = %e, "endpoint pass failed; retrying");
             }
         }
+        let next = if ctl.starting {
+            tick.min(STARTING_TICK)
+        } else {
+            tick
+        };
         tokio::select! {
-            _ = tokio::time::sleep(tick) => {}
+            _ = tokio::time::sleep(next) => {}
             _ = wake.notified() => {}
             _ = shutdown.changed() => {}
         }

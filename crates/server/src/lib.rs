@@ -39,6 +39,7 @@ pub mod metrics;
 pub mod nodepools;
 pub mod offers;
 pub mod ops_metrics;
+pub mod parking;
 pub mod pricing;
 pub mod reconcile;
 pub mod routes;

@@ -13,11 +13,14 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Duration as ChronoDuration, Utc};
+use flotilla_core::api::WeightTier;
+use flotilla_core::endpoint::ReplicaWeights;
 use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId, WorkId};
 use flotilla_core::job::Locality as JobLocality;
 use flotilla_core::node::RuntimeKind;
 use flotilla_core::placement::{GpuShare, Placement};
 use flotilla_core::quota::Quota;
+use flotilla_scale::tiers::ReadinessTiers;
 use flotilla_sched::gang::Locality;
 use flotilla_sched::pass::{
     self, GpuAsk, GpuSnap, Hold, NodeSnap, Plan, Promise, QueuedWork, RunningWork, Snapshot,
@@ -25,6 +28,7 @@ use flotilla_sched::pass::{
 };
 use flotilla_sched::preempt::PreemptConfig;
 use flotilla_sched::queue::FairShareConfig;
+use flotilla_sched::startup::NodeStartup;
 use flotilla_sched::{Policy, Runtime, Tier};
 use flotilla_store::instances::PendingInstance;
 use flotilla_store::jobs::QueuedJob;
@@ -49,6 +53,48 @@ pub fn parse_policy(name: &str) -> Option<Policy> {
     Policy::ALL
         .into_iter()
         .find(|p| p.name().eq_ignore_ascii_case(name))
+}
+
+/// The tier of `w`'s weights on a node: parked or cached where the
+/// node's agent reports them, else remote.
+pub fn tier_on(
+    held: &BTreeMap<NodeId, BTreeMap<String, WeightTier>>,
+    node: &NodeId,
+    w: &ReplicaWeights,
+) -> WeightTier {
+    held.get(node)
+        .and_then(|k| k.get(&w.key))
+        .copied()
+        .unwrap_or(WeightTier::Remote)
+}
+
+/// Time until a replica of `w` started now would be ready on each machine,
+/// ms, in snapshot order: its weights' tier there at that tier's speed
+/// (`flotilla_scale::tiers` defaults; `flotilla_sched::startup` does the
+/// arithmetic).
+fn ready_on(
+    nodes: &[(NodeId, Vec<GpuId>)],
+    held: &BTreeMap<NodeId, BTreeMap<String, WeightTier>>,
+    w: &ReplicaWeights,
+    tiers: &ReadinessTiers,
+) -> Vec<u64> {
+    nodes
+        .iter()
+        .map(|(id, _)| {
+            let speed = match tier_on(held, id, w) {
+                WeightTier::Parked => tiers.parked,
+                WeightTier::Cached => tiers.cached,
+                WeightTier::Remote => tiers.remote,
+            };
+            NodeStartup {
+                overhead_ms: speed.overhead_ms,
+                bandwidth_gb_per_s: speed.bandwidth_gb_per_s,
+                model_gb: w.model_gb,
+                loading_gb: 0.0,
+            }
+            .time_to_ready_ms()
+        })
+        .collect()
 }
 
 /// One piece of queued work: a pending instance (a work of one member) or
@@ -232,6 +278,17 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
             .into_iter()
             .map(Queued::Job),
     );
+    // Replicas that declare their weights start where they are ready
+    // soonest: what each node holds of them.
+    let held_weights = if queued
+        .iter()
+        .any(|q| matches!(q, Queued::Instance(p) if p.weights.is_some()))
+    {
+        store.weights_by_node().await?
+    } else {
+        BTreeMap::new()
+    };
+    let tiers = ReadinessTiers::default();
     let mut queue = Vec::with_capacity(queued.len());
     let mut key_of: BTreeMap<WorkId, WorkKey> = BTreeMap::new();
     for q in queued {
@@ -253,6 +310,11 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
                 mem_mib: p.memory_mb,
                 runtime: runtime_of(p.runtime),
                 max_runtime_ms: None,
+                ready_ms: p
+                    .weights
+                    .as_ref()
+                    .map(|w| ready_on(&nodes, &held_weights, w, &tiers))
+                    .unwrap_or_default(),
             },
             Queued::Job(j) => QueuedWork {
                 key,
@@ -271,6 +333,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
                 // Members run from the job's image, if it has one.
                 runtime: runtime_of(RuntimeKind::for_work(j.spec.image.is_some())),
                 max_runtime_ms: j.spec.time_limit_s.map(|s| s.saturating_mul(1000)),
+                ready_ms: Vec::new(),
             },
         });
         works.push(Work::Queued(Box::new(q)));

@@ -980,6 +980,7 @@ async fn concurrent_requests_never_share_a_gpu() {
                     at: chrono::Utc::now(),
                     message: None,
                     container: None,
+                    weights_tier: None,
                 })
                 .collect();
             for o in &observed {

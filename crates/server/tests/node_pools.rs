@@ -192,6 +192,7 @@ async fn exits(live: &OnClock, key: &str, node: &str, instance: &str) {
             at: live.clock.now(),
             message: None,
             container: None,
+            weights_tier: None,
         };
         let (status, body) = live
             .call(

@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use flotilla_core::api::{
-    Assignment, GpuSlice, Instance, InstanceEvent, JobMembership, ObservedInstance, ObservedPhase,
+    Assignment, ColdStart, GpuSlice, Instance, InstanceEvent, JobMembership, ObservedInstance,
+    ObservedPhase,
 };
 use flotilla_core::catalog::{MigProfile, MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId, WorkId};
@@ -433,6 +434,9 @@ pub struct PendingInstance {
     /// The runtime its node must run: containers when it has an image
     /// (endpoint replicas with one too), processes otherwise.
     pub runtime: RuntimeKind,
+    /// The model weights of an endpoint replica that declares them:
+    /// placement prefers the node where it is ready soonest.
+    pub weights: Option<flotilla_core::endpoint::ReplicaWeights>,
 }
 
 /// What preemption planning needs of an instance holding GPUs.
@@ -704,6 +708,7 @@ impl Store {
             .map(|r| {
                 let i = instance(r)?;
                 Ok(PendingInstance {
+                    weights: flotilla_core::endpoint::ReplicaWeights::from_env(&i.env),
                     share: share_of(r)?,
                     id: i.id,
                     tenant_id: i.tenant_id,
@@ -829,12 +834,27 @@ impl Store {
             now
         };
         let mut tx = self.begin().await?;
+        // The tier a replica's weights loaded from joins its cold-start
+        // breakdown (the container runtime's, or one of its own).
+        let with_tier = |c: Option<&ColdStart>| {
+            obs.weights_tier.map(|t| ColdStart {
+                weights_tier: Some(t),
+                ..c.cloned().unwrap_or_default()
+            })
+        };
         if let Some(c) = &obs.container {
             // What the container runtime reports (ports, cold start) is
             // recorded whatever the transition.
+            let cold = with_tier(c.cold_start.as_ref()).or_else(|| c.cold_start.clone());
             sqlx::query("UPDATE instances SET published_ports = $1, cold_start = $2 WHERE id = $3")
                 .bind(to_json(&c.ports))
-                .bind(c.cold_start.as_ref().map(to_json))
+                .bind(cold.as_ref().map(to_json))
+                .bind(id.as_str())
+                .execute(&mut *tx)
+                .await?;
+        } else if let Some(cold) = with_tier(None) {
+            sqlx::query("UPDATE instances SET cold_start = $1 WHERE id = $2")
+                .bind(to_json(&cold))
                 .bind(id.as_str())
                 .execute(&mut *tx)
                 .await?;

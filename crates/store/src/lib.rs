@@ -35,6 +35,7 @@ pub mod secrets;
 pub mod tenants;
 pub mod usage;
 pub mod vertical;
+pub mod weights;
 mod work;
 
 pub(crate) use work::WorkTable;

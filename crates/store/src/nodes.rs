@@ -57,6 +57,7 @@ fn node(row: &AnyRow) -> Result<Node> {
         created_at: at(row.try_get("created_at")?),
         gpus: Vec::new(),
         images: Vec::new(),
+        weights: Vec::new(),
     })
 }
 
@@ -352,6 +353,7 @@ impl Store {
             .remove(&n.id)
             .unwrap_or_default();
         n.images = self.node_images(&n.id).await?;
+        n.weights = self.node_weights(&n.id).await?;
         Ok(n)
     }
 

@@ -201,6 +201,7 @@ async fn job_lifecycle_through_restart_and_cancel(s: &Store) {
             at: t0(),
             message: None,
             container: None,
+            weights_tier: None,
         };
         assert_eq!(
             s.apply_observed(&node, &obs, t0()).await.unwrap(),
@@ -307,6 +308,7 @@ async fn a_preempted_member_is_not_requeued_alone(s: &Store) {
         at: t0(),
         message: None,
         container: None,
+        weights_tier: None,
     };
     s.apply_observed(&a, &obs, t0()).await.unwrap();
     let i = s.instance(&m[0]).await.unwrap();

@@ -159,6 +159,7 @@ fn seen(id: &InstanceId, phase: ObservedPhase, at: DateTime<Utc>) -> ObservedIns
         at,
         message: None,
         container: None,
+        weights_tier: None,
     }
 }
 
@@ -909,6 +910,7 @@ async fn containers_report_ports_cold_starts_and_oom_kills(s: &Store) {
         ports: vec![port.clone()],
         cold_start: Some(ColdStart {
             image_cached: false,
+            weights_tier: None,
             pulling_ms: Some(1500),
             starting_ms: Some(300),
             ..Default::default()

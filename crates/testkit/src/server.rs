@@ -199,6 +199,7 @@ impl TestServer {
                 at: chrono::Utc::now(),
                 message: None,
                 container: None,
+                weights_tier: None,
             })
             .collect();
         self.ok(

@@ -603,6 +603,7 @@ impl KubeExecutor {
                                 at: now,
                                 message: Some("stopped before its job's pods were created".into()),
                                 container: None,
+                                weights_tier: None,
                             },
                         },
                     );
@@ -638,6 +639,7 @@ impl KubeExecutor {
                                 at: now,
                                 message: Some("stopped before its pod was created".into()),
                                 container: None,
+                                weights_tier: None,
                             },
                         },
                     );
@@ -812,6 +814,7 @@ impl KubeExecutor {
                             expected
                         )),
                         container: None,
+                        weights_tier: None,
                     },
                 );
             }
@@ -827,6 +830,7 @@ impl KubeExecutor {
                     at: f.at,
                     message: None,
                     container: None,
+                    weights_tier: None,
                 },
             );
         }

@@ -231,6 +231,7 @@ pub fn observe(pod: &Pod, stopped: bool, seen: DateTime<Utc>) -> Option<Observed
         at,
         message,
         container,
+        weights_tier: None,
     })
 }
 

@@ -383,6 +383,7 @@ impl SlurmExecutor {
                     message: (job.job_state == "PENDING")
                         .then(|| format!("slurm job {} pending: {}", job.job_id, job.state_reason)),
                     container: None,
+                    weights_tier: None,
                 }
             })
             .collect();
@@ -397,6 +398,7 @@ impl SlurmExecutor {
                     at: *at,
                     message: None,
                     container: None,
+                    weights_tier: None,
                 });
             }
         }
@@ -409,6 +411,7 @@ impl SlurmExecutor {
                     at: now,
                     message: Some(format!("submitted as slurm job {job_id}")),
                     container: None,
+                    weights_tier: None,
                 });
             }
         }

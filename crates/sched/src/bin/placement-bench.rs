@@ -529,6 +529,7 @@ fn pass_row(nodes: usize, queued: usize) -> Row {
                 mem_mib: 65_536,
                 runtime: Runtime::Process,
                 max_runtime_ms: rng.gen_bool(0.3).then_some(1_800_000),
+                ready_ms: Vec::new(),
             }
         })
         .collect();

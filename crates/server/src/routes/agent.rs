@@ -276,10 +276,14 @@ pub async fn sync(
     };
     req.validate_gpus().map_err(ApiError::field)?;
     req.validate_images().map_err(ApiError::field)?;
+    req.validate_weights().map_err(ApiError::field)?;
     let now = st.now();
     st.store().heartbeat(&id, now).await?;
     if let Some(images) = &req.images {
         st.store().set_node_images(&id, images, now).await?;
+    }
+    if let Some(weights) = &req.weights {
+        crate::parking::record_report(&st, &id, weights, now).await?;
     }
     if !req.gpus.is_empty() {
         if take_out_faulty_gpus(&st, &id, &req.gpus, now).await? {

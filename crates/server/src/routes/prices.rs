@@ -181,7 +181,8 @@ pub async fn get_spot_prices(
 /// (optional), "gpus", "hours_per_day", "duty_cycle", "tier",
 /// "serves_requests"}` or `{"kind": "serverless", "model" (optional),
 /// "requests_per_second", "input_tokens_per_request",
-/// "output_tokens_per_request", "gpu_seconds_per_request", "tier"}`.
+/// "output_tokens_per_request", "gpu_seconds_per_request", "tier",
+/// "parked_gb" (optional: GB of weights kept parked all month)}`.
 #[utoipa::path(post, path = "/v1/estimates", tag = "billing",
     request_body(content = Object, description = "a workload"),
     responses((status = 200, body = Object, description = "currency, price_version, month_seconds, options (model, billing_model, gpus, monthly_cost, meets, note), cheapest"),

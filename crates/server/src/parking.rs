@@ -1,0 +1,135 @@
+//! Parked replicas' host memory, metered from the time each was parked:
+//! the node's agent reports every parked replica (its weights in host
+//! memory, its GPU released) with when it parked; when a report no longer
+//! holds one (a new replica took it back onto a GPU, its time ran out, or
+//! a newer park needed the room), the park is over and its endpoint's
+//! tenant is billed `Meter::ParkedGbSeconds`: the weights' GB over the
+//! parked time, priced per GB-hour in the price book. One event per park,
+//! keyed by the replica and when it parked, written before the report
+//! replaces the stored one, so a pass cut between the two and replayed
+//! bills the park once.
+
+use chrono::{DateTime, Duration, SubsecRound, Utc};
+use flotilla_billing::meter::{EventKey, Meter, Subject, SubjectKind, UsageEvent};
+use flotilla_core::api::{NodeWeights, WeightTier};
+use flotilla_core::id::{NodeId, TenantId};
+use flotilla_core::instance::BillingClass;
+use flotilla_store::StoreError;
+use rust_decimal::Decimal;
+
+use crate::state::AppState;
+
+/// Event source of parked-memory usage.
+pub const SOURCE: &str = "parked";
+
+/// The usage of one park that ended at `end`, billed to `tenant`; `None`
+/// for an entry that is not a park of an endpoint's replica.
+pub fn park_usage(
+    node: &NodeId,
+    tenant: &TenantId,
+    park: &NodeWeights,
+    end: DateTime<Utc>,
+) -> Option<UsageEvent> {
+    if park.tier != WeightTier::Parked {
+        return None;
+    }
+    let (replica, endpoint) = (park.replica.as_ref()?, park.endpoint_id.as_ref()?);
+    // The ledger keeps whole milliseconds; a park is at least one (rate
+    // events need a span).
+    let start = park.since.trunc_subsecs(3);
+    let end = end.trunc_subsecs(3).max(start + Duration::milliseconds(1));
+    Some(UsageEvent {
+        key: EventKey {
+            tenant: tenant.clone(),
+            source: SOURCE.into(),
+            id: format!("{replica}/{}", start.timestamp_millis()),
+        },
+        subject: Subject {
+            kind: SubjectKind::Endpoint,
+            id: endpoint.to_string(),
+        },
+        meter: Meter::ParkedGbSeconds,
+        billing_class: BillingClass::OnDemand,
+        start,
+        end,
+        // GB = 10^9 bytes, as the price book's per-GB-hour price reads it.
+        amount: Decimal::from(park.size_bytes) / Decimal::from(1_000_000_000u64),
+        node: Some(node.clone()),
+        corrects: None,
+    })
+}
+
+/// Records a node's report of the weights it holds: meters the parks
+/// that ended since the last report, then stores the report.
+pub async fn record_report(
+    st: &AppState,
+    node: &NodeId,
+    report: &[NodeWeights],
+    now: DateTime<Utc>,
+) -> Result<(), StoreError> {
+    let ended = st.store().parks_ended(node, report).await?;
+    let mut events = Vec::new();
+    for park in &ended {
+        let Some(ep) = &park.endpoint_id else {
+            continue;
+        };
+        let tenant = match st.store().endpoint(ep).await {
+            Ok(e) => e.tenant_id,
+            Err(StoreError::NotFound(_)) => {
+                tracing::warn!(endpoint = %ep, "parked replica of an unknown endpoint; not billed");
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        events.extend(park_usage(node, &tenant, park, now));
+    }
+    if !events.is_empty() {
+        let out = st
+            .store()
+            .append_usage(&events, crate::metering::grace(), now)
+            .await?;
+        for r in &out.rejected {
+            tracing::warn!(key = %r.key, code = r.code, message = %r.message, "parked usage refused");
+        }
+    }
+    st.store().set_node_weights(node, report, now).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::TimeZone;
+    use flotilla_core::id::{EndpointId, InstanceId};
+
+    use super::*;
+
+    #[test]
+    fn a_park_bills_its_gigabytes_over_its_time_to_its_endpoint() {
+        let t0 = Utc.timestamp_opt(1_700_000_000, 0).single().unwrap();
+        let node = NodeId::generate(1, 1);
+        let tenant = TenantId::generate(1, 2);
+        let ep = EndpointId::generate(1, 3);
+        let replica = InstanceId::generate(1, 4);
+        let park = NodeWeights {
+            key: format!("{ep}-r1"),
+            tier: WeightTier::Parked,
+            size_bytes: 16_000_000_000,
+            since: t0,
+            replica: Some(replica.clone()),
+            endpoint_id: Some(ep.clone()),
+        };
+        let e = park_usage(&node, &tenant, &park, t0 + Duration::seconds(90)).unwrap();
+        assert_eq!(e.meter, Meter::ParkedGbSeconds);
+        assert_eq!(e.amount, Decimal::from(16));
+        assert_eq!((e.end - e.start).num_seconds(), 90);
+        assert_eq!(e.subject.id, ep.to_string());
+        assert_eq!(e.key.id, format!("{replica}/{}", t0.timestamp_millis()));
+        e.validate().unwrap();
+        // A disk-cache entry is not billed here.
+        let cached = NodeWeights {
+            tier: WeightTier::Cached,
+            ..park
+        };
+        assert!(park_usage(&node, &tenant, &cached, t0).is_none());
+    }
+}

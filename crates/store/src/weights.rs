@@ -1,0 +1,148 @@
+//! The model weights nodes hold for endpoint replicas (`node_weights`):
+//! what each agent last reported of its disk cache and its parked
+//! replicas. Placement reads it; a replacement returns the parks that
+//! ended, for metering their host memory.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use flotilla_core::api::{NodeWeights, WeightTier};
+use flotilla_core::id::{EndpointId, InstanceId, NodeId};
+use sqlx::any::AnyRow;
+use sqlx::Row;
+
+use crate::{at, ms, Result, Store, StoreError};
+
+fn tier_of(s: &str) -> Result<WeightTier> {
+    match s {
+        "parked" => Ok(WeightTier::Parked),
+        "cached" => Ok(WeightTier::Cached),
+        other => Err(StoreError::Corrupt(format!("node_weights.tier `{other}`"))),
+    }
+}
+
+fn row_of(r: &AnyRow) -> Result<NodeWeights> {
+    let replica: String = r.try_get("replica")?;
+    let endpoint: Option<String> = r.try_get("endpoint_id")?;
+    Ok(NodeWeights {
+        key: r.try_get("weights_key")?,
+        tier: tier_of(&r.try_get::<String, _>("tier")?)?,
+        size_bytes: r.try_get::<i64, _>("size_bytes")?.max(0) as u64,
+        since: at(r.try_get("since")?),
+        replica: if replica.is_empty() {
+            None
+        } else {
+            Some(
+                InstanceId::parse(&replica, "replica")
+                    .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+            )
+        },
+        endpoint_id: endpoint
+            .map(|e| EndpointId::parse(&e, "endpoint_id"))
+            .transpose()
+            .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+    })
+}
+
+/// Order of a node's report, so two reports compare equal when they hold
+/// the same.
+fn sorted(mut w: Vec<NodeWeights>) -> Vec<NodeWeights> {
+    w.sort_by(|a, b| (a.tier, &a.key, &a.replica).cmp(&(b.tier, &b.key, &b.replica)));
+    w
+}
+
+impl Store {
+    /// What `node` holds, as last reported.
+    pub async fn node_weights(&self, node: &NodeId) -> Result<Vec<NodeWeights>> {
+        let rows = sqlx::query("SELECT * FROM node_weights WHERE node_id = $1")
+            .bind(node.as_str())
+            .fetch_all(self.pool())
+            .await?;
+        Ok(sorted(rows.iter().map(row_of).collect::<Result<_>>()?))
+    }
+
+    /// The tier of each weights key on each node that holds it (the
+    /// fastest when it is both parked and cached), for placement.
+    pub async fn weights_by_node(&self) -> Result<BTreeMap<NodeId, BTreeMap<String, WeightTier>>> {
+        let rows = sqlx::query("SELECT node_id, weights_key, tier FROM node_weights")
+            .fetch_all(self.pool())
+            .await?;
+        let mut out: BTreeMap<NodeId, BTreeMap<String, WeightTier>> = BTreeMap::new();
+        for r in &rows {
+            let node = NodeId::parse(&r.try_get::<String, _>("node_id")?, "node_id")
+                .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            let tier = tier_of(&r.try_get::<String, _>("tier")?)?;
+            let slot = out
+                .entry(node)
+                .or_default()
+                .entry(r.try_get("weights_key")?)
+                .or_insert(tier);
+            *slot = (*slot).min(tier);
+        }
+        Ok(out)
+    }
+
+    /// The parked entries `node` held that `report` no longer has: parks
+    /// that ended (restored onto a GPU, released or dropped) since the
+    /// last report. Read before [`Store::set_node_weights`] so they are
+    /// metered before they are forgotten.
+    pub async fn parks_ended(
+        &self,
+        node: &NodeId,
+        report: &[NodeWeights],
+    ) -> Result<Vec<NodeWeights>> {
+        Ok(self
+            .node_weights(node)
+            .await?
+            .into_iter()
+            .filter(|h| {
+                h.tier == WeightTier::Parked
+                    && !report
+                        .iter()
+                        .any(|w| w.tier == h.tier && w.key == h.key && w.replica == h.replica)
+            })
+            .collect())
+    }
+
+    /// Replaces what `node` holds with its agent's report, when it
+    /// differs (agents report on every sync). Returns whether it changed.
+    pub async fn set_node_weights(
+        &self,
+        node: &NodeId,
+        weights: &[NodeWeights],
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let mut wanted = weights.to_vec();
+        // Stored to the millisecond: compare at that precision.
+        for w in &mut wanted {
+            w.since = at(ms(w.since));
+        }
+        let wanted = sorted(wanted);
+        if self.node_weights(node).await? == wanted {
+            return Ok(false);
+        }
+        let mut tx = self.begin().await?;
+        sqlx::query("DELETE FROM node_weights WHERE node_id = $1")
+            .bind(node.as_str())
+            .execute(&mut *tx)
+            .await?;
+        for w in &wanted {
+            sqlx::query(
+                "INSERT INTO node_weights (node_id, tier, weights_key, replica, endpoint_id, \
+                 size_bytes, since, reported_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            )
+            .bind(node.as_str())
+            .bind(w.tier.as_str())
+            .bind(&w.key)
+            .bind(w.replica.as_ref().map_or("", |r| r.as_str()))
+            .bind(w.endpoint_id.as_ref().map(|e| e.as_str().to_string()))
+            .bind(i64::try_from(w.size_bytes).unwrap_or(i64::MAX))
+            .bind(ms(w.since))
+            .bind(ms(now))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+}
