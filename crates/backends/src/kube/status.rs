@@ -144,6 +144,9 @@ pub fn cold_start(pod: &Pod, main: &ContainerStatus) -> Option<ColdStart> {
         pull_started_at: Some(sandbox),
         created_at: None,
         ready_at: Some(ready),
+        // The executor does not know which tier the pod's image loaded
+        // its weights from.
+        weights_tier: None,
     })
 }
 
