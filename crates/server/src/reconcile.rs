@@ -60,8 +60,8 @@ const METERING_EVERY_S: i64 = 2;
 /// next when changes keep coming. Each create signals a change; at a
 /// thousand creates a second the loop would otherwise run its passes back
 /// to back, each reading the oldest queued work afresh, and take a CPU of
-/// its own from the API it shares the machine with, to place nothing new
-/// (measured in bench/results/api.md). Changes that arrive meanwhile are
+/// its own from the API it shares the machine with, to place nothing new.
+/// Changes that arrive meanwhile are
 /// taken together by the next round, so the first change after a quiet
 /// spell is still acted on at once and a stream of them waits at most this
 /// long.

@@ -104,8 +104,8 @@ where
 /// under `quota`, inside the transaction that locked the tenant row.
 /// A quota without limits admits without counting what the tenant holds:
 /// that count reads every live work of the tenant, queued ones included,
-/// so it would make each create slower the longer the queue (measured in
-/// bench/results/api.md), for an answer that cannot be no.
+/// so it would make each create slower the longer the queue, for an
+/// answer that cannot be no.
 pub(crate) async fn admit_in(
     conn: &mut sqlx::AnyConnection,
     tenant: &TenantId,
