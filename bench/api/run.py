@@ -33,6 +33,9 @@ QUEUED = int(os.environ.get("FLOTILLA_BENCH_API_QUEUED", "10000"))
 PG = os.environ.get("FLOTILLA_BENCH_PG", "")
 BASELINE = os.environ.get("FLOTILLA_BENCH_API_BASELINE", "")
 BASELINE_LABEL = os.environ.get("FLOTILLA_BENCH_API_BASELINE_LABEL", "baseline")
+# The servers' output (it carries each throwaway server's operator key), kept
+# out of the recorded results.
+LOG = os.path.join(tempfile.gettempdir(), "flotilla-bench-api-server.log")
 LUA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wrk.lua")
 
 
@@ -72,7 +75,7 @@ class Server:
                 f"{self.dir.name}/data", "--rate-limit", "1000000"]
         if database_url:
             args += ["--database-url", database_url]
-        self.log = open(f"{OUT}/api-server.log", "a")
+        self.log = open(LOG, "a")
         self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=self.log,
                                      stdin=subprocess.DEVNULL)
         creds = f"{self.dir.name}/config/credentials.json"
@@ -86,7 +89,7 @@ class Server:
             except Exception:
                 pass
             time.sleep(0.25)
-        raise SystemExit("the server did not start; see api-server.log")
+        raise SystemExit(f"the server did not start; see {LOG}")
 
     def stop(self):
         self.proc.terminate()
