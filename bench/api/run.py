@@ -9,7 +9,12 @@ growing queue as it would on a full cluster.
 
 Arguments: the flotilla binary, the output directory. Environment:
 FLOTILLA_BENCH_API_SECONDS (per scenario, 15), FLOTILLA_BENCH_API_QUEUED,
-FLOTILLA_BENCH_PG (a PostgreSQL server URL without database, or empty).
+FLOTILLA_BENCH_PG (a PostgreSQL server URL without database, or empty),
+FLOTILLA_BENCH_API_BASELINE (another flotilla binary, say one built from an
+earlier commit, and FLOTILLA_BENCH_API_BASELINE_LABEL its name): when set,
+every backend and queue size runs on both binaries back to back, the
+baseline first, so that their ratio is measured minutes apart on the same
+(shared, busy) machine rather than across runs.
 """
 
 import concurrent.futures
@@ -26,6 +31,11 @@ BIN, OUT = sys.argv[1], sys.argv[2]
 SECONDS = int(os.environ.get("FLOTILLA_BENCH_API_SECONDS", "15"))
 QUEUED = int(os.environ.get("FLOTILLA_BENCH_API_QUEUED", "10000"))
 PG = os.environ.get("FLOTILLA_BENCH_PG", "")
+BASELINE = os.environ.get("FLOTILLA_BENCH_API_BASELINE", "")
+BASELINE_LABEL = os.environ.get("FLOTILLA_BENCH_API_BASELINE_LABEL", "baseline")
+# The servers' output (it carries each throwaway server's operator key), kept
+# out of the recorded results.
+LOG = os.path.join(tempfile.gettempdir(), "flotilla-bench-api-server.log")
 LUA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wrk.lua")
 
 
@@ -49,7 +59,7 @@ def call(url, key, method, path, body=None):
 
 
 class Server:
-    def __init__(self, database_url):
+    def __init__(self, binary, database_url):
         self.dir = tempfile.TemporaryDirectory()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -61,11 +71,11 @@ class Server:
             FLOTILLA_DATA_DIR=f"{self.dir.name}/data",
             RUST_LOG="warn",
         )
-        args = [BIN, "server", "--bind", f"127.0.0.1:{self.port}", "--data-dir",
+        args = [binary, "server", "--bind", f"127.0.0.1:{self.port}", "--data-dir",
                 f"{self.dir.name}/data", "--rate-limit", "1000000"]
         if database_url:
             args += ["--database-url", database_url]
-        self.log = open(f"{OUT}/api-server.log", "a")
+        self.log = open(LOG, "a")
         self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=self.log,
                                      stdin=subprocess.DEVNULL)
         creds = f"{self.dir.name}/config/credentials.json"
@@ -79,7 +89,7 @@ class Server:
             except Exception:
                 pass
             time.sleep(0.25)
-        raise SystemExit("the server did not start; see api-server.log")
+        raise SystemExit(f"the server did not start; see {LOG}")
 
     def stop(self):
         self.proc.terminate()
@@ -114,23 +124,29 @@ def pg_database(name):
 
 rows = []
 backends = [("sqlite", None)] + ([("postgres", "pg")] if PG else [])
+servers = ([(BASELINE_LABEL, BASELINE)] if BASELINE else []) + [("this", BIN)]
 for backend, pg in backends:
     for queued in (100, QUEUED):
-        url = pg_database("flotilla_bench_api") if pg else None
-        s = Server(url)
-        try:
-            t = call(s.url, s.operator, "POST", "/v1/tenants", {"name": "bench"})
-            key = call(s.url, s.operator, "POST", "/v1/keys",
-                       {"tenant_id": t["id"], "role": "tenant_admin", "name": "bench"})["secret"]
-            fill(s.url, key, queued)
-            one = call(s.url, key, "POST", "/v1/instances", {"gpus": 1, "command": ["x"]})["id"]
-            # Reads first, on the queue as filled; then creates add to it.
-            for op, conns in (("list", 64), ("show", 64), ("create", 16)):
-                r = wrk(s.url, key, op, conns, one)
-                r.update(backend=backend, queued=queued, op=op, connections=conns)
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-        finally:
-            s.stop()
+        for label, binary in servers:
+            url = pg_database("flotilla_bench_api") if pg else None
+            s = Server(binary, url)
+            try:
+                t = call(s.url, s.operator, "POST", "/v1/tenants", {"name": "bench"})
+                key = call(s.url, s.operator, "POST", "/v1/keys",
+                           {"tenant_id": t["id"], "role": "tenant_admin", "name": "bench"})["secret"]
+                started = time.time()
+                fill(s.url, key, queued)
+                filled = time.time() - started
+                one = call(s.url, key, "POST", "/v1/instances", {"gpus": 1, "command": ["x"]})["id"]
+                # Reads first, on the queue as filled; then creates add to it.
+                for op, conns in (("list", 64), ("show", 64), ("create", 16)):
+                    r = wrk(s.url, key, op, conns, one)
+                    r.update(server=label, backend=backend, queued=queued, op=op,
+                             connections=conns, fill_seconds=round(filled, 2))
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+            finally:
+                s.stop()
 
-json.dump({"seconds": SECONDS, "rows": rows}, open(f"{OUT}/api.json.tmp", "w"), indent=2)
+json.dump({"seconds": SECONDS, "baseline": BASELINE_LABEL if BASELINE else None, "rows": rows},
+          open(f"{OUT}/api.json.tmp", "w"), indent=2)

@@ -109,6 +109,13 @@ impl Quota {
         Ok(())
     }
 
+    /// Whether no limit is set (no total, no per-model limit): then every
+    /// request is admitted whatever is in use, so admission need not count
+    /// what the tenant holds, a read that grows with its queue.
+    pub fn limits_nothing(&self) -> bool {
+        self.gpus_total.is_none() && self.gpus_per_model.is_empty()
+    }
+
     /// The fair-share weight, 1 when unset.
     pub fn weight_or_default(&self) -> u32 {
         self.weight.unwrap_or(1)
@@ -193,6 +200,37 @@ impl Quota {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_quota_without_limits_admits_anything_and_says_so() {
+        let huge = Usage {
+            gpus_total: u32::MAX,
+            gpu_milli_total: u64::from(u32::MAX) * 1000,
+            ..Usage::default()
+        };
+        let open = Quota {
+            gpus_guaranteed: Some(2),
+            weight: Some(5),
+            ..Quota::default()
+        };
+        assert!(open.limits_nothing());
+        assert!(open
+            .admit_milli(&huge, &["H100".to_string()], 1_000_000)
+            .is_ok());
+        let total = Quota {
+            gpus_total: Some(8),
+            ..Quota::default()
+        };
+        assert!(!total.limits_nothing());
+        let per_model = Quota {
+            gpus_per_model: [("H100".to_string(), 1)].into(),
+            ..Quota::default()
+        };
+        assert!(!per_model.limits_nothing());
+        assert!(per_model
+            .admit(&usage(0, &[("H100", 1)]), &["H100".to_string()], 1)
+            .is_err());
+    }
 
     fn usage(total: u32, per: &[(&str, u32)]) -> Usage {
         Usage {

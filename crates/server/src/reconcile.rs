@@ -56,6 +56,17 @@ pub async fn liveness_pass(st: &AppState) -> Result<usize, StoreError> {
 /// Seconds between metering passes.
 const METERING_EVERY_S: i64 = 2;
 
+/// Shortest time from the start of one round of passes to the start of the
+/// next when changes keep coming. Each create signals a change; at a
+/// thousand creates a second the loop would otherwise run its passes back
+/// to back, each reading the oldest queued work afresh, and take a CPU of
+/// its own from the API it shares the machine with, to place nothing new.
+/// Changes that arrive meanwhile are
+/// taken together by the next round, so the first change after a quiet
+/// spell is still acted on at once and a stream of them waits at most this
+/// long.
+pub const MIN_ROUND_GAP: Duration = Duration::from_millis(50);
+
 /// Runs the passes until shutdown: placement on every change (and at least
 /// each `tick`), liveness each `tick`, lifecycle metering every few
 /// seconds, housekeeping hourly.
@@ -68,6 +79,10 @@ pub async fn run(st: AppState, tick: Duration) {
         if *shutdown.borrow() {
             return;
         }
+        // Marked seen before the passes read the store, so a change made
+        // while they run wakes the next round instead of waiting a tick.
+        changes.borrow_and_update();
+        let round_started = tokio::time::Instant::now();
         if !st.leads() {
             // The lease ran out by this process's clock before the election
             // loop stopped this one: a pass now would only be refused.
@@ -112,11 +127,14 @@ pub async fn run(st: AppState, tick: Duration) {
                 Err(e) => tracing::warn!(error = %e, "could not expire idempotency keys"),
             }
         }
-        changes.borrow_and_update();
         tokio::select! {
             _ = changes.changed() => {}
             _ = shutdown.changed() => {}
             _ = tokio::time::sleep(tick) => {}
+        }
+        tokio::select! {
+            _ = shutdown.changed() => {}
+            _ = tokio::time::sleep_until(round_started + MIN_ROUND_GAP) => {}
         }
     }
 }

@@ -41,7 +41,7 @@ impl Store {
         .bind(e.object_id.as_deref())
         .bind(i64::from(e.status))
         .bind(e.request_id.as_deref())
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         Ok(())
     }

@@ -78,7 +78,7 @@ impl Store {
         .bind(b.webhook_url.as_deref())
         .bind(b.webhook_secret.as_deref())
         .bind(ms(b.updated_at))
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         Ok(())
     }
@@ -208,7 +208,7 @@ impl Store {
         .bind(error)
         .bind(delivered.then(|| ms(now)))
         .bind(id)
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         Ok(())
     }

@@ -146,7 +146,7 @@ impl Store {
     /// Records a new `booting` machine and its join token, in one
     /// transaction.
     pub async fn add_pool_machine(&self, m: &NewMachine, now: DateTime<Utc>) -> Result<()> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.writer().begin().await?;
         sqlx::query(
             "INSERT INTO pool_machines (name, pool, provider, instance_type, state, created_at) \
              VALUES ($1, $2, $3, $4, 'booting', $5)",
@@ -212,7 +212,7 @@ impl Store {
         let n = sqlx::query("UPDATE pool_machines SET machine_id = $1 WHERE name = $2")
             .bind(machine_id)
             .bind(name)
-            .execute(self.pool())
+            .execute(self.writer())
             .await?
             .rows_affected();
         if n == 0 {
@@ -235,7 +235,7 @@ impl Store {
         .bind(node.as_str())
         .bind(ms(now))
         .bind(name)
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         Ok(())
     }
@@ -249,7 +249,7 @@ impl Store {
         sqlx::query("UPDATE pool_machines SET idle_since = $1 WHERE name = $2")
             .bind(since.map(ms))
             .bind(name)
-            .execute(self.pool())
+            .execute(self.writer())
             .await?;
         Ok(())
     }
@@ -273,7 +273,7 @@ impl Store {
         .bind(i64::from(ended))
         .bind(ms(now))
         .bind(name)
-        .execute(self.pool())
+        .execute(self.writer())
         .await?
         .rows_affected();
         if n == 0 {
@@ -291,7 +291,7 @@ impl Store {
         key: &NewKey,
         now: DateTime<Utc>,
     ) -> Result<std::result::Result<JoinGrant, JoinRefusal>> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.writer().begin().await?;
         let n = sqlx::query(
             "UPDATE join_tokens SET used_at = $1, key_id = $2 \
              WHERE token_hash = $3 AND used_at IS NULL AND expires_at > $1",
@@ -368,7 +368,7 @@ impl Store {
         )
         .bind(ms(now))
         .bind(machine)
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         Ok(())
     }
@@ -403,7 +403,7 @@ impl Store {
         let n = sqlx::query("UPDATE nodes SET cordoned = $1 WHERE id = $2")
             .bind(i64::from(cordoned))
             .bind(node.as_str())
-            .execute(self.pool())
+            .execute(self.writer())
             .await?
             .rows_affected();
         if n == 0 {

@@ -183,7 +183,7 @@ impl Store {
         .bind(&spec.name)
         .bind(to_json(spec))
         .bind(ms(now))
-        .execute(self.pool())
+        .execute(self.writer())
         .await
         .map_err(|e| match StoreError::from(e) {
             StoreError::AlreadyExists(_) => {
@@ -261,7 +261,7 @@ impl Store {
         .bind(i64::from(bump))
         .bind(ms(now))
         .bind(id.as_str())
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         if done.rows_affected() == 0 {
             return Err(StoreError::NotFound("endpoint"));
@@ -277,7 +277,7 @@ impl Store {
         )
         .bind(ms(now))
         .bind(id.as_str())
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         self.endpoint(id).await
     }
@@ -309,7 +309,7 @@ impl Store {
         } else {
             sqlx::query("UPDATE endpoints SET signals = $1 WHERE id = $2").bind(to_json(s))
         };
-        q.bind(id.as_str()).execute(self.pool()).await?;
+        q.bind(id.as_str()).execute(self.writer()).await?;
         Ok(())
     }
 
@@ -318,7 +318,7 @@ impl Store {
         sqlx::query("UPDATE endpoints SET custom_metric = $1 WHERE id = $2")
             .bind(to_json(&value))
             .bind(id.as_str())
-            .execute(self.pool())
+            .execute(self.writer())
             .await?;
         Ok(())
     }
@@ -341,7 +341,7 @@ impl Store {
         } else {
             sqlx::query("UPDATE endpoints SET triggers = $1 WHERE id = $2").bind(value)
         };
-        q.bind(id.as_str()).execute(self.pool()).await?;
+        q.bind(id.as_str()).execute(self.writer()).await?;
         Ok(())
     }
 
@@ -375,7 +375,7 @@ impl Store {
             .bind(i64::from(desired))
             .bind(reason)
             .bind(id.as_str())
-            .execute(self.pool())
+            .execute(self.writer())
             .await?;
         Ok(())
     }
@@ -399,7 +399,7 @@ impl Store {
         .bind(i64::from(revision))
         .bind(i64::from(port))
         .bind(ms(now))
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         Ok(())
     }
@@ -445,7 +445,7 @@ impl Store {
         )
         .bind(ms(now))
         .bind(instance.as_str())
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         Ok(())
     }
@@ -461,7 +461,7 @@ impl Store {
         )
         .bind(ms(now))
         .bind(instance.as_str())
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         Ok(())
     }

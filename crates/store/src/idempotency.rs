@@ -42,7 +42,7 @@ impl Store {
         .bind(key)
         .bind(hash)
         .bind(ms(now))
-        .execute(self.pool())
+        .execute(self.writer())
         .await;
         match inserted {
             Ok(_) => return Ok(Claim::New),
@@ -86,7 +86,7 @@ impl Store {
             .bind(body)
             .bind(scope)
             .bind(key)
-            .execute(self.pool())
+            .execute(self.writer())
             .await?;
         Ok(())
     }
@@ -96,7 +96,7 @@ impl Store {
         sqlx::query("DELETE FROM idempotency_keys WHERE scope = $1 AND idem_key = $2")
             .bind(scope)
             .bind(key)
-            .execute(self.pool())
+            .execute(self.writer())
             .await?;
         Ok(())
     }
@@ -106,7 +106,7 @@ impl Store {
         Ok(
             sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
                 .bind(ms(before))
-                .execute(self.pool())
+                .execute(self.writer())
                 .await?
                 .rows_affected(),
         )

@@ -522,12 +522,14 @@ pub(crate) async fn insert_pending(
         .fetch_one(&mut **tx)
         .await?;
     let quota = crate::tenants::quota(&q)?;
-    let committed = crate::tenants::committed_in(&mut **tx, tenant).await?;
-    quota.admit_milli(
-        &committed,
+    crate::tenants::admit_in(
+        tx,
+        tenant,
+        &quota,
         &spec.gpu_types,
         u64::from(spec.gpus) * u64::from(spec.share.milli()),
-    )?;
+    )
+    .await?;
     sqlx::query(
         "INSERT INTO instances (id, tenant_id, name, state, state_reason, gpus, gpu_types, cpu_milli, memory_mb, \
          command, env, workdir, billing_class, created_at, updated_at, priority, tier, preemptible, requeued_from) \
@@ -1138,7 +1140,7 @@ impl Store {
         sqlx::query("UPDATE instances SET metered_until = $1 WHERE id = $2")
             .bind(ms(until))
             .bind(id.as_str())
-            .execute(self.pool())
+            .execute(self.writer())
             .await?;
         Ok(())
     }

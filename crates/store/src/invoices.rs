@@ -65,7 +65,7 @@ impl Store {
         .bind(tenant.as_str())
         .bind(to_json(body))
         .bind(ms(now))
-        .execute(self.pool())
+        .execute(self.writer())
         .await
         .map_err(|e| match StoreError::from(e) {
             StoreError::AlreadyExists(_) => {

@@ -98,8 +98,14 @@ impl Store {
         .await?
         .ok_or(StoreError::NotFound("tenant"))?;
         let quota = crate::tenants::quota(&q)?;
-        let committed = crate::tenants::committed_in(&mut *tx, tenant).await?;
-        quota.admit(&committed, &spec.gpu_types, spec.gpus)?;
+        crate::tenants::admit_in(
+            &mut tx,
+            tenant,
+            &quota,
+            &spec.gpu_types,
+            u64::from(spec.gpus) * 1000,
+        )
+        .await?;
         let reason = "waiting for placement";
         sqlx::query(
             "INSERT INTO jobs (id, tenant_id, state, state_reason, spec, gpus, nodes, gpu_types, \

@@ -60,7 +60,7 @@ impl Store {
         .bind(&k.prefix)
         .bind(&k.secret_hash)
         .bind(ms(now))
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         self.key(&k.id).await
     }
@@ -75,7 +75,7 @@ impl Store {
         sqlx::query("UPDATE api_keys SET endpoints = $1 WHERE id = $2")
             .bind(crate::to_json(&endpoints))
             .bind(id.as_str())
-            .execute(self.pool())
+            .execute(self.writer())
             .await?;
         self.key(id).await
     }

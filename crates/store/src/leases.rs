@@ -76,7 +76,7 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<Lease> {
         let until = ms(now + ttl);
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.writer().begin().await?;
         // A first grant: an expired row with token 0, which the update
         // below takes like any lease that ran out (token 1).
         sqlx::query(
@@ -119,7 +119,7 @@ impl Store {
         ttl: chrono::Duration,
         now: DateTime<Utc>,
     ) -> Result<Lease> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.writer().begin().await?;
         sqlx::query(
             "UPDATE leases SET holder = $3, token = token + 1, expires_at = $4, acquired_at = $5 \
              WHERE name = $1 AND holder = $2",
@@ -146,7 +146,7 @@ impl Store {
         let n = sqlx::query("UPDATE leases SET expires_at = 0 WHERE name = $1 AND holder = $2")
             .bind(name)
             .bind(holder)
-            .execute(self.pool())
+            .execute(self.writer())
             .await?
             .rows_affected();
         Ok(n > 0)
@@ -196,7 +196,7 @@ impl Store {
     /// that writes (it would wait on itself): none does, the re-reads that
     /// follow a write come after its commit.
     pub(crate) async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.writer().begin().await?;
         if self.backend() == Backend::Sqlite {
             sqlx::query(TAKE_WRITE_LOCK).execute(&mut *tx).await?;
         }

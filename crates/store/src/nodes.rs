@@ -220,7 +220,7 @@ impl Store {
         sqlx::query("UPDATE nodes SET last_heartbeat_at = $1 WHERE id = $2")
             .bind(ms(now))
             .bind(id.as_str())
-            .execute(self.pool())
+            .execute(self.writer())
             .await?;
         Ok(TenantId::from_trusted(row.try_get("owner_tenant_id")?))
     }
@@ -241,7 +241,7 @@ impl Store {
         sqlx::query("UPDATE nodes SET state = 'ready', last_heartbeat_at = $1 WHERE id = $2")
             .bind(ms(now))
             .bind(id.as_str())
-            .execute(self.pool())
+            .execute(self.writer())
             .await?;
         Ok(())
     }
@@ -309,7 +309,7 @@ impl Store {
         let n = sqlx::query("UPDATE nodes SET offer = $1 WHERE id = $2")
             .bind(json)
             .bind(id.as_str())
-            .execute(self.pool())
+            .execute(self.writer())
             .await?
             .rows_affected();
         if n == 0 {

@@ -78,7 +78,7 @@ impl Store {
         .bind(&spec.name)
         .bind(json)
         .bind(ms(now))
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         self.replica_pool(id).await
     }
@@ -123,7 +123,7 @@ impl Store {
                 .bind(json)
                 .bind(ms(now))
                 .bind(id.as_str())
-                .execute(self.pool())
+                .execute(self.writer())
                 .await?;
         if done.rows_affected() == 0 {
             return Err(StoreError::NotFound("replica pool"));
@@ -142,7 +142,7 @@ impl Store {
             .bind(i64::from(desired))
             .bind(reason)
             .bind(id.as_str())
-            .execute(self.pool())
+            .execute(self.writer())
             .await?;
         Ok(())
     }
@@ -160,7 +160,7 @@ impl Store {
         .bind(pool.as_str())
         .bind(instance.as_str())
         .bind(ms(now))
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         Ok(())
     }

@@ -55,7 +55,7 @@ impl Store {
         .bind(ms(v.effective_from))
         .bind(to_json(v))
         .bind(ms(now))
-        .execute(self.pool())
+        .execute(self.writer())
         .await
         .map_err(|e| match StoreError::from(e) {
             StoreError::AlreadyExists(_) => StoreError::Conflict(format!(
@@ -79,7 +79,7 @@ impl Store {
         .bind(ms(v.effective_from))
         .bind(to_json(v))
         .bind(ms(now))
-        .execute(self.pool())
+        .execute(self.writer())
         .await?
         .rows_affected();
         Ok(n == 1)
@@ -153,7 +153,7 @@ impl Store {
         .bind(p.utilisation.to_string())
         .bind(p.per_gpu_second.to_string())
         .bind(i64::from(p.price_version))
-        .execute(self.pool())
+        .execute(self.writer())
         .await?
         .rows_affected();
         Ok(n == 1)

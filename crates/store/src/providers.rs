@@ -25,7 +25,7 @@ impl Store {
         .bind(new_id.as_str())
         .bind(tenant.as_str())
         .bind(ms(now))
-        .execute(self.pool())
+        .execute(self.writer())
         .await?;
         self.provider_of_tenant(tenant)
             .await?
@@ -66,7 +66,7 @@ impl Store {
         let n = sqlx::query("UPDATE nodes SET provider_id = $1 WHERE id = $2")
             .bind(provider.map(|p| p.as_str().to_string()))
             .bind(node.as_str())
-            .execute(self.pool())
+            .execute(self.writer())
             .await?
             .rows_affected();
         if n == 0 {

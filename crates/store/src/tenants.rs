@@ -62,16 +62,20 @@ where
 }
 
 /// Also counts GPUs that pending instances and queued jobs will need, so admission at
-/// create time cannot be raced past by a burst of requests.
+/// create time cannot be raced past by a burst of requests. Summed in the
+/// database by shape (model, allowed models, share), so the answer is a
+/// few rows however long the tenant's queue is.
 pub(crate) async fn committed_in<'c, E>(exec: E, tenant: &TenantId) -> Result<Usage>
 where
     E: sqlx::Executor<'c, Database = sqlx::Any>,
 {
     let rows = sqlx::query(&format!(
-        "SELECT gpu_model, gpu_types, gpus, {MILLI_PER_GPU_SQL} AS milli FROM instances \
+        "SELECT gpu_model, gpu_types, milli, CAST(SUM(gpus) AS BIGINT) AS gpus FROM (\
+         SELECT gpu_model, gpu_types, gpus, {MILLI_PER_GPU_SQL} AS milli FROM instances \
          WHERE tenant_id = $1 AND state IN ('pending', 'scheduled', 'starting', 'running') \
          UNION ALL SELECT CAST(NULL AS TEXT) AS gpu_model, gpu_types, gpus, 1000 AS milli FROM jobs \
-         WHERE tenant_id = $1 AND state = 'queued'",
+         WHERE tenant_id = $1 AND state = 'queued') live \
+         GROUP BY gpu_model, gpu_types, milli",
     ))
     .bind(tenant.as_str())
     .fetch_all(exec)
@@ -96,6 +100,27 @@ where
     Ok(usage)
 }
 
+/// Admission of `milli` more milli-GPU of any of `models` for `tenant`
+/// under `quota`, inside the transaction that locked the tenant row.
+/// A quota without limits admits without counting what the tenant holds:
+/// that count reads every live work of the tenant, queued ones included,
+/// so it would make each create slower the longer the queue, for an
+/// answer that cannot be no.
+pub(crate) async fn admit_in(
+    conn: &mut sqlx::AnyConnection,
+    tenant: &TenantId,
+    quota: &Quota,
+    models: &[String],
+    milli: u64,
+) -> Result<()> {
+    if quota.limits_nothing() {
+        return Ok(());
+    }
+    let committed = committed_in(conn, tenant).await?;
+    quota.admit_milli(&committed, models, milli)?;
+    Ok(())
+}
+
 impl Store {
     /// Creates a tenant; `AlreadyExists` when the name is taken.
     pub async fn create_tenant(
@@ -110,7 +135,7 @@ impl Store {
         .bind(id.as_str())
         .bind(name)
         .bind(ms(now))
-        .execute(self.pool())
+        .execute(self.writer())
         .await
         .map_err(|e| match StoreError::from(e) {
             StoreError::AlreadyExists(_) => StoreError::AlreadyExists(format!("tenant `{name}`")),
@@ -217,7 +242,7 @@ impl Store {
         .bind(id.as_str())
         .bind(q.gpus_guaranteed.map(i64::from))
         .bind(q.weight.map(i64::from))
-        .execute(self.pool())
+        .execute(self.writer())
         .await?
         .rows_affected();
         if n == 0 {

@@ -129,7 +129,7 @@ impl Store {
             .bind(ms(now))
             .bind(id.key())
             .bind(K::WAITING)
-            .execute(self.pool())
+            .execute(self.writer())
             .await?;
         Ok(())
     }
@@ -144,22 +144,36 @@ impl Store {
         state: Option<&str>,
         page: &PageReq,
     ) -> Result<Vec<AnyRow>> {
+        // Only the filters given are written into the statement, so the
+        // database can walk the index that matches them in id order and
+        // stop after one page: `(tenant_id, state, id)`, `(tenant_id,
+        // id)`, `(state, id)` or the primary key. (`$2 = '' OR tenant_id =
+        // $2` hides that choice from the planner: it walked the primary key
+        // and filtered, reading every other tenant's rows on the way.)
+        let mut filter = String::new();
+        let mut next = 2;
+        for (column, value) in [("tenant_id", only.map(|t| t.as_str())), ("state", state)] {
+            if value.is_some() {
+                filter.push_str(&format!("{column} = ${next} AND "));
+                next += 1;
+            }
+        }
         let sql = format!(
-            "SELECT * FROM {} WHERE id > $1 AND ($2 = '' OR tenant_id = $2) AND ($3 = '' OR state = $3) \
-             ORDER BY id LIMIT $4",
+            "SELECT * FROM {} WHERE {filter}id > $1 ORDER BY id LIMIT ${next}",
             table.name()
         );
-        Ok(sqlx::query(&sql)
-            .bind(page.after_or_empty())
-            .bind(only.map(|t| t.as_str()).unwrap_or(""))
-            .bind(state.unwrap_or(""))
-            .bind(page.fetch())
-            .fetch_all(self.pool())
-            .await?)
+        let mut q = sqlx::query(&sql).bind(page.after_or_empty());
+        for value in [only.map(|t| t.as_str()), state].into_iter().flatten() {
+            q = q.bind(value);
+        }
+        Ok(q.bind(page.fetch()).fetch_all(self.pool()).await?)
     }
 
-    /// The transitions of the works `ids` (sorted), oldest first, by work
-    /// id; one query over their id range rather than one per work.
+    /// The transitions of the works `ids` (a page: at most
+    /// [`PageReq`]'s 1,000), oldest first, by work id; one query for all
+    /// of them, each read through the events' primary key. (A range from
+    /// the lowest to the highest id read the events of every other work
+    /// created between them, other tenants' included.)
     pub(crate) async fn transitions<'a>(
         &self,
         table: WorkTable,
@@ -169,21 +183,24 @@ impl Store {
             .into_iter()
             .map(|id| (id.to_string(), Vec::new()))
             .collect();
-        let (Some(lo), Some(hi)) = (out.keys().min(), out.keys().max()) else {
+        if out.is_empty() {
             return Ok(out);
-        };
+        }
         let (events, key) = table.events();
+        let params = (1..=out.len())
+            .map(|n| format!("${n}"))
+            .collect::<Vec<_>>()
+            .join(", ");
         let sql = format!(
             "SELECT {key} AS work_id, state, reason, at FROM {events} \
-             WHERE {key} >= $1 AND {key} <= $2 ORDER BY {key}, seq"
+             WHERE {key} IN ({params}) ORDER BY {key}, seq"
         );
-        let rows = sqlx::query(&sql)
-            .bind(lo.clone())
-            .bind(hi.clone())
-            .fetch_all(self.pool())
-            .await?;
+        let mut q = sqlx::query(&sql);
+        for id in out.keys() {
+            q = q.bind(id.clone());
+        }
+        let rows = q.fetch_all(self.pool()).await?;
         for r in &rows {
-            // The range may hold work of other tenants or states: skip it.
             let Some(list) = out.get_mut(&r.try_get::<String, _>("work_id")?) else {
                 continue;
             };

@@ -33,6 +33,8 @@ flotilla_testdb::backend_suite!(
     fractions_never_exceed_a_gpu_under_races,
     mig_instances_never_exceed_the_geometry_under_races,
     quota_is_enforced_at_create,
+    quota_holds_under_concurrent_creates,
+    instance_lists_filter_and_page_by_tenant_and_state,
     lost_instances_reattach_or_fail,
     logs_are_deduplicated_by_seq,
     idempotency_keys_replay_and_detect_mismatch,
@@ -722,6 +724,115 @@ async fn quota_is_enforced_at_create(s: &Store) {
         .items
         .len();
     assert_eq!(n, 2, "refused requests leave nothing behind");
+}
+
+/// Creates of one tenant race in parallel (on SQLite through the one
+/// writer connection, on PostgreSQL on the tenant row's lock): exactly as
+/// many as the quota allows get in, the others are refused with a quota
+/// error, none with a database error.
+async fn quota_holds_under_concurrent_creates(s: &Store) {
+    let t = tenant(s, "racing").await;
+    s.set_quota(
+        &t,
+        &Quota {
+            gpus_total: Some(5),
+            ..Default::default()
+        },
+        t0(),
+    )
+    .await
+    .unwrap();
+    let mut racing = tokio::task::JoinSet::new();
+    for i in 0..24u64 {
+        let (s, t) = (s.clone(), t.clone());
+        racing.spawn(async move {
+            s.create_instance(&InstanceId::generate(i, rnd()), &t, &spec(1, &[]), t0())
+                .await
+        });
+    }
+    let (mut admitted, mut refused) = (0, 0);
+    while let Some(done) = racing.join_next().await {
+        match done.unwrap() {
+            Ok(_) => admitted += 1,
+            Err(StoreError::Quota(q)) => {
+                assert_eq!((q.quota.as_str(), q.limit), ("gpus_total", 5));
+                refused += 1;
+            }
+            Err(other) => panic!("a create failed otherwise than on its quota: {other}"),
+        }
+    }
+    assert_eq!((admitted, refused), (5, 19));
+    let pending = s
+        .list_instances(
+            Some(&t),
+            Some(InstanceState::Pending),
+            &PageReq::new(None, 100),
+        )
+        .await
+        .unwrap();
+    assert_eq!(pending.items.len(), 5);
+}
+
+/// Every combination of the tenant and state filters, walked two at a
+/// time, returns exactly the matching instances in id order, each with its
+/// own events and no other's.
+async fn instance_lists_filter_and_page_by_tenant_and_state(s: &Store) {
+    let a = tenant(s, "lists-a").await;
+    let b = tenant(s, "lists-b").await;
+    // Interleaved ids: a's and b's alternate, and some of each end.
+    let mut made: Vec<(InstanceId, TenantId, InstanceState)> = Vec::new();
+    for i in 0..10u64 {
+        let owner = if i % 2 == 0 { &a } else { &b };
+        let id = InstanceId::generate(1000 + i, rnd());
+        s.create_instance(&id, owner, &spec(1, &[]), t0())
+            .await
+            .unwrap();
+        let state = if i % 3 == 0 {
+            s.request_stop(&id, t0()).await.unwrap().state
+        } else {
+            InstanceState::Pending
+        };
+        made.push((id, owner.clone(), state));
+    }
+    made.sort_by(|x, y| x.0.cmp(&y.0));
+    for only in [None, Some(&a), Some(&b)] {
+        for state in [
+            None,
+            Some(InstanceState::Pending),
+            Some(InstanceState::Stopped),
+        ] {
+            let want: Vec<InstanceId> = made
+                .iter()
+                .filter(|(_, t, st)| only.is_none_or(|o| o == t) && state.is_none_or(|x| x == *st))
+                .map(|(id, _, _)| id.clone())
+                .collect();
+            let mut seen = Vec::new();
+            let mut cursor = None;
+            loop {
+                let page = s
+                    .list_instances(only, state, &PageReq::new(cursor, 2))
+                    .await
+                    .unwrap();
+                assert!(page.items.len() <= 2);
+                for i in &page.items {
+                    let first = i.events.first().expect("every instance has events");
+                    assert_eq!(first.state, InstanceState::Pending);
+                    assert_eq!(
+                        i.events.last().unwrap().state,
+                        i.state,
+                        "{}'s own events",
+                        i.id
+                    );
+                }
+                seen.extend(page.items.iter().map(|i| i.id.clone()));
+                match page.next {
+                    Some(c) => cursor = Some(c),
+                    None => break,
+                }
+            }
+            assert_eq!(seen, want, "tenant {only:?}, state {state:?}");
+        }
+    }
 }
 
 async fn lost_instances_reattach_or_fail(s: &Store) {
