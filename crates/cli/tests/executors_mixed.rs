@@ -20,151 +20,19 @@
 //! only and says that it skipped the Slurm part; `.ci/run` sets
 //! `FLOTILLA_REQUIRE_SLURM`, which turns that skip into a failure.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use flotilla_backends::kube::fake::{FakeKube, FakeNode};
-use flotilla_backends::slurm::rest::{Auth, Endpoint, Job, RestClient};
 use flotilla_testkit::process::{http, wait_until, Home, Proc};
 use serde_json::{json, Value};
+
+mod support;
+
+use support::slurm::{instance, log_lines, metered_secs, text, CancelOnDrop, Cluster};
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 const KUBE_NODE: &str = "kube-a100-0";
 const AGENT_NODE: &str = "metal-0";
-
-/// The cluster `scripts/slurm-cluster start` left running.
-struct Slurm {
-    vars: BTreeMap<String, String>,
-    rest: RestClient,
-}
-
-impl Slurm {
-    /// The running cluster, or why there is none.
-    fn find(rt: &tokio::runtime::Runtime) -> Result<Self, String> {
-        let dir = std::env::var("FLOTILLA_SLURM_DIR")
-            .unwrap_or_else(|_| "/var/tmp/flotilla-slurm".to_string());
-        let path = format!("{dir}/env");
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| format!("{path}: {e} (run scripts/slurm-cluster start)"))?;
-        let vars: BTreeMap<String, String> = text
-            .lines()
-            .filter_map(|l| l.split_once('='))
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        for k in [
-            "FLOTILLA_SLURMRESTD",
-            "FLOTILLA_SLURM_USER",
-            "FLOTILLA_SLURM_TOKEN",
-            "FLOTILLA_SLURM_OUTPUT_DIR",
-        ] {
-            if !vars.contains_key(k) {
-                return Err(format!("{path} lacks {k}"));
-            }
-        }
-        let endpoint = Endpoint::parse(&vars["FLOTILLA_SLURMRESTD"]).map_err(|e| e.to_string())?;
-        let rest = RestClient::new(
-            endpoint,
-            Auth::Jwt {
-                user: vars["FLOTILLA_SLURM_USER"].clone(),
-                token: vars["FLOTILLA_SLURM_TOKEN"].clone(),
-            },
-        );
-        let nodes = rt
-            .block_on(rest.nodes())
-            .map_err(|e| format!("slurmrestd does not answer: {e}"))?;
-        if nodes.len() < 2 {
-            return Err(format!("the cluster has {} nodes, 2 needed", nodes.len()));
-        }
-        Ok(Self { vars, rest })
-    }
-
-    /// The newest Slurm job of an instance.
-    fn job_of(&self, rt: &tokio::runtime::Runtime, instance: &str) -> Option<Job> {
-        rt.block_on(self.rest.jobs())
-            .ok()?
-            .into_iter()
-            .filter(|j| j.name == instance)
-            .max_by_key(|j| j.job_id)
-    }
-
-    /// Cancels every job Flotilla submitted that still runs.
-    fn cancel_ours(&self, rt: &tokio::runtime::Runtime) {
-        let Ok(jobs) = rt.block_on(self.rest.jobs()) else {
-            return;
-        };
-        for j in jobs {
-            if j.comment.starts_with("flotilla:")
-                && matches!(j.job_state.as_str(), "PENDING" | "RUNNING" | "CONFIGURING")
-            {
-                let _ = rt.block_on(self.rest.cancel(j.job_id));
-            }
-        }
-    }
-}
-
-/// Cancels this run's Slurm jobs however the test ends: they live in the
-/// cluster, outside the test's processes.
-struct CancelOnDrop<'a>(Option<&'a Slurm>, &'a tokio::runtime::Runtime);
-
-impl Drop for CancelOnDrop<'_> {
-    fn drop(&mut self) {
-        if let Some(s) = self.0 {
-            s.cancel_ours(self.1);
-        }
-    }
-}
-
-fn text(o: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn instance(env: &Home, key: &str, id: &str) -> Value {
-    env.get(key, &format!("/v1/instances/{id}"))
-}
-
-fn log_lines(env: &Home, key: &str, id: &str) -> Vec<String> {
-    env.get(key, &format!("/v1/instances/{id}/logs"))["items"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|l| l["line"].as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// Seconds of `instance_seconds` usage metered for `id`.
-fn metered_secs(env: &Home, key: &str, id: &str) -> f64 {
-    let mut total = 0.0;
-    let mut cursor: Option<String> = None;
-    loop {
-        let mut path =
-            "/v1/usage?from=2000-01-01T00:00:00Z&to=2100-01-01T00:00:00Z&limit=1000".to_string();
-        if let Some(c) = &cursor {
-            path.push_str(&format!("&cursor={c}"));
-        }
-        let page = env.get(key, &path);
-        for e in page["items"].as_array().into_iter().flatten() {
-            if e["subject"]["id"] != id || !e["meter"].to_string().contains("instance_seconds") {
-                continue;
-            }
-            let t = |f: &str| {
-                chrono::DateTime::parse_from_rfc3339(e[f].as_str().unwrap_or_default())
-                    .map(|d| d.timestamp_millis())
-                    .unwrap_or(0)
-            };
-            total += (t("end") - t("start")) as f64 / 1000.0;
-        }
-        match page["next_cursor"].as_str() {
-            Some(c) => cursor = Some(c.to_string()),
-            None => return total,
-        }
-    }
-}
 
 fn secs_between(from: &Value, to: &Value) -> f64 {
     let t = |v: &Value| {
@@ -193,7 +61,7 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
         .enable_all()
         .build()
         .expect("a runtime for the fake API server");
-    let slurm = match Slurm::find(&rt) {
+    let slurm = match Cluster::find() {
         Ok(c) => Some(c),
         Err(why) if std::env::var_os("FLOTILLA_REQUIRE_SLURM").is_some() => {
             panic!("FLOTILLA_REQUIRE_SLURM is set but there is no Slurm cluster: {why}")
@@ -204,9 +72,9 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
         }
     };
     if let Some(s) = &slurm {
-        s.cancel_ours(&rt);
+        s.cancel_ours();
     }
-    let _cleanup = CancelOnDrop(slurm.as_ref(), &rt);
+    let _cleanup = CancelOnDrop(slurm.as_ref());
     let fake = rt.block_on(FakeKube::stateful(vec![FakeNode::gpu(
         KUBE_NODE,
         "NVIDIA-A100-SXM4-80GB",
@@ -448,7 +316,7 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
 
     // The Slurm job: running on the node Flotilla placed the instance on.
     if let (Some(s), Some(id)) = (&slurm, &slurm_id) {
-        let job = s.job_of(&rt, id).expect("the instance's Slurm job");
+        let job = s.job_of(id).expect("the instance's Slurm job");
         assert_eq!(job.job_state, "RUNNING", "{job:?}");
         assert_eq!(node_of(id)["name"], job.nodes.as_str(), "{job:?}");
     }
@@ -481,10 +349,7 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
         wait_until(
             "the Slurm job to be cancelled",
             Duration::from_secs(30),
-            || {
-                s.job_of(&rt, id)
-                    .is_some_and(|j| j.job_state == "CANCELLED")
-            },
+            || s.job_of(id).is_some_and(|j| j.job_state == "CANCELLED"),
         );
     }
 
@@ -505,7 +370,7 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
             "slurm" => {
                 let j = slurm
                     .as_ref()
-                    .and_then(|s| s.job_of(&rt, id))
+                    .and_then(|s| s.job_of(id))
                     .expect("the Slurm job");
                 (j.end_time - j.start_time) as f64
             }

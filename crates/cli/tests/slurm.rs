@@ -13,160 +13,21 @@
 //! run `scripts/slurm-cluster start` first); `.ci/run` starts it and sets
 //! `FLOTILLA_REQUIRE_SLURM`, which turns the skip into a failure.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
-use flotilla_backends::slurm::rest::{Auth, Endpoint, Job, RestClient};
 use flotilla_testkit::process::{wait_until, Home, Proc};
 use serde_json::Value;
 
+mod support;
+
+use support::slurm::{instance, log_lines, metered_secs, text, CancelOnDrop, Cluster};
+
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
-
-/// What `scripts/slurm-cluster` wrote to its `env` file.
-struct Cluster {
-    vars: BTreeMap<String, String>,
-    rest: RestClient,
-    rt: tokio::runtime::Runtime,
-}
-
-impl Cluster {
-    /// The running cluster, or why there is none.
-    fn find() -> Result<Self, String> {
-        let dir = std::env::var("FLOTILLA_SLURM_DIR")
-            .unwrap_or_else(|_| "/var/tmp/flotilla-slurm".to_string());
-        let path = format!("{dir}/env");
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| format!("{path}: {e} (run scripts/slurm-cluster start)"))?;
-        let vars: BTreeMap<String, String> = text
-            .lines()
-            .filter_map(|l| l.split_once('='))
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        for k in [
-            "FLOTILLA_SLURMRESTD",
-            "FLOTILLA_SLURM_USER",
-            "FLOTILLA_SLURM_TOKEN",
-            "FLOTILLA_SLURM_OUTPUT_DIR",
-        ] {
-            if !vars.contains_key(k) {
-                return Err(format!("{path} lacks {k}"));
-            }
-        }
-        let endpoint = Endpoint::parse(&vars["FLOTILLA_SLURMRESTD"]).map_err(|e| e.to_string())?;
-        let rest = RestClient::new(
-            endpoint,
-            Auth::Jwt {
-                user: vars["FLOTILLA_SLURM_USER"].clone(),
-                token: vars["FLOTILLA_SLURM_TOKEN"].clone(),
-            },
-        );
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
-        let nodes = rt
-            .block_on(rest.nodes())
-            .map_err(|e| format!("slurmrestd does not answer: {e}"))?;
-        if nodes.len() < 2 {
-            return Err(format!("the cluster has {} nodes, 2 needed", nodes.len()));
-        }
-        Ok(Self { vars, rest, rt })
-    }
-
-    fn jobs(&self) -> Vec<Job> {
-        self.rt.block_on(self.rest.jobs()).expect("GET /jobs")
-    }
-
-    /// The newest Slurm job of an instance.
-    fn job_of(&self, instance: &str) -> Option<Job> {
-        self.jobs()
-            .into_iter()
-            .filter(|j| j.name == instance)
-            .max_by_key(|j| j.job_id)
-    }
-
-    /// Cancels every job Flotilla submitted that still runs: what an
-    /// earlier, failed run left, and what this one leaves.
-    fn cancel_ours(&self) {
-        let Ok(jobs) = self.rt.block_on(self.rest.jobs()) else {
-            return;
-        };
-        for j in jobs {
-            if j.comment.starts_with("flotilla:")
-                && matches!(j.job_state.as_str(), "PENDING" | "RUNNING" | "CONFIGURING")
-            {
-                let _ = self.rt.block_on(self.rest.cancel(j.job_id));
-            }
-        }
-    }
-}
-
-/// Cancels this run's Slurm jobs however the test ends: they live in the
-/// cluster, outside the test's processes.
-struct CancelOnDrop<'a>(&'a Cluster);
-
-impl Drop for CancelOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.cancel_ours();
-    }
-}
-
-fn instance(env: &Home, key: &str, id: &str) -> Value {
-    env.get(key, &format!("/v1/instances/{id}"))
-}
-
-fn log_lines(env: &Home, key: &str, id: &str) -> Vec<String> {
-    env.get(key, &format!("/v1/instances/{id}/logs"))["items"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|l| l["line"].as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn text(o: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 fn wait_state(env: &Home, key: &str, id: &str, state: &str, limit: Duration) {
     wait_until(&format!("{id} to be {state}"), limit, || {
         instance(env, key, id)["state"] == state
     });
-}
-
-/// Seconds of `instance_seconds` usage metered for `id`.
-fn metered_secs(env: &Home, key: &str, id: &str) -> f64 {
-    let mut total = 0.0;
-    let mut cursor: Option<String> = None;
-    loop {
-        let mut path =
-            "/v1/usage?from=2000-01-01T00:00:00Z&to=2100-01-01T00:00:00Z&limit=1000".to_string();
-        if let Some(c) = &cursor {
-            path.push_str(&format!("&cursor={c}"));
-        }
-        let page = env.get(key, &path);
-        for e in page["items"].as_array().into_iter().flatten() {
-            if e["subject"]["id"] != id || !e["meter"].to_string().contains("instance_seconds") {
-                continue;
-            }
-            let t = |f: &str| {
-                chrono::DateTime::parse_from_rfc3339(e[f].as_str().unwrap_or_default())
-                    .map(|d| d.timestamp_millis())
-                    .unwrap_or(0)
-            };
-            total += (t("end") - t("start")) as f64 / 1000.0;
-        }
-        match page["next_cursor"].as_str() {
-            Some(c) => cursor = Some(c.to_string()),
-            None => return total,
-        }
-    }
 }
 
 #[test]
@@ -182,7 +43,7 @@ fn slurm_cluster_runs_meters_cancels_and_preempts_flotilla_work() {
         }
     };
     cluster.cancel_ours();
-    let _cleanup = CancelOnDrop(&cluster);
+    let _cleanup = CancelOnDrop(Some(&cluster));
     let env = Home::new(BIN);
     let _server = env.server();
     let token_path = env.data().join("agent.token");
