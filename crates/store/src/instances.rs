@@ -620,6 +620,16 @@ impl Store {
     /// updated first, which serialises concurrent creates of one tenant
     /// (a row lock on PostgreSQL, the write lock on SQLite), so the quota
     /// check cannot be raced past.
+    ///
+    /// On PostgreSQL a tenant whose quota limits nothing has no check to
+    /// race past, and serialising its creates would make each wait for the
+    /// one before it to flush its commit: there the row is only share-locked
+    /// (`FOR SHARE`, which reads the latest committed quota), so creates
+    /// commit side by side and their flushes group, while a quota change,
+    /// which updates the row, still waits for them, and creates after it
+    /// see it. When the share-locked row turns out to limit something, the
+    /// create starts over on the serialised path (never upgrading the share
+    /// lock, which two creates could deadlock on).
     pub async fn create_instance(
         &self,
         id: &InstanceId,
@@ -627,6 +637,21 @@ impl Store {
         spec: &InstanceSpec,
         now: DateTime<Utc>,
     ) -> Result<Instance> {
+        if self.backend() == crate::Backend::Postgres {
+            let mut tx = self.begin().await?;
+            let row = sqlx::query("SELECT * FROM tenants WHERE id = $1 FOR SHARE")
+                .bind(tenant.as_str())
+                .fetch_optional(&mut *tx)
+                .await?
+                .ok_or(StoreError::NotFound("tenant"))?;
+            if crate::tenants::quota(&row)?.limits_nothing() {
+                let reason = "waiting for placement";
+                insert_pending(&mut tx, id, tenant, spec, None, reason, now).await?;
+                tx.commit().await?;
+                return self.instance(id).await;
+            }
+            tx.rollback().await?;
+        }
         let mut tx = self.begin().await?;
         let locked = sqlx::query("UPDATE tenants SET updated_at = $1 WHERE id = $2")
             .bind(ms(now))

@@ -34,6 +34,7 @@ flotilla_testdb::backend_suite!(
     mig_instances_never_exceed_the_geometry_under_races,
     quota_is_enforced_at_create,
     quota_holds_under_concurrent_creates,
+    unlimited_creates_race_freely_and_a_new_limit_holds,
     instance_lists_filter_and_page_by_tenant_and_state,
     lost_instances_reattach_or_fail,
     logs_are_deduplicated_by_seq,
@@ -771,6 +772,63 @@ async fn quota_holds_under_concurrent_creates(s: &Store) {
         .await
         .unwrap();
     assert_eq!(pending.items.len(), 5);
+}
+
+/// Races `n` creates of one GPU each for `t`: (admitted, refused by quota);
+/// any other failure fails the test.
+async fn race_creates(s: &Store, t: &TenantId, n: u64, seed: u64) -> (u32, u32) {
+    let mut racing = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (s, t) = (s.clone(), t.clone());
+        racing.spawn(async move {
+            s.create_instance(
+                &InstanceId::generate(seed + i, rnd()),
+                &t,
+                &spec(1, &[]),
+                t0(),
+            )
+            .await
+        });
+    }
+    let (mut admitted, mut refused) = (0, 0);
+    while let Some(done) = racing.join_next().await {
+        match done.unwrap() {
+            Ok(_) => admitted += 1,
+            Err(StoreError::Quota(_)) => refused += 1,
+            Err(other) => panic!("a create failed otherwise than on its quota: {other}"),
+        }
+    }
+    (admitted, refused)
+}
+
+/// A tenant without limits creates in parallel (on PostgreSQL under a
+/// shared lock of its row, so side by side): every create lands, none
+/// deadlocks or fails. A limit set afterwards holds for the next race:
+/// creates that read it take the serialised path and stop at it.
+async fn unlimited_creates_race_freely_and_a_new_limit_holds(s: &Store) {
+    let t = tenant(s, "free-racing").await;
+    assert_eq!(race_creates(s, &t, 24, 5_000).await, (24, 0));
+    s.set_quota(
+        &t,
+        &Quota {
+            gpus_total: Some(30),
+            ..Default::default()
+        },
+        t0(),
+    )
+    .await
+    .unwrap();
+    // Pending work counts against the quota: 24 held, room for 6 more.
+    assert_eq!(race_creates(s, &t, 8, 6_000).await, (6, 2));
+    let pending = s
+        .list_instances(
+            Some(&t),
+            Some(InstanceState::Pending),
+            &PageReq::new(None, 100),
+        )
+        .await
+        .unwrap();
+    assert_eq!(pending.items.len(), 30);
 }
 
 /// Every combination of the tenant and state filters, walked two at a
