@@ -137,6 +137,13 @@ for backend, pg in backends:
                 started = time.time()
                 fill(s.url, key, queued)
                 filled = time.time() - started
+                if pg:
+                    # Statistics as autovacuum keeps them in steady state (it
+                    # analyses a table once a tenth of it changed, within a
+                    # minute): the planner otherwise plans for the table as
+                    # it was before the fill (docs/operations.md: analyse
+                    # after a bulk import).
+                    subprocess.run(["psql", url, "-qc", "ANALYZE"], check=True)
                 one = call(s.url, key, "POST", "/v1/instances", {"gpus": 1, "command": ["x"]})["id"]
                 # Reads first, on the queue as filled; then creates add to it.
                 for op, conns in (("list", 64), ("show", 64), ("create", 16)):

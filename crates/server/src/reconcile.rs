@@ -67,6 +67,17 @@ const METERING_EVERY_S: i64 = 2;
 /// long.
 pub const MIN_ROUND_GAP: Duration = Duration::from_millis(50);
 
+/// While changes keep coming, a round's passes take at most one part in
+/// this many of the loop's time: the next round starts no sooner than this
+/// many times its duration after this one started (and at least
+/// [`MIN_ROUND_GAP`] after). A pass reads and
+/// plans the whole queue, so with 10,000 queued instances and a stream of
+/// creates, rounds back to back would take a core from the API they share
+/// the machine with; new work then waits a little longer for its first
+/// pass, in proportion to what a pass costs, and a change after a quiet
+/// spell is still acted on at once.
+pub const ROUND_DUTY: u32 = 4;
+
 /// Runs the passes until shutdown: placement on every change (and at least
 /// each `tick`), liveness each `tick`, lifecycle metering every few
 /// seconds, housekeeping hourly.
@@ -127,6 +138,9 @@ pub async fn run(st: AppState, tick: Duration) {
                 Err(e) => tracing::warn!(error = %e, "could not expire idempotency keys"),
             }
         }
+        // Measured before the wait for the next change: a quiet spell is
+        // not work, and must not delay the round after it.
+        let gap = MIN_ROUND_GAP.max(round_started.elapsed() * ROUND_DUTY);
         tokio::select! {
             _ = changes.changed() => {}
             _ = shutdown.changed() => {}
@@ -134,7 +148,7 @@ pub async fn run(st: AppState, tick: Duration) {
         }
         tokio::select! {
             _ = shutdown.changed() => {}
-            _ = tokio::time::sleep_until(round_started + MIN_ROUND_GAP) => {}
+            _ = tokio::time::sleep_until(round_started + gap) => {}
         }
     }
 }
