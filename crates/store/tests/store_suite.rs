@@ -743,25 +743,7 @@ async fn quota_holds_under_concurrent_creates(s: &Store) {
     )
     .await
     .unwrap();
-    let mut racing = tokio::task::JoinSet::new();
-    for i in 0..24u64 {
-        let (s, t) = (s.clone(), t.clone());
-        racing.spawn(async move {
-            s.create_instance(&InstanceId::generate(i, rnd()), &t, &spec(1, &[]), t0())
-                .await
-        });
-    }
-    let (mut admitted, mut refused) = (0, 0);
-    while let Some(done) = racing.join_next().await {
-        match done.unwrap() {
-            Ok(_) => admitted += 1,
-            Err(StoreError::Quota(q)) => {
-                assert_eq!((q.quota.as_str(), q.limit), ("gpus_total", 5));
-                refused += 1;
-            }
-            Err(other) => panic!("a create failed otherwise than on its quota: {other}"),
-        }
-    }
+    let (admitted, refused) = race_creates(s, &t, 24, 0).await;
     assert_eq!((admitted, refused), (5, 19));
     let pending = s
         .list_instances(
@@ -775,7 +757,7 @@ async fn quota_holds_under_concurrent_creates(s: &Store) {
 }
 
 /// Races `n` creates of one GPU each for `t`: (admitted, refused by quota);
-/// any other failure fails the test.
+/// a refusal must name `gpus_total`, and any other failure fails the test.
 async fn race_creates(s: &Store, t: &TenantId, n: u64, seed: u64) -> (u32, u32) {
     let mut racing = tokio::task::JoinSet::new();
     for i in 0..n {
@@ -794,7 +776,10 @@ async fn race_creates(s: &Store, t: &TenantId, n: u64, seed: u64) -> (u32, u32) 
     while let Some(done) = racing.join_next().await {
         match done.unwrap() {
             Ok(_) => admitted += 1,
-            Err(StoreError::Quota(_)) => refused += 1,
+            Err(StoreError::Quota(q)) => {
+                assert_eq!(q.quota, "gpus_total", "{q:?}");
+                refused += 1;
+            }
             Err(other) => panic!("a create failed otherwise than on its quota: {other}"),
         }
     }
