@@ -226,8 +226,13 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
         Duration::from_secs(60),
         || {
             work.iter().all(|(_, _, id)| {
+                // Created with "waiting for placement"; the first pass
+                // after it names the quota.
                 let i = instance(&env, &key, id);
-                i["state"] == "pending" && i["state_reason"].as_str().is_some_and(|r| !r.is_empty())
+                i["state"] == "pending"
+                    && i["state_reason"]
+                        .as_str()
+                        .is_some_and(|r| r.contains("GPU model not allowed"))
             })
         },
     );
