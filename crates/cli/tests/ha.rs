@@ -623,10 +623,16 @@ fn a_node_cut_off_past_its_lease_stops_its_work_before_it_runs_elsewhere() {
     );
     let want_old = expected_gpu_seconds(&old, lost_at);
     let mut billed = BTreeMap::new();
-    wait_until("the old copy's usage", Duration::from_secs(60), || {
-        billed = billed_gpu_seconds(&urls, &key);
-        billed.contains_key(&old_id)
-    });
+    // Usage lands slice by slice as the metering pass reaches it: wait for
+    // all of it (an excess would stop the wait too, and fail below).
+    wait_until(
+        "the old copy's usage in full",
+        Duration::from_secs(60),
+        || {
+            billed = billed_gpu_seconds(&urls, &key);
+            billed.get(&old_id).is_some_and(|&s| s >= want_old)
+        },
+    );
     assert_eq!(
         billed.get(&old_id),
         Some(&want_old),
