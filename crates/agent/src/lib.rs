@@ -299,6 +299,7 @@ pub async fn run(
         node: None,
         runtime,
         seen: HashSet::new(),
+        not_started: HashMap::new(),
     };
 
     // Before registering: the server fails whatever the node does not say
@@ -495,6 +496,24 @@ impl Tracked {
     }
 }
 
+/// What the agent reports of work the server stopped before it was
+/// started here: a stopped exit with nothing behind it (the Slurm and
+/// Kubernetes bridges report such stops the same way), which ends the
+/// instance without a run to meter.
+fn not_started(id: &InstanceId, at: chrono::DateTime<Utc>) -> ObservedInstance {
+    ObservedInstance {
+        instance_id: id.clone(),
+        phase: ObservedPhase::Exited {
+            code: 0,
+            stopped: true,
+        },
+        at,
+        message: Some("stopped before it started".into()),
+        container: None,
+        weights_tier: None,
+    }
+}
+
 /// The node's lease as the agent keeps it: how long it lasts, and until
 /// when (by this process's monotonic clock) the last successful sync keeps
 /// it. `None` until a server states one (an older server has none).
@@ -623,6 +642,11 @@ struct Agent {
     runtime: Arc<dyn Runtime>,
     /// Every instance id ever started (or tried) by this process.
     seen: HashSet<InstanceId>,
+    /// Work the server stopped before this agent started it, with when the
+    /// stop was seen: reported as a stopped exit while the server still
+    /// lists it, so that the instance ends and its GPUs return (ignoring
+    /// such a stop left the instance `scheduled` for good).
+    not_started: HashMap<InstanceId, chrono::DateTime<Utc>>,
     /// Endpoint replicas' weights held here (disk cache, parked).
     weights: weights::NodeWeightsState,
 }
@@ -867,7 +891,8 @@ impl Agent {
     /// the lease until it has exited (the server must not take it back
     /// as running).
     fn observed(&self) -> Vec<ObservedInstance> {
-        self.shared
+        let mut report: Vec<ObservedInstance> = self
+            .shared
             .lock()
             .iter()
             .filter(|(_, t)| !(t.orphaned || (t.fenced && t.running())))
@@ -878,7 +903,9 @@ impl Agent {
                 }
                 observed
             })
-            .collect()
+            .collect();
+        report.extend(self.not_started.iter().map(|(id, at)| not_started(id, *at)));
+        report
     }
 
     /// Applies the server's desired work.
@@ -908,7 +935,10 @@ impl Agent {
                         tracing::debug!(instance_id = %a.instance_id, "ignoring assignment of an instance this agent already ran");
                     }
                     None if a.stop => {
-                        tracing::debug!(instance_id = %a.instance_id, "ignoring stop of an instance this agent never ran");
+                        if !self.not_started.contains_key(&a.instance_id) {
+                            tracing::info!(instance_id = %a.instance_id, "stopped before it started: reporting it ended");
+                            self.not_started.insert(a.instance_id.clone(), Utc::now());
+                        }
                     }
                     None => to_start.push(a),
                 }
@@ -944,6 +974,8 @@ impl Agent {
                     }
                 }
             }
+            // Reported until the server stops listing it.
+            self.not_started.retain(|id, _| listed.contains(id));
             for r in self.weights.expire(now) {
                 tracing::info!(instance_id = %r, "parked replica released");
             }

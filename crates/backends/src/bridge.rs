@@ -358,7 +358,7 @@ impl NodeLoop {
                             stopped: true,
                         },
                         at: chrono::Utc::now(),
-                        message: None,
+                        message: Some("stopped before it started".into()),
                         container: None,
                         weights_tier: None,
                     });

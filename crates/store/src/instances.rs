@@ -943,7 +943,12 @@ impl Store {
                         format!("preempted by {by}: stopped (exit code {code})"),
                     )
                 } else if *stopped || stop_requested {
-                    (Stopped, format!("stopped (exit code {code})"))
+                    // A stop of work the node never started says so
+                    // (there is no exit code to speak of).
+                    match &obs.message {
+                        Some(why) if from == Scheduled => (Stopped, why.clone()),
+                        _ => (Stopped, format!("stopped (exit code {code})")),
+                    }
                 } else if oom {
                     (
                         Failed,
