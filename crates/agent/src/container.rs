@@ -202,6 +202,9 @@ pub struct PublishedPort {
 /// Why the container runtime failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ContainerError {
+    /// The host firewall could not take a tenant's network in.
+    #[error("cannot hold the tenant's network to the egress policy: {0}")]
+    Firewall(String),
     /// The engine's address is not one this runtime speaks.
     #[error("unsupported docker host `{0}`: expected unix:///path/to/socket")]
     UnsupportedHost(String),
@@ -407,6 +410,9 @@ pub struct ContainerRuntime {
     progress: Arc<Mutex<BTreeMap<InstanceId, String>>>,
     /// Each tenant's own uid, when set: its containers run as it.
     users: Option<Arc<Users>>,
+    /// The host's workload firewall, when the agent runs it: tenants'
+    /// networks are held to its egress policy.
+    firewall: Option<crate::runtime::network::Namespaces>,
 }
 
 impl std::fmt::Debug for ContainerRuntime {
@@ -637,6 +643,7 @@ impl ContainerRuntime {
             cache,
             progress: Arc::default(),
             users: None,
+            firewall: None,
         })
     }
 
@@ -649,6 +656,49 @@ impl ContainerRuntime {
     pub fn with_tenant_users(mut self, users: Users) -> Self {
         self.users = Some(Arc::new(users));
         self
+    }
+
+    /// Holds the tenants' networks to the host firewall's egress policy
+    /// (see [`crate::runtime::network`]): no host address, loopback
+    /// service, link-local or private range unless allowed, no other
+    /// network's containers.
+    pub fn with_firewall(mut self, firewall: crate::runtime::network::Namespaces) -> Self {
+        self.firewall = Some(firewall);
+        self
+    }
+
+    /// Puts the network `name`'s subnets under the firewall, before any
+    /// container of it starts.
+    async fn guard_network(&self, name: &str) -> Result<(), ContainerError> {
+        let Some(firewall) = self.firewall.clone() else {
+            return Ok(());
+        };
+        let net = timed(
+            "inspect network",
+            self.docker.inspect_network::<String>(name, None),
+        )
+        .await?;
+        let subnets: Vec<(flotilla_egress::IpNet, Option<std::net::Ipv4Addr>)> = net
+            .ipam
+            .and_then(|i| i.config)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|c| {
+                let subnet = c.subnet?.parse().ok()?;
+                Some((subnet, c.gateway.and_then(|g| g.parse().ok())))
+            })
+            .collect();
+        let guarded = tokio::task::spawn_blocking(move || {
+            subnets
+                .into_iter()
+                .try_for_each(|(subnet, gw)| firewall.guard_containers(subnet, gw))
+        })
+        .await;
+        match guarded {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(ContainerError::Firewall(e.to_string())),
+            Err(e) => Err(ContainerError::Firewall(e.to_string())),
+        }
     }
 
     /// The `uid:gid` `tenant`'s containers run as.
@@ -839,17 +889,14 @@ impl ContainerRuntime {
             pull,
             ..Default::default()
         };
-        if spec.ports.is_empty() {
-            self.ensure_network(&tenant_network(&spec.tenant_id), &spec.tenant_id, true)
-                .await?;
+        let network = if spec.ports.is_empty() {
+            tenant_network(&spec.tenant_id)
         } else {
-            self.ensure_network(
-                &tenant_ports_network(&spec.tenant_id),
-                &spec.tenant_id,
-                false,
-            )
+            tenant_ports_network(&spec.tenant_id)
+        };
+        self.ensure_network(&network, &spec.tenant_id, spec.ports.is_empty())
             .await?;
-        }
+        self.guard_network(&network).await?;
         progress("creating container".to_string());
         let config = ContainerConfig {
             user: self.user_of(&spec.tenant_id).await?,

@@ -112,6 +112,9 @@ pub struct AgentConfig {
     pub insecure_process_runtime: bool,
     /// Host paths shown inside every sandboxed workload (`--sandbox-share`).
     pub sandbox_shares: Vec<runtime::sandbox::SharedPath>,
+    /// Inward networks and ports workloads may reach anyway
+    /// (`--allow-egress`; see [`runtime::network`]).
+    pub allow_egress: Vec<flotilla_egress::AllowRule>,
     /// The container engine's API, for the container runtime
     /// (`--docker-host`; default [`DEFAULT_DOCKER_HOST`]).
     pub docker_host: Option<String>,
@@ -163,6 +166,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("runtime", &self.runtime)
             .field("insecure_process_runtime", &self.insecure_process_runtime)
             .field("sandbox_shares", &self.sandbox_shares)
+            .field("allow_egress", &self.allow_egress)
             .field("docker_host", &self.docker_host)
             .field("container_gpus", &self.container_gpus)
             .field("public_host", &self.public_host)
@@ -198,6 +202,7 @@ impl AgentConfig {
             runtime: RuntimeKind::default(),
             insecure_process_runtime: false,
             sandbox_shares: Vec::new(),
+            allow_egress: Vec::new(),
             docker_host: None,
             container_gpus: None,
             public_host: None,
@@ -352,6 +357,7 @@ async fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
             let sandbox = runtime::sandbox::SandboxConfig {
                 insecure: config.insecure_process_runtime,
                 shares: config.sandbox_shares.clone(),
+                allow_egress: config.allow_egress.clone(),
                 ..runtime::sandbox::SandboxConfig::new(&config.work_dir)
             };
             let node = config.name.clone();
@@ -387,6 +393,18 @@ async fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
                 // A rootful engine: each tenant its own uid on the host.
                 let sandbox = runtime::sandbox::SandboxConfig::new(&config.work_dir);
                 runtime = runtime.with_tenant_users(runtime::sandbox::Users::new(&sandbox)?);
+            }
+            let allow = config.allow_egress.clone();
+            match tokio::task::spawn_blocking(move || runtime::network::Network::probe(allow))
+                .await
+                .context("firewall setup task failed")?
+            {
+                runtime::network::Network::Isolated(firewall) => {
+                    runtime = runtime.with_firewall(firewall);
+                }
+                runtime::network::Network::Shared { why } => {
+                    tracing::warn!(reason = %why, "containers are NOT held to the egress policy: they reach the host's addresses, private ranges and the metadata service");
+                }
             }
             tracing::info!(docker_host = %runtime.config().docker_host, gpus = ?runtime.config().gpus, "running workloads in containers");
             Ok(Arc::new(runtime))

@@ -263,6 +263,12 @@ pub struct WorkloadArgs {
     /// sees it: for shared weights, datasets or scratch, never secrets.
     #[arg(long, value_name = "PATH[:rw]")]
     pub sandbox_share: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
+    /// Lets workloads reach an inward network anyway (private, loopback,
+    /// link-local: refused by default), `CIDR[:PORT[-PORT]]`, e.g.
+    /// `10.2.0.0/16:5432` (repeatable). A loopback rule with ports
+    /// (`127.0.0.1:5672`) reaches those ports of the host's loopback.
+    #[arg(long, value_name = "CIDR[:PORTS]")]
+    pub allow_egress: Vec<flotilla_egress::AllowRule>,
     /// The container runtime's options.
     #[command(flatten)]
     pub containers: ContainerArgs,
@@ -288,6 +294,7 @@ impl WorkloadArgs {
         config.runtime = self.runtime;
         config.insecure_process_runtime = self.insecure_process_runtime;
         config.sandbox_shares = with_own_binary(self.sandbox_share);
+        config.allow_egress = self.allow_egress;
         config.docker_host = self.containers.docker_host;
         config.container_gpus = self.containers.container_gpus;
         config.public_host = self.containers.public_host;

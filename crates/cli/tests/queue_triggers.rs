@@ -22,11 +22,22 @@ const LONG: Duration = Duration::from_secs(180);
 const MESSAGES: usize = 500;
 
 /// The real binary as server and agent (4 simulated GPUs), and a tenant
-/// key.
+/// key. The workers reach the brokers on the host's loopback, which
+/// workloads reach only where the operator allows it.
 fn stack() -> (Home, Proc, Proc, String) {
     let home = Home::new(BIN);
     let server = home.server();
-    let agent = home.agent("n0", "4xH100");
+    let agent = home.agent_with(
+        "n0",
+        "4xH100",
+        &home.url(),
+        &[
+            "--allow-egress",
+            "127.0.0.1:5672",
+            "--allow-egress",
+            "127.0.0.1:4222",
+        ],
+    );
     let (_, key) = home.tenant("batch");
     (home, server, agent, key)
 }

@@ -13,6 +13,7 @@
 //! shell, never signal anything it did not start (or adopt), and never
 //! decide whether an instance may be (re)started: that is the agent's call.
 
+pub mod network;
 pub mod process;
 pub mod sandbox;
 pub mod state;
@@ -138,6 +139,9 @@ pub enum SpawnError {
     /// The container engine refused or failed (pull, create, start).
     #[error(transparent)]
     Container(#[from] crate::container::ContainerError),
+    /// The workload's network namespace could not be set up.
+    #[error("cannot set up the workload's network: {0}")]
+    Network(String),
 }
 
 /// How a process ended.

@@ -20,6 +20,7 @@ use nix::unistd::Pid;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::network::{Namespaces, Network};
 use super::sandbox::{
     bwrap_args_hiding, create_private_dir, owner_of, prepare_workdir, setpriv_args, Isolation,
     SandboxConfig, SharedPath,
@@ -45,6 +46,8 @@ pub struct ProcessRuntime {
     isolation: Isolation,
     /// Host paths shown inside every sandbox.
     shares: Vec<SharedPath>,
+    /// How workloads are connected (a namespace each, as root).
+    network: Network,
 }
 
 impl ProcessRuntime {
@@ -73,9 +76,19 @@ impl ProcessRuntime {
                 })?;
             }
         }
-        tracing::info!(isolation = isolation.name(), shares = ?config.shares, "process runtime ready");
+        let network = match isolation {
+            Isolation::RootSandbox { .. } => Network::probe(config.allow_egress.clone()),
+            _ => Network::Shared {
+                why: "a namespace per workload needs root and bubblewrap".into(),
+            },
+        };
+        if let Network::Shared { why } = &network {
+            tracing::warn!(reason = %why, "process runtime: the network is NOT isolated; workloads reach the host's loopback services, each other and the metadata service");
+        }
+        tracing::info!(isolation = isolation.name(), network = %network.describe(), shares = ?config.shares, "process runtime ready");
         let mut runtime = Self::with_isolation(config.work_dir.clone(), isolation);
         runtime.shares = config.shares.clone();
+        runtime.network = network;
         Ok(runtime)
     }
 
@@ -87,6 +100,9 @@ impl ProcessRuntime {
             work_dir,
             isolation,
             shares: Vec::new(),
+            network: Network::Shared {
+                why: "not set up".into(),
+            },
         }
     }
 
@@ -101,6 +117,19 @@ impl ProcessRuntime {
     /// How it isolates workloads.
     pub fn isolation(&self) -> &Isolation {
         &self.isolation
+    }
+
+    /// How it connects workloads.
+    pub fn network(&self) -> &Network {
+        &self.network
+    }
+
+    /// The workloads' namespaces, when each has its own.
+    fn namespaces(&self) -> Option<&Namespaces> {
+        match &self.network {
+            Network::Isolated(ns) => Some(ns),
+            Network::Shared { .. } => None,
+        }
     }
 
     /// The directory an instance owns: its working directory must be in it.
@@ -154,6 +183,27 @@ impl ProcessRuntime {
             .into_iter()
             .map(|(k, v)| (k, v.into())),
         );
+        let netns = match self.namespaces() {
+            Some(ns) => {
+                let (ns, id) = (ns.clone(), spec.instance_id.to_string());
+                let owner = owner_of(&spec.instance_id, spec.tenant_id.as_ref());
+                let port = spec.env.get("PORT").and_then(|p| p.parse::<u16>().ok());
+                let attached =
+                    tokio::task::spawn_blocking(move || ns.attach(&id, &owner, port)).await;
+                match attached {
+                    Ok(Ok(a)) => Some(a),
+                    Ok(Err(e)) => {
+                        state.remove();
+                        return Err(SpawnError::Network(e.to_string()));
+                    }
+                    Err(e) => {
+                        state.remove();
+                        return Err(SpawnError::Network(e.to_string()));
+                    }
+                }
+            }
+            None => None,
+        };
         let mut cmd = match &self.isolation {
             Isolation::RootSandbox { bwrap, .. } | Isolation::UserSandbox { bwrap } => {
                 // The sandbox resolves the program itself; a missing one
@@ -163,9 +213,22 @@ impl ProcessRuntime {
                     .find(|(k, _)| k == "PATH")
                     .map(|(_, v)| v.clone());
                 if resolve(program, path.as_deref()).is_none() {
+                    self.detach(&spec.instance_id);
+                    state.remove();
                     return Err(SpawnError::NoSuchProgram(program.clone()));
                 }
-                let mut cmd = tokio::process::Command::new(bwrap);
+                // In its own network namespace: `nsenter` execs bubblewrap
+                // (the same pid) once it joined it.
+                let mut cmd = match &netns {
+                    Some(a) => {
+                        let mut cmd = tokio::process::Command::new("nsenter");
+                        cmd.arg(format!("--net={}", a.netns_path().display()))
+                            .arg("--")
+                            .arg(bwrap);
+                        cmd
+                    }
+                    None => tokio::process::Command::new(bwrap),
+                };
                 let mut bwrap_args = bwrap_args_hiding(
                     &root,
                     &spec.workdir,
@@ -213,6 +276,7 @@ impl ProcessRuntime {
             .kill_on_drop(false);
         let spawned = cmd.spawn();
         if spawned.is_err() {
+            self.detach(&spec.instance_id);
             state.remove();
         }
         let child = spawned.map_err(|source| match source.kind() {
@@ -244,7 +308,7 @@ impl ProcessRuntime {
         } else {
             None
         };
-        tracing::info!(instance_id = %spec.instance_id, pid, ?sandbox_init, uid, program = %program, isolation = self.isolation.name(), "process started");
+        tracing::info!(instance_id = %spec.instance_id, pid, ?sandbox_init, uid, program = %program, isolation = self.isolation.name(), addr = ?netns.as_ref().map(|a| a.addr()), "process started");
         let record = Record {
             pid,
             start_ticks: start_ticks(pid).unwrap_or(0),
@@ -295,6 +359,7 @@ impl Runtime for ProcessRuntime {
                 let Some(record) = state.record() else {
                     // Started, then the agent died before recording it:
                     // nothing to go by.
+                    self.detach(&id);
                     state.remove();
                     continue;
                 };
@@ -332,7 +397,30 @@ impl Runtime for ProcessRuntime {
     }
 
     fn release(&self, instance_id: &InstanceId) {
+        self.detach(instance_id);
         StateDir::new(&self.state_root, instance_id).remove();
+    }
+}
+
+impl ProcessRuntime {
+    /// Removes an ended workload's namespace (off the async threads when
+    /// inside a runtime).
+    fn detach(&self, instance_id: &InstanceId) {
+        let Some(ns) = self.namespaces() else {
+            return;
+        };
+        let (ns, id) = (ns.clone(), instance_id.to_string());
+        let work = move || {
+            if let Err(error) = ns.detach(&id) {
+                tracing::warn!(instance_id = %id, %error, "cannot remove the workload's network namespace");
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn_blocking(work);
+            }
+            Err(_) => work(),
+        }
     }
 }
 

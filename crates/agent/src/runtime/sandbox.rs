@@ -100,6 +100,9 @@ pub struct SandboxConfig {
     /// Host paths the operator shares with every workload on this node
     /// (model weights, a scratch volume, toolkits outside `/usr`).
     pub shares: Vec<SharedPath>,
+    /// Inward networks and ports workloads may reach anyway
+    /// (`--allow-egress`; see [`super::network`]).
+    pub allow_egress: Vec<flotilla_egress::AllowRule>,
 }
 
 /// A host path the operator exposes inside every sandbox on a node, at the
@@ -142,6 +145,7 @@ impl SandboxConfig {
             uid_base: DEFAULT_UID_BASE,
             uid_count: DEFAULT_UID_COUNT,
             shares: Vec::new(),
+            allow_egress: Vec::new(),
         }
     }
 }
@@ -214,7 +218,7 @@ impl Isolation {
 }
 
 /// `program` on the `PATH` (or the usual system directories).
-fn find_program(program: &str) -> Option<PathBuf> {
+pub(crate) fn find_program(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain(["/usr/bin".into(), "/bin".into(), "/usr/sbin".into()])
@@ -273,8 +277,9 @@ pub fn bwrap_args_hiding(
     if user_ns {
         push(&["--unshare-user"]);
     }
-    // The network is shared: workloads download models and data. A new
-    // session: no controlling terminal to inject keystrokes into.
+    // The network namespace is the one bubblewrap starts in: as root, the
+    // workload's own (see `super::network`). A new session: no controlling
+    // terminal to inject keystrokes into.
     push(&[
         "--unshare-pid",
         "--unshare-ipc",
