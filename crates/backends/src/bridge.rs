@@ -361,6 +361,7 @@ impl NodeLoop {
                         message: None,
                         container: None,
                         weights_tier: None,
+                        limit_exceeded: None,
                     });
                 }
             }

@@ -263,6 +263,9 @@ pub struct WorkloadArgs {
     /// sees it: for shared weights, datasets or scratch, never secrets.
     #[arg(long, value_name = "PATH[:rw]")]
     pub sandbox_share: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
+    /// The process runtime's default limits.
+    #[command(flatten)]
+    pub limits: crate::limits::LimitArgs,
     /// The container runtime's options.
     #[command(flatten)]
     pub containers: ContainerArgs,
@@ -288,6 +291,7 @@ impl WorkloadArgs {
         config.runtime = self.runtime;
         config.insecure_process_runtime = self.insecure_process_runtime;
         config.sandbox_shares = with_own_binary(self.sandbox_share);
+        config.limit_defaults = self.limits.defaults();
         config.docker_host = self.containers.docker_host;
         config.container_gpus = self.containers.container_gpus;
         config.public_host = self.containers.public_host;
