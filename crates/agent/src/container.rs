@@ -1198,6 +1198,7 @@ impl Container {
                 at: exit.at,
                 stop_requested: exit.stop_requested,
                 oom_killed: exit.oom_killed,
+                disk_exceeded: false,
             });
             // The container's supervisor woke them before this handle
             // had the exit: wake them again now that it has.
@@ -1789,6 +1790,7 @@ mod tests {
             }),
             cpu_milli: Some(0),
             memory_mb: Some(256),
+            disk_mb: None,
             registry_auth: None,
         };
         let c = ContainerSpec::for_spawn(base.clone()).unwrap();

@@ -38,10 +38,10 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
-use flotilla_core::api::WeightTier;
 use flotilla_core::api::{
     Assignment, ObservedInstance, ObservedPhase, RegisterNode, Registered, SyncRequest,
 };
+use flotilla_core::api::{LimitExceeded, WeightTier};
 use flotilla_core::catalog::{Catalog, Vendor};
 use flotilla_core::endpoint::{ReplicaWeights, ENV_LOAD_TIER};
 use flotilla_core::id::InstanceId;
@@ -115,6 +115,9 @@ pub struct AgentConfig {
     /// Inward networks and ports workloads may reach anyway
     /// (`--allow-egress`; see [`runtime::network`]).
     pub allow_egress: Vec<flotilla_egress::AllowRule>,
+    /// The process runtime's limits for what an instance leaves out
+    /// (`--default-memory`, `--default-pids`, `--default-disk`).
+    pub limit_defaults: runtime::limits::LimitDefaults,
     /// The container engine's API, for the container runtime
     /// (`--docker-host`; default [`DEFAULT_DOCKER_HOST`]).
     pub docker_host: Option<String>,
@@ -167,6 +170,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("insecure_process_runtime", &self.insecure_process_runtime)
             .field("sandbox_shares", &self.sandbox_shares)
             .field("allow_egress", &self.allow_egress)
+            .field("limit_defaults", &self.limit_defaults)
             .field("docker_host", &self.docker_host)
             .field("container_gpus", &self.container_gpus)
             .field("public_host", &self.public_host)
@@ -203,6 +207,7 @@ impl AgentConfig {
             insecure_process_runtime: false,
             sandbox_shares: Vec::new(),
             allow_egress: Vec::new(),
+            limit_defaults: Default::default(),
             docker_host: None,
             container_gpus: None,
             public_host: None,
@@ -259,7 +264,7 @@ pub async fn run(
             }
         }
     };
-    let registration = RegisterNode {
+    let mut registration = RegisterNode {
         name: config.name.clone(),
         region: config.region.clone(),
         pool: config.pool.clone(),
@@ -271,8 +276,10 @@ pub async fn run(
         runtime: config.runtime,
         executor: Default::default(),
         running: Vec::new(),
+        unenforced_limits: Vec::new(),
     };
     let runtime = runtime_for(&config).await?;
+    registration.unenforced_limits = runtime.unenforced_limits();
     let client = Client::with_trust(&config.server_url, &config.token, config.trust.clone())?;
     let shared = Arc::new(Shared::default());
     let metrics = Arc::new(metrics::AgentMetrics::default());
@@ -361,11 +368,26 @@ async fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
                 ..runtime::sandbox::SandboxConfig::new(&config.work_dir)
             };
             let node = config.name.clone();
+            let defaults = config.limit_defaults;
             let runtime = tokio::task::spawn_blocking(move || {
-                runtime::ProcessRuntime::new(&sandbox).map(|r| r.for_node(&node))
+                let limits = runtime::limits::Enforcement::detect(
+                    &node,
+                    defaults,
+                    discovery::host_memory_mib(),
+                );
+                runtime::ProcessRuntime::new(&sandbox)
+                    .map(|r| r.for_node(&node).with_limits(limits))
             })
             .await
             .context("runtime setup task failed")??;
+            if let Some(limits) = runtime.limits() {
+                let unenforced = limits.unenforced();
+                if unenforced.is_empty() {
+                    tracing::info!(cgroups = limits.cgroups.hierarchy().name(), defaults = ?limits.defaults, "workloads are held to their memory, cpu, pids and disk limits");
+                } else {
+                    tracing::warn!(cgroups = limits.cgroups.hierarchy().name(), unenforced = ?unenforced, "some limits cannot be enforced on this node: workloads may use more than they asked for");
+                }
+            }
             Ok(Arc::new(runtime))
         }
         RuntimeKind::Container => {
@@ -510,6 +532,14 @@ impl Tracked {
             message: None,
             container,
             weights_tier: self.weights.as_ref().map(|(_, t)| *t),
+            limit_exceeded: self.workload().and_then(|w| {
+                let exit = w.exit()?;
+                if exit.oom_killed {
+                    Some(LimitExceeded::Memory)
+                } else {
+                    exit.disk_exceeded.then_some(LimitExceeded::Disk)
+                }
+            }),
         }
     }
 }
@@ -1087,6 +1117,7 @@ impl Agent {
             image: a.image,
             cpu_milli: a.cpu_milli,
             memory_mb: a.memory_mb,
+            disk_mb: a.disk_mb,
             registry_auth: a.registry_auth,
         };
         let mut tracked = Tracked::new(

@@ -253,6 +253,7 @@ fn assignment(n: u128, script: &str) -> Assignment {
         cpu_milli: None,
         memory_mb: None,
         registry_auth: None,
+        disk_mb: None,
     }
 }
 

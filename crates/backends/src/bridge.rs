@@ -361,6 +361,7 @@ impl NodeLoop {
                         message: Some("stopped before it started".into()),
                         container: None,
                         weights_tier: None,
+                        limit_exceeded: None,
                     });
                 }
             }

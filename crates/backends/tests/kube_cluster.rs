@@ -81,6 +81,7 @@ async fn a_pod_runs_to_completion_with_its_logs_and_is_cleaned_up() {
         cpu_milli: Some(100),
         memory_mb: Some(64),
         registry_auth: None,
+        disk_mb: None,
     };
     ex.apply(&node, std::slice::from_ref(&a)).await.unwrap();
     let done =
@@ -139,6 +140,7 @@ async fn a_stopped_pod_reports_a_requested_stop() {
         cpu_milli: Some(100),
         memory_mb: Some(64),
         registry_auth: None,
+        disk_mb: None,
     };
     ex.apply(&node, std::slice::from_ref(&a)).await.unwrap();
     until("the pod to run", || async {

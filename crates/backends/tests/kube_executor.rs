@@ -65,6 +65,7 @@ fn assignment(instance: &str, gpus: u32) -> Assignment {
         cpu_milli: Some(4000),
         memory_mb: Some(16384),
         registry_auth: None,
+        disk_mb: None,
     }
 }
 

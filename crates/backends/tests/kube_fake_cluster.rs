@@ -44,6 +44,7 @@ fn assignment(instance: &str, gpus: u32, script: &str) -> Assignment {
         cpu_milli: Some(1000),
         memory_mb: Some(1024),
         registry_auth: None,
+        disk_mb: None,
     }
 }
 

@@ -236,6 +236,11 @@ pub struct WorkArgs {
     /// port, shown with its URL in `ps` and `explain`.
     #[arg(long = "port", short = 'p', value_name = "PORT", requires = "image")]
     pub ports: Vec<u16>,
+    /// Disk limit of the instance's working directory on a process node
+    /// (`512M`, `20G`): past it the instance is stopped ("disk limit
+    /// exceeded"); default: the node's (`--default-disk`).
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory)]
+    pub disk: Option<u64>,
     /// Size of the container's scratch space at /scratch, MiB (default 1024).
     #[arg(long, value_name = "MB", requires = "image")]
     pub scratch: Option<u64>,
@@ -280,6 +285,7 @@ impl WorkArgs {
             image: self.image,
             ports: self.ports,
             scratch_mb: self.scratch,
+            disk_mb: self.disk,
         }
     }
 }

@@ -269,6 +269,9 @@ pub struct WorkloadArgs {
     /// (`127.0.0.1:5672`) reaches those ports of the host's loopback.
     #[arg(long, value_name = "CIDR[:PORTS]")]
     pub allow_egress: Vec<flotilla_egress::AllowRule>,
+    /// The process runtime's default limits.
+    #[command(flatten)]
+    pub limits: crate::limits::LimitArgs,
     /// The container runtime's options.
     #[command(flatten)]
     pub containers: ContainerArgs,
@@ -295,6 +298,7 @@ impl WorkloadArgs {
         config.insecure_process_runtime = self.insecure_process_runtime;
         config.sandbox_shares = with_own_binary(self.sandbox_share);
         config.allow_egress = self.allow_egress;
+        config.limit_defaults = self.limits.defaults();
         config.docker_host = self.containers.docker_host;
         config.container_gpus = self.containers.container_gpus;
         config.public_host = self.containers.public_host;

@@ -17,6 +17,7 @@ mod executor;
 mod follow;
 mod gateway;
 mod jobs;
+mod limits;
 mod local;
 mod nodepools;
 mod nodes;

@@ -147,6 +147,9 @@ pub async fn node_show(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     outln!("region:    {} / pool {}", n.region, n.pool)?;
     outln!("gpus:      {}", output::node_gpus(&n))?;
     outln!("heartbeat: {} ago", age(now, n.last_heartbeat_at))?;
+    for why in &n.unenforced_limits {
+        outln!("limits:    not enforced: {why}")?;
+    }
     for g in &n.gpus {
         if let Some(fault) = &g.fault {
             outln!("fault:     gpu {} ({}): {fault}", g.index, g.id)?;

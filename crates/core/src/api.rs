@@ -301,6 +301,10 @@ pub struct Node {
     /// (`GET /v1/nodes/{id}` only).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub weights: Vec<NodeWeights>,
+    /// The limits its agent said it cannot hold workloads to, with why
+    /// (`memory: …`); empty: every limit is enforced.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unenforced_limits: Vec<String>,
 }
 
 /// One image in a node's image cache, as its agent reports it.
@@ -624,6 +628,10 @@ pub struct RegisterNode {
     /// other instance it had started there is gone.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub running: Vec<InstanceId>,
+    /// The limits (memory, cpu, pids, disk) this node cannot hold its
+    /// workloads to, each with why; left out when it enforces all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unenforced_limits: Vec<String>,
 }
 
 /// The server's answer to a registration.
@@ -685,6 +693,19 @@ pub struct ObservedInstance {
     /// them; recorded in its cold-start breakdown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights_tier: Option<WeightTier>,
+    /// The limit it was ended for exceeding, once it exited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit_exceeded: Option<LimitExceeded>,
+}
+
+/// A limit a node ended an instance for exceeding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum LimitExceeded {
+    /// Its memory limit: the kernel killed it (out of memory).
+    Memory,
+    /// Its disk limit: the agent stopped it.
+    Disk,
 }
 
 /// An agent's periodic report; the answer is its desired work.
@@ -949,12 +970,16 @@ pub struct Assignment {
     /// Run from this image in a container.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<ImageSpec>,
-    /// CPU limit, milli-cores (enforced for containers).
+    /// CPU limit, milli-cores (enforced by both runtimes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_milli: Option<u32>,
-    /// Memory limit, MiB (enforced for containers).
+    /// Memory limit, MiB (enforced by both runtimes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_mb: Option<u64>,
+    /// Limit of its directory's size, MiB (the process runtime enforces
+    /// it); absent: the node's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mb: Option<u64>,
     /// The tenant's login for the registry of `image`, when it stored one:
     /// sent only until the agent reports the instance (the pull happens
     /// before that), and only for an image on that very registry.

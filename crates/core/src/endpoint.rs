@@ -455,6 +455,7 @@ fn instance_request(c: &CreateEndpoint, tier: u8) -> CreateInstance {
         image: c.image.clone(),
         ports: c.ports.clone(),
         scratch_mb: None,
+        disk_mb: None,
     }
 }
 

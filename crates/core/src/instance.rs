@@ -172,6 +172,8 @@ pub const SCRATCH_DIR: &str = "/scratch";
 pub const MAX_PORTS: usize = 16;
 /// Largest scratch space, MiB (1 TiB).
 pub const MAX_SCRATCH_MB: u64 = 1024 * 1024;
+/// Largest disk limit of an instance's directory, MiB (64 TiB).
+pub const MAX_DISK_MB: u64 = 64 * 1024 * 1024;
 
 /// Checks the container part of a create request: an image reference of
 /// registry characters, distinct ports, a bounded scratch size, and a
@@ -273,6 +275,8 @@ pub struct InstanceSpec {
     pub cpu_milli: u32,
     /// Memory in MiB.
     pub memory_mb: u64,
+    /// Disk in MiB; `None`: the node's default.
+    pub disk_mb: Option<u64>,
     /// Program and arguments.
     pub command: Vec<String>,
     /// Environment.
@@ -424,6 +428,14 @@ impl CreateInstance {
                 "must be between 1 and 67108864",
             ));
         }
+        if let Some(mb) = self.disk_mb {
+            if mb == 0 || mb > MAX_DISK_MB {
+                return Err(FieldError::new(
+                    "disk_mb",
+                    format!("must be between 1 and {MAX_DISK_MB}"),
+                ));
+            }
+        }
         let image = validate_image(
             self.image,
             &self.ports,
@@ -506,6 +518,7 @@ impl CreateInstance {
             gpu_types,
             cpu_milli,
             memory_mb,
+            disk_mb: self.disk_mb,
             command: self.command,
             env: self.env,
             workdir: self.workdir,
@@ -542,7 +555,30 @@ mod tests {
             image: None,
             ports: Vec::new(),
             scratch_mb: None,
+            disk_mb: None,
         }
+    }
+
+    #[test]
+    fn a_disk_limit_is_bounded_and_named_when_refused() {
+        assert_eq!(req().validate(&Catalog::default()).unwrap().disk_mb, None);
+        let ok = CreateInstance {
+            disk_mb: Some(512),
+            ..req()
+        };
+        assert_eq!(ok.validate(&Catalog::default()).unwrap().disk_mb, Some(512));
+        for bad in [0, MAX_DISK_MB + 1] {
+            let e = CreateInstance {
+                disk_mb: Some(bad),
+                ..req()
+            }
+            .validate(&Catalog::default())
+            .unwrap_err();
+            assert_eq!(e.field, "disk_mb", "{bad}");
+        }
+        // On the wire it is optional and left out when absent.
+        let json = serde_json::to_value(req()).unwrap();
+        assert!(json.get("disk_mb").is_none());
     }
 
     #[test]

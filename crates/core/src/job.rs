@@ -569,6 +569,7 @@ mod tests {
             image: None,
             ports: Vec::new(),
             scratch_mb: None,
+            disk_mb: None,
         }
     }
 

@@ -39,6 +39,11 @@ macro_rules! work_request {
             /// Memory per member in MiB (default 1024).
             #[serde(default)]
             pub memory_mb: Option<u64>,
+            /// Disk per member in MiB: how large its working directory
+            /// may grow on a process node before it is stopped (default:
+            /// the node's, `flotilla agent --default-disk`).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub disk_mb: Option<u64>,
             /// Program and arguments, run without a shell (by every member);
             /// with `image`, replaces the image's default command and may be
             /// left out.
@@ -112,6 +117,7 @@ macro_rules! work_request {
                     gpu_types: member.gpu_types,
                     cpu_milli: member.cpu_milli,
                     memory_mb: member.memory_mb,
+                    disk_mb: member.disk_mb,
                     command: member.command,
                     env: member.env,
                     workdir: member.workdir,
@@ -135,6 +141,7 @@ macro_rules! work_request {
                     gpu_types: self.gpu_types.clone(),
                     cpu_milli: self.cpu_milli,
                     memory_mb: self.memory_mb,
+                    disk_mb: self.disk_mb,
                     command: self.command.clone(),
                     env: self.env.clone(),
                     workdir: self.workdir.clone(),
@@ -183,6 +190,7 @@ macro_rules! resolved_work {
                     gpu_types: spec.gpu_types,
                     cpu_milli: spec.cpu_milli,
                     memory_mb: spec.memory_mb,
+                    disk_mb: spec.disk_mb,
                     command: spec.command,
                     env: spec.env,
                     workdir: spec.workdir,
@@ -212,6 +220,9 @@ macro_rules! resolved_work {
             pub cpu_milli: u32,
             /// Memory per member, MiB.
             pub memory_mb: u64,
+            /// Disk per member, MiB (absent: the node's default).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub disk_mb: Option<u64>,
             /// Program and arguments.
             pub command: Vec<String>,
             /// Extra environment (without the variables Flotilla sets).

@@ -981,6 +981,7 @@ async fn concurrent_requests_never_share_a_gpu() {
                     message: None,
                     container: None,
                     weights_tier: None,
+                    limit_exceeded: None,
                 })
                 .collect();
             for o in &observed {

@@ -55,6 +55,7 @@ async fn a_deposed_leader_cannot_place_or_declare_nodes_lost(s: &Store) {
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        unenforced_limits: Vec::new(),
     };
     let node_id = s
         .register_node(
@@ -82,6 +83,7 @@ async fn a_deposed_leader_cannot_place_or_declare_nodes_lost(s: &Store) {
         preemptible: false,
         share: GpuShare::Whole,
         image: None,
+        disk_mb: None,
     };
     s.create_instance(&id, &tenant, &spec, t0).await.unwrap();
 

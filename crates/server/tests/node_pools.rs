@@ -164,6 +164,7 @@ async fn join_and_register(live: &OnClock, token: &str) -> (String, String) {
         runtime: RuntimeKind::Process,
         executor: Default::default(),
         running: Vec::new(),
+        unenforced_limits: Vec::new(),
     };
     let (status, reg) = live
         .call(
@@ -193,6 +194,7 @@ async fn exits(live: &OnClock, key: &str, node: &str, instance: &str) {
             message: None,
             container: None,
             weights_tier: None,
+            limit_exceeded: None,
         };
         let (status, body) = live
             .call(

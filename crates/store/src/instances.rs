@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use flotilla_core::api::{
-    Assignment, ColdStart, GpuSlice, Instance, InstanceEvent, JobMembership, ObservedInstance,
-    ObservedPhase,
+    Assignment, ColdStart, GpuSlice, Instance, InstanceEvent, JobMembership, LimitExceeded,
+    ObservedInstance, ObservedPhase,
 };
 use flotilla_core::catalog::{MigProfile, MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId, WorkId};
@@ -53,6 +53,9 @@ pub(crate) fn instance(row: &AnyRow) -> Result<Instance> {
             .try_get::<i64, _>("cpu_milli")?
             .clamp(0, u32::MAX as i64) as u32,
         memory_mb: row.try_get::<i64, _>("memory_mb")?.max(0) as u64,
+        disk_mb: row
+            .try_get::<Option<i64>, _>("disk_mb")?
+            .map(|v| v.max(0) as u64),
         command: json(&row.try_get::<String, _>("command")?, "command")?,
         env: json(&row.try_get::<String, _>("env")?, "env")?,
         workdir: row.try_get("workdir")?,
@@ -559,6 +562,13 @@ pub(crate) async fn insert_pending(
         GpuShare::Fraction { milli } => (Some(i64::from(*milli)), None),
         GpuShare::Mig(p) => (None, Some(p)),
     };
+    if let Some(mb) = spec.disk_mb {
+        sqlx::query("UPDATE instances SET disk_mb = $1 WHERE id = $2")
+            .bind(i64::try_from(mb).unwrap_or(i64::MAX))
+            .bind(id.as_str())
+            .execute(&mut **tx)
+            .await?;
+    }
     if let Some(image) = &spec.image {
         sqlx::query("UPDATE instances SET image = $1 WHERE id = $2")
             .bind(to_json(image))
@@ -601,6 +611,7 @@ fn spec_of(i: &Instance, share: GpuShare) -> InstanceSpec {
         tier: i.tier,
         preemptible: i.preemptible,
         image: i.image.clone(),
+        disk_mb: i.disk_mb,
     }
 }
 
@@ -886,7 +897,9 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
         }
-        let oom = obs.container.as_ref().is_some_and(|c| c.oom_killed);
+        let oom = obs.container.as_ref().is_some_and(|c| c.oom_killed)
+            || obs.limit_exceeded == Some(LimitExceeded::Memory);
+        let disk_full = obs.limit_exceeded == Some(LimitExceeded::Disk);
         let changed = match (&obs.phase, state) {
             (_, s) if s.is_terminal() => false,
             (ObservedPhase::Starting, Scheduled) => mark_starting(&mut tx, id, now).await?,
@@ -953,6 +966,11 @@ impl Store {
                     (
                         Failed,
                         format!("out of memory: killed for exceeding its memory limit (exit code {code})"),
+                    )
+                } else if disk_full {
+                    (
+                        Failed,
+                        format!("disk limit exceeded: stopped for writing past its disk limit (exit code {code})"),
                     )
                 } else if *code == 0 {
                     (Succeeded, "exit code 0".to_string())
@@ -1050,6 +1068,7 @@ impl Store {
                     memory_mb: Some(i.memory_mb),
                     // Filled by the server, which holds the secrets key.
                     registry_auth: None,
+                    disk_mb: i.disk_mb,
                 })
             })
             .collect()

@@ -331,6 +331,7 @@ impl Store {
                 // What the planner placed it as: whole GPUs, or the job's share.
                 share: plan.share.clone(),
                 image: j.spec.image.clone(),
+                disk_mb: j.spec.disk_mb,
             };
             let why = format!("rank {rank} of {id}, attempt {next}");
             crate::instances::insert_pending(&mut tx, member, &j.tenant_id, &spec, None, &why, now)

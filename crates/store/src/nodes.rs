@@ -12,7 +12,8 @@ use flotilla_core::placement::{GpuSlot, NodeSnapshot, MILLI_PER_GPU};
 use sqlx::any::AnyRow;
 use sqlx::Row;
 
-use crate::{at, ms, PageOf, PageReq, Result, Store, StoreError};
+use crate::instances::opt_json;
+use crate::{at, ms, to_json, PageOf, PageReq, Result, Store, StoreError};
 
 fn gpu(row: &AnyRow) -> Result<(NodeId, Gpu)> {
     let idx: i64 = row.try_get("idx")?;
@@ -58,6 +59,7 @@ fn node(row: &AnyRow) -> Result<Node> {
         gpus: Vec::new(),
         images: Vec::new(),
         weights: Vec::new(),
+        unenforced_limits: opt_json(row, "unenforced_limits")?.unwrap_or_default(),
     })
 }
 
@@ -154,6 +156,11 @@ impl Store {
             }
         };
         let (id, mut fresh_gpu_ids) = ids;
+        sqlx::query("UPDATE nodes SET unenforced_limits = $1 WHERE id = $2")
+            .bind((!req.unenforced_limits.is_empty()).then(|| to_json(&req.unenforced_limits)))
+            .bind(id.as_str())
+            .execute(&mut *tx)
+            .await?;
         let rows = sqlx::query("SELECT * FROM gpus WHERE node_id = $1")
             .bind(id.as_str())
             .fetch_all(&mut *tx)

@@ -55,6 +55,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: u32) -> NodeId {
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        unenforced_limits: Vec::new(),
     };
     s.register_node(
         owner,
@@ -202,6 +203,7 @@ async fn job_lifecycle_through_restart_and_cancel(s: &Store) {
             message: None,
             container: None,
             weights_tier: None,
+            limit_exceeded: None,
         };
         assert_eq!(
             s.apply_observed(&node, &obs, t0()).await.unwrap(),
@@ -309,6 +311,7 @@ async fn a_preempted_member_is_not_requeued_alone(s: &Store) {
         message: None,
         container: None,
         weights_tier: None,
+        limit_exceeded: None,
     };
     s.apply_observed(&a, &obs, t0()).await.unwrap();
     let i = s.instance(&m[0]).await.unwrap();
@@ -368,6 +371,7 @@ async fn preemptors_are_promised_their_victims_gpus_and_limits_are_read(s: &Stor
         preemptible: false,
         share: flotilla_core::placement::GpuShare::Whole,
         image: None,
+        disk_mb: None,
     };
     s.create_instance(&by_inst, &t, &one, t0()).await.unwrap();
     let wj = flotilla_core::id::WorkId::Job(by_job.clone());

@@ -93,6 +93,7 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        unenforced_limits: Vec::new(),
     };
     s.register_node(
         &tenant,
@@ -122,6 +123,7 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
         preemptible: false,
         share: GpuShare::Whole,
         image: None,
+        disk_mb: None,
     };
     let id = InstanceId::generate(1, rnd());
     s.create_instance(&id, &tenant, &spec, t0()).await.unwrap();

@@ -68,6 +68,7 @@ fn spec(gpus: u32, types: &[&str]) -> InstanceSpec {
         preemptible: true,
         share: GpuShare::Whole,
         image: None,
+        disk_mb: None,
     }
 }
 
@@ -107,6 +108,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: &[(&str, u32)]) -> 
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        unenforced_limits: Vec::new(),
     };
     let count = req.gpus.len();
     s.register_node(
@@ -163,6 +165,7 @@ fn seen(id: &InstanceId, phase: ObservedPhase, at: DateTime<Utc>) -> ObservedIns
         message: None,
         container: None,
         weights_tier: None,
+        limit_exceeded: None,
     }
 }
 
@@ -294,6 +297,7 @@ async fn node_registration_is_idempotent_by_name(s: &Store) {
                 runtime: Default::default(),
                 executor: Default::default(),
                 running: Vec::new(),
+                unenforced_limits: Vec::new(),
             },
             || (NodeId::generate(1, rnd()), vec![]),
             t0(),

@@ -200,6 +200,7 @@ impl TestServer {
                 message: None,
                 container: None,
                 weights_tier: None,
+                limit_exceeded: None,
             })
             .collect();
         self.ok(
@@ -260,6 +261,7 @@ impl TestServer {
             runtime,
             executor: Default::default(),
             running: Vec::new(),
+            unenforced_limits: Vec::new(),
         };
         let body = serde_json::to_value(req).expect("register body");
         let r = self

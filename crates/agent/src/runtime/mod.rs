@@ -14,6 +14,8 @@
 //! decide whether an instance may be (re)started: that is the agent's call.
 
 pub mod network;
+pub mod cgroup;
+pub mod limits;
 pub mod process;
 pub mod sandbox;
 pub mod state;
@@ -70,10 +72,13 @@ pub struct SpawnSpec {
     /// The image to run it from (with its ports and scratch space): only a
     /// container runtime runs it; a process runtime refuses it.
     pub image: Option<ImageSpec>,
-    /// CPU limit in milli-cores (a container runtime enforces it).
+    /// CPU limit in milli-cores (both runtimes enforce it).
     pub cpu_milli: Option<u32>,
-    /// Memory limit in MiB (a container runtime enforces it).
+    /// Memory limit in MiB (both runtimes enforce it).
     pub memory_mb: Option<u64>,
+    /// Limit of the instance directory's size in MiB (the process runtime
+    /// enforces it; absent: the node's default).
+    pub disk_mb: Option<u64>,
     /// The tenant's login for the image's registry, when the server sent
     /// one (a container runtime pulls with it).
     pub registry_auth: Option<flotilla_core::registry::RegistryAuth>,
@@ -136,6 +141,9 @@ pub enum SpawnError {
     /// The instance names no image and this node runs containers.
     #[error("this node runs containers; an instance without an image needs a process node (`--image IMAGE` runs it here)")]
     NoImageOnContainerNode,
+    /// The instance's limits could not be set up (its cgroup).
+    #[error("cannot set up the instance's limits: {0}")]
+    Limits(#[from] cgroup::CgroupError),
     /// The container engine refused or failed (pull, create, start).
     #[error(transparent)]
     Container(#[from] crate::container::ContainerError),
@@ -153,9 +161,10 @@ pub struct Exit {
     pub at: DateTime<Utc>,
     /// A stop had been requested through [`Workload::stop`] before it ended.
     pub stop_requested: bool,
-    /// The kernel killed it for exceeding its memory limit (a container
-    /// runtime tells; a process runtime does not enforce one).
+    /// The kernel killed it for exceeding its memory limit.
     pub oom_killed: bool,
+    /// The runtime stopped it for writing past its disk limit.
+    pub disk_exceeded: bool,
 }
 
 /// Which runtime a node runs its workloads with (shared with the server,
@@ -180,6 +189,12 @@ pub trait Runtime: Send + Sync {
     /// captured from where the earlier process left it). Called once, at
     /// start, before any [`Runtime::start`].
     fn adopt(&self, wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>>;
+
+    /// The limits this runtime cannot hold workloads to on this node,
+    /// each with why (reported at registration); empty: all of them.
+    fn unenforced_limits(&self) -> Vec<String> {
+        Vec::new()
+    }
 
     /// What a start under way last reported (an image pull's progress),
     /// shown as the instance's state reason while it starts.
@@ -364,6 +379,7 @@ fn lost_exit() -> Exit {
         at: Utc::now(),
         stop_requested: false,
         oom_killed: false,
+        disk_exceeded: false,
     }
 }
 
@@ -807,6 +823,7 @@ mod tests {
             at: Utc::now(),
             stop_requested: true,
             oom_killed: false,
+            disk_exceeded: false,
         };
         control.exited(exit);
         assert_eq!(w.wait().await, exit);

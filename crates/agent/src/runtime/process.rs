@@ -20,6 +20,8 @@ use nix::unistd::Pid;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::cgroup::{self, InstanceCgroup};
+use super::limits::{disk_usage, Enforcement, DISK_CHECK};
 use super::network::{Namespaces, Network};
 use super::sandbox::{
     bwrap_args_hiding, create_private_dir, owner_of, prepare_workdir, setpriv_args, Isolation,
@@ -48,6 +50,8 @@ pub struct ProcessRuntime {
     shares: Vec<SharedPath>,
     /// How workloads are connected (a namespace each, as root).
     network: Network,
+    /// The limits workloads are held to; `None`: none.
+    limits: Option<Enforcement>,
 }
 
 impl ProcessRuntime {
@@ -103,7 +107,33 @@ impl ProcessRuntime {
             network: Network::Shared {
                 why: "not set up".into(),
             },
+            limits: None,
         }
+    }
+
+    /// Holds every workload to its limits (cgroups, disk) as `limits`
+    /// says.
+    pub fn with_limits(mut self, limits: Enforcement) -> Self {
+        self.limits = Some(limits);
+        self
+    }
+
+    /// The limits workloads are held to, when any.
+    pub fn limits(&self) -> Option<&Enforcement> {
+        self.limits.as_ref()
+    }
+
+    /// The instance's cgroup (whether or not it exists).
+    fn cgroup_of(&self, instance_id: &InstanceId) -> InstanceCgroup {
+        self.limits
+            .as_ref()
+            .map_or(InstanceCgroup::None, |l| l.cgroups.of(instance_id))
+    }
+
+    /// What the disk watch of an instance measures, and its limit in bytes.
+    fn disk_watch(&self, instance_id: &InstanceId, disk_bytes: u64) -> Option<(PathBuf, u64)> {
+        self.limits.as_ref()?;
+        Some((self.instance_dir(instance_id), disk_bytes))
     }
 
     /// Keeps the workloads' state under `state/<node>` (default `local`):
@@ -163,6 +193,20 @@ impl ProcessRuntime {
             program: program.clone(),
             source,
         };
+        let group = match &self.limits {
+            Some(limits) => {
+                let l = limits.limits(spec.cpu_milli, spec.memory_mb);
+                let group = limits.cgroups.create(&spec.instance_id, &l)?;
+                if let (Some(uid), Isolation::UsersOnly { .. }) = (uid, &self.isolation) {
+                    // It joins its group after it became the tenant's user.
+                    for procs in group.procs_files() {
+                        std::os::unix::fs::chown(&procs, Some(uid), Some(uid)).map_err(os)?;
+                    }
+                }
+                group
+            }
+            None => InstanceCgroup::None,
+        };
         // Output goes to files the workload writes itself, so that it
         // outlives the agent (see [`super::state`]).
         let state = StateDir::new(&self.state_root, &spec.instance_id);
@@ -194,10 +238,12 @@ impl ProcessRuntime {
                     Ok(Ok(a)) => Some(a),
                     Ok(Err(e)) => {
                         state.remove();
+                        let _ = group.remove(Duration::ZERO).await;
                         return Err(SpawnError::Network(e.to_string()));
                     }
                     Err(e) => {
                         state.remove();
+                        let _ = group.remove(Duration::ZERO).await;
                         return Err(SpawnError::Network(e.to_string()));
                     }
                 }
@@ -215,19 +261,21 @@ impl ProcessRuntime {
                 if resolve(program, path.as_deref()).is_none() {
                     self.detach(&spec.instance_id);
                     state.remove();
+                    let _ = group.remove(Duration::ZERO).await;
                     return Err(SpawnError::NoSuchProgram(program.clone()));
                 }
-                // In its own network namespace: `nsenter` execs bubblewrap
-                // (the same pid) once it joined it.
+                // In its cgroup first (the shell joins it, then execs),
+                // then in its own network namespace: `nsenter` execs
+                // bubblewrap (the same pid) once it joined it.
                 let mut cmd = match &netns {
                     Some(a) => {
-                        let mut cmd = tokio::process::Command::new("nsenter");
+                        let mut cmd = command_in(&group, "nsenter");
                         cmd.arg(format!("--net={}", a.netns_path().display()))
                             .arg("--")
                             .arg(bwrap);
                         cmd
                     }
-                    None => tokio::process::Command::new(bwrap),
+                    None => command_in(&group, bwrap),
                 };
                 let mut bwrap_args = bwrap_args_hiding(
                     &root,
@@ -250,7 +298,7 @@ impl ProcessRuntime {
                 cmd
             }
             Isolation::UsersOnly { .. } => {
-                let mut cmd = tokio::process::Command::new(program);
+                let mut cmd = command_in(&group, program);
                 cmd.args(args).current_dir(&spec.workdir);
                 if let Some(uid) = uid {
                     // std drops the supplementary groups when root sets a uid.
@@ -259,7 +307,7 @@ impl ProcessRuntime {
                 cmd
             }
             Isolation::None => {
-                let mut cmd = tokio::process::Command::new(program);
+                let mut cmd = command_in(&group, program);
                 cmd.args(args).current_dir(&spec.workdir);
                 cmd
             }
@@ -278,6 +326,7 @@ impl ProcessRuntime {
         if spawned.is_err() {
             self.detach(&spec.instance_id);
             state.remove();
+            let _ = group.remove(Duration::ZERO).await;
         }
         let child = spawned.map_err(|source| match source.kind() {
             std::io::ErrorKind::NotFound => SpawnError::NoSuchProgram(program.clone()),
@@ -318,6 +367,15 @@ impl ProcessRuntime {
         if let Err(error) = state.write_record(&record) {
             tracing::warn!(instance_id = %spec.instance_id, %error, "cannot record the process: a restarted agent will not find it");
         }
+        let disk_bytes = self
+            .limits
+            .as_ref()
+            .map(|l| l.defaults.disk_bytes(spec.disk_mb));
+        if let Some(bytes) = disk_bytes {
+            if let Err(error) = state.write_disk_limit(bytes) {
+                tracing::warn!(instance_id = %spec.instance_id, %error, "cannot record the disk limit: a restarted agent applies the node's default");
+            }
+        }
         let (workload, control) = Workload::new(
             spec.instance_id.clone(),
             pid,
@@ -334,6 +392,8 @@ impl ProcessRuntime {
             pumps,
             done: done_tx,
             wakers,
+            cgroup: group,
+            disk: disk_bytes.and_then(|b| self.disk_watch(&spec.instance_id, b)),
         }));
         Ok(workload)
     }
@@ -376,7 +436,15 @@ impl Runtime for ProcessRuntime {
                     record.started_at,
                     logs,
                 );
+                let disk_bytes = self.limits.as_ref().map(|l| {
+                    state
+                        .disk_limit()
+                        .unwrap_or_else(|| l.defaults.disk_bytes(None))
+                });
+                let disk = disk_bytes.and_then(|b| self.disk_watch(&id, b));
                 tokio::spawn(supervise(Supervised {
+                    cgroup: self.cgroup_of(&id),
+                    disk,
                     instance_id: id,
                     child: Leader::Adopted {
                         record: record.clone(),
@@ -392,8 +460,26 @@ impl Runtime for ProcessRuntime {
                 }));
                 adopted.push(workload);
             }
+            // Groups of workloads nobody follows any more (the agent died
+            // between creating a group and recording its process).
+            if let Some(limits) = &self.limits {
+                for id in limits.cgroups.instances() {
+                    if !adopted.iter().any(|w| w.instance_id() == &id) {
+                        let _ = limits.cgroups.of(&id).remove(Duration::from_secs(1)).await;
+                    }
+                }
+            }
             Ok(adopted)
         })
+    }
+
+    fn unenforced_limits(&self) -> Vec<String> {
+        match &self.limits {
+            Some(limits) => limits.unenforced(),
+            None => vec![
+                "memory, cpu, pids, disk: the process runtime was started without limits".into(),
+            ],
+        }
     }
 
     fn release(&self, instance_id: &InstanceId) {
@@ -422,6 +508,18 @@ impl ProcessRuntime {
             Err(_) => work(),
         }
     }
+}
+
+/// A command that runs `program` inside `group` (see
+/// [`cgroup::join_command`]); the caller adds the program's arguments.
+fn command_in(
+    group: &InstanceCgroup,
+    program: impl Into<std::ffi::OsString>,
+) -> tokio::process::Command {
+    let (program, args) = cgroup::join_command(group, program);
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.args(args);
+    cmd
 }
 
 /// Variables of the agent's own environment a workload may see: enough to
@@ -633,6 +731,10 @@ struct Supervised {
     /// Tells the output readers that no more output will come.
     done: watch::Sender<bool>,
     wakers: Wakers,
+    /// Its cgroup: read for OOM kills, emptied and removed at the end.
+    cgroup: InstanceCgroup,
+    /// The directory whose size is watched, and its limit in bytes.
+    disk: Option<(PathBuf, u64)>,
 }
 
 /// Waits for the leader, applying stop requests; then kills what is left of
@@ -640,9 +742,20 @@ struct Supervised {
 async fn supervise(mut s: Supervised) {
     let mut stop_requested = false;
     let mut kill_at: Option<Instant> = None;
+    let mut disk_exceeded = false;
+    let mut disk_check = tokio::time::interval(DISK_CHECK);
+    disk_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (code, at) = loop {
         tokio::select! {
             ended = s.child.wait() => break ended,
+            _ = disk_check.tick(), if s.disk.is_some() && !disk_exceeded => {
+                if let Some(used) = over_disk_limit(s.disk.as_ref()).await {
+                    tracing::warn!(instance_id = %s.instance_id, used, limit = s.disk.as_ref().map(|d| d.1), "disk limit exceeded, killing the workload");
+                    disk_exceeded = true;
+                    kill(s.pid, s.sandbox_init);
+                    s.cgroup.kill_all();
+                }
+            }
             grace = s.control.stop_requested() => {
                 if !stop_requested {
                     stop_requested = true;
@@ -669,6 +782,16 @@ async fn supervise(mut s: Supervised) {
     if s.child.signalable() {
         kill(s.pid, s.sandbox_init);
     }
+    // What it left written counts too, when it ended before a check.
+    if !disk_exceeded && !stop_requested {
+        disk_exceeded = over_disk_limit(s.disk.as_ref()).await.is_some();
+    }
+    // Killed by the kernel for its memory limit: an OOM kill in its group
+    // and an exit that failed (a workload may survive a child's kill).
+    let oom_killed = code != 0 && s.cgroup.oom_kills().is_some_and(|n| n > 0);
+    if let Err(error) = s.cgroup.remove(CGROUP_REMOVE_PATIENCE).await {
+        tracing::warn!(instance_id = %s.instance_id, %error, "cannot remove the instance's cgroup");
+    }
     s.done.send_replace(true);
     let drain = async {
         for pump in &mut s.pumps {
@@ -684,15 +807,29 @@ async fn supervise(mut s: Supervised) {
             pump.abort();
         }
     }
-    tracing::info!(instance_id = %s.instance_id, pid = s.pid, code, stopped = stop_requested, "process exited");
+    tracing::info!(instance_id = %s.instance_id, pid = s.pid, code, stopped = stop_requested, oom_killed, disk_exceeded, "process exited");
     s.control.exited(Exit {
         code,
         at,
         stop_requested,
-        oom_killed: false,
+        oom_killed,
+        disk_exceeded,
     });
     s.wakers.logs.notify_one();
     s.wakers.changed.notify_one();
+}
+
+/// How long the processes left in an ended workload's cgroup get to die
+/// before its removal is given up.
+const CGROUP_REMOVE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The bytes `disk` (directory, limit) uses when over its limit.
+async fn over_disk_limit(disk: Option<&(PathBuf, u64)>) -> Option<u64> {
+    let (dir, limit) = disk?.clone();
+    let used = tokio::task::spawn_blocking(move || disk_usage(&dir))
+        .await
+        .ok()?;
+    (used > limit).then_some(used)
 }
 
 async fn sleep_until_opt(at: Option<Instant>) {
@@ -764,6 +901,7 @@ mod tests {
             image: None,
             cpu_milli: None,
             memory_mb: None,
+            disk_mb: None,
             registry_auth: None,
         }
     }

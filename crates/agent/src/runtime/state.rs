@@ -96,6 +96,21 @@ impl StateDir {
         let _ = fs::remove_dir_all(&self.dir);
     }
 
+    /// Records the workload's disk limit, bytes, for an agent that adopts
+    /// it.
+    pub fn write_disk_limit(&self, bytes: u64) -> std::io::Result<()> {
+        replace(&self.path("disk_limit"), &format!("{bytes}\n"))
+    }
+
+    /// The recorded disk limit, bytes.
+    pub fn disk_limit(&self) -> Option<u64> {
+        fs::read_to_string(self.path("disk_limit"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     fn path(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }

@@ -604,6 +604,7 @@ impl KubeExecutor {
                                 message: Some("stopped before its job's pods were created".into()),
                                 container: None,
                                 weights_tier: None,
+                                limit_exceeded: None,
                             },
                         },
                     );
@@ -640,6 +641,7 @@ impl KubeExecutor {
                                 message: Some("stopped before its pod was created".into()),
                                 container: None,
                                 weights_tier: None,
+                                limit_exceeded: None,
                             },
                         },
                     );
@@ -815,6 +817,7 @@ impl KubeExecutor {
                         )),
                         container: None,
                         weights_tier: None,
+                        limit_exceeded: None,
                     },
                 );
             }
@@ -831,6 +834,7 @@ impl KubeExecutor {
                     message: None,
                     container: None,
                     weights_tier: None,
+                    limit_exceeded: None,
                 },
             );
         }

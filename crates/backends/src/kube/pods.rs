@@ -423,6 +423,7 @@ mod tests {
             cpu_milli: Some(4000),
             memory_mb: Some(16384),
             registry_auth: None,
+            disk_mb: None,
         }
     }
 

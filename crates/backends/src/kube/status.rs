@@ -235,6 +235,7 @@ pub fn observe(pod: &Pod, stopped: bool, seen: DateTime<Utc>) -> Option<Observed
         message,
         container,
         weights_tier: None,
+        limit_exceeded: None,
     })
 }
 

@@ -384,6 +384,7 @@ impl SlurmExecutor {
                         .then(|| format!("slurm job {} pending: {}", job.job_id, job.state_reason)),
                     container: None,
                     weights_tier: None,
+                    limit_exceeded: None,
                 }
             })
             .collect();
@@ -399,6 +400,7 @@ impl SlurmExecutor {
                     message: None,
                     container: None,
                     weights_tier: None,
+                    limit_exceeded: None,
                 });
             }
         }
@@ -412,6 +414,7 @@ impl SlurmExecutor {
                     message: Some(format!("submitted as slurm job {job_id}")),
                     container: None,
                     weights_tier: None,
+                    limit_exceeded: None,
                 });
             }
         }
@@ -468,6 +471,7 @@ impl SlurmExecutor {
                 runtime: RuntimeKind::Process,
                 executor: ExecutorKind::Slurm,
                 running,
+                unenforced_limits: Vec::new(),
             });
         }
         self.local().partition_of = partition_of;
@@ -650,6 +654,7 @@ mod tests {
             cpu_milli: Some(1500),
             memory_mb: Some(1024),
             registry_auth: None,
+            disk_mb: None,
         }
     }
 

@@ -1,0 +1,352 @@
+//! A tenant cannot take the node down under the process runtime: the real
+//! `flotilla` server and agent, and workloads doing what an attacker would
+//! (allocate far past their memory, spin more CPUs than they asked for,
+//! fork without end, fill the disk), each held to its limit and, where the
+//! limit ends it, ended with the reason. Each limit is checked against a
+//! precondition that shows the same workload gets past it where it is
+//! allowed to, so the assertion could fail.
+//!
+//! Needs root (cgroups are the kernel's, the agent sets them up as root,
+//! as in production and in CI); as another user it says so and passes.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use flotilla_testkit::process::{wait_until, Home};
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
+/// The node's default process limit in this test: low, so that the fork
+/// loop cannot hurt the machine running the test.
+const PIDS: u64 = 64;
+/// The node's default disk limit in this test, MiB.
+const DISK_MB: u64 = 64;
+
+fn run(home: &Home, key: &str, args: &[&str]) -> String {
+    let mut all = vec!["--gpus", "1"];
+    all.extend_from_slice(args);
+    home.run_detached(key, &all)
+}
+
+fn instance(home: &Home, key: &str, id: &str) -> Value {
+    home.get(key, &format!("/v1/instances/{id}"))
+}
+
+fn log_lines(home: &Home, key: &str, id: &str) -> Vec<String> {
+    let logs: Value = home.get(key, &format!("/v1/instances/{id}/logs?limit=1000"));
+    logs["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["line"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+/// Waits until the instance ended; its state and reason.
+fn ended(home: &Home, key: &str, id: &str) -> (String, String) {
+    let mut last = Value::Null;
+    wait_until(&format!("{id} ended"), Duration::from_secs(120), || {
+        last = instance(home, key, id);
+        matches!(
+            last["state"].as_str(),
+            Some("succeeded" | "failed" | "stopped")
+        )
+    });
+    (
+        last["state"].as_str().unwrap_or_default().to_string(),
+        last["state_reason"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+    )
+}
+
+fn wait_for_line(home: &Home, key: &str, id: &str, line: &str) {
+    wait_until(
+        &format!("{id} printed {line}"),
+        Duration::from_secs(60),
+        || log_lines(home, key, id).iter().any(|l| l == line),
+    );
+}
+
+fn stop(home: &Home, key: &str, id: &str) {
+    let out = home.cli(Some(key), &["stop", id]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn cgroup_v2() -> bool {
+    Path::new("/sys/fs/cgroup/cgroup.controllers").is_file()
+}
+
+/// The node's parent group in the tree of `controller` (v1) or the one
+/// tree (v2).
+fn node_group(node: &str, controller: &str) -> PathBuf {
+    let root = Path::new("/sys/fs/cgroup");
+    if cgroup_v2() {
+        root.join("flotilla").join(node)
+    } else {
+        root.join(controller).join("flotilla").join(node)
+    }
+}
+
+/// The instance's group in the tree of `controller`.
+fn cgroup(node: &str, id: &str, controller: &str) -> PathBuf {
+    node_group(node, controller).join(id)
+}
+
+/// CPU time the instance's group used so far.
+fn cpu_used(node: &str, id: &str) -> Option<Duration> {
+    if cgroup_v2() {
+        let text = std::fs::read_to_string(cgroup(node, id, "cpu").join("cpu.stat")).ok()?;
+        let us = text.lines().find_map(|l| l.strip_prefix("usage_usec "))?;
+        return Some(Duration::from_micros(us.trim().parse().ok()?));
+    }
+    let text = std::fs::read_to_string(cgroup(node, id, "cpuacct").join("cpuacct.usage")).ok()?;
+    Some(Duration::from_nanos(text.trim().parse().ok()?))
+}
+
+/// Removes the test node's groups when the test ends, even when it failed
+/// (the agent, killed with the test, cannot): kills what is left in each
+/// instance's group, then removes the groups.
+struct NodeGroups(String);
+
+impl Drop for NodeGroups {
+    fn drop(&mut self) {
+        for controller in ["memory", "cpu", "cpuacct", "pids"] {
+            let parent = node_group(&self.0, controller);
+            let groups: Vec<PathBuf> = std::fs::read_dir(&parent)
+                .map(|d| {
+                    d.flatten()
+                        .map(|e| e.path())
+                        .filter(|p| p.is_dir())
+                        .collect()
+                })
+                .unwrap_or_default();
+            for group in groups {
+                for _ in 0..100 {
+                    let procs =
+                        std::fs::read_to_string(group.join("cgroup.procs")).unwrap_or_default();
+                    for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    }
+                    if std::fs::remove_dir(&group).is_ok() || !group.exists() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+            let _ = std::fs::remove_dir(&parent);
+        }
+    }
+}
+
+fn memory_available_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap()
+        / 1024
+}
+
+/// Holds 1 GiB: `tail` keeps the last line, and the zeros have no newline.
+/// Its status is `tail`'s (137 when killed).
+const ALLOCATE_1G: &str = "head -c 1G /dev/zero | tail >/dev/null && echo allocated";
+
+fn memory(home: &Home, key: &str) {
+    assert!(
+        memory_available_mib() > 2048,
+        "the host has the memory for the allocation"
+    );
+    let allowed = run(
+        home,
+        key,
+        &["--memory", "2048M", "--", "sh", "-c", ALLOCATE_1G],
+    );
+    let limited = run(
+        home,
+        key,
+        &["--memory", "256M", "--", "sh", "-c", ALLOCATE_1G],
+    );
+    let (state, reason) = ended(home, key, &allowed);
+    assert_eq!(
+        (state.as_str(), reason.as_str()),
+        ("succeeded", "exit code 0")
+    );
+    assert!(log_lines(home, key, &allowed).contains(&"allocated".to_string()));
+    let (state, reason) = ended(home, key, &limited);
+    assert_eq!(state, "failed");
+    assert!(reason.starts_with("out of memory"), "{reason}");
+}
+
+/// Periods in which the group wanted more CPU than its quota (`cpu.stat`
+/// of the cpu tree, v1 and v2 alike).
+fn throttled_periods(node: &str, id: &str) -> u64 {
+    let text = std::fs::read_to_string(cgroup(node, id, "cpu").join("cpu.stat")).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("nr_throttled "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap()
+}
+
+fn cpu(home: &Home, key: &str, node: &str) {
+    let spin = "while :; do :; done & while :; do :; done & echo spinning; wait";
+    let half = run(home, key, &["--cpu", "500", "--", "sh", "-c", spin]);
+    // A tenth of a core is below what the loops get even on a loaded test
+    // machine, so its quota must visibly hold them back.
+    let tenth = run(home, key, &["--cpu", "100", "--", "sh", "-c", spin]);
+    wait_for_line(home, key, &half, "spinning");
+    wait_for_line(home, key, &tenth, "spinning");
+    let (t0, h0, u0) = (
+        Instant::now(),
+        cpu_used(node, &half).expect("cpu usage"),
+        cpu_used(node, &tenth).expect("cpu usage"),
+    );
+    let throttled0 = throttled_periods(node, &tenth);
+    std::thread::sleep(Duration::from_secs(5));
+    let secs = t0.elapsed().as_secs_f64();
+    let half_rate = (cpu_used(node, &half).expect("cpu usage") - h0).as_secs_f64() / secs;
+    let tenth_rate = (cpu_used(node, &tenth).expect("cpu usage") - u0).as_secs_f64() / secs;
+    let throttled = throttled_periods(node, &tenth) - throttled0;
+    let half_throttled = throttled_periods(node, &half);
+    for id in [&half, &tenth] {
+        stop(home, key, id);
+    }
+    for id in [&half, &tenth] {
+        ended(home, key, id);
+    }
+    eprintln!(
+        "cpu: --cpu 500 used {half_rate:.3} CPU-s/s ({half_throttled} periods throttled), \
+         --cpu 100 used {tenth_rate:.3} ({throttled} periods throttled)"
+    );
+    assert!(
+        half_rate <= 0.6,
+        "--cpu 500 used {half_rate:.3} CPU-seconds per second"
+    );
+    assert!(half_rate > 0.02, "the loops ran: {half_rate:.3}");
+    if half_rate > 0.45 {
+        assert!(half_throttled > 0, "at its quota, it was held there");
+    }
+    assert!(
+        throttled > 10,
+        "the quota held the loops back: {throttled} periods"
+    );
+    assert!(tenth_rate <= 0.15, "--cpu 100 used {tenth_rate:.3}");
+}
+
+fn pids(home: &Home, key: &str, node: &str) {
+    // dash ends when a fork fails: the loop runs in a shell of its own,
+    // and the instance's shell goes on (without forking) once it ended.
+    let forks =
+        "sh -c 'for i in $(seq 200); do sleep 300 & done' 2>/dev/null; echo forked; exec sleep 300";
+    let id = run(home, key, &["--", "sh", "-c", forks]);
+    wait_for_line(home, key, &id, "forked");
+    let group = cgroup(node, &id, "pids");
+    let procs = std::fs::read_to_string(group.join("cgroup.procs")).unwrap();
+    let n = procs.lines().count() as u64;
+    let events = std::fs::read_to_string(group.join("pids.events")).unwrap();
+    let refused: u64 = events
+        .lines()
+        .find_map(|l| l.strip_prefix("max "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    eprintln!("pids: {n} processes in the group, {refused} forks refused");
+    assert!(refused > 0, "forks past the limit were refused: {events}");
+    assert!(n <= PIDS && n > PIDS / 2, "held at the limit: {n}");
+    assert_eq!(instance(home, key, &id)["state"], "running");
+    stop(home, key, &id);
+    let (state, _) = ended(home, key, &id);
+    assert_eq!(state, "stopped");
+    // The node survived: it runs the next instance, and the group is gone.
+    assert!(
+        !group.exists(),
+        "the group was removed: {}",
+        group.display()
+    );
+    let next = run(home, key, &["--", "sh", "-c", "echo still-here"]);
+    assert_eq!(ended(home, key, &next).0, "succeeded");
+}
+
+fn disk(home: &Home, key: &str) {
+    // Precondition: writing below the limit works.
+    let small = run(
+        home,
+        key,
+        &["--", "sh", "-c", "head -c 32M /dev/zero > f && echo wrote"],
+    );
+    assert_eq!(ended(home, key, &small).0, "succeeded");
+    assert!(log_lines(home, key, &small).contains(&"wrote".to_string()));
+    let big = run(
+        home,
+        key,
+        &[
+            "--",
+            "sh",
+            "-c",
+            "head -c 200M /dev/zero > f; echo wrote; sleep 300",
+        ],
+    );
+    let (state, reason) = ended(home, key, &big);
+    assert_eq!(state, "failed");
+    assert!(reason.starts_with("disk limit exceeded"), "{reason}");
+}
+
+#[test]
+fn workloads_are_held_to_their_limits() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: cgroup limits need root (CI runs this as root)");
+        return;
+    }
+    flotilla_agent::runtime::sandbox::test_support::ensure_bwrap();
+    let node = format!("limits-{}", std::process::id());
+    // Dropped after `home`, which kills the agent and the workloads.
+    let _groups = NodeGroups(node.clone());
+    let home = Home::new(BIN);
+    let _server = home.server();
+    let _agent = home.agent_with(
+        &node,
+        "4xH100",
+        &home.url(),
+        &[
+            "--default-pids",
+            &PIDS.to_string(),
+            "--default-disk",
+            &format!("{DISK_MB}M"),
+        ],
+    );
+    let (_, key) = home.tenant("limited");
+    memory(&home, &key);
+    cpu(&home, &key, &node);
+    pids(&home, &key, &node);
+    disk(&home, &key);
+    // Nothing of this node is left in the cgroup trees once its work ended.
+    for controller in ["memory", "cpu", "pids"] {
+        let parent = node_group(&node, controller);
+        let left: Vec<_> = std::fs::read_dir(&parent)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| e.file_name())
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(
+            left.is_empty(),
+            "groups left in {}: {left:?}",
+            parent.display()
+        );
+    }
+    let agent_log = std::fs::read_to_string(home.dir.path().join("agent.log")).unwrap();
+    assert!(
+        agent_log.contains("workloads are held to their memory, cpu, pids and disk limits"),
+        "the node enforces every limit"
+    );
+}
