@@ -104,7 +104,14 @@ pub struct AgentConfig {
     /// `PROGRAM agent-fence --file F --agent-pid P`: `flotilla agent` passes
     /// its own binary. `None`: no fence process (the agent still stops its
     /// work itself when the lease runs out, but not while it is paused).
+    /// The process runtime runs it as `PROGRAM agent-log-relay` to relay
+    /// workloads' output with back-pressure ([`runtime::relay`]); `None`:
+    /// workloads write their output files directly.
     pub fence_program: Option<PathBuf>,
+    /// Keep ended instances' directories this long for debugging
+    /// (`--keep-workdirs`); `None`: removed once their output was shipped
+    /// (see [`runtime::leftovers`]).
+    pub keep_workdirs: Option<Duration>,
     /// Where workloads run (default: sandboxed processes).
     pub runtime: RuntimeKind,
     /// Lets the process runtime run workloads as root's agent without a
@@ -166,6 +173,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("work_dir", &self.work_dir)
             .field("sync_wait_ms", &self.sync_wait_ms)
             .field("fence_program", &self.fence_program)
+            .field("keep_workdirs", &self.keep_workdirs)
             .field("runtime", &self.runtime)
             .field("insecure_process_runtime", &self.insecure_process_runtime)
             .field("sandbox_shares", &self.sandbox_shares)
@@ -203,6 +211,7 @@ impl AgentConfig {
             work_dir: work_dir.into(),
             sync_wait_ms: 10_000,
             fence_program: None,
+            keep_workdirs: None,
             runtime: RuntimeKind::default(),
             insecure_process_runtime: false,
             sandbox_shares: Vec::new(),
@@ -369,14 +378,20 @@ async fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
             };
             let node = config.name.clone();
             let defaults = config.limit_defaults;
+            // The fence's program (this binary) also relays output.
+            let (relay, keep) = (config.fence_program.clone(), config.keep_workdirs);
             let runtime = tokio::task::spawn_blocking(move || {
                 let limits = runtime::limits::Enforcement::detect(
                     &node,
                     defaults,
                     discovery::host_memory_mib(),
                 );
-                runtime::ProcessRuntime::new(&sandbox)
-                    .map(|r| r.for_node(&node).with_limits(limits))
+                runtime::ProcessRuntime::new(&sandbox).map(|r| {
+                    r.for_node(&node)
+                        .with_limits(limits)
+                        .with_relay(relay)
+                        .keeping_workdirs(keep)
+                })
             })
             .await
             .context("runtime setup task failed")??;

@@ -277,7 +277,12 @@ pub async fn dispatch(ctx: &Ctx, command: EndpointsCommand) -> Result<ExitCode> 
                 print_json(&lines)?;
             } else {
                 for l in lines {
-                    outln!("[{} r{}] {}", l.instance_id, l.revision, l.line.line)?;
+                    outln!(
+                        "[{} r{}] {}",
+                        l.instance_id,
+                        l.revision,
+                        flotilla_core::text::escape_controls(&l.line.line)
+                    )?;
                 }
             }
             Ok(ExitCode::SUCCESS)

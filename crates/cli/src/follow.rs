@@ -12,6 +12,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Result};
 use flotilla_core::api::{Instance, LogLine, LogStream};
 use flotilla_core::instance::InstanceState;
+use flotilla_core::text::escape_controls;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -70,14 +71,17 @@ pub fn write_line(line: &LogLine, json: bool) -> Result<()> {
         let mut out = std::io::stdout().lock();
         writeln!(out, "{text}").and_then(|()| out.flush())
     } else {
+        // The workload's control characters as text: they must not act
+        // on the reader's terminal (`--json` gives them as they are).
+        let text = escape_controls(&line.line);
         match line.stream {
             LogStream::Stdout => {
                 let mut out = std::io::stdout().lock();
-                writeln!(out, "{}", line.line).and_then(|()| out.flush())
+                writeln!(out, "{text}").and_then(|()| out.flush())
             }
             LogStream::Stderr => {
                 let mut err = std::io::stderr().lock();
-                writeln!(err, "{}", line.line).and_then(|()| err.flush())
+                writeln!(err, "{text}").and_then(|()| err.flush())
             }
         }
     };

@@ -288,6 +288,11 @@ pub struct WorkloadArgs {
     /// dropped first); default: half the node's memory.
     #[arg(long, value_name = "GB")]
     pub parked_gb: Option<u64>,
+    /// Keep an ended instance's working directory this long for debugging
+    /// (`30m`, `1h`, at most `7d`); by default it is removed once the
+    /// instance's output was shipped.
+    #[arg(long, value_name = "DURATION", value_parser = flotilla_agent::runtime::leftovers::parse_keep)]
+    pub keep_workdirs: Option<std::time::Duration>,
 }
 
 impl WorkloadArgs {
@@ -306,6 +311,7 @@ impl WorkloadArgs {
             (self.image_cache_gb > 0).then(|| self.image_cache_gb.saturating_mul(1_000_000_000));
         config.weight_cache_bytes = self.weight_cache_gb.saturating_mul(1_000_000_000);
         config.parked_bytes = self.parked_gb.map(|gb| gb.saturating_mul(1_000_000_000));
+        config.keep_workdirs = self.keep_workdirs;
     }
 }
 

@@ -121,6 +121,18 @@ enum Command {
         #[arg(long)]
         agent_pid: u32,
     },
+    /// Relays a workload's output stream into its file, holding it back
+    /// while the agent has not shipped enough (started by the agent's
+    /// process runtime beside each workload).
+    #[command(name = "agent-log-relay", hide = true)]
+    AgentLogRelay {
+        /// The workload's state directory.
+        #[arg(long)]
+        dir: std::path::PathBuf,
+        /// `stdout` or `stderr`.
+        #[arg(long, value_parser = ["stdout", "stderr"])]
+        stream: String,
+    },
     /// Check an API key against a server and save both.
     Login,
     /// List GPU models with the pool's total and free capacity.
@@ -439,6 +451,24 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
                 .await?;
             return Ok(ExitCode::SUCCESS);
         }
+        Command::AgentLogRelay { dir, stream } => {
+            let stream = if stream == "stderr" {
+                flotilla_core::api::LogStream::Stderr
+            } else {
+                flotilla_core::api::LogStream::Stdout
+            };
+            let relayed = tokio::task::spawn_blocking(move || {
+                flotilla_agent::runtime::relay::relay(
+                    std::io::stdin().lock(),
+                    &dir,
+                    stream,
+                    flotilla_agent::runtime::relay::MAX_BACKLOG_BYTES,
+                )
+            })
+            .await?;
+            relayed.map_err(|e| anyhow::anyhow!("relaying workload output: {e}"))?;
+            return Ok(ExitCode::SUCCESS);
+        }
         Command::Login => return commands::login(server, api_key, tls).await,
         Command::Simulate(args) => return simulate::run(args),
         _ => {}
@@ -524,6 +554,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         | Command::Emulator(_)
         | Command::QueueWorker(_)
         | Command::AgentFence { .. }
+        | Command::AgentLogRelay { .. }
         | Command::Login
         | Command::Simulate(_) => {
             unreachable!("handled above")

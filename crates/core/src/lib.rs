@@ -25,6 +25,7 @@ pub mod queue_trigger;
 pub mod quota;
 pub mod registry;
 pub mod tenant;
+pub mod text;
 pub mod work;
 
 pub use error::{FieldError, QuotaExceeded};

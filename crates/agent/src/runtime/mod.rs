@@ -16,7 +16,9 @@
 pub mod network;
 pub mod cgroup;
 pub mod limits;
+pub mod leftovers;
 pub mod process;
+pub mod relay;
 pub mod sandbox;
 pub mod state;
 
@@ -542,25 +544,67 @@ pub struct LogBuffer {
     /// Where how far the output was shipped is recorded, for an agent that
     /// takes the workload over after a restart.
     state: Option<state::StateDir>,
+    /// Woken whenever the server answered a batch.
+    acked: Notify,
 }
 
 #[derive(Debug, Default)]
 struct LogInner {
     next_seq: u64,
-    pending: VecDeque<LogLine>,
+    /// Unsent lines and gaps, in sequence order.
+    pending: VecDeque<Pending>,
+    /// How many of them are lines (not gaps).
+    lines: usize,
+    /// The bytes of those lines.
+    bytes: usize,
     /// Lines dropped so far (buffer full, or refused for good).
     dropped: u64,
-    /// Lines lost and not yet reported in the log itself: a marker line
-    /// saying how many goes out first, under `lost_seq`.
-    lost: u64,
-    /// The sequence number of the last lost line, reused by the marker
-    /// (the server never got a line with it, and it precedes every
-    /// pending line).
-    lost_seq: u64,
+    /// The last sequence number of the batch handed out for shipping and
+    /// not yet answered: lines up to it are never dropped, nor gaps up to
+    /// it grown, so that the server never gets a line that is also
+    /// counted lost, nor a marker whose count changed after it was sent.
+    in_flight: Option<u64>,
     /// For output read from files: where each pending line ended in its
     /// file, and how far the shipped lines reach.
     ends: VecDeque<(u64, LogStream, u64)>,
     shipped: state::Checkpoint,
+}
+
+/// One unsent entry of a [`LogBuffer`].
+#[derive(Debug, Clone)]
+enum Pending {
+    /// A captured line.
+    Line(LogLine),
+    /// `lost` consecutive lines that were dropped, the last of them
+    /// numbered `seq`: shipped as one marker line under that number (the
+    /// server never got a line with it), saying exactly this gap's count.
+    Gap {
+        seq: u64,
+        lost: u64,
+        at: DateTime<Utc>,
+    },
+}
+
+impl Pending {
+    fn seq(&self) -> u64 {
+        match self {
+            Pending::Line(l) => l.seq,
+            Pending::Gap { seq, .. } => *seq,
+        }
+    }
+
+    /// As it is shipped: the line, or the gap's marker.
+    fn to_line(&self) -> LogLine {
+        match self {
+            Pending::Line(l) => l.clone(),
+            Pending::Gap { seq, lost, at } => LogLine {
+                seq: *seq,
+                stream: LogStream::Stderr,
+                at: *at,
+                line: lost_marker(*lost),
+            },
+        }
+    }
 }
 
 impl LogInner {
@@ -579,28 +623,72 @@ impl LogInner {
         self.shipped.next_seq = self.shipped.next_seq.max(seq + 1);
     }
 
-    fn lose_front(&mut self) {
-        if let Some(line) = self.pending.pop_front() {
-            self.dropped += 1;
-            self.lost += 1;
-            self.lost_seq = line.seq;
+    /// Drops the oldest line not in flight into a gap: the gap right
+    /// before it grows (when it is not in flight either), or the line
+    /// becomes a gap of one.
+    fn lose_oldest(&mut self) {
+        let first = match self.in_flight {
+            Some(f) => self.pending.partition_point(|e| e.seq() <= f),
+            None => 0,
+        };
+        let Some(i) = (first..self.pending.len())
+            .find(|&i| matches!(self.pending.get(i), Some(Pending::Line(_))))
+        else {
+            return;
+        };
+        let Some(Pending::Line(line)) = self.pending.get(i) else {
+            return;
+        };
+        let (seq, at) = (line.seq, line.at);
+        self.bytes -= line.line.len();
+        self.lines -= 1;
+        self.dropped += 1;
+        if i > first {
+            if let Some(Pending::Gap { seq: g, lost, .. }) = self.pending.get_mut(i - 1) {
+                *g = seq;
+                *lost += 1;
+                self.pending.remove(i);
+                return;
+            }
         }
+        self.pending[i] = Pending::Gap { seq, lost: 1, at };
     }
 
-    fn marker(&self) -> Option<LogLine> {
-        (self.lost > 0).then(|| LogLine {
-            seq: self.lost_seq,
-            stream: LogStream::Stderr,
-            at: Utc::now(),
-            line: lost_marker(self.lost),
-        })
+    /// Removes every entry up to `seq`; returns the lines and the gaps'
+    /// lost lines among them.
+    fn remove_through(&mut self, seq: u64) -> (u64, u64) {
+        let (mut lines, mut lost) = (0, 0);
+        while let Some(e) = self.pending.front() {
+            if e.seq() > seq {
+                break;
+            }
+            match e {
+                Pending::Line(l) => {
+                    lines += 1;
+                    self.bytes -= l.line.len();
+                }
+                Pending::Gap { lost: n, .. } => lost += n,
+            }
+            self.pending.pop_front();
+        }
+        self.lines -= lines as usize;
+        (lines, lost)
     }
 }
 
 /// The line that stands in an instance's log for `n` lines the node could
-/// not deliver.
+/// not deliver: those right before it (its sequence number is the last
+/// of them), and only those.
 pub fn lost_marker(n: u64) -> String {
     format!("[flotilla: {n} lines of output lost: the node could not deliver them]")
+}
+
+/// The count a [`lost_marker`] line states, for readers that add up a log.
+pub fn parse_lost_marker(line: &str) -> Option<u64> {
+    line.strip_prefix("[flotilla: ")?
+        .strip_suffix(" lines of output lost: the node could not deliver them]")?
+        .parse()
+        .ok()
 }
 
 /// About how many bytes `line` takes in a JSON batch: escapes counted at
@@ -626,6 +714,7 @@ impl LogBuffer {
             instance_id,
             inner: Mutex::new(LogInner::default()),
             state: None,
+            acked: Notify::new(),
         }
     }
 
@@ -644,6 +733,7 @@ impl LogBuffer {
                 ..LogInner::default()
             }),
             state: Some(state),
+            acked: Notify::new(),
         }
     }
 
@@ -670,8 +760,10 @@ impl LogBuffer {
     }
 
     /// Appends a line, giving it the next sequence number; returns how many
-    /// lines are pending. Beyond [`MAX_PENDING_LINES`] the oldest is
-    /// dropped, and a marker line reports how many (see [`lost_marker`]).
+    /// lines are pending. Beyond [`MAX_PENDING_LINES`] the oldest line not
+    /// being shipped is dropped, and a marker line reports exactly the gap
+    /// (see [`lost_marker`]). Readers of files never get there: they wait
+    /// (see [`LogBuffer::wait_for_room`]).
     pub fn push(&self, stream: LogStream, line: String) -> usize {
         let mut inner = self.lock();
         self.push_locked(&mut inner, stream, line)
@@ -680,16 +772,16 @@ impl LogBuffer {
     fn push_locked(&self, inner: &mut LogInner, stream: LogStream, line: String) -> usize {
         let seq = inner.next_seq;
         inner.next_seq += 1;
-        inner.pending.push_back(LogLine {
+        inner.bytes += line.len();
+        inner.pending.push_back(Pending::Line(LogLine {
             seq,
             stream,
             at: Utc::now(),
             line,
-        });
-        if inner.pending.len() > MAX_PENDING_LINES {
-            inner.lose_front();
-            let lost = inner.lost_seq;
-            inner.passed(lost);
+        }));
+        inner.lines += 1;
+        if inner.lines > MAX_PENDING_LINES {
+            inner.lose_oldest();
             if inner.dropped == 1 || inner.dropped.is_multiple_of(10_000) {
                 tracing::warn!(
                     instance_id = %self.instance_id,
@@ -698,33 +790,61 @@ impl LogBuffer {
                 );
             }
         }
-        inner.pending.len()
+        inner.lines
     }
 
-    /// Copies up to `max` of the oldest pending lines (the lost-lines
-    /// marker first, when lines were lost).
+    /// Waits until fewer than `max_lines` lines and `max_bytes` bytes are
+    /// pending (woken by every answer from the server): how a reader of
+    /// output files holds back instead of dropping lines, the files being
+    /// the buffer.
+    pub async fn wait_for_room(&self, max_lines: usize, max_bytes: usize) {
+        loop {
+            let acked = self.acked.notified();
+            {
+                let inner = self.lock();
+                if inner.lines < max_lines && inner.bytes < max_bytes {
+                    return;
+                }
+            }
+            // A missed wake-up costs at most a tick.
+            let _ = tokio::time::timeout(Duration::from_millis(100), acked).await;
+        }
+    }
+
+    /// Copies up to `max` of the oldest pending lines (a lost-lines marker
+    /// in place of each gap).
     pub fn peek(&self, max: usize) -> Vec<LogLine> {
-        self.peek_batch(max, usize::MAX)
+        let inner = self.lock();
+        inner
+            .pending
+            .iter()
+            .take(max)
+            .map(Pending::to_line)
+            .collect()
     }
 
     /// The next batch to ship: the oldest pending lines, at most
     /// `max_lines` and, past the first, at most about `max_bytes` of JSON
-    /// (see [`json_size`]).
+    /// (see [`json_size`]). Its lines stay pending, and are never dropped,
+    /// until [`LogBuffer::ack`], [`LogBuffer::give_up`] or
+    /// [`LogBuffer::discard`] answers it.
     pub fn peek_batch(&self, max_lines: usize, max_bytes: usize) -> Vec<LogLine> {
-        let inner = self.lock();
-        let mut out: Vec<LogLine> = inner.marker().into_iter().collect();
-        let mut bytes: usize = out.iter().map(json_size).sum();
-        for line in &inner.pending {
+        let mut inner = self.lock();
+        let mut out: Vec<LogLine> = Vec::new();
+        let mut bytes: usize = 0;
+        for entry in &inner.pending {
             if out.len() >= max_lines {
                 break;
             }
-            let size = json_size(line);
+            let line = entry.to_line();
+            let size = json_size(&line);
             if !out.is_empty() && bytes.saturating_add(size) > max_bytes {
                 break;
             }
             bytes = bytes.saturating_add(size);
-            out.push(line.clone());
+            out.push(line);
         }
+        inner.in_flight = out.last().map(|l| l.seq);
         out
     }
 
@@ -732,58 +852,63 @@ impl LogBuffer {
     /// has them).
     pub fn ack(&self, seq: u64) {
         let mut inner = self.lock();
-        while inner.pending.front().is_some_and(|l| l.seq <= seq) {
-            inner.pending.pop_front();
-        }
-        if inner.lost > 0 && inner.lost_seq <= seq {
-            inner.lost = 0;
-        }
+        inner.remove_through(seq);
+        inner.in_flight = None;
         inner.passed(seq);
         self.save(&inner);
+        drop(inner);
+        self.acked.notify_waiters();
     }
 
-    /// The server refused `batch` for good: its lines are lost, and the
-    /// marker will say so. A refused marker alone is dropped (it cannot be
-    /// reported in a log the server does not take).
+    /// The server refused `batch` for good: its lines are lost, and one
+    /// marker in their place will say how many (with the lines of any gap
+    /// the batch reported, which the server did not take either). A
+    /// marker refused alone is dropped with an error: the server refuses
+    /// the very report.
     pub fn give_up(&self, batch: &[LogLine]) {
-        let Some(last) = batch.last().map(|l| l.seq) else {
+        let Some(last) = batch.last() else {
             return;
         };
         let mut inner = self.lock();
-        let had_marker = inner.lost > 0 && inner.lost_seq <= last;
-        let mut n = 0;
-        while inner.pending.front().is_some_and(|l| l.seq <= last) {
-            inner.pending.pop_front();
-            n += 1;
+        inner.in_flight = None;
+        let (lines, lost) = inner.remove_through(last.seq);
+        inner.dropped += lines;
+        if lines == 0 {
+            if lost > 0 {
+                tracing::error!(instance_id = %self.instance_id, lost, "server refused the marker of lost lines; their count is not in the log");
+                inner.passed(last.seq);
+                self.save(&inner);
+            }
+        } else {
+            // The checkpoint stays before them until the marker is
+            // shipped: an agent that restarts meanwhile reads them again.
+            inner.pending.push_front(Pending::Gap {
+                seq: last.seq,
+                lost: lines + lost,
+                at: last.at,
+            });
         }
-        inner.dropped += n;
-        inner.passed(last);
-        self.save(&inner);
-        if n == 0 && had_marker {
-            inner.lost = 0;
-            return;
-        }
-        inner.lost += n;
-        inner.lost_seq = last;
+        drop(inner);
+        self.acked.notify_waiters();
     }
 
-    /// Drops every pending line (and the marker): nobody will take them.
+    /// Drops every pending line (and marker): nobody will take them.
     pub fn discard(&self) {
         let mut inner = self.lock();
-        let n = inner.pending.len() as u64;
-        if let Some(last) = inner.pending.back().map(|l| l.seq) {
+        inner.in_flight = None;
+        if let Some(last) = inner.pending.back().map(Pending::seq) {
+            let (lines, _) = inner.remove_through(last);
+            inner.dropped += lines;
             inner.passed(last);
             self.save(&inner);
         }
-        inner.pending.clear();
-        inner.dropped += n;
-        inner.lost = 0;
+        drop(inner);
+        self.acked.notify_waiters();
     }
 
-    /// Lines waiting to be shipped (the lost-lines marker counts as one).
+    /// Lines waiting to be shipped (each lost-lines marker counts as one).
     pub fn pending(&self) -> usize {
-        let inner = self.lock();
-        inner.pending.len() + usize::from(inner.lost > 0)
+        self.lock().pending.len()
     }
 
     /// Lines captured so far (the next sequence number).
@@ -941,6 +1066,69 @@ mod tests {
         assert_eq!(b.peek(1)[0].seq, 9);
     }
 
+    /// Counts a log as the server would keep it: lines kept, and lost
+    /// lines as the markers state them.
+    fn kept_and_lost(log: &[LogLine]) -> (u64, u64) {
+        let lost: u64 = log.iter().filter_map(|l| parse_lost_marker(&l.line)).sum();
+        let markers = log
+            .iter()
+            .filter(|l| parse_lost_marker(&l.line).is_some())
+            .count() as u64;
+        (log.len() as u64 - markers, lost)
+    }
+
+    /// Lines keep arriving while batches are in flight, far over the cap:
+    /// no line is both delivered and counted lost, every marker states
+    /// its own gap only, and the numbering's gaps are exactly the markers'.
+    #[test]
+    fn every_marker_states_exactly_its_own_gap() {
+        let b = LogBuffer::new(InstanceId::generate(1, 1));
+        let mut server: Vec<LogLine> = Vec::new();
+        let written = 3 * MAX_PENDING_LINES as u64 + 777;
+        let mut next = 0u64;
+        while next < written {
+            let batch = b.peek_batch(SHIP_BATCH_LINES, SHIP_BATCH_BYTES);
+            // A burst arrives while the batch is on its way.
+            for _ in 0..(20_000.min(written - next)) {
+                b.push(LogStream::Stdout, format!("{next}"));
+                next += 1;
+            }
+            if let Some(last) = batch.last().map(|l| l.seq) {
+                server.extend(batch);
+                b.ack(last);
+            }
+        }
+        loop {
+            let batch = b.peek_batch(SHIP_BATCH_LINES, SHIP_BATCH_BYTES);
+            let Some(last) = batch.last().map(|l| l.seq) else {
+                break;
+            };
+            server.extend(batch);
+            b.ack(last);
+        }
+        let (kept, lost) = kept_and_lost(&server);
+        assert!(lost > 0, "the cap was reached");
+        assert_eq!(kept + lost, written);
+        assert_eq!(lost, b.dropped());
+        // Sequence numbers are the lines' own: each marker stands right
+        // after the lines it reports, under the last one's number.
+        let mut expect = 0u64;
+        for l in &server {
+            match parse_lost_marker(&l.line) {
+                Some(n) => {
+                    assert_eq!(l.seq, expect + n - 1, "marker {n} at {}", l.seq);
+                    expect += n;
+                }
+                None => {
+                    assert_eq!(l.line, l.seq.to_string());
+                    assert_eq!(l.seq, expect);
+                    expect += 1;
+                }
+            }
+        }
+        assert_eq!(expect, written);
+    }
+
     #[test]
     fn batches_fit_the_servers_limit_and_refused_lines_are_reported_lost() {
         let b = LogBuffer::new(InstanceId::generate(1, 1));
@@ -964,16 +1152,22 @@ mod tests {
         for i in 0..3 {
             b.push(LogStream::Stdout, format!("r{i}"));
         }
-        let batch = b.peek(2);
+        let batch = b.peek_batch(2, SHIP_BATCH_BYTES);
         b.give_up(&batch);
         assert_eq!(b.dropped(), 2);
-        let next = b.peek(10);
+        let next = b.peek_batch(1, SHIP_BATCH_BYTES);
         assert_eq!(next[0].line, lost_marker(2));
         assert_eq!(next[0].seq, batch[1].seq);
-        assert_eq!(next[1].line, "r2");
+        assert_eq!(b.peek(10)[1].line, "r2");
+        // A refused batch that held a marker: its count joins the new one.
+        let next = b.peek_batch(2, SHIP_BATCH_BYTES);
+        b.give_up(&next);
+        assert_eq!(b.dropped(), 3);
+        let next = b.peek_batch(10, SHIP_BATCH_BYTES);
+        assert_eq!(next.len(), 1);
+        assert_eq!(next[0].line, lost_marker(3));
         // The marker refused alone is dropped, not resent forever.
-        b.give_up(&next[..1]);
-        assert_eq!(b.peek(10).len(), 1);
-        assert_eq!(b.pending(), 1);
+        b.give_up(&next);
+        assert_eq!(b.pending(), 0);
     }
 }

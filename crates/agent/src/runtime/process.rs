@@ -33,8 +33,8 @@ use super::{
     SpawnError, SpawnSpec, Wakers, Workload,
 };
 
-/// How long to wait for the output to be read after the process group
-/// ended.
+/// How long the output relays may go on after the process group ended
+/// (draining the pipes takes milliseconds).
 const PIPE_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Runs workloads as processes of this host, isolated as well as the host
@@ -52,6 +52,13 @@ pub struct ProcessRuntime {
     network: Network,
     /// The limits workloads are held to; `None`: none.
     limits: Option<Enforcement>,
+    /// The program whose `agent-log-relay` subcommand relays a workload's
+    /// output (see [`super::relay`]); `None`: the workload writes its
+    /// output files itself, and is never slowed.
+    relay: Option<PathBuf>,
+    /// How long an ended instance's directory is kept for debugging;
+    /// `None`: removed once its output was shipped.
+    keep_workdirs: Option<Duration>,
 }
 
 impl ProcessRuntime {
@@ -108,6 +115,8 @@ impl ProcessRuntime {
                 why: "not set up".into(),
             },
             limits: None,
+            relay: None,
+            keep_workdirs: None,
         }
     }
 
@@ -134,6 +143,22 @@ impl ProcessRuntime {
     fn disk_watch(&self, instance_id: &InstanceId, disk_bytes: u64) -> Option<(PathBuf, u64)> {
         self.limits.as_ref()?;
         Some((self.instance_dir(instance_id), disk_bytes))
+    }
+
+    /// Relays workloads' output through `program agent-log-relay` (this
+    /// binary), which holds a workload back while its output is not
+    /// shipped (see [`super::relay`]).
+    pub fn with_relay(mut self, program: Option<PathBuf>) -> Self {
+        self.relay = program;
+        self
+    }
+
+    /// Keeps an ended instance's directory for `keep` after the agent is
+    /// done with it, rather than removing it at once (see
+    /// [`super::leftovers`]).
+    pub fn keeping_workdirs(mut self, keep: Option<Duration>) -> Self {
+        self.keep_workdirs = keep;
+        self
     }
 
     /// Keeps the workloads' state under `state/<node>` (default `local`):
@@ -211,8 +236,35 @@ impl ProcessRuntime {
         // outlives the agent (see [`super::state`]).
         let state = StateDir::new(&self.state_root, &spec.instance_id);
         state.create().map_err(os)?;
-        let stdout = state.append("stdout").map_err(os)?;
-        let stderr = state.append("stderr").map_err(os)?;
+        // Both files exist before anything writes them: the readers open
+        // them at once.
+        for name in ["stdout", "stderr"] {
+            state.append(name).map_err(os)?;
+        }
+        let (stdout, stderr, relays) = match &self.relay {
+            Some(program) => {
+                let relayed = spawn_relay(program, &state, LogStream::Stdout)
+                    .and_then(|out| Ok((out, spawn_relay(program, &state, LogStream::Stderr)?)));
+                let ((out, out_relay), (err, err_relay)) = match relayed {
+                    Ok(r) => r,
+                    Err(e) => {
+                        // A relay already started leaves with its directory.
+                        state.remove();
+                        return Err(os(e));
+                    }
+                };
+                let relays = vec![out_relay, err_relay];
+                if let Err(error) = state.write_relays(&relays) {
+                    tracing::warn!(instance_id = %spec.instance_id, %error, "cannot record the output relays: a restarted agent will not wait for them");
+                }
+                (Stdio::from(out), Stdio::from(err), relays)
+            }
+            None => (
+                Stdio::from(state.append("stdout").map_err(os)?),
+                Stdio::from(state.append("stderr").map_err(os)?),
+                Vec::new(),
+            ),
+        };
         let mut stdin = Stdio::null();
         let mut env = base_env(&spec.workdir);
         env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.into())));
@@ -318,13 +370,17 @@ impl ProcessRuntime {
         cmd.env_clear()
             .envs(env)
             .stdin(stdin)
-            .stdout(Stdio::from(stdout))
-            .stderr(Stdio::from(stderr))
+            .stdout(stdout)
+            .stderr(stderr)
             .process_group(0)
             .kill_on_drop(false);
         let spawned = cmd.spawn();
+        // The command holds the pipes' write ends: the relays see their
+        // end only once the workload's copies are the last ones.
+        drop(cmd);
         if spawned.is_err() {
             self.detach(&spec.instance_id);
+            // The relays leave with their directory (and their pipes).
             state.remove();
             let _ = group.remove(Duration::ZERO).await;
         }
@@ -394,6 +450,8 @@ impl ProcessRuntime {
             wakers,
             cgroup: group,
             disk: disk_bytes.and_then(|b| self.disk_watch(&spec.instance_id, b)),
+            state,
+            relays,
         }));
         Ok(workload)
     }
@@ -414,6 +472,18 @@ impl Runtime for ProcessRuntime {
 
     fn adopt(&self, wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>> {
         Box::pin(async move {
+            // Directories of instances an earlier agent ended but could not
+            // remove (it was killed first); a minute's margin for a start
+            // under way by another agent sharing the work directory.
+            let removed = super::leftovers::sweep(
+                &self.work_dir.join("instances"),
+                &self.work_dir.join("state"),
+                self.keep_workdirs.unwrap_or(Duration::from_secs(60)),
+                std::time::SystemTime::now(),
+            );
+            if removed > 0 {
+                tracing::info!(removed, "removed ended instances' directories");
+            }
             let mut adopted = Vec::new();
             for (id, state) in StateDir::all(&self.state_root) {
                 let Some(record) = state.record() else {
@@ -448,7 +518,7 @@ impl Runtime for ProcessRuntime {
                     instance_id: id,
                     child: Leader::Adopted {
                         record: record.clone(),
-                        state,
+                        state: state.clone(),
                         running,
                     },
                     pid: record.pid,
@@ -457,6 +527,8 @@ impl Runtime for ProcessRuntime {
                     pumps,
                     done: done_tx,
                     wakers: wakers.clone(),
+                    relays: state.relays(),
+                    state,
                 }));
                 adopted.push(workload);
             }
@@ -485,6 +557,12 @@ impl Runtime for ProcessRuntime {
     fn release(&self, instance_id: &InstanceId) {
         self.detach(instance_id);
         StateDir::new(&self.state_root, instance_id).remove();
+        super::leftovers::release(
+            &self.work_dir.join("instances"),
+            &self.work_dir.join("state"),
+            instance_id,
+            self.keep_workdirs,
+        );
     }
 }
 
@@ -520,6 +598,39 @@ fn command_in(
     let mut cmd = tokio::process::Command::new(program);
     cmd.args(args);
     cmd
+}
+
+/// Starts the relay of `stream` (see [`super::relay`]): returns the pipe's
+/// write end for the workload, and the relay's pid and start time. The
+/// relay gets its own process group, so that neither a stop of the
+/// workload's group nor a signal to the agent's cuts its output short.
+fn spawn_relay(
+    program: &Path,
+    state: &StateDir,
+    stream: LogStream,
+) -> std::io::Result<(std::io::PipeWriter, (u32, u64))> {
+    let (reader, writer) = std::io::pipe()?;
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.arg("agent-log-relay")
+        .arg("--dir")
+        .arg(state.dir())
+        .arg("--stream")
+        .arg(match stream {
+            LogStream::Stdout => "stdout",
+            LogStream::Stderr => "stderr",
+        })
+        .env_clear()
+        .stdin(reader)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .kill_on_drop(false);
+    // Dropped unwaited: tokio reaps it when it ends; it is followed by
+    // its pid and start time, as after an agent restart.
+    let child = cmd.spawn()?;
+    drop(cmd);
+    let pid = child.id().unwrap_or(0);
+    Ok((writer, (pid, start_ticks(pid).unwrap_or(0))))
 }
 
 /// Variables of the agent's own environment a workload may see: enough to
@@ -735,6 +846,10 @@ struct Supervised {
     cgroup: InstanceCgroup,
     /// The directory whose size is watched, and its limit in bytes.
     disk: Option<(PathBuf, u64)>,
+    state: StateDir,
+    /// The output relays (pid, start time); none when the workload writes
+    /// its files itself.
+    relays: Vec<(u32, u64)>,
 }
 
 /// Waits for the leader, applying stop requests; then kills what is left of
@@ -792,20 +907,39 @@ async fn supervise(mut s: Supervised) {
     if let Err(error) = s.cgroup.remove(CGROUP_REMOVE_PATIENCE).await {
         tracing::warn!(instance_id = %s.instance_id, %error, "cannot remove the instance's cgroup");
     }
+    if !s.relays.is_empty() {
+        // Whatever the pipes still hold goes to the files without holding
+        // back; a relay still reading after the grace has a writer that
+        // escaped the group (only without a sandbox's pid namespace).
+        s.state.mark_ended();
+        let relays_done = async {
+            while s
+                .relays
+                .iter()
+                .any(|&(pid, ticks)| start_ticks(pid) == Some(ticks))
+            {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        if tokio::time::timeout(PIPE_DRAIN_TIMEOUT, relays_done)
+            .await
+            .is_err()
+        {
+            tracing::warn!(instance_id = %s.instance_id, "output still written after the process group ended, no longer relaying it");
+            for &(pid, ticks) in &s.relays {
+                if start_ticks(pid) == Some(ticks) {
+                    if let Ok(pid) = i32::try_from(pid) {
+                        let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+                    }
+                }
+            }
+        }
+    }
     s.done.send_replace(true);
-    let drain = async {
-        for pump in &mut s.pumps {
-            let _ = pump.await;
-        }
-    };
-    if tokio::time::timeout(PIPE_DRAIN_TIMEOUT, drain)
-        .await
-        .is_err()
-    {
-        tracing::warn!(instance_id = %s.instance_id, "output still being read after the process group ended, giving up on it");
-        for pump in &s.pumps {
-            pump.abort();
-        }
+    // The files hold all the output there will be: the readers finish
+    // them as fast as the server takes the lines, never dropping any.
+    for pump in &mut s.pumps {
+        let _ = pump.await;
     }
     tracing::info!(instance_id = %s.instance_id, pid = s.pid, code, stopped = stop_requested, oom_killed, disk_exceeded, "process exited");
     s.control.exited(Exit {

@@ -28,6 +28,14 @@ use super::{LineSplitter, LogBuffer, SHIP_BATCH_LINES};
 /// How often an output file is read again after its end was reached.
 const TAIL_TICK: Duration = Duration::from_millis(50);
 
+/// Lines read ahead of what the server took: the tail holds back beyond
+/// them, the rest waiting in the file. A read adds at most 64 Ki lines,
+/// so the buffer never reaches [`super::MAX_PENDING_LINES`] and never
+/// drops a line read from a file.
+pub const TAIL_MAX_PENDING_LINES: usize = 10_000;
+/// Bytes of lines read ahead, likewise (lines may be 64 KiB long).
+pub const TAIL_MAX_PENDING_BYTES: usize = 4 * 1024 * 1024;
+
 /// One workload's directory of state.
 #[derive(Debug, Clone)]
 pub struct StateDir {
@@ -66,6 +74,43 @@ impl StateDir {
         Self {
             dir: root.join(instance_id.as_str()),
         }
+    }
+
+    /// The state directory at `dir` (a relay is given its path).
+    pub fn at(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    /// Where it is.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Records the relays of its output (see [`super::relay`]): their
+    /// pids and start times, so a restarted agent waits for them too.
+    pub fn write_relays(&self, relays: &[(u32, u64)]) -> std::io::Result<()> {
+        let text: String = relays.iter().map(|(p, t)| format!("{p} {t}\n")).collect();
+        replace(&self.path("relays"), &text)
+    }
+
+    /// The recorded relays: pid and start time of each.
+    pub fn relays(&self) -> Vec<(u32, u64)> {
+        let Ok(text) = fs::read_to_string(self.path("relays")) else {
+            return Vec::new();
+        };
+        text.lines()
+            .filter_map(|l| {
+                let (p, t) = l.split_once(' ')?;
+                Some((p.parse().ok()?, t.parse().ok()?))
+            })
+            .collect()
+    }
+
+    /// Tells the relays the workload ended (see [`super::relay::ENDED`]).
+    pub fn mark_ended(&self) {
+        let _ = replace(&self.path(super::relay::ENDED), "");
     }
 
     /// Every state directory under `root`, with its instance.
@@ -287,6 +332,10 @@ pub async fn tail(
     let mut pos = offset;
     let mut buf = vec![0u8; 64 * 1024];
     loop {
+        // The file is the buffer: while enough is pending, wait for the
+        // server to take some rather than read on and drop lines.
+        logs.wait_for_room(TAIL_MAX_PENDING_LINES, TAIL_MAX_PENDING_BYTES)
+            .await;
         // Seen before the read: a read that then finds the end has all
         // the output there will be.
         let finished = *done.borrow();

@@ -374,7 +374,7 @@ async fn instance_logs(
     };
     Ok(fragment(html! {
         @for l in &lines {
-            div class={ "line " (l["stream"].as_str().unwrap_or("stdout")) } { (l["line"].as_str().unwrap_or("")) }
+            div class={ "line " (l["stream"].as_str().unwrap_or("stdout")) } { (flotilla_core::text::escape_controls(l["line"].as_str().unwrap_or(""))) }
         }
         @if more { (log_poller(id, next)) } @else { div.end { "— end of output —" } }
     }))
