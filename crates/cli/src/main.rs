@@ -688,7 +688,10 @@ mod tests {
             (30, "15".to_string())
         );
         assert!(!a.server.webhook_allow_private, "refused unless asked for");
-        assert!(a.server.allow_egress.is_empty(), "public only unless asked for");
+        assert!(
+            a.server.allow_egress.is_empty(),
+            "public only unless asked for"
+        );
         let Command::Up(a) = parse(&[
             "up",
             "--allow-egress",
@@ -703,7 +706,12 @@ mod tests {
         else {
             panic!("not up")
         };
-        let rules: Vec<String> = a.server.allow_egress.iter().map(|r| r.to_string()).collect();
+        let rules: Vec<String> = a
+            .server
+            .allow_egress
+            .iter()
+            .map(|r| r.to_string())
+            .collect();
         assert_eq!(rules, ["10.2.0.0/16:5672", "127.0.0.1/32"]);
         assert_eq!(a.gateway_anonymous_rate_limit, 50);
         for (flag, value, says) in [

@@ -27,11 +27,7 @@ fn client_from(from: &str) -> reqwest::Client {
         .expect("client")
 }
 
-async fn get(
-    c: &reqwest::Client,
-    url: &str,
-    key: Option<&str>,
-) -> (u16, Option<String>, String) {
+async fn get(c: &reqwest::Client, url: &str, key: Option<&str>) -> (u16, Option<String>, String) {
     let mut r = c.get(url);
     if let Some(k) = key {
         r = r.bearer_auth(k);
@@ -47,7 +43,13 @@ async fn get(
 }
 
 /// A server, a gateway on its own port, a tenant key and the operator's.
-fn stack() -> (Home, [flotilla_testkit::process::Proc; 2], String, String, String) {
+fn stack() -> (
+    Home,
+    [flotilla_testkit::process::Proc; 2],
+    String,
+    String,
+    String,
+) {
     let home = Home::new(BIN);
     let server = home.server();
     let (_, key) = home.tenant("acme");

@@ -29,9 +29,14 @@ fn stack() -> (Home, Proc, Proc, String) {
     let mut home = Home::new(BIN);
     // The brokers are on this machine's loopback, which a tenant's
     // trigger may reach only because the operator allows these ports.
-    home.server_args = ["--allow-egress", "127.0.0.1:5672", "--allow-egress", "127.0.0.1:4222"]
-        .map(String::from)
-        .to_vec();
+    home.server_args = [
+        "--allow-egress",
+        "127.0.0.1:5672",
+        "--allow-egress",
+        "127.0.0.1:4222",
+    ]
+    .map(String::from)
+    .to_vec();
     let server = home.server();
     let agent = home.agent("n0", "4xH100");
     let (_, key) = home.tenant("batch");

@@ -85,9 +85,9 @@ impl Refusal {
             Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::OverHardCap => StatusCode::PAYMENT_REQUIRED,
             Self::MetricsForbidden => StatusCode::UNAUTHORIZED,
-            Self::RateLimited { .. }
-            | Self::TooManyUnauthenticated { .. }
-            | Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            Self::RateLimited { .. } | Self::TooManyUnauthenticated { .. } | Self::QueueFull(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Self::QueueTimeout(_) | Self::ControlUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::Upstream(_) => StatusCode::BAD_GATEWAY,
         }
@@ -103,9 +103,7 @@ impl Refusal {
             Self::BadRequest { .. } => "invalid_request",
             Self::TooLarge(_) => "request_too_large",
             Self::OverHardCap => "insufficient_quota",
-            Self::RateLimited { .. } | Self::TooManyUnauthenticated { .. } => {
-                "rate_limit_exceeded"
-            }
+            Self::RateLimited { .. } | Self::TooManyUnauthenticated { .. } => "rate_limit_exceeded",
             Self::MetricsForbidden => "operator_key_required",
             Self::QueueFull(_) => "queue_full",
             Self::QueueTimeout(_) => "no_replica_available",
@@ -119,9 +117,9 @@ impl Refusal {
         match self {
             Self::MissingKey | Self::InvalidKey | Self::MetricsForbidden => "authentication_error",
             Self::OverHardCap => "insufficient_quota",
-            Self::RateLimited { .. }
-            | Self::TooManyUnauthenticated { .. }
-            | Self::QueueFull(_) => "rate_limit_error",
+            Self::RateLimited { .. } | Self::TooManyUnauthenticated { .. } | Self::QueueFull(_) => {
+                "rate_limit_error"
+            }
             Self::QueueTimeout(_) | Self::Upstream(_) | Self::ControlUnavailable => "server_error",
             _ => "invalid_request_error",
         }

@@ -27,10 +27,7 @@ impl Control for Counting {
         self.asked.fetch_add(1, Ordering::SeqCst);
         self.inner.authorize(key)
     }
-    fn report(
-        &self,
-        s: Vec<flotilla_core::gateway::EndpointSignals>,
-    ) -> ControlFuture<'_, ()> {
+    fn report(&self, s: Vec<flotilla_core::gateway::EndpointSignals>) -> ControlFuture<'_, ()> {
         self.inner.report(s)
     }
     fn meter(&self, u: Vec<flotilla_core::gateway::RequestUsage>) -> ControlFuture<'_, ()> {
@@ -92,7 +89,9 @@ async fn guesses_past_the_burst_get_429_without_asking_and_valid_keys_pass() {
     }
     let elapsed = started.elapsed().as_secs_f64();
     let asked = control.asked.load(Ordering::SeqCst);
-    eprintln!("300 guesses in {elapsed:.2}s: {answered} 401, {limited} 429, control asked {asked} times");
+    eprintln!(
+        "300 guesses in {elapsed:.2}s: {answered} 401, {limited} 429, control asked {asked} times"
+    );
     assert!(answered >= 20, "the burst: {answered}");
     assert!(
         f64::from(answered) <= 21.0 + 10.0 * elapsed,

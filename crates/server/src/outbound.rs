@@ -25,7 +25,11 @@ pub async fn check_destination(
     port: u16,
     field: &str,
 ) -> ApiResult<()> {
-    match tokio::time::timeout(RESOLVE_TIMEOUT, flotilla_egress::resolve(host, port, policy)).await
+    match tokio::time::timeout(
+        RESOLVE_TIMEOUT,
+        flotilla_egress::resolve(host, port, policy),
+    )
+    .await
     {
         Ok(Ok(_)) => Ok(()),
         Ok(Err(e @ ResolveError::Refused { .. })) => {

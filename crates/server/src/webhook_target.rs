@@ -105,7 +105,10 @@ mod tests {
             "http://127.0.0.1:5432/",
         ] {
             let err = resolve(&url(inward), &public).await.unwrap_err();
-            assert!(matches!(err, TargetError::Private { .. }), "{inward}: {err}");
+            assert!(
+                matches!(err, TargetError::Private { .. }),
+                "{inward}: {err}"
+            );
         }
         // `localhost` is a name: it is resolved (from /etc/hosts) and its
         // loopback answer refused.

@@ -1114,7 +1114,8 @@ async fn a_webhook_the_operator_allows_is_delivered_and_an_unreachable_one_says_
         let (st, b) = s.call(&admin, Method::PUT, "/v1/budget", Some(body)).await;
         assert_eq!(st, StatusCode::OK, "{name}: {b}");
         // Still refused: what the rule does not name.
-        let body = json!({"limit": "1", "webhook_url": "http://[::1]/hook", "webhook_secret": secret});
+        let body =
+            json!({"limit": "1", "webhook_url": "http://[::1]/hook", "webhook_secret": secret});
         let (st, b) = s.call(&admin, Method::PUT, "/v1/budget", Some(body)).await;
         assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{b}");
         ingest(

@@ -298,10 +298,7 @@ impl OnClock {
 
     /// Like [`OnClock::new`], with `config` (its rate limit set out of
     /// the way likewise).
-    pub async fn with_config(
-        start: chrono::DateTime<chrono::Utc>,
-        config: ServerConfig,
-    ) -> Self {
+    pub async fn with_config(start: chrono::DateTime<chrono::Utc>, config: ServerConfig) -> Self {
         let dir = tempfile::tempdir().expect("temporary directory");
         let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
         let store = open_store(&url).await.expect("store");

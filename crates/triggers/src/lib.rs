@@ -195,9 +195,8 @@ impl Scaler {
     /// with the URL rewritten for each (the host replaced by the checked
     /// address, so the client never looks the name up again).
     async fn targets(&self, url: &str, default_port: u16) -> Result<Vec<String>, TriggerError> {
-        let parsed = BrokerUrl::parse(url, default_port).ok_or_else(|| {
-            TriggerError::Refused("the URL names no host and port".to_string())
-        })?;
+        let parsed = BrokerUrl::parse(url, default_port)
+            .ok_or_else(|| TriggerError::Refused("the URL names no host and port".to_string()))?;
         match flotilla_egress::resolve(parsed.host, parsed.port, &self.policy).await {
             Ok(addrs) => Ok(addrs.into_iter().map(|a| parsed.at(a)).collect()),
             Err(e @ ResolveError::Refused { .. }) => Err(TriggerError::Refused(e.to_string())),
@@ -264,7 +263,8 @@ impl Scaler {
         }
         let mut conn = None;
         for target in self.targets(url, default_port(QueueKind::Rabbitmq)).await? {
-            match lapin::Connection::connect(&target, lapin::ConnectionProperties::default()).await {
+            match lapin::Connection::connect(&target, lapin::ConnectionProperties::default()).await
+            {
                 Ok(c) => {
                     conn = Some(c);
                     break;
@@ -430,7 +430,10 @@ mod tests {
             "amqp://169.254.169.254:80/%2f",
             "amqp://localhost/%2f",
         ] {
-            let e = s.depth(&QueueTrigger::rabbitmq(url, "q")).await.unwrap_err();
+            let e = s
+                .depth(&QueueTrigger::rabbitmq(url, "q"))
+                .await
+                .unwrap_err();
             assert!(matches!(e, TriggerError::Refused(_)), "{url}: {e:?}");
             assert!(e.to_string().starts_with("broker unreachable: "), "{e}");
         }
