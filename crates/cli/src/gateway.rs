@@ -31,17 +31,30 @@ pub struct GatewayArgs {
     /// `gateway/`).
     #[command(flatten)]
     pub tls: TlsArgs,
+    /// Requests per second allowed per source address without a valid
+    /// inference key (none, unknown, revoked), in bursts of twice that;
+    /// more answer 429 with `Retry-After`. Keys seen valid are not held
+    /// back.
+    #[arg(long, default_value_t = DEFAULT_ANONYMOUS_RATE_LIMIT, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub anonymous_rate_limit: u32,
 }
+
+/// Requests per second per source address without a valid key, by default
+/// (the API's own anonymous limit).
+pub const DEFAULT_ANONYMOUS_RATE_LIMIT: u32 = 10;
 
 /// Starts a gateway on `bind` with the control plane at `servers`
 /// (comma-separated URLs, trusted by `trust` when `https://`),
-/// authenticated by `token`; it serves HTTPS with `tls` when given.
+/// authenticated by `token`; it serves HTTPS with `tls` when given, and
+/// allows `anonymous_rate_limit` requests per second per address without
+/// a valid key.
 pub async fn start(
     servers: &str,
     token: &str,
     trust: flotilla_client::Trust,
     bind: &str,
     tls: Option<flotilla_tls::ServerTls>,
+    anonymous_rate_limit: u32,
 ) -> Result<GatewayHandle> {
     let client = flotilla_client::Client::builder(servers, token)
         .trust(trust)
@@ -56,6 +69,7 @@ pub async fn start(
         Arc::new(ApiControl::new(client)),
         GatewayConfig {
             tls,
+            anonymous_rate_limit_per_second: anonymous_rate_limit,
             ..GatewayConfig::default()
         },
     )
@@ -87,7 +101,15 @@ pub async fn run(
         .load(&dir, &crate::local::certificate_names(&args.bind))?;
     let mut signals = Signals::new()?;
     let fingerprint = tls.as_ref().map(|t| t.fingerprint());
-    let gw = start(&server, args.token.trim(), trust, &args.bind, tls).await?;
+    let gw = start(
+        &server,
+        args.token.trim(),
+        trust,
+        &args.bind,
+        tls,
+        args.anonymous_rate_limit,
+    )
+    .await?;
     say!("gateway:  {} (control plane {server})", gw.url());
     if let Some(f) = fingerprint {
         say!("TLS:      certificate fingerprint {f}");

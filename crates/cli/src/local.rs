@@ -73,6 +73,13 @@ pub struct ServerArgs {
     /// URL, and the server must not be made to call inward.
     #[arg(long)]
     pub webhook_allow_private: bool,
+    /// Let the control plane's calls for tenants (queue-trigger brokers,
+    /// budget webhooks, registry logins) reach this inward destination:
+    /// `CIDR`, `CIDR:PORT` or `CIDR:LOW-HIGH`, e.g. `10.2.0.0/16:5672`
+    /// (repeatable). Loopback, private, link-local and the like are
+    /// refused otherwise.
+    #[arg(long, value_name = "CIDR[:PORTS]")]
+    pub allow_egress: Vec<flotilla_egress::AllowRule>,
     /// Seconds between billing steps: spot prices recorded, budgets
     /// checked, webhooks delivered.
     #[arg(long, default_value_t = 30, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=3600))]
@@ -220,6 +227,7 @@ impl ServerArgs {
             anonymous_rate_limit_per_second: self.anonymous_rate_limit,
             placement_policy: self.placement_policy,
             webhook_allow_private: self.webhook_allow_private,
+            allow_egress: self.allow_egress.clone(),
             billing_every: std::time::Duration::from_secs(self.billing_every),
             operator_fee_percent: self.operator_fee_percent,
             ..Default::default()
@@ -331,6 +339,10 @@ pub struct UpArgs {
     /// Address the inference gateway listens on.
     #[arg(long, default_value = crate::gateway::DEFAULT_GATEWAY_BIND, value_name = "ADDR")]
     pub gateway_bind: String,
+    /// Requests per second the gateway allows per source address without
+    /// a valid inference key (bursts of twice that); more answer 429.
+    #[arg(long, default_value_t = crate::gateway::DEFAULT_ANONYMOUS_RATE_LIMIT, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub gateway_anonymous_rate_limit: u32,
     /// How the local node runs workloads.
     #[command(flatten)]
     pub workloads: WorkloadArgs,
@@ -774,6 +786,7 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
         server.local_trust(),
         &args.gateway_bind,
         server.tls.clone(),
+        args.gateway_anonymous_rate_limit,
     )
     .await
     {

@@ -720,12 +720,40 @@ mod tests {
             (30, "15".to_string())
         );
         assert!(!a.server.webhook_allow_private, "refused unless asked for");
+        assert!(
+            a.server.allow_egress.is_empty(),
+            "public only unless asked for"
+        );
+        let Command::Up(a) = parse(&[
+            "up",
+            "--allow-egress",
+            "10.2.0.0/16:5672",
+            "--allow-egress",
+            "127.0.0.1",
+            "--gateway-anonymous-rate-limit",
+            "50",
+        ])
+        .unwrap()
+        .command
+        else {
+            panic!("not up")
+        };
+        let rules: Vec<String> = a
+            .server
+            .allow_egress
+            .iter()
+            .map(|r| r.to_string())
+            .collect();
+        assert_eq!(rules, ["10.2.0.0/16:5672", "127.0.0.1/32"]);
+        assert_eq!(a.gateway_anonymous_rate_limit, 50);
         for (flag, value, says) in [
             ("--operator-fee-percent", "101", "between 0 and 100"),
             ("--operator-fee-percent", "-1", "between 0 and 100"),
             ("--operator-fee-percent", "ten", "not a decimal"),
             ("--billing-every", "0", "0"),
             ("--billing-every", "3601", "3601"),
+            ("--allow-egress", "10.0.0.1:0", "expected CIDR"),
+            ("--allow-egress", "nowhere", "expected CIDR"),
         ] {
             let arg = format!("{flag}={value}");
             let e = parse(&["server", &arg]).unwrap_err().to_string();

@@ -6,7 +6,9 @@
 //! yet shows the trigger's error and stays at zero; 500 messages
 //! published on its fresh queue scale it from zero (`reason: queue`), its
 //! replicas drain the queue, and it returns to zero after its idle window.
-//! The broker password never appears in what the API shows. Queue and
+//! The broker password never appears in what the API shows. The server
+//! runs with `--allow-egress` for the two brokers' loopback ports:
+//! without it, loopback is refused (tests/outbound.rs). Queue and
 //! stream names are unique per run and deleted at the end; a test is
 //! skipped, with a message, where its broker does not answer.
 
@@ -25,7 +27,17 @@ const MESSAGES: usize = 500;
 /// key. The workers reach the brokers on the host's loopback, which
 /// workloads reach only where the operator allows it.
 fn stack() -> (Home, Proc, Proc, String) {
-    let home = Home::new(BIN);
+    let mut home = Home::new(BIN);
+    // The brokers are on this machine's loopback, which a tenant's
+    // trigger may reach only because the operator allows these ports.
+    home.server_args = [
+        "--allow-egress",
+        "127.0.0.1:5672",
+        "--allow-egress",
+        "127.0.0.1:4222",
+    ]
+    .map(String::from)
+    .to_vec();
     let server = home.server();
     let agent = home.agent_with(
         "n0",

@@ -249,6 +249,22 @@ impl Client {
         Self::builder(servers, token).build()
     }
 
+    /// The same servers, settings and connection pool with another key:
+    /// for a service that checks a key it was handed by asking the API as
+    /// that key (the gateway's operator check for `/metrics`).
+    pub fn with_token(&self, token: &str) -> Client {
+        Client {
+            inner: Arc::new(Inner {
+                http: self.inner.http.clone(),
+                servers: self.inner.servers.clone(),
+                current: AtomicUsize::new(self.inner.current.load(Ordering::Relaxed)),
+                token: token.trim().to_string(),
+                retry: self.inner.retry,
+                timeout: self.inner.timeout,
+            }),
+        }
+    }
+
     /// Every server URL, normalised, in the order given.
     pub fn servers(&self) -> &[String] {
         &self.inner.servers

@@ -46,6 +46,18 @@ impl Control for ApiControl {
         })
     }
 
+    fn is_operator<'a>(&'a self, key: &'a str) -> ControlFuture<'a, bool> {
+        Box::pin(async move {
+            // Who the key is, asked with the key itself: an unknown or
+            // revoked key is answered 401, which is a plain `false`.
+            match self.client.with_token(key).me().await {
+                Ok(me) => Ok(me.key.role == flotilla_core::tenant::Role::Operator),
+                Err(e) if e.status().is_some_and(|s| s == 401 || s == 403) => Ok(false),
+                Err(e) => Err(ControlError::with_source("asking who a key is", e)),
+            }
+        })
+    }
+
     fn report(&self, signals: Vec<EndpointSignals>) -> ControlFuture<'_, ()> {
         Box::pin(async move {
             if signals.is_empty() {

@@ -70,6 +70,15 @@ pub trait Control: Send + Sync + 'static {
     /// the receiver must be idempotent on `request_id`.
     fn meter(&self, usage: Vec<RequestUsage>) -> ControlFuture<'_, ()>;
 
+    /// Whether `key` is an operator's key: it may read the gateway's
+    /// `/metrics` (which names every endpoint). `false` for every other
+    /// key, known or not.
+    /// The default: no key (a control that knows no operators).
+    fn is_operator<'a>(&'a self, key: &'a str) -> ControlFuture<'a, bool> {
+        let _ = key;
+        Box::pin(async { Ok(false) })
+    }
+
     /// A notification the control fires when the route table changed, so
     /// the gateway re-reads it at once instead of at its next poll. `None`
     /// (the default) means poll only.
@@ -84,6 +93,7 @@ pub trait Control: Send + Sync + 'static {
 pub struct StaticControl {
     routes: Mutex<RouteTable>,
     keys: Mutex<HashMap<String, KeyGrant>>,
+    operator_keys: Mutex<Vec<String>>,
     reports: Mutex<Vec<EndpointSignals>>,
     usage: Mutex<Vec<RequestUsage>>,
     fail_meter: AtomicBool,
@@ -109,6 +119,7 @@ impl StaticControl {
         Self {
             routes: Mutex::new(RouteTable::default()),
             keys: Mutex::new(HashMap::new()),
+            operator_keys: Mutex::new(Vec::new()),
             reports: Mutex::new(Vec::new()),
             usage: Mutex::new(Vec::new()),
             fail_meter: AtomicBool::new(false),
@@ -137,6 +148,11 @@ impl StaticControl {
     /// Lets `key` call with `grant` (replacing an earlier grant).
     pub fn set_key(&self, key: impl Into<String>, grant: KeyGrant) {
         lock(&self.keys).insert(key.into(), grant);
+    }
+
+    /// Makes `key` an operator's key (it may read `/metrics`).
+    pub fn set_operator_key(&self, key: impl Into<String>) {
+        lock(&self.operator_keys).push(key.into());
     }
 
     /// Forgets `key`.
@@ -175,6 +191,11 @@ impl Control for StaticControl {
     fn authorize<'a>(&'a self, key: &'a str) -> ControlFuture<'a, Option<KeyGrant>> {
         let grant = lock(&self.keys).get(key).cloned();
         Box::pin(async move { Ok(grant) })
+    }
+
+    fn is_operator<'a>(&'a self, key: &'a str) -> ControlFuture<'a, bool> {
+        let known = lock(&self.operator_keys).iter().any(|k| k == key);
+        Box::pin(async move { Ok(known) })
     }
 
     fn report(&self, signals: Vec<EndpointSignals>) -> ControlFuture<'_, ()> {

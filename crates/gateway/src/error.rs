@@ -49,6 +49,16 @@ pub enum Refusal {
         /// Seconds until a request would pass.
         retry_after_s: u64,
     },
+    /// Too many requests without a valid key from this source address
+    /// (none, unknown, revoked): guessing keys is slowed down.
+    #[error("too many requests without a valid inference key from this address")]
+    TooManyUnauthenticated {
+        /// Seconds until a request would pass.
+        retry_after_s: u64,
+    },
+    /// `/metrics` without the operator's key.
+    #[error("metrics need an operator key: send `Authorization: Bearer <operator key>`")]
+    MetricsForbidden,
     /// The endpoint's wait queue is full.
     #[error("endpoint `{0}` is at capacity and its queue is full")]
     QueueFull(String),
@@ -74,7 +84,10 @@ impl Refusal {
             Self::BadRequest { .. } => StatusCode::BAD_REQUEST,
             Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::OverHardCap => StatusCode::PAYMENT_REQUIRED,
-            Self::RateLimited { .. } | Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            Self::MetricsForbidden => StatusCode::UNAUTHORIZED,
+            Self::RateLimited { .. } | Self::TooManyUnauthenticated { .. } | Self::QueueFull(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Self::QueueTimeout(_) | Self::ControlUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::Upstream(_) => StatusCode::BAD_GATEWAY,
         }
@@ -90,7 +103,8 @@ impl Refusal {
             Self::BadRequest { .. } => "invalid_request",
             Self::TooLarge(_) => "request_too_large",
             Self::OverHardCap => "insufficient_quota",
-            Self::RateLimited { .. } => "rate_limit_exceeded",
+            Self::RateLimited { .. } | Self::TooManyUnauthenticated { .. } => "rate_limit_exceeded",
+            Self::MetricsForbidden => "operator_key_required",
             Self::QueueFull(_) => "queue_full",
             Self::QueueTimeout(_) => "no_replica_available",
             Self::Upstream(_) => "upstream_error",
@@ -101,9 +115,11 @@ impl Refusal {
     /// OpenAI's `error.type`.
     fn kind(&self) -> &'static str {
         match self {
-            Self::MissingKey | Self::InvalidKey => "authentication_error",
+            Self::MissingKey | Self::InvalidKey | Self::MetricsForbidden => "authentication_error",
             Self::OverHardCap => "insufficient_quota",
-            Self::RateLimited { .. } | Self::QueueFull(_) => "rate_limit_error",
+            Self::RateLimited { .. } | Self::TooManyUnauthenticated { .. } | Self::QueueFull(_) => {
+                "rate_limit_error"
+            }
             Self::QueueTimeout(_) | Self::Upstream(_) | Self::ControlUnavailable => "server_error",
             _ => "invalid_request_error",
         }
@@ -112,7 +128,8 @@ impl Refusal {
     /// Seconds a client should wait before retrying, when that helps.
     fn retry_after_s(&self) -> Option<u64> {
         match self {
-            Self::RateLimited { retry_after_s, .. } => Some((*retry_after_s).max(1)),
+            Self::RateLimited { retry_after_s, .. }
+            | Self::TooManyUnauthenticated { retry_after_s } => Some((*retry_after_s).max(1)),
             Self::QueueFull(_) | Self::QueueTimeout(_) | Self::ControlUnavailable => Some(1),
             _ => None,
         }

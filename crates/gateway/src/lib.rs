@@ -28,7 +28,7 @@ mod proxy;
 mod signals;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -99,6 +99,11 @@ pub struct GatewayConfig {
     pub shutdown_timeout: Duration,
     /// Serve HTTPS with this certificate; `None`: plain HTTP.
     pub tls: Option<flotilla_tls::ServerTls>,
+    /// Sustained requests per second per source address that carry no
+    /// valid key (none, unknown, revoked), in bursts of twice that; more
+    /// are answered 429 with `Retry-After`, without asking the control
+    /// plane. Keys the gateway has seen valid are never held back by it.
+    pub anonymous_rate_limit_per_second: u32,
 }
 
 impl Default for GatewayConfig {
@@ -120,6 +125,7 @@ impl Default for GatewayConfig {
             max_attempts: 3,
             shutdown_timeout: Duration::from_secs(30),
             tls: None,
+            anonymous_rate_limit_per_second: 10,
         }
     }
 }
@@ -137,6 +143,9 @@ impl GatewayConfig {
         }
         if self.max_attempts == 0 {
             return bad("max_attempts", "must be at least 1");
+        }
+        if self.anonymous_rate_limit_per_second == 0 {
+            return bad("anonymous_rate_limit_per_second", "must be at least 1");
         }
         for (field, d) in [
             ("route_poll_interval", self.route_poll_interval),
@@ -160,6 +169,13 @@ struct RouteIndex {
 }
 
 type Limiter = DefaultKeyedRateLimiter<String>;
+
+/// A quota of `per_s` per second in bursts of twice that.
+fn anonymous_quota(per_s: u32) -> Quota {
+    let per_s = NonZeroU32::new(per_s.max(1)).unwrap_or(NonZeroU32::MIN);
+    let burst = per_s.saturating_mul(NonZeroU32::MIN.saturating_add(1));
+    Quota::per_second(per_s).allow_burst(burst)
+}
 
 /// A key's grant (`None`: no such key) and when it was asked for.
 type CachedGrant = (Instant, Option<Arc<KeyGrant>>);
@@ -187,6 +203,14 @@ pub(crate) struct Inner {
     /// costs one control-plane call, not one per request in flight).
     auth_pending: Mutex<HashMap<String, watch::Receiver<Option<AuthAnswer>>>>,
     limiters: Mutex<HashMap<EndpointId, (u32, Arc<Limiter>)>>,
+    /// Requests without a valid key, per source address.
+    anonymous: DefaultKeyedRateLimiter<IpAddr>,
+    /// Addresses past that limit, and until when: their requests with a
+    /// key not seen valid are refused without asking the control plane.
+    held: Mutex<HashMap<IpAddr, Instant>>,
+    /// Keys asked about for `/metrics`: whether each is an operator's,
+    /// and when that was asked.
+    operators: Mutex<HashMap<String, (Instant, bool)>>,
     client: Client<HttpConnector, Full<Bytes>>,
     meter: MeterQueue,
     metrics: Metrics,
@@ -339,6 +363,104 @@ impl Inner {
         let _ = tx.send(Some(answer));
     }
 
+    /// Whether the gateway has seen `key` valid (even if that answer is
+    /// older than the cache's time to live): such a key is never held
+    /// back by the per-address limit on requests without a valid key.
+    fn known_valid(&self, key: &str) -> bool {
+        matches!(lock(&self.auth).get(key), Some((_, Some(_))))
+    }
+
+    /// Counts one request without a valid key from `peer`: 429 past the
+    /// per-address quota, and the address is held until it has one again.
+    fn check_anonymous(&self, peer: IpAddr) -> Result<(), Refusal> {
+        self.anonymous.check_key(&peer).map_err(|not_until| {
+            use governor::clock::Clock;
+            let wait = not_until.wait_time_from(governor::clock::DefaultClock::default().now());
+            lock(&self.held).insert(peer, Instant::now() + wait);
+            Refusal::TooManyUnauthenticated {
+                retry_after_s: wait.as_secs() + u64::from(wait.subsec_nanos() > 0),
+            }
+        })
+    }
+
+    /// 429 while `peer` is held (past its quota a moment ago).
+    fn check_held(&self, peer: IpAddr) -> Result<(), Refusal> {
+        let now = Instant::now();
+        let mut held = lock(&self.held);
+        match held.get(&peer) {
+            Some(until) if *until > now => {
+                let wait = *until - now;
+                Err(Refusal::TooManyUnauthenticated {
+                    retry_after_s: wait.as_secs() + u64::from(wait.subsec_nanos() > 0),
+                })
+            }
+            Some(_) => {
+                held.remove(&peer);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// The grant of the request's key from `peer`. A request whose key
+    /// turns out missing, unknown or revoked counts against the address's
+    /// quota; past it the address is held, and while it is, a key the
+    /// gateway has not seen valid is answered 429 without asking the
+    /// control plane: a flood of guesses then costs the control plane
+    /// nothing and its answers tell no key from another. A key seen valid
+    /// is asked about as usual and never held back.
+    async fn authorize_from(
+        self: &Arc<Self>,
+        peer: IpAddr,
+        key: Result<&str, Refusal>,
+    ) -> Result<Arc<KeyGrant>, Refusal> {
+        let key = match key {
+            Ok(k) => k,
+            Err(missing) => {
+                self.check_held(peer)?;
+                self.check_anonymous(peer)?;
+                return Err(missing);
+            }
+        };
+        if !self.known_valid(key) {
+            self.check_held(peer)?;
+        }
+        match self.authorize(key).await {
+            Err(Refusal::InvalidKey) => {
+                self.check_anonymous(peer)?;
+                Err(Refusal::InvalidKey)
+            }
+            r => r,
+        }
+    }
+
+    /// Whether `key` may read `/metrics`: an operator's key, asked of the
+    /// control plane and cached like grants.
+    async fn operator(&self, key: &str) -> Result<bool, Refusal> {
+        let now = Instant::now();
+        if let Some((at, ok)) = lock(&self.operators).get(key) {
+            if now.duration_since(*at) < self.config.auth_cache_ttl {
+                return Ok(*ok);
+            }
+        }
+        let ok = match tokio::time::timeout(Duration::from_secs(10), self.control.is_operator(key))
+            .await
+        {
+            Ok(Ok(ok)) => ok,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "checking a metrics key failed");
+                return Err(Refusal::ControlUnavailable);
+            }
+            Err(_) => return Err(Refusal::ControlUnavailable),
+        };
+        let mut cache = lock(&self.operators);
+        if cache.len() >= AUTH_CACHE_MAX {
+            cache.clear();
+        }
+        cache.insert(key.to_string(), (now, ok));
+        Ok(ok)
+    }
+
     /// Applies the endpoint's per-key rate limit.
     fn check_rate(&self, endpoint: &Endpoint, rps: Option<u32>, key: &str) -> Result<(), Refusal> {
         let Some(rps) = rps.and_then(NonZeroU32::new) else {
@@ -474,6 +596,9 @@ pub async fn serve(
             auth: Mutex::new(HashMap::new()),
             auth_pending: Mutex::new(HashMap::new()),
             limiters: Mutex::new(HashMap::new()),
+            anonymous: RateLimiter::keyed(anonymous_quota(config.anonymous_rate_limit_per_second)),
+            held: Mutex::new(HashMap::new()),
+            operators: Mutex::new(HashMap::new()),
             client,
             urgent: Arc::new(Notify::new()),
             refresh: Notify::new(),
@@ -514,14 +639,17 @@ enum Conn {
     Tls(Box<flotilla_tls::TlsStream<tokio::net::TcpStream>>),
 }
 
+/// Where a connection comes from, for the per-address limit.
+type Peer = IpAddr;
+
 impl Accept {
     /// The next connection; `None` after a failed accept (backed off).
-    async fn next(&mut self) -> Option<Conn> {
+    async fn next(&mut self) -> Option<(Conn, Peer)> {
         match self {
             Self::Http(listener) => match listener.accept().await {
-                Ok((stream, _)) => {
+                Ok((stream, peer)) => {
                     let _ = stream.set_nodelay(true);
-                    Some(Conn::Plain(stream))
+                    Some((Conn::Plain(stream), peer.ip()))
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off
@@ -531,7 +659,10 @@ impl Accept {
                     None
                 }
             },
-            Self::Https(listener) => Some(Conn::Tls(Box::new(listener.accept().await.0))),
+            Self::Https(listener) => {
+                let (stream, peer) = listener.accept().await;
+                Some((Conn::Tls(Box::new(stream)), peer.ip()))
+            }
         }
     }
 }
@@ -543,8 +674,8 @@ async fn accept_loop(mut listener: Accept, inner: Arc<Inner>, mut stopped: watch
     loop {
         tokio::select! {
             conn = listener.next() => match conn {
-                Some(Conn::Plain(stream)) => serve_connection(stream, &inner, &builder, &graceful),
-                Some(Conn::Tls(stream)) => serve_connection(stream, &inner, &builder, &graceful),
+                Some((Conn::Plain(stream), peer)) => serve_connection(stream, peer, &inner, &builder, &graceful),
+                Some((Conn::Tls(stream), peer)) => serve_connection(stream, peer, &inner, &builder, &graceful),
                 None => {}
             },
             _ = stopped.changed() => break,
@@ -563,6 +694,7 @@ async fn accept_loop(mut listener: Accept, inner: Arc<Inner>, mut stopped: watch
 /// `graceful`.
 fn serve_connection<I>(
     io: I,
+    peer: Peer,
     inner: &Arc<Inner>,
     builder: &hyper::server::conn::http1::Builder,
     graceful: &GracefulShutdown,
@@ -572,7 +704,7 @@ fn serve_connection<I>(
     let inner = inner.clone();
     let service = hyper::service::service_fn(move |req| {
         let inner = inner.clone();
-        async move { Ok::<_, std::convert::Infallible>(proxy::handle(inner, req).await) }
+        async move { Ok::<_, std::convert::Infallible>(proxy::handle(inner, peer, req).await) }
     });
     let conn = graceful.watch(builder.serve_connection(TokioIo::new(io), service));
     tokio::spawn(async move {
@@ -600,6 +732,9 @@ async fn report_loop(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
                 for (_, l) in lock(&inner.limiters).values() {
                     l.retain_recent();
                 }
+                inner.anonymous.retain_recent();
+                let now = Instant::now();
+                lock(&inner.held).retain(|_, until| *until > now);
             }
             _ = inner.urgent.notified() => {}
             _ = stopped.changed() => return,

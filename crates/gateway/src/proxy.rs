@@ -4,6 +4,7 @@
 //! could not be made. The body then streams through [`GatewayBody`].
 
 use std::borrow::Cow;
+use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -46,13 +47,22 @@ const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 const SESSION_ID: &str = "x-session-id";
 
-pub(crate) async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<GatewayBody> {
+pub(crate) async fn handle(
+    inner: Arc<Inner>,
+    peer: IpAddr,
+    req: Request<Incoming>,
+) -> Response<GatewayBody> {
     match req.uri().path() {
         "/health" => return json_response(StatusCode::OK, &json!({"status": "ok"})),
-        "/metrics" => return metrics(&inner),
+        "/metrics" => {
+            return match metrics(&inner, peer, req.headers()).await {
+                Ok(r) => r,
+                Err(refusal) => refusal.response(),
+            }
+        }
         _ => {}
     }
-    match route(inner, req).await {
+    match route(inner, peer, req).await {
         Ok(r) => r,
         Err(refusal) => refusal.response(),
     }
@@ -68,17 +78,42 @@ fn json_response(status: StatusCode, v: &Value) -> Response<GatewayBody> {
     r
 }
 
-fn metrics(inner: &Inner) -> Response<GatewayBody> {
+/// The gateway's Prometheus metrics, for an operator's key only: they
+/// name every endpoint. Requests without one count against the address's
+/// quota like any request without a valid key.
+async fn metrics(
+    inner: &Inner,
+    peer: IpAddr,
+    headers: &HeaderMap,
+) -> Result<Response<GatewayBody>, Refusal> {
+    // An operator seen a moment ago is not held back with the guesses
+    // from its address.
+    let seen_operator = bearer(headers)
+        .is_ok_and(|k| matches!(crate::lock(&inner.operators).get(k), Some((_, true))));
+    if !seen_operator {
+        inner.check_held(peer)?;
+    }
+    let key = match bearer(headers) {
+        Ok(k) => k,
+        Err(_) => {
+            inner.check_anonymous(peer)?;
+            return Err(Refusal::MetricsForbidden);
+        }
+    };
+    if !inner.operator(key).await? {
+        inner.check_anonymous(peer)?;
+        return Err(Refusal::MetricsForbidden);
+    }
     let mut out = String::new();
     if prometheus_client::encoding::text::encode(&mut out, &inner.metrics.registry).is_err() {
-        return Refusal::Upstream("metrics encoding failed".into()).response();
+        return Err(Refusal::Upstream("metrics encoding failed".into()));
     }
     let mut r = Response::new(GatewayBody::full(Bytes::from(out)));
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
     );
-    r
+    Ok(r)
 }
 
 fn bearer(headers: &HeaderMap) -> Result<&str, Refusal> {
@@ -244,12 +279,16 @@ fn list_models(inner: &Inner, grant: &KeyGrant) -> Response<GatewayBody> {
 
 async fn route(
     inner: Arc<Inner>,
+    peer: IpAddr,
     req: Request<Incoming>,
 ) -> Result<Response<GatewayBody>, Refusal> {
     let arrived = Instant::now();
     let started_at = Utc::now();
-    let key = bearer(req.headers())?.to_string();
-    let grant = inner.authorize(&key).await?;
+    let key = bearer(req.headers()).map(str::to_string);
+    let grant = inner
+        .authorize_from(peer, key.as_deref().map_err(Clone::clone))
+        .await?;
+    let key = key?;
     let grant = &*grant;
     let (parts, body) = req.into_parts();
     let limit = inner.config.max_body_bytes;

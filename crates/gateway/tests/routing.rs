@@ -239,8 +239,19 @@ async fn requests_reach_their_endpoint_by_path_host_and_model_and_others_are_ref
     // The gateway's own surfaces.
     let r = http.get(format!("{url}/health")).send().await.unwrap();
     assert_eq!(r.status(), 200);
+    // `/metrics` names every endpoint: an operator's key only.
+    for key in [None, Some("alice-key")] {
+        let mut req = http.get(format!("{url}/metrics"));
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(error_code(r).await.0, 401, "{key:?}");
+    }
+    control.set_operator_key("operator-key");
     let metrics = http
         .get(format!("{url}/metrics"))
+        .bearer_auth("operator-key")
         .send()
         .await
         .unwrap()

@@ -225,13 +225,15 @@ pub async fn check_budgets(st: &AppState) -> Result<usize, RatingError> {
 /// (HMAC-SHA256 with the budget's secret), and records the attempt: a 2xx
 /// answer delivers it, anything else is retried with backoff. A target
 /// that resolves into the operator's network is never contacted and the
-/// delivery is marked failed (unless `webhook_allow_private`).
+/// delivery is marked failed (unless the operator allows it,
+/// [`crate::ServerConfig::webhook_egress`]). A receiver that cannot be
+/// reached is recorded as `receiver unreachable`, whatever the cause.
 pub async fn deliver_webhooks(st: &AppState) -> Result<usize, RatingError> {
     let due = st.store().due_deliveries(st.now(), 50).await?;
     if due.is_empty() {
         return Ok(0);
     }
-    let allow_private = st.config().webhook_allow_private;
+    let policy = st.config().webhook_egress();
     let mut secrets: BTreeMap<TenantId, Option<String>> = BTreeMap::new();
     let mut delivered = 0;
     for d in due {
@@ -259,7 +261,7 @@ pub async fn deliver_webhooks(st: &AppState) -> Result<usize, RatingError> {
                 .await?;
             continue;
         };
-        let http = match delivery_client(&d.url, allow_private).await {
+        let http = match delivery_client(&d.url, &policy).await {
             Ok(c) => c,
             Err(e) => {
                 // A target inside the operator's network is refused for
@@ -294,7 +296,13 @@ pub async fn deliver_webhooks(st: &AppState) -> Result<usize, RatingError> {
                 Some(resp.status().as_u16()),
                 Some(format!("receiver answered {}", resp.status())),
             ),
-            Err(e) => (false, None, Some(e.to_string())),
+            Err(e) => {
+                // The tenant sees one word for refused, reset and timed
+                // out alike (a webhook must not probe ports); the cause
+                // is for the operator.
+                tracing::warn!(delivery = %d.id, error = %error_chain(&e), "webhook receiver unreachable");
+                (false, None, Some("receiver unreachable".to_string()))
+            }
         };
         let next = if ok {
             None
@@ -336,11 +344,11 @@ enum DeliveryTarget {
 /// would resolve the name itself, after the check.
 async fn delivery_client(
     url: &str,
-    allow_private: bool,
+    policy: &flotilla_egress::EgressPolicy,
 ) -> Result<reqwest::Client, DeliveryTarget> {
     let parsed =
         reqwest::Url::parse(url).map_err(|_| DeliveryTarget::Refused(TargetError::NotHttp))?;
-    let (host, addrs) = webhook_target::resolve(&parsed, allow_private)
+    let (host, addrs) = webhook_target::resolve(&parsed, policy)
         .await
         .map_err(|e| match e {
             TargetError::Unresolved { .. } => DeliveryTarget::Unresolved(e),
@@ -355,6 +363,18 @@ async fn delivery_client(
         b = b.resolve_to_addrs(&host, &addrs);
     }
     Ok(b.build()?)
+}
+
+/// `e` and its causes, for the operator's log.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
 }
 
 /// The hard cap at instance creation: spot or preemptible work of tier 2

@@ -143,15 +143,16 @@ pub struct Outcome {
 }
 
 impl Controller {
-    /// A controller with no policy yet.
-    pub fn new() -> Self {
+    /// A controller with no policy yet, its queue triggers reaching what
+    /// `egress` allows.
+    pub fn new(egress: flotilla_egress::EgressPolicy) -> Self {
         Self {
             policies: BTreeMap::new(),
             http: reqwest::Client::builder()
                 .timeout(PROBE_TIMEOUT)
                 .build()
                 .unwrap_or_default(),
-            queues: flotilla_triggers::Scaler::default(),
+            queues: flotilla_triggers::Scaler::default().with_policy(egress),
             verticals: BTreeMap::new(),
             starting: false,
         }
@@ -382,7 +383,7 @@ async fn start_replica(st: &AppState, ep: &Endpoint) -> Result<InstanceId, Store
 pub async fn run(st: AppState, tick: Duration) {
     let mut shutdown = st.shutdown_signal();
     let wake = st.endpoints_wake();
-    let mut ctl = Controller::new();
+    let mut ctl = Controller::new(st.config().egress());
     loop {
         if *shutdown.borrow() {
             return;

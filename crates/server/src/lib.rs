@@ -39,6 +39,7 @@ pub mod metrics;
 pub mod nodepools;
 pub mod offers;
 pub mod ops_metrics;
+pub mod outbound;
 pub mod parking;
 pub mod pricing;
 pub mod reconcile;
@@ -76,6 +77,11 @@ pub struct ServerConfig {
     /// so that a tenant cannot make the server call into the operator's
     /// network.
     pub webhook_allow_private: bool,
+    /// Inward destinations (loopback, private, link-local, …) the
+    /// control plane may reach on a tenant's behalf: queue-trigger
+    /// brokers, budget webhooks, registry logins. Empty: public addresses
+    /// only (see `flotilla-egress`).
+    pub allow_egress: Vec<flotilla_egress::AllowRule>,
     /// The file holding the key that seals stored secrets (tenants'
     /// registry passwords), created with mode 0600 on first use;
     /// `FLOTILLA_SECRETS_KEY` overrides it (replicas must share one key).
@@ -100,6 +106,7 @@ impl Default for ServerConfig {
             billing_every: Duration::from_secs(30),
             operator_fee_percent: rust_decimal::Decimal::from(15),
             webhook_allow_private: false,
+            allow_egress: Vec::new(),
             secrets_key_file: None,
             gpu_health: flotilla_core::health::HealthPolicy::default(),
             node_pools: Vec::new(),
@@ -108,6 +115,22 @@ impl Default for ServerConfig {
 }
 
 impl ServerConfig {
+    /// Where tenant-chosen outbound calls (queue triggers, registry
+    /// logins) may go: public addresses and the operator's rules.
+    pub fn egress(&self) -> flotilla_egress::EgressPolicy {
+        flotilla_egress::EgressPolicy::new(self.allow_egress.clone())
+    }
+
+    /// Where budget webhooks may go: as [`Self::egress`], or anywhere with
+    /// `webhook_allow_private`.
+    pub fn webhook_egress(&self) -> flotilla_egress::EgressPolicy {
+        if self.webhook_allow_private {
+            flotilla_egress::EgressPolicy::allow_all()
+        } else {
+            self.egress()
+        }
+    }
+
     /// How often agents sync at least: a third of the heartbeat timeout,
     /// so a node misses two syncs before it is given up.
     pub fn heartbeat_interval(&self) -> Duration {

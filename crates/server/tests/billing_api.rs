@@ -861,7 +861,7 @@ async fn webhooks_never_reach_the_operators_network_unless_allowed() {
             b["error"]["message"]
                 .as_str()
                 .unwrap()
-                .contains("--webhook-allow-private"),
+                .contains("--allow-egress"),
             "{b}"
         );
     }
@@ -1085,4 +1085,74 @@ async fn providers_are_paid_for_the_usage_their_nodes_carried() {
         )
         .await;
     assert_eq!(code, StatusCode::NOT_FOUND, "another provider's statement");
+}
+
+#[tokio::test]
+async fn a_webhook_the_operator_allows_is_delivered_and_an_unreachable_one_says_only_that() {
+    // Not every address: only this machine's loopback, by the general
+    // rule (`--allow-egress 127.0.0.1`).
+    let s = start(ServerConfig {
+        webhook_allow_private: false,
+        allow_egress: vec!["127.0.0.1".parse().unwrap()],
+        ..quick()
+    })
+    .await;
+    let secret = "whsec-0123456789abcdef";
+    let (url, _, calls) = counting_receiver().await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap();
+    let end = Utc::now().trunc_subsecs(0) - Duration::seconds(5);
+    let mut tenants = Vec::new();
+    for (name, hook) in [
+        ("acme", url.clone()),
+        ("initech", format!("http://{closed}/hook")),
+    ] {
+        let t = s.create_tenant(name).await;
+        let admin = s.key(&t, "tenant_admin").await;
+        let body = json!({"limit": "1", "webhook_url": hook, "webhook_secret": secret});
+        let (st, b) = s.call(&admin, Method::PUT, "/v1/budget", Some(body)).await;
+        assert_eq!(st, StatusCode::OK, "{name}: {b}");
+        // Still refused: what the rule does not name.
+        let body =
+            json!({"limit": "1", "webhook_url": "http://[::1]/hook", "webhook_secret": secret});
+        let (st, b) = s.call(&admin, Method::PUT, "/v1/budget", Some(body)).await;
+        assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{b}");
+        ingest(
+            &s,
+            &[gpu_event(
+                &t,
+                &format!("{name}-p1"),
+                "H100",
+                1,
+                "on_demand",
+                end - Duration::hours(1),
+                end,
+                None,
+            )],
+        )
+        .await;
+        let member = s.key(&t, "tenant_member").await;
+        tenants.push((t, member));
+    }
+    let (_, acme) = &tenants[0];
+    wait_until("the allowed receiver gets the alert", || async {
+        let view = s.ok(acme, Method::GET, "/v1/budget", None).await;
+        view["deliveries"]
+            .as_array()
+            .is_some_and(|d| !d.is_empty() && d.iter().all(|d| d["state"] == "delivered"))
+    })
+    .await;
+    assert!(calls.load(std::sync::atomic::Ordering::SeqCst) >= 2);
+    let (_, initech) = &tenants[1];
+    wait_until("the closed port's delivery records its error", || async {
+        let view = s.ok(initech, Method::GET, "/v1/budget", None).await;
+        view["deliveries"][0]["last_error"].is_string()
+    })
+    .await;
+    let last = s.ok(initech, Method::GET, "/v1/budget", None).await;
+    assert_eq!(
+        last["deliveries"][0]["last_error"], "receiver unreachable",
+        "refused, reset and timed out read alike: {last}"
+    );
 }

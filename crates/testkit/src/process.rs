@@ -165,6 +165,11 @@ pub struct Home {
     /// Run every process as this uid (and gid) instead of the test's own:
     /// a root test playing an ordinary user. Own [`Home::dir`] by it first.
     pub uid: Option<u32>,
+    /// More arguments for every `flotilla server` of this home
+    /// (`--allow-egress 127.0.0.1:5672`).
+    pub server_args: Vec<String>,
+    /// More arguments for every `flotilla gateway` of this home.
+    pub gateway_args: Vec<String>,
 }
 
 /// Workloads outlive their agent on purpose (a restarted agent adopts
@@ -214,6 +219,8 @@ impl Home {
             heartbeat_timeout: 15,
             log_level: "info",
             uid: None,
+            server_args: Vec::new(),
+            gateway_args: Vec::new(),
         }
     }
 
@@ -291,6 +298,7 @@ impl Home {
         if let Some(url) = &self.database_url {
             c.args(["--database-url", url]);
         }
+        c.args(&self.server_args);
         let child = c
             .stdout(self.log(&log))
             .stderr(self.log(&log))
@@ -356,6 +364,7 @@ impl Home {
             .cmd()
             .args(["--server", &self.url(), "gateway", "--token", token.trim()])
             .args(["--bind", &format!("127.0.0.1:{port}")])
+            .args(&self.gateway_args)
             .stdout(self.log("gateway"))
             .stderr(self.log("gateway"))
             .spawn()

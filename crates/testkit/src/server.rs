@@ -295,6 +295,12 @@ impl OnClock {
     /// A fresh SQLite store, bootstrapped, on a clock standing at `start`.
     /// The rate limit (on the real clock) is set out of the way.
     pub async fn new(start: chrono::DateTime<chrono::Utc>) -> Self {
+        Self::with_config(start, ServerConfig::default()).await
+    }
+
+    /// Like [`OnClock::new`], with `config` (its rate limit set out of
+    /// the way likewise).
+    pub async fn with_config(start: chrono::DateTime<chrono::Utc>, config: ServerConfig) -> Self {
         let dir = tempfile::tempdir().expect("temporary directory");
         let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
         let store = open_store(&url).await.expect("store");
@@ -303,7 +309,7 @@ impl OnClock {
         let (tx, rx) = tokio::sync::watch::channel(false);
         let config = ServerConfig {
             rate_limit_per_second: 10_000,
-            ..ServerConfig::default()
+            ..config
         };
         let st = flotilla_server::state::AppState::new(
             store,

@@ -7,12 +7,24 @@
 //! the next read reconnects. Every read is bounded by a timeout, so a
 //! broker that hangs costs one timeout per tick rather than stalling the
 //! endpoint controller. Errors never carry a URL's password.
+//!
+//! A trigger's URL is chosen by a tenant, so every connection follows the
+//! egress policy (`flotilla-egress`): the broker's host is resolved, every
+//! address it stands for is checked (loopback, private, link-local and the
+//! rest are refused unless the operator allows them), and the client
+//! connects to those checked addresses only, never to a second lookup's
+//! answer (DNS rebinding) nor to servers a NATS broker advertises. A
+//! broker that cannot be reached is reported as `broker unreachable`
+//! whatever the cause (refused, reset, timed out, not speaking the
+//! protocol), so that a trigger cannot be used to tell ports apart; the
+//! cause goes to the operator's log only.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_core::queue_trigger::{QueueKind, QueueTrigger, REDACTED};
+use flotilla_egress::{EgressPolicy, ResolveError};
 use lapin::options::QueueDeclareOptions;
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::FieldTable;
@@ -35,12 +47,16 @@ pub enum TriggerError {
         /// The durable consumer.
         consumer: String,
     },
-    /// No connection to the broker.
+    /// No connection to the broker, or no answer in time. One error for
+    /// refused, reset, timed out and garbled, so that what a tenant sees
+    /// says nothing about what listens where; the operator's log has the
+    /// cause.
+    #[error("broker unreachable")]
+    Unreachable,
+    /// The broker's host is, or resolves to, an address the egress policy
+    /// refuses: nothing was sent.
     #[error("broker unreachable: {0}")]
-    Unreachable(String),
-    /// The broker did not answer in time.
-    #[error("no answer from the broker within {0:?}")]
-    Timeout(Duration),
+    Refused(String),
     /// The broker answered with an error.
     #[error("broker error: {0}")]
     Broker(String),
@@ -51,12 +67,14 @@ pub struct Scaler {
     amqp: Mutex<HashMap<String, Arc<lapin::Connection>>>,
     nats: Mutex<HashMap<String, async_nats::Client>>,
     timeout: Duration,
+    policy: EgressPolicy,
 }
 
 impl std::fmt::Debug for Scaler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Scaler")
             .field("timeout", &self.timeout)
+            .field("policy", &self.policy)
             .finish_non_exhaustive()
     }
 }
@@ -86,13 +104,106 @@ fn scrub(msg: impl std::fmt::Display, url: &str) -> String {
     }
 }
 
+/// The parts of a broker URL `scheme://[userinfo@]host[:port][/rest]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BrokerUrl<'a> {
+    /// `scheme://userinfo@`, or `scheme://`.
+    head: &'a str,
+    /// The host, IPv6 brackets removed.
+    host: &'a str,
+    port: u16,
+    /// From the first `/`, `?` or `#` on.
+    tail: &'a str,
+}
+
+impl<'a> BrokerUrl<'a> {
+    fn parse(url: &'a str, default_port: u16) -> Option<Self> {
+        let (scheme, rest) = url.split_once("://")?;
+        let auth_len = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (auth, tail) = rest.split_at(auth_len);
+        let host_at = auth.rfind('@').map_or(0, |i| i + 1);
+        let head = &url[..scheme.len() + 3 + host_at];
+        let hostport = &auth[host_at..];
+        let (host, port) = if let Some(v6) = hostport.strip_prefix('[') {
+            let (h, after) = v6.split_once(']')?;
+            match after {
+                "" => (h, None),
+                p => (h, Some(p.strip_prefix(':')?)),
+            }
+        } else {
+            match hostport.rsplit_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (hostport, None),
+            }
+        };
+        let port = match port {
+            None | Some("") => default_port,
+            Some(p) => p.parse().ok()?,
+        };
+        (!host.is_empty()).then_some(Self {
+            head,
+            host,
+            port,
+            tail,
+        })
+    }
+
+    /// The same URL aimed at `addr`, a checked address of its host.
+    fn at(&self, addr: std::net::SocketAddr) -> String {
+        let host = match addr.ip() {
+            std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+            v4 => v4.to_string(),
+        };
+        format!("{}{host}:{}{}", self.head, addr.port(), self.tail)
+    }
+}
+
+/// The broker port a trigger's URL means when it names none.
+fn default_port(kind: QueueKind) -> u16 {
+    match kind {
+        QueueKind::Rabbitmq => 5672,
+        QueueKind::Nats => 4222,
+    }
+}
+
+/// The host (IPv6 brackets removed) and port a trigger connects to, for
+/// the server's check when the trigger is set; `None` when its URL names
+/// no host.
+pub fn destination(t: &QueueTrigger) -> Option<(&str, u16)> {
+    BrokerUrl::parse(&t.url, default_port(t.kind)).map(|u| (u.host, u.port))
+}
+
 impl Scaler {
-    /// A scaler whose reads give up after `timeout`.
+    /// A scaler whose reads give up after `timeout`, reaching public
+    /// addresses only.
     pub fn new(timeout: Duration) -> Self {
         Self {
             amqp: Mutex::new(HashMap::new()),
             nats: Mutex::new(HashMap::new()),
             timeout,
+            policy: EgressPolicy::default(),
+        }
+    }
+
+    /// The same scaler following `policy` (the operator's allow rules).
+    pub fn with_policy(mut self, policy: EgressPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The addresses `url`'s host stands for, each allowed by the policy,
+    /// with the URL rewritten for each (the host replaced by the checked
+    /// address, so the client never looks the name up again).
+    async fn targets(&self, url: &str, default_port: u16) -> Result<Vec<String>, TriggerError> {
+        let parsed = BrokerUrl::parse(url, default_port)
+            .ok_or_else(|| TriggerError::Refused("the URL names no host and port".to_string()))?;
+        match flotilla_egress::resolve(parsed.host, parsed.port, &self.policy).await {
+            Ok(addrs) => Ok(addrs.into_iter().map(|a| parsed.at(a)).collect()),
+            Err(e @ ResolveError::Refused { .. }) => Err(TriggerError::Refused(e.to_string())),
+            Err(e @ ResolveError::Unresolved { .. }) => {
+                tracing::warn!(error = %e, "queue trigger broker does not resolve");
+                Err(TriggerError::Unreachable)
+            }
         }
     }
 
@@ -119,7 +230,8 @@ impl Scaler {
             Err(_) => {
                 // A hung connection is not trusted again.
                 self.forget(t).await;
-                Err(TriggerError::Timeout(self.timeout))
+                tracing::warn!(trigger = %t.label(), timeout_ms = self.timeout.as_millis() as u64, "queue trigger read timed out");
+                Err(TriggerError::Unreachable)
             }
         }
     }
@@ -149,10 +261,18 @@ impl Scaler {
                 None => {}
             }
         }
-        let c = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
-            .await
-            .map_err(|e| TriggerError::Unreachable(scrub(e, url)))?;
-        let c = Arc::new(c);
+        let mut conn = None;
+        for target in self.targets(url, default_port(QueueKind::Rabbitmq)).await? {
+            match lapin::Connection::connect(&target, lapin::ConnectionProperties::default()).await
+            {
+                Ok(c) => {
+                    conn = Some(c);
+                    break;
+                }
+                Err(e) => unreachable(scrub(e, url)),
+            }
+        }
+        let c = Arc::new(conn.ok_or(TriggerError::Unreachable)?);
         self.amqp.lock().await.insert(url.to_string(), c.clone());
         Ok(c)
     }
@@ -165,7 +285,8 @@ impl Scaler {
             Ok(ch) => ch,
             Err(e) => {
                 self.amqp.lock().await.remove(url);
-                return Err(TriggerError::Unreachable(scrub(e, url)));
+                unreachable(scrub(e, url));
+                return Err(TriggerError::Unreachable);
             }
         };
         let declared = ch
@@ -192,7 +313,8 @@ impl Scaler {
                 lapin::ErrorKind::ProtocolError(_) => Err(TriggerError::Broker(scrub(e, url))),
                 _ => {
                     self.amqp.lock().await.remove(url);
-                    Err(TriggerError::Unreachable(scrub(e, url)))
+                    unreachable(scrub(e, url));
+                    Err(TriggerError::Unreachable)
                 }
             },
         }
@@ -213,11 +335,24 @@ impl Scaler {
                 None => {}
             }
         }
-        let c = async_nats::ConnectOptions::new()
-            .connection_timeout(self.timeout)
-            .connect(url)
-            .await
-            .map_err(|e| TriggerError::Unreachable(scrub(e, url)))?;
+        let mut client = None;
+        for target in self.targets(url, default_port(QueueKind::Nats)).await? {
+            // Only the checked address: not the servers the broker
+            // advertises (a broker could name any address there).
+            match async_nats::ConnectOptions::new()
+                .connection_timeout(self.timeout)
+                .ignore_discovered_servers()
+                .connect(target.as_str())
+                .await
+            {
+                Ok(c) => {
+                    client = Some(c);
+                    break;
+                }
+                Err(e) => unreachable(scrub(e, url)),
+            }
+        }
+        let c = client.ok_or(TriggerError::Unreachable)?;
         self.nats.lock().await.insert(url.to_string(), c.clone());
         Ok(c)
     }
@@ -240,7 +375,10 @@ impl Scaler {
                     stream: stream.to_string(),
                     consumer: consumer.to_string(),
                 },
-                K::TimedOut => TriggerError::Timeout(self.timeout),
+                K::TimedOut => {
+                    unreachable(scrub(e, url));
+                    TriggerError::Unreachable
+                }
                 K::NoResponders => {
                     TriggerError::Broker("JetStream is not enabled on this server".into())
                 }
@@ -250,9 +388,61 @@ impl Scaler {
     }
 }
 
+/// Logs why a broker could not be reached, for the operator; the tenant
+/// sees [`TriggerError::Unreachable`] only.
+fn unreachable(cause: String) {
+    tracing::warn!(cause = %cause, "queue trigger broker unreachable");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn broker_urls_are_aimed_at_the_checked_address() {
+        let u = BrokerUrl::parse("amqp://u:p@w@rabbit.example:5673/%2f?x=1", 5672).unwrap();
+        assert_eq!((u.host, u.port), ("rabbit.example", 5673));
+        assert_eq!(
+            u.at("203.0.113.5:5673".parse().unwrap()),
+            "amqp://u:p@w@203.0.113.5:5673/%2f?x=1"
+        );
+        let u = BrokerUrl::parse("nats://[2001:db8::1]", 4222).unwrap();
+        assert_eq!((u.host, u.port), ("2001:db8::1", 4222));
+        assert_eq!(
+            u.at("[2001:db8::1]:4222".parse().unwrap()),
+            "nats://[2001:db8::1]:4222"
+        );
+        let u = BrokerUrl::parse("nats://tok@10.0.0.1", 4222).unwrap();
+        assert_eq!((u.head, u.host, u.tail), ("nats://tok@", "10.0.0.1", ""));
+        for bad in ["nats://", "amqp://u@:5672/", "amqp://h:x/", "nope"] {
+            assert_eq!(BrokerUrl::parse(bad, 1), None, "{bad}");
+        }
+    }
+
+    #[tokio::test]
+    async fn inward_brokers_are_refused_before_any_connection() {
+        // 10.0.0.1 and 169.254.169.254 are never contacted: the policy
+        // refuses them before a socket is opened.
+        let s = Scaler::new(Duration::from_secs(5));
+        for url in [
+            "amqp://guest:guest@127.0.0.1:5672/%2f",
+            "amqp://guest:guest@10.0.0.1/%2f",
+            "amqp://169.254.169.254:80/%2f",
+            "amqp://localhost/%2f",
+        ] {
+            let e = s
+                .depth(&QueueTrigger::rabbitmq(url, "q"))
+                .await
+                .unwrap_err();
+            assert!(matches!(e, TriggerError::Refused(_)), "{url}: {e:?}");
+            assert!(e.to_string().starts_with("broker unreachable: "), "{e}");
+        }
+        let e = s
+            .depth(&QueueTrigger::nats("nats://[::1]:4222", "S", "C"))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, TriggerError::Refused(_)), "{e:?}");
+    }
 
     #[test]
     fn errors_never_quote_the_password() {

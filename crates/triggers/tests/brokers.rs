@@ -18,6 +18,14 @@ use lapin::options::{BasicAckOptions, BasicGetOptions};
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 const NATS: &str = "nats://127.0.0.1:4222";
 
+/// A scaler allowed to reach this machine's brokers (loopback is refused
+/// by default, as for any tenant-chosen URL).
+fn scaler(timeout: Duration) -> Scaler {
+    Scaler::new(timeout).with_policy(flotilla_egress::EgressPolicy::new(vec!["127.0.0.0/8"
+        .parse()
+        .expect("rule")]))
+}
+
 fn rabbit(url: &str, queue: &str) -> QueueTrigger {
     QueueTrigger::rabbitmq(url, queue)
 }
@@ -27,7 +35,7 @@ async fn rabbitmq_depth_follows_the_queue_and_a_missing_queue_is_reported() {
     if !broker_up(5672) {
         return;
     }
-    let scaler = Scaler::new(Duration::from_secs(10));
+    let scaler = scaler(Duration::from_secs(10));
     let queue = unique_name("flotilla-test");
     // Missing first: a typed error, and the connection survives it.
     assert_eq!(
@@ -69,20 +77,20 @@ async fn an_unreachable_broker_is_an_error_within_the_timeout() {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port");
-    let scaler = Scaler::new(Duration::from_secs(5));
+    let scaler = scaler(Duration::from_secs(5));
     let started = std::time::Instant::now();
     let e = scaler
         .depth(&rabbit(&format!("amqp://u:pw@127.0.0.1:{port}/%2f"), "q"))
         .await
         .unwrap_err();
     assert!(
-        matches!(e, TriggerError::Unreachable(_) | TriggerError::Timeout(_)),
+        e == TriggerError::Unreachable && e.to_string() == "broker unreachable",
         "{e:?}"
     );
     let nats = QueueTrigger::nats(format!("nats://127.0.0.1:{port}"), "S", "C");
     let e = scaler.depth(&nats).await.unwrap_err();
     assert!(
-        matches!(e, TriggerError::Unreachable(_) | TriggerError::Timeout(_)),
+        e == TriggerError::Unreachable && e.to_string() == "broker unreachable",
         "{e:?}"
     );
     assert!(started.elapsed() < Duration::from_secs(30));
@@ -96,7 +104,7 @@ async fn nats_depth_is_pending_plus_ack_pending() {
     let name = unique_name("FLOTILLA_TEST");
     let q = JetStreamQueue::connect(NATS, &name, "workers").await;
     let trigger = QueueTrigger::nats(NATS, name.as_str(), "workers");
-    let scaler = Scaler::new(Duration::from_secs(10));
+    let scaler = scaler(Duration::from_secs(10));
     assert!(matches!(
         scaler.depth(&trigger).await,
         Err(TriggerError::ConsumerMissing { .. })

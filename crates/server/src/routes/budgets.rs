@@ -20,7 +20,7 @@ use crate::pricing::price_book;
 use crate::routes::prices::billing_field;
 use crate::routes::usage::target_tenant;
 use crate::state::AppState;
-use crate::webhook_target::{self, TargetError};
+use crate::webhook_target;
 pub use flotilla_billing::api::BudgetView;
 
 #[derive(Deserialize)]
@@ -65,32 +65,14 @@ pub async fn get_budget(
     Ok(Json(view(&st, b).await?))
 }
 
-/// How long setting a budget waits for the webhook host to resolve.
-const RESOLVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Refuses (422, `webhook_url`) a webhook that is, or already resolves
-/// to, an address inside the operator's network, unless the operator
-/// allows those. A name that does not resolve (yet) is accepted: every
-/// delivery resolves and checks it again, and connects only to the
-/// addresses it checked.
+/// Refuses (422, `webhook_url`) a webhook that is not http(s), or is or
+/// already resolves to an address the egress policy refuses
+/// (`crate::outbound`).
 async fn check_webhook_target(st: &AppState, url: &reqwest::Url) -> ApiResult<()> {
-    if st.config().webhook_allow_private {
-        return Ok(());
-    }
-    match tokio::time::timeout(RESOLVE_TIMEOUT, webhook_target::resolve(url, false)).await {
-        Ok(Err(e @ (TargetError::Private { .. } | TargetError::NotHttp))) => Err(ApiError::field(
-            FieldError::new("webhook_url", e.to_string()),
-        )),
-        Ok(Err(TargetError::Unresolved { host, reason })) => {
-            tracing::info!(host = %host, reason = %reason, "webhook host does not resolve yet; checked again at delivery");
-            Ok(())
-        }
-        Ok(Ok(_)) => Ok(()),
-        Err(_) => {
-            tracing::info!(url = %url, "webhook host did not resolve in time; checked again at delivery");
-            Ok(())
-        }
-    }
+    let (host, port) = webhook_target::host_port(url)
+        .map_err(|e| ApiError::field(FieldError::new("webhook_url", e.to_string())))?;
+    crate::outbound::check_destination(&st.config().webhook_egress(), &host, port, "webhook_url")
+        .await
 }
 
 /// A budget to set.
@@ -111,9 +93,10 @@ pub struct SetBudget {
     #[serde(default)]
     pub hard_cap: bool,
     /// `http://` or `https://` URL alerts are POSTed to. It must reach a
-    /// public address: loopback, private, link-local, unique-local and
-    /// unspecified addresses (literal, or what the name resolves to) are
-    /// refused unless the server runs with `--webhook-allow-private`.
+    /// public address: loopback, private, link-local, shared, unique-local,
+    /// multicast and unspecified addresses (literal, or what the name
+    /// resolves to) are refused unless the operator allows them
+    /// (`--allow-egress CIDR[:PORTS]`, or `--webhook-allow-private`).
     pub webhook_url: Option<String>,
     /// The HMAC-SHA256 key that signs deliveries (16 to 256 characters);
     /// required with `webhook_url`.

@@ -46,6 +46,7 @@ pub async fn create_endpoint(
 ) -> ApiResult<(StatusCode, Json<Endpoint>)> {
     caller.require(&WORK_ROLES, "deploy endpoints")?;
     let spec = req.validate(st.catalog())?;
+    crate::outbound::check_triggers(&st.config().egress(), &spec.queue_triggers).await?;
     let (t, r) = st.ids();
     let id = EndpointId::generate(t, r);
     let ep = st
@@ -107,6 +108,7 @@ pub async fn update_endpoint(
         return Err(ApiError::conflict("the endpoint is being deleted"));
     }
     let (spec, bump) = ep.spec.update(req, st.catalog())?;
+    crate::outbound::check_triggers(&st.config().egress(), &spec.queue_triggers).await?;
     let ep = st
         .store()
         .update_endpoint(&ep.id, &spec, bump, st.now())

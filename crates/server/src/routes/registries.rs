@@ -17,6 +17,9 @@ use crate::error::{ApiError, ApiResult};
 use crate::extract::ApiJson;
 use crate::state::AppState;
 
+/// The port a registry named without one is reached on (HTTPS).
+const REGISTRY_PORT: u16 = 443;
+
 /// The caller's tenant's registry credentials, without their secrets.
 #[utoipa::path(get, path = "/v1/registry-credentials", tag = "registries",
     responses((status = 200, body = Page<RegistryCredential>), (status = 403, body = flotilla_core::api::ErrorBody)))]
@@ -36,7 +39,9 @@ pub async fn list_registry_credentials(
 
 /// Stores a login to one registry for the caller's tenant; its instances
 /// whose image is on that registry are pulled with it. One per registry:
-/// remove the old one to replace it.
+/// remove the old one to replace it. A registry that is, or resolves to,
+/// a loopback, private, link-local (…) address is refused (422,
+/// `registry`) unless the operator allows it (`--allow-egress`).
 #[utoipa::path(post, path = "/v1/registry-credentials", tag = "registries", request_body = CreateRegistryCredential,
     responses((status = 201, body = RegistryCredential), (status = 403, body = flotilla_core::api::ErrorBody),
         (status = 409, body = flotilla_core::api::ErrorBody), (status = 422, body = flotilla_core::api::ErrorBody)))]
@@ -47,6 +52,13 @@ pub async fn create_registry_credential(
 ) -> ApiResult<(StatusCode, Json<RegistryCredential>)> {
     caller.require(&[Role::TenantAdmin], "store registry credentials")?;
     let req = req.validate().map_err(ApiError::field)?;
+    // The agent's engine logs in to this host with the tenant's secret:
+    // it must not be the operator's own network unless allowed.
+    let (host, port) = match req.registry.rsplit_once(':') {
+        Some((h, p)) => (h, p.parse().unwrap_or(REGISTRY_PORT)),
+        None => (req.registry.as_str(), REGISTRY_PORT),
+    };
+    crate::outbound::check_destination(&st.config().egress(), host, port, "registry").await?;
     let key = st.secret_key()?;
     let (t, r) = st.ids();
     let made = st
