@@ -39,6 +39,7 @@ pub mod mig;
 pub mod pass;
 pub mod preempt;
 pub mod queue;
+pub mod pool_fit;
 pub mod quota;
 pub mod request;
 pub mod score;

@@ -42,6 +42,7 @@ pub mod ops_metrics;
 pub mod parking;
 pub mod pricing;
 pub mod reconcile;
+mod request_defaults;
 pub mod routes;
 pub mod schedule;
 pub mod state;
