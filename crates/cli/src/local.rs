@@ -355,8 +355,13 @@ fn parse_cpus(s: &str) -> Result<u64, String> {
         .parse()
         .map_err(|_| format!("`{s}` is not a number of CPUs (e.g. 2 or 1.5)"))?;
     let milli = d * rust_decimal::Decimal::ONE_THOUSAND;
-    if milli < rust_decimal::Decimal::ONE || milli.fract() != rust_decimal::Decimal::ZERO || milli > rust_decimal::Decimal::from(1_024_000) {
-        return Err(format!("must be between 0.001 and 1024, in steps of 0.001; got {s}"));
+    if milli < rust_decimal::Decimal::ONE
+        || milli.fract() != rust_decimal::Decimal::ZERO
+        || milli > rust_decimal::Decimal::from(1_024_000)
+    {
+        return Err(format!(
+            "must be between 0.001 and 1024, in steps of 0.001; got {s}"
+        ));
     }
     u64::try_from(milli).map_err(|_| format!("`{s}` is out of range"))
 }

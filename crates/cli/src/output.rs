@@ -242,8 +242,14 @@ mod tests {
     #[test]
     fn metered_shares_read_as_ps_shows_them() {
         use flotilla_billing::meter::GpuShare;
-        assert_eq!(metered_gpu("L40S", &GpuShare::Milli { milli: 250 }), "0.25 × L40S");
-        assert_eq!(metered_gpu("H100", &GpuShare::Milli { milli: 500 }), "0.5 × H100");
+        assert_eq!(
+            metered_gpu("L40S", &GpuShare::Milli { milli: 250 }),
+            "0.25 × L40S"
+        );
+        assert_eq!(
+            metered_gpu("H100", &GpuShare::Milli { milli: 500 }),
+            "0.5 × H100"
+        );
         assert_eq!(metered_gpu("H100", &GpuShare::Whole), "H100");
         let mig = GpuShare::Mig {
             profile: "1g.10gb".into(),

@@ -181,12 +181,18 @@ fn the_demo_meets_its_slo_on_up_after_warm_up() {
     assert!(out.status.success(), "demo failed: {stderr}\n{stdout}");
     assert!(stdout.contains(" 0 failed"), "{stdout}");
     let peak = number_after(&stdout, "replicas: peak").expect("peak replicas");
-    assert!(peak >= 2.0, "at most {peak} ready replica at the peak:\n{stdout}");
+    assert!(
+        peak >= 2.0,
+        "at most {peak} ready replica at the peak:\n{stdout}"
+    );
     let warm = stdout
         .lines()
         .find(|l| l.contains("after warm-up:"))
         .unwrap_or_else(|| panic!("no after-warm-up line:\n{stdout}"));
     let p95 = number_after(warm, "p95").expect("a p95 after warm-up");
-    assert!(p95 <= 1000.0, "p95 {p95} ms after warm-up, SLO 1000 ms:\n{stdout}");
+    assert!(
+        p95 <= 1000.0,
+        "p95 {p95} ms after warm-up, SLO 1000 ms:\n{stdout}"
+    );
     assert!(warm.ends_with("met)"), "{warm}");
 }

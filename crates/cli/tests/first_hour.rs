@@ -256,13 +256,17 @@ fn a_gang_wider_than_the_pool_is_unschedulable_and_wait_fails() {
     // The pool would hold the same GPUs on one machine: a one-node job runs.
     let out = env.cli(
         Some(&key),
-        &["jobs", "submit", "--gpus", "2", "--nodes", "1", "--wait", "--", "true"],
+        &[
+            "jobs", "submit", "--gpus", "2", "--nodes", "1", "--wait", "--", "true",
+        ],
     );
     assert!(out.status.success(), "{}", text(&out));
     let began = Instant::now();
     let out = env.cli(
         Some(&key),
-        &["jobs", "submit", "--gpus", "2", "--nodes", "2", "--wait", "--", "true"],
+        &[
+            "jobs", "submit", "--gpus", "2", "--nodes", "2", "--wait", "--", "true",
+        ],
     );
     assert_eq!(out.status.code(), Some(3), "{}", text(&out));
     assert!(began.elapsed() < Duration::from_secs(60));
@@ -276,7 +280,11 @@ fn a_gang_wider_than_the_pool_is_unschedulable_and_wait_fails() {
     // It stays queued, and `flotilla queue` lists it with its reason.
     let queue = env.cli(Some(&key), &["queue"]);
     let listed = String::from_utf8_lossy(&queue.stdout);
-    assert!(queue.status.success() && listed.contains("job_"), "{}", text(&queue));
+    assert!(
+        queue.status.success() && listed.contains("job_"),
+        "{}",
+        text(&queue)
+    );
     assert!(listed.contains("unschedulable in this pool"), "{listed}");
     let q = env.cli_json(Some(&key), &["queue"]);
     assert_eq!(q[0]["kind"], "job", "{q}");
@@ -297,7 +305,14 @@ fn up_without_bubblewrap_refuses_before_starting() {
     // A PATH with everything of the system's but bwrap.
     let bin = tempfile::tempdir().expect("temporary directory");
     let mut linked = 0;
-    for dir in ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"] {
+    for dir in [
+        "/usr/local/sbin",
+        "/usr/local/bin",
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+    ] {
         let Ok(entries) = std::fs::read_dir(dir) else {
             continue;
         };
@@ -316,7 +331,13 @@ fn up_without_bubblewrap_refuses_before_starting() {
     let out = env
         .cmd()
         .env("PATH", bin.path())
-        .args(["up", "--bind", &bind, "--gateway-bind", &format!("127.0.0.1:{}", free_port())])
+        .args([
+            "up",
+            "--bind",
+            &bind,
+            "--gateway-bind",
+            &format!("127.0.0.1:{}", free_port()),
+        ])
         .output()
         .expect("run flotilla up");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -377,8 +398,7 @@ fn the_flotilla_script_installs_bubblewrap_as_root() {
     )
     .unwrap();
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(stub.join("apt-get"), std::fs::Permissions::from_mode(0o755))
-        .unwrap();
+    std::fs::set_permissions(stub.join("apt-get"), std::fs::Permissions::from_mode(0o755)).unwrap();
     let path = format!("{}:{}", stub.display(), system.display());
     let run = || {
         Command::new(repo().join("scripts/prerequisites"))
@@ -398,7 +418,9 @@ fn the_flotilla_script_installs_bubblewrap_as_root() {
     assert!(out.status.success(), "{}", text(&out));
     let calls = std::fs::read_to_string(&log).expect("apt-get was called");
     assert!(
-        calls.lines().any(|l| l.contains("install") && l.contains("bubblewrap") && l.contains("-y")),
+        calls
+            .lines()
+            .any(|l| l.contains("install") && l.contains("bubblewrap") && l.contains("-y")),
         "{calls}"
     );
     assert!(stub.join("bwrap").exists());
@@ -408,7 +430,10 @@ fn the_flotilla_script_installs_bubblewrap_as_root() {
     assert_eq!(std::fs::read_to_string(&log).unwrap(), calls);
     // `./flotilla` runs the step before `up` and `agent`.
     let script = std::fs::read_to_string(repo().join("flotilla")).unwrap();
-    assert!(script.contains("up | agent) \"$here/scripts/prerequisites\""), "{script}");
+    assert!(
+        script.contains("up | agent) \"$here/scripts/prerequisites\""),
+        "{script}"
+    );
 }
 
 #[test]
@@ -419,7 +444,10 @@ fn quick_start_parsing_joins_lines_and_fills_ids() {
         ["./flotilla a   # c", "./flotilla b  -- c"]
     );
     let mut seen = BTreeMap::new();
-    ids_in("inst_0123456789abcdef running\njob_0123456789abcdef ok", &mut seen);
+    ids_in(
+        "inst_0123456789abcdef running\njob_0123456789abcdef ok",
+        &mut seen,
+    );
     assert_eq!(
         fill_placeholders("./flotilla logs <instance id> <job id>", &seen),
         "./flotilla logs inst_0123456789abcdef job_0123456789abcdef"

@@ -49,7 +49,8 @@ pub fn share_of_node(
             if allowed == 0 || allowed.saturating_mul(1000) < gpu_milli {
                 return None;
             }
-            let per = |total: u64| (total.saturating_mul(gpu_milli) / gpus.saturating_mul(1000)).max(1);
+            let per =
+                |total: u64| (total.saturating_mul(gpu_milli) / gpus.saturating_mul(1000)).max(1);
             Some((per(m.cpu_milli), per(m.mem_mib)))
         })
         .reduce(|(c, m), (c2, m2)| (c.min(c2), m.min(m2)))
@@ -141,24 +142,42 @@ mod tests {
 
     #[test]
     fn a_gpu_gets_its_share_of_the_node() {
-        let six = machine(2000, 6000, &["H100", "H100", "H100", "H100", "L40S", "L40S"]);
+        let six = machine(
+            2000,
+            6000,
+            &["H100", "H100", "H100", "H100", "L40S", "L40S"],
+        );
         // Six one-GPU members fit the two cores.
-        assert_eq!(share_of_node(&[six.clone()], &[], 1000), Some((333, 1000)));
-        assert!(333 * 6 <= 2000);
-        assert_eq!(share_of_node(&[six.clone()], &[], 2000), Some((666, 2000)));
+        assert_eq!(
+            share_of_node(std::slice::from_ref(&six), &[], 1000),
+            Some((333, 1000))
+        );
+        assert_eq!(
+            share_of_node(std::slice::from_ref(&six), &[], 2000),
+            Some((666, 2000))
+        );
         // A half share asks half a GPU's share.
-        assert_eq!(share_of_node(&[six.clone()], &[], 500), Some((166, 500)));
+        assert_eq!(
+            share_of_node(std::slice::from_ref(&six), &[], 500),
+            Some((166, 500))
+        );
         // The smallest share among machines that could hold it.
         let big = machine(64_000, 512_000, &["H100", "H100"]);
-        assert_eq!(share_of_node(&[six.clone(), big.clone()], &[], 1000), Some((333, 1000)));
+        assert_eq!(
+            share_of_node(&[six.clone(), big.clone()], &[], 1000),
+            Some((333, 1000))
+        );
         // Models narrow the machines: only the big one has no L40S.
         assert_eq!(
             share_of_node(&[six.clone(), big], &["L40S".into()], 1000),
             Some((333, 1000))
         );
         // Nothing holds it, or no GPU asked: the caller's default.
-        assert_eq!(share_of_node(&[six.clone()], &["A100".into()], 1000), None);
-        assert_eq!(share_of_node(&[six.clone()], &[], 0), None);
+        assert_eq!(
+            share_of_node(std::slice::from_ref(&six), &["A100".into()], 1000),
+            None
+        );
+        assert_eq!(share_of_node(std::slice::from_ref(&six), &[], 0), None);
         assert_eq!(share_of_node(&[six], &["L40S".into()], 3000), None);
         assert_eq!(share_of_node(&[], &[], 1000), None);
     }

@@ -16,6 +16,11 @@ use flotilla_store::PageReq;
 use crate::error::ApiResult;
 use crate::state::AppState;
 
+/// The largest CPU request validation accepts, milli-cores.
+const MAX_CPU_MILLI: u32 = 1_024_000;
+/// The largest memory request validation accepts, MiB.
+const MAX_MEMORY_MB: u64 = 64 * 1024 * 1024;
+
 /// What a request asks, as far as its default CPU and memory go.
 pub(crate) struct Ask<'a> {
     /// Whole GPUs per member (ignored with a share).
@@ -64,12 +69,13 @@ pub(crate) async fn fill(
         .iter()
         .filter_map(|t| catalog.resolve(t, "gpu_types").ok())
         .collect();
-    let Some((cpu, mem)) = share_of_node(&machines(st).await?, &models, ask.gpu_milli())
-    else {
+    let Some((cpu, mem)) = share_of_node(&machines(st).await?, &models, ask.gpu_milli()) else {
         return Ok(());
     };
-    cpu_milli.get_or_insert(cpu);
-    memory_mb.get_or_insert(mem);
+    // Within what validation accepts: a huge machine's share must not
+    // turn a request that named nothing into an error naming a field.
+    cpu_milli.get_or_insert(cpu.min(MAX_CPU_MILLI));
+    memory_mb.get_or_insert(mem.min(MAX_MEMORY_MB));
     Ok(())
 }
 
