@@ -100,6 +100,30 @@ try {
   await a.page.getByRole('button', { name: 'Stop instance' }).click();
   await a.page.locator('#state', { hasText: 'stopped' }).waitFor();
 
+  // --- A share of one GPU reads as a share (as `flotilla ps` writes it),
+  // in the list and on its page, and the list fits a 1280-pixel screen.
+  step('a share shown as a share');
+  {
+    const r = await a.page.request.post(`${URL0}/v1/instances`, {
+      headers: { authorization: `Bearer ${env('A_KEY')}` },
+      data: { gpus: 1, gpu_fraction: 0.25, gpu_types: ['L40S'], command: ['sleep', '600'], name: 'quarter' },
+    });
+    assert.equal(r.status(), 201, `create a quarter-GPU instance: ${r.status()}`);
+    made.share = (await r.json()).id;
+    await a.page.goto(`${URL0}/instances`);
+    const row = a.page.locator(`tr[data-instance="${made.share}"]`);
+    await row.waitFor();
+    assert.equal((await row.locator('td.gpus').innerText()).trim(), '0.25 × L40S');
+    const wide = await a.page.evaluate(() => document.documentElement.scrollWidth);
+    assert.ok(wide <= 1280, `the instance list is ${wide} px wide on a 1280-pixel screen`);
+    await a.page.goto(`${URL0}/instances/${made.share}`);
+    assert.equal((await a.page.locator('#gpus').innerText()).trim(), '0.25 × L40S');
+    const stop = await a.page.request.post(`${URL0}/v1/instances/${made.share}/stop`, {
+      headers: { authorization: `Bearer ${env('A_KEY')}` },
+    });
+    assert.ok(stop.ok(), `stop the share: ${stop.status()}`);
+  }
+
   // --- Deploy an endpoint and see its replica chart.
   step('deploy an endpoint');
   await a.page.goto(`${URL0}/endpoints`);

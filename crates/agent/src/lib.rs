@@ -96,6 +96,10 @@ pub struct AgentConfig {
     pub pool: Option<String>,
     /// Simulated inventory, e.g. `4xH100,2xL40S`; `None` discovers with NVML.
     pub simulate_gpus: Option<String>,
+    /// CPU (milli-cores) and memory (MiB) to report instead of the host's:
+    /// a simulated node of another size (`--simulate-cpus`,
+    /// `--simulate-memory-gb`).
+    pub simulated_host: (Option<u64>, Option<u64>),
     /// Per-instance default working dirs go under `work_dir/instances/<id>`.
     pub work_dir: PathBuf,
     /// Long-poll wait to ask for, in milliseconds.
@@ -208,6 +212,7 @@ impl AgentConfig {
             region: None,
             pool: None,
             simulate_gpus: None,
+            simulated_host: (None, None),
             work_dir: work_dir.into(),
             sync_wait_ms: 10_000,
             fence_program: None,
@@ -277,8 +282,14 @@ pub async fn run(
         name: config.name.clone(),
         region: config.region.clone(),
         pool: config.pool.clone(),
-        cpu_milli: discovery::host_cpu_milli(),
-        memory_mb: discovery::host_memory_mib(),
+        cpu_milli: config
+            .simulated_host
+            .0
+            .unwrap_or_else(discovery::host_cpu_milli),
+        memory_mb: config
+            .simulated_host
+            .1
+            .unwrap_or_else(discovery::host_memory_mib),
         simulated: config.simulate_gpus.is_some(),
         gpus,
         agent_version: env!("CARGO_PKG_VERSION").to_string(),

@@ -433,7 +433,8 @@ impl PriceBook {
 /// 1, in force since the epoch, USD, on-demand and serverless GPU time at
 /// the catalog's list price per hour / 3600 (exact to 28 digits), no
 /// minimum, spot bands from 30% (idle pool) to 90% (full pool) of
-/// on-demand, parked host memory at [`LIST_PARKED_GB_HOUR`], requests,
+/// on-demand, parked host memory at [`LIST_PARKED_GB_HOUR`], reserved
+/// terms of 30 days at 30 % off and 365 days at 40 % off, requests,
 /// tokens, instance time and storage free.
 pub fn list_price_book(catalog: &Catalog) -> Result<PriceBook> {
     let hour = Decimal::from(3600);
@@ -477,7 +478,18 @@ pub fn list_price_book(catalog: &Catalog) -> Result<PriceBook> {
             per_million_output_tokens: free(),
             per_gpu_second: serverless,
         },
-        reserved_offers: Vec::new(),
+        // Commitments are what a newcomer compares first (`flotilla
+        // estimate`): list terms, editable in a new version.
+        reserved_offers: vec![
+            ReservedOffer {
+                term_days: 30,
+                discount: Decimal::new(30, 2),
+            },
+            ReservedOffer {
+                term_days: 365,
+                discount: Decimal::new(40, 2),
+            },
+        ],
         per_instance_second: Decimal::ZERO,
         per_storage_gb_second: Decimal::ZERO,
         per_parked_gb_hour: LIST_PARKED_GB_HOUR,

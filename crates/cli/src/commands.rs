@@ -192,14 +192,16 @@ pub struct WorkArgs {
     /// (for a job, per member).
     #[arg(long, value_name = "PROFILE")]
     pub mig: Option<String>,
-    /// CPU in thousandths of a core, per member (default 1000).
+    /// CPU in thousandths of a core, per member (default: a GPU's share of
+    /// the node's CPUs, times the GPUs asked; a fraction scaled down).
     #[arg(long, value_name = "MILLI", conflicts_with = "cpus")]
     pub cpu: Option<u32>,
     /// CPU in cores, per member (e.g. 1 or 0.5); the same as --cpu in
     /// thousandths. A container is held to it.
     #[arg(long, value_name = "CORES", value_parser = parse_cpus)]
     pub cpus: Option<u32>,
-    /// Memory per member: MiB, or with a unit (512M, 2G; default 1024M). A
+    /// Memory per member: MiB, or with a unit (512M, 2G; default: a GPU's
+    /// share of the node's memory, as for CPU). A
     /// container is held to it and killed (out of memory) above it.
     #[arg(long, value_name = "SIZE", value_parser = parse_memory)]
     pub memory: Option<u64>,
@@ -351,23 +353,10 @@ pub fn parse_env(s: &str) -> std::result::Result<(String, String), String> {
     }
 }
 
-/// `flotilla queue`: pending instances in the order the scheduler tries
-/// them, with their position in the whole queue and why each waits.
+/// `flotilla queue`: instances and jobs waiting, in the scheduler's order
+/// ([`crate::queue`]).
 pub async fn queue(ctx: &Ctx) -> Result<ExitCode> {
-    work_queue(ctx, "/v1/queue", |e: flotilla_core::api::QueueEntry| {
-        let i = e.instance;
-        QueueRow {
-            position: e.position,
-            gpus: output::instance_gpus(&i),
-            id: i.id.to_string(),
-            name: i.name,
-            priority: i.priority,
-            tier: i.tier,
-            created_at: i.created_at,
-            reason: i.state_reason,
-        }
-    })
-    .await
+    crate::queue::all(ctx).await
 }
 
 /// One line of a queue as `queue` and `jobs queue` print it.
@@ -764,7 +753,9 @@ pub async fn usage(
     for raw in raw {
         let e: UsageEvent = decode(raw)?;
         let meter = match &e.meter {
-            Meter::GpuSeconds { model, .. } => format!("gpu {model}"),
+            Meter::GpuSeconds { model, share } => {
+                format!("gpu {}", output::metered_gpu(model, share))
+            }
             Meter::InstanceSeconds => "instance seconds".to_string(),
             Meter::StorageGbSeconds => "storage gb seconds".to_string(),
             Meter::ParkedGbSeconds => "parked gb seconds".to_string(),

@@ -147,6 +147,20 @@ impl Tally {
         }
     }
 
+    /// Latencies of the requests sent at or after `warm` (the first ready
+    /// replica): what the endpoint serves once the first cold start is
+    /// behind it.
+    fn latencies_sent_after(&self, warm: Instant) -> Vec<f64> {
+        let l = self.latencies.lock().unwrap_or_else(|p| p.into_inner());
+        l.iter()
+            .filter(|(at, ms)| {
+                at.checked_sub(Duration::from_secs_f64(ms / 1000.0))
+                    .is_some_and(|sent| sent >= warm)
+            })
+            .map(|(_, ms)| *ms)
+            .collect()
+    }
+
     fn latencies_since(&self, since: Option<Instant>) -> Vec<f64> {
         let l = self.latencies.lock().unwrap_or_else(|p| p.into_inner());
         l.iter()
@@ -251,6 +265,8 @@ struct Seen {
     ready: usize,
     starting: usize,
     peak_ready: usize,
+    /// When a replica was first seen ready: the first cold start is over.
+    first_ready: Option<Instant>,
     desired: Option<u32>,
     cost: Option<Decimal>,
     currency: String,
@@ -290,6 +306,9 @@ async fn watch(ctx: &Ctx, id: &str, baseline: Decimal, seen: &Mutex<Seen>) {
         s.ready = ready;
         s.starting = starting;
         s.peak_ready = s.peak_ready.max(ready);
+        if ready > 0 && s.first_ready.is_none() {
+            s.first_ready = Some(Instant::now());
+        }
         s.desired = e.desired_replicas;
     }
     if let Ok((total, currency)) = bill(ctx).await {
@@ -688,6 +707,21 @@ async fn show(
             None => "-",
         }
     )?;
+    if let Some(warm) = s.first_ready {
+        let mut after = tally.latencies_sent_after(warm);
+        let p95 = nearest_rank(&mut after, 0.95);
+        outln!(
+            "  after warm-up: p95 {} ms over {} requests sent once a replica was ready (SLO p95 {} ms: {})",
+            ms(p95),
+            after.len(),
+            args.slo_ms,
+            match p95 {
+                Some(p) if p <= args.slo_ms as f64 => "met",
+                Some(_) => "missed",
+                None => "-",
+            }
+        )?;
+    }
     outln!(
         "  replicas: peak {} ready (max {})",
         s.peak_ready,

@@ -166,12 +166,23 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
                 ExitCode::FAILURE
             });
         }
+        // Work the pool can never hold waits forever: say so and stop
+        // waiting (the job stays queued, for a pool that may grow).
+        if crate::queue::unschedulable(&j.state_reason) {
+            eprintln!(
+                "{}: {}; it stays queued (cancel it with `flotilla jobs cancel {}`)",
+                j.id,
+                one_line(&j.state_reason),
+                j.id
+            );
+            return Ok(ExitCode::from(3));
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
 /// `4xH100 (2x2)`: total GPUs, then members x GPUs per member.
-fn gpus(j: &Job) -> String {
+pub(crate) fn gpus(j: &Job) -> String {
     let model = if j.spec.gpu_types.is_empty() {
         "any".to_string()
     } else {

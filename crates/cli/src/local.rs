@@ -333,6 +333,9 @@ pub struct UpArgs {
     /// real GPUs through NVML, or that inventory when no driver is found.
     #[arg(long, value_name = "SPEC")]
     pub simulate_gpus: Option<String>,
+    /// The local node's reported size.
+    #[command(flatten)]
+    pub host: SimulatedHost,
     /// Name of the local node; default: the hostname.
     #[arg(long, value_name = "NAME")]
     pub node_name: Option<String>,
@@ -346,6 +349,50 @@ pub struct UpArgs {
     /// How the local node runs workloads.
     #[command(flatten)]
     pub workloads: WorkloadArgs,
+}
+
+/// The CPU and memory a node reports instead of the host's: to try a
+/// machine of another shape (with simulated GPUs), or to keep some of the
+/// host for itself. Requests that name no CPU or memory get a GPU's share
+/// of what the node reports.
+#[derive(Debug, Clone, Args)]
+pub struct SimulatedHost {
+    /// CPUs to report (e.g. `2` or `1.5`); default: the host's.
+    #[arg(long, value_name = "N", value_parser = parse_cpus)]
+    pub simulate_cpus: Option<u64>,
+    /// Memory to report, in GB (10^9 bytes); default: the host's.
+    #[arg(long, value_name = "GB", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub simulate_memory_gb: Option<u64>,
+}
+
+impl SimulatedHost {
+    /// `(milli-cores, MiB)` for the agent's configuration.
+    fn reported(&self) -> (Option<u64>, Option<u64>) {
+        (
+            self.simulate_cpus,
+            self.simulate_memory_gb
+                .map(|gb| gb.saturating_mul(1_000_000_000) / (1024 * 1024)),
+        )
+    }
+}
+
+/// A CPU count as milli-cores: a positive decimal with at most three
+/// places.
+fn parse_cpus(s: &str) -> Result<u64, String> {
+    let d: rust_decimal::Decimal = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of CPUs (e.g. 2 or 1.5)"))?;
+    let milli = d * rust_decimal::Decimal::ONE_THOUSAND;
+    if milli < rust_decimal::Decimal::ONE
+        || milli.fract() != rust_decimal::Decimal::ZERO
+        || milli > rust_decimal::Decimal::from(1_024_000)
+    {
+        return Err(format!(
+            "must be between 0.001 and 1024, in steps of 0.001; got {s}"
+        ));
+    }
+    u64::try_from(milli).map_err(|_| format!("`{s}` is out of range"))
 }
 
 /// Options of `agent`.
@@ -383,6 +430,9 @@ pub struct AgentArgs {
     /// XID and ECC errors, heat and utilisation into simulated GPUs.
     #[arg(long, value_name = "FILE", requires = "simulate_gpus")]
     pub simulated_telemetry: Option<PathBuf>,
+    /// The node's reported size.
+    #[command(flatten)]
+    pub host: SimulatedHost,
     /// Serve the agent's own Prometheus metrics (sync outcomes, workloads,
     /// GPU readings under DCGM's names) at `http://ADDR/metrics`, without
     /// a key: bind an address only the monitoring network reaches.
@@ -741,6 +791,8 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
     if let Some(spec) = &args.simulate_gpus {
         check_simulated(spec)?;
     }
+    // Before the server binds and "flotilla is up" is printed.
+    crate::preflight::check(&args.workloads)?;
     let mut signals = Signals::new()?;
     let mut server = start_server(args.server).await?;
 
@@ -766,6 +818,7 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
         server.data_dir.join("agent"),
     );
     agent_config.simulate_gpus = simulate.clone();
+    agent_config.simulated_host = args.host.reported();
     agent_config.trust = server.local_trust();
     // The node lease's fence, as for `flotilla agent`: if this process is
     // killed, the work is stopped before the lease runs out and the server
@@ -916,6 +969,7 @@ pub async fn agent(
     if let Some(spec) = &args.simulate_gpus {
         check_simulated(spec)?;
     }
+    crate::preflight::check(&args.workloads)?;
     // Several comma-separated URLs are replicas of one control plane: the
     // agent fails over between them.
     let server_url = server_url
@@ -954,6 +1008,7 @@ pub async fn agent(
     cfg.pool = pool;
     cfg.simulate_gpus = args.simulate_gpus;
     cfg.simulated_telemetry = args.simulated_telemetry;
+    cfg.simulated_host = args.host.reported();
     cfg.metrics_bind = args.metrics_bind;
     cfg.trust = trust;
     args.workloads.apply(&mut cfg);

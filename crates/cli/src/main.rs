@@ -22,6 +22,8 @@ mod local;
 mod nodepools;
 mod nodes;
 mod output;
+mod preflight;
+mod queue;
 mod queue_worker;
 mod registries;
 mod simulate;
@@ -151,7 +153,8 @@ enum Command {
     Run(RunArgs),
     /// List instances.
     Ps(PsArgs),
-    /// List pending instances in queue order, with position and reason.
+    /// List waiting instances and jobs in queue order, with position and
+    /// reason.
     Queue,
     /// Print an instance's output.
     Logs {

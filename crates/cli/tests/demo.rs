@@ -146,3 +146,53 @@ fn ctrl_c_stops_the_load_and_deletes_the_endpoint() {
         "the demo endpoint is deleted: {eps}"
     );
 }
+
+/// `flotilla demo` with its defaults on a fresh `flotilla up` (the
+/// README's next step), on whatever CPUs this machine has: its replicas
+/// ask a GPU's share of the node, not a whole CPU each, so they fit; every
+/// request is answered, at least two replicas are ready at the peak, and
+/// once the first replica is ready (the first cold start behind it) the
+/// p95 is within the SLO.
+#[test]
+fn the_demo_meets_its_slo_on_up_after_warm_up() {
+    let home = Home::new(BIN);
+    let gw_port = free_port();
+    let bind = format!("127.0.0.1:{}", home.port);
+    let gw_bind = format!("127.0.0.1:{gw_port}");
+    let child = home
+        .cmd()
+        .args(["up", "--bind", &bind, "--gateway-bind", &gw_bind])
+        .stdout(home.log("up"))
+        .stderr(home.log("up"))
+        .spawn()
+        .expect("start flotilla up");
+    let _up = Proc(child);
+    let key = home.operator_key();
+    wait_until("the local node is ready", LONG, || {
+        home.cli_json(Some(&key), &["nodes"])
+            .as_array()
+            .is_some_and(|n| n.iter().any(|n| n["state"] == "ready"))
+    });
+    let gw = format!("http://127.0.0.1:{gw_port}");
+    let out = home.cli(Some(&key), &["demo", "--gateway", &gw]);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    eprintln!("{stdout}");
+    assert!(out.status.success(), "demo failed: {stderr}\n{stdout}");
+    assert!(stdout.contains(" 0 failed"), "{stdout}");
+    let peak = number_after(&stdout, "replicas: peak").expect("peak replicas");
+    assert!(
+        peak >= 2.0,
+        "at most {peak} ready replica at the peak:\n{stdout}"
+    );
+    let warm = stdout
+        .lines()
+        .find(|l| l.contains("after warm-up:"))
+        .unwrap_or_else(|| panic!("no after-warm-up line:\n{stdout}"));
+    let p95 = number_after(warm, "p95").expect("a p95 after warm-up");
+    assert!(
+        p95 <= 1000.0,
+        "p95 {p95} ms after warm-up, SLO 1000 ms:\n{stdout}"
+    );
+    assert!(warm.ends_with("met)"), "{warm}");
+}

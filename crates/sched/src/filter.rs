@@ -26,10 +26,14 @@ pub enum Reason {
     TooLittleCpu,
     TooLittleMemory,
     TooLittleGpuShare,
+    /// A member of the same spread gang already went to this machine (one
+    /// member per machine): not a cordon, though the engine closes the
+    /// machine to the gang the same way.
+    OtherMember,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 11] = [
         Reason::Unreachable,
         Reason::Cordoned,
         Reason::RunsProcesses,
@@ -40,6 +44,7 @@ impl Reason {
         Reason::TooLittleCpu,
         Reason::TooLittleMemory,
         Reason::TooLittleGpuShare,
+        Reason::OtherMember,
     ];
 
     pub fn label(self) -> &'static str {
@@ -54,6 +59,7 @@ impl Reason {
             Reason::TooLittleCpu => "too little free CPU",
             Reason::TooLittleMemory => "too little free memory",
             Reason::TooLittleGpuShare => "too little free GPU share",
+            Reason::OtherMember => "holds another member",
         }
     }
 

@@ -247,6 +247,9 @@ pub(crate) fn place_members<R: Rng + ?Sized>(
     rng: &mut R,
 ) -> Result<Vec<Placement>, GangFailure> {
     let mut placed = Vec::with_capacity(gang.members.len());
+    // Machines closed to the rest of a spread gang: counted as holding a
+    // member in an explanation, never as cordoned.
+    let mut taken: Vec<u32> = Vec::new();
     for (i, req) in gang.members.iter().enumerate() {
         let fail = |why| GangFailure {
             scope: None,
@@ -259,17 +262,19 @@ pub(crate) fn place_members<R: Rng + ?Sized>(
                 // The engine only proposes what fits, so this cannot fail;
                 // if it did, report it rather than hand out a bad plan.
                 if scratch.commit(req, &p).is_err() {
-                    return Err(fail(explain_in(scratch, req, scope)));
+                    return Err(fail(explain_in(scratch, req, scope, &taken)));
                 }
                 if gang.spread {
+                    taken.extend(scratch.host_nodes(p.node));
                     close_host(scratch, p.node);
                 }
                 placed.push(p);
             }
             Decision::Unschedulable(why) => {
-                let why = match scope {
-                    Some(_) => explain_in(scratch, req, scope),
-                    None => why,
+                let why = if scope.is_some() || !taken.is_empty() {
+                    explain_in(scratch, req, scope, &taken)
+                } else {
+                    why
                 };
                 return Err(fail(why));
             }
@@ -278,11 +283,19 @@ pub(crate) fn place_members<R: Rng + ?Sized>(
     Ok(placed)
 }
 
-/// Why `req` fits on none of `scope`'s nodes (all nodes when `None`).
-pub(crate) fn explain_in(cluster: &Cluster, req: &Request, scope: Option<&[u32]>) -> Explanation {
+/// Why `req` fits on none of `scope`'s nodes (all nodes when `None`);
+/// `taken`: nodes closed because another member of the gang is there.
+pub(crate) fn explain_in(
+    cluster: &Cluster,
+    req: &Request,
+    scope: Option<&[u32]>,
+    taken: &[u32],
+) -> Explanation {
     let mut why = Explanation::default();
     let mut add = |idx: u32| {
-        if let Some(state) = cluster.state_of(idx) {
+        if taken.contains(&idx) {
+            why.add(crate::filter::Reason::OtherMember, 1);
+        } else if let Some(state) = cluster.state_of(idx) {
             if let Err(r) = check(state, req) {
                 why.add(r, 1);
             }
@@ -451,6 +464,22 @@ mod tests {
             "gang of 3: member 3 fits nowhere after placing 2: 0/2 nodes fit: 2 too little free GPU share"
         );
         assert_eq!(c.gpu_allocated_milli(), 0);
+    }
+
+    #[test]
+    fn a_spread_gang_says_members_hold_the_machines_not_cordons() {
+        // Room for all three on two machines, but one member per machine.
+        let mut c = cluster(&[0, 0, 0]);
+        c.set_cordoned(2, true).unwrap();
+        let gang = Gang::uniform(whole(1), 3, Locality::Any).spread();
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let GangDecision::Unschedulable(e) = place_gang(&mut engine(), &c, &gang, &mut rng) else {
+            panic!("should not fit");
+        };
+        assert_eq!(
+            e.to_string(),
+            "gang of 3: member 3 fits nowhere after placing 2: 0/3 nodes fit: 2 holds another member, 1 cordoned"
+        );
     }
 
     #[test]

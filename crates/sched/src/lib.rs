@@ -37,6 +37,7 @@ pub mod frag;
 pub mod gang;
 pub mod mig;
 pub mod pass;
+pub mod pool_fit;
 pub mod preempt;
 pub mod queue;
 pub mod quota;

@@ -319,6 +319,10 @@ pub enum Wait {
     VictimsStopping(Vec<WorkKey>),
     /// It fits, but only where it would delay the head of the queue.
     BehindHead(WorkKey),
+    /// It could never fit this pool, even empty (more distinct machines
+    /// or GPUs than the pool has): waiting will not help until the pool
+    /// grows. The text names the field at fault ([`crate::pool_fit`]).
+    Unschedulable(String),
 }
 
 impl Wait {
@@ -327,6 +331,7 @@ impl Wait {
         match self {
             Wait::OverQuota(d) => format!("over quota: {d}"),
             Wait::NoFit(why) => format!("waiting for GPUs: {why}"),
+            Wait::Unschedulable(why) => format!("unschedulable in this pool: {why}"),
             Wait::VictimsStopping(v) => format!(
                 "waiting for preempted instances to stop: {}",
                 v.iter().map(|k| name(*k)).collect::<Vec<_>>().join(", ")
@@ -346,6 +351,7 @@ impl Wait {
             Wait::NoFit(_) => "no_fit",
             Wait::VictimsStopping(_) => "victims_stopping",
             Wait::BehindHead(_) => "behind_head",
+            Wait::Unschedulable(_) => "unschedulable",
         }
     }
 }
@@ -1285,6 +1291,10 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
                 t
             }
         };
+        if let Some(why) = crate::pool_fit::never_fits(&snap.nodes, w) {
+            out.waiting.push((w.key, Wait::Unschedulable(why)));
+            continue;
+        }
         out.waiting.push((w.key, Wait::NoFit(text)));
         if reservation.is_none() && could_fit_empty(&pool, &gang) {
             let mut r = queue::reserve(

@@ -43,6 +43,7 @@ pub mod outbound;
 pub mod parking;
 pub mod pricing;
 pub mod reconcile;
+mod request_defaults;
 pub mod routes;
 pub mod schedule;
 pub mod state;

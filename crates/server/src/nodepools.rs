@@ -142,7 +142,7 @@ async fn waiting_work(st: &AppState, pool: &NodePoolConfig) -> Result<Vec<Waitin
     let runtime = runtime_of(pool.runtime);
     let mut out = Vec::new();
     for (key, wait) in &plan.waiting {
-        if !matches!(wait, Wait::NoFit(_)) {
+        if !matches!(wait, Wait::NoFit(_) | Wait::Unschedulable(_)) {
             continue;
         }
         let Some(q) = g.input.queue.iter().find(|q| q.key == *key) else {

@@ -137,16 +137,16 @@ async fn a_gang_is_placed_whole_across_two_nodes_or_not_at_all() {
     }
 
     // Two members of 2 GPUs each fit on no pair of 1-GPU nodes: nothing is
-    // placed, not even one member, and the queue says why.
+    // placed, not even one member, and the queue says why: never in this
+    // pool, naming the field.
     let big = s
         .submit(&key, json!({"gpus": 4, "nodes": 2, "command": ["train"]}))
         .await;
     let j = s
         .wait_job(&key, &big, "explained", |j| {
-            j["state_reason"]
-                .as_str()
-                .unwrap_or("")
-                .contains("fits nowhere")
+            j["state_reason"].as_str().unwrap_or("").contains(
+                "unschedulable in this pool: gpus: asks 2 GPUs on one machine; the most any machine here has is 1",
+            )
         })
         .await;
     assert_eq!(j["state"], "queued");
@@ -158,7 +158,7 @@ async fn a_gang_is_placed_whole_across_two_nodes_or_not_at_all() {
         q["items"][0]["job"]["state_reason"]
             .as_str()
             .unwrap()
-            .contains("gang of 2"),
+            .contains("unschedulable in this pool"),
         "{q}"
     );
     for n in &nodes {
@@ -825,7 +825,7 @@ async fn members_of_a_job_land_on_as_many_distinct_nodes() {
         .wait_job(&key, &id, "told why it waits", |j| {
             j["state_reason"]
                 .as_str()
-                .is_some_and(|r| r.contains("waiting for GPUs: gang of 3"))
+                .is_some_and(|r| r.contains("unschedulable in this pool: nodes: asks 3 distinct machines with 1 GPU each; this pool has 2"))
         })
         .await;
     assert_eq!(j["state"], "queued", "{j}");

@@ -217,6 +217,26 @@ impl Isolation {
     }
 }
 
+/// What `flotilla up` checks before it starts anything: that an agent
+/// running as root will find a working sandbox (an ordinary user falls
+/// back to weaker isolation, with a warning, so nothing is checked).
+/// Looks on `PATH` only (where the operator's shell looks, unlike
+/// [`Isolation::probe`]'s fallback to the system directories), then runs
+/// bubblewrap once as the first tenant uid would. Returns what is wrong,
+/// in words that name the fix. Blocking.
+pub fn preflight_root_sandbox() -> Result<(), String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Ok(());
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let bwrap = std::env::split_paths(&path)
+        .filter(|d| !d.as_os_str().is_empty())
+        .map(|d| d.join("bwrap"))
+        .find(|p| p.is_file())
+        .ok_or_else(|| "bubblewrap (`bwrap`) is not installed (not on PATH)".to_string())?;
+    probe_bwrap(&bwrap, Some(DEFAULT_UID_BASE))
+}
+
 /// `program` on the `PATH` (or the usual system directories).
 pub(crate) fn find_program(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();

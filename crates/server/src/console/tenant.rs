@@ -152,23 +152,37 @@ async fn gpus(State(st): State<ConsoleState>, s: Session, h: HeaderMap) -> Conso
 
 // ---- Instances -------------------------------------------------------------
 
+/// An instance's GPUs as `flotilla ps` writes them: `2 × H100`, a share
+/// as `0.25 × L40S`, a MIG slice as `H100 1g.10gb`; the models asked
+/// (`H100|A100`) or `any` until it is placed.
+fn instance_gpus(i: &Value) -> String {
+    let asked: Vec<&str> = i["gpu_types"]
+        .as_array()
+        .map(|t| t.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let model = match i["gpu_model"].as_str() {
+        Some(m) => m.to_string(),
+        None if asked.is_empty() => "any".to_string(),
+        None => asked.join("|"),
+    };
+    if let Some(f) = i["gpu_fraction"].as_f64() {
+        return format!("{f} × {model}");
+    }
+    if let Some(p) = i["mig_profile"].as_str() {
+        return format!("{model} {p}");
+    }
+    format!("{} × {model}", show(&i["gpus"]))
+}
+
 fn instance_row(i: &Value) -> Markup {
     let id = i["id"].as_str().unwrap_or("");
-    let share = i["gpu_slices"]
-        .as_array()
-        .and_then(|s| s.first())
-        .and_then(|s| s["milli"].as_u64())
-        .filter(|m| *m < 1000);
     html! {
         tr data-instance=(id) {
             th scope="row" { a href={ "/instances/" (id) } { (id) } }
             td { (i["name"].as_str().unwrap_or("")) }
             td { (badge(i["state"].as_str().unwrap_or(""))) }
             td.reason { (i["state_reason"].as_str().unwrap_or("")) }
-            td.num {
-                @if let Some(m) = share { (format!("{:.2}", m as f64 / 1000.0)) " × " } @else { (show(&i["gpus"])) " × " }
-                (i["gpu_model"].as_str().unwrap_or("any"))
-            }
+            td.num.gpus { (instance_gpus(i)) }
             td { (i["node_id"].as_str().unwrap_or("—")) }
             td { (time(&i["created_at"])) }
         }
@@ -293,7 +307,7 @@ async fn instance(
             dl.facts {
                 dt { "State" } dd #state { (badge(state)) }
                 dt { "Reason" } dd { (i["state_reason"].as_str().unwrap_or("")) }
-                dt { "GPUs" } dd { (show(&i["gpus"])) " × " (i["gpu_model"].as_str().unwrap_or("any")) }
+                dt { "GPUs" } dd #gpus { (instance_gpus(&i)) }
                 dt { "Node" } dd { (i["node_id"].as_str().unwrap_or("—")) }
                 dt { "Exit code" } dd { (show(&i["exit_code"])) }
                 dt { "Started" } dd { (time(&i["started_at"])) }

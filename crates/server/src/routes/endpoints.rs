@@ -42,9 +42,17 @@ async fn visible(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<Endpoin
 pub async fn create_endpoint(
     State(st): State<AppState>,
     caller: Caller,
-    ApiJson(req): ApiJson<CreateEndpoint>,
+    ApiJson(mut req): ApiJson<CreateEndpoint>,
 ) -> ApiResult<(StatusCode, Json<Endpoint>)> {
     caller.require(&WORK_ROLES, "deploy endpoints")?;
+    // Per replica.
+    let ask = crate::request_defaults::Ask {
+        gpus: req.gpus.unwrap_or(1),
+        gpu_types: &req.gpu_types,
+        gpu_fraction: req.gpu_fraction,
+        mig_profile: req.mig_profile.as_deref(),
+    };
+    crate::request_defaults::fill(&st, ask, &mut req.cpu_milli, &mut req.memory_mb).await?;
     let spec = req.validate(st.catalog())?;
     crate::outbound::check_triggers(&st.config().egress(), &spec.queue_triggers).await?;
     let (t, r) = st.ids();

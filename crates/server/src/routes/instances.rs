@@ -43,9 +43,16 @@ pub async fn list_instances(
 pub async fn create_instance(
     State(st): State<AppState>,
     caller: Caller,
-    ApiJson(req): ApiJson<CreateInstance>,
+    ApiJson(mut req): ApiJson<CreateInstance>,
 ) -> ApiResult<(StatusCode, Json<Instance>)> {
     caller.require(&WORK_ROLES, "create instances")?;
+    let ask = crate::request_defaults::Ask {
+        gpus: req.gpus,
+        gpu_types: &req.gpu_types,
+        gpu_fraction: req.gpu_fraction,
+        mig_profile: req.mig_profile.as_deref(),
+    };
+    crate::request_defaults::fill(&st, ask, &mut req.cpu_milli, &mut req.memory_mb).await?;
     let spec = req.validate(st.catalog())?;
     mig_mode_available(&st, &spec.share, &spec.gpu_types).await?;
     // A hard-capped budget refuses new spot/preemptible work (never tier 1).

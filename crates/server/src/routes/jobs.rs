@@ -38,9 +38,17 @@ pub async fn list_jobs(
 pub async fn create_job(
     State(st): State<AppState>,
     caller: Caller,
-    ApiJson(req): ApiJson<CreateJob>,
+    ApiJson(mut req): ApiJson<CreateJob>,
 ) -> ApiResult<(StatusCode, Json<Job>)> {
     caller.require(&WORK_ROLES, "submit jobs")?;
+    // Per member: `gpus` is the whole job's (validation refuses an uneven split).
+    let ask = crate::request_defaults::Ask {
+        gpus: req.gpus / req.nodes.unwrap_or(1).max(1),
+        gpu_types: &req.gpu_types,
+        gpu_fraction: req.gpu_fraction,
+        mig_profile: req.mig_profile.as_deref(),
+    };
+    crate::request_defaults::fill(&st, ask, &mut req.cpu_milli, &mut req.memory_mb).await?;
     let spec = req.validate(st.catalog())?;
     super::instances::mig_mode_available(&st, &spec.share(st.catalog()), &spec.gpu_types).await?;
     let (t, r) = st.ids();
