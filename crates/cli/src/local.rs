@@ -77,7 +77,8 @@ pub struct ServerArgs {
     /// budget webhooks, registry logins) reach this inward destination:
     /// `CIDR`, `CIDR:PORT` or `CIDR:LOW-HIGH`, e.g. `10.2.0.0/16:5672`
     /// (repeatable). Loopback, private, link-local and the like are
-    /// refused otherwise.
+    /// refused otherwise. On `flotilla up` the same rules let the local
+    /// node's workloads through its firewall too: one egress policy.
     #[arg(long, value_name = "CIDR[:PORTS]")]
     pub allow_egress: Vec<flotilla_egress::AllowRule>,
     /// Seconds between billing steps: spot prices recorded, budgets
@@ -271,12 +272,6 @@ pub struct WorkloadArgs {
     /// sees it: for shared weights, datasets or scratch, never secrets.
     #[arg(long, value_name = "PATH[:rw]")]
     pub sandbox_share: Vec<flotilla_agent::runtime::sandbox::SharedPath>,
-    /// Lets workloads reach an inward network anyway (private, loopback,
-    /// link-local: refused by default), `CIDR[:PORT[-PORT]]`, e.g.
-    /// `10.2.0.0/16:5432` (repeatable). A loopback rule with ports
-    /// (`127.0.0.1:5672`) reaches those ports of the host's loopback.
-    #[arg(long, value_name = "CIDR[:PORTS]")]
-    pub allow_egress: Vec<flotilla_egress::AllowRule>,
     /// The process runtime's default limits.
     #[command(flatten)]
     pub limits: crate::limits::LimitArgs,
@@ -310,7 +305,6 @@ impl WorkloadArgs {
         config.runtime = self.runtime;
         config.insecure_process_runtime = self.insecure_process_runtime;
         config.sandbox_shares = with_own_binary(self.sandbox_share);
-        config.allow_egress = self.allow_egress;
         config.limit_defaults = self.limits.defaults();
         config.docker_host = self.containers.docker_host;
         config.container_gpus = self.containers.container_gpus;
@@ -433,6 +427,14 @@ pub struct AgentArgs {
     /// The node's reported size.
     #[command(flatten)]
     pub host: SimulatedHost,
+    /// Lets workloads reach an inward network anyway (private, loopback,
+    /// link-local: refused by default), `CIDR[:PORT[-PORT]]`, e.g.
+    /// `10.2.0.0/16:5432` (repeatable). A loopback rule with ports
+    /// (`127.0.0.1:5672`) reaches those ports of the host's loopback.
+    /// (`flotilla up` takes one `--allow-egress` for its workloads and its
+    /// server alike.)
+    #[arg(long, value_name = "CIDR[:PORTS]")]
+    pub allow_egress: Vec<flotilla_egress::AllowRule>,
     /// Serve the agent's own Prometheus metrics (sync outcomes, workloads,
     /// GPU readings under DCGM's names) at `http://ADDR/metrics`, without
     /// a key: bind an address only the monitoring network reaches.
@@ -794,6 +796,9 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
     // Before the server binds and "flotilla is up" is printed.
     crate::preflight::check(&args.workloads)?;
     let mut signals = Signals::new()?;
+    // One egress policy for the node's workloads and the control plane's
+    // calls made for tenants (`--allow-egress` on `up`).
+    let allow_egress = args.server.allow_egress.clone();
     let mut server = start_server(args.server).await?;
 
     let simulate = match args.simulate_gpus {
@@ -825,6 +830,7 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
     // hands its GPUs to other work (a quick restart takes it over first).
     agent_config.fence_program = std::env::current_exe().ok();
     args.workloads.apply(&mut agent_config);
+    agent_config.allow_egress = allow_egress;
     let (agent_stop, agent_stopped) = oneshot::channel::<()>();
     let mut agent = tokio::spawn(flotilla_agent::run(agent_config, async move {
         let _ = agent_stopped.await;
@@ -1012,6 +1018,7 @@ pub async fn agent(
     cfg.metrics_bind = args.metrics_bind;
     cfg.trust = trust;
     args.workloads.apply(&mut cfg);
+    cfg.allow_egress = args.allow_egress;
     // The node lease's fence: this binary, as `flotilla agent-fence`.
     cfg.fence_program = std::env::current_exe().ok();
     let (stop, stopped) = oneshot::channel::<()>();
