@@ -129,16 +129,21 @@ impl Network {
         if !nix::unistd::geteuid().is_root() {
             return shared("the agent is not root (a namespace per workload needs root)".into());
         }
+        let mut found = Vec::new();
         for tool in ["ip", "nft", "nsenter"] {
-            if super::sandbox::find_program(tool).is_none() {
-                return shared(format!(
-                    "`{tool}` is not installed (Debian's iproute2, nftables, util-linux)"
-                ));
+            match super::sandbox::find_program(tool) {
+                Some(path) => found.push(path),
+                None => {
+                    return shared(format!(
+                        "`{tool}` is not installed (Debian's iproute2, nftables, util-linux)"
+                    ))
+                }
             }
         }
         let ns = Namespaces {
             run_dir: PathBuf::from(DEFAULT_RUN_DIR),
             allow,
+            nsenter: found.pop().unwrap_or_default(),
         };
         match ns.prepare_host() {
             Ok(()) => {
@@ -163,6 +168,8 @@ impl Network {
 pub struct Namespaces {
     run_dir: PathBuf,
     allow: Vec<AllowRule>,
+    /// `nsenter`'s absolute path: workloads start through it.
+    nsenter: PathBuf,
 }
 
 /// One workload's place on the network, recorded while it exists.
@@ -217,18 +224,14 @@ fn gateway_of(slot: u8) -> Ipv4Addr {
 }
 
 impl Namespaces {
-    /// Namespaces with their claims under `run_dir` and the operator's
-    /// allow rules (tests use their own directory).
-    pub fn new(run_dir: impl Into<PathBuf>, allow: Vec<AllowRule>) -> Self {
-        Self {
-            run_dir: run_dir.into(),
-            allow,
-        }
-    }
-
     /// The operator's allow rules.
     pub fn allow(&self) -> &[AllowRule] {
         &self.allow
+    }
+
+    /// The `nsenter` program a workload starts through.
+    pub fn nsenter(&self) -> &Path {
+        &self.nsenter
     }
 
     /// Gives `instance` (of `owner`, a tenant) a namespace on its tenant's
