@@ -70,6 +70,8 @@ const WORKLOAD_IF: &str = "eth0";
 /// How old an attachment without a process must be before it is swept:
 /// well past the moment between its set-up and its workload's start.
 const SWEEP_AFTER: std::time::Duration = std::time::Duration::from_secs(120);
+/// How often attachments are checked for a workload that is gone.
+const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 /// Slots (tenants on this host at once) and hosts (workloads per tenant).
 const SLOTS: std::ops::RangeInclusive<u8> = 1..=254;
 const HOSTS: std::ops::RangeInclusive<u8> = 2..=254;
@@ -224,11 +226,6 @@ fn gateway_of(slot: u8) -> Ipv4Addr {
 }
 
 impl Namespaces {
-    /// The operator's allow rules.
-    pub fn allow(&self) -> &[AllowRule] {
-        &self.allow
-    }
-
     /// The `nsenter` program a workload starts through.
     pub fn nsenter(&self) -> &Path {
         &self.nsenter
@@ -327,6 +324,16 @@ impl Namespaces {
     /// before releasing it, or a caller that never does). Called with the
     /// lock held.
     fn sweep(&self) {
+        // At most once a minute on this host, whichever agent asks: each
+        // record costs an `ip` call.
+        let mark = self.run_dir.join("swept");
+        let recent = fs::metadata(&mark)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|age| age < SWEEP_EVERY));
+        if recent {
+            return;
+        }
+        let _ = fs::write(&mark, format!("{:?}", std::time::SystemTime::now()));
         let Ok(dir) = fs::read_dir(self.run_dir.join("attached")) else {
             return;
         };
