@@ -36,7 +36,11 @@ struct Dummy(String);
 
 impl Dummy {
     fn new(name: &str, addrs: &[Ipv4Addr]) -> Dummy {
-        let _ = ip(&["link", "delete", name]);
+        // A leftover of an earlier run with the same name.
+        let _ = Command::new("ip")
+            .args(["link", "delete", name])
+            .stderr(std::process::Stdio::null())
+            .status();
         let peer = format!("{name}p");
         assert!(
             ip(&["link", "add", name, "type", "veth", "peer", "name", &peer]),

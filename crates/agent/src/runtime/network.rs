@@ -70,6 +70,8 @@ const WORKLOAD_IF: &str = "eth0";
 /// How old an attachment without a process must be before it is swept:
 /// well past the moment between its set-up and its workload's start.
 const SWEEP_AFTER: std::time::Duration = std::time::Duration::from_secs(120);
+/// How often attachments are checked for a workload that is gone.
+const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 /// Slots (tenants on this host at once) and hosts (workloads per tenant).
 const SLOTS: std::ops::RangeInclusive<u8> = 1..=254;
 const HOSTS: std::ops::RangeInclusive<u8> = 2..=254;
@@ -129,16 +131,21 @@ impl Network {
         if !nix::unistd::geteuid().is_root() {
             return shared("the agent is not root (a namespace per workload needs root)".into());
         }
+        let mut found = Vec::new();
         for tool in ["ip", "nft", "nsenter"] {
-            if super::sandbox::find_program(tool).is_none() {
-                return shared(format!(
-                    "`{tool}` is not installed (Debian's iproute2, nftables, util-linux)"
-                ));
+            match super::sandbox::find_program(tool) {
+                Some(path) => found.push(path),
+                None => {
+                    return shared(format!(
+                        "`{tool}` is not installed (Debian's iproute2, nftables, util-linux)"
+                    ))
+                }
             }
         }
         let ns = Namespaces {
             run_dir: PathBuf::from(DEFAULT_RUN_DIR),
             allow,
+            nsenter: found.pop().unwrap_or_default(),
         };
         match ns.prepare_host() {
             Ok(()) => {
@@ -163,6 +170,8 @@ impl Network {
 pub struct Namespaces {
     run_dir: PathBuf,
     allow: Vec<AllowRule>,
+    /// `nsenter`'s absolute path: workloads start through it.
+    nsenter: PathBuf,
 }
 
 /// One workload's place on the network, recorded while it exists.
@@ -217,18 +226,9 @@ fn gateway_of(slot: u8) -> Ipv4Addr {
 }
 
 impl Namespaces {
-    /// Namespaces with their claims under `run_dir` and the operator's
-    /// allow rules (tests use their own directory).
-    pub fn new(run_dir: impl Into<PathBuf>, allow: Vec<AllowRule>) -> Self {
-        Self {
-            run_dir: run_dir.into(),
-            allow,
-        }
-    }
-
-    /// The operator's allow rules.
-    pub fn allow(&self) -> &[AllowRule] {
-        &self.allow
+    /// The `nsenter` program a workload starts through.
+    pub fn nsenter(&self) -> &Path {
+        &self.nsenter
     }
 
     /// Gives `instance` (of `owner`, a tenant) a namespace on its tenant's
@@ -324,6 +324,16 @@ impl Namespaces {
     /// before releasing it, or a caller that never does). Called with the
     /// lock held.
     fn sweep(&self) {
+        // At most once a minute on this host, whichever agent asks: each
+        // record costs an `ip` call.
+        let mark = self.run_dir.join("swept");
+        let recent = fs::metadata(&mark)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|age| age < SWEEP_EVERY));
+        if recent {
+            return;
+        }
+        let _ = fs::write(&mark, format!("{:?}", std::time::SystemTime::now()));
         let Ok(dir) = fs::read_dir(self.run_dir.join("attached")) else {
             return;
         };

@@ -284,19 +284,16 @@ impl ProcessRuntime {
                 let (ns, id) = (ns.clone(), spec.instance_id.to_string());
                 let owner = owner_of(&spec.instance_id, spec.tenant_id.as_ref());
                 let port = spec.env.get("PORT").and_then(|p| p.parse::<u16>().ok());
-                let attached =
-                    tokio::task::spawn_blocking(move || ns.attach(&id, &owner, port)).await;
+                let attached = tokio::task::spawn_blocking(move || ns.attach(&id, &owner, port))
+                    .await
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r.map_err(|e| e.to_string()));
                 match attached {
-                    Ok(Ok(a)) => Some(a),
-                    Ok(Err(e)) => {
-                        state.remove();
-                        let _ = group.remove(Duration::ZERO).await;
-                        return Err(SpawnError::Network(e.to_string()));
-                    }
+                    Ok(a) => Some(a),
                     Err(e) => {
                         state.remove();
                         let _ = group.remove(Duration::ZERO).await;
-                        return Err(SpawnError::Network(e.to_string()));
+                        return Err(SpawnError::Network(e));
                     }
                 }
             }
@@ -318,16 +315,17 @@ impl ProcessRuntime {
                 }
                 // In its cgroup first (the shell joins it, then execs),
                 // then in its own network namespace: `nsenter` execs
-                // bubblewrap (the same pid) once it joined it.
-                let mut cmd = match &netns {
-                    Some(a) => {
-                        let mut cmd = command_in(&group, "nsenter");
+                // bubblewrap (the same pid) once it joined it. Its
+                // absolute path: the command's `PATH` is the workload's.
+                let mut cmd = match (&netns, self.namespaces()) {
+                    (Some(a), Some(ns)) => {
+                        let mut cmd = command_in(&group, ns.nsenter().as_os_str());
                         cmd.arg(format!("--net={}", a.netns_path().display()))
                             .arg("--")
                             .arg(bwrap);
                         cmd
                     }
-                    None => command_in(&group, bwrap),
+                    _ => command_in(&group, bwrap),
                 };
                 let mut bwrap_args = bwrap_args_hiding(
                     &root,
