@@ -362,9 +362,11 @@ async fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
             };
             let node = config.name.clone();
             let defaults = config.limit_defaults;
+            let work_dir = config.work_dir.clone();
             let runtime = tokio::task::spawn_blocking(move || {
                 let limits = runtime::limits::Enforcement::detect(
                     &node,
+                    &work_dir,
                     defaults,
                     discovery::host_memory_mib(),
                 );
