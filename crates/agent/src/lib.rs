@@ -391,9 +391,11 @@ async fn runtime_for(config: &AgentConfig) -> anyhow::Result<Arc<dyn Runtime>> {
             let defaults = config.limit_defaults;
             // The fence's program (this binary) also relays output.
             let (relay, keep) = (config.fence_program.clone(), config.keep_workdirs);
+            let work_dir = config.work_dir.clone();
             let runtime = tokio::task::spawn_blocking(move || {
                 let limits = runtime::limits::Enforcement::detect(
                     &node,
+                    &work_dir,
                     defaults,
                     discovery::host_memory_mib(),
                 );

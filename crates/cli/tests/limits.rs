@@ -8,6 +8,8 @@
 //!
 //! Needs root (cgroups are the kernel's, the agent sets them up as root,
 //! as in production and in CI); as another user it says so and passes.
+//! The agent's groups are removed with the test's home, even on failure
+//! (`flotilla_testkit::process::Home`).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -82,8 +84,8 @@ fn cgroup_v2() -> bool {
     Path::new("/sys/fs/cgroup/cgroup.controllers").is_file()
 }
 
-/// The node's parent group in the tree of `controller` (v1) or the one
-/// tree (v2).
+/// The agent's parent group in the tree of `controller` (v1) or the one
+/// tree (v2); `node` is its group's name.
 fn node_group(node: &str, controller: &str) -> PathBuf {
     let root = Path::new("/sys/fs/cgroup");
     if cgroup_v2() {
@@ -107,44 +109,6 @@ fn cpu_used(node: &str, id: &str) -> Option<Duration> {
     }
     let text = std::fs::read_to_string(cgroup(node, id, "cpuacct").join("cpuacct.usage")).ok()?;
     Some(Duration::from_nanos(text.trim().parse().ok()?))
-}
-
-/// Removes the test node's groups when the test ends, even when it failed
-/// (the agent, killed with the test, cannot): kills what is left in each
-/// instance's group, then removes the groups.
-struct NodeGroups(String);
-
-impl Drop for NodeGroups {
-    fn drop(&mut self) {
-        for controller in ["memory", "cpu", "cpuacct", "pids"] {
-            let parent = node_group(&self.0, controller);
-            let groups: Vec<PathBuf> = std::fs::read_dir(&parent)
-                .map(|d| {
-                    d.flatten()
-                        .map(|e| e.path())
-                        .filter(|p| p.is_dir())
-                        .collect()
-                })
-                .unwrap_or_default();
-            for group in groups {
-                for _ in 0..100 {
-                    let procs =
-                        std::fs::read_to_string(group.join("cgroup.procs")).unwrap_or_default();
-                    for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-                        let _ = nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(pid),
-                            nix::sys::signal::Signal::SIGKILL,
-                        );
-                    }
-                    if std::fs::remove_dir(&group).is_ok() || !group.exists() {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            }
-            let _ = std::fs::remove_dir(&parent);
-        }
-    }
 }
 
 fn memory_available_mib() -> u64 {
@@ -276,27 +240,24 @@ fn pids(home: &Home, key: &str, node: &str) {
 }
 
 fn disk(home: &Home, key: &str) {
-    // Precondition: writing below the limit works.
-    let small = run(
+    // Precondition: writing works, here past the node's default because
+    // the instance asked for more (`--disk`).
+    let write = |mb: u64| format!("head -c {mb}M /dev/zero > f && echo wrote; sleep 300");
+    let asked = run(
         home,
         key,
-        &["--", "sh", "-c", "head -c 32M /dev/zero > f && echo wrote"],
+        &["--disk", "160M", "--", "sh", "-c", &write(100)],
     );
-    assert_eq!(ended(home, key, &small).0, "succeeded");
-    assert!(log_lines(home, key, &small).contains(&"wrote".to_string()));
-    let big = run(
-        home,
-        key,
-        &[
-            "--",
-            "sh",
-            "-c",
-            "head -c 200M /dev/zero > f; echo wrote; sleep 300",
-        ],
-    );
+    wait_for_line(home, key, &asked, "wrote");
+    let big = run(home, key, &["--", "sh", "-c", &write(100)]);
     let (state, reason) = ended(home, key, &big);
     assert_eq!(state, "failed");
     assert!(reason.starts_with("disk limit exceeded"), "{reason}");
+    // The one that asked for more kept running past the default's
+    // checks.
+    assert_eq!(instance(home, key, &asked)["state"], "running");
+    stop(home, key, &asked);
+    assert_eq!(ended(home, key, &asked).0, "stopped");
 }
 
 #[test]
@@ -306,13 +267,13 @@ fn workloads_are_held_to_their_limits() {
         return;
     }
     flotilla_agent::runtime::sandbox::test_support::ensure_bwrap();
-    let node = format!("limits-{}", std::process::id());
-    // Dropped after `home`, which kills the agent and the workloads.
-    let _groups = NodeGroups(node.clone());
+    let name = format!("limits-{}", std::process::id());
     let home = Home::new(BIN);
+    // The agent's group, as it names it.
+    let node = flotilla_core::node::workload_cgroup(&name, &home.dir.path().join("agent"));
     let _server = home.server();
     let _agent = home.agent_with(
-        &node,
+        &name,
         "4xH100",
         &home.url(),
         &[

@@ -150,6 +150,22 @@ impl std::str::FromStr for RuntimeKind {
     }
 }
 
+/// The name of the cgroup (below `flotilla/` of each cgroup tree) that
+/// holds the workloads of the agent of node `node` working in `work_dir`:
+/// the node's name and a hash of the directory, so that two agents on one
+/// host (tests, several nodes) never share one, while a restarted agent
+/// (same name, same directory) finds its own. FNV-1a, stable across
+/// releases.
+pub fn workload_cgroup(node: &str, work_dir: &std::path::Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in work_dir.as_os_str().as_bytes() {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{node}-{:08x}", hash & 0xffff_ffff)
+}
+
 /// One entry of a simulated inventory: `count` GPUs of `model`, in MIG
 /// mode or not.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -221,6 +237,24 @@ pub fn parse_simulated_gpus(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn workload_cgroups_differ_per_work_dir_and_stay_stable() {
+        let a = workload_cgroup("n0", std::path::Path::new("/tmp/home-a/agent"));
+        assert_eq!(
+            a,
+            workload_cgroup("n0", std::path::Path::new("/tmp/home-a/agent"))
+        );
+        assert_ne!(
+            a,
+            workload_cgroup("n0", std::path::Path::new("/tmp/home-b/agent"))
+        );
+        assert_eq!(
+            workload_cgroup("gpu-01", std::path::Path::new("")),
+            "gpu-01-84222325"
+        );
+        assert!(a.starts_with("n0-") && a.len() == "n0-".len() + 8, "{a}");
+    }
     use crate::catalog::Catalog;
 
     #[test]

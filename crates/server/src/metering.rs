@@ -258,6 +258,7 @@ mod tests {
             image: None,
             published_ports: Vec::new(),
             cold_start: None,
+            disk_mb: None,
         }
     }
 

@@ -95,6 +95,7 @@ fn spec(gpus: u32, nodes: u32) -> JobSpec {
         gpu_fraction: None,
         mig_profile: None,
         image: None,
+        disk_mb: None,
     }
 }
 

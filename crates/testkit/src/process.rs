@@ -3,7 +3,7 @@
 //! shares no code with what it tests.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -204,6 +204,60 @@ impl Drop for Home {
                     nix::sys::signal::Signal::SIGKILL,
                 );
             }
+        }
+        remove_workload_cgroups(&self.dir.path().join("agent"));
+    }
+}
+
+/// Removes the cgroups the process runtime of agents working in
+/// `work_dir` made (`flotilla/<node>-<hash>` of each tree, see
+/// `flotilla_core::node::workload_cgroup`): killed agents leave them
+/// behind. Kills what is still in them first (only this home's work is).
+fn remove_workload_cgroups(work_dir: &Path) {
+    let suffix = flotilla_core::node::workload_cgroup("", work_dir);
+    let root = Path::new("/sys/fs/cgroup");
+    let trees: Vec<PathBuf> = if root.join("cgroup.controllers").is_file() {
+        vec![root.join("flotilla")]
+    } else {
+        ["memory", "cpu", "cpuacct", "pids"]
+            .iter()
+            .map(|c| root.join(c).join("flotilla"))
+            .collect()
+    };
+    let dirs = |p: &Path| -> Vec<PathBuf> {
+        std::fs::read_dir(p)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.is_dir())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    for tree in trees {
+        let agents = dirs(&tree).into_iter().filter(|d| {
+            d.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.ends_with(&suffix))
+        });
+        for agent in agents {
+            for group in dirs(&agent) {
+                for _ in 0..100 {
+                    let procs =
+                        std::fs::read_to_string(group.join("cgroup.procs")).unwrap_or_default();
+                    for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    }
+                    if std::fs::remove_dir(&group).is_ok() || !group.exists() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            let _ = std::fs::remove_dir(&agent);
         }
     }
 }

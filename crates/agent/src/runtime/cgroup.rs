@@ -9,8 +9,8 @@
 //! (a tree per controller: `memory.limit_in_bytes`,
 //! `memory.memsw.limit_in_bytes`, `cpu.cfs_quota_us`, `pids.max`,
 //! `memory.oom_control`, `cpuacct.usage`). Groups live under
-//! `flotilla/<node>/<instance id>` of each tree, so agents of several nodes
-//! on one host never touch each other's.
+//! `flotilla/<node>-<hash of its work dir>/<instance id>` of each tree, so
+//! agents of several nodes on one host never touch each other's.
 //!
 //! A workload joins its group before it runs anything of its own: the
 //! runtime starts it through [`join_command`], a `/bin/sh` that writes its
@@ -167,7 +167,7 @@ pub struct Limits {
 #[derive(Debug, Clone)]
 pub struct Cgroups {
     hierarchy: Hierarchy,
-    /// Below each tree's root: `flotilla/<node>`.
+    /// Below each tree's root: `flotilla/<name>`.
     parent: PathBuf,
     /// The controllers whose parent group exists and is writable.
     usable: BTreeSet<Controller>,
@@ -179,11 +179,12 @@ pub struct Cgroups {
 }
 
 impl Cgroups {
-    /// Sets up `flotilla/<node>` in `hierarchy` and finds what it can
+    /// Sets up `flotilla/<name>` in `hierarchy` (`name`: one agent's, see
+    /// [`flotilla_core::node::workload_cgroup`]) and finds what it can
     /// limit there. Never fails: what cannot be set up is recorded in
     /// [`Cgroups::unusable`]. Blocking.
-    pub fn new(hierarchy: Hierarchy, node: &str) -> Self {
-        let parent = Path::new("flotilla").join(node);
+    pub fn new(hierarchy: Hierarchy, name: &str) -> Self {
+        let parent = Path::new("flotilla").join(name);
         let mut cgroups = Self {
             hierarchy,
             parent,
@@ -321,16 +322,20 @@ impl Cgroups {
         Ok(group)
     }
 
-    /// Instances that have a group under this node (the groups a restarted
-    /// agent finds).
-    pub fn instances(&self) -> BTreeSet<InstanceId> {
-        let parents: Vec<PathBuf> = match &self.hierarchy {
+    /// This agent's parent groups (`flotilla/<name>` in each tree).
+    pub fn node_dirs(&self) -> Vec<PathBuf> {
+        match &self.hierarchy {
             Hierarchy::None => Vec::new(),
             Hierarchy::V2 { root } => vec![root.join(&self.parent)],
             Hierarchy::V1 { mounts } => mounts.values().map(|m| m.join(&self.parent)).collect(),
-        };
-        parents
-            .iter()
+        }
+    }
+
+    /// Instances that have a group under this node (the groups a restarted
+    /// agent finds).
+    pub fn instances(&self) -> BTreeSet<InstanceId> {
+        self.node_dirs()
+            .into_iter()
             .filter_map(|p| std::fs::read_dir(p).ok())
             .flat_map(|entries| entries.flatten())
             .filter(|e| e.path().is_dir())

@@ -86,10 +86,18 @@ pub struct Enforcement {
 }
 
 impl Enforcement {
-    /// The limits this host can enforce for node `node`'s workloads: its
-    /// mounted cgroup hierarchy, set up under `flotilla/<node>`. Blocking.
-    pub fn detect(node: &str, defaults: LimitDefaults, node_memory_mb: u64) -> Self {
-        let cgroups = Cgroups::new(Hierarchy::detect(), node);
+    /// The limits this host can enforce for the workloads the agent of
+    /// node `node` runs from `work_dir`: its mounted cgroup hierarchy, set
+    /// up under `flotilla/<node>-<hash of work_dir>`
+    /// ([`flotilla_core::node::workload_cgroup`]). Blocking.
+    pub fn detect(
+        node: &str,
+        work_dir: &Path,
+        defaults: LimitDefaults,
+        node_memory_mb: u64,
+    ) -> Self {
+        let name = flotilla_core::node::workload_cgroup(node, work_dir);
+        let cgroups = Cgroups::new(Hierarchy::detect(), &name);
         Self {
             cgroups,
             defaults,

@@ -1254,6 +1254,91 @@ mod tests {
         );
     }
 
+    /// Removes a test node's cgroups when the test ends, even when it
+    /// failed.
+    struct NodeGroups(super::super::cgroup::Cgroups);
+
+    impl Drop for NodeGroups {
+        fn drop(&mut self) {
+            for id in self.0.instances() {
+                let group = self.0.of(&id);
+                for _ in 0..100 {
+                    group.kill_all();
+                    if group
+                        .dirs()
+                        .iter()
+                        .all(|d| std::fs::remove_dir(d).is_ok() || !d.exists())
+                    {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            for dir in self.0.node_dirs() {
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
+    }
+
+    /// As root where the cgroup trees are writable (CI): the workload is
+    /// in its group, a restarted agent follows the group of what it adopts
+    /// and removes a group nothing it adopted runs in, and the group goes
+    /// when the work ends.
+    #[tokio::test]
+    async fn workloads_run_in_their_cgroup_and_adoption_keeps_it() {
+        use crate::runtime::cgroup::Limits;
+        use crate::runtime::limits::{Enforcement, LimitDefaults};
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: cgroups need root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let node = format!("proctest-{}", std::process::id());
+        let limits = || {
+            let defaults = LimitDefaults {
+                memory_mb: None,
+                pids: 32,
+                disk_mb: 64,
+            };
+            Enforcement::detect(&node, dir.path(), defaults, 16_384)
+        };
+        let first = limits();
+        let _cleanup = NodeGroups(first.cgroups.clone());
+        assert!(first.unenforced().is_empty(), "{:?}", first.unenforced());
+        let rt = runtime(dir.path())
+            .for_node(&node)
+            .with_limits(first.clone());
+        let mut s = spec(dir.path(), &["sh", "-c", "echo ready; exec sleep 100.4"]);
+        s.memory_mb = Some(64);
+        s.cpu_milli = Some(250);
+        let w = rt.spawn(&s, Wakers::default()).await.unwrap();
+        first_line(w.logs()).await;
+        let group = first.cgroups.of(&s.instance_id);
+        let pid = sleeping("100.4")[0];
+        assert!(group.pids().contains(&pid), "{pid} in {:?}", group.pids());
+        // A group whose workload was never recorded.
+        let stale = InstanceId::generate(2, 2);
+        let stale_group = first.cgroups.create(&stale, &Limits::default()).unwrap();
+        assert!(stale_group.exists());
+
+        let again = ProcessRuntime::with_isolation(dir.path(), rt.isolation().clone())
+            .for_node(&node)
+            .with_limits(limits());
+        let adopted = again.adopt(Wakers::default()).await.unwrap();
+        assert_eq!(adopted.len(), 1);
+        assert!(!stale_group.exists(), "an unfollowed group is removed");
+        assert!(
+            group.pids().contains(&pid),
+            "the adopted work keeps its group"
+        );
+        adopted[0].stop(Duration::from_secs(5));
+        tokio::time::timeout(Duration::from_secs(20), adopted[0].wait())
+            .await
+            .unwrap();
+        assert!(!group.exists(), "the group goes with the work");
+        assert!(eventually_none_sleeping("100.4").await);
+    }
+
     #[tokio::test]
     async fn long_lines_are_split_and_partial_last_lines_kept() {
         let dir = tempfile::tempdir().unwrap();
