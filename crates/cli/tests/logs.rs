@@ -34,6 +34,69 @@ fn wait_ended(home: &Home, key: &str, id: &str, limit: Duration) {
     });
 }
 
+/// One raw HTTP/1.1 request to the console: the answer's headers and
+/// body as text (the body's bytes are checked by the caller).
+fn console_request(
+    url: &str,
+    method: &str,
+    path: &str,
+    cookie: &str,
+    form: &str,
+) -> (String, Vec<u8>) {
+    use std::io::{Read, Write};
+    let host = url.strip_prefix("http://").unwrap();
+    let mut s = std::net::TcpStream::connect(host).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nCookie: {cookie}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+        form.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    (head, raw[split + 4..].to_vec())
+}
+
+/// The value of cookie `name` an answer sets.
+fn set_cookie(head: &str, name: &str) -> String {
+    head.lines()
+        .filter_map(|l| {
+            l.strip_prefix("set-cookie: ")
+                .or_else(|| l.strip_prefix("Set-Cookie: "))
+        })
+        .find_map(|c| c.strip_prefix(&format!("{name}=")))
+        .and_then(|c| c.split(';').next())
+        .unwrap_or_else(|| panic!("no cookie {name} in {head}"))
+        .to_string()
+}
+
+/// The console's log view of instance `id`, signed in with `key`.
+fn console_logs(home: &Home, key: &str, id: &str) -> Vec<u8> {
+    let url = home.url();
+    let (head, _) = console_request(&url, "GET", "/login", "", "");
+    let token = set_cookie(&head, "flotilla_login");
+    let (head, _) = console_request(
+        &url,
+        "POST",
+        "/login",
+        &format!("flotilla_login={token}"),
+        &format!("csrf={token}&api_key={key}"),
+    );
+    let session = set_cookie(&head, "flotilla_session");
+    let (head, body) = console_request(
+        &url,
+        "GET",
+        &format!("/instances/{id}/logs"),
+        &format!("flotilla_session={session}"),
+        "",
+    );
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    body
+}
+
 /// The agent's work directory of a [`Home`].
 fn agent_dir(home: &Home) -> PathBuf {
     home.data().parent().unwrap().join("agent")
@@ -218,6 +281,20 @@ fn control_characters_reach_the_reader_as_text() {
         String::from_utf8_lossy(&out.stderr).contains("err\\x1b[31mred"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    // The console's log view likewise (chunked or not, the body holds
+    // the line's text).
+    let html = console_logs(&home, key, &id);
+    let raw: Vec<&u8> = html
+        .iter()
+        .filter(|&&b| (b < 0x20 && b != b'\t' && b != b'\n' && b != b'\r') || b == 0x7f)
+        .collect();
+    assert!(raw.is_empty(), "console: raw controls {raw:?}");
+    let html = String::from_utf8_lossy(&html);
+    assert!(!html.contains('\u{9b}'), "console: a raw C1 CSI");
+    assert!(
+        html.contains("clear\\x1b[2Jtitle\\x1b]0;owned\\x07bell"),
+        "{html}"
     );
     // The precondition: the workload did print them, and the store kept
     // them as they were.

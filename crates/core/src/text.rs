@@ -58,7 +58,8 @@ mod tests {
         assert_eq!(escape_controls("a\u{9b}2Jb"), "a\\x9b2Jb");
         assert_eq!(escape_controls("\u{202e}txt.exe"), "\\u{202e}txt.exe");
         assert_eq!(escape_controls("tab\tkept"), "tab\tkept");
-        let escaped = escape_controls(&(0u8..=255).map(char::from).collect::<String>());
+        let all: String = (0u8..=255).map(char::from).collect();
+        let escaped = escape_controls(&all);
         assert!(!escaped.chars().any(is_unsafe));
         assert!(escaped.contains('\t'));
     }
