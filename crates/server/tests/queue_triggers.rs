@@ -239,3 +239,46 @@ async fn queue_triggers_are_validated_redacted_and_a_dead_broker_asks_for_nothin
     let ep = live.get(&id).await;
     assert!(ep.get("triggers").is_none(), "{ep}");
 }
+
+#[tokio::test]
+async fn a_trigger_the_rule_no_longer_allows_is_refused_at_every_read_without_connecting() {
+    // A listener standing in for a broker: it exists and is reachable
+    // (the test connects to it first), so only the rule keeps the server
+    // out.
+    let broker = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = broker.local_addr().unwrap().port();
+    broker.set_nonblocking(true).unwrap();
+    drop(std::net::TcpStream::connect(("127.0.0.1", port)).unwrap());
+    let (probe, _) = broker.accept().expect("the test's own probe");
+    drop(probe);
+
+    let live = Live::with_config(
+        Utc.with_ymd_and_hms(2026, 6, 1, 12, 0, 0).unwrap(),
+        flotilla_server::ServerConfig {
+            allow_egress: vec![format!("127.0.0.1:{port}").parse().unwrap()],
+            ..Default::default()
+        },
+    )
+    .await;
+    let ep = live
+        .create(json!({"name": "jobs", "command": ["x"], "max_replicas": 3,
+            "queue_triggers": [{"kind": "rabbitmq", "queue": "jobs",
+                "url": format!("amqp://worker:pw@127.0.0.1:{port}/%2f")}]}))
+        .await;
+    let id = ep["id"].as_str().unwrap().to_string();
+    // The operator drops the rule (a restart without it): every read
+    // checks again and refuses before connecting.
+    let mut ctl = Controller::new(flotilla_egress::EgressPolicy::default());
+    ctl.pass(&live.st).await.unwrap();
+    let ep = live.get(&id).await;
+    let error = ep["triggers"][0]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with("broker unreachable: 127.0.0.1") && error.contains("loopback"),
+        "{ep}"
+    );
+    assert_eq!(ep["triggers"][0]["wants"], 0, "{ep}");
+    assert!(
+        matches!(broker.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the server connected to a refused broker"
+    );
+}
