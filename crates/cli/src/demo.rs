@@ -61,7 +61,9 @@ pub struct DemoArgs {
     #[arg(long, default_value = "flotilla")]
     pub policy: String,
     /// The emulated model's weight-load time, ms (a replica's cold start).
-    #[arg(long, default_value_t = 2000, value_name = "MS")]
+    /// 1 s by default: with 2 s, the replicas the peak needs started too
+    /// late for the default policy to meet the SLO on a two-core `up`.
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
     pub load_delay_ms: u64,
     /// Leave the endpoint deployed at the end.
     #[arg(long)]
