@@ -587,6 +587,7 @@ fn not_started(id: &InstanceId, at: chrono::DateTime<Utc>) -> ObservedInstance {
         message: Some("stopped before it started".into()),
         container: None,
         weights_tier: None,
+        limit_exceeded: None,
     }
 }
 
