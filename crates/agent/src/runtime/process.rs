@@ -168,18 +168,17 @@ impl ProcessRuntime {
         for name in ["stdout", "stderr"] {
             state.append(name).map_err(os)?;
         }
-        let (stdout, stderr, relays) = match &self.relay {
-            Some(program) => {
-                let relayed = spawn_relay(program, &state, LogStream::Stdout)
-                    .and_then(|out| Ok((out, spawn_relay(program, &state, LogStream::Stderr)?)));
-                let ((out, out_relay), (err, err_relay)) = match relayed {
-                    Ok(r) => r,
-                    Err(e) => {
-                        // A relay already started leaves with its directory.
-                        state.remove();
-                        return Err(os(e));
-                    }
-                };
+        let relayed = self.relay.as_ref().and_then(|program| {
+            let both = spawn_relay(program, &state, LogStream::Stdout)
+                .and_then(|out| Ok((out, spawn_relay(program, &state, LogStream::Stderr)?)));
+            // A relay that did start sees its pipe closed, and leaves.
+            both.map_err(|error| {
+                tracing::warn!(instance_id = %spec.instance_id, program = %program.display(), %error, "cannot start the output relays: the workload writes its files itself and is not held back")
+            })
+            .ok()
+        });
+        let (stdout, stderr, relays) = match relayed {
+            Some(((out, out_relay), (err, err_relay))) => {
                 let relays = vec![out_relay, err_relay];
                 if let Err(error) = state.write_relays(&relays) {
                     tracing::warn!(instance_id = %spec.instance_id, %error, "cannot record the output relays: a restarted agent will not wait for them");
@@ -1001,6 +1000,24 @@ mod tests {
             .unwrap();
         assert_eq!(exit.code, 0);
         assert!(eventually_none_sleeping("100.3").await);
+    }
+
+    /// A relay that cannot start (a binary replaced under a running
+    /// agent) costs the back-pressure, not the start or the output.
+    #[tokio::test]
+    async fn a_relay_that_cannot_start_falls_back_to_the_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let rt = ProcessRuntime::with_isolation(dir.path(), Isolation::None)
+            .with_relay(Some(dir.path().join("no-such-flotilla")));
+        let s = spec(dir.path(), &["sh", "-c", "echo out; echo err >&2"]);
+        let p = rt.spawn(&s, Wakers::default()).await.unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(10), p.wait())
+            .await
+            .unwrap();
+        assert_eq!(exit.code, 0);
+        let mut lines: Vec<String> = p.logs().peek(10).into_iter().map(|l| l.line).collect();
+        lines.sort();
+        assert_eq!(lines, ["err", "out"]);
     }
 
     #[tokio::test]
