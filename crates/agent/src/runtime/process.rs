@@ -30,6 +30,11 @@ use super::{
     SpawnError, SpawnSpec, Wakers, Workload,
 };
 
+/// How long reading a workload's output files may make no progress after
+/// the workload ended (the server taking no lines) before the rest is
+/// given up and the exit reported.
+const STALLED_OUTPUT: Duration = Duration::from_secs(60);
+
 /// How long the output relays may go on after the process group ended
 /// (draining the pipes takes milliseconds).
 const PIPE_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -327,6 +332,7 @@ impl ProcessRuntime {
             wakers,
             state,
             relays,
+            logs: workload.logs().clone(),
         }));
         Ok(workload)
     }
@@ -395,6 +401,7 @@ impl Runtime for ProcessRuntime {
                     wakers: wakers.clone(),
                     relays: state.relays(),
                     state,
+                    logs: workload.logs().clone(),
                 }));
                 adopted.push(workload);
             }
@@ -659,6 +666,7 @@ struct Supervised {
     /// The output relays (pid, start time); none when the workload writes
     /// its files itself.
     relays: Vec<(u32, u64)>,
+    logs: Arc<LogBuffer>,
 }
 
 /// Waits for the leader, applying stop requests; then kills what is left of
@@ -725,9 +733,22 @@ async fn supervise(mut s: Supervised) {
     }
     s.done.send_replace(true);
     // The files hold all the output there will be: the readers finish
-    // them as fast as the server takes the lines, never dropping any.
+    // them as fast as the server takes the lines, never dropping any. A
+    // server that takes none for a long while (failing every upload)
+    // must not keep the exit from being reported: the rest is given up.
+    let mut read = s.logs.captured();
     for pump in &mut s.pumps {
-        let _ = pump.await;
+        loop {
+            match tokio::time::timeout(STALLED_OUTPUT, &mut *pump).await {
+                Ok(_) => break,
+                Err(_) if s.logs.captured() != read => read = s.logs.captured(),
+                Err(_) => {
+                    tracing::warn!(instance_id = %s.instance_id, lines = read, "the server took no output for a long while after the process ended, giving up the unread rest");
+                    pump.abort();
+                    break;
+                }
+            }
+        }
     }
     tracing::info!(instance_id = %s.instance_id, pid = s.pid, code, stopped = stop_requested, "process exited");
     s.control.exited(Exit {
