@@ -536,7 +536,9 @@ fn a_node_cut_off_past_its_lease_stops_its_work_before_it_runs_elsewhere() {
     let _leader = env.server_at(ports[0]);
     let _op = env.operator_key();
     let cut = env.server_at(ports[1]);
-    let _a = env.agent_to("lease-a", "1xH100", &urls[1]);
+    // The old copy's stamps are read again once node A is back, when its
+    // agent would otherwise remove the ended instance's directory.
+    let _a = env.agent_with("lease-a", "1xH100", &urls[1], &["--keep-workdirs", "1h"]);
     let (_tenant, key) = tenant(&env, "lease");
     wait_until("node A's GPU", Duration::from_secs(30), || {
         free_h100(&urls, &key) == 1

@@ -39,7 +39,10 @@ pub use process::ProcessRuntime;
 
 /// Longest line, in bytes; a longer one is split into several.
 pub const MAX_LINE_BYTES: usize = 64 * 1024;
-/// Most unsent lines kept per instance; older ones are dropped first.
+/// Most unsent lines kept per instance for a runtime that cannot hold its
+/// workload back (a container engine's stream): past it the oldest not
+/// being shipped are dropped, and a marker says exactly how many. Output
+/// read from files never gets there (see [`state::TAIL_MAX_PENDING_LINES`]).
 pub const MAX_PENDING_LINES: usize = 100_000;
 /// Pending lines that wake the log shipper before its next tick, and the
 /// most lines in one batch.

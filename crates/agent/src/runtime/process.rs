@@ -33,6 +33,11 @@ use super::{
     SpawnError, SpawnSpec, Wakers, Workload,
 };
 
+/// How long reading a workload's output files may make no progress after
+/// the workload ended (the server taking no lines) before the rest is
+/// given up and the exit reported.
+const STALLED_OUTPUT: Duration = Duration::from_secs(60);
+
 /// How long the output relays may go on after the process group ended
 /// (draining the pipes takes milliseconds).
 const PIPE_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -241,18 +246,17 @@ impl ProcessRuntime {
         for name in ["stdout", "stderr"] {
             state.append(name).map_err(os)?;
         }
-        let (stdout, stderr, relays) = match &self.relay {
-            Some(program) => {
-                let relayed = spawn_relay(program, &state, LogStream::Stdout)
-                    .and_then(|out| Ok((out, spawn_relay(program, &state, LogStream::Stderr)?)));
-                let ((out, out_relay), (err, err_relay)) = match relayed {
-                    Ok(r) => r,
-                    Err(e) => {
-                        // A relay already started leaves with its directory.
-                        state.remove();
-                        return Err(os(e));
-                    }
-                };
+        let relayed = self.relay.as_ref().and_then(|program| {
+            let both = spawn_relay(program, &state, LogStream::Stdout)
+                .and_then(|out| Ok((out, spawn_relay(program, &state, LogStream::Stderr)?)));
+            // A relay that did start sees its pipe closed, and leaves.
+            both.map_err(|error| {
+                tracing::warn!(instance_id = %spec.instance_id, program = %program.display(), %error, "cannot start the output relays: the workload writes its files itself and is not held back")
+            })
+            .ok()
+        });
+        let (stdout, stderr, relays) = match relayed {
+            Some(((out, out_relay), (err, err_relay))) => {
                 let relays = vec![out_relay, err_relay];
                 if let Err(error) = state.write_relays(&relays) {
                     tracing::warn!(instance_id = %spec.instance_id, %error, "cannot record the output relays: a restarted agent will not wait for them");
@@ -450,6 +454,7 @@ impl ProcessRuntime {
             disk: disk_bytes.and_then(|b| self.disk_watch(&spec.instance_id, b)),
             state,
             relays,
+            logs: workload.logs().clone(),
         }));
         Ok(workload)
     }
@@ -527,6 +532,7 @@ impl Runtime for ProcessRuntime {
                     wakers: wakers.clone(),
                     relays: state.relays(),
                     state,
+                    logs: workload.logs().clone(),
                 }));
                 adopted.push(workload);
             }
@@ -848,6 +854,7 @@ struct Supervised {
     /// The output relays (pid, start time); none when the workload writes
     /// its files itself.
     relays: Vec<(u32, u64)>,
+    logs: Arc<LogBuffer>,
 }
 
 /// Waits for the leader, applying stop requests; then kills what is left of
@@ -935,9 +942,22 @@ async fn supervise(mut s: Supervised) {
     }
     s.done.send_replace(true);
     // The files hold all the output there will be: the readers finish
-    // them as fast as the server takes the lines, never dropping any.
+    // them as fast as the server takes the lines, never dropping any. A
+    // server that takes none for a long while (failing every upload)
+    // must not keep the exit from being reported: the rest is given up.
+    let mut read = s.logs.captured();
     for pump in &mut s.pumps {
-        let _ = pump.await;
+        loop {
+            match tokio::time::timeout(STALLED_OUTPUT, &mut *pump).await {
+                Ok(_) => break,
+                Err(_) if s.logs.captured() != read => read = s.logs.captured(),
+                Err(_) => {
+                    tracing::warn!(instance_id = %s.instance_id, lines = read, "the server took no output for a long while after the process ended, giving up the unread rest");
+                    pump.abort();
+                    break;
+                }
+            }
+        }
     }
     tracing::info!(instance_id = %s.instance_id, pid = s.pid, code, stopped = stop_requested, oom_killed, disk_exceeded, "process exited");
     s.control.exited(Exit {
@@ -1225,6 +1245,24 @@ mod tests {
             .unwrap();
         assert_eq!(exit.code, 0);
         assert!(eventually_none_sleeping("100.3").await);
+    }
+
+    /// A relay that cannot start (a binary replaced under a running
+    /// agent) costs the back-pressure, not the start or the output.
+    #[tokio::test]
+    async fn a_relay_that_cannot_start_falls_back_to_the_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let rt = ProcessRuntime::with_isolation(dir.path(), Isolation::None)
+            .with_relay(Some(dir.path().join("no-such-flotilla")));
+        let s = spec(dir.path(), &["sh", "-c", "echo out; echo err >&2"]);
+        let p = rt.spawn(&s, Wakers::default()).await.unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(10), p.wait())
+            .await
+            .unwrap();
+        assert_eq!(exit.code, 0);
+        let mut lines: Vec<String> = p.logs().peek(10).into_iter().map(|l| l.line).collect();
+        lines.sort();
+        assert_eq!(lines, ["err", "out"]);
     }
 
     #[tokio::test]
