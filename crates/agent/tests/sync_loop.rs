@@ -175,6 +175,7 @@ impl Mock {
                 node_id,
                 heartbeat_interval_ms: 5_000,
                 lease_ms: self.with(|s| s.lease_ms),
+                sessions: vec![],
             };
             return (200, serde_json::to_string(&reg).unwrap());
         }
