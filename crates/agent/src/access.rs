@@ -14,8 +14,9 @@
 //! workload's network namespace (`setns`), to `127.0.0.1:PORT` there.
 //!
 //! Entering another process's namespaces needs root: an agent running as
-//! an ordinary user refuses sessions, naming why. Containers are not
-//! entered yet (the session says so).
+//! an ordinary user refuses sessions, naming why. A container is entered
+//! through its engine's exec (the container's user, directory and
+//! environment), and its ports through its init's network namespace.
 
 use std::ffi::OsString;
 use std::os::fd::{AsFd as _, OwnedFd};
@@ -61,7 +62,13 @@ pub enum Place {
     Container {
         /// Its engine id.
         id: String,
+        /// Its init process as the engine reports it (0: not reported).
+        pid: u32,
+        /// The engine, whose exec runs commands in it.
+        engine: bollard::Docker,
     },
+    /// Somewhere this agent cannot enter.
+    Unknown,
 }
 
 /// Dials `session` back and serves it; `place` is where its instance runs
@@ -101,6 +108,14 @@ pub async fn serve(
         } => exec_tty(&mut tx, rx, &ctx, &command, cols, rows).await,
         Work::Exec { ctx, command, .. } => exec_pipes(&mut tx, rx, &ctx, &command).await,
         Work::Forward { ns_pid, port } => forward(&mut tx, rx, ns_pid, port).await,
+        Work::ContainerExec {
+            engine,
+            id,
+            command,
+            tty,
+            cols,
+            rows,
+        } => exec_container(&mut tx, rx, &engine, &id, command, tty, (cols, rows)).await,
     };
     match result {
         Ok(code) => tracing::info!(session = %id, code, "access session ended"),
@@ -125,18 +140,25 @@ enum Work {
         ns_pid: u32,
         port: u16,
     },
+    ContainerExec {
+        engine: bollard::Docker,
+        id: String,
+        command: Vec<String>,
+        tty: bool,
+        cols: u16,
+        rows: u16,
+    },
 }
 
 fn prepare(kind: &AccessKind, place: Place) -> Result<Work, String> {
-    let Place::Process {
-        ns_pid,
-        leader,
-        sandboxed,
-    } = place
-    else {
-        return Err(
-            "entering an instance that runs in a container is not supported yet".to_string(),
-        );
+    let (ns_pid, leader, sandboxed) = match place {
+        Place::Process {
+            ns_pid,
+            leader,
+            sandboxed,
+        } => (ns_pid, leader, sandboxed),
+        Place::Container { id, pid, engine } => return prepare_container(kind, id, pid, engine),
+        Place::Unknown => return Err("this node cannot enter the instance".to_string()),
     };
     if !rustix::process::geteuid().is_root() {
         return Err(
@@ -172,6 +194,50 @@ fn prepare(kind: &AccessKind, place: Place) -> Result<Work, String> {
             port: *port,
         },
     })
+}
+
+/// A session into a container: a command through the engine's exec (as
+/// the container's user, in its working directory, with its environment,
+/// which the engine gives an exec), a port through the network namespace
+/// of its init process.
+fn prepare_container(
+    kind: &AccessKind,
+    id: String,
+    pid: u32,
+    engine: bollard::Docker,
+) -> Result<Work, String> {
+    match kind {
+        AccessKind::Exec {
+            command,
+            tty,
+            cols,
+            rows,
+        } => Ok(Work::ContainerExec {
+            engine,
+            id,
+            command: command.clone(),
+            tty: *tty,
+            cols: *cols,
+            rows: *rows,
+        }),
+        AccessKind::PortForward { port } => {
+            if pid == 0 {
+                return Err(
+                    "the container engine did not say which process the container runs".to_string(),
+                );
+            }
+            if !rustix::process::geteuid().is_root() {
+                return Err(
+                    "this node's agent does not run as root, so it cannot enter an instance"
+                        .to_string(),
+                );
+            }
+            Ok(Work::Forward {
+                ns_pid: pid,
+                port: *port,
+            })
+        }
+    }
 }
 
 /// What a session inherits from the workload's main process.
@@ -520,7 +586,8 @@ async fn exec_tty(
         while let Some(Ok(frame)) = rx.recv().await {
             match frame {
                 Frame::Stdin(bytes) => {
-                    if in_tx.send(bytes).await.is_err() {
+                    let sent = in_tx.send(bytes).await;
+                    if sent.is_err() {
                         break;
                     }
                 }
@@ -532,6 +599,119 @@ async fn exec_tty(
         }
     });
     finish(tx, out_rx, child, input).await
+}
+
+/// Runs `command` in container `id` through the engine's exec, attached:
+/// standard input in, output back (one terminal stream with `tty`),
+/// resizes applied, then the exit code the engine recorded.
+async fn exec_container(
+    tx: &mut SessionSender,
+    mut rx: SessionReceiver,
+    engine: &bollard::Docker,
+    id: &str,
+    command: Vec<String>,
+    tty: bool,
+    (cols, rows): (u16, u16),
+) -> Result<i32, String> {
+    use bollard::container::LogOutput;
+    use bollard::exec::{CreateExecOptions, ResizeExecOptions, StartExecOptions, StartExecResults};
+    use futures::StreamExt as _;
+    let exec = engine
+        .create_exec(
+            id,
+            CreateExecOptions::<String> {
+                attach_stdin: Some(true),
+                attach_stdout: Some(true),
+                attach_stderr: Some(true),
+                tty: Some(tty),
+                cmd: Some(command),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| format!("the container engine refused the command: {e}"))?
+        .id;
+    let started = engine
+        .start_exec(
+            &exec,
+            Some(StartExecOptions {
+                detach: false,
+                tty,
+                output_capacity: None,
+            }),
+        )
+        .await
+        .map_err(|e| format!("the container engine cannot start the command: {e}"))?;
+    let StartExecResults::Attached {
+        mut output,
+        mut input,
+    } = started
+    else {
+        return Err("the container engine started the command detached".to_string());
+    };
+    if tty && cols > 0 && rows > 0 {
+        let _ = engine
+            .resize_exec(
+                &exec,
+                ResizeExecOptions {
+                    height: rows,
+                    width: cols,
+                },
+            )
+            .await;
+    }
+    let resizer = engine.clone();
+    let exec_id = exec.clone();
+    let input_task = tokio::spawn(async move {
+        while let Some(Ok(frame)) = rx.recv().await {
+            match frame {
+                Frame::Stdin(bytes) => {
+                    if input.write_all(&bytes).await.is_err() {
+                        return;
+                    }
+                    let _ = input.flush().await;
+                }
+                Frame::StdinEof => {
+                    let _ = input.shutdown().await;
+                }
+                Frame::Resize { cols, rows } => {
+                    let _ = resizer
+                        .resize_exec(
+                            &exec_id,
+                            ResizeExecOptions {
+                                height: rows,
+                                width: cols,
+                            },
+                        )
+                        .await;
+                }
+                _ => {}
+            }
+        }
+    });
+    while let Some(item) = output.next().await {
+        let frame = match item {
+            Ok(LogOutput::StdOut { message } | LogOutput::Console { message }) => {
+                Frame::Stdout(message.to_vec())
+            }
+            Ok(LogOutput::StdErr { message }) => Frame::Stderr(message.to_vec()),
+            Ok(LogOutput::StdIn { .. }) => continue,
+            Err(_) => break,
+        };
+        if tx.send(&frame).await.is_err() {
+            break;
+        }
+    }
+    input_task.abort();
+    let code = engine
+        .inspect_exec(&exec)
+        .await
+        .ok()
+        .and_then(|i| i.exit_code)
+        .and_then(|c| i32::try_from(c).ok())
+        .unwrap_or(-1);
+    let _ = tx.send(&Frame::Exit(code)).await;
+    Ok(code)
 }
 
 /// Connects to `127.0.0.1:port` inside `ns_pid`'s network namespace, from
@@ -572,7 +752,8 @@ async fn forward(
         while let Some(Ok(frame)) = rx.recv().await {
             match frame {
                 Frame::Stdin(bytes) => {
-                    if write.write_all(&bytes).await.is_err() {
+                    let written = write.write_all(&bytes).await;
+                    if written.is_err() {
                         return;
                     }
                 }

@@ -1083,7 +1083,7 @@ impl Agent {
                 .get(&session.instance_id)
                 .and_then(|t| t.workload().filter(|_| t.running()).cloned())
                 .ok_or_else(|| "the instance does not run on this node".to_string())
-                .map(|w| access_place(&w));
+                .map(|w| access_place(&w, self.runtime.engine()));
             tokio::spawn(access::serve(
                 self.client.clone(),
                 node.clone(),
@@ -1183,12 +1183,15 @@ impl Agent {
 /// The lease watchdog: apart from the sync loop, so that a sync stuck on a
 /// server that stopped answering cannot delay it.
 /// Where a running workload can be entered.
-fn access_place(w: &Workload) -> access::Place {
-    match w.container() {
-        Some(c) => access::Place::Container {
+fn access_place(w: &Workload, engine: Option<bollard::Docker>) -> access::Place {
+    match (w.container(), engine) {
+        (Some(c), Some(engine)) => access::Place::Container {
             id: c.container_id.clone(),
+            pid: w.pid(),
+            engine,
         },
-        None => {
+        (Some(_), None) => access::Place::Unknown,
+        (None, _) => {
             let ns_pid = w.process_group().unwrap_or(w.pid());
             access::Place::Process {
                 ns_pid,

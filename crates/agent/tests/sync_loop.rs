@@ -175,7 +175,6 @@ impl Mock {
                 node_id,
                 heartbeat_interval_ms: 5_000,
                 lease_ms: self.with(|s| s.lease_ms),
-                sessions: vec![],
             };
             return (200, serde_json::to_string(&reg).unwrap());
         }
@@ -220,6 +219,7 @@ impl Mock {
                 assignments,
                 reregister: false,
                 lease_ms: self.with(|s| s.lease_ms),
+                sessions: vec![],
             };
             return (200, serde_json::to_string(&resp).unwrap());
         }

@@ -246,7 +246,8 @@ async fn forward_one(
     while let Some(frame) = rx.recv().await {
         match frame? {
             Frame::Stdout(b) => {
-                if write.write_all(&b).await.is_err() {
+                let written = write.write_all(&b).await;
+                if written.is_err() {
                     break;
                 }
             }

@@ -404,3 +404,109 @@ fn tenants_enter_their_own_running_instances_and_only_those() {
     let entries = audit_statuses(&home, &op, fwd_route, &a);
     assert!(entries.contains(&(tenant_b.clone(), 404)), "{entries:?}");
 }
+
+#[test]
+fn containers_are_entered_through_the_engine() {
+    let Some(engine) = flotilla_testkit::containers::engine() else {
+        return;
+    };
+    let home = Home::new(BIN);
+    let node = format!("access-ctr-{}-{}", std::process::id(), home.port);
+    let _sweep = engine.sweep_on_drop(&node);
+    let _server = home.server();
+    let _agent = home.agent_with(
+        &node,
+        "2xH100",
+        &home.url(),
+        &[
+            "--runtime",
+            "container",
+            "--docker-host",
+            &engine.docker_host,
+        ],
+    );
+    let (_, key_a) = home.tenant("alpha");
+    let (_, key_b) = home.tenant("beta");
+    let port = free_port();
+    // An HTTP server on the container's loopback only (not published):
+    // reachable through the port-forward alone.
+    let script = format!(
+        "echo \"user=$(id -u)\"; httpd -f -p 127.0.0.1:{port} -h /www & echo ctr-ready; wait"
+    );
+    let id = home.run_detached(
+        &key_a,
+        &[
+            "--cpus",
+            "0.25",
+            "--image",
+            &engine.image,
+            "--gpus",
+            "1",
+            "-e",
+            "ACCESS_MARK=ctr",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    wait_until("the container runs", Duration::from_secs(120), || {
+        log_lines(&home, &key_a, &id)
+            .iter()
+            .any(|l| l == "ctr-ready")
+    });
+    let uid = log_lines(&home, &key_a, &id)
+        .iter()
+        .find_map(|l| l.strip_prefix("user=").map(str::to_string))
+        .unwrap();
+    assert_ne!(uid, "0", "the container does not run as root");
+
+    let out = exec(
+        &home,
+        &key_a,
+        &id,
+        &["sh", "-c", "echo out; echo err >&2; exit 7"],
+    );
+    assert_eq!(text(&out.stdout), "out\n", "stderr: {}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "err\n");
+    assert_eq!(out.status.code(), Some(7));
+    let out = exec(
+        &home,
+        &key_a,
+        &id,
+        &["sh", "-c", "id -u; echo \"$ACCESS_MARK\""],
+    );
+    assert_eq!(
+        text(&out.stdout),
+        format!("{uid}\nctr\n"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let local = free_port();
+    let ports = format!("{local}:{port}");
+    let mut fwd = home.cmd();
+    fwd.args(["--server", &home.url(), "port-forward", &id, &ports])
+        .env("FLOTILLA_API_KEY", &key_a)
+        .stdout(home.log("port-forward"))
+        .stderr(home.log("port-forward"));
+    let _fwd = Proc(fwd.spawn().unwrap());
+    let url = format!("http://127.0.0.1:{local}/index.html");
+    wait_until(
+        "a request through the forward",
+        Duration::from_secs(60),
+        || {
+            http("GET", &url, None, None).is_ok_and(|(status, body)| {
+                status == 200 && body.as_str().map(str::trim) == Some("flotilla test image")
+            })
+        },
+    );
+
+    let out = exec(&home, &key_b, &id, &["true"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("not found"),
+        "{}",
+        text(&out.stderr)
+    );
+}

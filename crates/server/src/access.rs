@@ -67,12 +67,14 @@ impl Sessions {
         self.lock().remove(id);
     }
 
-    /// The sessions `node`'s agent is to dial, oldest first.
+    /// The sessions `node`'s agent is to dial, oldest first. Sessions
+    /// whose tenant left before the upgrade are forgotten on the way.
     pub fn for_node(&self, node: &NodeId) -> Vec<AccessSession> {
-        let mut out: Vec<AccessSession> = self
-            .lock()
+        let mut pending = self.lock();
+        pending.retain(|_, p| !p.agent.is_closed());
+        let mut out: Vec<AccessSession> = pending
             .values()
-            .filter(|p| &p.node == node && !p.agent.is_closed())
+            .filter(|p| &p.node == node)
             .map(|p| p.session.clone())
             .collect();
         out.sort_by(|a, b| a.id.as_str().cmp(b.id.as_str()));
@@ -164,5 +166,6 @@ mod tests {
         let rx = sessions.open(a.clone(), session(8));
         drop(rx);
         assert!(sessions.for_node(&a).is_empty());
+        assert!(sessions.lock().is_empty(), "forgotten");
     }
 }
