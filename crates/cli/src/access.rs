@@ -263,3 +263,48 @@ async fn forward_one(
     up.abort();
     result
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use crate::{Cli, Command};
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("flotilla").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn exec_takes_the_command_after_the_separator() {
+        let cli = parse(&["exec", "-it", "inst_1", "--", "ls", "-la"]).unwrap();
+        let Command::Exec {
+            id,
+            stdin,
+            tty,
+            command,
+        } = cli.command
+        else {
+            panic!("not exec")
+        };
+        assert_eq!(id, "inst_1");
+        assert!(stdin && tty);
+        assert_eq!(command, ["ls", "-la"]);
+        assert!(parse(&["exec", "inst_1"]).is_err(), "a command is required");
+    }
+
+    #[test]
+    fn shell_and_port_forward_parse() {
+        let cli = parse(&["shell", "inst_1"]).unwrap();
+        assert!(matches!(cli.command, Command::Shell { ref command, .. } if command.is_empty()));
+        let cli = parse(&["port-forward", "inst_1", "8888:8080"]).unwrap();
+        assert!(
+            matches!(cli.command, Command::PortForward { ref ports, .. } if ports == "8888:8080")
+        );
+    }
+
+    #[test]
+    fn exit_codes_keep_their_low_byte() {
+        assert_eq!(super::exit_code(7), std::process::ExitCode::from(7));
+        assert_eq!(super::exit_code(256 + 3), std::process::ExitCode::from(3));
+    }
+}

@@ -14,7 +14,6 @@ use flotilla_core::access::{AccessKind, AccessSession, Frame};
 use flotilla_core::id::{AccessSessionId, NodeId};
 use flotilla_core::instance::InstanceState;
 use flotilla_core::tenant::Role;
-use flotilla_core::FieldError;
 use futures::SinkExt as _;
 use serde::Deserialize;
 
@@ -68,12 +67,8 @@ pub async fn exec(
     let command = q
         .command
         .ok_or_else(|| ApiError::bad_request("command", "is required"))?;
-    let command: Vec<String> = serde_json::from_str(&command).map_err(|_| {
-        ApiError::field(FieldError::new(
-            "command",
-            "must be a JSON array of strings",
-        ))
-    })?;
+    let command: Vec<String> = serde_json::from_str(&command)
+        .map_err(|_| ApiError::bad_request("command", "must be a JSON array of strings"))?;
     let kind = AccessKind::Exec {
         command,
         tty: q.tty.unwrap_or(false),
@@ -104,7 +99,7 @@ pub async fn port_forward(
         .port
         .ok_or_else(|| ApiError::bad_request("port", "is required"))?
         .parse::<u16>()
-        .map_err(|_| ApiError::field(FieldError::new("port", "must be 1-65535")))?;
+        .map_err(|_| ApiError::bad_request("port", "must be 1-65535"))?;
     open(st, caller, &raw, AccessKind::PortForward { port }, ws).await
 }
 
@@ -120,7 +115,9 @@ async fn open(
 ) -> ApiResult<Response> {
     let inst = super::instances::visible(&st, &caller, raw).await?;
     caller.require(&WORK_ROLES, "enter instances")?;
-    kind.validate().map_err(ApiError::field)?;
+    // A bad query value is a 400 naming it (as on every GET).
+    kind.validate()
+        .map_err(|e| ApiError::bad_request(&e.field, e.message))?;
     let node = match (&inst.state, &inst.node_id) {
         (InstanceState::Running, Some(node)) => node.clone(),
         (state, _) => {
