@@ -403,6 +403,38 @@ fn tenants_enter_their_own_running_instances_and_only_those() {
     assert!(entries.contains(&(tenant_a.clone(), 101)), "{entries:?}");
     let entries = audit_statuses(&home, &op, fwd_route, &a);
     assert!(entries.contains(&(tenant_b.clone(), 404)), "{entries:?}");
+
+    // A session does not outlive its instance: what it started runs in
+    // the instance's pid namespace and ends with it.
+    let mut c = home.cmd();
+    c.args(["--server", &home.url(), "exec", &a, "--", "sh", "-c"])
+        .arg("echo session-started; exec sleep 301")
+        .env("FLOTILLA_API_KEY", &key_a)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut session = c.spawn().unwrap();
+    let mut first = [0u8; 16];
+    session
+        .stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut first)
+        .unwrap();
+    assert_eq!(&first, b"session-started\n");
+    let out = home.cli(Some(&key_a), &["stop", &a]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    wait_until(
+        "the session ends with its instance",
+        Duration::from_secs(60),
+        || session.try_wait().unwrap().is_some(),
+    );
+    assert_ne!(session.wait().unwrap().code(), Some(0));
+    assert!(
+        !std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+            std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == b"sleep\x00301\x00")
+        }),
+        "the session's process is gone"
+    );
 }
 
 #[test]
