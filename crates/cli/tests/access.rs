@@ -435,6 +435,16 @@ fn tenants_enter_their_own_running_instances_and_only_those() {
         }),
         "the session's process is gone"
     );
+    wait_until("A ended", Duration::from_secs(60), || {
+        home.get(&key_a, &format!("/v1/instances/{a}"))["state"] != "running"
+    });
+    let out = exec(&home, &key_a, &a, &["true"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("not running"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]
