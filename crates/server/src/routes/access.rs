@@ -63,6 +63,8 @@ pub async fn exec(
     RawQuery(query): RawQuery,
     ws: Upgrade,
 ) -> ApiResult<Response> {
+    // Another tenant's instance is 404 whatever else the request says.
+    let inst = super::instances::visible(&st, &caller, &raw).await?;
     let q: ExecQuery = serde_urlencoded_query(query.as_deref())?;
     let command = q
         .command
@@ -75,7 +77,7 @@ pub async fn exec(
         cols: q.cols.unwrap_or(80),
         rows: q.rows.unwrap_or(24),
     };
-    open(st, caller, &raw, kind, ws).await
+    open(st, caller, inst, kind, ws).await
 }
 
 /// A TCP stream to `port` on the loopback address inside a running
@@ -94,13 +96,14 @@ pub async fn port_forward(
     RawQuery(query): RawQuery,
     ws: Upgrade,
 ) -> ApiResult<Response> {
+    let inst = super::instances::visible(&st, &caller, &raw).await?;
     let q: PortQuery = serde_urlencoded_query(query.as_deref())?;
     let port = q
         .port
         .ok_or_else(|| ApiError::bad_request("port", "is required"))?
         .parse::<u16>()
         .map_err(|_| ApiError::bad_request("port", "must be 1-65535"))?;
-    open(st, caller, &raw, AccessKind::PortForward { port }, ws).await
+    open(st, caller, inst, AccessKind::PortForward { port }, ws).await
 }
 
 /// Checks the caller may enter the instance, records the session for the
@@ -109,11 +112,10 @@ pub async fn port_forward(
 async fn open(
     st: AppState,
     caller: Caller,
-    raw: &str,
+    inst: flotilla_core::api::Instance,
     kind: AccessKind,
     ws: Upgrade,
 ) -> ApiResult<Response> {
-    let inst = super::instances::visible(&st, &caller, raw).await?;
     caller.require(&WORK_ROLES, "enter instances")?;
     // A bad query value is a 400 naming it (as on every GET).
     kind.validate()
