@@ -101,6 +101,15 @@ impl Client {
         self.0.sync_node_within(node_id, req, timeout).await
     }
 
+    /// The agent's end of a session into an instance its sync listed.
+    pub async fn attach_session(
+        &self,
+        node_id: &NodeId,
+        session_id: &flotilla_core::id::AccessSessionId,
+    ) -> Result<flotilla_client::Session, ClientError> {
+        self.0.attach_session(node_id, session_id).await
+    }
+
     /// Every server URL, normalised, in the order given.
     pub fn base_urls(&self) -> &[String] {
         self.0.servers()

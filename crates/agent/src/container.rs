@@ -1217,6 +1217,10 @@ impl Runtime for ContainerRuntime {
         RuntimeKind::Container
     }
 
+    fn engine(&self) -> Option<Docker> {
+        Some(self.docker.clone())
+    }
+
     fn start(
         &self,
         spec: SpawnSpec,

@@ -19,6 +19,7 @@
 //! capture), [`client`] (HTTP to the server); this file
 //! holds the configuration and the loops that tie them together.
 
+pub mod access;
 pub mod client;
 pub mod container;
 pub mod discovery;
@@ -332,6 +333,7 @@ pub async fn run(
         runtime,
         seen: HashSet::new(),
         not_started: HashMap::new(),
+        sessions: HashMap::new(),
     };
 
     // Before registering: the server fails whatever the node does not say
@@ -724,6 +726,9 @@ struct Agent {
     /// lists it, so that the instance ends and its GPUs return (ignoring
     /// such a stop left the instance `scheduled` for good).
     not_started: HashMap<InstanceId, chrono::DateTime<Utc>>,
+    /// Sessions into instances this process dialled back, and when: a
+    /// sync may list one again until the server saw the dial.
+    sessions: HashMap<flotilla_core::id::AccessSessionId, Instant>,
     /// Endpoint replicas' weights held here (disk cache, parked).
     weights: weights::NodeWeightsState,
 }
@@ -918,6 +923,7 @@ impl Agent {
                     );
                     self.shared.node_lease().renewed(sent, resp.lease_ms);
                     self.apply(resp.assignments);
+                    self.open_sessions(resp.sessions);
                     self.tell_fence();
                     let elapsed = sent.elapsed();
                     if elapsed < MIN_SYNC_SPACING {
@@ -1166,6 +1172,37 @@ impl Agent {
         });
     }
 
+    /// Serves each session into an instance the server listed and this
+    /// process has not dialled yet (see [`access`]), off the sync loop.
+    fn open_sessions(&mut self, sessions: Vec<flotilla_core::access::AccessSession>) {
+        let now = Instant::now();
+        // The server lists a session only until it was dialled or given up
+        // (well within a minute).
+        self.sessions
+            .retain(|_, at| now.duration_since(*at) < Duration::from_secs(120));
+        let Some(node) = self.node.as_ref().map(|n| n.node_id.clone()) else {
+            return;
+        };
+        for session in sessions {
+            if self.sessions.insert(session.id.clone(), now).is_some() {
+                continue;
+            }
+            let place = self
+                .shared
+                .lock()
+                .get(&session.instance_id)
+                .and_then(|t| t.workload().filter(|_| t.running()).cloned())
+                .ok_or_else(|| "the instance does not run on this node".to_string())
+                .map(|w| access_place(&w, self.runtime.engine()));
+            tokio::spawn(access::serve(
+                self.client.clone(),
+                node.clone(),
+                session,
+                place,
+            ));
+        }
+    }
+
     /// Takes over the workloads an earlier agent process left running on
     /// this node, so that they are reported (and billed) again, stopped
     /// when the server no longer wants them, and fenced by the lease.
@@ -1255,6 +1292,28 @@ impl Agent {
 
 /// The lease watchdog: apart from the sync loop, so that a sync stuck on a
 /// server that stopped answering cannot delay it.
+/// Where a running workload can be entered.
+fn access_place(w: &Workload, engine: Option<bollard::Docker>) -> access::Place {
+    match (w.container(), engine) {
+        (Some(c), Some(engine)) => access::Place::Container {
+            id: c.container_id.clone(),
+            pid: w.pid(),
+            engine,
+        },
+        (Some(_), None) => access::Place::Unknown,
+        (None, _) => {
+            let ns_pid = w.process_group().unwrap_or(w.pid());
+            access::Place::Process {
+                ns_pid,
+                leader: w.pid(),
+                // A sandbox's init is another process than its leader
+                // (bubblewrap); without one they are the same.
+                sandboxed: ns_pid != w.pid(),
+            }
+        }
+    }
+}
+
 async fn fence_forever(shared: Arc<Shared>) {
     loop {
         let stopped = shared.fence_if_due(Instant::now());

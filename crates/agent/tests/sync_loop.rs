@@ -219,6 +219,7 @@ impl Mock {
                 assignments,
                 reregister: false,
                 lease_ms: self.with(|s| s.lease_ms),
+                sessions: vec![],
             };
             return (200, serde_json::to_string(&resp).unwrap());
         }

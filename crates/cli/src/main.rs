@@ -7,6 +7,7 @@
 //! code 1; `flotilla run` exits with the instance's own exit code. The CLI
 //! holds no platform logic: it talks to the API like any other client.
 
+mod access;
 mod billing;
 mod client;
 mod commands;
@@ -156,6 +157,39 @@ enum Command {
     /// List waiting instances and jobs in queue order, with position and
     /// reason.
     Queue,
+    /// Run a command inside a running instance, as its workload's user,
+    /// in its working directory, with its environment; prints its output
+    /// and exits with its exit code.
+    Exec {
+        /// Instance id.
+        id: String,
+        /// Pass this standard input to the command.
+        #[arg(long, short = 'i')]
+        stdin: bool,
+        /// Run it on a terminal of its own (with -i: interactive).
+        #[arg(long, short = 't')]
+        tty: bool,
+        /// The program and its arguments (after `--`).
+        #[arg(last = true, required = true, value_name = "CMD")]
+        command: Vec<String>,
+    },
+    /// Open an interactive terminal inside a running instance (bash, else
+    /// sh; or the command after `--`).
+    Shell {
+        /// Instance id.
+        id: String,
+        /// The program to run instead of the shell.
+        #[arg(last = true, value_name = "CMD")]
+        command: Vec<String>,
+    },
+    /// Forward a port on 127.0.0.1 to a port inside a running instance
+    /// (`LOCAL:REMOTE`, or `PORT` for the same on both), until stopped.
+    PortForward {
+        /// Instance id.
+        id: String,
+        /// `LOCAL:REMOTE` or `PORT`.
+        ports: String,
+    },
     /// Print an instance's output.
     Logs {
         /// Instance id.
@@ -502,6 +536,14 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Ps(args) => commands::ps(&ctx, args).await,
         Command::Queue => commands::queue(&ctx).await,
         Command::Logs { id, follow } => commands::logs(&ctx, &id, follow).await,
+        Command::Exec {
+            id,
+            stdin,
+            tty,
+            command,
+        } => access::exec(&ctx, &id, command, stdin, tty).await,
+        Command::Shell { id, command } => access::shell(&ctx, &id, command).await,
+        Command::PortForward { id, ports } => access::port_forward(&ctx, &id, &ports).await,
         Command::Stop { id } => commands::stop(&ctx, &id).await,
         Command::Explain { id } if id.trim().starts_with("job_") => jobs::explain(&ctx, &id).await,
         Command::Top { id } => commands::top(&ctx, &id).await,

@@ -390,6 +390,83 @@ impl Client {
         Err(Error::from_answer(status.as_u16(), &bytes, retry_after))
     }
 
+    /// Opens a WebSocket on `path` at the server that answered last (then
+    /// the next ones, while one cannot be reached): the HTTP/1.1 upgrade
+    /// with the client's key, its connection handed back once the server
+    /// switched protocols. Never retried past that: a session that was
+    /// opened may have run its command.
+    pub(crate) async fn upgrade(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+    ) -> Result<reqwest::Upgraded> {
+        use base64::Engine as _;
+        let servers = &self.inner.servers;
+        let n = servers.len();
+        let start = self.inner.current.load(Ordering::Relaxed) % n;
+        let mut last = None;
+        for i in 0..n {
+            let idx = (start + i) % n;
+            let server = &servers[idx];
+            // The key only proves the server speaks WebSocket; it need not
+            // be secret, only fresh.
+            let nonce = idempotency_key();
+            let key = base64::engine::general_purpose::STANDARD.encode(&nonce.as_bytes()[..16]);
+            let mut req = self
+                .inner
+                .http
+                .get(format!("{server}{path}"))
+                .bearer_auth(&self.inner.token)
+                .header(header::CONNECTION, "Upgrade")
+                .header(header::UPGRADE, "websocket")
+                .header(header::SEC_WEBSOCKET_VERSION, "13")
+                .header(header::SEC_WEBSOCKET_KEY, key)
+                .timeout(self.inner.timeout);
+            if !query.is_empty() {
+                req = req.query(query);
+            }
+            let resp = match req.send().await {
+                Ok(resp) => resp,
+                Err(e) => {
+                    let e = Error::from_reqwest(server, &e);
+                    if e.fails_over() {
+                        last = Some(e);
+                        continue;
+                    }
+                    return Err(e);
+                }
+            };
+            let status = resp.status();
+            if status == reqwest::StatusCode::SWITCHING_PROTOCOLS {
+                self.inner.current.store(idx, Ordering::Relaxed);
+                return resp.upgrade().await.map_err(|e| Error::Transport {
+                    server: server.clone(),
+                    kind: crate::TransportKind::Other,
+                    message: format!("the WebSocket upgrade failed: {e}"),
+                });
+            }
+            let bytes = resp.bytes().await.unwrap_or_default();
+            let e = if status.is_success() {
+                Error::Transport {
+                    server: server.clone(),
+                    kind: crate::TransportKind::Other,
+                    message: format!("the server answered {status} instead of a WebSocket"),
+                }
+            } else {
+                Error::from_answer(status.as_u16(), &bytes, None)
+            };
+            if e.fails_over() {
+                last = Some(e);
+                continue;
+            }
+            return Err(e);
+        }
+        Err(last.unwrap_or_else(|| Error::Config {
+            field: "server",
+            message: "no server URL".to_string(),
+        }))
+    }
+
     /// Sends `call` and decodes the JSON answer; an empty body (204)
     /// decodes as JSON `null`, so `()` and `Option<T>` take it.
     pub(crate) async fn json<T: DeserializeOwned>(&self, call: &Call<'_>) -> Result<T> {

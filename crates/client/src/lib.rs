@@ -23,6 +23,7 @@
 //! decides what an error means for the caller's work; it only says what
 //! happened ([`Error::is_transient`] and friends help the caller choose).
 
+mod access;
 mod client;
 mod endpoints;
 mod error;
@@ -30,6 +31,7 @@ mod logs;
 mod retry;
 mod routes;
 
+pub use access::{Session, SessionReceiver, SessionSender};
 pub use client::{idempotency_key, parse_servers, Builder, Client, LOG_PAGE_SIZE, PAGE_SIZE};
 pub use error::{Error, TransportKind};
 /// Server trust for `https://` URLs, and the fingerprints pinned in it.

@@ -1000,6 +1000,11 @@ pub struct SyncResponse {
     /// the agent sent this sync.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
+    /// Sessions into instances of this node (exec, shell, port-forward)
+    /// the agent is to dial back; each is listed until the agent dialled
+    /// it or its tenant gave up.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sessions: Vec<crate::access::AccessSession>,
 }
 
 /// Log lines pushed by an agent.

@@ -130,6 +130,10 @@ prefixed_id!(
     /// One entry of the audit log: a mutating API call, who made it and
     /// how it ended.
     AuditId, "aud_");
+prefixed_id!(
+    /// A session into a running instance (exec, shell, port-forward),
+    /// from the tenant's WebSocket to the agent's.
+    AccessSessionId, "acc_");
 
 /// A piece of queued work: an instance or a job. Names what a preemption
 /// made room for (`preempted_by`); sent as the plain id.

@@ -6,6 +6,7 @@
 //! reading of the wall clock. Decision code takes `now` as an argument so the
 //! live server and the simulator can call the same functions.
 
+pub mod access;
 pub mod advice;
 pub mod api;
 pub mod catalog;

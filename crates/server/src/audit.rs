@@ -38,16 +38,26 @@ pub const EXEMPT: &[&str] = &[
     "/v1/estimates",
 ];
 
+/// Reads that are audited all the same: the WebSocket upgrades that enter
+/// a running instance (exec, shell, port-forward). They change nothing in
+/// the store, yet run code in a tenant's workload, so who did it and when
+/// belongs in the log (as `GET`, with the upgrade's 101 or the refusal).
+pub const ENTERING: &[&str] = &[
+    "/v1/instances/{instance_id}/exec",
+    "/v1/instances/{instance_id}/port-forward",
+];
+
 /// Largest answer read back for the id of a created object; creations
 /// answer with the object, far smaller than this.
 const CREATED_BODY_LIMIT: usize = 4 * 1024 * 1024;
 
 /// Whether a call of `method` on the route `template` is audited.
 pub fn audited(method: &Method, template: &str) -> bool {
-    matches!(
+    (matches!(
         *method,
         Method::POST | Method::PUT | Method::PATCH | Method::DELETE
-    ) && !EXEMPT.contains(&template)
+    ) && !EXEMPT.contains(&template))
+        || (*method == Method::GET && ENTERING.contains(&template))
 }
 
 /// The value of the last `{parameter}` of `template` in `path`: the object
@@ -185,6 +195,12 @@ mod tests {
         assert!(!audited(&Method::GET, "/v1/instances"));
         assert!(!audited(&Method::POST, "/v1/agent/nodes/{node_id}/sync"));
         assert!(!audited(&Method::POST, "/v1/estimates"));
+        assert!(audited(&Method::GET, "/v1/instances/{instance_id}/exec"));
+        assert!(audited(
+            &Method::GET,
+            "/v1/instances/{instance_id}/port-forward"
+        ));
+        assert!(!audited(&Method::GET, "/v1/instances/{instance_id}"));
     }
 
     #[test]

@@ -23,6 +23,7 @@ pub use flotilla_store::Store;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
+pub mod access;
 pub mod audit;
 pub mod auth;
 pub mod autoscale;

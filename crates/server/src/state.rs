@@ -60,6 +60,8 @@ struct Inner {
     /// utilisation summary and right-sizing advice. In memory, like the
     /// latest telemetry: a restart starts the profile afresh.
     profiles: Mutex<HashMap<flotilla_core::id::InstanceId, Profile>>,
+    /// Sessions into instances waiting for their agent to dial back.
+    access: crate::access::Sessions,
 }
 
 /// An instance's recent GPU readings.
@@ -155,6 +157,7 @@ impl AppState {
                 secret_key: Mutex::default(),
                 ops: crate::ops_metrics::OpsMetrics::default(),
                 profiles: Mutex::default(),
+                access: crate::access::Sessions::default(),
             }),
         }
     }
@@ -167,6 +170,12 @@ impl AppState {
             inner: self.inner.clone(),
             store: self.store.fenced(flotilla_store::leases::LEADER, token),
         }
+    }
+
+    /// Sessions into instances waiting for their agent (exec, shell,
+    /// port-forward).
+    pub fn access(&self) -> &crate::access::Sessions {
+        &self.inner.access
     }
 
     /// This replica's operational series.

@@ -523,6 +523,11 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
         ("key_id", key_id),
         ("invoice_id", invoice.id().to_string()),
         ("pool_id", pool),
+        // A session of A's node (none waits: the node is checked first).
+        (
+            "session_id",
+            flotilla_core::id::AccessSessionId::generate(1, 1).to_string(),
+        ),
     ]
     .into();
 

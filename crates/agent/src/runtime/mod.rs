@@ -217,6 +217,12 @@ pub trait Runtime: Send + Sync {
     fn cached_images(&self) -> Option<Vec<flotilla_core::api::NodeImage>> {
         None
     }
+
+    /// The container engine's API, for a runtime of containers: sessions
+    /// into its instances (`flotilla exec`) run through the engine's exec.
+    fn engine(&self) -> Option<bollard::Docker> {
+        None
+    }
 }
 
 /// Why a runtime could not be set up or could not list its workloads.

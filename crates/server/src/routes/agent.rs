@@ -267,6 +267,7 @@ pub async fn sync(
                         assignments: vec![],
                         reregister: true,
                         lease_ms: lease_ms(&st),
+                        sessions: vec![],
                     }));
                 }
             }
@@ -319,7 +320,11 @@ pub async fn sync(
     let mut changes = st.subscribe();
     changes.borrow_and_update();
     let mut assignments = st.store().assignments(&id).await?;
-    if !needs_action(&assignments, &req.observed) && !wait.is_zero() {
+    // A session waiting for this node answers at once (see crate::access).
+    if !needs_action(&assignments, &req.observed)
+        && st.access().for_node(&id).is_empty()
+        && !wait.is_zero()
+    {
         let mut shutdown = st.shutdown_signal();
         tokio::select! {
             _ = changes.changed() => {}
@@ -333,6 +338,7 @@ pub async fn sync(
         assignments,
         reregister: false,
         lease_ms: lease_ms(&st),
+        sessions: st.access().for_node(&id),
     }))
 }
 

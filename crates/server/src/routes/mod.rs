@@ -14,6 +14,7 @@ use crate::error::ApiError;
 use crate::extract::Pagination;
 use crate::state::AppState;
 
+pub mod access;
 pub mod agent;
 pub mod audit;
 pub mod budgets;
@@ -234,6 +235,9 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(telemetry::instance_telemetry))
         .routes(routes!(instances::stop_instance))
         .routes(routes!(instances::instance_logs))
+        .routes(routes!(access::exec))
+        .routes(routes!(access::port_forward))
+        .routes(routes!(access::agent_session))
         .routes(routes!(jobs::list_jobs, jobs::create_job))
         .routes(routes!(jobs::job_queue))
         .routes(routes!(jobs::get_job))

@@ -1,0 +1,171 @@
+//! Sessions into running instances waiting for their agent: the server
+//! cannot reach an agent (agents long-poll their sync), so a tenant's
+//! WebSocket for an exec, a shell or a port-forward is recorded here, the
+//! node's held sync is woken and lists it, and the agent dials the session
+//! back on a WebSocket of its own, which is handed to the tenant's side to
+//! be spliced with it.
+//!
+//! In memory, on the replica the tenant reached: the agent's sync and its
+//! dial-back must reach the same replica (they do with one server, and
+//! with replicas behind one address that keeps an agent's connections on
+//! one of them). A session nobody dialled within [`DIAL_TIMEOUT`] is
+//! dropped and the tenant told so.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use axum::extract::ws::{Message, WebSocket};
+use flotilla_core::access::AccessSession;
+use flotilla_core::id::{AccessSessionId, NodeId};
+use futures::{SinkExt as _, StreamExt as _};
+use tokio::sync::oneshot;
+
+/// How long a session waits for its agent to dial back: a sync held
+/// elsewhere answers within a heartbeat, and a loaded agent needs a moment
+/// more.
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(30);
+
+struct Pending {
+    node: NodeId,
+    session: AccessSession,
+    agent: oneshot::Sender<WebSocket>,
+}
+
+/// The sessions of this replica still waiting for their agent.
+#[derive(Default)]
+pub struct Sessions {
+    pending: Mutex<HashMap<AccessSessionId, Pending>>,
+}
+
+impl Sessions {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<AccessSessionId, Pending>> {
+        // A panic while holding the map left it whole (every change is
+        // one insert or remove).
+        self.pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records `session` for `node`'s agent; the receiver gets the agent's
+    /// WebSocket once it dialled back.
+    pub fn open(&self, node: NodeId, session: AccessSession) -> oneshot::Receiver<WebSocket> {
+        let (tx, rx) = oneshot::channel();
+        self.lock().insert(
+            session.id.clone(),
+            Pending {
+                node,
+                session,
+                agent: tx,
+            },
+        );
+        rx
+    }
+
+    /// Forgets a session (dialled, or given up).
+    pub fn forget(&self, id: &AccessSessionId) {
+        self.lock().remove(id);
+    }
+
+    /// The sessions `node`'s agent is to dial, oldest first. Sessions
+    /// whose tenant left before the upgrade are forgotten on the way.
+    pub fn for_node(&self, node: &NodeId) -> Vec<AccessSession> {
+        let mut pending = self.lock();
+        pending.retain(|_, p| !p.agent.is_closed());
+        let mut out: Vec<AccessSession> = pending
+            .values()
+            .filter(|p| &p.node == node)
+            .map(|p| p.session.clone())
+            .collect();
+        out.sort_by(|a, b| a.id.as_str().cmp(b.id.as_str()));
+        out
+    }
+
+    /// Takes the session `id` of `node` for its agent's WebSocket; `None`
+    /// when there is none (already dialled, given up, another node's).
+    pub fn claim(&self, node: &NodeId, id: &AccessSessionId) -> Option<oneshot::Sender<WebSocket>> {
+        let mut pending = self.lock();
+        if pending.get(id).is_none_or(|p| &p.node != node) {
+            return None;
+        }
+        pending.remove(id).map(|p| p.agent)
+    }
+}
+
+/// Carries every data message of each WebSocket to the other until both
+/// ended; one side's end closes the other's sending half, so that the
+/// other side sees it and ends too. Pings stay with the side they were
+/// sent to (each WebSocket answers its own).
+pub async fn splice(tenant: WebSocket, agent: WebSocket) {
+    let (mut tenant_tx, mut tenant_rx) = tenant.split();
+    let (mut agent_tx, mut agent_rx) = agent.split();
+    let up = async {
+        while let Some(Ok(m)) = tenant_rx.next().await {
+            match m {
+                Message::Binary(_) | Message::Text(_) => {
+                    if agent_tx.send(m).await.is_err() {
+                        break;
+                    }
+                }
+                Message::Close(_) => break,
+                Message::Ping(_) | Message::Pong(_) => {}
+            }
+        }
+        let _ = agent_tx.close().await;
+    };
+    let down = async {
+        while let Some(Ok(m)) = agent_rx.next().await {
+            match m {
+                Message::Binary(_) | Message::Text(_) => {
+                    if tenant_tx.send(m).await.is_err() {
+                        break;
+                    }
+                }
+                Message::Close(_) => break,
+                Message::Ping(_) | Message::Pong(_) => {}
+            }
+        }
+        let _ = tenant_tx.close().await;
+    };
+    tokio::join!(up, down);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_core::access::AccessKind;
+    use flotilla_core::id::InstanceId;
+
+    fn session(n: u128) -> AccessSession {
+        AccessSession {
+            id: AccessSessionId::generate(1, n),
+            instance_id: InstanceId::generate(1, n),
+            kind: AccessKind::PortForward { port: 80 },
+        }
+    }
+
+    #[test]
+    fn a_session_is_listed_for_its_node_until_claimed_once() {
+        let sessions = Sessions::default();
+        let a = NodeId::generate(1, 1);
+        let b = NodeId::generate(1, 2);
+        let s = session(7);
+        let _rx = sessions.open(a.clone(), s.clone());
+        assert_eq!(sessions.for_node(&a), vec![s.clone()]);
+        assert!(sessions.for_node(&b).is_empty());
+        assert!(sessions.claim(&b, &s.id).is_none(), "another node's");
+        assert!(sessions.claim(&a, &s.id).is_some());
+        assert!(sessions.claim(&a, &s.id).is_none(), "claimed once");
+        assert!(sessions.for_node(&a).is_empty());
+    }
+
+    #[test]
+    fn a_session_its_tenant_gave_up_is_not_listed() {
+        let sessions = Sessions::default();
+        let a = NodeId::generate(1, 1);
+        let rx = sessions.open(a.clone(), session(8));
+        drop(rx);
+        assert!(sessions.for_node(&a).is_empty());
+        assert!(sessions.lock().is_empty(), "forgotten");
+    }
+}
