@@ -259,7 +259,7 @@ pub async fn run(
             }
         }
     };
-    let registration = RegisterNode {
+    let mut registration = RegisterNode {
         name: config.name.clone(),
         region: config.region.clone(),
         pool: config.pool.clone(),
@@ -271,8 +271,10 @@ pub async fn run(
         runtime: config.runtime,
         executor: Default::default(),
         running: Vec::new(),
+        network: None,
     };
     let runtime = runtime_for(&config).await?;
+    registration.network = runtime.network();
     let client = Client::with_trust(&config.server_url, &config.token, config.trust.clone())?;
     let shared = Arc::new(Shared::default());
     let metrics = Arc::new(metrics::AgentMetrics::default());

@@ -147,6 +147,12 @@ pub async fn node_show(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     outln!("region:    {} / pool {}", n.region, n.pool)?;
     outln!("gpus:      {}", output::node_gpus(&n))?;
     outln!("heartbeat: {} ago", age(now, n.last_heartbeat_at))?;
+    if let Some(net) = &n.network {
+        outln!("network:   {}", net.detail)?;
+        if !net.allow_egress.is_empty() {
+            outln!("egress:    also allowed: {}", net.allow_egress.join(", "))?;
+        }
+    }
     for g in &n.gpus {
         if let Some(fault) = &g.fault {
             outln!("fault:     gpu {} ({}): {fault}", g.index, g.id)?;

@@ -164,6 +164,7 @@ async fn join_and_register(live: &OnClock, token: &str) -> (String, String) {
         runtime: RuntimeKind::Process,
         executor: Default::default(),
         running: Vec::new(),
+        network: None,
     };
     let (status, reg) = live
         .call(

@@ -361,6 +361,7 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
                 runtime: Default::default(),
                 executor: Default::default(),
                 running: Vec::new(),
+                network: None,
             },
             || (NodeId::generate(5, 5), vec![GpuId::generate(6, 6)]),
             jan(),

@@ -375,6 +375,7 @@ async fn providers_own_nodes(s: &Store) {
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        network: None,
     };
     let node = s
         .register_node(

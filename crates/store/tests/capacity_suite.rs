@@ -145,6 +145,7 @@ async fn machines_move_through_their_states(s: &Store) {
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        network: None,
     };
     let node = s
         .register_node(

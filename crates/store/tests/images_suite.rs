@@ -164,6 +164,7 @@ async fn a_nodes_reported_images_replace_the_stored_ones(s: &Store) {
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        network: None,
     };
     let node = s
         .register_node(&t, &req, || (NodeId::generate(1, rnd()), Vec::new()), t0())

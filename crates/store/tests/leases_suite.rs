@@ -93,6 +93,7 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        network: None,
     };
     s.register_node(
         &tenant,

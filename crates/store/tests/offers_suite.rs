@@ -30,6 +30,7 @@ async fn node(s: &Store) -> (TenantId, NodeId) {
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        network: None,
     };
     let id = s
         .register_node(&t, &req, || (NodeId::generate(1, rnd()), Vec::new()), t0())

@@ -107,6 +107,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: &[(&str, u32)]) -> 
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        network: None,
     };
     let count = req.gpus.len();
     s.register_node(
@@ -294,6 +295,7 @@ async fn node_registration_is_idempotent_by_name(s: &Store) {
                 runtime: Default::default(),
                 executor: Default::default(),
                 running: Vec::new(),
+                network: None,
             },
             || (NodeId::generate(1, rnd()), vec![]),
             t0(),

@@ -509,6 +509,7 @@ async fn node_of(s: &Store, owner: &TenantId) -> NodeId {
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        network: None,
     };
     s.register_node(
         owner,

@@ -31,6 +31,7 @@ async fn node(s: &Store) -> NodeId {
         runtime: Default::default(),
         executor: Default::default(),
         running: Vec::new(),
+        network: None,
     };
     s.register_node(&t, &req, || (NodeId::generate(1, rnd()), Vec::new()), t0())
         .await

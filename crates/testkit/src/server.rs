@@ -260,6 +260,7 @@ impl TestServer {
             runtime,
             executor: Default::default(),
             running: Vec::new(),
+            network: None,
         };
         let body = serde_json::to_value(req).expect("register body");
         let r = self

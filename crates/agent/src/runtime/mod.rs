@@ -197,6 +197,12 @@ pub trait Runtime: Send + Sync {
     fn cached_images(&self) -> Option<Vec<flotilla_core::api::NodeImage>> {
         None
     }
+
+    /// How workloads' network is isolated, reported at registration
+    /// (see [`network`]); `None`: the runtime does not say.
+    fn network(&self) -> Option<flotilla_core::api::NodeNetwork> {
+        None
+    }
 }
 
 /// Why a runtime could not be set up or could not list its workloads.

@@ -48,6 +48,8 @@ pub struct ProcessRuntime {
     shares: Vec<SharedPath>,
     /// How workloads are connected (a namespace each, as root).
     network: Network,
+    /// The operator's `--allow-egress` rules, as reported.
+    allow_egress: Vec<flotilla_egress::AllowRule>,
 }
 
 impl ProcessRuntime {
@@ -89,6 +91,7 @@ impl ProcessRuntime {
         let mut runtime = Self::with_isolation(config.work_dir.clone(), isolation);
         runtime.shares = config.shares.clone();
         runtime.network = network;
+        runtime.allow_egress = config.allow_egress.clone();
         Ok(runtime)
     }
 
@@ -103,6 +106,7 @@ impl ProcessRuntime {
             network: Network::Shared {
                 why: "not set up".into(),
             },
+            allow_egress: Vec::new(),
         }
     }
 
@@ -393,6 +397,10 @@ impl Runtime for ProcessRuntime {
             }
             Ok(adopted)
         })
+    }
+
+    fn network(&self) -> Option<flotilla_core::api::NodeNetwork> {
+        Some(self.network.report(&self.allow_egress))
     }
 
     fn release(&self, instance_id: &InstanceId) {

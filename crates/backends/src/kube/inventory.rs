@@ -96,6 +96,7 @@ pub fn register(node: &Node, config: &KubeConfig, catalog: &Catalog) -> Result<R
         runtime: RuntimeKind::Container,
         executor: ExecutorKind::Kubernetes,
         running: vec![],
+        network: None,
     })
 }
 

@@ -468,6 +468,7 @@ impl SlurmExecutor {
                 runtime: RuntimeKind::Process,
                 executor: ExecutorKind::Slurm,
                 running,
+                network: None,
             });
         }
         self.local().partition_of = partition_of;
