@@ -1221,6 +1221,16 @@ impl Runtime for ContainerRuntime {
         Some(self.docker.clone())
     }
 
+    fn network(&self) -> Option<flotilla_core::api::NodeNetwork> {
+        Some(match &self.firewall {
+            Some(f) => crate::runtime::network::Network::Isolated(f.clone()).report(f.allow()),
+            None => crate::runtime::network::Network::Shared {
+                why: "the agent is not root or nftables is missing".into(),
+            }
+            .report(&[]),
+        })
+    }
+
     fn start(
         &self,
         spec: SpawnSpec,

@@ -298,9 +298,11 @@ pub async fn run(
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     let runtime = runtime_for(&config).await?;
     registration.unenforced_limits = runtime.unenforced_limits();
+    registration.network = runtime.network();
     let client = Client::with_trust(&config.server_url, &config.token, config.trust.clone())?;
     let shared = Arc::new(Shared::default());
     let metrics = Arc::new(metrics::AgentMetrics::default());

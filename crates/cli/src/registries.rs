@@ -150,6 +150,12 @@ pub async fn node_show(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     for why in &n.unenforced_limits {
         outln!("limits:    not enforced: {why}")?;
     }
+    if let Some(net) = &n.network {
+        outln!("network:   {}", net.detail)?;
+        if !net.allow_egress.is_empty() {
+            outln!("egress:    also allowed: {}", net.allow_egress.join(", "))?;
+        }
+    }
     for g in &n.gpus {
         if let Some(fault) = &g.fault {
             outln!("fault:     gpu {} ({}): {fault}", g.index, g.id)?;

@@ -153,6 +153,29 @@ fn probe(
     (id, outcomes)
 }
 
+/// `flotilla nodes show` of the node named `name`, as text.
+fn node_show(home: &Home, name: &str) -> String {
+    let op = home.operator_key();
+    let mut id = String::new();
+    wait_until("the node registers", LONG, || {
+        let nodes = home.get(&op, "/v1/nodes?limit=100");
+        id = nodes["items"]
+            .as_array()
+            .and_then(|n| n.iter().find(|n| n["name"] == name))
+            .and_then(|n| n["id"].as_str())
+            .unwrap_or_default()
+            .to_string();
+        !id.is_empty()
+    });
+    let out = home.cli(Some(&op), &["nodes", "show", &id]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn chat(gw: &str, key: &str) -> u16 {
     let body = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}],
                       "max_tokens": 2})
@@ -228,9 +251,10 @@ impl Targets {
         t
     }
 
-    /// The `--allow-egress` rule for the allowed listener.
+    /// The `--allow-egress` rule for the allowed listener, as the node
+    /// shows it.
     fn allow_rule(&self) -> String {
-        self.allowed.to_string()
+        format!("{}/32:{}", self.allowed.ip(), self.allowed.port())
     }
 }
 
@@ -256,6 +280,10 @@ fn tenants_are_sealed_off_on_the_process_runtime() {
     let gw = format!("http://127.0.0.1:{gw_port}");
     let (_, key_a) = home.tenant("alpha");
     let (_, key_b) = home.tenant("beta");
+    // The node says how its workloads' network is isolated.
+    let shown = node_show(&home, "net-node");
+    assert!(shown.contains("network:   isolated"), "{shown}");
+    assert!(shown.contains(&format!("also allowed: {allow}")), "{shown}");
 
     // A's endpoint: an emulator replica listening on its loopback.
     let replica = format!("exec {BIN} emulator --port \"$PORT\" --model chat");
@@ -435,6 +463,9 @@ fn tenants_are_sealed_off_on_the_container_runtime() {
     let _gw = home.gateway(gw_port);
     let (_, key_a) = home.tenant("alpha");
     let (_, key_b) = home.tenant("beta");
+    let shown = node_show(&home, &node);
+    assert!(shown.contains("network:   isolated"), "{shown}");
+    assert!(shown.contains(&format!("also allowed: {allow}")), "{shown}");
 
     // A's endpoint: busybox httpd in a container.
     let out = home.cli(

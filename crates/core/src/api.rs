@@ -305,6 +305,10 @@ pub struct Node {
     /// (`memory: …`); empty: every limit is enforced.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unenforced_limits: Vec<String>,
+    /// How it isolates its workloads' network (`GET /v1/nodes/{id}`),
+    /// as its agent last registered it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NodeNetwork>,
 }
 
 /// One image in a node's image cache, as its agent reports it.
@@ -632,6 +636,25 @@ pub struct RegisterNode {
     /// workloads to, each with why; left out when it enforces all.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unenforced_limits: Vec<String>,
+    /// How the node isolates its workloads' network, as its agent set it
+    /// up. Absent from agents before it was sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NodeNetwork>,
+}
+
+/// How a node's agent isolates its workloads' network.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct NodeNetwork {
+    /// Workloads are behind the agent's firewall (a namespace each on the
+    /// process runtime; tenant networks held to the policy on the
+    /// container runtime). False: they share the host's network.
+    pub isolated: bool,
+    /// What the agent said about it (why not, when not isolated).
+    pub detail: String,
+    /// The operator's `--allow-egress` rules: inward networks workloads
+    /// may reach anyway.
+    #[serde(default)]
+    pub allow_egress: Vec<String>,
 }
 
 /// The server's answer to a registration.

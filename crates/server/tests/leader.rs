@@ -56,6 +56,7 @@ async fn a_deposed_leader_cannot_place_or_declare_nodes_lost(s: &Store) {
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     let node_id = s
         .register_node(

@@ -165,6 +165,7 @@ async fn join_and_register(live: &OnClock, token: &str) -> (String, String) {
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     let (status, reg) = live
         .call(

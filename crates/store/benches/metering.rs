@@ -362,6 +362,7 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
                 executor: Default::default(),
                 running: Vec::new(),
                 unenforced_limits: Vec::new(),
+                network: None,
             },
             || (NodeId::generate(5, 5), vec![GpuId::generate(6, 6)]),
             jan(),

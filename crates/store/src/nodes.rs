@@ -60,7 +60,22 @@ fn node(row: &AnyRow) -> Result<Node> {
         images: Vec::new(),
         weights: Vec::new(),
         unenforced_limits: opt_json(row, "unenforced_limits")?.unwrap_or_default(),
+        // Read where the query selected it (the node's own page); a value
+        // that does not parse is shown as unknown rather than failing.
+        network: row
+            .try_get::<Option<String>, _>("network")
+            .ok()
+            .flatten()
+            .and_then(|j| serde_json::from_str(&j).ok()),
     })
+}
+
+/// The network column of a registration: its JSON, NULL when the agent
+/// did not say.
+fn network_json(req: &RegisterNode) -> Option<String> {
+    req.network
+        .as_ref()
+        .and_then(|n| serde_json::to_string(n).ok())
 }
 
 /// The offer column: its JSON, or offered always when NULL.
@@ -114,7 +129,7 @@ impl Store {
                 sqlx::query(
                     "UPDATE nodes SET region = $1, pool = $2, state = 'ready', simulated = $3, cpu_milli = $4, \
                      memory_mb = $5, agent_version = $6, last_heartbeat_at = $7, runtime = $8, \
-                     executor = $9 WHERE id = $10",
+                     executor = $9, network = $10 WHERE id = $11",
                 )
                 .bind(&region)
                 .bind(&pool)
@@ -125,6 +140,7 @@ impl Store {
                 .bind(ms(now))
                 .bind(req.runtime.as_str())
                 .bind(req.executor.as_str())
+                .bind(network_json(req))
                 .bind(id.as_str())
                 .execute(&mut *tx)
                 .await?;
@@ -135,8 +151,8 @@ impl Store {
                 let (id, gpu_ids) = new_ids();
                 sqlx::query(
                     "INSERT INTO nodes (id, name, owner_tenant_id, region, pool, state, simulated, cpu_milli, \
-                     memory_mb, agent_version, last_heartbeat_at, created_at, runtime, executor) \
-                     VALUES ($1, $2, $3, $4, $5, 'ready', $6, $7, $8, $9, $10, $10, $11, $12)",
+                     memory_mb, agent_version, last_heartbeat_at, created_at, runtime, executor, network) \
+                     VALUES ($1, $2, $3, $4, $5, 'ready', $6, $7, $8, $9, $10, $10, $11, $12, $13)",
                 )
                 .bind(id.as_str())
                 .bind(&req.name)
@@ -150,6 +166,7 @@ impl Store {
                 .bind(ms(now))
                 .bind(req.runtime.as_str())
                 .bind(req.executor.as_str())
+                .bind(network_json(req))
                 .execute(&mut *tx)
                 .await?;
                 ((id, gpu_ids), true)

@@ -376,6 +376,7 @@ async fn providers_own_nodes(s: &Store) {
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     let node = s
         .register_node(

@@ -146,6 +146,7 @@ async fn machines_move_through_their_states(s: &Store) {
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     let node = s
         .register_node(

@@ -165,6 +165,7 @@ async fn a_nodes_reported_images_replace_the_stored_ones(s: &Store) {
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     let node = s
         .register_node(&t, &req, || (NodeId::generate(1, rnd()), Vec::new()), t0())

@@ -56,6 +56,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: u32) -> NodeId {
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     s.register_node(
         owner,

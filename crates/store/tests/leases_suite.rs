@@ -94,6 +94,7 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     s.register_node(
         &tenant,

@@ -31,6 +31,7 @@ async fn node(s: &Store) -> (TenantId, NodeId) {
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     let id = s
         .register_node(&t, &req, || (NodeId::generate(1, rnd()), Vec::new()), t0())

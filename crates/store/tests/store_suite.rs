@@ -109,6 +109,7 @@ async fn node(s: &Store, owner: &TenantId, name: &str, gpus: &[(&str, u32)]) -> 
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     let count = req.gpus.len();
     s.register_node(
@@ -298,6 +299,7 @@ async fn node_registration_is_idempotent_by_name(s: &Store) {
                 executor: Default::default(),
                 running: Vec::new(),
                 unenforced_limits: Vec::new(),
+                network: None,
             },
             || (NodeId::generate(1, rnd()), vec![]),
             t0(),

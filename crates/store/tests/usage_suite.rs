@@ -510,6 +510,7 @@ async fn node_of(s: &Store, owner: &TenantId) -> NodeId {
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     s.register_node(
         owner,

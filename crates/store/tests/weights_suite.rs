@@ -32,6 +32,7 @@ async fn node(s: &Store) -> NodeId {
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: Vec::new(),
+        network: None,
     };
     s.register_node(&t, &req, || (NodeId::generate(1, rnd()), Vec::new()), t0())
         .await

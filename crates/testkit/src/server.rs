@@ -262,6 +262,7 @@ impl TestServer {
             executor: Default::default(),
             running: Vec::new(),
             unenforced_limits: Vec::new(),
+            network: None,
         };
         let body = serde_json::to_value(req).expect("register body");
         let r = self

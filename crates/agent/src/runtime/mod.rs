@@ -223,6 +223,12 @@ pub trait Runtime: Send + Sync {
     fn engine(&self) -> Option<bollard::Docker> {
         None
     }
+
+    /// How workloads' network is isolated, reported at registration
+    /// (see [`network`]); `None`: the runtime does not say.
+    fn network(&self) -> Option<flotilla_core::api::NodeNetwork> {
+        None
+    }
 }
 
 /// Why a runtime could not be set up or could not list its workloads.

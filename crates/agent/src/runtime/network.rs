@@ -156,10 +156,21 @@ impl Network {
         }
     }
 
+    /// What the node reports at registration (`flotilla nodes show`).
+    pub fn report(&self, allow: &[AllowRule]) -> flotilla_core::api::NodeNetwork {
+        flotilla_core::api::NodeNetwork {
+            isolated: matches!(self, Network::Isolated(_)),
+            detail: self.describe(),
+            allow_egress: allow.iter().map(ToString::to_string).collect(),
+        }
+    }
+
     /// One line for the node's record and `flotilla nodes show`.
     pub fn describe(&self) -> String {
         match self {
-            Network::Isolated(_) => "isolated: a network namespace per workload".into(),
+            Network::Isolated(_) => {
+                "isolated: behind the agent's firewall (nftables `inet flotilla`)".into()
+            }
             Network::Shared { why } => format!("NOT isolated, shared with the host: {why}"),
         }
     }
@@ -226,6 +237,11 @@ fn gateway_of(slot: u8) -> Ipv4Addr {
 }
 
 impl Namespaces {
+    /// The operator's allow rules.
+    pub fn allow(&self) -> &[AllowRule] {
+        &self.allow
+    }
+
     /// The `nsenter` program a workload starts through.
     pub fn nsenter(&self) -> &Path {
         &self.nsenter

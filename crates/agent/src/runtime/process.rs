@@ -64,6 +64,8 @@ pub struct ProcessRuntime {
     /// How long an ended instance's directory is kept for debugging;
     /// `None`: removed once its output was shipped.
     keep_workdirs: Option<Duration>,
+    /// The operator's `--allow-egress` rules, as reported.
+    allow_egress: Vec<flotilla_egress::AllowRule>,
 }
 
 impl ProcessRuntime {
@@ -105,6 +107,7 @@ impl ProcessRuntime {
         let mut runtime = Self::with_isolation(config.work_dir.clone(), isolation);
         runtime.shares = config.shares.clone();
         runtime.network = network;
+        runtime.allow_egress = config.allow_egress.clone();
         Ok(runtime)
     }
 
@@ -122,6 +125,7 @@ impl ProcessRuntime {
             limits: None,
             relay: None,
             keep_workdirs: None,
+            allow_egress: Vec::new(),
         }
     }
 
@@ -556,6 +560,10 @@ impl Runtime for ProcessRuntime {
                 "memory, cpu, pids, disk: the process runtime was started without limits".into(),
             ],
         }
+    }
+
+    fn network(&self) -> Option<flotilla_core::api::NodeNetwork> {
+        Some(self.network.report(&self.allow_egress))
     }
 
     fn release(&self, instance_id: &InstanceId) {

@@ -97,6 +97,7 @@ pub fn register(node: &Node, config: &KubeConfig, catalog: &Catalog) -> Result<R
         executor: ExecutorKind::Kubernetes,
         running: vec![],
         unenforced_limits: Vec::new(),
+        network: None,
     })
 }
 

@@ -472,6 +472,7 @@ impl SlurmExecutor {
                 executor: ExecutorKind::Slurm,
                 running,
                 unenforced_limits: Vec::new(),
+                network: None,
             });
         }
         self.local().partition_of = partition_of;
