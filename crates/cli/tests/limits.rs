@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use flotilla_testkit::process::{wait_until, Home};
+use flotilla_testkit::process::{http, wait_until, Home};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
@@ -240,6 +240,21 @@ fn pids(home: &Home, key: &str, node: &str) {
 }
 
 fn disk(home: &Home, key: &str) {
+    // The API refuses a limit it cannot hold, naming the field, before
+    // anything is created.
+    for bad in ["0", "67108865"] {
+        let body = format!(r#"{{"gpus": 1, "command": ["true"], "disk_mb": {bad}}}"#);
+        let (status, answer) = http(
+            "POST",
+            &format!("{}/v1/instances", home.url()),
+            Some(key),
+            Some(&body),
+        )
+        .unwrap();
+        assert_eq!(status, 422, "{answer}");
+        assert_eq!(answer["error"]["details"]["field"], "disk_mb", "{answer}");
+    }
+
     // Precondition: writing works, here past the node's default because
     // the instance asked for more (`--disk`).
     let write = |mb: u64| format!("head -c {mb}M /dev/zero > f && echo wrote; sleep 300");
