@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use flotilla_testkit::process::{wait_until, Home};
+use flotilla_testkit::process::{http, wait_until, Home};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
@@ -240,6 +240,21 @@ fn pids(home: &Home, key: &str, node: &str) {
 }
 
 fn disk(home: &Home, key: &str) {
+    // The API refuses a limit it cannot hold, naming the field, before
+    // anything is created.
+    for bad in ["0", "67108865"] {
+        let body = format!(r#"{{"gpus": 1, "command": ["true"], "disk_mb": {bad}}}"#);
+        let (status, answer) = http(
+            "POST",
+            &format!("{}/v1/instances", home.url()),
+            Some(key),
+            Some(&body),
+        )
+        .unwrap();
+        assert_eq!(status, 422, "{answer}");
+        assert_eq!(answer["error"]["details"]["field"], "disk_mb", "{answer}");
+    }
+
     // Precondition: writing works, here past the node's default because
     // the instance asked for more (`--disk`).
     let write = |mb: u64| format!("head -c {mb}M /dev/zero > f && echo wrote; sleep 300");
@@ -258,6 +273,83 @@ fn disk(home: &Home, key: &str) {
     assert_eq!(instance(home, key, &asked)["state"], "running");
     stop(home, key, &asked);
     assert_eq!(ended(home, key, &asked).0, "stopped");
+}
+
+/// The node's id, once an agent named `name` registered.
+fn node_id(home: &Home, op: &str, name: &str) -> String {
+    let mut id = String::new();
+    wait_until(
+        &format!("{name} registers"),
+        Duration::from_secs(60),
+        || {
+            let nodes = home.cli_json(Some(op), &["nodes"]);
+            let found = nodes
+                .as_array()
+                .and_then(|n| n.iter().find(|n| n["name"] == name))
+                .and_then(|n| n["id"].as_str());
+            if let Some(found) = found {
+                id = found.to_string();
+            }
+            found.is_some()
+        },
+    );
+    id
+}
+
+/// An agent that is not root cannot set up cgroups: `nodes show` says
+/// which limits its node does not enforce, and the enforcing node shows
+/// none.
+fn unenforced_limits_are_reported(home: &Home, enforcing: &str) {
+    use std::os::unix::process::CommandExt;
+    const NOBODY: u32 = 65_534;
+    let op = home.operator_key();
+    let shown = home.cli(
+        Some(&op),
+        &["nodes", "show", &node_id(home, &op, enforcing)],
+    );
+    let shown = String::from_utf8_lossy(&shown.stdout).into_owned();
+    assert!(
+        shown.contains(enforcing) && !shown.contains("not enforced"),
+        "{shown}"
+    );
+
+    let work = home.dir.path().join("agent-nobody");
+    std::fs::create_dir_all(&work).unwrap();
+    std::os::unix::fs::chown(&work, Some(NOBODY), Some(NOBODY)).unwrap();
+    let token = std::fs::read_to_string(home.data().join("agent.token")).unwrap();
+    let agent = home
+        .cmd()
+        .args(["agent", "--server", &home.url(), "--token", token.trim()])
+        .args([
+            "--name",
+            "unlimited",
+            "--simulate-gpus",
+            "1xH100",
+            "--work-dir",
+        ])
+        .arg(&work)
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .current_dir("/")
+        .stdout(home.log("agent-nobody"))
+        .stderr(home.log("agent-nobody"))
+        .spawn()
+        .unwrap();
+    let _agent = flotilla_testkit::process::Proc(agent);
+    let id = node_id(home, &op, "unlimited");
+    let shown = home.cli(Some(&op), &["nodes", "show", &id]);
+    let shown = String::from_utf8_lossy(&shown.stdout).into_owned();
+    for controller in ["memory", "cpu", "pids"] {
+        assert!(
+            shown.contains(&format!("limits:    not enforced: {controller}: ")),
+            "{shown}"
+        );
+    }
+    let log = std::fs::read_to_string(home.dir.path().join("agent-nobody.log")).unwrap();
+    assert!(
+        log.contains("some limits cannot be enforced on this node"),
+        "{log}"
+    );
 }
 
 #[test]
@@ -288,6 +380,7 @@ fn workloads_are_held_to_their_limits() {
     cpu(&home, &key, &node);
     pids(&home, &key, &node);
     disk(&home, &key);
+    unenforced_limits_are_reported(&home, &name);
     // Nothing of this node is left in the cgroup trees once its work ended.
     for controller in ["memory", "cpu", "pids"] {
         let parent = node_group(&node, controller);

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Duration, Utc};
 use flotilla_core::api::{
-    DiscoveredGpu, LogLine, LogStream, ObservedInstance, ObservedPhase, RegisterNode,
+    DiscoveredGpu, LimitExceeded, LogLine, LogStream, ObservedInstance, ObservedPhase, RegisterNode,
 };
 use flotilla_core::catalog::{Catalog, Vendor};
 use flotilla_core::id::{GpuId, InstanceId, KeyId, NodeId, TenantId};
@@ -44,6 +44,7 @@ flotilla_testdb::backend_suite!(
     observed_times_bound_metering,
     gpu_faults_cordons_drains_and_node_events,
     fleet_counts_for_metrics,
+    limits_reach_the_agent_and_name_why_work_ended,
 );
 
 async fn tenant(s: &Store, name: &str) -> TenantId {
@@ -1343,4 +1344,97 @@ async fn fleet_counts_for_metrics(s: &Store) {
     );
     assert!(s.endpoint_targets().await.unwrap().is_empty());
     assert!(s.budget_alert_levels().await.unwrap().is_empty());
+}
+
+/// The disk limit an instance asked for reaches its node's agent; an exit
+/// the agent reports as past a limit ends the instance with that reason;
+/// what a node cannot enforce is kept with it.
+async fn limits_reach_the_agent_and_name_why_work_ended(s: &Store) {
+    let t = tenant(s, "limits").await;
+    let n = node(s, &t, "lim", &[("H100", 2)]).await;
+    assert!(s.node(&n).await.unwrap().unenforced_limits.is_empty());
+    let mut ids = Vec::new();
+    for (disk_mb, exceeded) in [
+        (Some(512), Some(LimitExceeded::Disk)),
+        (None, Some(LimitExceeded::Memory)),
+    ] {
+        let id = InstanceId::generate(3, rnd());
+        let mut sp = spec(1, &["H100"]);
+        sp.disk_mb = disk_mb;
+        let inst = s.create_instance(&id, &t, &sp, t0()).await.unwrap();
+        assert_eq!(inst.disk_mb, disk_mb);
+        place(s, &id, t0()).await.unwrap();
+        ids.push((id, disk_mb, exceeded));
+    }
+    let assigned = s.assignments(&n).await.unwrap();
+    for (id, disk_mb, _) in &ids {
+        let a = assigned.iter().find(|a| &a.instance_id == id).unwrap();
+        assert_eq!(a.disk_mb, *disk_mb);
+    }
+    for (id, _, exceeded) in &ids {
+        let mut o = observed(
+            id,
+            ObservedPhase::Exited {
+                code: 137,
+                stopped: false,
+            },
+        );
+        o.limit_exceeded = *exceeded;
+        s.apply_observed(&n, &o, t0()).await.unwrap();
+    }
+    let disk = s.instance(&ids[0].0).await.unwrap();
+    assert_eq!(disk.state, InstanceState::Failed);
+    assert!(
+        disk.state_reason.starts_with("disk limit exceeded"),
+        "{}",
+        disk.state_reason
+    );
+    let oom = s.instance(&ids[1].0).await.unwrap();
+    assert_eq!(oom.state, InstanceState::Failed);
+    assert!(
+        oom.state_reason.starts_with("out of memory"),
+        "{}",
+        oom.state_reason
+    );
+
+    // Re-registering says what it cannot enforce; a later one that can
+    // clears it.
+    let register = |unenforced: Vec<String>| RegisterNode {
+        name: "lim".into(),
+        region: None,
+        pool: None,
+        cpu_milli: 64_000,
+        memory_mb: 512_000,
+        simulated: true,
+        gpus: (0..2)
+            .map(|index| DiscoveredGpu {
+                index,
+                model: "H100".into(),
+                uuid: format!("GPU-lim-{index}"),
+                memory_mib: 81920,
+                vendor: Vendor::Nvidia,
+                mig_mode: false,
+            })
+            .collect(),
+        agent_version: "test".into(),
+        runtime: Default::default(),
+        executor: Default::default(),
+        running: Vec::new(),
+        unenforced_limits: unenforced,
+    };
+    let why = vec!["memory: no cgroup v1 `memory` tree is mounted".to_string()];
+    let ids = || {
+        (
+            NodeId::generate(1, rnd()),
+            (0..2).map(|_| GpuId::generate(1, rnd())).collect(),
+        )
+    };
+    s.register_node(&t, &register(why.clone()), ids, t0())
+        .await
+        .unwrap();
+    assert_eq!(s.node(&n).await.unwrap().unenforced_limits, why);
+    s.register_node(&t, &register(Vec::new()), ids, t0())
+        .await
+        .unwrap();
+    assert!(s.node(&n).await.unwrap().unenforced_limits.is_empty());
 }

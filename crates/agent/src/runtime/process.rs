@@ -227,20 +227,9 @@ impl ProcessRuntime {
             program: program.clone(),
             source,
         };
-        let group = match &self.limits {
-            Some(limits) => {
-                let l = limits.limits(spec.cpu_milli, spec.memory_mb);
-                let group = limits.cgroups.create(&spec.instance_id, &l)?;
-                if let (Some(uid), Isolation::UsersOnly { .. }) = (uid, &self.isolation) {
-                    // It joins its group after it became the tenant's user.
-                    for procs in group.procs_files() {
-                        std::os::unix::fs::chown(&procs, Some(uid), Some(uid)).map_err(os)?;
-                    }
-                }
-                group
-            }
-            None => InstanceCgroup::None,
-        };
+        // Where its cgroup goes; made right before the spawn, so that no
+        // refusal on the way leaves an empty one behind.
+        let group = self.cgroup_of(&spec.instance_id);
         // Output goes to files the workload writes itself, so that it
         // outlives the agent (see [`super::state`]).
         let state = StateDir::new(&self.state_root, &spec.instance_id);
@@ -356,6 +345,10 @@ impl ProcessRuntime {
                 cmd
             }
             Isolation::UsersOnly { .. } => {
+                if group != InstanceCgroup::None && resolve(program, env_path(&env)).is_none() {
+                    // The joining shell would only exit 127.
+                    return Err(SpawnError::NoSuchProgram(program.clone()));
+                }
                 let mut cmd = command_in(&group, program);
                 cmd.args(args).current_dir(&spec.workdir);
                 if let Some(uid) = uid {
@@ -365,6 +358,9 @@ impl ProcessRuntime {
                 cmd
             }
             Isolation::None => {
+                if group != InstanceCgroup::None && resolve(program, env_path(&env)).is_none() {
+                    return Err(SpawnError::NoSuchProgram(program.clone()));
+                }
                 let mut cmd = command_in(&group, program);
                 cmd.args(args).current_dir(&spec.workdir);
                 cmd
@@ -380,6 +376,26 @@ impl ProcessRuntime {
             .stderr(stderr)
             .process_group(0)
             .kill_on_drop(false);
+        if let Some(limits) = &self.limits {
+            let made = limits.cgroups.create(
+                &spec.instance_id,
+                &limits.limits(spec.cpu_milli, spec.memory_mb),
+            );
+            if let Err(error) = made {
+                state.remove();
+                return Err(error.into());
+            }
+            if let (Some(uid), Isolation::UsersOnly { .. }) = (uid, &self.isolation) {
+                // It joins its group after it became the tenant's user.
+                for procs in group.procs_files() {
+                    if let Err(error) = std::os::unix::fs::chown(&procs, Some(uid), Some(uid)) {
+                        state.remove();
+                        let _ = group.remove(Duration::ZERO).await;
+                        return Err(os(error));
+                    }
+                }
+            }
+        }
         let spawned = cmd.spawn();
         // The command holds the pipes' write ends: the relays see their
         // end only once the workload's copies are the last ones.
@@ -661,6 +677,13 @@ fn base_env(workdir: &Path) -> Vec<(String, std::ffi::OsString)> {
     }
     env.push(("HOME".into(), workdir.as_os_str().to_owned()));
     env
+}
+
+/// The `PATH` of an environment.
+fn env_path(env: &[(String, std::ffi::OsString)]) -> Option<&std::ffi::OsStr> {
+    env.iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.as_os_str())
 }
 
 /// `program` as `PATH` finds it (or as given, when it names a path).
