@@ -91,14 +91,17 @@ pub fn check(state: &NodeState, req: &Request) -> Result<(), Reason> {
             return Err(Reason::TooFewGpus);
         }
     }
+    // GPUs before CPU and memory: work that names no CPU or memory asks
+    // its GPUs' share of the node, so a node whose GPUs are taken is out
+    // of both at once, and the GPUs are the cause a person can act on.
+    if count > 0 && state.gpus_with_at_least(req.gpu.per_gpu_milli()) < count {
+        return Err(Reason::TooLittleGpuShare);
+    }
     if state.cpu_free < req.cpu_milli {
         return Err(Reason::TooLittleCpu);
     }
     if state.mem_free < req.mem_mib {
         return Err(Reason::TooLittleMemory);
-    }
-    if count > 0 && state.gpus_with_at_least(req.gpu.per_gpu_milli()) < count {
-        return Err(Reason::TooLittleGpuShare);
     }
     Ok(())
 }

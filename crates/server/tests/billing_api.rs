@@ -330,8 +330,9 @@ async fn months_finalise_into_immutable_invoices_with_terms_applied() {
             "model",
         ),
         (
+            // No list offer has a 90-day term: its discount must be given.
             json!({"kind": "commitment", "id": "r", "model": "H100", "gpus": 1,
-            "start": "2025-01-01T00:00:00Z", "term_days": 30, "payment": "monthly"}),
+            "start": "2025-01-01T00:00:00Z", "term_days": 90, "payment": "monthly"}),
             "discount",
         ),
         (
