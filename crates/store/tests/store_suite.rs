@@ -1421,6 +1421,7 @@ async fn limits_reach_the_agent_and_name_why_work_ended(s: &Store) {
         executor: Default::default(),
         running: Vec::new(),
         unenforced_limits: unenforced,
+        network: None,
     };
     let why = vec!["memory: no cgroup v1 `memory` tree is mounted".to_string()];
     let ids = || {
