@@ -371,6 +371,32 @@ impl Namespaces {
                 let _ = self.teardown(&a);
             }
         }
+        // A bridge whose last workload's teardown was cut short.
+        let Ok(slots) = fs::read_dir(self.run_dir.join("slots")) else {
+            return;
+        };
+        for slot in slots.flatten() {
+            if let Some(slot) = slot.file_name().to_str().and_then(|s| s.parse::<u8>().ok()) {
+                self.drop_bridge_if_empty(slot);
+            }
+        }
+    }
+
+    /// Removes the tenant's bridge, its rules and its slot once no
+    /// workload is on it. Called with the lock held.
+    fn drop_bridge_if_empty(&self, slot: u8) {
+        let br = bridge_name(slot);
+        let ports = fs::read_dir(Path::new("/sys/class/net").join(&br).join("brif"))
+            .map(|d| d.count())
+            .unwrap_or(0);
+        let hosts_left = fs::read_dir(self.run_dir.join("hosts").join(slot.to_string()))
+            .map(|d| d.count())
+            .unwrap_or(0);
+        if ports == 0 && hosts_left == 0 {
+            let _ = run("ip", &["link", "delete", &br], None);
+            let _ = run("nft", &["-f", "-"], Some(&drop_bridge_rules(slot)));
+            let _ = fs::remove_file(self.run_dir.join("slots").join(slot.to_string()));
+        }
     }
 
     fn lock(&self) -> Result<fs::File, NetError> {
@@ -559,18 +585,7 @@ impl Namespaces {
                 .join(a.host.to_string()),
         );
         let _ = fs::remove_file(self.run_dir.join("attached").join(&a.instance));
-        let br = a.bridge();
-        let ports = fs::read_dir(Path::new("/sys/class/net").join(&br).join("brif"))
-            .map(|d| d.count())
-            .unwrap_or(0);
-        let hosts_left = fs::read_dir(self.run_dir.join("hosts").join(a.slot.to_string()))
-            .map(|d| d.count())
-            .unwrap_or(0);
-        if ports == 0 && hosts_left == 0 {
-            let _ = run("ip", &["link", "delete", &br], None);
-            let _ = run("nft", &["-f", "-"], Some(&drop_bridge_rules(a.slot)));
-            let _ = fs::remove_file(self.run_dir.join("slots").join(a.slot.to_string()));
-        }
+        self.drop_bridge_if_empty(a.slot);
         Ok(())
     }
 }
