@@ -303,6 +303,9 @@ pub async fn run(
     let runtime = runtime_for(&config).await?;
     registration.unenforced_limits = runtime.unenforced_limits();
     registration.network = runtime.network();
+    // However `run` ends (a refused registration, a shutdown, the task
+    // dropped), what the runtime set up and no longer needs goes.
+    let _close = CloseOnDrop(runtime.clone());
     let client = Client::with_trust(&config.server_url, &config.token, config.trust.clone())?;
     let shared = Arc::new(Shared::default());
     let metrics = Arc::new(metrics::AgentMetrics::default());
@@ -377,6 +380,15 @@ pub async fn run(
     }
     tracing::info!("agent stopped");
     Ok(())
+}
+
+/// Closes a runtime when dropped ([`Runtime::close`]).
+struct CloseOnDrop(Arc<dyn Runtime>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
+    }
 }
 
 /// The runtime the configuration names: the process runtime probes the

@@ -205,7 +205,10 @@ impl Drop for Home {
                 );
             }
         }
+        // `flotilla agent --work-dir DIR/agent`, and `flotilla up`'s agent
+        // in its data directory.
         remove_workload_cgroups(&self.dir.path().join("agent"));
+        remove_workload_cgroups(&self.data().join("agent"));
     }
 }
 

@@ -195,6 +195,11 @@ pub trait Runtime: Send + Sync {
     /// start, before any [`Runtime::start`].
     fn adopt(&self, wakers: Wakers) -> BoxFuture<'_, Result<Vec<Workload>, RuntimeError>>;
 
+    /// Called once the agent stopped its work for good (a clean
+    /// shutdown): removes what the runtime set up for its workloads and no
+    /// longer needs.
+    fn close(&self) {}
+
     /// The limits this runtime cannot hold workloads to on this node,
     /// each with why (reported at registration); empty: all of them.
     fn unenforced_limits(&self) -> Vec<String> {

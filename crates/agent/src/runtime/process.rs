@@ -569,6 +569,16 @@ impl Runtime for ProcessRuntime {
         })
     }
 
+    fn close(&self) {
+        // Only empty groups go: work that outlives a shutdown keeps its own
+        // (and so its parent) for the agent that adopts it.
+        if let Some(limits) = &self.limits {
+            for dir in limits.cgroups.node_dirs() {
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
+    }
+
     fn unenforced_limits(&self) -> Vec<String> {
         match &self.limits {
             Some(limits) => limits.unenforced(),
