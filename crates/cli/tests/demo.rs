@@ -164,7 +164,7 @@ fn ctrl_c_stops_the_load_and_deletes_the_endpoint() {
 /// the summary states the p95 once the first replica is ready (the first
 /// cold start behind it) against the SLO.
 #[test]
-fn the_demo_meets_its_slo_on_up_after_warm_up() {
+fn the_default_demo_on_up_scales_and_reports_its_p95_after_warm_up() {
     let _alone = alone();
     let home = Home::new(BIN);
     let gw_port = free_port();
