@@ -189,6 +189,9 @@ fn the_readmes_quick_start_runs_on_up() {
         if line.contains("--gpu-fraction 0.25") {
             assert!(stdout.contains("share: 0.25"), "{stdout}");
         }
+        if line.contains("flotilla exec ") {
+            assert!(stdout.starts_with("inside, GPUs "), "{stdout}");
+        }
         if line.contains("jobs submit") {
             assert!(stdout.contains("succeeded"), "{stdout}");
         }
