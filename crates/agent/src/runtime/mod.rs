@@ -13,10 +13,10 @@
 //! shell, never signal anything it did not start (or adopt), and never
 //! decide whether an instance may be (re)started: that is the agent's call.
 
-pub mod network;
 pub mod cgroup;
-pub mod limits;
 pub mod leftovers;
+pub mod limits;
+pub mod network;
 pub mod process;
 pub mod relay;
 pub mod sandbox;
