@@ -28,6 +28,8 @@ use std::time::Duration;
 use flotilla_client::{SessionReceiver, SessionSender};
 use flotilla_core::access::{AccessKind, AccessSession, Frame};
 use flotilla_core::id::NodeId;
+
+use crate::runtime::cgroup::{self, Hierarchy, InstanceCgroup};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -251,6 +253,9 @@ pub struct Context {
     pub gid: u32,
     /// Its environment.
     pub env: Vec<(OsString, OsString)>,
+    /// Its cgroups: a session joins them first, so that what it starts is
+    /// held to the workload's limits (memory, CPU, processes).
+    pub cgroup: InstanceCgroup,
 }
 
 impl Context {
@@ -274,21 +279,26 @@ impl Context {
             uid,
             gid,
             env,
+            cgroup: InstanceCgroup::of_process(&Hierarchy::detect(), main),
         })
     }
 
     /// The program and arguments that run `command` inside the workload,
     /// as its user (see the module).
     pub fn command_line(&self, command: &[String]) -> Vec<OsString> {
-        let mut a: Vec<OsString> = vec![
-            program("nsenter").into(),
+        // In the workload's cgroups before anything runs (a shell joins
+        // them, then becomes `nsenter`), like the workload itself.
+        let (joiner, join_args) = cgroup::join_command(&self.cgroup, program("nsenter"));
+        let mut a: Vec<OsString> = vec![joiner];
+        a.extend(join_args);
+        a.extend([
             format!("--target={}", self.ns_pid).into(),
             "--mount".into(),
             "--uts".into(),
             "--ipc".into(),
             "--net".into(),
             "--pid".into(),
-        ];
+        ]);
         // The target's own working directory, opened through its
         // `/proc/PID/cwd` (a path given here would be opened in the
         // agent's mount namespace, where the sandbox's view of it is not).
@@ -804,6 +814,7 @@ mod tests {
             uid: 2_000_000_001,
             gid: 2_000_000_001,
             env: vec![],
+            cgroup: InstanceCgroup::None,
         };
         let line: Vec<String> = ctx
             .command_line(&["id".into(), "-u".into()])

@@ -33,6 +33,38 @@ fn exit_code(code: i32) -> ExitCode {
     ExitCode::from((code & 0xff) as u8)
 }
 
+/// How long `exec`, `shell` and `port-forward` wait for an instance that
+/// is still on its way (pending, scheduled, starting) to run: an image
+/// pull can take minutes; Ctrl-C gives up sooner.
+const START_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Waits until `id` runs: a session right after `run --detach` (a script,
+/// the README's quick start) would otherwise meet a `scheduled` instance.
+/// An instance that ended, or is lost, is an error at once.
+async fn until_running(ctx: &Ctx, id: &InstanceId) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + START_WAIT;
+    let mut said = false;
+    loop {
+        let inst = ctx
+            .client
+            .instance(id.as_str())
+            .await
+            .with_context(|| format!("cannot enter {id}"))?;
+        let state = inst.state.as_str();
+        match state {
+            "running" => return Ok(()),
+            "pending" | "scheduled" | "starting" if tokio::time::Instant::now() < deadline => {
+                if !said {
+                    eprintln!("waiting for {id} to start ({state})");
+                    said = true;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+            _ => bail!("instance {id} is {state}, not running"),
+        }
+    }
+}
+
 /// `flotilla exec ID [-i] [-t] -- CMD…`.
 pub async fn exec(
     ctx: &Ctx,
@@ -42,6 +74,7 @@ pub async fn exec(
     tty: bool,
 ) -> Result<ExitCode> {
     let id = instance(id)?;
+    until_running(ctx, &id).await?;
     let (cols, rows) = if tty { terminal_size() } else { (0, 0) };
     let kind = AccessKind::Exec {
         command,
@@ -192,16 +225,10 @@ pub async fn port_forward(ctx: &Ctx, id: &str, ports: &str) -> Result<ExitCode> 
     let id = instance(id)?;
     let (local, remote) =
         parse_port_pair(ports).map_err(|e| anyhow!("{}: {}", e.field, e.message))?;
-    // Fails early for an instance the key cannot enter or that does not
-    // run (the session itself is opened per connection).
-    let inst = ctx
-        .client
-        .instance(id.as_str())
-        .await
-        .with_context(|| format!("cannot forward to {id}"))?;
-    if inst.state.as_str() != "running" {
-        bail!("instance {id} is {}, not running", inst.state.as_str());
-    }
+    // Fails early for an instance the key cannot enter or that ended, and
+    // waits for one still starting (the session itself is opened per
+    // connection).
+    until_running(ctx, &id).await?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", local))
         .await
         .with_context(|| format!("cannot listen on 127.0.0.1:{local}"))?;

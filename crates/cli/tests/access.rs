@@ -260,6 +260,26 @@ fn tenants_enter_their_own_running_instances_and_only_those() {
         "flotilla",
         "the host's name differs from the sandbox's"
     );
+    // What a session starts is held to the workload's limits: it runs in
+    // the instance's own cgroups (named after it), where the workload's
+    // memory, CPU and process limits apply, not in the agent's.
+    let out = exec(&home, &key_a, &a, &["cat", "/proc/self/cgroup"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let groups = text(&out.stdout);
+    // The memory controller's line (cgroup v1), else the one v2 tree's.
+    let line = groups
+        .lines()
+        .find(|l| {
+            l.split(':')
+                .nth(1)
+                .is_some_and(|c| c.split(',').any(|c| c == "memory"))
+        })
+        .or_else(|| groups.lines().find(|l| l.starts_with("0::")))
+        .unwrap_or_else(|| panic!("no memory cgroup in {groups}"));
+    assert!(
+        line.contains(a.as_str()),
+        "a session runs in its instance's cgroups: {groups}"
+    );
     let data = home.data();
     assert!(
         std::fs::read_dir(&data).is_ok() && data.join("agent.token").is_file(),

@@ -380,6 +380,65 @@ pub enum InstanceCgroup {
 }
 
 impl InstanceCgroup {
+    /// The Flotilla group process `pid` runs in, read from
+    /// `/proc/PID/cgroup` against `hierarchy`: where a session into a
+    /// running workload (`flotilla exec`) goes too, so that what it starts
+    /// counts against the workload's limits instead of escaping them.
+    /// [`InstanceCgroup::None`] when the process is in none of Flotilla's
+    /// groups (limits off) or cannot be read.
+    pub fn of_process(hierarchy: &Hierarchy, pid: u32) -> InstanceCgroup {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
+            return InstanceCgroup::None;
+        };
+        Self::from_proc_cgroup(hierarchy, &text)
+    }
+
+    /// [`InstanceCgroup::of_process`] on the text of a `/proc/PID/cgroup`.
+    pub fn from_proc_cgroup(hierarchy: &Hierarchy, text: &str) -> InstanceCgroup {
+        // Only the runtime's own groups: never the agent's or the system's.
+        let ours = |path: &str| path.starts_with("/flotilla/");
+        let lines = text.lines().filter_map(|l| {
+            let mut parts = l.splitn(3, ':');
+            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            ours(path).then_some((controllers, path.trim_start_matches('/')))
+        });
+        match hierarchy {
+            Hierarchy::None => InstanceCgroup::None,
+            Hierarchy::V2 { root } => lines
+                .filter(|(controllers, _)| controllers.is_empty())
+                .map(|(_, path)| InstanceCgroup::V2 {
+                    dir: root.join(path),
+                })
+                .next()
+                .unwrap_or(InstanceCgroup::None),
+            Hierarchy::V1 { mounts } => {
+                let (mut memory, mut cpu, mut cpuacct, mut pids) = (None, None, None, None);
+                for (controllers, path) in lines {
+                    for c in controllers.split(',') {
+                        let dir = || mounts.get(c).map(|m| m.join(path));
+                        match c {
+                            "memory" => memory = dir(),
+                            "cpu" => cpu = dir(),
+                            "cpuacct" => cpuacct = dir(),
+                            "pids" => pids = dir(),
+                            _ => {}
+                        }
+                    }
+                }
+                if memory.is_none() && cpu.is_none() && cpuacct.is_none() && pids.is_none() {
+                    InstanceCgroup::None
+                } else {
+                    InstanceCgroup::V1 {
+                        memory,
+                        cpu,
+                        cpuacct,
+                        pids,
+                    }
+                }
+            }
+        }
+    }
+
     /// Its distinct directories.
     pub fn dirs(&self) -> Vec<PathBuf> {
         let mut dirs: Vec<PathBuf> = match self {
@@ -612,6 +671,50 @@ cgroup /sys/fs/cgroup/pids cgroup rw,relatime,pids 0 0
 cgroup /sys/fs/cgroup/systemd cgroup rw,relatime,name=systemd 0 0
 cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0
 ";
+
+    #[test]
+    fn a_session_finds_the_workloads_own_groups_only() {
+        let v1 = Hierarchy::from_mounts(HYBRID);
+        let text = "\
+12:pids:/flotilla/n0-ab/inst_1
+9:memory:/flotilla/n0-ab/inst_1
+4:cpu,cpuacct:/flotilla/n0-ab/inst_1
+1:name=systemd:/agent.scope
+0::/agent.scope
+";
+        let g = InstanceCgroup::from_proc_cgroup(&v1, text);
+        let files: Vec<String> = g
+            .procs_files()
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        assert!(
+            files.contains(&"/sys/fs/cgroup/memory/flotilla/n0-ab/inst_1/cgroup.procs".to_string()),
+            "{files:?}"
+        );
+        assert!(
+            files
+                .iter()
+                .any(|f| f.contains("/pids/flotilla/n0-ab/inst_1/")),
+            "{files:?}"
+        );
+        assert!(!files.iter().any(|f| f.contains("scope")), "{files:?}");
+        // The agent's own groups are never joined.
+        let mine = "9:memory:/agent.scope\n0::/agent.scope\n";
+        assert_eq!(
+            InstanceCgroup::from_proc_cgroup(&v1, mine).procs_files(),
+            Vec::<std::path::PathBuf>::new()
+        );
+        let v2 = Hierarchy::V2 {
+            root: "/sys/fs/cgroup".into(),
+        };
+        assert_eq!(
+            InstanceCgroup::from_proc_cgroup(&v2, "0::/flotilla/n0-ab/inst_2\n").procs_files(),
+            vec![std::path::PathBuf::from(
+                "/sys/fs/cgroup/flotilla/n0-ab/inst_2/cgroup.procs"
+            )]
+        );
+    }
 
     #[test]
     fn the_mounted_hierarchy_is_found() {
