@@ -1079,8 +1079,15 @@ mod tests {
     use flotilla_core::catalog::Vendor;
     use flotilla_core::id::InstanceId;
 
+    /// A spec with an instance id of its own. Tests run side by side, and
+    /// a workload's network namespace is named after its instance,
+    /// host-wide: two tests with one id tore down each other's namespace
+    /// (the workload then failed to enter it and exited 1).
     fn spec(dir: &std::path::Path, command: &[&str]) -> SpawnSpec {
-        let instance_id = InstanceId::generate(1, 42);
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let instance_id =
+            InstanceId::generate(1, (u128::from(std::process::id()) << 64) | u128::from(n));
         SpawnSpec {
             workdir: dir.join("instances").join(instance_id.as_str()),
             instance_id,
