@@ -22,6 +22,14 @@ const LONG: Duration = Duration::from_secs(180);
 /// The emulator's load times for 1 GB, ms.
 const REMOTE_MS: u64 = 20_000;
 const PARKED_MS: u64 = 1_000;
+/// What a parked start may add to the restore itself: the gateway's
+/// activation, the autoscaler's decision, a pass, the agent's start (since
+/// issue 21 a network namespace, output relays and a cgroup per workload)
+/// and the readiness probe. Measured: 1.27-1.42 s in all before the
+/// isolation work, 1.53 s after it on an idle machine, 2.37 s in a
+/// clean-clone CI run and 2.48 s beside a build; still an order of
+/// magnitude under the remote load it is compared with.
+const PARKED_SLACK_MS: u64 = 2_000;
 
 fn chat(gw: &str, key: &str) -> (u16, Value) {
     let body = json!({"model": "chat", "messages": [{"role": "user", "content": "hello"}],
@@ -190,8 +198,8 @@ fn a_parked_replica_serves_within_its_restore_time_and_a_remote_one_waits_the_lo
     assert_eq!(status, 200, "{body}");
     eprintln!("parked: answer {parked_wait:?} after the request at zero replicas");
     assert!(
-        parked_wait <= Duration::from_millis(PARKED_MS + 1_000),
-        "a parked restore took {parked_wait:?}, over {PARKED_MS} ms + 1 s"
+        parked_wait <= Duration::from_millis(PARKED_MS + PARKED_SLACK_MS),
+        "a parked restore took {parked_wait:?}, over {PARKED_MS} ms + {PARKED_SLACK_MS} ms"
     );
     assert!(
         parked_wait >= Duration::from_millis(PARKED_MS),
