@@ -388,10 +388,16 @@ pub(crate) async fn work_queue<E: serde::de::DeserializeOwned>(
         outln!("the queue is empty: nothing is waiting for GPUs")?;
         return Ok(ExitCode::SUCCESS);
     }
+    print_queue(decode_all::<E>(raw.items)?.into_iter().map(row))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The queue's table: one row per waiting instance or job, in the order
+/// given (`queue` and `jobs queue` print the same columns).
+pub(crate) fn print_queue(rows: impl IntoIterator<Item = QueueRow>) -> Result<()> {
     let now = Utc::now();
     let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
-    for e in decode_all::<E>(raw.items)? {
-        let r = row(e);
+    for r in rows {
         t.add_row([
             r.position.to_string(),
             r.id,
@@ -404,7 +410,7 @@ pub(crate) async fn work_queue<E: serde::de::DeserializeOwned>(
         ]);
     }
     print_table(&t)?;
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// `flotilla run`.

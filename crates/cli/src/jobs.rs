@@ -314,20 +314,22 @@ pub async fn explain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 }
 
 async fn queue(ctx: &Ctx) -> Result<ExitCode> {
-    work_queue(ctx, "/v1/jobs/queue", |e: JobQueueEntry| {
-        let j = e.job;
-        QueueRow {
-            position: e.position,
-            gpus: gpus(&j),
-            id: j.id.to_string(),
-            name: j.spec.name,
-            priority: j.spec.priority,
-            tier: j.spec.tier,
-            created_at: j.created_at,
-            reason: j.state_reason,
-        }
-    })
-    .await
+    work_queue(ctx, "/v1/jobs/queue", queue_row).await
+}
+
+/// A waiting job as a line of the queue (`jobs queue`, `queue`).
+pub(crate) fn queue_row(e: JobQueueEntry) -> QueueRow {
+    let j = e.job;
+    QueueRow {
+        position: e.position,
+        gpus: gpus(&j),
+        id: j.id.to_string(),
+        name: j.spec.name,
+        priority: j.spec.priority,
+        tier: j.spec.tier,
+        created_at: j.created_at,
+        reason: j.state_reason,
+    }
 }
 
 async fn cancel(ctx: &Ctx, id: &str) -> Result<ExitCode> {

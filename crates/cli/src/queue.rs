@@ -6,13 +6,12 @@
 use std::process::ExitCode;
 
 use anyhow::Result;
-use chrono::Utc;
 use flotilla_core::api::{JobQueueEntry, Page, QueueEntry};
 use serde_json::Value;
 
 use crate::client::decode;
 use crate::commands::{Ctx, QueueRow};
-use crate::output::{age, one_line, outln, print_json, print_table, table};
+use crate::output::{outln, print_json};
 
 /// The prefix of a waiting reason for work the pool can never hold (more
 /// distinct machines or GPUs than it has); the scheduler writes it.
@@ -47,18 +46,7 @@ pub async fn all(ctx: &Ctx) -> Result<ExitCode> {
     }
     for raw in jobs.items {
         let e: JobQueueEntry = decode(raw.clone())?;
-        let j = e.job;
-        let row = QueueRow {
-            position: e.position,
-            gpus: crate::jobs::gpus(&j),
-            id: j.id.to_string(),
-            name: j.spec.name,
-            priority: j.spec.priority,
-            tier: j.spec.tier,
-            created_at: j.created_at,
-            reason: j.state_reason,
-        };
-        entries.push((row, with_kind(raw, "job")));
+        entries.push((crate::jobs::queue_row(e), with_kind(raw, "job")));
     }
     entries.sort_by(|a, b| (a.0.position, &a.0.id).cmp(&(b.0.position, &b.0.id)));
     if ctx.json {
@@ -70,21 +58,7 @@ pub async fn all(ctx: &Ctx) -> Result<ExitCode> {
         outln!("the queue is empty: no instance or job is waiting for GPUs")?;
         return Ok(ExitCode::SUCCESS);
     }
-    let now = Utc::now();
-    let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
-    for (r, _) in entries {
-        t.add_row([
-            r.position.to_string(),
-            r.id,
-            r.name.unwrap_or_else(|| "-".into()),
-            r.priority.to_string(),
-            r.tier.to_string(),
-            r.gpus,
-            age(now, r.created_at),
-            one_line(&r.reason),
-        ]);
-    }
-    print_table(&t)?;
+    crate::commands::print_queue(entries.into_iter().map(|(row, _)| row))?;
     Ok(ExitCode::SUCCESS)
 }
 

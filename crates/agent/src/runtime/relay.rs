@@ -38,9 +38,7 @@ use super::state::StateDir;
 /// never held back by the round trip alone.
 pub const MAX_BACKLOG_BYTES: u64 = 8 * 1024 * 1024;
 
-/// The file in the state directory that tells the relays the workload
-/// ended: they drain the pipe without holding back, and leave.
-pub const ENDED: &str = "ended";
+pub use super::state::ENDED;
 
 /// How often a relay that holds back looks at the checkpoint again.
 const BACKLOG_TICK: Duration = Duration::from_millis(20);

@@ -25,6 +25,10 @@ use tokio::sync::{watch, Notify};
 use super::sandbox::create_private_dir;
 use super::{LineSplitter, LogBuffer, SHIP_BATCH_LINES};
 
+/// The file in the state directory that tells the relays the workload
+/// ended: they drain the pipe without holding back, and leave.
+pub const ENDED: &str = "ended";
+
 /// How often an output file is read again after its end was reached.
 const TAIL_TICK: Duration = Duration::from_millis(50);
 
@@ -108,9 +112,9 @@ impl StateDir {
             .collect()
     }
 
-    /// Tells the relays the workload ended (see [`super::relay::ENDED`]).
+    /// Tells the relays the workload ended (see [`ENDED`]).
     pub fn mark_ended(&self) {
-        let _ = replace(&self.path(super::relay::ENDED), "");
+        let _ = replace(&self.path(ENDED), "");
     }
 
     /// Every state directory under `root`, with its instance.
