@@ -108,6 +108,8 @@ try {
     await a.page.getByRole('heading', { name: 'Terminal' }).waitFor();
     const status = a.page.locator('#terminal-status');
     await a.page.locator('#terminal-status[data-state="connected"]').waitFor();
+    // The shell's prompt (the workload's user is never root: `$`).
+    await a.page.locator('#terminal .xterm-rows', { hasText: '$' }).waitFor();
     await a.page.locator('#terminal .xterm').click();
     await a.page.keyboard.type('echo term-$((6*7))');
     await a.page.keyboard.press('Enter');
@@ -120,6 +122,7 @@ try {
     await a.page.locator('#terminal-status[data-state="ended"]', { hasText: 'exit code 3' }).waitFor();
     await a.page.getByRole('button', { name: 'Reconnect' }).click();
     await a.page.locator('#terminal-status[data-state="connected"]').waitFor();
+    await a.page.locator('#terminal .xterm-rows', { hasText: '$' }).waitFor();
     await a.page.locator('#terminal .xterm').click();
     await a.page.keyboard.type('echo again-$((2+3))');
     await a.page.keyboard.press('Enter');
