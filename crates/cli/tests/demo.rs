@@ -201,15 +201,14 @@ fn the_default_demo_on_up_scales_and_reports_its_p95_after_warm_up() {
         .find(|l| l.contains("after warm-up:"))
         .unwrap_or_else(|| panic!("no after-warm-up line:\n{stdout}"));
     // Replicas no longer wait for CPU (the first-hour report: p95 27 s,
-    // one replica at the peak). Within the 1000 ms SLO only when the
-    // autoscaler's scale-up lands before the peak: measured 626, 1062 and
-    // 1346 ms on a shared two-core machine, so the bound here is twice
-    // the SLO, and the line must say which it was.
+    // one replica at the peak), and a queue forming behind busy replicas
+    // reaches the autoscaler at once and is acted on between its
+    // decisions (it waited up to two report intervals before: 626-1372 ms
+    // measured then, 384-657 ms since, on a shared two-core machine).
     let p95 = number_after(warm, "p95").expect("a p95 after warm-up");
     assert!(
-        p95 <= 2000.0,
+        p95 <= 1000.0,
         "p95 {p95} ms after warm-up, SLO 1000 ms:\n{stdout}"
     );
-    let verdict = if p95 <= 1000.0 { "met)" } else { "missed)" };
-    assert!(warm.ends_with(verdict), "{warm}");
+    assert!(warm.ends_with("met)"), "{warm}");
 }

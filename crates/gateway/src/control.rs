@@ -62,8 +62,9 @@ pub trait Control: Send + Sync + 'static {
     /// What an inference key may call; `None` for an unknown key.
     fn authorize<'a>(&'a self, key: &'a str) -> ControlFuture<'a, Option<KeyGrant>>;
 
-    /// Demand per endpoint: at least every second, and at once when a
-    /// request starts waiting at zero replicas.
+    /// Demand per endpoint: at least every second, and at once (at most
+    /// every 100 ms) when a request starts waiting at zero replicas or a
+    /// queue forms behind busy ones.
     fn report(&self, signals: Vec<EndpointSignals>) -> ControlFuture<'_, ()>;
 
     /// Usage of finished requests. An error keeps the batch for a retry, so

@@ -725,7 +725,12 @@ async fn route_loop(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
     }
 }
 
+/// The least time between two demand reports: a queue that forms and
+/// drains many times a second is reported at this pace, not at its own.
+const URGENT_REPORT_GAP: Duration = Duration::from_millis(100);
+
 async fn report_loop(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    let mut last = Instant::now();
     loop {
         tokio::select! {
             _ = tokio::time::sleep(inner.config.report_interval) => {
@@ -736,9 +741,12 @@ async fn report_loop(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
                 let now = Instant::now();
                 lock(&inner.held).retain(|_, until| *until > now);
             }
-            _ = inner.urgent.notified() => {}
+            _ = inner.urgent.notified() => {
+                tokio::time::sleep_until(last + URGENT_REPORT_GAP).await;
+            }
             _ = stopped.changed() => return,
         }
+        last = Instant::now();
         let signals = inner.report_now();
         if signals.is_empty() {
             continue;

@@ -300,9 +300,14 @@ impl Endpoint {
                 exclude: exclude.to_vec(),
                 tx,
             });
+            // A request waiting at zero replicas, or the first to wait
+            // behind busy ones, is reported at once rather than within
+            // the report interval: it is the autoscaler's cue to start a
+            // replica (a cold start at zero, a scale-up at saturation),
+            // and every queued request pays for a late one.
             let now = self.now_ms();
             let at_zero = !pool.replicas.iter().any(|r| r.usable(now));
-            if at_zero {
+            if at_zero || pool.queue.len() == 1 {
                 self.urgent.notify_one();
             }
             rx

@@ -149,6 +149,19 @@ pub struct FlotillaConfig {
     /// once the queue is gone.
     #[serde(default)]
     pub queue_tolerance_ms: u64,
+    /// Whether a backlog that the last decision does not cover is acted
+    /// on when it is seen, between decisions (default true). A caller that
+    /// decides more often than `tick_ms` (the server, woken by the gateway
+    /// whenever a queue forms) then starts replicas for it at once. The
+    /// tiered policy's standby side turns it off: it sizes what stays
+    /// parked over a cold start, and its warm side already meets queues
+    /// every quarter restore.
+    #[serde(default = "yes")]
+    pub backlog_between_ticks: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl FlotillaConfig {
@@ -170,6 +183,7 @@ impl FlotillaConfig {
             min_idle_ms: 60_000,
             hold_price_per_hour: None,
             queue_tolerance_ms: 0,
+            backlog_between_ticks: true,
         }
     }
 
@@ -444,12 +458,25 @@ impl Flotilla {
         ahead.max(self.level)
     }
 
+    /// Step 5: replicas the requests in flight and waiting need now.
+    fn backlog_need(&self, obs: &Observation) -> u32 {
+        let svc = self.cfg.service;
+        let c = f64::from(svc.max_concurrency);
+        let hold_s = c / svc.service_rate;
+        let horizon_s = (self.cfg.cold_start.total_ms() as f64 / 1000.0).max(1.0);
+        let queued = self.cfg.excess_queue(obs.queued, obs.ready);
+        ceil_u32(f64::from(obs.in_flight) / c).saturating_add(if queued > 0.0 {
+            ceil_u32(queued * hold_s / (c * horizon_s)).max(1)
+        } else {
+            0
+        })
+    }
+
     fn tick(&mut self, now: u64, obs: &Observation) -> Decision {
         let svc = self.cfg.service;
         let c = f64::from(svc.max_concurrency);
         // Seconds one request holds a slot.
         let hold_s = c / svc.service_rate;
-        let horizon_s = (self.cfg.cold_start.total_ms() as f64 / 1000.0).max(1.0);
         let load = self.forecast_rate() * hold_s;
         let by_rate = if load > 0.0 {
             ceil_u32((load + self.cfg.headroom_beta * load.sqrt()) / c)
@@ -458,12 +485,7 @@ impl Flotilla {
         }
         .max(ceil_u32(self.peak_demand() / c))
         .max(self.recurring_level());
-        let queued = self.cfg.excess_queue(obs.queued, obs.ready);
-        let by_backlog = ceil_u32(f64::from(obs.in_flight) / c).saturating_add(if queued > 0.0 {
-            ceil_u32(queued * hold_s / (c * horizon_s)).max(1)
-        } else {
-            0
-        });
+        let by_backlog = self.backlog_need(obs);
         let (mut need, mut reason) = if by_backlog > by_rate {
             (by_backlog, Reason::Backlog)
         } else {
@@ -506,7 +528,16 @@ impl Policy for Flotilla {
         let now = self.clock.advance(now_ms);
         self.observe(now, obs);
         if let (Some(t), Some(last)) = (self.last_tick_ms, self.last) {
-            if now.saturating_sub(t) < self.cfg.tick_ms {
+            // Between decisions, a backlog the last decision does not
+            // cover is acted on at once: the server calls this whenever
+            // the gateway reports a queue forming, and waiting for the
+            // cadence would add up to a second to every request queued
+            // meanwhile (a simulator deciding on the cadence never gets
+            // here). Scale-down and the forecast keep the cadence.
+            if now.saturating_sub(t) < self.cfg.tick_ms
+                && !(self.cfg.backlog_between_ticks
+                    && self.bounds.clamp(self.backlog_need(obs)) > last.replicas)
+            {
                 return Decision::new(last.replicas, Reason::NotDue);
             }
         }
@@ -569,6 +600,30 @@ mod tests {
         // 40 queued: 32 beyond the tolerance are 4 replicas' slots more.
         let mut f = Flotilla::new(c, Bounds::new(0, 100).unwrap()).unwrap();
         assert_eq!(f.decide(0, &busy(40)).replicas, 8);
+    }
+
+    #[test]
+    fn a_queue_forming_between_decisions_is_met_at_once() {
+        let mut c = cfg();
+        c.headroom_beta = 0.0;
+        let mut f = Flotilla::new(c, Bounds::new(0, 100).unwrap()).unwrap();
+        let obs = |in_flight, queued| Observation {
+            ready: 1,
+            in_flight,
+            queued,
+            requests_total: 10,
+            ..Observation::default()
+        };
+        assert_eq!(f.decide(0, &obs(8, 0)).replicas, 1);
+        // Within the cadence, nothing new: the last decision stands.
+        assert_eq!(f.decide(300, &obs(8, 0)), Decision::new(1, Reason::NotDue));
+        // A queue behind the busy replica cannot wait for the next tick.
+        let d = f.decide(400, &obs(8, 1));
+        assert_eq!(d.replicas, 2, "{d:?}");
+        assert_ne!(d.reason, Reason::NotDue);
+        // Covered now: the cadence holds again, also for scaling down.
+        assert_eq!(f.decide(600, &obs(8, 1)).reason, Reason::NotDue);
+        assert_eq!(f.decide(700, &obs(0, 0)).reason, Reason::NotDue);
     }
 
     #[test]

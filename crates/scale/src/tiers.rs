@@ -313,6 +313,9 @@ impl TieredFlotilla {
         let spare = (1.0 - PREFILL_RESERVE) * base.slo_ms - (restore + warm.tick_ms) as f64;
         warm.queue_tolerance_ms = spare.max(0.0) as u64;
         let mut standby = base;
+        // Its cadence is the point: it sizes the parked level over a cold
+        // start, and the warm side meets queues (see the field).
+        standby.backlog_between_ticks = false;
         standby.hold_price_per_hour = Some(econ.model_gb * econ.memory_price_per_gb_hour);
         Ok(Self {
             warm: Flotilla::new(warm, bounds)?,
