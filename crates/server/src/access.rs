@@ -16,8 +16,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use axum::extract::ws::{Message, WebSocket};
-use flotilla_core::access::AccessSession;
-use flotilla_core::id::{AccessSessionId, NodeId};
+use flotilla_core::access::{AccessKind, AccessSession};
+use flotilla_core::id::{AccessSessionId, InstanceId, NodeId};
+use flotilla_core::instance::InstanceState;
 use futures::{SinkExt as _, StreamExt as _};
 use tokio::sync::oneshot;
 
@@ -62,6 +63,31 @@ impl Sessions {
         rx
     }
 
+    /// Opens a session of `kind` into `instance` on `node`: records it
+    /// (its id from `ids`, as `AppState::ids` gives them), calls `wake` so
+    /// that the node's held sync lists it, and returns what waits for the
+    /// agent's dial-back. The one way in for every kind of caller (the
+    /// exec and port-forward WebSockets, each channel of an SSH
+    /// connection), so that all of them are handed to agents alike.
+    pub fn enter(
+        &self,
+        node: NodeId,
+        instance: InstanceId,
+        kind: AccessKind,
+        (t, r): (u64, u128),
+        wake: impl FnOnce(),
+    ) -> Dialling {
+        let session = AccessSession {
+            id: AccessSessionId::generate(t, r),
+            instance_id: instance,
+            kind,
+        };
+        let id = session.id.clone();
+        let agent = self.open(node, session);
+        wake();
+        Dialling { id, agent }
+    }
+
     /// Forgets a session (dialled, or given up).
     pub fn forget(&self, id: &AccessSessionId) {
         self.lock().remove(id);
@@ -91,6 +117,46 @@ impl Sessions {
         pending.remove(id).map(|p| p.agent)
     }
 }
+
+/// A recorded session waiting for its agent (see [`Sessions::enter`]).
+#[derive(Debug)]
+pub struct Dialling {
+    /// The session's id (`acc_…`), for logs.
+    pub id: AccessSessionId,
+    agent: oneshot::Receiver<WebSocket>,
+}
+
+impl Dialling {
+    /// The agent's WebSocket once it dialled back; `None` when it did not
+    /// within [`DIAL_TIMEOUT`] (the session is then forgotten, so a late
+    /// dial-back finds nothing).
+    pub async fn agent(self, sessions: &Sessions) -> Option<WebSocket> {
+        match tokio::time::timeout(DIAL_TIMEOUT, self.agent).await {
+            Ok(Ok(agent)) => Some(agent),
+            _ => {
+                sessions.forget(&self.id);
+                tracing::warn!(session = %self.id, "the agent did not dial the session back");
+                None
+            }
+        }
+    }
+}
+
+/// The node `inst` runs on, or why it cannot be entered (it is not
+/// running).
+pub fn running_node(inst: &flotilla_core::api::Instance) -> Result<NodeId, String> {
+    match (&inst.state, &inst.node_id) {
+        (InstanceState::Running, Some(node)) => Ok(node.clone()),
+        (state, _) => Err(format!(
+            "instance {} is {}, not running",
+            inst.id,
+            state.as_str()
+        )),
+    }
+}
+
+/// What a tenant is told when its session's agent did not dial back.
+pub const NOT_DIALLED: &str = "the instance's agent did not answer; try again";
 
 /// Carries every data message of each WebSocket to the other until both
 /// ended; one side's end closes the other's sending half, so that the
