@@ -204,7 +204,8 @@ mod tests {
         );
         // The padded key is the HMAC of the key itself.
         use hmac::Mac as _;
-        let mut plain = hmac::Hmac::<sha2::Sha256>::new_from_slice(&[0xab; 32]).unwrap();
+        let mut plain =
+            <hmac::Hmac<sha2::Sha256> as hmac::Mac>::new_from_slice(&[0xab; 32]).unwrap();
         plain.update(b"ssh-host-key");
         let want: [u8; 32] = plain.finalize().into_bytes().into();
         assert_eq!(k.derive("ssh-host-key"), want);
