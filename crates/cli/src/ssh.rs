@@ -84,6 +84,10 @@ async fn add(ctx: &Ctx, file: &str, name: Option<String>) -> Result<ExitCode> {
         }
         std::fs::read_to_string(file).with_context(|| format!("cannot read {file}"))?
     };
+    // Never send a private key anywhere, not even to be refused.
+    if public_key.contains("PRIVATE KEY") {
+        bail!("that is a private key: give the public one (KEY.pub)");
+    }
     let req = CreateSshKey {
         name,
         public_key: public_key.trim().to_string(),

@@ -218,6 +218,21 @@ fn ssh_through_the_proxy_command_lets_in_registered_keys_only() {
         "{}",
         text(&again.stderr)
     );
+    // A private key is refused before anything is sent.
+    let out = home.cli(Some(&key_a), &["ssh-keys", "add", id_b.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("private key"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = home.cli(Some(&key_a), &["ssh-keys"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains(&fingerprint(&id_a)) && text(&out.stdout).contains("laptop"),
+        "{}",
+        text(&out.stdout)
+    );
     let listed = home.get(&key_a, "/v1/ssh-keys");
     assert_eq!(listed["items"].as_array().unwrap().len(), 1, "{listed}");
     assert!(home.get(&key_b, "/v1/ssh-keys")["items"]
