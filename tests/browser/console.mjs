@@ -97,8 +97,57 @@ try {
   await a.page.locator(`tr[data-instance="${made.instance}"]`, { hasText: 'running' }).waitFor();
   await shot(a.page, 'instances');
   await a.page.goto(`${URL0}/instances/${made.instance}`);
+
+  // --- The terminal tab runs a command inside the running instance (a
+  // shell on a pseudo-terminal over the console's WebSocket), shows the
+  // exit code when the shell ends, and reconnects. Entering an instance
+  // needs an agent running as root (TERMINAL=1 says it is).
+  if (process.env.TERMINAL === '1') {
+    step('the terminal tab runs a command');
+    await a.page.getByRole('tab', { name: 'Terminal' }).click();
+    await a.page.getByRole('heading', { name: 'Terminal' }).waitFor();
+    const status = a.page.locator('#terminal-status');
+    await a.page.locator('#terminal-status[data-state="connected"]').waitFor();
+    // The shell's prompt (the workload's user is never root: `$`).
+    await a.page.locator('#terminal .xterm-rows', { hasText: '$' }).waitFor();
+    await a.page.locator('#terminal .xterm').click();
+    await a.page.keyboard.type('echo term-$((6*7))');
+    await a.page.keyboard.press('Enter');
+    await a.page.locator('#terminal .xterm-rows', { hasText: 'term-42' }).waitFor();
+    const wide = await a.page.evaluate(() => document.documentElement.scrollWidth);
+    assert.ok(wide <= 1280, `the terminal tab is ${wide} px wide on a 1280-pixel screen`);
+    await shot(a.page, 'terminal');
+    await a.page.keyboard.type('exit 3');
+    await a.page.keyboard.press('Enter');
+    await a.page.locator('#terminal-status[data-state="ended"]', { hasText: 'exit code 3' }).waitFor();
+    await a.page.getByRole('button', { name: 'Reconnect' }).click();
+    await a.page.locator('#terminal-status[data-state="connected"]').waitFor();
+    await a.page.locator('#terminal .xterm-rows', { hasText: '$' }).waitFor();
+    await a.page.locator('#terminal .xterm').click();
+    await a.page.keyboard.type('echo again-$((2+3))');
+    await a.page.keyboard.press('Enter');
+    await a.page.locator('#terminal .xterm-rows', { hasText: 'again-5' }).waitFor();
+    assert.match(await status.innerText(), /Connected/);
+    // A request from another origin, or without the page's token, is
+    // refused before the handshake is even looked at (cross-site
+    // WebSocket hijacking): the cookie alone opens nothing.
+    const csrf = await a.page.locator('#terminal').getAttribute('data-csrf');
+    const foreign = await a.page.request.get(`${URL0}/instances/${made.instance}/terminal?csrf=${csrf}`,
+      { headers: { origin: 'http://evil.example' }, maxRedirects: 0 });
+    assert.equal(foreign.status(), 403, 'a terminal handshake from another origin');
+    const tokenless = await a.page.request.get(`${URL0}/instances/${made.instance}/terminal`,
+      { headers: { origin: new URL(URL0).origin }, maxRedirects: 0 });
+    assert.equal(tokenless.status(), 403, 'a terminal handshake without the CSRF token');
+    await a.page.getByRole('tab', { name: 'Logs' }).click();
+  } else {
+    step('the terminal tab: skipped, the agent does not run as root');
+  }
   await a.page.getByRole('button', { name: 'Stop instance' }).click();
   await a.page.locator('#state', { hasText: 'stopped' }).waitFor();
+  // A stopped instance's terminal tab says why there is none.
+  await a.page.goto(`${URL0}/instances/${made.instance}`);
+  await a.page.getByRole('tab', { name: 'Terminal' }).click();
+  await a.page.locator('#terminal-why', { hasText: 'only a running instance' }).waitFor();
 
   // --- A share of one GPU reads as a share (as `flotilla ps` writes it),
   // in the list and on its page, and the list fits a 1280-pixel screen.
@@ -258,6 +307,23 @@ try {
     assert.equal(r.status(), 404, `B opening ${path}`);
     assert.ok(!(await b.page.content()).includes('console-line'), `${path} leaks A's logs`);
   }
+  // Nor through the terminal's WebSocket: the API's 404 comes back as the
+  // session's error frame.
+  await b.page.goto(`${URL0}/instances`);
+  const refused = await b.page.evaluate(async (id) => {
+    const csrf = document.querySelector('input[name="csrf"]').value;
+    return await new Promise((resolve) => {
+      const ws = new WebSocket(`ws://${location.host}/instances/${id}/terminal?csrf=${csrf}&cols=80&rows=24`);
+      ws.binaryType = 'arraybuffer';
+      ws.onmessage = (ev) => {
+        const b = new Uint8Array(ev.data);
+        resolve({ tag: b[0], text: new TextDecoder().decode(b.subarray(1)) });
+      };
+      ws.onclose = () => resolve({ closed: true });
+    });
+  }, made.instance);
+  assert.equal(refused.tag, 6, `B's terminal into A's instance: ${JSON.stringify(refused)}`);
+  assert.match(refused.text, /not found/);
   // B's pages have no operator entries, and the operator's pages are 404.
   assert.equal(await b.page.locator('nav a[href="/fleet"]').count(), 0);
   assert.equal((await b.page.goto(`${URL0}/fleet`)).status(), 404);

@@ -2,7 +2,8 @@
 //! server, agent (simulated GPUs) and gateway, and `tests/browser/console.mjs` driving
 //! Debian's headless Chromium through Playwright as tenant A, tenant B,
 //! the provider and the operator (sign in; launch an instance, see it running, read its
-//! logs, stop it; deploy an endpoint and see its replica chart; open an
+//! logs, run a command in its terminal tab, stop it; a share of a GPU
+//! shown as a share; deploy an endpoint and see its replica chart; open an
 //! invoice and download its CSV; the provider sets an offer window and
 //! its node takes no new work outside it; B sees none of A's objects by
 //! page or by URL; the operator cordons a node from the fleet map). Then this test
@@ -11,6 +12,9 @@
 //! Needs `node` and `chromium` and `npm ci` in `tests/browser` (`.ci/run`
 //! does all three); without them it says so and passes, unless
 //! `FLOTILLA_REQUIRE_BROWSER=1` (set by `.ci/run`) makes that a failure.
+//! The terminal step needs the agent to run as root (entering an
+//! instance's namespaces does), as CI runs it; otherwise the script skips
+//! that step alone, saying so.
 //! `FLOTILLA_CONSOLE_SHOTS=<dir>` keeps the screenshots there (the
 //! README's are made so, into `docs/console`).
 
@@ -60,6 +64,9 @@ fn the_console_in_a_browser_rents_gpus_deploys_bills_isolates_and_cordons() {
         return;
     }
 
+    // The terminal enters the instance's sandbox: as root, bubblewrap.
+    flotilla_agent::runtime::sandbox::test_support::ensure_bwrap();
+    let root = nix::unistd::geteuid().is_root();
     let home = Home::new(BIN);
     let _server = home.server();
     let _agent = home.agent("gpu-a", "4xH100,2xL40S");
@@ -117,6 +124,7 @@ fn the_console_in_a_browser_rents_gpus_deploys_bills_isolates_and_cordons() {
         .env("SHOTS", &shots)
         .env("CHROMIUM", &chromium)
         .env("NODE_NAME", "gpu-a")
+        .env("TERMINAL", if root { "1" } else { "0" })
         .output()
         .expect("run node");
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -221,8 +221,12 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
     let mut tenants = Tenants::default();
     let mut works: Vec<Work> = Vec::new();
 
+    // One snapshot of the store (flotilla_store::pass says why).
+    let since = now - ChronoDuration::hours(FAIR_SHARE_WINDOW_H);
+    let inputs = store.pass_inputs(QUEUE_READ, since).await?;
+
     // Machines and their GPUs.
-    let snapshot = store.placement_snapshot().await?;
+    let snapshot = inputs.nodes;
     let mut node_index: BTreeMap<NodeId, usize> = BTreeMap::new();
     let mut gpu_index: BTreeMap<GpuId, (usize, u16)> = BTreeMap::new();
     let mut nodes = Vec::with_capacity(snapshot.len());
@@ -265,29 +269,11 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
     }
 
     // Queued work.
-    let mut queued: Vec<Queued> = store
-        .pending_instances(QUEUE_READ)
-        .await?
-        .into_iter()
-        .map(Queued::Instance)
-        .collect();
-    queued.extend(
-        store
-            .queued_jobs(QUEUE_READ)
-            .await?
-            .into_iter()
-            .map(Queued::Job),
-    );
+    let mut queued: Vec<Queued> = inputs.pending.into_iter().map(Queued::Instance).collect();
+    queued.extend(inputs.jobs.into_iter().map(Queued::Job));
     // Replicas that declare their weights start where they are ready
     // soonest: what each node holds of them.
-    let held_weights = if queued
-        .iter()
-        .any(|q| matches!(q, Queued::Instance(p) if p.weights.is_some()))
-    {
-        store.weights_by_node().await?
-    } else {
-        BTreeMap::new()
-    };
+    let held_weights = inputs.weights;
     let tiers = ReadinessTiers::default();
     let mut queue = Vec::with_capacity(queued.len());
     let mut key_of: BTreeMap<WorkId, WorkKey> = BTreeMap::new();
@@ -340,12 +326,8 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
     }
 
     // Running work: a job's members are one work.
-    let held = store.held_instances().await?;
-    let limits = if held.iter().any(|h| h.job_id.is_some()) {
-        store.running_time_limits().await?
-    } else {
-        BTreeMap::new()
-    };
+    let held = inputs.held;
+    let limits = inputs.time_limits;
     let mut running: Vec<RunningWork> = Vec::new();
     let mut running_of: BTreeMap<WorkId, usize> = BTreeMap::new();
     for h in &held {
@@ -407,7 +389,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
 
     // Capacity its victims released, promised to a waiting preemptor.
     let mut promises = Vec::new();
-    for (by, gpus) in store.promised_gpus().await? {
+    for (by, gpus) in inputs.promised {
         let Some(&to) = key_of.get(&by) else { continue };
         for g in gpus {
             let Some(&(node, gi)) = gpu_index.get(&g) else {
@@ -426,16 +408,13 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
     }
 
     // Quotas, weights and recent use.
-    let policies: BTreeMap<u32, TenantPolicy> = store
-        .quotas()
-        .await?
+    let policies: BTreeMap<u32, TenantPolicy> = inputs
+        .quotas
         .iter()
         .map(|(t, q)| (tenants.index(t), policy_of(q)))
         .collect();
-    let since = now - ChronoDuration::hours(FAIR_SHARE_WINDOW_H);
-    let usage = store
-        .recent_usage(since)
-        .await?
+    let usage = inputs
+        .usage
         .iter()
         .map(|u| UsageSpan {
             tenant: tenants.index(&u.tenant_id),

@@ -538,3 +538,113 @@ async fn a_console_action_is_audited_like_the_api_call_it_makes() {
         "no audit entry for the console's key: {page}"
     );
 }
+
+/// Signs in to the console with `key`: the session cookie (as a `cookie`
+/// header value) and the CSRF token of its pages.
+async fn console_sign_in(s: &Server, http: &reqwest::Client, key: &str) -> (String, String) {
+    let login = http.get(format!("{}/login", s.url)).send().await.unwrap();
+    let login_cookie = set_cookie(&login, "flotilla_login");
+    let token = csrf_of(&login.text().await.unwrap());
+    let signed = http
+        .post(format!("{}/login", s.url))
+        .header("cookie", format!("flotilla_login={login_cookie}"))
+        .form(&[("csrf", token.as_str()), ("api_key", key)])
+        .send()
+        .await
+        .unwrap();
+    let session = format!(
+        "flotilla_session={}",
+        set_cookie(&signed, "flotilla_session")
+    );
+    let page = http
+        .get(format!("{}/instances", s.url))
+        .header("cookie", &session)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(page.status(), StatusCode::OK);
+    let csrf = csrf_of(&page.text().await.unwrap());
+    (session, csrf)
+}
+
+/// The console's terminal tab is the API's exec session: its WebSocket
+/// opens only from the console's own origin with the session's form
+/// token, the API's refusal comes back as the session's error frame, and
+/// the opening is in the audit log under the signed-in key, as
+/// `flotilla shell`'s would be.
+#[tokio::test]
+async fn the_console_terminal_is_the_apis_audited_exec_session() {
+    use reqwest::header::{CONNECTION, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_VERSION, UPGRADE};
+    use tokio::io::AsyncReadExt as _;
+
+    let s = start(fast()).await;
+    let (_t, admin) = tenant_admin(&s, "console-terminal").await;
+    let admin_id = key_id(&s, &admin).await;
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let (session, csrf) = console_sign_in(&s, &http, &admin).await;
+    // No node joined: the instance stays pending, which the API refuses
+    // to enter (409).
+    let inst = s
+        .ok(
+            &admin,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 1, "command": ["sleep", "60"]})),
+        )
+        .await;
+    let id = inst["id"].as_str().unwrap().to_string();
+    let terminal = |origin: &str, token: &str| {
+        http.get(format!(
+            "{}/instances/{id}/terminal?csrf={token}&cols=100&rows=30",
+            s.url
+        ))
+        .header("cookie", &session)
+        .header("origin", origin)
+        .header(CONNECTION, "Upgrade")
+        .header(UPGRADE, "websocket")
+        .header(SEC_WEBSOCKET_VERSION, "13")
+        .header(SEC_WEBSOCKET_KEY, "dGhlIHNhbXBsZSBub25jZQ==")
+    };
+    let foreign = terminal("http://evil.example", &csrf).send().await.unwrap();
+    assert_eq!(foreign.status(), StatusCode::FORBIDDEN, "another origin");
+    let tokenless = terminal(&s.url, "nope").send().await.unwrap();
+    assert_eq!(tokenless.status(), StatusCode::FORBIDDEN, "a wrong token");
+
+    let open = terminal(&s.url, &csrf).send().await.unwrap();
+    assert_eq!(open.status(), StatusCode::SWITCHING_PROTOCOLS);
+    let mut socket = open.upgrade().await.unwrap();
+    // The server's first message is one unmasked binary WebSocket frame
+    // (0x82, a length under 126) holding the session's error frame (tag 6).
+    let mut buf = Vec::new();
+    let read = async {
+        while buf.len() < 2 || buf.len() < 2 + usize::from(buf[1] & 0x7f) {
+            let mut chunk = [0u8; 512];
+            let n = socket.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "the socket closed after {buf:?}");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), read)
+        .await
+        .expect("the error frame");
+    assert_eq!(buf[0], 0x82, "a binary frame: {buf:?}");
+    let payload = &buf[2..2 + usize::from(buf[1] & 0x7f)];
+    assert_eq!(payload[0], 6, "an error frame: {payload:?}");
+    let message = String::from_utf8_lossy(&payload[1..]);
+    assert!(message.contains("not running"), "{message}");
+
+    let page = s.ok(&admin, Method::GET, "/v1/audit", None).await;
+    let items = page["items"].as_array().unwrap();
+    let exec: Vec<_> = items
+        .iter()
+        .filter(|e| e["route"] == "/v1/instances/{instance_id}/exec")
+        .collect();
+    assert_eq!(exec.len(), 1, "one opening reached the API: {page}");
+    assert_eq!(exec[0]["method"], "GET");
+    assert_eq!(exec[0]["key_id"], admin_id.as_str());
+    assert_eq!(exec[0]["object_id"], id.as_str());
+    assert_eq!(exec[0]["status"], 409);
+}

@@ -248,7 +248,6 @@ async fn work_within_its_guarantee_reclaims_borrowed_capacity() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a known race, not yet fixed: in about 1 run in 10 on a loaded machine the pass right after the running work exits places the 1-GPU work waiting behind the head on the head's freed node (seen: `second` placed 19 ms after `running` succeeded), and the head then never fits; run with --ignored to reproduce"]
 async fn backfill_goes_around_the_blocked_head_and_never_delays_it() {
     let s = flotilla_testkit::server::start(fast()).await;
     let owner = s.create_tenant("owner").await;

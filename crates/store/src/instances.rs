@@ -737,31 +737,7 @@ impl Store {
 
     /// Pending instances, oldest first.
     pub async fn pending_instances(&self, limit: u32) -> Result<Vec<PendingInstance>> {
-        let rows =
-            sqlx::query("SELECT * FROM instances WHERE state = 'pending' ORDER BY id LIMIT $1")
-                .bind(i64::from(limit))
-                .fetch_all(self.pool())
-                .await?;
-        rows.iter()
-            .map(|r| {
-                let i = instance(r)?;
-                Ok(PendingInstance {
-                    weights: flotilla_core::endpoint::ReplicaWeights::from_env(&i.env),
-                    share: share_of(r)?,
-                    id: i.id,
-                    tenant_id: i.tenant_id,
-                    gpus: i.gpus,
-                    gpu_types: i.gpu_types,
-                    cpu_milli: i.cpu_milli,
-                    memory_mb: i.memory_mb,
-                    state_reason: i.state_reason,
-                    priority: i.priority,
-                    tier: i.tier,
-                    created_at: i.created_at,
-                    runtime: RuntimeKind::for_work(i.image.is_some()),
-                })
-            })
-            .collect()
+        pending_instances_in(&mut *self.pool().acquire().await?, limit).await
     }
 
     /// Updates the reason a pending instance is not placed.
@@ -1285,35 +1261,7 @@ impl Store {
 
     /// Instances holding GPUs, with what preemption planning needs.
     pub async fn held_instances(&self) -> Result<Vec<HeldInstance>> {
-        let rows = sqlx::query(
-            "SELECT * FROM instances WHERE state IN ('scheduled', 'starting', 'running') ORDER BY id",
-        )
-        .fetch_all(self.pool())
-        .await?;
-        let mut out = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let i = instance(r)?;
-            let Some(node_id) = i.node_id else { continue };
-            out.push(HeldInstance {
-                milli_per_gpu: share_of(r)?.milli(),
-                cpu_milli: i.cpu_milli,
-                memory_mb: i.memory_mb,
-                id: i.id,
-                tenant_id: i.tenant_id,
-                node_id,
-                gpu_ids: i.gpu_ids,
-                tier: i.tier,
-                priority: i.priority,
-                preemptible: i.preemptible,
-                stop_requested: i.stop_requested,
-                preempted_by: i.preempted_by,
-                since: i.started_at.unwrap_or(i.created_at),
-                job_id: i.job.map(|j| j.job_id),
-                gpu_model: i.gpu_model.unwrap_or_default(),
-                created_at: i.created_at,
-            });
-        }
-        Ok(out)
+        held_instances_in(&mut *self.pool().acquire().await?).await
     }
 
     /// GPUs promised to preemptors still waiting: for each pending
@@ -1322,48 +1270,13 @@ impl Store {
     /// take them, or a third party could steal the capacity a preemption
     /// freed during the victims' notice.
     pub async fn promised_gpus(&self) -> Result<BTreeMap<WorkId, Vec<GpuId>>> {
-        let rows = sqlx::query(
-            "SELECT v.preempted_by AS by, v.gpu_ids AS gpu_ids FROM instances v \
-             WHERE v.preempted_by IN (SELECT id FROM instances WHERE state = 'pending') \
-             OR v.preempted_by IN (SELECT id FROM jobs WHERE state = 'queued') ORDER BY v.id",
-        )
-        .fetch_all(self.pool())
-        .await?;
-        let mut out: BTreeMap<WorkId, Vec<GpuId>> = BTreeMap::new();
-        for r in &rows {
-            let by = WorkId::from_trusted(r.try_get("by")?);
-            let gpus: Vec<String> = json(&r.try_get::<String, _>("gpu_ids")?, "gpu_ids")?;
-            out.entry(by)
-                .or_default()
-                .extend(gpus.into_iter().map(GpuId::from_trusted));
-        }
-        Ok(out)
+        promised_gpus_in(&mut *self.pool().acquire().await?).await
     }
 
     /// GPU usage of instances that ran at some time after `since`, for the
     /// queue's fair share.
     pub async fn recent_usage(&self, since: DateTime<Utc>) -> Result<Vec<RecentUsage>> {
-        let rows = sqlx::query(
-            "SELECT tenant_id, gpus, share_milli, mig_profile, mig_compute, mig_memory, mig_memory_mib, \
-             started_at, finished_at FROM instances \
-             WHERE started_at IS NOT NULL AND (finished_at IS NULL OR finished_at > $1)",
-        )
-        .bind(ms(since))
-        .fetch_all(self.pool())
-        .await?;
-        rows.iter()
-            .map(|r| {
-                let started: i64 = r.try_get("started_at")?;
-                let finished: Option<i64> = r.try_get("finished_at")?;
-                Ok(RecentUsage {
-                    tenant_id: TenantId::from_trusted(r.try_get("tenant_id")?),
-                    gpus: r.try_get::<i64, _>("gpus")?.clamp(0, u32::MAX as i64) as u32,
-                    milli_per_gpu: share_of(r)?.milli(),
-                    started_at: at(started),
-                    finished_at: finished.map(at),
-                })
-            })
-            .collect()
+        recent_usage_in(&mut *self.pool().acquire().await?, since).await
     }
 
     /// Preempts `victim` for `by`: it stays in its state, with an event
@@ -1409,4 +1322,122 @@ impl Store {
         tx.commit().await?;
         Ok(true)
     }
+}
+
+/// [`Store::pending_instances`] on `conn`: a scheduling pass reads it inside its
+/// one snapshot transaction ([`Store::pass_inputs`]).
+pub(crate) async fn pending_instances_in(
+    conn: &mut sqlx::AnyConnection,
+    limit: u32,
+) -> Result<Vec<PendingInstance>> {
+    let rows = sqlx::query("SELECT * FROM instances WHERE state = 'pending' ORDER BY id LIMIT $1")
+        .bind(i64::from(limit))
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.iter()
+        .map(|r| {
+            let i = instance(r)?;
+            Ok(PendingInstance {
+                weights: flotilla_core::endpoint::ReplicaWeights::from_env(&i.env),
+                share: share_of(r)?,
+                id: i.id,
+                tenant_id: i.tenant_id,
+                gpus: i.gpus,
+                gpu_types: i.gpu_types,
+                cpu_milli: i.cpu_milli,
+                memory_mb: i.memory_mb,
+                state_reason: i.state_reason,
+                priority: i.priority,
+                tier: i.tier,
+                created_at: i.created_at,
+                runtime: RuntimeKind::for_work(i.image.is_some()),
+            })
+        })
+        .collect()
+}
+
+/// [`Store::held_instances`] on `conn`: a scheduling pass reads it inside its
+/// one snapshot transaction ([`Store::pass_inputs`]).
+pub(crate) async fn held_instances_in(conn: &mut sqlx::AnyConnection) -> Result<Vec<HeldInstance>> {
+    let rows = sqlx::query(
+        "SELECT * FROM instances WHERE state IN ('scheduled', 'starting', 'running') ORDER BY id",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let i = instance(r)?;
+        let Some(node_id) = i.node_id else { continue };
+        out.push(HeldInstance {
+            milli_per_gpu: share_of(r)?.milli(),
+            cpu_milli: i.cpu_milli,
+            memory_mb: i.memory_mb,
+            id: i.id,
+            tenant_id: i.tenant_id,
+            node_id,
+            gpu_ids: i.gpu_ids,
+            tier: i.tier,
+            priority: i.priority,
+            preemptible: i.preemptible,
+            stop_requested: i.stop_requested,
+            preempted_by: i.preempted_by,
+            since: i.started_at.unwrap_or(i.created_at),
+            job_id: i.job.map(|j| j.job_id),
+            gpu_model: i.gpu_model.unwrap_or_default(),
+            created_at: i.created_at,
+        });
+    }
+    Ok(out)
+}
+
+/// [`Store::promised_gpus`] on `conn`: a scheduling pass reads it inside its
+/// one snapshot transaction ([`Store::pass_inputs`]).
+pub(crate) async fn promised_gpus_in(
+    conn: &mut sqlx::AnyConnection,
+) -> Result<BTreeMap<WorkId, Vec<GpuId>>> {
+    let rows = sqlx::query(
+        "SELECT v.preempted_by AS by, v.gpu_ids AS gpu_ids FROM instances v \
+             WHERE v.preempted_by IN (SELECT id FROM instances WHERE state = 'pending') \
+             OR v.preempted_by IN (SELECT id FROM jobs WHERE state = 'queued') ORDER BY v.id",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut out: BTreeMap<WorkId, Vec<GpuId>> = BTreeMap::new();
+    for r in &rows {
+        let by = WorkId::from_trusted(r.try_get("by")?);
+        let gpus: Vec<String> = json(&r.try_get::<String, _>("gpu_ids")?, "gpu_ids")?;
+        out.entry(by)
+            .or_default()
+            .extend(gpus.into_iter().map(GpuId::from_trusted));
+    }
+    Ok(out)
+}
+
+/// [`Store::recent_usage`] on `conn`: a scheduling pass reads it inside its
+/// one snapshot transaction ([`Store::pass_inputs`]).
+pub(crate) async fn recent_usage_in(
+    conn: &mut sqlx::AnyConnection,
+    since: DateTime<Utc>,
+) -> Result<Vec<RecentUsage>> {
+    let rows = sqlx::query(
+            "SELECT tenant_id, gpus, share_milli, mig_profile, mig_compute, mig_memory, mig_memory_mib, \
+             started_at, finished_at FROM instances \
+             WHERE started_at IS NOT NULL AND (finished_at IS NULL OR finished_at > $1)",
+        )
+        .bind(ms(since))
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.iter()
+        .map(|r| {
+            let started: i64 = r.try_get("started_at")?;
+            let finished: Option<i64> = r.try_get("finished_at")?;
+            Ok(RecentUsage {
+                tenant_id: TenantId::from_trusted(r.try_get("tenant_id")?),
+                gpus: r.try_get::<i64, _>("gpus")?.clamp(0, u32::MAX as i64) as u32,
+                milli_per_gpu: share_of(r)?.milli(),
+                started_at: at(started),
+                finished_at: finished.map(at),
+            })
+        })
+        .collect()
 }

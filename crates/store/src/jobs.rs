@@ -223,23 +223,7 @@ impl Store {
 
     /// Queued jobs, oldest first.
     pub async fn queued_jobs(&self, limit: u32) -> Result<Vec<QueuedJob>> {
-        let rows = sqlx::query("SELECT * FROM jobs WHERE state = 'queued' ORDER BY id LIMIT $1")
-            .bind(i64::from(limit))
-            .fetch_all(self.pool())
-            .await?;
-        rows.iter()
-            .map(|r| {
-                let j = job(r)?;
-                Ok(QueuedJob {
-                    id: j.id,
-                    tenant_id: j.tenant_id,
-                    spec: j.spec,
-                    attempt: j.attempts,
-                    state_reason: j.state_reason,
-                    created_at: j.created_at,
-                })
-            })
-            .collect()
+        queued_jobs_in(&mut *self.pool().acquire().await?, limit).await
     }
 
     /// Updates the reason a queued job is not placed.
@@ -383,17 +367,7 @@ impl Store {
 
     /// Time limits (seconds) of the running jobs that have one.
     pub async fn running_time_limits(&self) -> Result<BTreeMap<JobId, u64>> {
-        let rows = sqlx::query("SELECT id, spec FROM jobs WHERE state = 'running'")
-            .fetch_all(self.pool())
-            .await?;
-        let mut out = BTreeMap::new();
-        for r in &rows {
-            let spec: JobSpec = json(&r.try_get::<String, _>("spec")?, "job spec")?;
-            if let Some(t) = spec.time_limit_s {
-                out.insert(JobId::from_trusted(r.try_get("id")?), t);
-            }
-        }
-        Ok(out)
+        running_time_limits_in(&mut *self.pool().acquire().await?).await
     }
 
     /// Ends or requeues a running job at `attempt`: `to` is `queued`
@@ -497,4 +471,47 @@ impl Store {
         tx.commit().await?;
         self.job(id).await
     }
+}
+
+/// [`Store::queued_jobs`] on `conn`: a scheduling pass reads it inside its
+/// one snapshot transaction ([`Store::pass_inputs`]).
+pub(crate) async fn queued_jobs_in(
+    conn: &mut sqlx::AnyConnection,
+    limit: u32,
+) -> Result<Vec<QueuedJob>> {
+    let rows = sqlx::query("SELECT * FROM jobs WHERE state = 'queued' ORDER BY id LIMIT $1")
+        .bind(i64::from(limit))
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.iter()
+        .map(|r| {
+            let j = job(r)?;
+            Ok(QueuedJob {
+                id: j.id,
+                tenant_id: j.tenant_id,
+                spec: j.spec,
+                attempt: j.attempts,
+                state_reason: j.state_reason,
+                created_at: j.created_at,
+            })
+        })
+        .collect()
+}
+
+/// [`Store::running_time_limits`] on `conn`: a scheduling pass reads it inside its
+/// one snapshot transaction ([`Store::pass_inputs`]).
+pub(crate) async fn running_time_limits_in(
+    conn: &mut sqlx::AnyConnection,
+) -> Result<BTreeMap<JobId, u64>> {
+    let rows = sqlx::query("SELECT id, spec FROM jobs WHERE state = 'running'")
+        .fetch_all(&mut *conn)
+        .await?;
+    let mut out = BTreeMap::new();
+    for r in &rows {
+        let spec: JobSpec = json(&r.try_get::<String, _>("spec")?, "job spec")?;
+        if let Some(t) = spec.time_limit_s {
+            out.insert(JobId::from_trusted(r.try_get("id")?), t);
+        }
+    }
+    Ok(out)
 }

@@ -27,6 +27,7 @@ pub mod keys;
 pub mod leases;
 pub mod logs;
 pub mod nodes;
+pub mod pass;
 pub mod pools;
 pub mod prices;
 pub mod providers;

@@ -492,82 +492,92 @@ impl Store {
     /// Every node as placement sees it: free GPUs, and CPU and memory not
     /// reserved by instances holding GPUs there.
     pub async fn placement_snapshot(&self) -> Result<Vec<NodeSnapshot>> {
-        let nodes = sqlx::query("SELECT * FROM nodes ORDER BY id")
-            .fetch_all(self.pool())
-            .await?;
-        let reserved = sqlx::query(
+        placement_snapshot_in(&mut *self.pool().acquire().await?).await
+    }
+}
+
+/// [`Store::placement_snapshot`] on `conn` (a pass reads it inside its
+/// snapshot transaction, [`crate::pass`]).
+pub(crate) async fn placement_snapshot_in(
+    conn: &mut sqlx::AnyConnection,
+) -> Result<Vec<NodeSnapshot>> {
+    let nodes = sqlx::query("SELECT * FROM nodes ORDER BY id")
+        .fetch_all(&mut *conn)
+        .await?;
+    let reserved = sqlx::query(
             "SELECT node_id, CAST(SUM(cpu_milli) AS BIGINT) AS cpu, CAST(SUM(memory_mb) AS BIGINT) AS mem \
              FROM instances WHERE state IN ('scheduled', 'starting', 'running') AND node_id IS NOT NULL \
              GROUP BY node_id",
         )
-        .fetch_all(self.pool())
+        .fetch_all(&mut *conn)
         .await?;
-        let mut used: BTreeMap<String, (i64, i64)> = BTreeMap::new();
-        for r in &reserved {
-            used.insert(
-                r.try_get("node_id")?,
-                (r.try_get("cpu")?, r.try_get("mem")?),
-            );
-        }
-        let gpu_rows = sqlx::query("SELECT * FROM gpus ORDER BY node_id, idx")
-            .fetch_all(self.pool())
-            .await?;
-        let mut gpus: BTreeMap<NodeId, Vec<GpuSlot>> = BTreeMap::new();
-        for r in &gpu_rows {
-            let (nid, g) = gpu(r)?;
-            let slices = |col: &str, of: u8| -> Result<u8> {
-                let used = r.try_get::<i64, _>(col)?.clamp(0, i64::from(of));
-                // Clamped to 0..=of above.
-                Ok(if g.mig_mode { of - used as u8 } else { 0 })
-            };
-            // A faulty GPU offers nothing: placement sees it as full, so
-            // no new work lands there while its work runs on.
-            let healthy = g.fault.is_none();
-            gpus.entry(nid).or_default().push(GpuSlot {
-                free: healthy && g.instance_id.is_none() && g.used_milli == 0,
-                // used_milli is clamped to 0..=1000 when read.
-                free_milli: if healthy {
-                    MILLI_PER_GPU - g.used_milli as u16
-                } else {
-                    0
-                },
-                mig_mode: g.mig_mode,
-                mig_compute_free: if healthy {
-                    slices("used_mig_compute", MIG_COMPUTE_SLICES)?
-                } else {
-                    0
-                },
-                mig_memory_free: if healthy {
-                    slices("used_mig_memory", MIG_MEMORY_SLICES)?
-                } else {
-                    0
-                },
-                id: g.id,
-                index: g.index,
-                model: g.model,
-            });
-        }
-        nodes
-            .iter()
-            .map(|r| {
-                let n = node(r)?;
-                let (cpu, mem) = used.get(n.id.as_str()).copied().unwrap_or((0, 0));
-                Ok(NodeSnapshot {
-                    ready: n.state == NodeState::Ready,
-                    cordoned: n.cordoned,
-                    offer: offer_of(r)?,
-                    region: n.region.clone(),
-                    pool: n.pool.clone(),
-                    runtime: n.runtime,
-                    cpu_milli_free: n.cpu_milli.saturating_sub(cpu.max(0) as u64),
-                    memory_mb_free: n.memory_mb.saturating_sub(mem.max(0) as u64),
-                    gpus: gpus.remove(&n.id).unwrap_or_default(),
-                    id: n.id,
-                })
-            })
-            .collect()
+    let mut used: BTreeMap<String, (i64, i64)> = BTreeMap::new();
+    for r in &reserved {
+        used.insert(
+            r.try_get("node_id")?,
+            (r.try_get("cpu")?, r.try_get("mem")?),
+        );
     }
+    let gpu_rows = sqlx::query("SELECT * FROM gpus ORDER BY node_id, idx")
+        .fetch_all(&mut *conn)
+        .await?;
+    let mut gpus: BTreeMap<NodeId, Vec<GpuSlot>> = BTreeMap::new();
+    for r in &gpu_rows {
+        let (nid, g) = gpu(r)?;
+        let slices = |col: &str, of: u8| -> Result<u8> {
+            let used = r.try_get::<i64, _>(col)?.clamp(0, i64::from(of));
+            // Clamped to 0..=of above.
+            Ok(if g.mig_mode { of - used as u8 } else { 0 })
+        };
+        // A faulty GPU offers nothing: placement sees it as full, so
+        // no new work lands there while its work runs on.
+        let healthy = g.fault.is_none();
+        gpus.entry(nid).or_default().push(GpuSlot {
+            free: healthy && g.instance_id.is_none() && g.used_milli == 0,
+            // used_milli is clamped to 0..=1000 when read.
+            free_milli: if healthy {
+                MILLI_PER_GPU - g.used_milli as u16
+            } else {
+                0
+            },
+            mig_mode: g.mig_mode,
+            mig_compute_free: if healthy {
+                slices("used_mig_compute", MIG_COMPUTE_SLICES)?
+            } else {
+                0
+            },
+            mig_memory_free: if healthy {
+                slices("used_mig_memory", MIG_MEMORY_SLICES)?
+            } else {
+                0
+            },
+            id: g.id,
+            index: g.index,
+            model: g.model,
+        });
+    }
+    nodes
+        .iter()
+        .map(|r| {
+            let n = node(r)?;
+            let (cpu, mem) = used.get(n.id.as_str()).copied().unwrap_or((0, 0));
+            Ok(NodeSnapshot {
+                ready: n.state == NodeState::Ready,
+                cordoned: n.cordoned,
+                offer: offer_of(r)?,
+                region: n.region.clone(),
+                pool: n.pool.clone(),
+                runtime: n.runtime,
+                cpu_milli_free: n.cpu_milli.saturating_sub(cpu.max(0) as u64),
+                memory_mb_free: n.memory_mb.saturating_sub(mem.max(0) as u64),
+                gpus: gpus.remove(&n.id).unwrap_or_default(),
+                id: n.id,
+            })
+        })
+        .collect()
+}
 
+impl Store {
     /// Drains a node: cordons it and asks every instance it holds to stop
     /// (its agent stops them with their grace period; a job whose member
     /// was stopped restarts elsewhere as its restart policy says). Records

@@ -217,16 +217,7 @@ impl Store {
     /// weight): what one scheduling pass needs, in one read. Tenants absent
     /// from the map have no quota.
     pub async fn quotas(&self) -> Result<BTreeMap<TenantId, Quota>> {
-        let rows = sqlx::query(
-            "SELECT id, quota_gpus_total, quota_gpus_per_model, quota_gpus_guaranteed, fair_share_weight \
-             FROM tenants WHERE quota_gpus_total IS NOT NULL OR quota_gpus_per_model <> '{}' \
-             OR quota_gpus_guaranteed IS NOT NULL OR fair_share_weight IS NOT NULL",
-        )
-        .fetch_all(self.pool())
-        .await?;
-        rows.iter()
-            .map(|r| Ok((TenantId::from_trusted(r.try_get("id")?), quota(r)?)))
-            .collect()
+        quotas_in(&mut *self.pool().acquire().await?).await
     }
 
     /// Replaces a tenant's quota.
@@ -255,4 +246,19 @@ impl Store {
     pub async fn usage(&self, id: &TenantId) -> Result<Usage> {
         usage_in(self.pool(), id).await
     }
+}
+
+/// [`Store::quotas`] on `conn`: a scheduling pass reads it inside its
+/// one snapshot transaction ([`Store::pass_inputs`]).
+pub(crate) async fn quotas_in(conn: &mut sqlx::AnyConnection) -> Result<BTreeMap<TenantId, Quota>> {
+    let rows = sqlx::query(
+            "SELECT id, quota_gpus_total, quota_gpus_per_model, quota_gpus_guaranteed, fair_share_weight \
+             FROM tenants WHERE quota_gpus_total IS NOT NULL OR quota_gpus_per_model <> '{}' \
+             OR quota_gpus_guaranteed IS NOT NULL OR fair_share_weight IS NOT NULL",
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.iter()
+        .map(|r| Ok((TenantId::from_trusted(r.try_get("id")?), quota(r)?)))
+        .collect()
 }

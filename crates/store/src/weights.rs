@@ -64,22 +64,7 @@ impl Store {
     /// The tier of each weights key on each node that holds it (the
     /// fastest when it is both parked and cached), for placement.
     pub async fn weights_by_node(&self) -> Result<BTreeMap<NodeId, BTreeMap<String, WeightTier>>> {
-        let rows = sqlx::query("SELECT node_id, weights_key, tier FROM node_weights")
-            .fetch_all(self.pool())
-            .await?;
-        let mut out: BTreeMap<NodeId, BTreeMap<String, WeightTier>> = BTreeMap::new();
-        for r in &rows {
-            let node = NodeId::parse(&r.try_get::<String, _>("node_id")?, "node_id")
-                .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-            let tier = tier_of(&r.try_get::<String, _>("tier")?)?;
-            let slot = out
-                .entry(node)
-                .or_default()
-                .entry(r.try_get("weights_key")?)
-                .or_insert(tier);
-            *slot = (*slot).min(tier);
-        }
-        Ok(out)
+        weights_by_node_in(&mut *self.pool().acquire().await?).await
     }
 
     /// The parked entries `node` held that `report` no longer has: parks
@@ -145,4 +130,27 @@ impl Store {
         tx.commit().await?;
         Ok(true)
     }
+}
+
+/// [`Store::weights_by_node`] on `conn`: a scheduling pass reads it inside its
+/// one snapshot transaction ([`Store::pass_inputs`]).
+pub(crate) async fn weights_by_node_in(
+    conn: &mut sqlx::AnyConnection,
+) -> Result<BTreeMap<NodeId, BTreeMap<String, WeightTier>>> {
+    let rows = sqlx::query("SELECT node_id, weights_key, tier FROM node_weights")
+        .fetch_all(&mut *conn)
+        .await?;
+    let mut out: BTreeMap<NodeId, BTreeMap<String, WeightTier>> = BTreeMap::new();
+    for r in &rows {
+        let node = NodeId::parse(&r.try_get::<String, _>("node_id")?, "node_id")
+            .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let tier = tier_of(&r.try_get::<String, _>("tier")?)?;
+        let slot = out
+            .entry(node)
+            .or_default()
+            .entry(r.try_get("weights_key")?)
+            .or_insert(tier);
+        *slot = (*slot).min(tier);
+    }
+    Ok(out)
 }

@@ -383,6 +383,33 @@ async fn preemptors_are_promised_their_victims_gpus_and_limits_are_read(s: &Stor
     let promised = s.promised_gpus().await.unwrap();
     assert_eq!(promised.get(&wj), Some(&vec![gpus[0].clone()]));
     assert_eq!(promised.get(&wi), Some(&vec![gpus[1].clone()]));
+    // A pass reads the same, in one snapshot.
+    let inputs = s
+        .pass_inputs(100, t0() - chrono::Duration::hours(24))
+        .await
+        .unwrap();
+    assert_eq!(inputs.promised, promised);
+    assert_eq!(inputs.time_limits.get(&id), Some(&60));
+    let held_ids = |h: &[flotilla_store::instances::HeldInstance]| {
+        h.iter().map(|h| h.id.clone()).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        held_ids(&inputs.held),
+        held_ids(&s.held_instances().await.unwrap())
+    );
+    assert!(inputs.pending.iter().any(|p| p.id == by_inst));
+    assert!(inputs.jobs.iter().any(|j| j.id == by_job));
+    assert_eq!(
+        inputs.nodes.len(),
+        s.placement_snapshot().await.unwrap().len()
+    );
+    assert_eq!(
+        inputs.usage.len(),
+        s.recent_usage(t0() - chrono::Duration::hours(24))
+            .await
+            .unwrap()
+            .len()
+    );
     // Once the preemptor is no longer waiting, nothing is promised to it.
     s.cancel_job(&by_job, t0()).await.unwrap();
     s.request_stop(&by_inst, t0()).await.unwrap();

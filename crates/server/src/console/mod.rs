@@ -29,6 +29,7 @@ pub mod fmt;
 pub mod operator;
 pub mod session;
 pub mod tenant;
+pub mod terminal;
 
 use session::{Api, Session, Sessions, LOGIN_COOKIE, SESSION_COOKIE, SESSION_TTL};
 
@@ -165,21 +166,23 @@ pub fn router(st: ConsoleState) -> Router {
         .route("/logout", post(logout))
         .route("/assets/{name}", get(asset))
         .merge(tenant::routes())
+        .merge(terminal::routes())
         .merge(operator::routes())
         .with_state(st)
 }
 
 /// Security headers of every console page: a strict content policy (only
-/// the console's own scripts and styles; uPlot sets element styles from
-/// script, which the policy allows), no framing, no caching of pages that
-/// show a tenant's data.
+/// the console's own scripts and styles; uPlot and xterm.js set element
+/// styles from script, which the policy allows; connections, the
+/// terminal's WebSocket included, to the console's own origin only), no
+/// framing, no caching of pages that show a tenant's data.
 pub fn secure(r: impl IntoResponse) -> Response {
     let mut r = r.into_response();
     let h = r.headers_mut();
     h.insert(
         CONTENT_SECURITY_POLICY,
         HeaderValue::from_static(
-            "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
+            "default-src 'self'; script-src 'self'; connect-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
         ),
     );
     h.insert("X-Frame-Options", HeaderValue::from_static("DENY"));
@@ -195,6 +198,9 @@ pub fn secure(r: impl IntoResponse) -> Response {
 const HTMX: &str = include_str!("assets/htmx.min.js");
 const UPLOT: &str = include_str!("assets/uPlot.iife.min.js");
 const UPLOT_CSS: &str = include_str!("assets/uPlot.min.css");
+const XTERM: &str = include_str!("assets/xterm.min.js");
+const XTERM_CSS: &str = include_str!("assets/xterm.css");
+const XTERM_FIT: &str = include_str!("assets/addon-fit.min.js");
 const CONSOLE_JS: &str = include_str!("assets/console.js");
 const CONSOLE_CSS: &str = include_str!("assets/console.css");
 
@@ -203,6 +209,9 @@ async fn asset(axum::extract::Path(name): axum::extract::Path<String>) -> Respon
         "htmx.min.js" => (HTMX, "text/javascript; charset=utf-8"),
         "uPlot.iife.min.js" => (UPLOT, "text/javascript; charset=utf-8"),
         "uPlot.min.css" => (UPLOT_CSS, "text/css; charset=utf-8"),
+        "xterm.min.js" => (XTERM, "text/javascript; charset=utf-8"),
+        "xterm.css" => (XTERM_CSS, "text/css; charset=utf-8"),
+        "addon-fit.min.js" => (XTERM_FIT, "text/javascript; charset=utf-8"),
         "console.js" => (CONSOLE_JS, "text/javascript; charset=utf-8"),
         "console.css" => (CONSOLE_CSS, "text/css; charset=utf-8"),
         _ => return (StatusCode::NOT_FOUND, "no such asset").into_response(),

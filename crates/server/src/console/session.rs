@@ -267,6 +267,26 @@ impl Api {
         })
     }
 
+    /// Hands `req` to the API as `session` (its bearer set to the
+    /// session's key) and answers what the API answers, body unread: the
+    /// terminal's WebSocket handshake, whose 101 must reach the browser
+    /// as it is.
+    pub async fn forward_as(
+        &self,
+        session: &Session,
+        mut req: Request<Body>,
+    ) -> Result<axum::response::Response, ConsoleError> {
+        let bearer = format!("Bearer {}", session.secret)
+            .parse()
+            .map_err(ConsoleError::internal)?;
+        req.headers_mut().insert(AUTHORIZATION, bearer);
+        self.router
+            .clone()
+            .oneshot(req)
+            .await
+            .map_err(ConsoleError::internal)
+    }
+
     /// Calls the API as `session`, whatever the answer's status.
     pub async fn raw_as(
         &self,

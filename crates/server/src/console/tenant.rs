@@ -49,7 +49,7 @@ pub(super) fn routes() -> Router<ConsoleState> {
 
 /// A path segment as the API expects it: ids are `[a-z0-9_]`; anything
 /// else cannot name an object, and is refused before it reaches a URL.
-fn seg(raw: &str) -> ConsoleResult<&str> {
+pub(super) fn seg(raw: &str) -> ConsoleResult<&str> {
     if !raw.is_empty()
         && raw.len() <= 100
         && raw
@@ -332,14 +332,52 @@ async fn instance(
     let body = html! {
         p.muted { (id) }
         (summary)
-        section aria-labelledby="logs-h" {
+        div.tabs role="tablist" aria-label="Instance views" {
+            button #tab-logs type="button" role="tab" aria-selected="true" aria-controls="panel-logs" { "Logs" }
+            button #tab-terminal type="button" role="tab" aria-selected="false" aria-controls="panel-terminal" tabindex="-1" { "Terminal" }
+        }
+        section #panel-logs role="tabpanel" aria-labelledby="logs-h" {
             h2 #logs-h { "Logs" }
             div.logs #logs role="log" aria-live="polite" tabindex="0" {
                 (log_poller(id, 0))
             }
         }
+        section #panel-terminal role="tabpanel" aria-labelledby="terminal-h" hidden {
+            h2 #terminal-h { "Terminal" }
+            (terminal_panel(&s, id, state))
+        }
     };
     Ok(page(&s, &title, "/instances", body))
+}
+
+/// The terminal tab: a shell inside a running instance (xterm.js,
+/// driven by `console.js` over [`super::terminal`]'s WebSocket), or why
+/// there is none.
+fn terminal_panel(s: &Session, id: &str, state: &str) -> Markup {
+    if state != "running" {
+        let why = match state {
+            "pending" | "scheduled" | "starting" => format!(
+                "The instance is {state}: its terminal opens once it runs. Reload this page then."
+            ),
+            _ => format!("The instance is {state}: only a running instance has a terminal."),
+        };
+        return html! { p #terminal-why { (why) } };
+    }
+    html! {
+        link rel="stylesheet" href="/assets/xterm.css";
+        script src="/assets/xterm.min.js" defer {}
+        script src="/assets/addon-fit.min.js" defer {}
+        p.help #terminal-help {
+            "A shell inside the instance (bash, else sh), as its workload's user, in its working directory, "
+            "as `flotilla shell` opens. Each opening is recorded in the audit log."
+        }
+        div.term-bar {
+            button #terminal-reconnect type="button" disabled { "Reconnect" }
+            span #terminal-status role="status" aria-live="polite" data-state="idle" { "Not connected" }
+        }
+        div.terminal #terminal data-ws={ "/instances/" (id) "/terminal" } data-csrf=(s.csrf)
+            role="group" aria-label={ "Terminal of instance " (id) } aria-describedby="terminal-help" {}
+    }
 }
 
 /// The element that fetches the next lines once, then replaces itself

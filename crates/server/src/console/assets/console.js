@@ -1,4 +1,5 @@
-// Flotilla console: draws the charts with uPlot. Served from the binary
+// Flotilla console: draws the charts with uPlot, runs tabs and the
+// instance terminal (xterm.js). Served from the binary
 // (no inline script, so the pages' content security policy forbids any).
 (function () {
   "use strict";
@@ -85,10 +86,120 @@
     window.addEventListener("resize", function () { plot.setSize({ width: width(el), height: 220 }); });
   }
 
+  // Tabs (the instance page's Logs and Terminal): ARIA tabs, arrow keys
+  // move between them; "#terminal" in the address opens that tab.
+  function tabs(list) {
+    var all = Array.prototype.slice.call(list.querySelectorAll('[role="tab"]'));
+    function select(tab, focus) {
+      all.forEach(function (t) {
+        var on = t === tab;
+        t.setAttribute("aria-selected", on ? "true" : "false");
+        t.tabIndex = on ? 0 : -1;
+        var panel = document.getElementById(t.getAttribute("aria-controls"));
+        if (panel) { panel.hidden = !on; }
+      });
+      if (focus) { tab.focus(); }
+      var panel = document.getElementById(tab.getAttribute("aria-controls"));
+      if (panel) { panel.dispatchEvent(new CustomEvent("tab-shown")); }
+    }
+    all.forEach(function (t, i) {
+      t.addEventListener("click", function () { select(t, false); });
+      t.addEventListener("keydown", function (e) {
+        var step = e.key === "ArrowRight" ? 1 : e.key === "ArrowLeft" ? -1 : 0;
+        if (step) { e.preventDefault(); select(all[(i + step + all.length) % all.length], true); }
+      });
+    });
+    var wanted = all.filter(function (t) { return "#" + t.id.replace(/^tab-/, "") === location.hash; })[0];
+    if (wanted) { select(wanted, false); }
+  }
+
+  // The terminal: xterm.js over the console's WebSocket, which carries the
+  // API's session frames (docs/access.md): one tag byte, then the payload.
+  var STDIN = 0, STDOUT = 1, STDERR = 2, RESIZE = 4, EXIT = 5, ERROR = 6;
+  function terminal(el) {
+    if (typeof Terminal === "undefined" || typeof FitAddon === "undefined") { return; }
+    var panel = el.closest('[role="tabpanel"]') || el.parentNode;
+    var status = document.getElementById("terminal-status");
+    var again = document.getElementById("terminal-reconnect");
+    var term = new Terminal({
+      cursorBlink: true, fontSize: 14, scrollback: 5000,
+      fontFamily: 'ui-monospace, Menlo, Consolas, "DejaVu Sans Mono", monospace',
+    });
+    var fit = new FitAddon.FitAddon();
+    term.loadAddon(fit);
+    var ws = null, started = false, encoder = new TextEncoder(), decoder = new TextDecoder();
+    function say(state, text) { status.setAttribute("data-state", state); status.textContent = text; }
+    function send(tag, payload) {
+      if (!ws || ws.readyState !== WebSocket.OPEN) { return; }
+      var m = new Uint8Array(payload.length + 1);
+      m[0] = tag; m.set(payload, 1);
+      ws.send(m);
+    }
+    function refit() { if (!panel.hidden) { try { fit.fit(); } catch (e) { /* not laid out yet */ } } }
+    term.onData(function (d) { send(STDIN, encoder.encode(d)); });
+    term.onBinary(function (d) {
+      var b = new Uint8Array(d.length);
+      for (var i = 0; i < d.length; i++) { b[i] = d.charCodeAt(i) & 255; }
+      send(STDIN, b);
+    });
+    term.onResize(function (size) {
+      send(RESIZE, [size.cols >> 8, size.cols & 255, size.rows >> 8, size.rows & 255]);
+    });
+    function connect() {
+      // Opened once shown: a hidden element has no size to measure.
+      if (!started) { term.open(el); }
+      started = true;
+      again.disabled = true;
+      refit();
+      var url = new URL(el.getAttribute("data-ws"), location.href);
+      url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
+      url.searchParams.set("csrf", el.getAttribute("data-csrf"));
+      url.searchParams.set("cols", String(term.cols));
+      url.searchParams.set("rows", String(term.rows));
+      var ended = false;
+      say("connecting", "Connecting…");
+      var sock = new WebSocket(url.toString());
+      sock.binaryType = "arraybuffer";
+      ws = sock;
+      sock.onopen = function () { say("connected", "Connected"); term.focus(); };
+      sock.onmessage = function (ev) {
+        var b = new Uint8Array(ev.data);
+        if (b.length === 0) { return; }
+        var p = b.subarray(1);
+        if (b[0] === STDOUT || b[0] === STDERR) {
+          term.write(p);
+        } else if (b[0] === EXIT && p.length === 4) {
+          var code = new DataView(b.buffer, b.byteOffset + 1, 4).getInt32(0);
+          ended = true;
+          say("ended", "The session ended with exit code " + code);
+          term.write("\r\n[exit code " + code + "]\r\n");
+        } else if (b[0] === ERROR) {
+          var msg = decoder.decode(p);
+          ended = true;
+          say("failed", "The session failed: " + msg);
+          term.write("\r\n[" + msg + "]\r\n");
+        }
+      };
+      sock.onclose = function () {
+        if (ws === sock) { ws = null; }
+        if (!ended) { say("closed", "Disconnected"); }
+        again.disabled = false;
+      };
+    }
+    again.addEventListener("click", function () { term.reset(); connect(); });
+    panel.addEventListener("tab-shown", function () { if (!started) { connect(); } else { refit(); } });
+    window.addEventListener("resize", refit);
+    if (!panel.hidden) { connect(); }
+  }
+
   function init() {
+    document.querySelectorAll('[role="tablist"]').forEach(tabs);
+    document.querySelectorAll(".terminal[data-ws]").forEach(terminal);
     if (typeof uPlot === "undefined") { return; }
     document.querySelectorAll(".chart[data-series]").forEach(liveChart);
     document.querySelectorAll(".chart[data-json]").forEach(costChart);
   }
-  if (document.readyState === "loading") { document.addEventListener("DOMContentLoaded", init); } else { init(); }
+  // After DOMContentLoaded: the instance page's own deferred scripts
+  // (xterm.js) run after this one, and before that event.
+  if (document.readyState === "complete") { init(); } else { document.addEventListener("DOMContentLoaded", init); }
 })();
