@@ -4,7 +4,8 @@
 //! runs a command (its output and exit status come back), copies a file in
 //! and forwards a port; another key is refused; another tenant's API key
 //! gets 404 for ssh, exec, shell and port-forward; each opening is in the
-//! audit log; a removed key logs in no more.
+//! audit log; the host key outlives a restart; a removed key logs in no
+//! more.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -112,8 +113,9 @@ fn ssh_command(home: &Home, program: &str, api_key: &str, key: &Path) -> Command
         .args(["-F", "/dev/null", "-o"])
         .arg(format!("ProxyCommand={BIN} --server {} ssh %h", home.url()))
         .args([
+            // Learns the host key once, then holds the server to it.
             "-o",
-            "StrictHostKeyChecking=no",
+            "StrictHostKeyChecking=accept-new",
             "-o",
             "IdentitiesOnly=yes",
             "-o",
@@ -426,6 +428,28 @@ fn ssh_through_the_proxy_command_lets_in_registered_keys_only() {
             "{route}: {entries:?}"
         );
     }
+
+    // The host key outlives a restart of the server: the known_hosts
+    // entry learnt above still matches (ssh would refuse a changed key).
+    let known = std::fs::read_to_string(home.dir.path().join("known_hosts")).unwrap();
+    assert!(
+        known
+            .lines()
+            .any(|l| l.starts_with(&a) && l.contains(" ssh-ed25519 ")),
+        "{known}"
+    );
+    drop(_server);
+    let _server = home.server();
+    wait_until(
+        "ssh after the server's restart, with the known host key",
+        Duration::from_secs(120),
+        || {
+            let out = ssh(&home, &key_a, &id_a, &a, "echo again");
+            let changed = text(&out.stderr).contains("IDENTIFICATION HAS CHANGED");
+            assert!(!changed, "the host key changed: {}", text(&out.stderr));
+            out.status.success() && text(&out.stdout) == "again\n"
+        },
+    );
 
     // A removed key logs in no more.
     let out = home.cli(Some(&key_a), &["ssh-keys", "remove", &key_id]);
