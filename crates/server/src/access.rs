@@ -1,9 +1,10 @@
 //! Sessions into running instances waiting for their agent: the server
 //! cannot reach an agent (agents long-poll their sync), so a tenant's
-//! WebSocket for an exec, a shell or a port-forward is recorded here, the
-//! node's held sync is woken and lists it, and the agent dials the session
-//! back on a WebSocket of its own, which is handed to the tenant's side to
-//! be spliced with it.
+//! WebSocket for an exec, a shell or a port-forward (or one channel of an
+//! SSH connection, see [`crate::ssh`]) is recorded here, the node's held
+//! sync is woken and lists it, and the agent dials the session back on a
+//! WebSocket of its own, which is handed to the tenant's side to be
+//! spliced with it (or bridged to the SSH channel).
 //!
 //! In memory, on the replica the tenant reached: the agent's sync and its
 //! dial-back must reach the same replica (they do with one server, and
@@ -49,8 +50,8 @@ impl Sessions {
     }
 
     /// Records `session` for `node`'s agent; the receiver gets the agent's
-    /// WebSocket once it dialled back.
-    pub fn open(&self, node: NodeId, session: AccessSession) -> oneshot::Receiver<WebSocket> {
+    /// WebSocket once it dialled back (see [`Sessions::enter`]).
+    fn open(&self, node: NodeId, session: AccessSession) -> oneshot::Receiver<WebSocket> {
         let (tx, rx) = oneshot::channel();
         self.lock().insert(
             session.id.clone(),
@@ -223,6 +224,28 @@ mod tests {
         assert!(sessions.claim(&a, &s.id).is_some());
         assert!(sessions.claim(&a, &s.id).is_none(), "claimed once");
         assert!(sessions.for_node(&a).is_empty());
+    }
+
+    #[test]
+    fn entering_records_the_session_and_wakes_the_syncs_once() {
+        let sessions = Sessions::default();
+        let node = NodeId::generate(1, 1);
+        let mut woken = 0;
+        let dialling = sessions.enter(
+            node.clone(),
+            InstanceId::generate(1, 2),
+            AccessKind::PortForward { port: 8080 },
+            (1, 3),
+            || woken += 1,
+        );
+        assert_eq!(woken, 1);
+        let listed = sessions.for_node(&node);
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].id, dialling.id);
+        assert_eq!(listed[0].kind, AccessKind::PortForward { port: 8080 });
+        // A caller that gave up (the SSH channel closed) leaves nothing.
+        drop(dialling);
+        assert!(sessions.for_node(&node).is_empty());
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Sessions into running instances over WebSockets: `exec` (a command, or
 //! with `tty` an interactive shell), `port-forward` and `ssh` (an SSH
-//! connection, see [`crate::ssh`]) for tenants, and the agent's dial-back. See [`crate::access`] for how the two meet, and
-//! `docs/access.md` for the frames they carry.
+//! connection, see [`crate::ssh`]) for tenants, and the agent's dial-back.
+//! See [`crate::access`] for how the two meet, and `docs/access.md` for
+//! the frames they carry.
 //!
 //! A tenant reaches only its own running instances (another tenant's are
 //! 404, like every other route); each opening is written to the audit log
