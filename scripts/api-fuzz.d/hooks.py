@@ -4,7 +4,8 @@ Two checks beside schemathesis' own:
 
 - store_unchanged_by_rejected_calls: a call answered 4xx left the store as
   it was. The store's desired state (tenants, keys, quotas, instances,
-  jobs, endpoints, pools, registry logins, billing terms, budgets, nodes)
+  jobs, endpoints, pools, registry logins, SSH keys, billing terms, budgets,
+  nodes)
   is read from the SQLite file before each call and compared after a
   refusal. What the server writes for every call by design is left out:
   the audit log (refusals included), idempotency records, leases and the
@@ -30,6 +31,7 @@ WHOLE = [
     "tenants",
     "api_keys",
     "registry_credentials",
+    "ssh_keys",
     "budgets",
     "discounts",
     "credit_grants",

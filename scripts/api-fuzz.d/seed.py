@@ -46,6 +46,7 @@ params = {
     "node_id": "node_01jd3x7k2q9v8m4n6p5r0s1t2w",
     "invoice_id": "inv_01jd3x7k2q9v8m4n6p5r0s1t2w",
     "credential_id": "rcred_01jd3x7k2q9v8m4n6p5r0s1t2w",
+    "ssh_key_id": "sshk_01jd3x7k2q9v8m4n6p5r0s1t2w",
 }
 with open(config_b, "w") as f:
     f.write("[parameters]\n")

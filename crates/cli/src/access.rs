@@ -8,22 +8,14 @@ use std::process::ExitCode;
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use flotilla_client::{Session, SessionReceiver, SessionSender};
-use flotilla_core::access::{parse_port_pair, AccessKind, Frame};
+use flotilla_core::access::{parse_port_pair, AccessKind, Frame, DEFAULT_SHELL};
 use flotilla_core::id::InstanceId;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::mpsc;
 
 use crate::commands::Ctx;
 
-/// The shell `flotilla shell` starts when not told otherwise: bash where
-/// the instance has it, else sh.
-const DEFAULT_SHELL: [&str; 3] = [
-    "sh",
-    "-c",
-    "if command -v bash >/dev/null 2>&1; then exec bash; else exec sh; fi",
-];
-
-fn instance(id: &str) -> Result<InstanceId> {
+pub(crate) fn instance(id: &str) -> Result<InstanceId> {
     InstanceId::parse(id.trim(), "id").map_err(|e| anyhow!("{}: {}", e.field, e.message))
 }
 
@@ -41,7 +33,7 @@ const START_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
 /// Waits until `id` runs: a session right after `run --detach` (a script,
 /// the README's quick start) would otherwise meet a `scheduled` instance.
 /// An instance that ended, or is lost, is an error at once.
-async fn until_running(ctx: &Ctx, id: &InstanceId) -> Result<()> {
+pub(crate) async fn until_running(ctx: &Ctx, id: &InstanceId) -> Result<()> {
     let deadline = tokio::time::Instant::now() + START_WAIT;
     let mut said = false;
     loop {

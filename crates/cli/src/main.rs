@@ -28,6 +28,7 @@ mod queue;
 mod queue_worker;
 mod registries;
 mod simulate;
+mod ssh;
 
 use std::process::ExitCode;
 
@@ -189,6 +190,24 @@ enum Command {
         id: String,
         /// `LOCAL:REMOTE` or `PORT`.
         ports: String,
+    },
+    /// Reach a running instance over SSH: an SSH `ProxyCommand` (`ssh -o
+    /// ProxyCommand='flotilla ssh %h' inst_…`, then `scp`, `sftp` and VS
+    /// Code Remote work too) that logs in with a key registered with
+    /// `flotilla ssh-keys add`. `--config` prints an ssh_config block so
+    /// that `ssh inst_…` works by itself.
+    Ssh {
+        /// Instance id (`%h` in the ProxyCommand).
+        #[arg(required_unless_present = "config", conflicts_with = "config")]
+        id: Option<String>,
+        /// Print an ssh_config block for `ssh inst_…` instead.
+        #[arg(long)]
+        config: bool,
+    },
+    /// Your tenant's SSH public keys, which `flotilla ssh` logs in with.
+    SshKeys {
+        #[command(subcommand)]
+        command: Option<ssh::SshKeysCommand>,
     },
     /// Print an instance's output.
     Logs {
@@ -508,6 +527,14 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         }
         Command::Login => return commands::login(server, api_key, tls).await,
         Command::Simulate(args) => return simulate::run(args),
+        Command::Ssh { config: true, .. } => {
+            let exe = std::env::current_exe()
+                .ok()
+                .and_then(|p| p.to_str().map(str::to_string))
+                .unwrap_or_else(|| "flotilla".to_string());
+            output::outln!("{}", ssh::config_snippet(&exe, server.as_deref()))?;
+            return Ok(ExitCode::SUCCESS);
+        }
         _ => {}
     }
     if std::env::var_os("RUST_LOG").is_some() {
@@ -544,6 +571,8 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         } => access::exec(&ctx, &id, command, stdin, tty).await,
         Command::Shell { id, command } => access::shell(&ctx, &id, command).await,
         Command::PortForward { id, ports } => access::port_forward(&ctx, &id, &ports).await,
+        Command::Ssh { id, .. } => ssh::proxy(&ctx, id.as_deref().unwrap_or_default()).await,
+        Command::SshKeys { command } => ssh::keys(&ctx, command).await,
         Command::Stop { id } => commands::stop(&ctx, &id).await,
         Command::Explain { id } if id.trim().starts_with("job_") => jobs::explain(&ctx, &id).await,
         Command::Top { id } => commands::top(&ctx, &id).await,

@@ -123,7 +123,90 @@ impl SessionReceiver {
     }
 }
 
+/// The bytes of one SSH connection over `GET /v1/instances/{id}/ssh`'s
+/// WebSocket (see [`Client::ssh`]): binary messages, no frames; the
+/// server at the other end is an SSH server.
+#[derive(Debug)]
+pub struct Tunnel {
+    socket: Socket,
+    server: String,
+}
+
+/// The sending half of a [`Tunnel`].
+#[derive(Debug)]
+pub struct TunnelSender {
+    sink: futures::stream::SplitSink<Socket, Message>,
+    server: String,
+}
+
+/// The receiving half of a [`Tunnel`].
+#[derive(Debug)]
+pub struct TunnelReceiver {
+    stream: futures::stream::SplitStream<Socket>,
+    server: String,
+}
+
+impl Tunnel {
+    /// Two halves, to send and receive at the same time.
+    pub fn split(self) -> (TunnelSender, TunnelReceiver) {
+        let (sink, stream) = self.socket.split();
+        (
+            TunnelSender {
+                sink,
+                server: self.server.clone(),
+            },
+            TunnelReceiver {
+                stream,
+                server: self.server,
+            },
+        )
+    }
+}
+
+impl TunnelSender {
+    /// Sends bytes of the connection.
+    pub async fn send(&mut self, bytes: Vec<u8>) -> Result<()> {
+        self.sink
+            .send(Message::Binary(bytes.into()))
+            .await
+            .map_err(|e| broken(&self.server, e))
+    }
+
+    /// Closes the tunnel (the WebSocket's close handshake): the server's
+    /// end of the connection sees it end.
+    pub async fn close(&mut self) {
+        let _ = self.sink.close().await;
+    }
+}
+
+impl TunnelReceiver {
+    /// The next bytes of the connection; `None` once the server closed it.
+    pub async fn recv(&mut self) -> Option<Result<Vec<u8>>> {
+        loop {
+            return match self.stream.next().await? {
+                Ok(Message::Binary(b)) => Some(Ok(b.to_vec())),
+                Ok(Message::Close(_)) => None,
+                // Pings are answered by the WebSocket layer itself.
+                Ok(_) => continue,
+                Err(e) => Some(Err(broken(&self.server, e))),
+            };
+        }
+    }
+}
+
 impl Client {
+    /// `GET /v1/instances/{id}/ssh` (a WebSocket): a tunnel to the
+    /// server's SSH endpoint for the instance, for an SSH client's bytes.
+    pub async fn ssh(&self, instance_id: &str) -> Result<Tunnel> {
+        let upgraded = self
+            .upgrade(&format!("/v1/instances/{instance_id}/ssh"), &[])
+            .await?;
+        Ok(Tunnel {
+            socket: WebSocketStream::from_raw_socket(upgraded, Role::Client, None).await,
+            server: self.current_server().to_string(),
+        })
+    }
+
     async fn session(&self, path: &str, query: &[(&str, String)]) -> Result<Session> {
         let upgraded = self.upgrade(path, query).await?;
         Ok(Session::over(upgraded, self.current_server().to_string()).await)

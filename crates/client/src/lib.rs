@@ -31,7 +31,7 @@ mod logs;
 mod retry;
 mod routes;
 
-pub use access::{Session, SessionReceiver, SessionSender};
+pub use access::{Session, SessionReceiver, SessionSender, Tunnel, TunnelReceiver, TunnelSender};
 pub use client::{idempotency_key, parse_servers, Builder, Client, LOG_PAGE_SIZE, PAGE_SIZE};
 pub use error::{Error, TransportKind};
 /// Server trust for `https://` URLs, and the fingerprints pinned in it.

@@ -8,8 +8,9 @@ use std::time::Duration;
 use flotilla_core::api::{
     Instance, LogBatch, LogLine, Me, Page, RegisterNode, Registered, SyncRequest, SyncResponse,
 };
-use flotilla_core::id::{InstanceId, NodeId};
+use flotilla_core::id::{InstanceId, NodeId, SshKeyId};
 use flotilla_core::instance::CreateInstance;
+use flotilla_core::ssh_key::{CreateSshKey, SshKey};
 use reqwest::Method;
 
 use crate::client::{Call, Client, LOG_PAGE_SIZE};
@@ -27,6 +28,22 @@ impl Client {
     /// `GET /v1/me`: who the key is.
     pub async fn me(&self) -> Result<Me> {
         self.get("/v1/me", &[]).await
+    }
+
+    /// `GET /v1/ssh-keys`: the tenant's registered SSH keys.
+    pub async fn ssh_keys(&self) -> Result<Vec<SshKey>> {
+        let page: Page<SshKey> = self.get("/v1/ssh-keys", &[]).await?;
+        Ok(page.items)
+    }
+
+    /// `POST /v1/ssh-keys`: registers a public key for `flotilla ssh`.
+    pub async fn add_ssh_key(&self, req: &CreateSshKey) -> Result<SshKey> {
+        self.post("/v1/ssh-keys", req).await
+    }
+
+    /// `DELETE /v1/ssh-keys/{id}`.
+    pub async fn remove_ssh_key(&self, id: &SshKeyId) -> Result<()> {
+        self.delete(&format!("/v1/ssh-keys/{id}")).await
     }
 
     /// `GET /v1/instances/{id}`.

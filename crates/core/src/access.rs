@@ -22,6 +22,14 @@ pub const MAX_COMMAND_BYTES: usize = 64 * 1024;
 /// Most arguments accepted.
 pub const MAX_COMMAND_ARGS: usize = 1024;
 
+/// The shell a session starts when not told which (`flotilla shell`, an
+/// `ssh` login): bash where the instance has it, else sh.
+pub const DEFAULT_SHELL: [&str; 3] = [
+    "sh",
+    "-c",
+    "if command -v bash >/dev/null 2>&1; then exec bash; else exec sh; fi",
+];
+
 /// What a session does inside the instance.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "kind", rename_all = "snake_case")]

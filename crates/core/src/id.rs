@@ -134,6 +134,10 @@ prefixed_id!(
     /// A session into a running instance (exec, shell, port-forward),
     /// from the tenant's WebSocket to the agent's.
     AccessSessionId, "acc_");
+prefixed_id!(
+    /// An SSH public key a tenant registered: `flotilla ssh` lets in
+    /// whoever proves they hold its private half.
+    SshKeyId, "sshk_");
 
 /// A piece of queued work: an instance or a job. Names what a preemption
 /// made room for (`preempted_by`); sent as the plain id.

@@ -25,6 +25,7 @@ pub mod placement;
 pub mod queue_trigger;
 pub mod quota;
 pub mod registry;
+pub mod ssh_key;
 pub mod tenant;
 pub mod text;
 pub mod work;

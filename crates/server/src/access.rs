@@ -1,9 +1,10 @@
 //! Sessions into running instances waiting for their agent: the server
 //! cannot reach an agent (agents long-poll their sync), so a tenant's
-//! WebSocket for an exec, a shell or a port-forward is recorded here, the
-//! node's held sync is woken and lists it, and the agent dials the session
-//! back on a WebSocket of its own, which is handed to the tenant's side to
-//! be spliced with it.
+//! WebSocket for an exec, a shell or a port-forward (or one channel of an
+//! SSH connection, see [`crate::ssh`]) is recorded here, the node's held
+//! sync is woken and lists it, and the agent dials the session back on a
+//! WebSocket of its own, which is handed to the tenant's side to be
+//! spliced with it (or bridged to the SSH channel).
 //!
 //! In memory, on the replica the tenant reached: the agent's sync and its
 //! dial-back must reach the same replica (they do with one server, and
@@ -16,8 +17,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use axum::extract::ws::{Message, WebSocket};
-use flotilla_core::access::AccessSession;
-use flotilla_core::id::{AccessSessionId, NodeId};
+use flotilla_core::access::{AccessKind, AccessSession};
+use flotilla_core::id::{AccessSessionId, InstanceId, NodeId};
+use flotilla_core::instance::InstanceState;
 use futures::{SinkExt as _, StreamExt as _};
 use tokio::sync::oneshot;
 
@@ -48,8 +50,8 @@ impl Sessions {
     }
 
     /// Records `session` for `node`'s agent; the receiver gets the agent's
-    /// WebSocket once it dialled back.
-    pub fn open(&self, node: NodeId, session: AccessSession) -> oneshot::Receiver<WebSocket> {
+    /// WebSocket once it dialled back (see [`Sessions::enter`]).
+    fn open(&self, node: NodeId, session: AccessSession) -> oneshot::Receiver<WebSocket> {
         let (tx, rx) = oneshot::channel();
         self.lock().insert(
             session.id.clone(),
@@ -60,6 +62,31 @@ impl Sessions {
             },
         );
         rx
+    }
+
+    /// Opens a session of `kind` into `instance` on `node`: records it
+    /// (its id from `ids`, as `AppState::ids` gives them), calls `wake` so
+    /// that the node's held sync lists it, and returns what waits for the
+    /// agent's dial-back. The one way in for every kind of caller (the
+    /// exec and port-forward WebSockets, each channel of an SSH
+    /// connection), so that all of them are handed to agents alike.
+    pub fn enter(
+        &self,
+        node: NodeId,
+        instance: InstanceId,
+        kind: AccessKind,
+        (t, r): (u64, u128),
+        wake: impl FnOnce(),
+    ) -> Dialling {
+        let session = AccessSession {
+            id: AccessSessionId::generate(t, r),
+            instance_id: instance,
+            kind,
+        };
+        let id = session.id.clone();
+        let agent = self.open(node, session);
+        wake();
+        Dialling { id, agent }
     }
 
     /// Forgets a session (dialled, or given up).
@@ -91,6 +118,46 @@ impl Sessions {
         pending.remove(id).map(|p| p.agent)
     }
 }
+
+/// A recorded session waiting for its agent (see [`Sessions::enter`]).
+#[derive(Debug)]
+pub struct Dialling {
+    /// The session's id (`acc_…`), for logs.
+    pub id: AccessSessionId,
+    agent: oneshot::Receiver<WebSocket>,
+}
+
+impl Dialling {
+    /// The agent's WebSocket once it dialled back; `None` when it did not
+    /// within [`DIAL_TIMEOUT`] (the session is then forgotten, so a late
+    /// dial-back finds nothing).
+    pub async fn agent(self, sessions: &Sessions) -> Option<WebSocket> {
+        match tokio::time::timeout(DIAL_TIMEOUT, self.agent).await {
+            Ok(Ok(agent)) => Some(agent),
+            _ => {
+                sessions.forget(&self.id);
+                tracing::warn!(session = %self.id, "the agent did not dial the session back");
+                None
+            }
+        }
+    }
+}
+
+/// The node `inst` runs on, or why it cannot be entered (it is not
+/// running).
+pub fn running_node(inst: &flotilla_core::api::Instance) -> Result<NodeId, String> {
+    match (&inst.state, &inst.node_id) {
+        (InstanceState::Running, Some(node)) => Ok(node.clone()),
+        (state, _) => Err(format!(
+            "instance {} is {}, not running",
+            inst.id,
+            state.as_str()
+        )),
+    }
+}
+
+/// What a tenant is told when its session's agent did not dial back.
+pub const NOT_DIALLED: &str = "the instance's agent did not answer; try again";
 
 /// Carries every data message of each WebSocket to the other until both
 /// ended; one side's end closes the other's sending half, so that the
@@ -157,6 +224,28 @@ mod tests {
         assert!(sessions.claim(&a, &s.id).is_some());
         assert!(sessions.claim(&a, &s.id).is_none(), "claimed once");
         assert!(sessions.for_node(&a).is_empty());
+    }
+
+    #[test]
+    fn entering_records_the_session_and_wakes_the_syncs_once() {
+        let sessions = Sessions::default();
+        let node = NodeId::generate(1, 1);
+        let mut woken = 0;
+        let dialling = sessions.enter(
+            node.clone(),
+            InstanceId::generate(1, 2),
+            AccessKind::PortForward { port: 8080 },
+            (1, 3),
+            || woken += 1,
+        );
+        assert_eq!(woken, 1);
+        let listed = sessions.for_node(&node);
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].id, dialling.id);
+        assert_eq!(listed[0].kind, AccessKind::PortForward { port: 8080 });
+        // A caller that gave up (the SSH channel closed) leaves nothing.
+        drop(dialling);
+        assert!(sessions.for_node(&node).is_empty());
     }
 
     #[test]

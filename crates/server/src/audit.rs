@@ -39,12 +39,13 @@ pub const EXEMPT: &[&str] = &[
 ];
 
 /// Reads that are audited all the same: the WebSocket upgrades that enter
-/// a running instance (exec, shell, port-forward). They change nothing in
+/// a running instance (exec, shell, port-forward, ssh). They change nothing in
 /// the store, yet run code in a tenant's workload, so who did it and when
 /// belongs in the log (as `GET`, with the upgrade's 101 or the refusal).
 pub const ENTERING: &[&str] = &[
     "/v1/instances/{instance_id}/exec",
     "/v1/instances/{instance_id}/port-forward",
+    "/v1/instances/{instance_id}/ssh",
 ];
 
 /// Largest answer read back for the id of a created object; creations
@@ -200,6 +201,7 @@ mod tests {
             &Method::GET,
             "/v1/instances/{instance_id}/port-forward"
         ));
+        assert!(audited(&Method::GET, "/v1/instances/{instance_id}/ssh"));
         assert!(!audited(&Method::GET, "/v1/instances/{instance_id}"));
     }
 

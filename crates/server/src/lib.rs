@@ -47,6 +47,7 @@ pub mod reconcile;
 mod request_defaults;
 pub mod routes;
 pub mod schedule;
+pub mod ssh;
 pub mod state;
 pub mod webhook_target;
 

@@ -505,8 +505,20 @@ async fn every_route_hides_other_tenants_resources_and_checks_roles() {
         .as_str()
         .unwrap()
         .to_string();
+    let ssh_key = s
+        .ok(
+            &a_member,
+            Method::POST,
+            "/v1/ssh-keys",
+            Some(json!({"public_key": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID6EQuz9BKYfcxIS24MSilJMFVF5QnBpeo7SHdQhY7fS a@laptop"})),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let ids: HashMap<&str, String> = [
         ("credential_id", credential),
+        ("ssh_key_id", ssh_key),
         ("tenant_id", a.clone()),
         ("endpoint_id", endpoint),
         ("instance_id", inst.clone()),

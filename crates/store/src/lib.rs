@@ -33,6 +33,7 @@ pub mod prices;
 pub mod providers;
 pub mod registry_credentials;
 pub mod secrets;
+pub mod ssh_keys;
 pub mod tenants;
 pub mod usage;
 pub mod vertical;

@@ -150,6 +150,23 @@ impl SecretKey {
         format!("{VERSION}{}", hex::encode(out))
     }
 
+    /// 32 bytes derived from the key for one `purpose` (HMAC-SHA256 of the
+    /// purpose under the key): a secret that must stay the same across
+    /// restarts and replicas, as the key does, without being stored
+    /// anywhere (the SSH endpoint's host key is made from one). Distinct
+    /// purposes give unrelated values, and none reveals the key.
+    pub fn derive(&self, purpose: &str) -> [u8; 32] {
+        use hmac::Mac as _;
+        // HMAC pads a key shorter than the hash's block (64 bytes) with
+        // zeros (RFC 2104): padding it here is the same HMAC, without the
+        // length check `new_from_slice` would need handled.
+        let mut block = [0u8; 64];
+        block[..32].copy_from_slice(self.0.as_slice());
+        let mut mac = <hmac::Hmac<sha2::Sha256> as hmac::Mac>::new(&block.into());
+        mac.update(purpose.as_bytes());
+        mac.finalize().into_bytes().into()
+    }
+
     /// Opens what [`SecretKey::seal`] made with the same `context`.
     pub fn open(&self, sealed: &str, context: &str) -> Result<String, SecretError> {
         let bytes = sealed
@@ -174,6 +191,25 @@ impl SecretKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn derived_values_are_stable_per_key_and_purpose() {
+        let k = SecretKey::from_hex(&"ab".repeat(32), "test").unwrap();
+        let again = SecretKey::from_hex(&"ab".repeat(32), "test").unwrap();
+        assert_eq!(k.derive("ssh-host-key"), again.derive("ssh-host-key"));
+        assert_ne!(k.derive("ssh-host-key"), k.derive("other"));
+        assert_ne!(
+            k.derive("ssh-host-key"),
+            SecretKey::generate().derive("ssh-host-key")
+        );
+        // The padded key is the HMAC of the key itself.
+        use hmac::Mac as _;
+        let mut plain =
+            <hmac::Hmac<sha2::Sha256> as hmac::Mac>::new_from_slice(&[0xab; 32]).unwrap();
+        plain.update(b"ssh-host-key");
+        let want: [u8; 32] = plain.finalize().into_bytes().into();
+        assert_eq!(k.derive("ssh-host-key"), want);
+    }
 
     #[test]
     fn sealing_round_trips_and_hides_the_value() {

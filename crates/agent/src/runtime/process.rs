@@ -24,8 +24,8 @@ use super::cgroup::{self, InstanceCgroup};
 use super::limits::{disk_usage, Enforcement, DISK_CHECK};
 use super::network::{Namespaces, Network};
 use super::sandbox::{
-    bwrap_args_hiding, create_private_dir, owner_of, prepare_workdir, setpriv_args, Isolation,
-    SandboxConfig, SharedPath,
+    bwrap_args_hiding, create_private_dir, identity_binds, owner_of, prepare_workdir, setpriv_args,
+    Isolation, SandboxConfig, SharedPath,
 };
 use super::state::{alive, start_ticks, tail, Checkpoint, Record, StateDir};
 use super::{
@@ -337,6 +337,13 @@ impl ProcessRuntime {
                 stdin = Stdio::from(state.append(state.status_file()).map_err(os)?);
                 let end = bwrap_args.len() - 1;
                 bwrap_args.splice(end..end, ["--json-status-fd".to_string(), "0".to_string()]);
+                if let Some(uid) = uid {
+                    // The tenant's user by name too (`scp`, `sftp-server`
+                    // and others refuse a uid without one).
+                    let binds = identity_binds(state.dir(), uid, &spec.workdir).map_err(os)?;
+                    let end = bwrap_args.len() - 1;
+                    bwrap_args.splice(end..end, binds);
+                }
                 cmd.args(bwrap_args);
                 if let Some(uid) = uid {
                     cmd.args(setpriv_args(uid));

@@ -7,8 +7,9 @@
 //!   but the instance's working directory (mode 0700). `bwrap` runs as root
 //!   (so it can reach working directories under the agent's private work
 //!   directory, mode 0700) and builds a fresh mount, pid, IPC and UTS
-//!   namespace that shows `/usr`, `/etc` (without the shadow files) and the
-//!   library directories read-only, a new `/proc`, a minimal `/dev`, an
+//!   namespace that shows `/usr`, `/etc` (without the shadow files, with
+//!   the tenant's user added to `passwd` and `group`: [`identity_files`])
+//!   and the library directories read-only, a new `/proc`, a minimal `/dev`, an
 //!   empty `/tmp` and the instance's own working directory, nothing else:
 //!   the data directory, the credentials, the agent's token and other
 //!   tenants' directories are not there. Inside, `setpriv` drops to the
@@ -455,6 +456,71 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
+/// The name a tenant's user goes by inside a root sandbox (unless the
+/// host has a user of that name: then `flotilla-UID`).
+const SANDBOX_USER: &str = "flotilla";
+
+/// `/etc/passwd` and `/etc/group` as a root sandbox shows them: the host's
+/// (`host_passwd`, `host_group`), plus a user and a group for the tenant's
+/// `uid`, at home in `home`. The uid has no entry on the host (see the
+/// module), and programs that look their user up refuse to run without
+/// one: OpenSSH's `scp` and `sftp-server` (what `scp` and `sftp` run
+/// through `flotilla ssh`), `whoami`, Python's `getpass.getuser`. Only
+/// names and ids: the host's files hold no password hashes (those are in
+/// the shadow files, hidden).
+pub fn identity_files(
+    host_passwd: &str,
+    host_group: &str,
+    uid: u32,
+    home: &Path,
+) -> (String, String) {
+    let taken = |file: &str, name: &str| file.lines().any(|l| l.split(':').next() == Some(name));
+    let name = if taken(host_passwd, SANDBOX_USER) || taken(host_group, SANDBOX_USER) {
+        format!("{SANDBOX_USER}-{uid}")
+    } else {
+        SANDBOX_USER.to_string()
+    };
+    // A host line for the same id would be found first: leave it out.
+    let keep = |file: &str| -> String {
+        file.lines()
+            .filter(|l| l.split(':').nth(2) != Some(uid.to_string().as_str()))
+            .map(|l| format!("{l}\n"))
+            .collect()
+    };
+    let home = home.to_string_lossy().replace([':', '\n'], "_");
+    let passwd = format!(
+        "{}{name}:x:{uid}:{uid}:Flotilla workload:{home}:/bin/sh\n",
+        keep(host_passwd)
+    );
+    let group = format!("{}{name}:x:{uid}:\n", keep(host_group));
+    (passwd, group)
+}
+
+/// Writes [`identity_files`] for `uid` into `dir` (the instance's state
+/// directory, which the sandbox does not show) and returns bubblewrap's
+/// arguments that show them as `/etc/passwd` and `/etc/group`.
+pub fn identity_binds(dir: &Path, uid: u32, home: &Path) -> std::io::Result<Vec<String>> {
+    let read = |p: &str| fs::read_to_string(p).unwrap_or_default();
+    let (passwd, group) = identity_files(&read("/etc/passwd"), &read("/etc/group"), uid, home);
+    let mut args = Vec::new();
+    for (name, text) in [("passwd", passwd), ("group", group)] {
+        let path = dir.join(name);
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o644)
+            .open(&path)?;
+        f.write_all(text.as_bytes())?;
+        args.extend([
+            "--ro-bind".to_string(),
+            path.to_string_lossy().into_owned(),
+            format!("/etc/{name}"),
+        ]);
+    }
+    Ok(args)
+}
+
 /// Creates `dir` and its missing parents with mode 0700.
 pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     fs::DirBuilder::new()
@@ -582,6 +648,30 @@ mod tests {
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o700);
+    }
+
+    #[test]
+    fn the_tenants_user_is_added_to_the_hosts_identity_files() {
+        let home = Path::new("/w/instances/inst_1");
+        let (passwd, group) = identity_files(
+            "root:x:0:0:root:/root:/bin/bash\nstale:x:2000000007:1::/:/bin/sh\n",
+            "root:x:0:\n",
+            2_000_000_007,
+            home,
+        );
+        assert_eq!(
+            passwd,
+            "root:x:0:0:root:/root:/bin/bash\nflotilla:x:2000000007:2000000007:Flotilla workload:/w/instances/inst_1:/bin/sh\n"
+        );
+        assert_eq!(group, "root:x:0:\nflotilla:x:2000000007:\n");
+        // A host user of that name keeps it.
+        let (passwd, _) =
+            identity_files("flotilla:x:999:999::/:/bin/false", "", 2_000_000_001, home);
+        assert!(
+            passwd.contains("\nflotilla-2000000001:x:2000000001:"),
+            "{passwd}"
+        );
+        assert!(passwd.starts_with("flotilla:x:999:"));
     }
 
     #[test]

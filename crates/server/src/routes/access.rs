@@ -1,7 +1,8 @@
 //! Sessions into running instances over WebSockets: `exec` (a command, or
-//! with `tty` an interactive shell) and `port-forward` for tenants, and the
-//! agent's dial-back. See [`crate::access`] for how the two meet, and
-//! `docs/access.md` for the frames they carry.
+//! with `tty` an interactive shell), `port-forward` and `ssh` (an SSH
+//! connection, see [`crate::ssh`]) for tenants, and the agent's dial-back.
+//! See [`crate::access`] for how the two meet, and `docs/access.md` for
+//! the frames they carry.
 //!
 //! A tenant reaches only its own running instances (another tenant's are
 //! 404, like every other route); each opening is written to the audit log
@@ -10,16 +11,15 @@
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
-use flotilla_core::access::{AccessKind, AccessSession, Frame};
+use flotilla_core::access::{AccessKind, Frame};
 use flotilla_core::id::{AccessSessionId, NodeId};
-use flotilla_core::instance::InstanceState;
 use flotilla_core::tenant::Role;
 use futures::SinkExt as _;
 use serde::Deserialize;
 
 use super::path_id;
 use super::work::WORK_ROLES;
-use crate::access::{splice, DIAL_TIMEOUT};
+use crate::access::{running_node, splice, NOT_DIALLED};
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::serde_urlencoded_query;
@@ -106,6 +106,44 @@ pub async fn port_forward(
     open(st, caller, inst, AccessKind::PortForward { port }, ws).await
 }
 
+/// Connects an SSH client to a running instance: after the upgrade, the
+/// WebSocket's binary messages carry the bytes of one SSH connection (what
+/// `flotilla ssh ID`, an SSH `ProxyCommand`, pipes between `ssh` and the
+/// server), and the server is its SSH server (see [`crate::ssh`]). The
+/// SSH login takes a key the instance's tenant registered
+/// (`/v1/ssh-keys`); commands, shells, `scp`/`sftp` and TCP forwards to
+/// the instance's loopback address each become a session like exec's.
+#[utoipa::path(get, path = "/v1/instances/{instance_id}/ssh", tag = "instances",
+    params(("instance_id" = String, Path, description = "instance id (inst_…)")),
+    responses((status = 101, description = "switched to a WebSocket carrying one SSH connection's bytes"),
+              (status = 404, body = flotilla_core::api::ErrorBody),
+              (status = 409, body = flotilla_core::api::ErrorBody)))]
+pub async fn ssh(
+    State(st): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ws: Upgrade,
+) -> ApiResult<Response> {
+    let inst = super::instances::visible(&st, &caller, &raw).await?;
+    admit(&caller, &inst)?;
+    // 503 before the upgrade on a server without a secrets key, which the
+    // host key is made from.
+    let host_key = crate::ssh::host_key(&st)?;
+    let ws = ws.map_err(|e| ApiError::bad_request("upgrade", e.body_text()))?;
+    tracing::info!(instance = %inst.id, key = %caller.key_id, "ssh connection opened");
+    let door = crate::ssh::Door::new(st, inst.tenant_id, inst.id);
+    Ok(ws
+        .on_upgrade(move |socket| crate::ssh::serve(door, host_key, socket))
+        .into_response())
+}
+
+/// Whether `caller` may enter `inst` now: a role that runs work, and an
+/// instance that runs (409 otherwise); the node it runs on.
+fn admit(caller: &Caller, inst: &flotilla_core::api::Instance) -> ApiResult<NodeId> {
+    caller.require(&WORK_ROLES, "enter instances")?;
+    running_node(inst).map_err(ApiError::conflict)
+}
+
 /// Checks the caller may enter the instance, records the session for the
 /// instance's node, wakes the node's sync and, once upgraded, waits for
 /// the agent's WebSocket and splices the two.
@@ -120,36 +158,19 @@ async fn open(
     // A bad query value is a 400 naming it (as on every GET).
     kind.validate()
         .map_err(|e| ApiError::bad_request(&e.field, e.message))?;
-    let node = match (&inst.state, &inst.node_id) {
-        (InstanceState::Running, Some(node)) => node.clone(),
-        (state, _) => {
-            return Err(ApiError::conflict(format!(
-                "instance {} is {}, not running",
-                inst.id,
-                state.as_str()
-            )))
-        }
-    };
+    let node = running_node(&inst).map_err(ApiError::conflict)?;
     let ws = ws.map_err(|e| ApiError::bad_request("upgrade", e.body_text()))?;
-    let (t, r) = st.ids();
-    let session = AccessSession {
-        id: AccessSessionId::generate(t, r),
-        instance_id: inst.id.clone(),
-        kind,
-    };
-    tracing::info!(session = %session.id, instance = %inst.id, key = %caller.key_id, kind = session.kind.name(), "access session opened");
-    let id = session.id.clone();
-    let agent = st.access().open(node, session);
-    st.notify_change();
+    let name = kind.name();
+    let dialling = st
+        .access()
+        .enter(node, inst.id.clone(), kind, st.ids(), || st.notify_change());
+    tracing::info!(session = %dialling.id, instance = %inst.id, key = %caller.key_id, kind = name, "access session opened");
     Ok(ws
         .on_upgrade(move |mut tenant| async move {
-            match tokio::time::timeout(DIAL_TIMEOUT, agent).await {
-                Ok(Ok(agent)) => splice(tenant, agent).await,
-                _ => {
-                    st.access().forget(&id);
-                    tracing::warn!(session = %id, "the agent did not dial the session back");
-                    let end =
-                        Frame::Error("the instance's agent did not answer; try again".to_string());
+            match dialling.agent(st.access()).await {
+                Some(agent) => splice(tenant, agent).await,
+                None => {
+                    let end = Frame::Error(NOT_DIALLED.to_string());
                     let _ = tenant.send(Message::Binary(end.encode().into())).await;
                     let _ = tenant.close().await;
                 }

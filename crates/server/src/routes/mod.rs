@@ -34,6 +34,7 @@ pub mod payouts;
 pub mod pools;
 pub mod prices;
 pub mod registries;
+pub mod ssh_keys;
 pub mod telemetry;
 pub mod tenants;
 pub mod usage;
@@ -65,6 +66,7 @@ pub(crate) mod work;
         (name = "endpoints", description = "Serverless endpoints: replicas scaled from zero behind the gateway"),
         (name = "gateway", description = "Protocol of the inference gateway"),
         (name = "registries", description = "Tenants' logins to private container registries"),
+        (name = "ssh", description = "Tenants' SSH public keys, for `flotilla ssh` into running instances"),
         (name = "audit", description = "Who changed what, when, and how it ended"),
         (name = "meta", description = "Identity and health"),
     )
@@ -237,6 +239,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(instances::instance_logs))
         .routes(routes!(access::exec))
         .routes(routes!(access::port_forward))
+        .routes(routes!(access::ssh))
         .routes(routes!(access::agent_session))
         .routes(routes!(jobs::list_jobs, jobs::create_job))
         .routes(routes!(jobs::job_queue))
@@ -247,6 +250,8 @@ pub fn api() -> OpenApiRouter<AppState> {
             registries::create_registry_credential
         ))
         .routes(routes!(registries::delete_registry_credential))
+        .routes(routes!(ssh_keys::list_ssh_keys, ssh_keys::create_ssh_key))
+        .routes(routes!(ssh_keys::delete_ssh_key))
         .routes(routes!(agent::register))
         .routes(routes!(nodepools::join))
         .routes(routes!(nodepools::list_node_pools))
