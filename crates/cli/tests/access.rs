@@ -321,6 +321,17 @@ fn tenants_enter_their_own_running_instances_and_only_those() {
     let at = term.seen().len();
     term.type_line("echo $((6*7))");
     term.expect(at, "42");
+    // Its HOME (the working directory) is reachable by its absolute path,
+    // as a shell reading $HOME/.bashrc needs: the sandbox's parents of it
+    // are passable by the tenant's uid.
+    let at = term.seen().len();
+    term.type_line("cd / && cd \"$HOME\" && echo home-$((40+2))");
+    term.expect(at, "home-42");
+    assert!(
+        !term.seen().contains("Permission denied"),
+        "{}",
+        term.seen()
+    );
     let at = term.seen().len();
     term.type_line("expr 100 + 23");
     term.expect(at, "123");

@@ -362,11 +362,12 @@ fn up_without_bubblewrap_refuses_before_starting() {
 }
 
 /// `scripts/prerequisites` (run by `./flotilla up` before the build) as
-/// root with bubblewrap missing: it installs it with apt-get. A stub
-/// `apt-get` first on `PATH` records its arguments and "installs" by
-/// linking the real bwrap, so no package is touched.
+/// root with bubblewrap and nft missing: it installs bubblewrap and
+/// nftables (not iproute2, which is there) with apt-get. A stub `apt-get`
+/// first on `PATH` records its arguments and "installs" by linking the real
+/// binaries, so no package is touched.
 #[test]
-fn the_flotilla_script_installs_bubblewrap_as_root() {
+fn the_flotilla_script_installs_the_sandbox_and_network_packages_as_root() {
     if !nix::unistd::geteuid().is_root() {
         eprintln!("skipped: the install step runs as root");
         return;
@@ -384,19 +385,28 @@ fn the_flotilla_script_installs_bubblewrap_as_root() {
     for dir in ["/usr/sbin", "/usr/bin", "/sbin", "/bin"] {
         for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
             let name = e.file_name();
-            if name == "bwrap" || name == "apt-get" || system.join(&name).exists() {
+            if name == "bwrap" || name == "nft" || name == "apt-get" || system.join(&name).exists()
+            {
                 continue;
             }
             let _ = std::os::unix::fs::symlink(e.path(), system.join(&name));
         }
     }
+    // As root the workload network needs nft too: hidden the same way
+    // (ip stays, so one missing package and one present are both seen).
+    let real_nft = ["/usr/sbin/nft", "/sbin/nft", "/usr/bin/nft"]
+        .into_iter()
+        .map(std::path::PathBuf::from)
+        .find(|p| p.exists())
+        .expect("nft installed (scripts/test installs nftables)");
     let log = tmp.path().join("apt-get.log");
     std::fs::write(
         stub.join("apt-get"),
         format!(
-            "#!/bin/sh\necho \"$@\" >> {log}\ncase \"$*\" in *install*bubblewrap*) ln -sf {real_bwrap} {stub}/bwrap ;; esac\n",
+            "#!/bin/sh\necho \"$@\" >> {log}\ncase \"$*\" in *install*bubblewrap*) ln -sf {real_bwrap} {stub}/bwrap ;; esac\ncase \"$*\" in *install*nftables*) ln -sf {real_nft} {stub}/nft ;; esac\n",
             log = log.display(),
-            stub = stub.display()
+            stub = stub.display(),
+            real_nft = real_nft.display(),
         ),
     )
     .unwrap();
@@ -421,12 +431,15 @@ fn the_flotilla_script_installs_bubblewrap_as_root() {
     assert!(out.status.success(), "{}", text(&out));
     let calls = std::fs::read_to_string(&log).expect("apt-get was called");
     assert!(
-        calls
-            .lines()
-            .any(|l| l.contains("install") && l.contains("bubblewrap") && l.contains("-y")),
+        calls.lines().any(|l| l.contains("install")
+            && l.contains("bubblewrap")
+            && l.contains("nftables")
+            && !l.contains("iproute2")
+            && l.contains("-y")),
         "{calls}"
     );
     assert!(stub.join("bwrap").exists());
+    assert!(stub.join("nft").exists());
     // Installed now: a second run asks apt-get nothing.
     let out = run();
     assert!(out.status.success(), "{}", text(&out));

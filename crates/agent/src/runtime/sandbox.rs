@@ -353,6 +353,19 @@ pub fn bwrap_args_hiding(
     if let Some(work_dir) = work_dir {
         push(&["--tmpfs", &work_dir.to_string_lossy()]);
     }
+    // The same for the instance's own directory: its `HOME` is its
+    // working directory, and a shell looking up `$HOME/.bashrc` by its
+    // absolute path must walk the parents bubblewrap made (0700 otherwise:
+    // "Permission denied" at every `flotilla shell`). 0711: passable, not
+    // listable.
+    let mut parents: Vec<&Path> = root.ancestors().skip(1).collect();
+    parents.reverse();
+    for dir in parents {
+        if dir == Path::new("/") || dir == Path::new("/tmp") {
+            continue;
+        }
+        push(&["--perms", "0711", "--dir", &dir.to_string_lossy()]);
+    }
     let root = root.to_string_lossy();
     let workdir = workdir.to_string_lossy();
     push(&["--bind", &root, &root, "--chdir", &workdir, "--"]);
