@@ -232,6 +232,22 @@ impl Inner {
         lock(&self.runtimes).values().cloned().collect()
     }
 
+    /// Every live endpoint's counters, for the metrics' scrape.
+    fn live_counts(&self) -> Vec<signals::LiveCounts> {
+        self.live_endpoints()
+            .iter()
+            .map(|e| signals::LiveCounts {
+                endpoint: e.id.to_string(),
+                in_flight: e.stats.in_flight.load(std::sync::atomic::Ordering::Relaxed),
+                queued: e.queued(),
+                requests_total: e
+                    .stats
+                    .requests_total
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            })
+            .collect()
+    }
+
     fn index(&self) -> Arc<RouteIndex> {
         self.index.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -492,7 +508,7 @@ impl Inner {
         let now = Instant::now();
         self.live_endpoints()
             .iter()
-            .map(|e| e.stats.signals(e, now))
+            .map(|e| e.stats.signals(&e.id, e.queued(), now))
             .collect()
     }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use chrono::Utc;
 use flotilla_core::gateway::EndpointSignals;
+use flotilla_core::id::EndpointId;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
@@ -17,8 +18,6 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use tokio::time::Instant;
-
-use crate::pool::Endpoint;
 
 /// How far back the percentiles sent to the autoscaler look.
 const WINDOW: Duration = Duration::from_secs(30);
@@ -67,7 +66,8 @@ impl EndpointStats {
     }
 
     /// The reading sent to the control plane.
-    pub fn signals(&self, endpoint: &Endpoint, now: Instant) -> EndpointSignals {
+    /// `queued`: the requests waiting in the endpoint's queue now.
+    pub fn signals(&self, endpoint_id: &EndpointId, queued: u32, now: Instant) -> EndpointSignals {
         let since = now.checked_sub(WINDOW).unwrap_or(now);
         let mut guard = self.windows.lock().unwrap_or_else(|p| p.into_inner());
         let w = &mut *guard;
@@ -77,10 +77,10 @@ impl EndpointStats {
             }
         }
         EndpointSignals {
-            endpoint_id: endpoint.id.clone(),
+            endpoint_id: endpoint_id.clone(),
             at: Utc::now(),
             in_flight: self.in_flight.load(Ordering::Relaxed),
-            queued: endpoint.queued(),
+            queued,
             requests_total: self.requests_total.load(Ordering::Relaxed),
             ttft_p50_ms: percentile(&w.ttft_ms, since, 0.5),
             ttft_p95_ms: percentile(&w.ttft_ms, since, 0.95),
@@ -114,6 +114,14 @@ fn seconds_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 17))
 }
 
+/// One live endpoint's counters at scrape time, as the gateway reads them.
+pub(crate) struct LiveCounts {
+    pub endpoint: String,
+    pub in_flight: u32,
+    pub queued: u32,
+    pub requests_total: u64,
+}
+
 /// Reads gauges (in-flight, queued, arrivals, pending usage) at scrape time
 /// from the live endpoints, so the request path only bumps atomics.
 struct Live(Weak<crate::Inner>);
@@ -129,33 +137,33 @@ impl prometheus_client::collector::Collector for Live {
         let Some(inner) = self.0.upgrade() else {
             return Ok(());
         };
-        let endpoints = inner.live_endpoints();
-        type Read = fn(&Endpoint) -> u64;
+        let endpoints = inner.live_counts();
+        type Read = fn(&LiveCounts) -> u64;
         let series: [(&str, &str, MetricType, Read); 3] = [
             (
                 "gateway_in_flight",
                 "Requests sent to a replica and not finished",
                 MetricType::Gauge,
-                |e| u64::from(e.stats.in_flight.load(Ordering::Relaxed)),
+                |e| u64::from(e.in_flight),
             ),
             (
                 "gateway_queued",
                 "Requests waiting in the activator queue",
                 MetricType::Gauge,
-                |e| u64::from(e.queued()),
+                |e| u64::from(e.queued),
             ),
             (
                 "gateway_requests",
                 "Requests routed to the endpoint",
                 MetricType::Counter,
-                |e| e.stats.requests_total.load(Ordering::Relaxed),
+                |e| e.requests_total,
             ),
         ];
         for (name, help, kind, read) in series {
             let mut family = encoder.encode_descriptor(name, help, None, kind)?;
             for ep in &endpoints {
                 let label = EndpointLabel {
-                    endpoint: ep.id.to_string(),
+                    endpoint: ep.endpoint.clone(),
                 };
                 let metric = family.encode_family(&label)?;
                 match kind {

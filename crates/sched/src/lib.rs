@@ -35,6 +35,7 @@ pub mod alloc;
 pub mod filter;
 pub mod frag;
 pub mod gang;
+pub mod input;
 pub mod mig;
 pub mod pass;
 pub mod pool_fit;

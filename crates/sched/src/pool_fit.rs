@@ -8,7 +8,7 @@
 //! held two instances at a time. Asking each GPU's share of the host's CPU
 //! and memory lets every GPU be rented at once, on any machine.
 
-use crate::pass::{GpuAsk, NodeSnap, QueuedWork};
+use crate::input::{GpuAsk, NodeSnap, QueuedWork};
 
 /// One machine as the defaults see it: its totals and its GPUs' models.
 #[derive(Debug, Clone, PartialEq, Eq)]

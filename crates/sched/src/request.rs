@@ -1,8 +1,21 @@
 //! What a workload asks for: a number of whole GPUs or a share of one GPU,
 //! the GPU models it accepts, CPU and memory.
 
-use crate::snapshot::{ModelId, Runtime};
 use crate::{Error, MILLI};
+
+/// Index of a GPU model in a [`crate::snapshot::ModelTable`].
+pub type ModelId = u8;
+
+/// How a node runs work: sandboxed processes or containers. A request
+/// names the one it needs ([`Request::runtime`]) and only nodes running it
+/// fit. Process is the default, so callers that never mention runtimes
+/// (the simulator, the benchmarks) place exactly as before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Runtime {
+    #[default]
+    Process,
+    Container,
+}
 
 /// The GPU part of a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

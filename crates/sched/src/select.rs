@@ -9,16 +9,8 @@ use crate::filter::{check, Explanation};
 use crate::request::{GpuDemand, Request};
 use crate::score::{Scored, Scorer, TieBreak};
 use crate::snapshot::Cluster;
+pub use crate::snapshot::Placement;
 use crate::MILLI;
-
-/// Where a request goes: a node and the device indices of its GPUs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Placement {
-    pub node: u32,
-    /// Distinct device indices; one per GPU of the request, empty for
-    /// CPU-only work.
-    pub gpus: Vec<u16>,
-}
 
 /// The engine's answer.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,11 +9,8 @@
 use std::collections::{BTreeSet, HashMap};
 
 use crate::request::{GpuDemand, Request};
-use crate::select::Placement;
+pub use crate::request::{ModelId, Runtime};
 use crate::{Error, MILLI};
-
-/// Index of a GPU model in a [`ModelTable`].
-pub type ModelId = u8;
 
 /// Interned GPU model names. At most 64, so allowed-model sets are a `u64`.
 #[derive(Debug, Clone, Default)]
@@ -86,15 +83,13 @@ impl ModelTable {
     }
 }
 
-/// How a node runs work: sandboxed processes or containers. A request
-/// names the one it needs ([`Request::runtime`]) and only nodes running it
-/// fit. Process is the default, so callers that never mention runtimes
-/// (the simulator, the benchmarks) place exactly as before.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Runtime {
-    #[default]
-    Process,
-    Container,
+/// Where a request goes: a node and the device indices of its GPUs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub node: u32,
+    /// Distinct device indices; one per GPU of the request, empty for
+    /// CPU-only work.
+    pub gpus: Vec<u16>,
 }
 
 /// A node's capacity as registered.
