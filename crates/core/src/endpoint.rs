@@ -1133,7 +1133,11 @@ pub fn desired_replicas(
         n = queue_wants;
         reason = "queue".into();
     }
-    if queued > 0 && n == 0 {
+    // A request waiting with no replica live: the first one is the
+    // activator's, whether the policy asked for it or not (a policy that
+    // meets backlogs between its decisions asks for it too; the reason
+    // still says why the endpoint left zero).
+    if queued > 0 && (n == 0 || (n == 1 && active == 0)) {
         n = 1;
         reason = "activator".into();
     }
@@ -1501,6 +1505,15 @@ mod tests {
         assert_eq!(
             desired_replicas(&s, 0, "p", 0, 5, false, 0, 0),
             (1, "activator".into())
+        );
+        assert_eq!(
+            desired_replicas(&s, 1, "backlog", 0, 5, false, 0, 0),
+            (1, "activator".into()),
+            "the policy's first replica from zero is the activator's too"
+        );
+        assert_eq!(
+            desired_replicas(&s, 2, "backlog", 0, 5, false, 0, 0),
+            (2, "backlog".into())
         );
         assert_eq!(
             desired_replicas(&s, 0, "p", 2, 0, false, 0, 0),
