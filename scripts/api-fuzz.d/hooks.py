@@ -4,10 +4,9 @@ Two checks beside schemathesis' own:
 
 - store_unchanged_by_rejected_calls: a call answered 4xx left the store as
   it was. The store's desired state (tenants, keys, quotas, instances,
-  jobs, endpoints, pools, registry logins, SSH keys, billing terms, budgets,
-  nodes)
-  is read from the SQLite file before each call and compared after a
-  refusal. What the server writes for every call by design is left out:
+  jobs, endpoints, registry logins, SSH keys, billing terms, budgets,
+  nodes) is read from the SQLite file before each call and compared after
+  a refusal. What the server writes for every call by design is left out:
   the audit log (refusals included), idempotency records, leases and the
   meters the background loops keep.
 - only_refusals (FLOTILLA_FUZZ_EXPECT=refused): every answer is 401 or
@@ -38,7 +37,6 @@ WHOLE = [
     "commitments",
     "price_versions",
     "providers",
-    "replica_pools",
 ]
 # Tables the loops also write: only what a call could change.
 PARTS = {

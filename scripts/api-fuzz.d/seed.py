@@ -42,7 +42,6 @@ params = {
     "key_id": member,
     "job_id": "job_01jd3x7k2q9v8m4n6p5r0s1t2w",
     "endpoint_id": "ep_01jd3x7k2q9v8m4n6p5r0s1t2w",
-    "pool_id": "rpool_01jd3x7k2q9v8m4n6p5r0s1t2w",
     "node_id": "node_01jd3x7k2q9v8m4n6p5r0s1t2w",
     "invoice_id": "inv_01jd3x7k2q9v8m4n6p5r0s1t2w",
     "credential_id": "rcred_01jd3x7k2q9v8m4n6p5r0s1t2w",

@@ -105,10 +105,6 @@ prefixed_id!(
     /// A node pool: a group of alike nodes in a region.
     PoolId, "pool_");
 prefixed_id!(
-    /// A replica pool: instances of one template whose count an
-    /// autoscaling policy sets from reported metrics.
-    ReplicaPoolId, "rpool_");
-prefixed_id!(
     /// A serverless inference endpoint: a model served by replicas the
     /// autoscaler adds and removes, reached through the gateway.
     EndpointId, "ep_");

@@ -22,8 +22,8 @@
 //!
 //! This is the decision core only, pure like the rest of the crate: the
 //! caller supplies the classes (from its catalog and price book) and the
-//! signals; the simulator and the server's replica-pool loop do not call it
-//! yet.
+//! signals. The server's endpoint loop calls it for endpoints that opt in;
+//! the simulator does not.
 
 use serde::{Deserialize, Serialize};
 

@@ -33,7 +33,6 @@ pub const EXEMPT: &[&str] = &[
     "/v1/gateway/signals",
     "/v1/gateway/usage",
     "/v1/usage/events",
-    "/v1/pools/{pool_id}/metrics",
     "/v1/endpoints/{endpoint_id}/metrics",
     "/v1/estimates",
 ];

@@ -121,7 +121,6 @@ impl Term {
             token,
             tasks: vec![
                 tokio::spawn(crate::reconcile::run(fenced.clone(), tick)),
-                tokio::spawn(crate::autoscale::run(fenced.clone(), tick)),
                 tokio::spawn(crate::nodepools::run(fenced.clone(), tick)),
                 tokio::spawn(crate::endpoints::run(fenced, tick)),
             ],

@@ -26,7 +26,6 @@ use tower_http::trace::TraceLayer;
 pub mod access;
 pub mod audit;
 pub mod auth;
-pub mod autoscale;
 pub mod budgets;
 pub mod console;
 pub mod endpoints;

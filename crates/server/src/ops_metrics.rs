@@ -42,8 +42,8 @@ pub struct OpsMetrics {
     pub placement_pass: Histogram,
     /// The planner's part of those passes (pure decision time).
     pub placement_plan: Histogram,
-    /// Scaling decisions by `kind` (endpoint, pool) and `direction` (up,
-    /// down, hold).
+    /// Scaling decisions by `kind` (endpoint, vertical) and `direction`
+    /// (up, down, hold; a vertical move is `move`).
     pub scaling_decisions: Family<Labels, Counter<u64, AtomicU64>>,
     /// Gateway requests, from the usage the gateways report, by `endpoint`:
     /// start to finish.
@@ -125,7 +125,7 @@ impl OpsMetrics {
         );
         registry.register(
             "flotilla_scaling_decisions",
-            "Autoscaling decisions by kind (endpoint, pool) and direction (up, down, hold)",
+            "Autoscaling decisions by kind (endpoint, vertical) and direction (up, down, hold, move)",
             self.scaling_decisions.clone(),
         );
         registry.register(

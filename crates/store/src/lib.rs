@@ -28,7 +28,6 @@ pub mod leases;
 pub mod logs;
 pub mod nodes;
 pub mod pass;
-pub mod pools;
 pub mod prices;
 pub mod providers;
 pub mod registry_credentials;

@@ -31,7 +31,6 @@ pub mod nodepools;
 pub mod nodes;
 pub mod offers;
 pub mod payouts;
-pub mod pools;
 pub mod prices;
 pub mod registries;
 pub mod ssh_keys;
@@ -62,7 +61,6 @@ pub(crate) mod work;
         (name = "agent", description = "Protocol of the node agent"),
         (name = "usage", description = "Metered usage and invoices"),
         (name = "billing", description = "Prices, invoices, terms, budgets, estimates and payouts"),
-        (name = "pools", description = "Replica pools scaled by an autoscaling policy (superseded by endpoints)"),
         (name = "endpoints", description = "Serverless endpoints: replicas scaled from zero behind the gateway"),
         (name = "gateway", description = "Protocol of the inference gateway"),
         (name = "registries", description = "Tenants' logins to private container registries"),
@@ -210,9 +208,6 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(nodes::drain_node))
         .routes(routes!(nodes::node_events))
         .routes(routes!(nodes::reset_gpu))
-        .routes(routes!(pools::create_pool))
-        .routes(routes!(pools::get_pool))
-        .routes(routes!(pools::report_metrics))
         .routes(routes!(
             endpoints::list_endpoints,
             endpoints::create_endpoint
