@@ -7,7 +7,7 @@
 //! `sign_webhook`); this module reads spend from the ledger, keeps the
 //! alert state in the store and talks HTTP.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use axum::http::StatusCode;
 use chrono::{DateTime, Datelike, Duration, Utc};
@@ -19,6 +19,7 @@ use flotilla_store::budgets::StoredBudget;
 use rust_decimal::Decimal;
 use serde_json::json;
 
+use crate::billing_step::Scope;
 use crate::error::ApiError;
 use crate::pricing::{draft_invoice, RatingError};
 use crate::state::AppState;
@@ -70,102 +71,6 @@ pub async fn spend(st: &AppState, tenant: &TenantId) -> Result<Decimal, RatingEr
 /// replica (a credit expiring, terms or budgets set through another
 /// replica). An hour bounds how late such an alert can be.
 pub const FULL_CHECK_EVERY: Duration = Duration::hours(1);
-
-/// Which tenants' spend may have changed since the last budget check, so
-/// that a check rates only those instead of every budgeted tenant's month.
-/// New usage is seen in the store's usage marks (bumped by every append
-/// that records events, whoever made it: this server, another replica, a
-/// tool writing to the store); the rest is touched here by what changes
-/// spend on this server: a budget set, terms added (one tenant), a price
-/// version published (everyone). In memory: a restart starts with a full
-/// check.
-#[derive(Debug, Default)]
-pub struct BudgetWatch(std::sync::Mutex<WatchState>);
-
-#[derive(Debug, Default)]
-struct WatchState {
-    dirty: BTreeSet<TenantId>,
-    all: bool,
-    last_full: Option<DateTime<Utc>>,
-    /// The usage marks as of the last check.
-    seen: HashMap<TenantId, i64>,
-}
-
-/// The budgets one check rates.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Scope {
-    /// Every budget.
-    All,
-    /// Only these tenants' (possibly none).
-    Only(BTreeSet<TenantId>),
-}
-
-impl Scope {
-    fn covers(&self, t: &TenantId) -> bool {
-        match self {
-            Scope::All => true,
-            Scope::Only(set) => set.contains(t),
-        }
-    }
-}
-
-impl BudgetWatch {
-    fn state(&self) -> std::sync::MutexGuard<'_, WatchState> {
-        // Every update is a whole insert or swap: a poisoned lock holds
-        // nothing half-written.
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// `tenants`' spend may have changed.
-    pub fn touch<'a>(&self, tenants: impl IntoIterator<Item = &'a TenantId>) {
-        let mut s = self.state();
-        for t in tenants {
-            if !s.dirty.contains(t) {
-                s.dirty.insert(t.clone());
-            }
-        }
-    }
-
-    /// Everyone's spend may have changed (prices).
-    pub fn touch_all(&self) {
-        self.state().all = true;
-    }
-
-    /// The scope of a check at `now`, forgetting what it covers: every
-    /// budget on the first check, when the month changed since the last
-    /// full check (spend restarts, and monthly commitments bill from the
-    /// first day), when prices changed, and at least every `full_every`;
-    /// else only the tenants touched since the last check and those whose
-    /// usage mark moved (`marks`: the store's, read for this check).
-    pub fn take(
-        &self,
-        now: DateTime<Utc>,
-        full_every: Duration,
-        marks: HashMap<TenantId, i64>,
-    ) -> Scope {
-        let mut s = self.state();
-        for (t, m) in &marks {
-            if s.seen.get(t) != Some(m) {
-                s.dirty.insert(t.clone());
-            }
-        }
-        s.seen = marks;
-        let full = s.all
-            || s.last_full.is_none_or(|l| {
-                now - l >= full_every || (l.year(), l.month()) != (now.year(), now.month())
-            });
-        if full {
-            s.all = false;
-            s.last_full = Some(now);
-            s.dirty.clear();
-            Scope::All
-        } else {
-            Scope::Only(std::mem::take(&mut s.dirty))
-        }
-    }
-}
 
 /// Checks budgets against this month's spend; each threshold newly
 /// crossed is recorded once (the store's key) and, when the budget has a
@@ -454,7 +359,9 @@ pub fn budget_exceeded(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::billing_step::BudgetWatch;
     use chrono::TimeZone;
+    use std::collections::HashMap;
 
     #[test]
     fn budget_checks_rate_only_touched_tenants_between_full_checks() {

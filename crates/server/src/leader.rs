@@ -23,27 +23,11 @@ use flotilla_store::Store;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::state::replica_id;
 use crate::state::{AppState, Leadership};
 
 /// The shortest wait between two tries for the lease.
 const MIN_TRY_EVERY: Duration = Duration::from_millis(100);
-
-/// A name for this replica, unique among the servers on one database:
-/// the host, the process id and a random suffix (a restarted process on
-/// the same host may get the same pid).
-pub fn replica_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "server".to_string());
-    format!(
-        "{host}-{}-{:04x}",
-        std::process::id(),
-        rand::random::<u16>()
-    )
-}
 
 /// Whether the replica `holder` (see [`replica_id`]) ran on this host and
 /// its process has ended, so that its lease need not be waited out (a

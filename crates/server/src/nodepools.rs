@@ -20,17 +20,14 @@
 //! new leader carries on where the old one stopped.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use flotilla_backends::capacity::{
-    CapacityError, CapacityProvider, Join, MachineState as Cloud, ProvisionRequest,
-};
+use flotilla_backends::capacity::{CapacityError, Join, MachineState as Cloud, ProvisionRequest};
 use flotilla_core::id::NodeId;
 use flotilla_core::node::RuntimeKind;
 use flotilla_core::nodepool::{NodePoolView, PoolMachineView};
-use flotilla_scale::nodepool::{self, Phase, PoolBounds, PoolDecision, Waiting, Why};
+use flotilla_scale::nodepool::{self, Phase, PoolDecision, Waiting, Why};
 use flotilla_sched::pass::{self, GpuAsk, Wait};
 use flotilla_sched::Runtime;
 use flotilla_store::capacity::{MachineState, NewMachine, PoolMachine};
@@ -38,68 +35,13 @@ use flotilla_store::StoreError;
 use rand::RngCore;
 
 use crate::auth::hash_secret;
+pub use crate::config::{NodePoolConfig, PoolStatus};
 use crate::state::AppState;
 
 /// How long a pool waits after the provider refused a machine before it
 /// asks again (quota exceeded, no capacity): asking every tick would only
 /// hammer the cloud's API.
 pub const PROVISION_BACKOFF: Duration = Duration::from_secs(30);
-
-/// One node pool the server grows and shrinks.
-#[derive(Clone)]
-pub struct NodePoolConfig {
-    /// Pool name: the nodes' `pool`.
-    pub name: String,
-    /// Where machines come from.
-    pub provider: Arc<dyn CapacityProvider>,
-    /// The instance type to ask for.
-    pub instance_type: String,
-    /// Its GPU model, catalog spelling.
-    pub gpu_model: String,
-    /// How the machines' agents run work.
-    pub runtime: RuntimeKind,
-    /// Sizes and timeouts.
-    pub bounds: PoolBounds,
-    /// Ask for spot machines.
-    pub spot: bool,
-    /// Region to ask in; `None`: the provider's choice.
-    pub region: Option<String>,
-    /// The URL new machines reach this control plane at.
-    pub join_url: String,
-    /// The certificate fingerprint new machines pin the control plane by
-    /// (a self-signed certificate); `None`: their system roots.
-    pub join_fingerprint: Option<String>,
-    /// How long a join token stays good.
-    pub join_ttl: Duration,
-    /// The last decision and the provisioning back-off, shared with the
-    /// API's view.
-    pub status: Arc<Mutex<PoolStatus>>,
-}
-
-/// What the loop remembers of a pool between passes (lost on restart:
-/// only the reason shown and a back-off).
-#[derive(Debug, Clone, Default)]
-pub struct PoolStatus {
-    /// The last decision's reason.
-    pub last_decision: Option<String>,
-    /// No machine is asked for before this.
-    pub backoff_until: Option<DateTime<Utc>>,
-}
-
-impl std::fmt::Debug for NodePoolConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NodePoolConfig")
-            .field("name", &self.name)
-            .field("provider", &self.provider.kind())
-            .field("instance_type", &self.instance_type)
-            .field("gpu_model", &self.gpu_model)
-            .field("bounds", &self.bounds)
-            .field("spot", &self.spot)
-            .field("join_url", &self.join_url)
-            .field("join_fingerprint", &self.join_fingerprint)
-            .finish()
-    }
-}
 
 /// Why a pass failed.
 #[derive(Debug, thiserror::Error)]

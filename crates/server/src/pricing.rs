@@ -9,9 +9,6 @@
 //! prices, checks budgets and delivers their webhooks, on its own task so
 //! that a slow webhook receiver never delays placement.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
-
 use chrono::{DateTime, Duration, Utc};
 use flotilla_billing::invoice::{build_invoice, Draft, Invoice, InvoiceInput};
 use flotilla_billing::price::{PriceBook, PriceVersion, SpotSeries};
@@ -22,7 +19,6 @@ use flotilla_store::{Store, StoreError};
 use rust_decimal::Decimal;
 
 use crate::error::ApiError;
-use crate::state::AppState;
 
 /// Why a period could not be rated.
 #[derive(Debug, thiserror::Error)]
@@ -253,75 +249,6 @@ pub async fn record_spot_prices(
     Ok(recorded)
 }
 
-/// State of the periodic billing step.
-#[derive(Debug, Default)]
-pub struct Runtime {
-    last: Mutex<Option<DateTime<Utc>>>,
-    running: AtomicBool,
-    /// Tenants whose spend may have changed since the last budget check.
-    pub budgets: crate::budgets::BudgetWatch,
-}
-
-impl Runtime {
-    /// True (and remembers `now`) when a step is due and none is running.
-    fn start(&self, now: DateTime<Utc>, every: std::time::Duration) -> bool {
-        let every = Duration::from_std(every).unwrap_or(Duration::seconds(30));
-        let mut last = match self.last.lock() {
-            Ok(l) => l,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        if last.is_some_and(|l| now - l < every) {
-            return false;
-        }
-        if self.running.swap(true, Ordering::AcqRel) {
-            return false;
-        }
-        *last = Some(now);
-        true
-    }
-}
-
-/// The periodic billing step, called from the reconcile loop: when due
-/// (`ServerConfig::billing_every`) and not already running, spawns one run
-/// of spot pricing, budget checks and webhook deliveries, and returns at
-/// once. Every part is idempotent, so a run cut short by a crash or a
-/// shutdown is simply done again.
-pub fn billing_pass(st: &AppState) {
-    if !st.billing().start(st.now(), st.config().billing_every) {
-        return;
-    }
-    let st = st.clone();
-    tokio::spawn(async move {
-        // Clears `running` however the run ends, a panic included, so one
-        // bad run never stops billing for good.
-        let _running = Running(st.clone());
-        let now = st.now();
-        match price_book(st.store(), st.catalog(), now).await {
-            Ok(book) => {
-                if let Err(e) = record_spot_prices(st.store(), &book, now).await {
-                    tracing::warn!(error = %e, "spot pricing failed; retrying next pass");
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "cannot read the price catalog"),
-        }
-        if let Err(e) = crate::budgets::check_budgets(&st).await {
-            tracing::warn!(error = %e, "budget check failed; retrying next pass");
-        }
-        if let Err(e) = crate::budgets::deliver_webhooks(&st).await {
-            tracing::warn!(error = %e, "webhook delivery failed; retrying next pass");
-        }
-    });
-}
-
-/// Marks the billing step as not running when dropped.
-struct Running(AppState);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.0.billing().running.store(false, Ordering::Release);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -378,18 +305,5 @@ mod tests {
         .unwrap();
         // 10 H100 for an hour at 30% of $2.99: $8.97.
         assert_eq!(inv.invoice.total().to_string(), "8.97");
-    }
-
-    #[test]
-    fn a_billing_step_starts_when_due_and_never_twice_at_once() {
-        let rt = Runtime::default();
-        let t0 = DateTime::<Utc>::UNIX_EPOCH;
-        let every = std::time::Duration::from_secs(10);
-        assert!(rt.start(t0, every));
-        // Running: not again, even when due.
-        assert!(!rt.start(t0 + Duration::seconds(20), every));
-        rt.running.store(false, Ordering::Release);
-        assert!(!rt.start(t0 + Duration::seconds(5), every), "not due yet");
-        assert!(rt.start(t0 + Duration::seconds(10), every));
     }
 }

@@ -123,7 +123,7 @@ pub async fn run(st: AppState, tick: Duration) {
                 tracing::warn!(error = %e, "metering pass failed; retrying");
             }
         }
-        crate::pricing::billing_pass(&st);
+        billing_pass(&st);
         let now = st.now();
         if now - last_housekeeping > ChronoDuration::hours(1) {
             last_housekeeping = now;
@@ -150,5 +150,49 @@ pub async fn run(st: AppState, tick: Duration) {
             _ = shutdown.changed() => {}
             _ = tokio::time::sleep_until(round_started + gap) => {}
         }
+    }
+}
+
+/// The periodic billing step, called from the reconcile loop: when due
+/// (`ServerConfig::billing_every`) and not already running, spawns one run
+/// of spot pricing, budget checks and webhook deliveries, and returns at
+/// once. Every part is idempotent, so a run cut short by a crash or a
+/// shutdown is simply done again.
+pub fn billing_pass(st: &AppState) {
+    if !st.billing().start(st.now(), st.config().billing_every) {
+        return;
+    }
+    let st = st.clone();
+    tokio::spawn(async move {
+        // Clears `running` however the run ends, a panic included, so one
+        // bad run never stops billing for good.
+        let _running = Running(st.clone());
+        let now = st.now();
+        match crate::pricing::price_book(st.store(), st.catalog(), now).await {
+            Ok(book) => {
+                if let Err(e) = crate::pricing::record_spot_prices(st.store(), &book, now).await {
+                    tracing::warn!(error = %e, "spot pricing failed; retrying next pass");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot read the price catalog"),
+        }
+        if let Err(e) = crate::budgets::check_budgets(&st).await {
+            tracing::warn!(error = %e, "budget check failed; retrying next pass");
+        }
+        if let Err(e) = crate::budgets::deliver_webhooks(&st).await {
+            tracing::warn!(error = %e, "webhook delivery failed; retrying next pass");
+        }
+    });
+}
+
+/// Marks the billing step as not running when dropped.
+struct Running(AppState);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0
+            .billing()
+            .running
+            .store(false, std::sync::atomic::Ordering::Release);
     }
 }

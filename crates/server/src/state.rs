@@ -16,8 +16,8 @@ use governor::clock::{Clock as _, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use tokio::sync::watch;
 
+use crate::config::ServerConfig;
 use crate::error::ApiError;
-use crate::ServerConfig;
 
 /// The wall clock: the server's choice of [`Clock`].
 #[derive(Debug, Clone, Copy, Default)]
@@ -39,7 +39,7 @@ struct Inner {
     changes: watch::Sender<u64>,
     shutdown: watch::Receiver<bool>,
     started_at: DateTime<Utc>,
-    billing: crate::pricing::Runtime,
+    billing: crate::billing_step::Runtime,
     /// The last GPU telemetry of each node. Observed state that the next
     /// sync replaces, so it lives in memory, not in the store: after a
     /// restart it is back within one sync interval.
@@ -149,10 +149,10 @@ impl AppState {
                 changes: watch::channel(0).0,
                 shutdown,
                 started_at,
-                billing: crate::pricing::Runtime::default(),
+                billing: crate::billing_step::Runtime::default(),
                 telemetry: Mutex::default(),
                 leadership: watch::channel(Leadership::Follower { leader: None }).0,
-                replica: crate::leader::replica_id(),
+                replica: replica_id(),
                 endpoints_wake: Arc::default(),
                 secret_key: Mutex::default(),
                 ops: crate::ops_metrics::OpsMetrics::default(),
@@ -286,7 +286,7 @@ impl AppState {
     }
 
     /// State of the periodic billing step.
-    pub fn billing(&self) -> &crate::pricing::Runtime {
+    pub fn billing(&self) -> &crate::billing_step::Runtime {
         &self.inner.billing
     }
 
@@ -404,6 +404,23 @@ impl AppState {
             rand::random::<u128>(),
         )
     }
+}
+
+/// A name for this replica, unique among the servers on one database:
+/// the host, the process id and a random suffix (a restarted process on
+/// the same host may get the same pid).
+pub fn replica_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "server".to_string());
+    format!(
+        "{host}-{}-{:04x}",
+        std::process::id(),
+        rand::random::<u16>()
+    )
 }
 
 #[cfg(test)]
