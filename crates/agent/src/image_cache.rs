@@ -25,7 +25,7 @@ use chrono::{DateTime, Utc};
 use flotilla_core::api::NodeImage;
 use serde::{Deserialize, Serialize};
 
-use crate::container::ContainerError;
+use crate::container_error::ContainerError;
 
 /// The cache's record in the agent's state directory.
 pub const STATE_FILE: &str = "image-cache.json";

@@ -22,6 +22,7 @@
 pub mod access;
 pub mod client;
 pub mod container;
+pub mod container_error;
 pub mod discovery;
 pub mod fence;
 pub mod image_cache;

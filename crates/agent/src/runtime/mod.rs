@@ -151,7 +151,7 @@ pub enum SpawnError {
     Limits(#[from] cgroup::CgroupError),
     /// The container engine refused or failed (pull, create, start).
     #[error(transparent)]
-    Container(#[from] crate::container::ContainerError),
+    Container(#[from] crate::container_error::ContainerError),
     /// The workload's network namespace could not be set up.
     #[error("cannot set up the workload's network: {0}")]
     Network(String),
