@@ -13,7 +13,7 @@ use flotilla_core::id::InstanceId;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::mpsc;
 
-use crate::commands::Ctx;
+use crate::ctx::Ctx;
 
 pub(crate) fn instance(id: &str) -> Result<InstanceId> {
     InstanceId::parse(id.trim(), "id").map_err(|e| anyhow!("{}: {}", e.field, e.message))

@@ -17,7 +17,7 @@ use rust_decimal::Decimal;
 use serde_json::{json, Value};
 
 use crate::client::decode;
-use crate::commands::Ctx;
+use crate::ctx::Ctx;
 use crate::output::{outln, print_json, print_table, table, wire};
 
 pub(crate) fn this_month() -> String {

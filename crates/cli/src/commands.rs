@@ -21,19 +21,11 @@ use serde_json::Value;
 
 use crate::client::{decode, Client};
 use crate::config::{self, Credentials};
+pub use crate::ctx::Ctx;
+use crate::daemon::Signals;
 use crate::follow::{self, FollowOptions, Followed};
-use crate::local::Signals;
+use crate::limits::parse_memory;
 use crate::output::{self, age, one_line, outln, print_json, print_table, table};
-
-/// Everything a client command needs.
-pub struct Ctx {
-    /// The API.
-    pub client: Client,
-    /// Print raw JSON instead of tables.
-    pub json: bool,
-    /// How `https://` servers are trusted (the gateway too, for `demo`).
-    pub trust: flotilla_client::Trust,
-}
 
 fn decode_all<T: serde::de::DeserializeOwned>(items: Vec<Value>) -> Result<Vec<T>> {
     items.into_iter().map(decode).collect()
@@ -316,32 +308,6 @@ pub fn parse_cpus(s: &str) -> std::result::Result<u32, String> {
     Ok(milli as u32)
 }
 
-/// Parses `--memory`: MiB, or a size with a unit (`512M`, `2G`, `1.5g`,
-/// `512MiB`).
-pub fn parse_memory(s: &str) -> std::result::Result<u64, String> {
-    let t = s.trim().to_ascii_lowercase();
-    let t = t
-        .strip_suffix("ib")
-        .or_else(|| t.strip_suffix('b'))
-        .unwrap_or(&t);
-    let (num, factor) = match t.chars().last() {
-        Some('k') => (&t[..t.len() - 1], 1.0 / 1024.0),
-        Some('m') => (&t[..t.len() - 1], 1.0),
-        Some('g') => (&t[..t.len() - 1], 1024.0),
-        Some('t') => (&t[..t.len() - 1], 1024.0 * 1024.0),
-        _ => (t, 1.0),
-    };
-    let n: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("expected a size such as 512M or 2G, got `{s}`"))?;
-    let mib = (n * factor).ceil();
-    if !n.is_finite() || !(1.0..=64.0 * 1024.0 * 1024.0).contains(&mib) {
-        return Err(format!("expected between 1M and 64T, got `{s}`"));
-    }
-    Ok(mib as u64)
-}
-
 /// Parses `--env K=V`.
 pub fn parse_env(s: &str) -> std::result::Result<(String, String), String> {
     match s.split_once('=') {
@@ -357,60 +323,6 @@ pub fn parse_env(s: &str) -> std::result::Result<(String, String), String> {
 /// ([`crate::queue`]).
 pub async fn queue(ctx: &Ctx) -> Result<ExitCode> {
     crate::queue::all(ctx).await
-}
-
-/// One line of a queue as `queue` and `jobs queue` print it.
-pub(crate) struct QueueRow {
-    pub position: u32,
-    pub id: String,
-    pub name: Option<String>,
-    pub priority: i32,
-    pub tier: u8,
-    pub gpus: String,
-    pub created_at: chrono::DateTime<Utc>,
-    pub reason: String,
-}
-
-/// Prints the queue the server lists at `path`, one row per entry: the
-/// entries as the server wrote them with `--json`, a table otherwise.
-pub(crate) async fn work_queue<E: serde::de::DeserializeOwned>(
-    ctx: &Ctx,
-    path: &str,
-    row: impl Fn(E) -> QueueRow,
-) -> Result<ExitCode> {
-    let raw: flotilla_core::api::Page<Value> = ctx.client.get(path, &[]).await?;
-    if ctx.json {
-        print_json(&raw.items)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    if raw.items.is_empty() {
-        // A bare header reads like a broken command; say what it means.
-        outln!("the queue is empty: nothing is waiting for GPUs")?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    print_queue(decode_all::<E>(raw.items)?.into_iter().map(row))?;
-    Ok(ExitCode::SUCCESS)
-}
-
-/// The queue's table: one row per waiting instance or job, in the order
-/// given (`queue` and `jobs queue` print the same columns).
-pub(crate) fn print_queue(rows: impl IntoIterator<Item = QueueRow>) -> Result<()> {
-    let now = Utc::now();
-    let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
-    for r in rows {
-        t.add_row([
-            r.position.to_string(),
-            r.id,
-            r.name.unwrap_or_else(|| "-".into()),
-            r.priority.to_string(),
-            r.tier.to_string(),
-            r.gpus,
-            age(now, r.created_at),
-            one_line(&r.reason),
-        ]);
-    }
-    print_table(&t)?;
-    Ok(())
 }
 
 /// `flotilla run`.

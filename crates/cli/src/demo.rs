@@ -26,7 +26,7 @@ use rust_decimal::Decimal;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
-use crate::commands::Ctx;
+use crate::ctx::Ctx;
 use crate::gateway::DEFAULT_GATEWAY_BIND;
 use crate::output::{outln, say};
 

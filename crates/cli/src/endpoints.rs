@@ -12,7 +12,8 @@ use flotilla_core::endpoint::{CreateEndpoint, Endpoint, UpdateEndpoint};
 use flotilla_core::gateway::Balance;
 use flotilla_core::queue_trigger::{redact_url, QueueTrigger, DEFAULT_MESSAGES_PER_REPLICA};
 
-use crate::commands::{parse_env, Ctx};
+use crate::commands::parse_env;
+use crate::ctx::Ctx;
 use crate::output::{age, outln, print_json, print_table, table};
 
 /// `flotilla endpoints` actions.

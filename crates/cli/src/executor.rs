@@ -12,7 +12,7 @@ use flotilla_backends::bridge::{self, BridgeConfig};
 use flotilla_backends::slurm::{Auth, SlurmConfig, SlurmExecutor};
 
 use crate::config;
-use crate::local::{init_logging, Signals};
+use crate::daemon::{init_logging, Signals};
 
 /// The engines a bridge can front.
 #[derive(Debug, Subcommand)]

@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::client::{self, Client, LogFollow};
-use crate::local::Signals;
+use crate::daemon::Signals;
 use crate::output::state_line;
 
 /// How often the state is polled while following.

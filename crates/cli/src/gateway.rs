@@ -11,7 +11,7 @@ use clap::Args;
 use flotilla_gateway::{ApiControl, GatewayConfig, GatewayHandle};
 
 use crate::config;
-use crate::local::{init_logging, Signals, TlsArgs};
+use crate::daemon::{init_logging, Signals, TlsArgs};
 use crate::output::say;
 
 /// Where the gateway listens by default.
@@ -91,14 +91,14 @@ pub async fn run(
     if args.token.trim().is_empty() {
         bail!("--token is empty: pass a provider (agent) or operator key");
     }
-    let dir = crate::local::data_dir(None)?.join("gateway");
+    let dir = crate::daemon::data_dir(None)?.join("gateway");
     if args.tls.self_signed() {
         // The key file is owner-only; keep its directory so too.
         config::create_private_dir(&dir)?;
     }
     let tls = args
         .tls
-        .load(&dir, &crate::local::certificate_names(&args.bind))?;
+        .load(&dir, &crate::daemon::certificate_names(&args.bind))?;
     let mut signals = Signals::new()?;
     let fingerprint = tls.as_ref().map(|t| t.fingerprint());
     let gw = start(

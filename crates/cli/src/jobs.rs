@@ -8,13 +8,15 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Result};
 use chrono::Utc;
 use clap::Subcommand;
-use flotilla_core::api::{Job, JobQueueEntry};
+use flotilla_core::api::Job;
 use flotilla_core::id::JobId;
 use flotilla_core::job::{CreateJob, JobState, Locality, RestartPolicy};
 
 use crate::client::decode;
-use crate::commands::{end_work, instance_logs, work_queue, Ctx, QueueRow, WorkArgs};
+use crate::commands::{end_work, instance_logs, WorkArgs};
+use crate::ctx::Ctx;
 use crate::output::{age, one_line, outln, print_json, print_table, table};
+use crate::queue::{queue_row, work_queue};
 use serde_json::Value;
 
 /// `flotilla jobs` actions.
@@ -182,20 +184,6 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
 }
 
 /// `4xH100 (2x2)`: total GPUs, then members x GPUs per member.
-pub(crate) fn gpus(j: &Job) -> String {
-    let model = if j.spec.gpu_types.is_empty() {
-        "any".to_string()
-    } else {
-        j.spec.gpu_types.join("|")
-    };
-    format!(
-        "{}x{model} ({}x{})",
-        j.spec.gpus,
-        j.spec.nodes,
-        j.spec.gpus_per_member()
-    )
-}
-
 async fn list(ctx: &Ctx, all: bool, state: Option<JobState>) -> Result<ExitCode> {
     let mut query = Vec::new();
     if let Some(s) = state {
@@ -222,7 +210,7 @@ async fn list(ctx: &Ctx, all: bool, state: Option<JobState>) -> Result<ExitCode>
             j.id.to_string(),
             j.spec.name.clone().unwrap_or_else(|| "-".into()),
             j.state.as_str().to_string(),
-            gpus(&j),
+            crate::output::job_gpus(&j),
             j.attempts.to_string(),
             age(now, j.created_at),
             one_line(&j.state_reason),
@@ -315,21 +303,6 @@ pub async fn explain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 
 async fn queue(ctx: &Ctx) -> Result<ExitCode> {
     work_queue(ctx, "/v1/jobs/queue", queue_row).await
-}
-
-/// A waiting job as a line of the queue (`jobs queue`, `queue`).
-pub(crate) fn queue_row(e: JobQueueEntry) -> QueueRow {
-    let j = e.job;
-    QueueRow {
-        position: e.position,
-        gpus: gpus(&j),
-        id: j.id.to_string(),
-        name: j.spec.name,
-        priority: j.spec.priority,
-        tier: j.spec.tier,
-        created_at: j.created_at,
-        reason: j.state_reason,
-    }
 }
 
 async fn cancel(ctx: &Ctx, id: &str) -> Result<ExitCode> {

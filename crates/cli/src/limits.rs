@@ -6,8 +6,6 @@
 use clap::Args;
 use flotilla_agent::runtime::limits::{LimitDefaults, DEFAULT_DISK_MB, DEFAULT_PIDS};
 
-use crate::commands::parse_memory;
-
 /// Default limits of the process runtime (`up`, `agent`).
 #[derive(Debug, Clone, Args)]
 pub struct LimitArgs {
@@ -35,4 +33,30 @@ impl LimitArgs {
             disk_mb: self.default_disk,
         }
     }
+}
+
+/// Parses `--memory`: MiB, or a size with a unit (`512M`, `2G`, `1.5g`,
+/// `512MiB`).
+pub fn parse_memory(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let t = t
+        .strip_suffix("ib")
+        .or_else(|| t.strip_suffix('b'))
+        .unwrap_or(&t);
+    let (num, factor) = match t.chars().last() {
+        Some('k') => (&t[..t.len() - 1], 1.0 / 1024.0),
+        Some('m') => (&t[..t.len() - 1], 1.0),
+        Some('g') => (&t[..t.len() - 1], 1024.0),
+        Some('t') => (&t[..t.len() - 1], 1024.0 * 1024.0),
+        _ => (t, 1.0),
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("expected a size such as 512M or 2G, got `{s}`"))?;
+    let mib = (n * factor).ceil();
+    if !n.is_finite() || !(1.0..=64.0 * 1024.0 * 1024.0).contains(&mib) {
+        return Err(format!("expected between 1M and 64T, got `{s}`"));
+    }
+    Ok(mib as u64)
 }

@@ -12,6 +12,8 @@ mod billing;
 mod client;
 mod commands;
 mod config;
+mod ctx;
+mod daemon;
 mod demo;
 mod endpoints;
 mod executor;

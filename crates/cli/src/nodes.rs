@@ -9,7 +9,7 @@ use flotilla_core::id::{GpuId, NodeId};
 use serde_json::{json, Value};
 
 use crate::client::decode;
-use crate::commands::Ctx;
+use crate::ctx::Ctx;
 use crate::output::{self, outln, print_json, print_table, table};
 
 fn node_id(raw: &str) -> Result<NodeId> {

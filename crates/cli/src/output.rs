@@ -234,6 +234,21 @@ pub fn history<'a>(
     }
 }
 
+/// A job's GPUs as lists show them: the total, then nodes × per node.
+pub(crate) fn job_gpus(j: &flotilla_core::api::Job) -> String {
+    let model = if j.spec.gpu_types.is_empty() {
+        "any".to_string()
+    } else {
+        j.spec.gpu_types.join("|")
+    };
+    format!(
+        "{}x{model} ({}x{})",
+        j.spec.gpus,
+        j.spec.nodes,
+        j.spec.gpus_per_member()
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,15 +7,14 @@
 
 use anyhow::{bail, Result};
 
-use crate::local::WorkloadArgs;
-
 /// Refuses to start when the local node could not run workloads: as root
 /// with the process runtime, bubblewrap must be on `PATH` and work here
 /// (unless `--insecure-process-runtime`). Blocking (runs bubblewrap once).
-pub fn check(workloads: &WorkloadArgs) -> Result<()> {
-    if workloads.runtime != flotilla_agent::runtime::RuntimeKind::Process
-        || workloads.insecure_process_runtime
-    {
+pub fn check(
+    runtime: flotilla_agent::runtime::RuntimeKind,
+    insecure_process_runtime: bool,
+) -> Result<()> {
+    if runtime != flotilla_agent::runtime::RuntimeKind::Process || insecure_process_runtime {
         return Ok(());
     }
     if let Err(why) = flotilla_agent::runtime::sandbox::preflight_root_sandbox() {

@@ -10,8 +10,8 @@ use flotilla_core::api::{JobQueueEntry, Page, QueueEntry};
 use serde_json::Value;
 
 use crate::client::decode;
-use crate::commands::{Ctx, QueueRow};
-use crate::output::{outln, print_json};
+use crate::ctx::Ctx;
+use crate::output::{age, one_line, outln, print_json, print_table, table};
 
 /// The prefix of a waiting reason for work the pool can never hold (more
 /// distinct machines or GPUs than it has); the scheduler writes it.
@@ -46,7 +46,7 @@ pub async fn all(ctx: &Ctx) -> Result<ExitCode> {
     }
     for raw in jobs.items {
         let e: JobQueueEntry = decode(raw.clone())?;
-        entries.push((crate::jobs::queue_row(e), with_kind(raw, "job")));
+        entries.push((queue_row(e), with_kind(raw, "job")));
     }
     entries.sort_by(|a, b| (a.0.position, &a.0.id).cmp(&(b.0.position, &b.0.id)));
     if ctx.json {
@@ -58,7 +58,7 @@ pub async fn all(ctx: &Ctx) -> Result<ExitCode> {
         outln!("the queue is empty: no instance or job is waiting for GPUs")?;
         return Ok(ExitCode::SUCCESS);
     }
-    crate::commands::print_queue(entries.into_iter().map(|(row, _)| row))?;
+    print_queue(entries.into_iter().map(|(row, _)| row))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -67,6 +67,80 @@ fn with_kind(mut raw: Value, kind: &str) -> Value {
         o.insert("kind".into(), Value::String(kind.into()));
     }
     raw
+}
+
+/// One line of a queue as `queue` and `jobs queue` print it.
+pub(crate) struct QueueRow {
+    pub position: u32,
+    pub id: String,
+    pub name: Option<String>,
+    pub priority: i32,
+    pub tier: u8,
+    pub gpus: String,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    pub reason: String,
+}
+
+/// Prints the queue the server lists at `path`, one row per entry: the
+/// entries as the server wrote them with `--json`, a table otherwise.
+pub(crate) async fn work_queue<E: serde::de::DeserializeOwned>(
+    ctx: &Ctx,
+    path: &str,
+    row: impl Fn(E) -> QueueRow,
+) -> Result<ExitCode> {
+    let raw: flotilla_core::api::Page<Value> = ctx.client.get(path, &[]).await?;
+    if ctx.json {
+        print_json(&raw.items)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if raw.items.is_empty() {
+        // A bare header reads like a broken command; say what it means.
+        outln!("the queue is empty: nothing is waiting for GPUs")?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let entries = raw
+        .items
+        .into_iter()
+        .map(decode::<E>)
+        .collect::<Result<Vec<E>>>()?;
+    print_queue(entries.into_iter().map(row))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The queue's table: one row per waiting instance or job, in the order
+/// given (`queue` and `jobs queue` print the same columns).
+pub(crate) fn print_queue(rows: impl IntoIterator<Item = QueueRow>) -> Result<()> {
+    let now = chrono::Utc::now();
+    let mut t = table(["POS", "ID", "NAME", "PRIO", "TIER", "GPUS", "AGE", "REASON"]);
+    for r in rows {
+        t.add_row([
+            r.position.to_string(),
+            r.id,
+            r.name.unwrap_or_else(|| "-".into()),
+            r.priority.to_string(),
+            r.tier.to_string(),
+            r.gpus,
+            age(now, r.created_at),
+            one_line(&r.reason),
+        ]);
+    }
+    print_table(&t)?;
+    Ok(())
+}
+
+/// A waiting job as a line of the queue (`jobs queue`, `queue`).
+pub(crate) fn queue_row(e: JobQueueEntry) -> QueueRow {
+    let j = e.job;
+    QueueRow {
+        position: e.position,
+        gpus: crate::output::job_gpus(&j),
+        id: j.id.to_string(),
+        name: j.spec.name,
+        priority: j.spec.priority,
+        tier: j.spec.tier,
+        created_at: j.created_at,
+        reason: j.state_reason,
+    }
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use flotilla_core::registry::{CreateRegistryCredential, RegistryCredential};
 use serde_json::Value;
 
 use crate::client::decode;
-use crate::commands::Ctx;
+use crate::ctx::Ctx;
 use crate::output::{self, age, outln, print_json, print_table, table};
 
 /// Environment variable `registries add` reads the secret from.

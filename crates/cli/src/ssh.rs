@@ -18,7 +18,7 @@ use flotilla_core::ssh_key::CreateSshKey;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use crate::access::{instance, until_running};
-use crate::commands::Ctx;
+use crate::ctx::Ctx;
 use crate::output::{age, outln, print_json, print_table, table};
 
 /// `flotilla ssh-keys …`.
