@@ -147,6 +147,14 @@ impl ServerConfig {
         self.heartbeat_interval()
     }
 
+    /// How long the database lets a session idle in a transaction or wait
+    /// for a lock, for this leader lease: a replica stalled holding the
+    /// lease row does not stall the others (see
+    /// [`flotilla_store::leases`]).
+    pub fn store_timeouts(&self) -> flotilla_store::leases::Timeouts {
+        flotilla_store::leases::Timeouts::for_lease(self.leader_lease())
+    }
+
     /// A node's lease: an agent that has not synced for this long stops
     /// its work itself. It is the heartbeat timeout.
     pub fn node_lease(&self) -> Duration {
@@ -174,8 +182,12 @@ pub struct BootstrapOutcome {
 /// Opens (creating a SQLite file when needed) and migrates the store. A
 /// SQLite file is private to the server's user (mode 0600, as SQLite gives
 /// its `-wal` and `-shm` files the database's mode); a directory it
-/// creates for it is 0700.
-pub async fn open_store(database_url: &str) -> anyhow::Result<Store> {
+/// creates for it is 0700. `timeouts` apply on PostgreSQL
+/// ([`ServerConfig::store_timeouts`]).
+pub async fn open_store(
+    database_url: &str,
+    timeouts: flotilla_store::leases::Timeouts,
+) -> anyhow::Result<Store> {
     if let Some(path) = database_url.strip_prefix("sqlite://") {
         let file = Path::new(path.split('?').next().unwrap_or(path));
         if let Some(dir) = file.parent() {
@@ -186,7 +198,7 @@ pub async fn open_store(database_url: &str) -> anyhow::Result<Store> {
         private_sqlite_files(file)
             .with_context(|| format!("cannot make {} private", file.display()))?;
     }
-    Store::connect(database_url)
+    Store::connect_with(database_url, timeouts)
         .await
         .with_context(|| format!("cannot open the database at {}", redact(database_url)))
 }
