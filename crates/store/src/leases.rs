@@ -176,7 +176,7 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<Lease> {
         let until = ms(now + ttl);
-        let mut tx = self.lease_pool().begin().await?;
+        let mut tx = crate::txn::begin(self.lease_pool()).await?;
         // A first grant: an expired row with token 0, which the update
         // below takes like any lease that ran out (token 1).
         sqlx::query(
@@ -203,7 +203,7 @@ impl Store {
             .bind(name)
             .fetch_one(&mut *tx)
             .await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         lease(&row)
     }
 
@@ -219,7 +219,7 @@ impl Store {
         ttl: chrono::Duration,
         now: DateTime<Utc>,
     ) -> Result<Lease> {
-        let mut tx = self.lease_pool().begin().await?;
+        let mut tx = crate::txn::begin(self.lease_pool()).await?;
         sqlx::query(
             "UPDATE leases SET holder = $3, token = token + 1, expires_at = $4, acquired_at = $5 \
              WHERE name = $1 AND holder = $2",
@@ -235,7 +235,7 @@ impl Store {
             .bind(name)
             .fetch_one(&mut *tx)
             .await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         lease(&row)
     }
 
@@ -296,7 +296,7 @@ impl Store {
     /// that writes (it would wait on itself): none does, the re-reads that
     /// follow a write come after its commit.
     pub(crate) async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
-        let mut tx = self.writer().begin().await?;
+        let mut tx = crate::txn::begin(self.writer()).await?;
         if self.backend() == Backend::Sqlite {
             sqlx::query(TAKE_WRITE_LOCK).execute(&mut *tx).await?;
         }
@@ -335,7 +335,7 @@ impl Store {
         let mut tx = self.begin().await?;
         let out = hold.await;
         sqlx::query("SELECT 1").execute(&mut *tx).await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(out)
     }
 

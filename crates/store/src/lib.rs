@@ -35,6 +35,7 @@ pub mod registry_credentials;
 pub mod secrets;
 pub mod ssh_keys;
 pub mod tenants;
+mod txn;
 pub mod usage;
 pub mod vertical;
 pub mod weights;
