@@ -417,6 +417,14 @@ fn a_paused_leader_steps_down_and_places_nothing() {
     wait_until("2 free H100s", Duration::from_secs(30), || {
         free_h100(&urls, &key) == 2
     });
+    // The node exists once the registration committed, which may be before
+    // the agent has the answer: stopped then, the leader would keep the
+    // agent waiting on its register call (15 s) past the node's lease.
+    wait_until("the agent registered", Duration::from_secs(30), || {
+        std::fs::read_to_string(env.dir.path().join("agent.log"))
+            .unwrap_or_default()
+            .contains("registered with the server")
+    });
 
     send_signal(&first.0, nix::sys::signal::Signal::SIGSTOP);
     let follower = [urls[1].clone()];
