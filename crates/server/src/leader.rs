@@ -9,7 +9,12 @@
 //! every write it still attempts is refused by the database. A renewal
 //! that fails, times out or finds another holder stops the loops at once;
 //! between the lease running out by this process's clock and the election
-//! loop noticing, the loops skip their passes ([`AppState::leads`]).
+//! loop noticing, the loops skip their passes ([`AppState::leads`]). A
+//! renewal or takeover that finds the lease row locked gives up at once
+//! ([`StoreError::Busy`]) and is tried again next round: a replica frozen
+//! inside a fenced write holds that lock until PostgreSQL ends its
+//! session (see [`flotilla_store::leases`]), and must not stall the
+//! others meanwhile.
 //!
 //! SQLite is one server: a second one started on the same file while the
 //! first holds the lease refuses to start ([`claim_single`]).
