@@ -441,7 +441,7 @@ async fn start_server(args: ServerArgs) -> Result<RunningServer> {
         .map(|t| t.fingerprint().to_string());
     server_config.node_pools =
         crate::nodepools::build(&args.node_pools, &url, pin, &data_dir).await?;
-    let store = flotilla_server::open_store(&database_url)
+    let store = flotilla_server::open_store(&database_url, server_config.store_timeouts())
         .await
         .map_err(|e| anyhow!("opening the database: {e:#}"))?;
     let boot = flotilla_server::bootstrap(&store, &data_dir)

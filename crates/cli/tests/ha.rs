@@ -7,6 +7,10 @@
 //!   create runs, and each instance's usage is counted once.
 //! - A leader paused with SIGSTOP past its lease: another takes over, and
 //!   the resumed one steps down instead of placing anything.
+//! - A leader paused with SIGSTOP inside a fenced write, holding its lease
+//!   row locked, for three lease periods: the follower takes over within
+//!   two heartbeat intervals of the lease running out, answers health and
+//!   creates throughout, and no running work is killed.
 //! - A node cut off from the control plane past its lease: its agent stops
 //!   the job's member itself, and only then does the job run elsewhere;
 //!   each copy is billed for the time it ran.
@@ -413,6 +417,14 @@ fn a_paused_leader_steps_down_and_places_nothing() {
     wait_until("2 free H100s", Duration::from_secs(30), || {
         free_h100(&urls, &key) == 2
     });
+    // The node exists once the registration committed, which may be before
+    // the agent has the answer: stopped then, the leader would keep the
+    // agent waiting on its register call (15 s) past the node's lease.
+    wait_until("the agent registered", Duration::from_secs(30), || {
+        std::fs::read_to_string(env.dir.path().join("agent.log"))
+            .unwrap_or_default()
+            .contains("registered with the server")
+    });
 
     send_signal(&first.0, nix::sys::signal::Signal::SIGSTOP);
     let follower = [urls[1].clone()];
@@ -457,6 +469,191 @@ fn a_paused_leader_steps_down_and_places_nothing() {
             || log.contains("renewal timed out"),
         "the resumed leader says it stopped its loops"
     );
+    drop(second);
+}
+
+/// The leader lease's row straight from PostgreSQL: holder, token,
+/// `expires_at` and `acquired_at` (UTC milliseconds). A plain read, which
+/// no row lock holds up.
+fn lease_row(url: &str) -> (String, i64, i64, i64) {
+    use sqlx::{Connection, Row};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+        let r = sqlx::query(
+            "SELECT holder, token, expires_at, acquired_at FROM leases WHERE name = 'leader'",
+        )
+        .fetch_one(&mut c)
+        .await
+        .unwrap();
+        (r.get(0), r.get(1), r.get(2), r.get(3))
+    })
+}
+
+/// A request to one server with its latency; `None` when it did not
+/// answer.
+fn timed(f: impl FnOnce() -> Option<u16>) -> (Option<u16>, Duration) {
+    let start = Instant::now();
+    let status = f();
+    (status, start.elapsed())
+}
+
+#[test]
+fn a_leader_frozen_holding_its_lease_row_stalls_nothing() {
+    // Heartbeat interval 3 s: the leader lease lives 3 s.
+    let Some(mut env) = pg_home("hafreeze", 9) else {
+        return;
+    };
+    let interval = Duration::from_secs(3);
+    let lease = interval;
+    // The servers' test hook: a leader that sees this file appear holds
+    // its lease row in a fenced transaction until the file is gone.
+    let trigger = env.dir.path().join("hold-lease");
+    let held = env.dir.path().join("hold-lease.held");
+    env.server_env.push((
+        "FLOTILLA_TEST_HOLD_LEASE_LOCK".into(),
+        trigger.display().to_string(),
+    ));
+    let db = env.database_url.clone().unwrap();
+    let ports = [env.port, free_port()];
+    let urls: Vec<String> = ports
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect();
+    let first = env.server_at(ports[0]);
+    let _op = env.operator_key();
+    let second = env.server_at(ports[1]);
+    let _agent = env.agent_to("freeze-a", "2xH100", &urls.join(","));
+    let (_tenant, key) = tenant(&env, "freeze");
+    wait_until("one leader", Duration::from_secs(30), || {
+        leaders(&urls) == [0]
+    });
+    wait_until("2 free H100s", Duration::from_secs(30), || {
+        free_h100(&urls, &key) == 2
+    });
+
+    // Running work, which records its pid.
+    let body =
+        json!({"gpus": 1, "command": ["sh", "-c", "echo $$ > pid; exec sleep 600"]}).to_string();
+    let (status, created) =
+        call_any(&urls[..1], "POST", &key, "/v1/instances", Some(&body)).unwrap();
+    assert_eq!(status, 201, "{created}");
+    let running = created["id"].as_str().unwrap().to_string();
+    let pid_file = env
+        .dir
+        .path()
+        .join("agent/instances")
+        .join(&running)
+        .join("pid");
+    let mut pid = 0u32;
+    wait_until("the instance runs", Duration::from_secs(30), || {
+        pid = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0);
+        pid != 0 && get_any(&urls, &key, &format!("/v1/instances/{running}"))["state"] == "running"
+    });
+    assert!(pid_alive(pid));
+
+    // The leader holds its lease row locked in a fenced write, and is
+    // stopped there for three lease periods.
+    std::fs::write(&trigger, "").unwrap();
+    wait_until(
+        "the leader holds its lease row",
+        Duration::from_secs(30),
+        || held.exists(),
+    );
+    send_signal(&first.0, nix::sys::signal::Signal::SIGSTOP);
+    let stopped = Instant::now();
+    // The new leader must not hold it too; the old one, resumed, lets go.
+    std::fs::remove_file(&trigger).unwrap();
+    let (old_holder, old_token, old_expiry, _) = lease_row(&db);
+    let follower = [urls[1].clone()];
+    let mut created_during = None;
+    let mut slowest_health = Duration::ZERO;
+    let mut took_over = None;
+    while stopped.elapsed() < lease * 3 {
+        let (status, took) = timed(|| {
+            http("GET", &format!("{}/v1/health", urls[1]), None, None)
+                .ok()
+                .map(|(s, _)| s)
+        });
+        assert_eq!(status, Some(200), "the follower's health answers");
+        slowest_health = slowest_health.max(took);
+        if created_during.is_none() {
+            let (status, took) = timed(|| {
+                let (s, v) = call_any(&follower, "POST", &key, "/v1/instances", Some(&body))?;
+                created_during = v["id"].as_str().map(str::to_string);
+                Some(s)
+            });
+            assert_eq!(status, Some(201), "a create through the follower");
+            eprintln!("created through the follower in {took:?}");
+        }
+        if took_over.is_none() && leaders(&follower) == [0] {
+            took_over = Some(stopped.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let took_over = took_over.expect("the follower took over while the leader was stopped");
+    let (holder, token, _, acquired) = lease_row(&db);
+    assert_ne!(holder, old_holder);
+    assert!(token > old_token);
+    let after_expiry = Duration::from_millis(acquired.saturating_sub(old_expiry) as u64);
+    eprintln!(
+        "leader stopped holding its lease row: the follower took over {after_expiry:?} after \
+         the lease ran out ({took_over:?} after the stop, seen by polling); slowest health \
+         answer {slowest_health:?}"
+    );
+    assert!(
+        after_expiry <= interval * 2,
+        "taken over within two heartbeat intervals of the lease running out ({after_expiry:?})"
+    );
+    assert!(
+        slowest_health < interval,
+        "health answered promptly throughout ({slowest_health:?})"
+    );
+    let during = created_during.unwrap();
+    wait_until(
+        "the instance created during the stall runs",
+        Duration::from_secs(30),
+        || get_any(&follower, &key, &format!("/v1/instances/{during}"))["state"] == "running",
+    );
+
+    // Resumed, the old leader finds its held transaction ended and its
+    // lease gone, and steps down; nothing running was stopped.
+    send_signal(&first.0, nix::sys::signal::Signal::SIGCONT);
+    wait_until("the old leader steps down", Duration::from_secs(30), || {
+        health(&urls[0]).is_some_and(|h| h["role"] == "follower" && h["leader"].is_string())
+    });
+    assert_eq!(leaders(&urls), [1]);
+    // Its held write did not land: the lease is the new leader's still.
+    assert_eq!(lease_row(&db).0, holder);
+    let log = std::fs::read_to_string(env.dir.path().join("server.log")).unwrap_or_default();
+    assert!(
+        log.contains("leader lease lost")
+            || log.contains("leader lease not renewed")
+            || log.contains("renewal timed out"),
+        "the resumed leader says it stopped its loops"
+    );
+    let inst = get_any(&urls, &key, &format!("/v1/instances/{running}"));
+    assert_eq!(inst["state"], "running", "{inst}");
+    let states: Vec<&str> = inst["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["state"].as_str())
+        .collect();
+    assert!(!states.contains(&"lost"), "{states:?}");
+    assert!(pid_alive(pid), "the running instance's process still runs");
+    assert_eq!(
+        std::fs::read_to_string(&pid_file).unwrap().trim(),
+        pid.to_string(),
+        "the same process"
+    );
+    assert_no_gpu_held_twice(&all_instances(&urls, &key));
     drop(second);
 }
 

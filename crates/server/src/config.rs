@@ -104,6 +104,14 @@ impl ServerConfig {
         self.heartbeat_interval()
     }
 
+    /// How long the database lets a session idle in a transaction or wait
+    /// for a lock, for this leader lease: a replica stalled holding the
+    /// lease row does not stall the others (see
+    /// [`flotilla_store::leases`]).
+    pub fn store_timeouts(&self) -> flotilla_store::leases::Timeouts {
+        flotilla_store::leases::Timeouts::for_lease(self.leader_lease())
+    }
+
     /// A node's lease: an agent that has not synced for this long stops
     /// its work itself. It is the heartbeat timeout.
     pub fn node_lease(&self) -> Duration {

@@ -163,7 +163,19 @@ impl From<StoreError> for ApiError {
             StoreError::Quota(q) => q.into(),
             StoreError::Unavailable(e) => {
                 tracing::warn!(error = %e, "database unavailable");
-                Self::unavailable("the database is unavailable; retry shortly")
+                Self {
+                    retry_after: Some(1),
+                    ..Self::unavailable("the database is unavailable; retry shortly")
+                }
+            }
+            // A lock held by a stalled replica, given up on rather than
+            // waited for (`flotilla_store::leases::Timeouts`).
+            StoreError::Busy(e) => {
+                tracing::warn!(error = %e, "database busy: gave up waiting for a lock");
+                Self {
+                    retry_after: Some(1),
+                    ..Self::unavailable("the database is busy; retry shortly")
+                }
             }
             other => Self::internal(other),
         }

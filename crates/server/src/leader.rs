@@ -9,7 +9,12 @@
 //! every write it still attempts is refused by the database. A renewal
 //! that fails, times out or finds another holder stops the loops at once;
 //! between the lease running out by this process's clock and the election
-//! loop noticing, the loops skip their passes ([`AppState::leads`]).
+//! loop noticing, the loops skip their passes ([`AppState::leads`]). A
+//! renewal or takeover that finds the lease row locked gives up at once
+//! ([`StoreError::Busy`]) and is tried again next round: a replica frozen
+//! inside a fenced write holds that lock until PostgreSQL ends its
+//! session (see [`flotilla_store::leases`]), and must not stall the
+//! others meanwhile.
 //!
 //! SQLite is one server: a second one started on the same file while the
 //! first holds the lease refuses to start ([`claim_single`]).
@@ -19,7 +24,7 @@ use std::time::Duration;
 use anyhow::bail;
 use chrono::Duration as ChronoDuration;
 use flotilla_store::leases::{Lease, LEADER};
-use flotilla_store::Store;
+use flotilla_store::{Store, StoreError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -171,7 +176,9 @@ pub async fn run(st: AppState, tick: Duration, me: String) {
                         old.stop().await;
                     }
                     tracing::info!(replica = %me, token = lease.token, "leader lease taken: running the control loops");
-                    term = Some(Term::start(&st, lease.token, tick));
+                    let mut started = Term::start(&st, lease.token, tick);
+                    started.tasks.extend(hold_lease_lock_hook(&st, lease.token));
+                    term = Some(started);
                 }
             }
             Ok(Ok(lease)) => {
@@ -181,12 +188,22 @@ pub async fn run(st: AppState, tick: Duration, me: String) {
                 }
                 st.set_leadership(follower_of(&lease, now));
             }
+            // The row stayed locked past the lease's lock timeout, most
+            // likely by this replica's own fenced writes: the lease stays
+            // ours until `valid_until` (the loops skip their passes after
+            // that), so this is only "not renewed this round".
+            Ok(Err(StoreError::Busy(e))) if term.is_some() && st.leads() => {
+                tracing::debug!(replica = %me, error = %e, "leader lease row busy: renewing next round");
+            }
             Ok(Err(e)) => {
                 if let Some(old) = term.take() {
                     tracing::warn!(replica = %me, error = %e, "leader lease not renewed: stopping the control loops");
                     old.stop().await;
                 } else {
-                    tracing::debug!(replica = %me, error = %e, "cannot read the leader lease");
+                    // A takeover that found the row locked (a holder stalled
+                    // inside a fenced write) gave up at once: tried again
+                    // next round, once PostgreSQL ended the stalled session.
+                    tracing::debug!(replica = %me, error = %e, "cannot take or read the leader lease");
                 }
                 st.set_leadership(Leadership::Follower { leader: None });
             }
@@ -215,6 +232,47 @@ pub async fn run(st: AppState, tick: Duration, me: String) {
         }
     }
     st.set_leadership(Leadership::Follower { leader: None });
+}
+
+/// Test hook, in debug builds only (release builds have none): with
+/// `FLOTILLA_TEST_HOLD_LEASE_LOCK=PATH`, a leader that sees the file PATH
+/// appear opens a fenced write transaction (which share-locks the lease
+/// row on PostgreSQL), creates `PATH.held`, and keeps the transaction open
+/// until PATH is gone: a leader stopped inside a fenced write, as the
+/// other replicas see it, at a moment a test chooses (crates/cli/tests/ha.rs).
+#[cfg(debug_assertions)]
+fn hold_lease_lock_hook(st: &AppState, token: i64) -> Option<JoinHandle<()>> {
+    let path = std::path::PathBuf::from(std::env::var_os("FLOTILLA_TEST_HOLD_LEASE_LOCK")?);
+    let store = st.fenced(token).store().clone();
+    Some(tokio::spawn(async move {
+        let exists = |p: std::path::PathBuf| async move { tokio::fs::metadata(p).await.is_ok() };
+        while !exists(path.clone()).await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut held = path.clone().into_os_string();
+        held.push(".held");
+        let r = store
+            .hold_write_transaction(async {
+                tracing::warn!(
+                    token,
+                    "test hook: holding the leader lease row in a fenced transaction"
+                );
+                let _ = tokio::fs::write(&held, b"").await;
+                while exists(path.clone()).await {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            })
+            .await;
+        match r {
+            Ok(()) => tracing::warn!(token, "test hook: lease row released"),
+            Err(e) => tracing::warn!(token, error = %e, "test hook: the held transaction failed"),
+        }
+    }))
+}
+
+#[cfg(not(debug_assertions))]
+fn hold_lease_lock_hook(_st: &AppState, _token: i64) -> Option<JoinHandle<()>> {
+    None
 }
 
 #[cfg(test)]

@@ -66,8 +66,12 @@ pub struct BootstrapOutcome {
 /// Opens (creating a SQLite file when needed) and migrates the store. A
 /// SQLite file is private to the server's user (mode 0600, as SQLite gives
 /// its `-wal` and `-shm` files the database's mode); a directory it
-/// creates for it is 0700.
-pub async fn open_store(database_url: &str) -> anyhow::Result<Store> {
+/// creates for it is 0700. `timeouts` apply on PostgreSQL
+/// ([`ServerConfig::store_timeouts`]).
+pub async fn open_store(
+    database_url: &str,
+    timeouts: flotilla_store::leases::Timeouts,
+) -> anyhow::Result<Store> {
     if let Some(path) = database_url.strip_prefix("sqlite://") {
         let file = Path::new(path.split('?').next().unwrap_or(path));
         if let Some(dir) = file.parent() {
@@ -78,7 +82,7 @@ pub async fn open_store(database_url: &str) -> anyhow::Result<Store> {
         private_sqlite_files(file)
             .with_context(|| format!("cannot make {} private", file.display()))?;
     }
-    Store::connect(database_url)
+    Store::connect_with(database_url, timeouts)
         .await
         .with_context(|| format!("cannot open the database at {}", redact(database_url)))
 }

@@ -146,7 +146,7 @@ impl Store {
     /// Records a new `booting` machine and its join token, in one
     /// transaction.
     pub async fn add_pool_machine(&self, m: &NewMachine, now: DateTime<Utc>) -> Result<()> {
-        let mut tx = self.writer().begin().await?;
+        let mut tx = crate::txn::begin(self.writer()).await?;
         sqlx::query(
             "INSERT INTO pool_machines (name, pool, provider, instance_type, state, created_at) \
              VALUES ($1, $2, $3, $4, 'booting', $5)",
@@ -170,7 +170,7 @@ impl Store {
         .bind(ms(m.expires_at))
         .execute(&mut *tx)
         .await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(())
     }
 
@@ -291,7 +291,7 @@ impl Store {
         key: &NewKey,
         now: DateTime<Utc>,
     ) -> Result<std::result::Result<JoinGrant, JoinRefusal>> {
-        let mut tx = self.writer().begin().await?;
+        let mut tx = crate::txn::begin(self.writer()).await?;
         let n = sqlx::query(
             "UPDATE join_tokens SET used_at = $1, key_id = $2 \
              WHERE token_hash = $3 AND used_at IS NULL AND expires_at > $1",
@@ -344,7 +344,7 @@ impl Store {
             pool: row.try_get("pool")?,
             machine: row.try_get("machine")?,
         };
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(Ok(grant))
     }
 

@@ -658,7 +658,7 @@ impl Store {
             if crate::tenants::quota(&row)?.limits_nothing() {
                 let reason = "waiting for placement";
                 insert_pending(&mut tx, id, tenant, spec, None, reason, now).await?;
-                tx.commit().await?;
+                crate::txn::commit(tx).await?;
                 return self.instance(id).await;
             }
             tx.rollback().await?;
@@ -675,7 +675,7 @@ impl Store {
         }
         let reason = "waiting for placement";
         insert_pending(&mut tx, id, tenant, spec, None, reason, now).await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         self.instance(id).await
     }
 
@@ -761,7 +761,7 @@ impl Store {
     ) -> Result<()> {
         let mut tx = self.begin().await?;
         schedule_in(&mut tx, id, plan, now).await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(())
     }
 
@@ -800,7 +800,7 @@ impl Store {
                 .await?;
             }
         }
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         self.instance(id).await
     }
 
@@ -987,7 +987,7 @@ impl Store {
             }
             _ => false,
         };
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(if changed {
             Applied::Changed
         } else {
@@ -1077,7 +1077,7 @@ impl Store {
             if transition(&mut tx, &id, state, to, reason, None, now).await? {
                 moved.push(id);
             }
-            tx.commit().await?;
+            crate::txn::commit(tx).await?;
         }
         Ok(moved)
     }
@@ -1192,7 +1192,7 @@ impl Store {
         .execute(&mut *tx)
         .await?
         .rows_affected();
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(n > 0)
     }
 
@@ -1319,7 +1319,7 @@ impl Store {
             return Ok(false);
         }
         add_event(&mut tx, victim, state, &reason, now).await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(true)
     }
 }

@@ -196,7 +196,7 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         }
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(())
     }
 

@@ -125,7 +125,7 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         add_event(&mut tx, id, JobState::Queued, reason, now).await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         self.job(id).await
     }
 
@@ -332,7 +332,7 @@ impl Store {
             crate::instances::schedule_in(&mut tx, member, plan, now).await?;
         }
         add_event(&mut tx, id, JobState::Running, &reason, now).await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         self.job(id).await
     }
 
@@ -402,7 +402,7 @@ impl Store {
             return Ok(false);
         }
         add_event(&mut tx, id, to, reason, now).await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(true)
     }
 
@@ -425,7 +425,7 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         add_event(&mut tx, id, state, reason, now).await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(())
     }
 
@@ -468,7 +468,7 @@ impl Store {
                     .await?;
             }
         }
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         self.job(id).await
     }
 }

@@ -146,7 +146,7 @@ impl Store {
             .bind(id.as_str())
             .execute(&mut *tx)
             .await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         self.key(id).await
     }
 

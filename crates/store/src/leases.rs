@@ -11,6 +11,30 @@
 //! row `FOR SHARE`, so a takeover (an `UPDATE` of the row) waits for the
 //! writes already under way and every later write sees the new token;
 //! SQLite has a single writer, so the read alone is enough there.
+//!
+//! # A holder that stalls holding the row
+//!
+//! A holder frozen (SIGSTOP, a VM paused, a host swapping) while inside a
+//! fenced transaction keeps its share lock on the lease row for as long
+//! as its session lives, and a frozen process's session never ends by
+//! itself. A takeover's `UPDATE` would queue behind that lock forever,
+//! and every later `FOR SHARE` of the other replicas would queue behind
+//! the `UPDATE`: the whole cluster stalls on one paused process. Three
+//! PostgreSQL timeouts ([`Timeouts`]) keep that from happening:
+//!
+//! - every connection has `idle_in_transaction_session_timeout`, so
+//!   PostgreSQL ends the session of a process that stopped inside a
+//!   transaction, rolling it back and releasing its locks;
+//! - the lease's statements run on a pool of their own whose connections
+//!   have a short `lock_timeout` and `statement_timeout`: a renewal or
+//!   takeover that cannot get the row soon gives up ([`StoreError::Busy`],
+//!   "not this round") instead of queueing, so it never holds up the
+//!   fence checks behind it, and never waits for the main pool;
+//! - a fenced transaction sets `lock_timeout` for itself (`SET LOCAL`),
+//!   so its fence check and writes give up rather than wait on a stalled
+//!   lock.
+
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::Row;
@@ -51,6 +75,78 @@ pub struct Fence {
     pub token: i64,
 }
 
+/// How long PostgreSQL lets a session of this store idle inside a
+/// transaction or wait for a lock (see the module doc); derived from the
+/// leader lease's time to live. Unused on SQLite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// `idle_in_transaction_session_timeout` of every connection: a
+    /// session idle inside a transaction this long belongs to a stalled
+    /// process (no transaction of the store awaits anything but its own
+    /// statements); PostgreSQL ends it and releases its locks.
+    pub idle_in_transaction: Duration,
+    /// `lock_timeout` of the lease's connections: how long a renewal or
+    /// takeover waits for the row. Long enough for the holder's own fenced
+    /// transactions to commit, short enough that the fence checks queued
+    /// behind it are not held up.
+    pub lease_lock: Duration,
+    /// `statement_timeout` of the lease's connections: a lease statement
+    /// slower than this is as good as lost; shorter than the election
+    /// loop's own timeout, so PostgreSQL cancels the statement rather
+    /// than leave it queued on a connection the loop gave up on.
+    pub lease_statement: Duration,
+    /// `lock_timeout` of every fenced transaction (`SET LOCAL`).
+    pub fence_lock: Duration,
+}
+
+impl Timeouts {
+    /// The timeouts for a leader lease living `ttl`, renewed every third
+    /// of it: idle in a transaction for a whole lease (at least 2 s), a
+    /// lease statement waits a sixth of it for a lock (0.1-1 s) and runs
+    /// for a quarter at most (0.2-2 s), a fenced transaction waits half of
+    /// it (0.5-2 s).
+    pub fn for_lease(ttl: Duration) -> Self {
+        let clamp = |d: Duration, lo: u64, hi: u64| {
+            d.clamp(Duration::from_millis(lo), Duration::from_millis(hi))
+        };
+        Self {
+            idle_in_transaction: ttl.max(Duration::from_secs(2)),
+            lease_lock: clamp(ttl / 6, 100, 1000),
+            lease_statement: clamp(ttl / 4, 200, 2000),
+            fence_lock: clamp(ttl / 2, 500, 2000),
+        }
+    }
+
+    /// The `SET` statements of every connection.
+    pub(crate) fn session_settings(&self) -> Vec<String> {
+        vec![format!(
+            "SET idle_in_transaction_session_timeout = {}",
+            self.idle_in_transaction.as_millis()
+        )]
+    }
+
+    /// The `SET` statements of the lease's connections.
+    pub(crate) fn lease_settings(&self) -> Vec<String> {
+        let mut v = self.session_settings();
+        v.push(format!(
+            "SET lock_timeout = {}",
+            self.lease_lock.as_millis()
+        ));
+        v.push(format!(
+            "SET statement_timeout = {}",
+            self.lease_statement.as_millis()
+        ));
+        v
+    }
+}
+
+impl Default for Timeouts {
+    /// Those of the default leader lease (5 s: a heartbeat timeout of 15 s).
+    fn default() -> Self {
+        Self::for_lease(Duration::from_secs(5))
+    }
+}
+
 fn lease(r: &sqlx::any::AnyRow) -> Result<Lease> {
     Ok(Lease {
         name: r.try_get("name")?,
@@ -68,6 +164,10 @@ impl Store {
     /// holds it when [`Lease::held_by`] says so. The token grows by one on
     /// every grant that is not the renewal of a holding still current, so
     /// a holder that let its lease run out starts a new term too.
+    ///
+    /// A compare-and-set that does not queue: when the row is locked past
+    /// [`Timeouts::lease_lock`] (a stalled holder inside a fenced
+    /// transaction), fails with [`StoreError::Busy`], "not this time".
     pub async fn acquire_lease(
         &self,
         name: &str,
@@ -76,7 +176,7 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<Lease> {
         let until = ms(now + ttl);
-        let mut tx = self.writer().begin().await?;
+        let mut tx = crate::txn::begin(self.lease_pool()).await?;
         // A first grant: an expired row with token 0, which the update
         // below takes like any lease that ran out (token 1).
         sqlx::query(
@@ -103,7 +203,7 @@ impl Store {
             .bind(name)
             .fetch_one(&mut *tx)
             .await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         lease(&row)
     }
 
@@ -119,7 +219,7 @@ impl Store {
         ttl: chrono::Duration,
         now: DateTime<Utc>,
     ) -> Result<Lease> {
-        let mut tx = self.writer().begin().await?;
+        let mut tx = crate::txn::begin(self.lease_pool()).await?;
         sqlx::query(
             "UPDATE leases SET holder = $3, token = token + 1, expires_at = $4, acquired_at = $5 \
              WHERE name = $1 AND holder = $2",
@@ -135,7 +235,7 @@ impl Store {
             .bind(name)
             .fetch_one(&mut *tx)
             .await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         lease(&row)
     }
 
@@ -146,7 +246,7 @@ impl Store {
         let n = sqlx::query("UPDATE leases SET expires_at = 0 WHERE name = $1 AND holder = $2")
             .bind(name)
             .bind(holder)
-            .execute(self.writer())
+            .execute(self.lease_pool())
             .await?
             .rows_affected();
         Ok(n > 0)
@@ -156,7 +256,7 @@ impl Store {
     pub async fn lease(&self, name: &str) -> Result<Option<Lease>> {
         sqlx::query("SELECT * FROM leases WHERE name = $1")
             .bind(name)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.lease_pool())
             .await?
             .as_ref()
             .map(lease)
@@ -196,13 +296,22 @@ impl Store {
     /// that writes (it would wait on itself): none does, the re-reads that
     /// follow a write come after its commit.
     pub(crate) async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
-        let mut tx = self.writer().begin().await?;
+        let mut tx = crate::txn::begin(self.writer()).await?;
         if self.backend() == Backend::Sqlite {
             sqlx::query(TAKE_WRITE_LOCK).execute(&mut *tx).await?;
         }
         if let Some(f) = self.fence() {
             let sql = match self.backend() {
-                Backend::Postgres => "SELECT token FROM leases WHERE name = $1 FOR SHARE",
+                Backend::Postgres => {
+                    // Neither the check nor the writes wait long for a
+                    // lock (see the module doc).
+                    let set = format!(
+                        "SET LOCAL lock_timeout = {}",
+                        self.timeouts().fence_lock.as_millis()
+                    );
+                    sqlx::query(&set).execute(&mut *tx).await?;
+                    "SELECT token FROM leases WHERE name = $1 FOR SHARE"
+                }
                 Backend::Sqlite => "SELECT token FROM leases WHERE name = $1",
             };
             let current: Option<i64> = sqlx::query_scalar(sql)
@@ -212,6 +321,22 @@ impl Store {
             check(f, current)?;
         }
         Ok(tx)
+    }
+
+    /// Test hook, not for production code: begins a write transaction
+    /// (on a fenced store, the fence check, which share-locks the lease
+    /// row on PostgreSQL), awaits `hold` inside it, then commits. What a
+    /// replica stalled inside a fenced write looks like to the others.
+    #[doc(hidden)]
+    pub async fn hold_write_transaction<F: std::future::Future>(
+        &self,
+        hold: F,
+    ) -> Result<F::Output> {
+        let mut tx = self.begin().await?;
+        let out = hold.await;
+        sqlx::query("SELECT 1").execute(&mut *tx).await?;
+        crate::txn::commit(tx).await?;
+        Ok(out)
     }
 
     /// The fence check inside a transaction of the native SQLite pool

@@ -34,6 +34,7 @@ pub mod registry_credentials;
 pub mod secrets;
 pub mod ssh_keys;
 pub mod tenants;
+mod txn;
 pub mod usage;
 pub mod vertical;
 pub mod weights;
@@ -65,6 +66,12 @@ pub enum StoreError {
     /// The database cannot be reached now; a retry may succeed.
     #[error("database unavailable: {0}")]
     Unavailable(#[source] sqlx::Error),
+    /// A row lock could not be had within `lock_timeout`, or a statement
+    /// ran past `statement_timeout` (PostgreSQL 55P03, 57014): most often
+    /// a lock held by a stalled process (see [`leases::Timeouts`]). Given
+    /// up instead of queued; a retry shortly may succeed.
+    #[error("database busy: {0}")]
+    Busy(#[source] sqlx::Error),
     /// The database failed.
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
@@ -92,6 +99,11 @@ impl From<sqlx::Error> for StoreError {
         if let sqlx::Error::Database(db) = &e {
             if db.kind() == sqlx::error::ErrorKind::UniqueViolation {
                 return StoreError::AlreadyExists(db.message().to_string());
+            }
+            // lock_not_available, query_canceled: a lock or statement
+            // timeout of ours (see `leases::Timeouts`).
+            if matches!(db.code().as_deref(), Some("55P03" | "57014")) {
+                return StoreError::Busy(e);
             }
         }
         if matches!(
@@ -137,6 +149,14 @@ pub struct Store {
     /// in-memory SQLite database and for PostgreSQL, whose writes use
     /// `pool`.
     writer: Option<AnyPool>,
+    /// On PostgreSQL, a small pool of its own for the lease (reads,
+    /// renewals, takeovers), whose connections give up on a lock or a
+    /// statement after [`leases::Timeouts`]: a takeover never queues
+    /// behind a stalled holder, and never waits for a connection of the
+    /// main pool. `None` on SQLite, where the lease goes through `writer`.
+    lease_pool: Option<AnyPool>,
+    /// The timeouts the pools were made with.
+    timeouts: leases::Timeouts,
     /// Set on a store made by [`Store::fenced`]: its write transactions
     /// check this lease token first.
     fence: Option<std::sync::Arc<leases::Fence>>,
@@ -197,8 +217,15 @@ impl<T> PageOf<T> {
 
 impl Store {
     /// Connects to `url` (`sqlite://PATH?mode=rwc` or `postgres://…`) and
-    /// applies the embedded migrations.
+    /// applies the embedded migrations, with the default
+    /// [`leases::Timeouts`].
     pub async fn connect(url: &str) -> Result<Self> {
+        Self::connect_with(url, leases::Timeouts::default()).await
+    }
+
+    /// [`Store::connect`] with the timeouts of a given leader lease (see
+    /// [`leases::Timeouts::for_lease`]); they apply on PostgreSQL only.
+    pub async fn connect_with(url: &str, timeouts: leases::Timeouts) -> Result<Self> {
         sqlx::any::install_default_drivers();
         let backend = if url.starts_with("sqlite:") {
             Backend::Sqlite
@@ -219,6 +246,7 @@ impl Store {
                 Backend::Sqlite => 4,
                 Backend::Postgres => 16,
             },
+            timeouts.session_settings(),
         )
         .await?;
         sqlx::migrate!("./migrations").run(&pool).await?;
@@ -227,17 +255,31 @@ impl Store {
         let (sqlite, writer) = if file {
             (
                 Some(native_sqlite(url).await?),
-                Some(any_pool(backend, &opts, 1).await?),
+                Some(any_pool(backend, &opts, 1, Vec::new()).await?),
             )
         } else {
             (None, None)
         };
-        tracing::debug!(?backend, native = sqlite.is_some(), "store ready");
+        let lease_pool = if backend == Backend::Postgres {
+            // Two: the election loop uses one at a time; the second serves
+            // a read of the lease (health, `claim_single`) beside it.
+            Some(any_pool(backend, &opts, 2, timeouts.lease_settings()).await?)
+        } else {
+            None
+        };
+        tracing::debug!(
+            ?backend,
+            native = sqlite.is_some(),
+            ?timeouts,
+            "store ready"
+        );
         Ok(Self {
             pool,
             backend,
             sqlite,
             writer,
+            lease_pool,
+            timeouts,
             fence: None,
         })
     }
@@ -259,6 +301,16 @@ impl Store {
     /// lock wait until the busy timeout.
     pub(crate) fn writer(&self) -> &AnyPool {
         self.writer.as_ref().unwrap_or(&self.pool)
+    }
+
+    /// The pool the lease's statements go through (see the field).
+    pub(crate) fn lease_pool(&self) -> &AnyPool {
+        self.lease_pool.as_ref().unwrap_or_else(|| self.writer())
+    }
+
+    /// The timeouts this store was made with.
+    pub fn timeouts(&self) -> &leases::Timeouts {
+        &self.timeouts
     }
 
     /// The native SQLite pool of a SQLite file store (see the field).
@@ -284,6 +336,9 @@ impl Store {
         if let Some(writer) = &self.writer {
             writer.close().await;
         }
+        if let Some(lease) = &self.lease_pool {
+            lease.close().await;
+        }
         self.pool.close().await;
     }
 
@@ -295,12 +350,26 @@ impl Store {
 }
 
 /// An `Any` pool of at most `max` connections; on SQLite each connection
-/// is set up for WAL, foreign keys, a busy timeout and synchronous NORMAL.
-async fn any_pool(backend: Backend, opts: &AnyConnectOptions, max: u32) -> Result<AnyPool> {
+/// is set up for WAL, foreign keys, a busy timeout and synchronous NORMAL;
+/// on PostgreSQL each runs the `settings` statements (`SET …`, see
+/// [`leases::Timeouts`]) first.
+async fn any_pool(
+    backend: Backend,
+    opts: &AnyConnectOptions,
+    max: u32,
+    settings: Vec<String>,
+) -> Result<AnyPool> {
+    let settings = std::sync::Arc::new(settings);
     Ok(AnyPoolOptions::new()
         .max_connections(max)
         .after_connect(move |conn, _meta| {
+            let settings = settings.clone();
             Box::pin(async move {
+                if backend == Backend::Postgres {
+                    for set in settings.iter() {
+                        conn.execute(set.as_str()).await?;
+                    }
+                }
                 if backend == Backend::Sqlite {
                     // WAL lets readers proceed while one writer commits;
                     // the busy timeout queues writers of other processes

@@ -47,7 +47,7 @@ impl Store {
             }
             q.execute(&mut *tx).await?;
         }
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(())
     }
 

@@ -230,7 +230,7 @@ impl Store {
                 .await?;
             }
         }
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(RegisteredNode { id, created })
     }
 
@@ -322,7 +322,7 @@ impl Store {
         .execute(&mut *tx)
         .await?
         .rows_affected();
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(n > 0)
     }
 
@@ -448,7 +448,7 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         }
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(true)
     }
 
@@ -616,7 +616,7 @@ impl Store {
         }
         let message = format!("drained: cordoned, {} instance(s) asked to stop", ids.len());
         insert_node_event(&mut tx, id, "drained", None, &message, now).await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(ids)
     }
 
@@ -657,7 +657,7 @@ impl Store {
             };
             insert_node_event(&mut tx, node, kind, Some(gpu), &message, now).await?;
         }
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(changed)
     }
 
@@ -671,7 +671,7 @@ impl Store {
     ) -> Result<()> {
         let mut tx = self.begin().await?;
         insert_node_event(&mut tx, node, kind, None, message, now).await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(())
     }
 

@@ -60,7 +60,7 @@ impl Store {
         queue_limit: u32,
         usage_since: DateTime<Utc>,
     ) -> Result<PassInputs> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = crate::txn::begin(self.pool()).await?;
         if self.backend() == Backend::Postgres {
             sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 .execute(&mut *tx)

@@ -68,7 +68,7 @@ impl Store {
         .bind(ms(now))
         .execute(&mut *tx)
         .await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(RegistryCredential {
             id: id.clone(),
             registry: req.registry.clone(),
@@ -115,7 +115,7 @@ impl Store {
             .execute(&mut *tx)
             .await?
             .rows_affected();
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         if n == 0 {
             return Err(crate::StoreError::NotFound("registry credential"));
         }

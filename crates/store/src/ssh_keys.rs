@@ -50,7 +50,7 @@ impl Store {
                 other => other,
             });
         }
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(SshKey {
             created_at: at(ms(key.created_at)),
             ..key.clone()
@@ -95,7 +95,7 @@ impl Store {
             .execute(&mut *tx)
             .await?
             .rows_affected();
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         if n == 0 {
             return Err(StoreError::NotFound("SSH key"));
         }

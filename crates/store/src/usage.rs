@@ -949,7 +949,7 @@ impl Store {
         // their duplicates.
         out.duplicates += probed_equal.saturating_sub(inserted_in_probed);
         match tx {
-            LedgerTx::Any(tx) => tx.commit().await?,
+            LedgerTx::Any(tx) => crate::txn::commit(tx).await?,
             LedgerTx::Sqlite(tx) => tx.commit().await?,
         }
         out.rejected.sort_by_key(|r| r.index);

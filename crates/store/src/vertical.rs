@@ -33,7 +33,7 @@ impl Store {
         .bind(ms(now))
         .execute(&mut *tx)
         .await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         self.vertical(endpoint)
             .await?
             .ok_or(StoreError::NotFound("vertical opt-in"))
@@ -76,7 +76,7 @@ impl Store {
         .bind(endpoint.as_str())
         .execute(&mut *tx)
         .await?;
-        tx.commit().await?;
+        crate::txn::commit(tx).await?;
         Ok(())
     }
 }

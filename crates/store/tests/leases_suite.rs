@@ -13,7 +13,7 @@ use flotilla_core::id::{GpuId, InstanceId, NodeId, TenantId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
 use flotilla_core::placement::{GpuShare, PlacementRequest};
 use flotilla_store::leases::LEADER;
-use flotilla_store::{Store, StoreError};
+use flotilla_store::{Backend, Store, StoreError};
 use flotilla_testdb::{rnd, t0};
 
 flotilla_testdb::backend_suite!(
@@ -21,6 +21,8 @@ flotilla_testdb::backend_suite!(
     a_lease_changes_hands_only_once_it_ran_out,
     a_write_under_a_stale_token_is_refused,
     concurrent_takeovers_grant_one_holder_one_new_token,
+    a_takeover_gives_up_on_a_locked_row,
+    a_stalled_fenced_write_is_ended_and_frees_the_lease,
 );
 
 async fn a_lease_changes_hands_only_once_it_ran_out(s: &Store) {
@@ -222,4 +224,60 @@ async fn concurrent_takeovers_grant_one_holder_one_new_token(s: &Store) {
     let now = s.lease(LEADER).await.unwrap().unwrap();
     assert_eq!(now.holder, winners[0]);
     assert_eq!(now.token, first.token + 1);
+}
+
+/// PostgreSQL: a takeover that finds the lease row locked (its holder
+/// inside a fenced write) gives up within the lease's lock timeout instead
+/// of queueing behind the lock; once the row is free, it takes the lease.
+/// (SQLite has one writer, which the takeover waits for as any write.)
+async fn a_takeover_gives_up_on_a_locked_row(s: &Store) {
+    if s.backend() != Backend::Postgres {
+        return;
+    }
+    let ttl = Duration::seconds(2);
+    let a = s.acquire_lease(LEADER, "a", ttl, t0()).await.unwrap();
+    let later = t0() + ttl;
+    let (tried, waited) = s
+        .fenced(LEADER, a.token)
+        .hold_write_transaction(async {
+            let start = tokio::time::Instant::now();
+            let tried = s.acquire_lease(LEADER, "b", ttl, later).await;
+            (tried, start.elapsed())
+        })
+        .await
+        .unwrap();
+    assert!(matches!(tried, Err(StoreError::Busy(_))), "{tried:?}");
+    assert!(
+        waited < s.timeouts().lease_statement * 4,
+        "gave up after {waited:?}"
+    );
+    let b = s.acquire_lease(LEADER, "b", ttl, later).await.unwrap();
+    assert!(b.held_by("b", later));
+    assert_eq!(b.token, a.token + 1);
+}
+
+/// PostgreSQL: a session left idle inside a fenced transaction (its
+/// process stopped) is ended by the server after the idle-in-transaction
+/// timeout: the lease row is free for a takeover, and the stalled write
+/// fails instead of landing.
+async fn a_stalled_fenced_write_is_ended_and_frees_the_lease(s: &Store) {
+    if s.backend() != Backend::Postgres {
+        return;
+    }
+    let ttl = Duration::seconds(2);
+    let a = s.acquire_lease(LEADER, "a", ttl, t0()).await.unwrap();
+    let later = t0() + ttl;
+    let idle = s.timeouts().idle_in_transaction;
+    let mut taken = None;
+    let stalled = s
+        .fenced(LEADER, a.token)
+        .hold_write_transaction(async {
+            tokio::time::sleep(idle + std::time::Duration::from_secs(1)).await;
+            taken = Some(s.acquire_lease(LEADER, "b", ttl, later).await);
+        })
+        .await;
+    assert!(stalled.is_err(), "the stalled write failed: {stalled:?}");
+    let b = taken.unwrap().unwrap();
+    assert!(b.held_by("b", later), "{b:?}");
+    assert_eq!(b.token, a.token + 1);
 }

@@ -168,6 +168,9 @@ pub struct Home {
     /// More arguments for every `flotilla server` of this home
     /// (`--allow-egress 127.0.0.1:5672`).
     pub server_args: Vec<String>,
+    /// More environment for every `flotilla server` of this home (test
+    /// hooks such as `FLOTILLA_TEST_HOLD_LEASE_LOCK`).
+    pub server_env: Vec<(String, String)>,
     /// More arguments for every `flotilla gateway` of this home.
     pub gateway_args: Vec<String>,
 }
@@ -277,6 +280,7 @@ impl Home {
             log_level: "info",
             uid: None,
             server_args: Vec::new(),
+            server_env: Vec::new(),
             gateway_args: Vec::new(),
         }
     }
@@ -356,6 +360,7 @@ impl Home {
             c.args(["--database-url", url]);
         }
         c.args(&self.server_args);
+        c.envs(self.server_env.iter().map(|(k, v)| (k, v)));
         let child = c
             .stdout(self.log(&log))
             .stderr(self.log(&log))

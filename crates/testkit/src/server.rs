@@ -57,7 +57,9 @@ pub struct Resp {
 pub async fn start(config: ServerConfig) -> TestServer {
     let dir = tempfile::tempdir().expect("temporary directory");
     let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
-    let store = open_store(&url).await.expect("store");
+    let store = open_store(&url, config.store_timeouts())
+        .await
+        .expect("store");
     let boot = bootstrap(&store, dir.path()).await.expect("bootstrap");
     let config = ServerConfig {
         secrets_key_file: config
@@ -304,7 +306,9 @@ impl OnClock {
     pub async fn with_config(start: chrono::DateTime<chrono::Utc>, config: ServerConfig) -> Self {
         let dir = tempfile::tempdir().expect("temporary directory");
         let url = format!("sqlite://{}/f.db?mode=rwc", dir.path().display());
-        let store = open_store(&url).await.expect("store");
+        let store = open_store(&url, config.store_timeouts())
+            .await
+            .expect("store");
         let boot = bootstrap(&store, dir.path()).await.expect("bootstrap");
         let clock = flotilla_core::clock::ManualClock::new(start);
         let (tx, rx) = tokio::sync::watch::channel(false);
