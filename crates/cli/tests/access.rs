@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flotilla_testkit::process::{free_port, http, uid_of, wait_until, Home, Proc};
-use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 
@@ -53,16 +52,6 @@ fn exec(home: &Home, key: &str, id: &str, command: &[&str]) -> Output {
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
-}
-
-fn log_lines(home: &Home, key: &str, id: &str) -> Vec<String> {
-    let logs: Value = home.get(key, &format!("/v1/instances/{id}/logs?limit=1000"));
-    logs["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["line"].as_str().unwrap_or_default().to_string())
-        .collect()
 }
 
 /// Host pids of processes whose environment holds `needle`.
@@ -169,22 +158,6 @@ impl Terminal {
     }
 }
 
-fn audit_statuses(home: &Home, op: &str, route: &str, id: &str) -> Vec<(String, u16)> {
-    let page = home.get(op, "/v1/audit?limit=1000");
-    page["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["route"] == route && e["object_id"] == id)
-        .map(|e| {
-            (
-                e["tenant_id"].as_str().unwrap().to_string(),
-                e["status"].as_u64().unwrap() as u16,
-            )
-        })
-        .collect()
-}
-
 #[test]
 fn tenants_enter_their_own_running_instances_and_only_those() {
     flotilla_agent::runtime::sandbox::test_support::ensure_bwrap();
@@ -215,7 +188,7 @@ fn tenants_enter_their_own_running_instances_and_only_those() {
         ],
     );
     wait_until("A runs", Duration::from_secs(60), || {
-        log_lines(&home, &key_a, &a).iter().any(|l| l == "a-ready")
+        home.log_lines(&key_a, &a).iter().any(|l| l == "a-ready")
     });
     let pids = pids_with_env(&mark);
     assert_eq!(pids.len(), 1, "A's process: {pids:?}");
@@ -427,12 +400,12 @@ fn tenants_enter_their_own_running_instances_and_only_those() {
     // WebSocket) and the stranger's (404).
     let exec_route = "/v1/instances/{instance_id}/exec";
     let fwd_route = "/v1/instances/{instance_id}/port-forward";
-    let entries = audit_statuses(&home, &op, exec_route, &a);
+    let entries = home.audit_statuses(&op, exec_route, &a);
     assert!(entries.contains(&(tenant_a.clone(), 101)), "{entries:?}");
     assert!(entries.contains(&(tenant_b.clone(), 404)), "{entries:?}");
-    let entries = audit_statuses(&home, &op, fwd_route, &srv);
+    let entries = home.audit_statuses(&op, fwd_route, &srv);
     assert!(entries.contains(&(tenant_a.clone(), 101)), "{entries:?}");
-    let entries = audit_statuses(&home, &op, fwd_route, &a);
+    let entries = home.audit_statuses(&op, fwd_route, &a);
     assert!(entries.contains(&(tenant_b.clone(), 404)), "{entries:?}");
 
     // A session does not outlive its instance: what it started runs in
@@ -524,11 +497,10 @@ fn containers_are_entered_through_the_engine() {
         ],
     );
     wait_until("the container runs", Duration::from_secs(120), || {
-        log_lines(&home, &key_a, &id)
-            .iter()
-            .any(|l| l == "ctr-ready")
+        home.log_lines(&key_a, &id).iter().any(|l| l == "ctr-ready")
     });
-    let uid = log_lines(&home, &key_a, &id)
+    let uid = home
+        .log_lines(&key_a, &id)
         .iter()
         .find_map(|l| l.strip_prefix("user=").map(str::to_string))
         .unwrap();

@@ -18,7 +18,6 @@ use std::path::Path;
 use std::time::Duration;
 
 use flotilla_testkit::process::{probe_outcomes, uid_of, wait_until, Home};
-use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 /// The ordinary user a root test plays (`nobody` on Debian).
@@ -28,16 +27,6 @@ fn run(home: &Home, key: &str, args: &[&str]) -> String {
     let mut all = vec!["--gpus", "1"];
     all.extend_from_slice(args);
     home.run_detached(key, &all)
-}
-
-fn log_lines(home: &Home, key: &str, id: &str) -> Vec<String> {
-    let logs: Value = home.get(key, &format!("/v1/instances/{id}/logs?limit=1000"));
-    logs["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["line"].as_str().unwrap_or_default().to_string())
-        .collect()
 }
 
 fn state(home: &Home, key: &str, id: &str) -> String {
@@ -121,7 +110,7 @@ fn scenario(home: &Home, per_tenant_users: bool) {
         ],
     );
     wait_until("A runs", Duration::from_secs(60), || {
-        log_lines(home, &key_a, &a).iter().any(|l| l == "a-ready")
+        home.log_lines(&key_a, &a).iter().any(|l| l == "a-ready")
     });
 
     // Preconditions, from outside the sandbox (the agent's side).
@@ -177,11 +166,9 @@ fn scenario(home: &Home, per_tenant_users: bool) {
         &["--", "sh", "-c", &attack_script(home, &a_workdir, a_pid)],
     );
     wait_until("B's probe ends", Duration::from_secs(60), || {
-        log_lines(home, &key_b, &b)
-            .iter()
-            .any(|l| l == "probe-done")
+        home.log_lines(&key_b, &b).iter().any(|l| l == "probe-done")
     });
-    let lines = log_lines(home, &key_b, &b);
+    let lines = home.log_lines(&key_b, &b);
     let (probes, b_uid) = probe_outcomes(&lines);
     assert_eq!(probes.len(), 10, "{lines:?}");
     for (name, outcome) in &probes {

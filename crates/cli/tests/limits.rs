@@ -34,16 +34,6 @@ fn instance(home: &Home, key: &str, id: &str) -> Value {
     home.get(key, &format!("/v1/instances/{id}"))
 }
 
-fn log_lines(home: &Home, key: &str, id: &str) -> Vec<String> {
-    let logs: Value = home.get(key, &format!("/v1/instances/{id}/logs?limit=1000"));
-    logs["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["line"].as_str().unwrap_or_default().to_string())
-        .collect()
-}
-
 /// Waits until the instance ended; its state and reason.
 fn ended(home: &Home, key: &str, id: &str) -> (String, String) {
     let mut last = Value::Null;
@@ -67,7 +57,7 @@ fn wait_for_line(home: &Home, key: &str, id: &str, line: &str) {
     wait_until(
         &format!("{id} printed {line}"),
         Duration::from_secs(60),
-        || log_lines(home, key, id).iter().any(|l| l == line),
+        || home.log_lines(key, id).iter().any(|l| l == line),
     );
 }
 
@@ -145,7 +135,9 @@ fn memory(home: &Home, key: &str) {
         (state.as_str(), reason.as_str()),
         ("succeeded", "exit code 0")
     );
-    assert!(log_lines(home, key, &allowed).contains(&"allocated".to_string()));
+    assert!(home
+        .log_lines(key, &allowed)
+        .contains(&"allocated".to_string()));
     let (state, reason) = ended(home, key, &limited);
     assert_eq!(state, "failed");
     assert!(reason.starts_with("out of memory"), "{reason}");

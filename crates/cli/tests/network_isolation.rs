@@ -23,7 +23,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use flotilla_testkit::process::{free_port, http, probe_outcomes, probe_script, wait_until, Home};
-use serde_json::{json, Value};
+use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 /// Generous: a loaded two-core CI machine.
@@ -120,16 +120,6 @@ fn host_address() -> Option<Ipv4Addr> {
         })
 }
 
-fn log_lines(home: &Home, key: &str, id: &str) -> Vec<String> {
-    let logs: Value = home.get(key, &format!("/v1/instances/{id}/logs?limit=1000"));
-    logs["items"]
-        .as_array()
-        .expect("log items")
-        .iter()
-        .map(|l| l["line"].as_str().unwrap_or_default().to_string())
-        .collect()
-}
-
 /// Runs `probes` as `key`'s workload and returns each probe's outcome.
 fn probe(
     home: &Home,
@@ -145,9 +135,9 @@ fn probe(
         &["--gpus", "1", "--", "sh", "-c", &probe_script(&attacks)],
     );
     wait_until("the probes end", LONG, || {
-        log_lines(home, key, &id).iter().any(|l| l == "probe-done")
+        home.log_lines(key, &id).iter().any(|l| l == "probe-done")
     });
-    let lines = log_lines(home, key, &id);
+    let lines = home.log_lines(key, &id);
     let (outcomes, _) = probe_outcomes(&lines);
     assert_eq!(outcomes.len(), probes.len(), "{lines:?}");
     (id, outcomes)
@@ -575,11 +565,9 @@ fn tenants_are_sealed_off_on_the_container_runtime() {
         ],
     );
     wait_until("B's probes end", LONG, || {
-        log_lines(&home, &key_b, &b)
-            .iter()
-            .any(|l| l == "probe-done")
+        home.log_lines(&key_b, &b).iter().any(|l| l == "probe-done")
     });
-    let lines = log_lines(&home, &key_b, &b);
+    let lines = home.log_lines(&key_b, &b);
     let (outcomes, _) = probe_outcomes(&lines);
     assert_eq!(outcomes.len(), attacks.len(), "{lines:?}");
     for (name, _) in &denied {
@@ -600,11 +588,11 @@ fn tenants_are_sealed_off_on_the_container_runtime() {
           &format!("if {fetch_a}; then echo same-tenant-ok; else echo same-tenant-failed; fi; exec sleep 300")],
     );
     wait_until("A's own container's probe ends", LONG, || {
-        log_lines(&home, &key_a, &a2)
+        home.log_lines(&key_a, &a2)
             .iter()
             .any(|l| l.starts_with("same-tenant-"))
     });
-    let lines = log_lines(&home, &key_a, &a2);
+    let lines = home.log_lines(&key_a, &a2);
     assert!(
         lines.iter().any(|l| l == "same-tenant-ok"),
         "A's own container reaches A's replica: {lines:?}"

@@ -17,17 +17,6 @@ fn instances(env: &Home, key: &str) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-fn log_lines(env: &Home, key: &str, id: &str) -> Vec<String> {
-    env.get(key, &format!("/v1/instances/{id}/logs"))["items"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|l| l["line"].as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 #[test]
 fn tier_one_run_preempts_a_spot_job_which_is_requeued_and_completes() {
     let env = Home::new(BIN);
@@ -87,7 +76,7 @@ fn tier_one_run_preempts_a_spot_job_which_is_requeued_and_completes() {
     let spot = String::from_utf8_lossy(&out.stdout).trim().to_string();
     assert!(spot.starts_with("inst_"), "detach prints the id: {spot}");
     wait_until("the spot job to start", Duration::from_secs(15), || {
-        log_lines(&env, &key, &spot).iter().any(|l| l == "started")
+        env.log_lines(&key, &spot).iter().any(|l| l == "started")
     });
 
     let out = env.cli(Some(&key), &["run", "--gpus", "2", "--", "echo", "hi"]);
@@ -115,11 +104,11 @@ fn tier_one_run_preempts_a_spot_job_which_is_requeued_and_completes() {
         "an event announced the preemption: {v}"
     );
     assert!(
-        log_lines(&env, &key, &spot)
+        env.log_lines(&key, &spot)
             .iter()
             .any(|l| l == "got SIGTERM"),
         "the spot job got SIGTERM: {:?}",
-        log_lines(&env, &key, &spot)
+        env.log_lines(&key, &spot)
     );
 
     // The requeued work runs again and completes.
@@ -138,7 +127,7 @@ fn tier_one_run_preempts_a_spot_job_which_is_requeued_and_completes() {
             r["state"] == "succeeded"
         },
     );
-    let lines = log_lines(&env, &key, &requeued);
+    let lines = env.log_lines(&key, &requeued);
     assert!(lines.iter().any(|l| l == "resumed"), "{lines:?}");
     // Nothing is left queued.
     let q = env.cli(Some(&key), &["queue"]);

@@ -12,7 +12,6 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use flotilla_testkit::process::{free_port, http, wait_until, Home, Proc};
-use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 
@@ -140,32 +139,6 @@ fn ssh(home: &Home, api_key: &str, key: &Path, id: &str, command: &str) -> Outpu
     within(c, &format!("ssh {command:?}"), Duration::from_secs(90))
 }
 
-fn audit_statuses(home: &Home, op: &str, route: &str, id: &str) -> Vec<(String, u16)> {
-    let page = home.get(op, "/v1/audit?limit=1000");
-    page["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["route"] == route && e["object_id"] == id)
-        .map(|e| {
-            (
-                e["tenant_id"].as_str().unwrap().to_string(),
-                e["status"].as_u64().unwrap() as u16,
-            )
-        })
-        .collect()
-}
-
-fn log_lines(home: &Home, key: &str, id: &str) -> Vec<String> {
-    let logs: Value = home.get(key, &format!("/v1/instances/{id}/logs?limit=1000"));
-    logs["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["line"].as_str().unwrap_or_default().to_string())
-        .collect()
-}
-
 #[test]
 fn ssh_through_the_proxy_command_lets_in_registered_keys_only() {
     if !have("ssh") || !have("ssh-keygen") {
@@ -249,7 +222,7 @@ fn ssh_through_the_proxy_command_lets_in_registered_keys_only() {
     let script = format!("echo a-ready; exec {BIN} emulator --port {port} --model {model}");
     let a = home.run_detached(&key_a, &["--gpus", "1", "--", "sh", "-c", &script]);
     wait_until("A runs", Duration::from_secs(90), || {
-        log_lines(&home, &key_a, &a).iter().any(|l| l == "a-ready")
+        home.log_lines(&key_a, &a).iter().any(|l| l == "a-ready")
     });
 
     // A registered key: the command's output and exit status.
@@ -415,14 +388,14 @@ fn ssh_through_the_proxy_command_lets_in_registered_keys_only() {
     // The audit log has each opening: A's (switched to a WebSocket) and
     // B's (404).
     let ssh_route = "/v1/instances/{instance_id}/ssh";
-    let entries = audit_statuses(&home, &op, ssh_route, &a);
+    let entries = home.audit_statuses(&op, ssh_route, &a);
     assert!(entries.contains(&(tenant_a.clone(), 101)), "{entries:?}");
     assert!(entries.contains(&(tenant_b.clone(), 404)), "{entries:?}");
     for route in [
         "/v1/instances/{instance_id}/exec",
         "/v1/instances/{instance_id}/port-forward",
     ] {
-        let entries = audit_statuses(&home, &op, route, &a);
+        let entries = home.audit_statuses(&op, route, &a);
         assert!(
             entries.contains(&(tenant_b.clone(), 404)),
             "{route}: {entries:?}"

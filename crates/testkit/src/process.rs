@@ -514,6 +514,42 @@ impl Home {
         body
     }
 
+    /// The output lines of instance `id` so far (its first 1,000), as
+    /// `key` reads them.
+    pub fn log_lines(&self, key: &str, id: &str) -> Vec<String> {
+        let logs = self.get(key, &format!("/v1/instances/{id}/logs?limit=1000"));
+        logs["items"]
+            .as_array()
+            .map(|items| {
+                items
+                    .iter()
+                    .map(|l| l["line"].as_str().unwrap_or_default().to_string())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// `(tenant, status)` of each audit entry for `route` on object `id`,
+    /// as the operator key `op` reads the audit log (its last 1,000).
+    pub fn audit_statuses(&self, op: &str, route: &str, id: &str) -> Vec<(String, u16)> {
+        let page = self.get(op, "/v1/audit?limit=1000");
+        page["items"]
+            .as_array()
+            .map(|items| {
+                items
+                    .iter()
+                    .filter(|e| e["route"] == route && e["object_id"] == id)
+                    .map(|e| {
+                        (
+                            e["tenant_id"].as_str().unwrap_or_default().to_string(),
+                            e["status"].as_u64().unwrap_or_default() as u16,
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// The attacks on the control plane's files every isolation test
     /// makes (for [`probe_script`]): its saved credentials, its data
     /// directory, its database and the agent token.
