@@ -367,7 +367,7 @@ impl Home {
             .spawn()
             .expect("start flotilla server");
         let server = Proc(child);
-        wait_until("the server answers", Duration::from_secs(30), || {
+        wait_until("the server answers", Duration::from_secs(120), || {
             http("GET", &format!("{url}/healthz"), None, None)
                 .map(|(s, _)| s == 200)
                 .unwrap_or(false)
