@@ -528,7 +528,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
             return Ok(ExitCode::SUCCESS);
         }
         Command::Login => return commands::login(server, api_key, tls).await,
-        Command::Simulate(args) => return simulate::run(args),
+        Command::Simulate(args) if !simulate::needs_server(&args) => return simulate::run(args),
         Command::Ssh { config: true, .. } => {
             let exe = std::env::current_exe()
                 .ok()
@@ -631,10 +631,10 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         | Command::QueueWorker(_)
         | Command::AgentFence { .. }
         | Command::AgentLogRelay { .. }
-        | Command::Login
-        | Command::Simulate(_) => {
+        | Command::Login => {
             unreachable!("handled above")
         }
+        Command::Simulate(args) => simulate::from_history(&ctx, args).await,
     }
 }
 

@@ -3,13 +3,22 @@
 //! folder: `report.md` (the comparison table and the setting),
 //! `results.json` (the same rows), and one SVG per policy of arrivals
 //! against replicas over time. Runs locally; needs no server.
+//!
+//! `flotilla simulate --from-history FROM..TO` instead replays this
+//! cluster's recorded demand (read from the server, operators only)
+//! through the scheduling pass the server runs, once with the recorded
+//! settings and once with the ones given (`--placement-policy`,
+//! `--node-scale`), and reports both beside what actually happened.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
+use chrono::{DateTime, NaiveDate, Utc};
 use clap::Args;
+use flotilla_sched::Policy;
 use flotilla_sim::engine::{NodePoolConfig, SimResult, TierSetting};
+use flotilla_sim::history;
 use flotilla_sim::nodes::ProviderConfig;
 use flotilla_sim::report::{compare, json, markdown_table, tiered_markdown_table};
 use flotilla_sim::scenario::{scale_to_peak, Scenario};
@@ -18,18 +27,38 @@ use flotilla_sim::{
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::ctx::Ctx;
+
 /// Options of `flotilla simulate`.
 #[derive(Debug, Args)]
 pub struct SimulateArgs {
     /// Request trace: Azure LLM 2023 CSV, GenTD26 `lora_request_trace.csv`,
     /// or the generic `arrival_ms,input_tokens,output_tokens` CSV / JSONL.
-    #[arg(long, value_name = "FILE", required_unless_present = "scenario")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        required_unless_present_any = ["scenario", "from_history"]
+    )]
     trace: Option<PathBuf>,
     /// A built-in scenario instead of a trace: `viral-spike` (100 → 10,000
     /// requests/hour), `black-friday` (a 10× step), `on-off` (30 s bursts
     /// between lulls of 20 s to 5 min) or `diurnal` (a 24-hour cycle).
     #[arg(long, value_name = "NAME", conflicts_with = "trace")]
     scenario: Option<String>,
+    /// Replay this cluster's own recorded demand of a window instead:
+    /// `FROM..TO`, RFC 3339 times or dates (`2026-12-01..2026-12-02`, UTC
+    /// midnights). Reads `GET /v1/history/demand` with an operator key.
+    #[arg(long, value_name = "FROM..TO", conflicts_with_all = ["trace", "scenario"])]
+    from_history: Option<String>,
+    /// With --from-history: the placement policy of the changed replay
+    /// (BestFit, DotProd, Fgd, Flotilla, GpuClustering, GpuPacking, Random);
+    /// default: the server's.
+    #[arg(long, value_name = "NAME", requires = "from_history")]
+    placement_policy: Option<String>,
+    /// With --from-history: scale each kind of machine by this factor in
+    /// the changed replay (0.5: half the nodes; 2: twice as many).
+    #[arg(long, value_name = "FACTOR", requires = "from_history")]
+    node_scale: Option<f64>,
     /// Policies to compare, comma-separated: flotilla,hpa,keda,kpa,ray.
     #[arg(long, default_value = "flotilla,hpa,keda,kpa,ray")]
     policy: String,
@@ -87,6 +116,179 @@ pub struct SimulateArgs {
     /// With --tiered: local disk per node set aside for cached weights, GB.
     #[arg(long, default_value_t = 0.0, requires = "tiered")]
     cache_gb_per_node: f64,
+}
+
+/// Whether these arguments replay the cluster's history (which needs the
+/// server) rather than a trace (which does not).
+pub fn needs_server(args: &SimulateArgs) -> bool {
+    args.from_history.is_some()
+}
+
+/// Parses one end of `FROM..TO`: an RFC 3339 time or a date (UTC midnight).
+fn instant(raw: &str, which: &str) -> Result<DateTime<Utc>> {
+    let raw = raw.trim();
+    if let Ok(t) = DateTime::parse_from_rfc3339(raw) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    if let Ok(d) = NaiveDate::parse_from_str(raw, "%Y-%m-%d") {
+        if let Some(t) = d.and_hms_opt(0, 0, 0) {
+            return Ok(t.and_utc());
+        }
+    }
+    bail!("--from-history: {which} `{raw}` is neither an RFC 3339 time nor a YYYY-MM-DD date")
+}
+
+/// Parses `FROM..TO`.
+fn window(raw: &str) -> Result<(DateTime<Utc>, DateTime<Utc>)> {
+    let Some((a, b)) = raw.split_once("..") else {
+        bail!("--from-history must be FROM..TO, e.g. 2026-12-01..2026-12-02");
+    };
+    let (from, to) = (instant(a, "FROM")?, instant(b, "TO")?);
+    if from >= to {
+        bail!("--from-history: TO must be after FROM");
+    }
+    Ok((from, to))
+}
+
+fn outcome_table(columns: &[(&str, &history::Outcome)]) -> String {
+    let mut t = String::from("| |");
+    for (name, _) in columns {
+        t.push_str(&format!(" {name} |"));
+    }
+    t.push_str("\n|---|");
+    for _ in columns {
+        t.push_str("---:|");
+    }
+    t.push('\n');
+    type Cell = fn(&history::Outcome) -> String;
+    let rows: [(&str, Cell); 8] = [
+        ("works (ran in the record)", |o| o.works.to_string()),
+        ("ran", |o| o.ran.to_string()),
+        ("never ran", |o| o.never_ran.to_string()),
+        ("GPU-hours", |o| format!("{:.3}", o.gpu_hours)),
+        ("mean wait (s)", |o| format!("{:.1}", o.mean_wait_s)),
+        ("p95 wait (s)", |o| format!("{:.1}", o.p95_wait_s)),
+        ("longest wait (s)", |o| format!("{:.1}", o.max_wait_s)),
+        ("preemptions", |o| o.preemptions.to_string()),
+    ];
+    for (label, cell) in rows {
+        t.push_str(&format!("| {label} |"));
+        for (_, o) in columns {
+            t.push_str(&format!(" {} |", cell(o)));
+        }
+        t.push('\n');
+    }
+    t
+}
+
+/// `flotilla simulate --from-history`: replay the recorded demand.
+pub async fn from_history(ctx: &Ctx, args: SimulateArgs) -> Result<ExitCode> {
+    let raw = args.from_history.as_deref().unwrap_or_default();
+    let (from, to) = window(raw)?;
+    let h = ctx
+        .client
+        .demand_history(from, to)
+        .await
+        .context("reading the cluster's demand history")?;
+    let server_policy = history::parse_policy(&h.placement_policy).unwrap_or(Policy::Flotilla);
+    let policy = match args.placement_policy.as_deref() {
+        None => server_policy,
+        Some(name) => history::parse_policy(name).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--placement-policy: unknown policy `{name}`; one of {}",
+                Policy::ALL.map(|p| p.name()).join(", ")
+            )
+        })?,
+    };
+    let scale = args.node_scale.unwrap_or(1.0);
+    if !(scale.is_finite() && scale > 0.0) {
+        bail!("--node-scale must be a positive number, e.g. 0.5 for half the nodes");
+    }
+    let recorded = history::recorded(&h);
+    let same = history::replay(
+        &h,
+        &history::ReplaySettings {
+            policy: server_policy,
+            nodes: h.nodes.clone(),
+        },
+    )?;
+    let changed_nodes = history::scale_nodes(&h.nodes, scale);
+    let changed_name = format!("replay: {}, {} nodes", policy.name(), changed_nodes.len());
+    let changed = (policy != server_policy || scale != 1.0)
+        .then(|| {
+            history::replay(
+                &h,
+                &history::ReplaySettings {
+                    policy,
+                    nodes: changed_nodes.clone(),
+                },
+            )
+        })
+        .transpose()?;
+    let same_name = format!("replay: {}, {} nodes", server_policy.name(), h.nodes.len());
+    let mut columns = vec![("recorded", &recorded), (same_name.as_str(), &same)];
+    if let Some(c) = &changed {
+        columns.push((changed_name.as_str(), c));
+    }
+    let table = outcome_table(&columns);
+    let mut said = Vec::new();
+    if let Some(c) = &changed {
+        for line in history::differences(&recorded, c) {
+            said.push(format!("- {changed_name} against the record: {line}"));
+        }
+    }
+    let gpu_gap = if recorded.gpu_hours > 0.0 {
+        (same.gpu_hours - recorded.gpu_hours) / recorded.gpu_hours * 100.0
+    } else {
+        0.0
+    };
+    let mut md = format!(
+        "# Replay of this cluster's demand, {} .. {}\n\n",
+        from.to_rfc3339(),
+        to.to_rfc3339()
+    );
+    md.push_str(&format!(
+        "- {} works submitted, {} of them ran in the record (the demand replayed); {} machines; the server schedules with {}\n",
+        h.works.len(),
+        recorded.works,
+        h.nodes.len(),
+        server_policy.name()
+    ));
+    md.push_str(&format!(
+        "- the replay with the recorded settings holds {:.3} GPU-hours against {:.3} recorded ({:+.2} %)\n",
+        same.gpu_hours, recorded.gpu_hours, gpu_gap
+    ));
+    md.push_str("- not replayed yet: quotas and fair-share history (every tenant unlimited), endpoints' request rates through the autoscaler (their replicas replay as the instances they were), prices\n\n");
+    md.push_str(&table);
+    if !said.is_empty() {
+        md.push('\n');
+        md.push_str(&said.join("\n"));
+        md.push('\n');
+    }
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    write(&args.out.join("report.md"), &md)?;
+    let results = serde_json::json!({
+        "from": from,
+        "to": to,
+        "recorded": recorded,
+        "replay_recorded_settings": {"policy": server_policy.name(), "nodes": h.nodes.len(), "outcome": same},
+        "replay_changed": changed.as_ref().map(|c| serde_json::json!({"policy": policy.name(), "nodes": changed_nodes.len(), "outcome": c})),
+    });
+    write(
+        &args.out.join("results.json"),
+        &serde_json::to_string_pretty(&results)?,
+    )?;
+    if ctx.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        print!("{table}");
+        for line in &said {
+            println!("{line}");
+        }
+        println!("report: {}", args.out.join("report.md").display());
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Run the simulation and write the report.

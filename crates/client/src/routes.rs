@@ -25,6 +25,26 @@ pub const LONG_POLL_SLACK: Duration = Duration::from_secs(15);
 const AGENT_TIMEOUT: Duration = Duration::from_secs(15);
 
 impl Client {
+    /// `GET /v1/history/demand`: the work submitted in `[from, to)` and the
+    /// pool's machines (operators), for `flotilla simulate --from-history`.
+    pub async fn demand_history(
+        &self,
+        from: chrono::DateTime<chrono::Utc>,
+        to: chrono::DateTime<chrono::Utc>,
+    ) -> Result<flotilla_core::history::DemandHistory> {
+        let q = [
+            (
+                "from",
+                from.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            ),
+            (
+                "to",
+                to.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            ),
+        ];
+        self.get("/v1/history/demand", &q).await
+    }
+
     /// `GET /v1/me`: who the key is.
     pub async fn me(&self) -> Result<Me> {
         self.get("/v1/me", &[]).await

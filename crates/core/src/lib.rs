@@ -15,6 +15,7 @@ pub mod endpoint;
 pub mod error;
 pub mod gateway;
 pub mod health;
+pub mod history;
 pub mod id;
 pub mod instance;
 pub mod job;

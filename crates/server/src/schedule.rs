@@ -173,7 +173,7 @@ fn ask_of(share: &GpuShare, gpus: u32) -> GpuAsk {
 /// GPU offers the smaller of its free fractions, so whatever the planner
 /// fits also fits the GPU's geometry, which the store checks again when it
 /// writes (rounding down keeps seven 1g slices within 1000).
-fn mig_milli(compute: u8, memory: u8) -> (u16, u16) {
+pub(crate) fn mig_milli(compute: u8, memory: u8) -> (u16, u16) {
     use flotilla_core::catalog::{MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
     let c = u32::from(compute.min(MIG_COMPUTE_SLICES)) * 1000 / u32::from(MIG_COMPUTE_SLICES);
     let m = u32::from(memory.min(MIG_MEMORY_SLICES)) * 1000 / u32::from(MIG_MEMORY_SLICES);
@@ -590,6 +590,13 @@ async fn set_reason(
     }
 }
 
+/// The plan the server's pass applies for what [`gather`] read: the pure
+/// planner, the same call the simulator makes (`flotilla_sim::nodes::decide`;
+/// `tests/same_plan.rs` hands both one gathered snapshot).
+pub fn plan_of(g: &Gathered) -> Result<Plan, StoreError> {
+    pass::plan(&g.input).map_err(|e| StoreError::Corrupt(format!("planner: {e}")))
+}
+
 /// One scheduling pass: gather, plan, apply. Returns how many works it
 /// placed.
 pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
@@ -599,7 +606,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
         return Ok(0);
     }
     let planning = tokio::time::Instant::now();
-    let plan = pass::plan(&g.input).map_err(|e| StoreError::Corrupt(format!("planner: {e}")))?;
+    let plan = plan_of(&g)?;
     st.ops()
         .placement_plan
         .observe(planning.elapsed().as_secs_f64());
@@ -622,6 +629,6 @@ pub async fn queue_all(st: &AppState) -> Result<Vec<Queued>, StoreError> {
     if g.input.queue.is_empty() {
         return Ok(Vec::new());
     }
-    let plan = pass::plan(&g.input).map_err(|e| StoreError::Corrupt(format!("planner: {e}")))?;
+    let plan = plan_of(&g)?;
     Ok(g.in_order(&plan))
 }

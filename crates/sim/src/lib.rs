@@ -6,8 +6,10 @@
 //! for prefill then decode ([`service`]). Replicas start after a cold start
 //! drawn from a measured shape ([`coldstart`]), optionally on nodes of a
 //! [`nodes::NodePool`] grown and shrunk through a
-//! [`nodes::CapacityProvider`] and placed on by the real `flotilla-sched`
-//! engine. The replica count comes from the real
+//! [`nodes::CapacityProvider`] and placed by the server's own scheduling
+//! pass (`flotilla_sched::pass::plan`). [`history`] replays a cluster's
+//! recorded demand through that pass under other settings
+//! (`flotilla simulate --from-history`). The replica count comes from the real
 //! `flotilla-scale` policies ([`policies`]), called with the virtual `now`
 //! at each policy's own cadence, exactly as the live server calls them with
 //! the wall clock. [`oracle`] computes a perfect-foresight lower bound on
@@ -23,6 +25,7 @@
 pub mod coldstart;
 pub mod cost;
 pub mod engine;
+pub mod history;
 pub mod nodes;
 pub mod oracle;
 pub mod policies;

@@ -4,31 +4,40 @@
 //! A provider is whatever hands out machines; the trait and the simulated
 //! cloud live in `flotilla-backends` (the server runs node pools on the same
 //! ones), and the simulator drives the [`SimulatedCloud`] from its virtual
-//! clock. The pool asks it for a node when no node has a free GPU, places
-//! replicas onto nodes through the real placement engine
-//! (`flotilla-sched`, best-fit scorer: the fullest node that still has
-//! room, so whole nodes free up to be removed; the pool's nodes are a
-//! `sched` cluster snapshot kept in step with grants, releases and
-//! preemptions), removes a node once it has been idle for a grace period,
-//! and never removes a node that runs tier-1 work. Tier-1 replicas run on
-//! on-demand nodes only; other tiers try spot first and fall back to
-//! on-demand. Everything here is pure: the provider's randomness comes from
-//! a seeded generator and its clock is the `now_ms` it is given (its
-//! futures are ready at once, so `block_on` never waits).
+//! clock. The pool asks it for a node when no node has a free GPU, removes
+//! a node once it has been idle for a grace period, and never removes a
+//! node that runs tier-1 work. Tier-1 replicas run on on-demand nodes only;
+//! other tiers try spot first and fall back to on-demand.
+//!
+//! **Where a replica goes is decided by the server's scheduling pass**,
+//! [`flotilla_sched::pass::plan`], on a [`Snapshot`] of the pool
+//! ([`NodePool::snapshot`]): the pool's nodes as machines (spot and
+//! on-demand GPUs as two catalog models, so a tier-1 replica can ask for
+//! on-demand ones only), the replicas on them as running work, and the new
+//! replica as the one queued work. The simulator has no placement code of
+//! its own, so what it reports about placement is about the code the server
+//! runs ([`decide`] is the one call, and the server's tests hand it the
+//! snapshot the server gathers to show it plans the same).
+//!
+//! Everything here is pure: the provider's randomness comes from a seeded
+//! generator and its clock is the `now_ms` it is given (its futures are
+//! ready at once, so `block_on` never waits).
+
+use std::collections::BTreeMap;
 
 use futures::executor::block_on;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 
 pub use flotilla_backends::capacity::{
     CapacityError, CapacityProvider, Machine, ProvisionRequest, RegionLimit, SimulatedCloud,
 };
 use flotilla_backends::capacity::{ProvisionDelay, SimulatedCloudConfig};
-use flotilla_sched::score::BestFit;
-use flotilla_sched::{
-    Cluster, Decision, Engine, GpuDemand, ModelId, ModelSet, ModelTable, NodeSpec, Placement,
-    Request as SchedRequest,
+use flotilla_sched::gang::Locality;
+use flotilla_sched::pass::{
+    self, GpuAsk, GpuSnap, Hold, NodeSnap, Plan, QueuedWork, RunningWork, Snapshot, WorkKey,
 };
+use flotilla_sched::preempt::PreemptConfig;
+use flotilla_sched::queue::FairShareConfig;
+use flotilla_sched::{Policy, Runtime, Tier};
 
 use crate::coldstart::ColdStartModel;
 
@@ -38,8 +47,8 @@ pub enum PoolError {
     /// The provider had no machine to give.
     #[error(transparent)]
     Capacity(#[from] CapacityError),
-    /// The placement engine refused a step the pool's bookkeeping expected
-    /// to succeed (a bug, reported rather than a panic).
+    /// The scheduling pass could not model the pool's snapshot (a bug,
+    /// reported rather than a panic).
     #[error("placement: {0}")]
     Placement(String),
 }
@@ -127,72 +136,175 @@ pub struct NodePool<P> {
     /// Idle time after which an empty node is released.
     pub idle_grace_ms: u64,
     nodes: Vec<Node>,
-    /// The same nodes as the placement engine sees them (cluster index =
-    /// pool index; gone nodes are cordoned). On-demand and spot nodes are
-    /// two models of the snapshot so that tier-1 replicas can ask for
-    /// on-demand ones only.
-    cluster: Cluster,
-    engine: Engine,
-    on_demand: ModelId,
-    spot: ModelId,
-    /// Devices in use per node (every replica takes one whole GPU).
-    devices: Vec<Vec<u16>>,
-    /// Tie-breaking of the placement engine.
-    rng: ChaCha8Rng,
+    /// The replicas on each node, by pool index: `(GPU index, tier)` each
+    /// (every replica takes one whole GPU). What the snapshot's running
+    /// work and free GPUs are made of.
+    held: Vec<Vec<(u16, u8)>>,
+    /// The placement policy the pass scores with.
+    policy: Policy,
+    /// Passes planned so far: each pass's tie-breaking seed.
+    passes: u64,
 }
 
-fn placement_error(e: flotilla_sched::Error) -> PoolError {
-    PoolError::Placement(e.to_string())
+/// The one placement call of the simulator: the server's planner, on a
+/// snapshot. Kept as a named function so that a test can hand it the
+/// snapshot the server gathers and compare plans.
+pub fn decide(snap: &Snapshot) -> Result<Plan, flotilla_sched::Error> {
+    pass::plan(snap)
 }
 
-/// One replica's demand: one whole GPU.
-fn replica() -> SchedRequest {
-    SchedRequest::new(GpuDemand::whole(1), 0, 0)
+/// The key of the replica being placed in a pool's snapshot; running
+/// replicas are keyed from 1 up.
+const NEW_REPLICA: WorkKey = 0;
+
+/// The simulator's one tenant.
+const TENANT: flotilla_sched::Tenant = 1;
+
+/// An endpoint tier (1..=3) as the planner's; anything else is tier 1, as
+/// the server reads it.
+fn tier_of(n: u8) -> Tier {
+    Tier::from_number(n).unwrap_or(Tier::Dedicated)
 }
 
 impl<P: CapacityProvider> NodePool<P> {
-    /// An empty pool of `gpu` nodes.
+    /// An empty pool of `gpu` nodes, placing with the best-fit policy (the
+    /// fullest node that still has room, so whole nodes free up to be
+    /// removed).
     pub fn new(provider: P, gpu: impl Into<String>, idle_grace_ms: u64) -> Self {
-        let gpu = gpu.into();
-        let mut models = ModelTable::default();
-        // Two names cannot fail to intern in an empty table.
-        let on_demand = models.intern(&gpu).unwrap_or_default();
-        let spot = models.intern(&format!("{gpu} (spot)")).unwrap_or(1);
         Self {
             provider,
-            gpu,
+            gpu: gpu.into(),
             idle_grace_ms,
             nodes: Vec::new(),
-            cluster: Cluster::new(models),
-            engine: Engine::new(Box::new(BestFit)),
-            on_demand,
-            spot,
-            devices: Vec::new(),
-            rng: ChaCha8Rng::seed_from_u64(0x5eed_b1a5),
+            held: Vec::new(),
+            policy: Policy::BestFit,
+            passes: 0,
         }
     }
 
-    /// Ask the placement engine for a GPU for one replica of `tier`.
-    fn decide(&mut self, tier1: bool) -> Option<Placement> {
-        let mut req = replica();
-        if tier1 {
-            req = req.with_models(ModelSet::of([self.on_demand]));
-        }
-        match self.engine.decide(&self.cluster, &req, &mut self.rng) {
-            Decision::Placed(p) => Some(p),
-            Decision::Unschedulable(_) => None,
+    /// Place with `policy` instead of best fit.
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The catalog model of node `n`'s GPUs as the snapshot names them:
+    /// spot GPUs are a model of their own.
+    fn model_of(&self, n: &Node) -> String {
+        if n.grant.spot {
+            format!("{} (spot)", self.gpu)
+        } else {
+            self.gpu.clone()
         }
     }
 
-    /// Node `i` is gone: the engine must not place on it any more.
-    fn cordon(&mut self, i: usize) {
-        if let Ok(idx) = u32::try_from(i) {
-            // Every pool node is in the cluster; nothing to report otherwise.
-            let _ = self.cluster.set_cordoned(idx, true);
+    /// The pool as the scheduling pass sees it at `now_ms`, with one
+    /// replica of `tier` queued (key [`NEW_REPLICA`]): live nodes are
+    /// ready machines (a node still provisioning takes replicas, which
+    /// start when it is ready), gone ones are cordoned, and every replica
+    /// is running work that is never preempted (the simulator's replicas
+    /// leave by scale-down or with their spot node only).
+    pub fn snapshot(&self, now_ms: u64, tier: u8) -> Snapshot {
+        let mut nodes = Vec::with_capacity(self.nodes.len());
+        let mut running = Vec::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            let model = self.model_of(n);
+            let held = self.held.get(i).map(Vec::as_slice).unwrap_or_default();
+            let gpus = (0..n.grant.gpus)
+                .map(|g| GpuSnap {
+                    model: model.clone(),
+                    mig: false,
+                    free_milli: if held.iter().any(|&(h, _)| u32::from(h) == g) {
+                        0
+                    } else {
+                        1000
+                    },
+                })
+                .collect();
+            nodes.push(NodeSnap {
+                ready: n.gone_ms.is_none(),
+                cordoned: n.gone_ms.is_some(),
+                region: n.grant.region.clone(),
+                pool: self.gpu.clone(),
+                runtime: Runtime::Process,
+                cpu_total_milli: 0,
+                mem_total_mib: 0,
+                cpu_free_milli: 0,
+                mem_free_mib: 0,
+                gpus,
+            });
+            if n.gone_ms.is_some() {
+                continue;
+            }
+            for &(gpu, t) in held {
+                running.push(RunningWork {
+                    key: running.len() as WorkKey + 1,
+                    tenant: TENANT,
+                    tier: tier_of(t),
+                    priority: 0,
+                    preemptible: false,
+                    started_ms: n.requested_ms,
+                    ends_by_ms: None,
+                    stopping: false,
+                    preempted_by: None,
+                    members: vec![Hold {
+                        node: i,
+                        gpus: vec![(gpu, 1000)],
+                        cpu_milli: 0,
+                        mem_mib: 0,
+                    }],
+                });
+            }
         }
-        if let Some(d) = self.devices.get_mut(i) {
-            d.clear();
+        let models = if tier <= 1 {
+            vec![self.gpu.clone()]
+        } else {
+            Vec::new()
+        };
+        let queue = vec![QueuedWork {
+            key: NEW_REPLICA,
+            tenant: TENANT,
+            tier: tier_of(tier),
+            priority: 0,
+            submitted_ms: now_ms,
+            members: 1,
+            spread: false,
+            locality: Locality::Any,
+            gpu: GpuAsk::Whole(1),
+            models,
+            cpu_milli: 0,
+            mem_mib: 0,
+            runtime: Runtime::Process,
+            max_runtime_ms: None,
+            ready_ms: Vec::new(),
+        }];
+        Snapshot {
+            now_ms,
+            seed: 0x5eed_b1a5 ^ self.passes,
+            policy: self.policy,
+            nodes,
+            running,
+            promises: Vec::new(),
+            queue,
+            tenants: BTreeMap::new(),
+            usage: Vec::new(),
+            fair_share: FairShareConfig::default(),
+            preempt: PreemptConfig::default(),
         }
+    }
+
+    /// Plan one replica of `tier` with the scheduling pass: the node and
+    /// GPU it goes to, or `None` when no live node has room for it.
+    fn decide(&mut self, now_ms: u64, tier: u8) -> Result<Option<(usize, u16)>, PoolError> {
+        let snap = self.snapshot(now_ms, tier);
+        self.passes += 1;
+        let plan = decide(&snap).map_err(|e| PoolError::Placement(e.to_string()))?;
+        Ok(plan
+            .placements
+            .iter()
+            .find(|p| p.key == NEW_REPLICA)
+            .and_then(|p| p.members.first())
+            .and_then(|m| Some((m.node, m.gpus.first()?.0))))
     }
 
     /// Give machine `id` back. The simulated cloud cannot fail a
@@ -217,13 +329,14 @@ impl<P: CapacityProvider> NodePool<P> {
         }
     }
 
-    /// Place one replica of `tier`: best fit on a live node with a free
-    /// GPU (on-demand only for tier 1), else a new node from the provider.
-    /// Returns the pool index of the node and when it is (or was) ready.
+    /// Place one replica of `tier`: where the scheduling pass puts it on
+    /// a live node (on-demand only for tier 1), else on a new node from the
+    /// provider. Returns the pool index of the node and when it is (or
+    /// was) ready.
     pub fn place(&mut self, now_ms: u64, tier: u8) -> Result<(usize, u64), PoolError> {
         let tier1 = tier <= 1;
-        let placement = match self.decide(tier1) {
-            Some(p) => p,
+        let (i, gpu) = match self.decide(now_ms, tier)? {
+            Some(at) => at,
             None => {
                 let mut grant = Err(CapacityError::NoCapacity {
                     instance_type: self.gpu.clone(),
@@ -238,17 +351,6 @@ impl<P: CapacityProvider> NodePool<P> {
                     grant = block_on(self.provider.provision(now_ms, &want));
                 }
                 let grant = grant?;
-                let spec = NodeSpec {
-                    model: Some(if grant.spot {
-                        self.spot
-                    } else {
-                        self.on_demand
-                    }),
-                    gpus: u16::try_from(grant.gpus).unwrap_or(u16::MAX),
-                    cpu_milli: 0,
-                    mem_mib: 0,
-                };
-                self.cluster.add_node(spec).map_err(placement_error)?;
                 self.nodes.push(Node {
                     grant,
                     requested_ms: now_ms,
@@ -257,20 +359,16 @@ impl<P: CapacityProvider> NodePool<P> {
                     idle_since_ms: None,
                     gone_ms: None,
                 });
-                self.devices.push(Vec::new());
-                self.decide(tier1)
+                self.held.push(Vec::new());
+                self.decide(now_ms, tier)?
                     .ok_or_else(|| CapacityError::NoCapacity {
                         instance_type: self.gpu.clone(),
                         message: "a new node did not fit one GPU".to_string(),
                     })?
             }
         };
-        self.cluster
-            .commit(&replica(), &placement)
-            .map_err(placement_error)?;
-        let i = placement.node as usize;
-        if let (Some(d), Some(&gpu)) = (self.devices.get_mut(i), placement.gpus.first()) {
-            d.push(gpu);
+        if let Some(h) = self.held.get_mut(i) {
+            h.push((gpu, tier));
         }
         let n = &mut self.nodes[i];
         n.used += 1;
@@ -281,14 +379,14 @@ impl<P: CapacityProvider> NodePool<P> {
 
     /// A replica of `tier` left node `i`.
     pub fn free(&mut self, now_ms: u64, i: usize, tier: u8) {
-        // Replicas are interchangeable whole GPUs: free any device in use.
-        if let Some(gpu) = self.devices.get_mut(i).and_then(Vec::pop) {
-            let p = Placement {
-                node: u32::try_from(i).unwrap_or(u32::MAX),
-                gpus: vec![gpu],
-            };
-            // The device was committed by `place`; the release cannot fail.
-            let _ = self.cluster.release(&replica(), &p);
+        if let Some(h) = self.held.get_mut(i) {
+            // Replicas of one tier are interchangeable whole GPUs: free
+            // the last one placed.
+            if let Some(at) = h.iter().rposition(|&(_, t)| t == tier) {
+                h.remove(at);
+            } else {
+                h.pop();
+            }
         }
         if let Some(n) = self.nodes.get_mut(i) {
             n.used = n.used.saturating_sub(1);
@@ -316,7 +414,7 @@ impl<P: CapacityProvider> NodePool<P> {
             }
         }
         for &i in &gone {
-            self.cordon(i);
+            self.held[i].clear();
         }
         gone.len()
     }
@@ -329,7 +427,7 @@ impl<P: CapacityProvider> NodePool<P> {
                 n.gone_ms = Some(now_ms);
                 n.used = 0;
                 n.tier1 = 0;
-                self.cordon(i);
+                self.held[i].clear();
             }
         }
     }
@@ -345,7 +443,7 @@ impl<P: CapacityProvider> NodePool<P> {
             }
         }
         for i in gone {
-            self.cordon(i);
+            self.held[i].clear();
         }
     }
 
@@ -444,10 +542,14 @@ mod tests {
         assert_eq!((od, spot), (2 * 2 * 10, 0));
     }
 
-    /// Whole GPUs free on node `i` as the placement engine sees them.
+    /// Whole GPUs free on node `i` as the scheduling pass sees them.
     fn engine_free(pool: &NodePool<SimulatedCloud>, i: usize) -> usize {
-        let state = pool.cluster.state_of(i as u32).unwrap();
-        state.gpus_with_at_least(1_000)
+        let snap = pool.snapshot(0, 2);
+        snap.nodes[i]
+            .gpus
+            .iter()
+            .filter(|g| g.free_milli == 1000)
+            .count()
     }
 
     #[test]
@@ -464,12 +566,42 @@ mod tests {
         assert_eq!(pool.nodes().len(), 1);
         // A preempted node is cordoned: the next replica gets a new node.
         pool.preempted(3_000, a);
-        assert!(pool.cluster.state_of(a as u32).unwrap().cordoned);
+        assert!(pool.snapshot(3_000, 2).nodes[a].cordoned);
         let (c, _) = pool.place(3_000, 2).unwrap();
         assert_ne!(c, a);
         assert_eq!(engine_free(&pool, c), 1);
         // Frees on the gone node do not touch the snapshot.
         pool.free(4_000, a, 2);
         assert_eq!(pool.place(4_000, 2).unwrap().0, c);
+    }
+
+    #[test]
+    fn a_pools_placement_is_the_plan_of_its_snapshot() {
+        let mut pool = NodePool::new(cfg(10, 0.5).cloud_with_seed(7), "H100", 0);
+        for step in 0..40u64 {
+            let tier = if step % 3 == 0 { 1 } else { 2 };
+            if step % 5 == 4 {
+                // Free one replica somewhere, so holes open up.
+                if let Some(i) = pool.nodes().iter().position(|n| n.used > 0) {
+                    pool.free(step, i, pool.held[i].last().map_or(2, |h| h.1));
+                }
+                continue;
+            }
+            let snap = pool.snapshot(step, tier);
+            let plan = decide(&snap).unwrap();
+            let planned = plan.placements.first().map(|p| p.members[0].node);
+            let (node, _) = pool.place(step, tier).unwrap();
+            if let Some(planned) = planned {
+                assert_eq!(
+                    node, planned,
+                    "step {step}: the pool went where the plan said"
+                );
+            } else {
+                assert_eq!(node + 1, pool.nodes().len(), "no room: a new node");
+            }
+            if tier == 1 {
+                assert!(!pool.nodes()[node].grant.spot, "tier 1 on on-demand only");
+            }
+        }
     }
 }

@@ -30,7 +30,7 @@ fn small(v: i64) -> u32 {
     v.clamp(0, u32::MAX as i64) as u32
 }
 
-fn job(row: &AnyRow) -> Result<Job> {
+pub(crate) fn job(row: &AnyRow) -> Result<Job> {
     let started: Option<i64> = row.try_get("started_at")?;
     let finished: Option<i64> = row.try_get("finished_at")?;
     Ok(Job {

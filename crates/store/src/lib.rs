@@ -19,6 +19,7 @@ pub mod budgets;
 pub mod capacity;
 pub mod endpoints;
 pub mod fleet;
+pub mod history;
 pub mod idempotency;
 pub mod instances;
 pub mod invoices;

@@ -23,6 +23,7 @@ pub mod docs;
 pub mod endpoints;
 pub mod export;
 pub mod gateway;
+pub mod history;
 pub mod instances;
 pub mod invoices;
 pub mod jobs;
@@ -197,6 +198,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(keys::revoke_key))
         .routes(routes!(audit::list_audit))
         .routes(routes!(catalog::list_gpu_types))
+        .routes(routes!(history::demand))
         .routes(routes!(nodes::list_nodes))
         .routes(routes!(nodes::get_node))
         .routes(routes!(offers::get_offer, offers::set_offer))

@@ -1,0 +1,311 @@
+//! A day of this cluster's own activity, replayed: the server runs a day
+//! on a manual clock (instances of whole GPUs and fractions arriving every
+//! half hour and running one to three hours, a two-node training job),
+//! played through the agent protocol; `GET /v1/history/demand` reads it
+//! back; the simulator's replay (`flotilla_sim::history`, what
+//! `flotilla simulate --from-history` runs) gives the recorded GPU-hours
+//! back within 2 % under the recorded settings, and with another placement
+//! policy on half the machines the waits grow and the comparison says so.
+
+use std::collections::BTreeMap;
+
+use chrono::{Duration, TimeZone, Utc};
+use flotilla_core::api::{DiscoveredGpu, ObservedInstance, ObservedPhase, RegisterNode};
+use flotilla_core::catalog::Vendor;
+use flotilla_core::clock::Clock;
+use flotilla_core::history::DemandHistory;
+use flotilla_core::node::RuntimeKind;
+use flotilla_sched::Policy;
+use flotilla_server::schedule::schedule_pass;
+use flotilla_sim::history::{differences, recorded, replay, scale_nodes, ReplaySettings};
+use flotilla_testkit::server::OnClock;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+async fn ok(on: &OnClock, key: &str, method: &str, path: &str, body: Option<Value>) -> Value {
+    let (status, b) = on.call(key, method, path, body).await;
+    assert!(status.is_success(), "{method} {path}: {status} {b}");
+    b
+}
+
+/// Registers a node of two H100s; its id.
+async fn node(on: &OnClock, key: &str, name: &str) -> String {
+    let req = RegisterNode {
+        name: name.into(),
+        region: None,
+        pool: None,
+        cpu_milli: 64_000,
+        memory_mb: 512_000,
+        simulated: true,
+        gpus: (0..2)
+            .map(|index| DiscoveredGpu {
+                index,
+                model: "H100".into(),
+                uuid: format!("GPU-{name}-{index}"),
+                memory_mib: 81920,
+                vendor: Vendor::Nvidia,
+                mig_mode: false,
+            })
+            .collect(),
+        agent_version: "test".into(),
+        runtime: RuntimeKind::Process,
+        executor: Default::default(),
+        running: Vec::new(),
+        unenforced_limits: Vec::new(),
+        network: None,
+    };
+    let r = ok(
+        on,
+        key,
+        "POST",
+        "/v1/agent/register",
+        Some(serde_json::to_value(req).unwrap()),
+    )
+    .await;
+    r["node_id"].as_str().unwrap().to_string()
+}
+
+/// The agent of `node` reports `instance` in `phase`, now.
+async fn report(on: &OnClock, key: &str, node: &str, instance: &str, phase: ObservedPhase) {
+    let observed = ObservedInstance {
+        instance_id: serde_json::from_value(json!(instance)).unwrap(),
+        phase,
+        at: on.clock.now(),
+        message: None,
+        container: None,
+        weights_tier: None,
+        limit_exceeded: None,
+    };
+    ok(
+        on,
+        key,
+        "POST",
+        &format!("/v1/agent/nodes/{node}/sync"),
+        Some(json!({"observed": [observed], "wait_ms": 0})),
+    )
+    .await;
+}
+
+/// Instances placed and not yet started: started now by their agent, to
+/// end `run` later. `ends` maps an instance to (node, end time).
+async fn start_placed(
+    on: &OnClock,
+    provider: &str,
+    ids: &[(String, Duration)],
+    ends: &mut BTreeMap<String, (String, chrono::DateTime<Utc>)>,
+) {
+    for (id, run) in ids {
+        if ends.contains_key(id) {
+            continue;
+        }
+        let i = ok(
+            on,
+            &on.operator,
+            "GET",
+            &format!("/v1/instances/{id}"),
+            None,
+        )
+        .await;
+        if i["state"] != "scheduled" {
+            continue;
+        }
+        let node = i["node_id"].as_str().unwrap().to_string();
+        report(on, provider, &node, id, ObservedPhase::Running { pid: 7 }).await;
+        ends.insert(id.clone(), (node, on.clock.now() + *run));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits() {
+    let day = Utc.with_ymd_and_hms(2026, 12, 1, 0, 0, 0).unwrap();
+    let on = OnClock::new(day).await;
+    let op = on.operator.clone();
+    let t = ok(
+        &on,
+        &op,
+        "POST",
+        "/v1/tenants",
+        Some(json!({"name": "lab"})),
+    )
+    .await;
+    let member = ok(
+        &on,
+        &op,
+        "POST",
+        "/v1/keys",
+        Some(json!({"tenant_id": t["id"], "role": "tenant_member"})),
+    )
+    .await["secret"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let provider = ok(
+        &on,
+        &op,
+        "POST",
+        "/v1/keys",
+        Some(json!({"tenant_id": t["id"], "role": "provider"})),
+    )
+    .await["secret"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for n in ["n1", "n2", "n3", "n4"] {
+        node(&on, &provider, n).await;
+    }
+
+    // Work of the day: (instance or job member id, how long it runs).
+    let mut works: Vec<(String, Duration)> = Vec::new();
+    let mut ends: BTreeMap<String, (String, chrono::DateTime<Utc>)> = BTreeMap::new();
+    let mut job = None;
+    let step = Duration::minutes(10);
+    for s in 0..(24 * 6) {
+        // Runs that are due end first.
+        let now = on.clock.now();
+        let due: Vec<(String, String)> = ends
+            .iter()
+            .filter(|(_, (_, end))| *end <= now)
+            .map(|(id, (node, _))| (id.clone(), node.clone()))
+            .collect();
+        for (id, node) in due {
+            report(
+                &on,
+                &provider,
+                &node,
+                &id,
+                ObservedPhase::Exited {
+                    code: 0,
+                    stopped: false,
+                },
+            )
+            .await;
+            ends.remove(&id);
+            works.retain(|(w, _)| *w != id);
+        }
+        // An arrival every half hour until evening: 1 or 2 GPUs, or a
+        // half GPU, for one to three hours.
+        if s % 3 == 0 && s < 18 * 6 {
+            let k = s / 3;
+            let body = match k % 4 {
+                0 | 2 => json!({"gpus": 1, "command": ["train"]}),
+                1 => json!({"gpus": 2, "command": ["train"]}),
+                _ => json!({"gpus": 1, "gpu_fraction": 0.5, "command": ["infer"]}),
+            };
+            let i = ok(&on, &member, "POST", "/v1/instances", Some(body)).await;
+            let run = Duration::minutes(60 + 60 * i64::from(k % 3));
+            works.push((i["id"].as_str().unwrap().to_string(), run));
+        }
+        // A two-node training job at 05:00, two hours.
+        if s == 30 {
+            let j = ok(
+                &on,
+                &member,
+                "POST",
+                "/v1/jobs",
+                Some(json!({"gpus": 2, "nodes": 2, "command": ["train"]})),
+            )
+            .await;
+            job = Some(j["id"].as_str().unwrap().to_string());
+        }
+        flotilla_server::jobs::jobs_pass(&on.st)
+            .await
+            .expect("a jobs pass");
+        schedule_pass(&on.st).await.expect("a pass");
+        if let Some(j) = &job {
+            let jv = ok(&on, &member, "GET", &format!("/v1/jobs/{j}"), None).await;
+            for m in jv["members"].as_array().cloned().unwrap_or_default() {
+                let id = m["instance_id"].as_str().unwrap().to_string();
+                if !works.iter().any(|(w, _)| *w == id) && !ends.contains_key(&id) {
+                    works.push((id, Duration::hours(2)));
+                }
+            }
+        }
+        start_placed(&on, &provider, &works, &mut ends).await;
+        on.clock.advance(step);
+    }
+
+    let (from, to) = (day, day + Duration::days(1));
+    let (status, body) = on
+        .call(
+            &op,
+            "GET",
+            &format!(
+                "/v1/history/demand?from={}&to={}",
+                from.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                to.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+            ),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let h: DemandHistory = serde_json::from_value(body).expect("a demand history");
+    assert_eq!(h.nodes.len(), 4);
+    assert_eq!(h.works.len(), 36 + 1, "36 instances and the job");
+    let job_work = h
+        .works
+        .iter()
+        .find(|w| w.members == 2)
+        .expect("the job, as one work of two members");
+    assert!(job_work.finished_at.is_some(), "{job_work:?}");
+
+    let rec = recorded(&h);
+    assert_eq!(rec.works, 37, "{rec:?}");
+    // 36 arrivals: 9 of each shape; 1 GPU for 1-3 h (18 of them), 2 GPUs,
+    // half GPUs; plus the job's 4 GPU-hours... all measured by the record.
+    assert!(rec.gpu_hours > 40.0, "{rec:?}");
+
+    let same = replay(
+        &h,
+        &ReplaySettings {
+            policy: Policy::Flotilla,
+            nodes: h.nodes.clone(),
+        },
+    )
+    .expect("the replay");
+    assert_eq!(same.ran, rec.works, "{same:?}");
+    let gap = (same.gpu_hours - rec.gpu_hours).abs() / rec.gpu_hours;
+    assert!(
+        gap <= 0.02,
+        "replayed {} GPU-hours against {} recorded",
+        same.gpu_hours,
+        rec.gpu_hours
+    );
+
+    let half = replay(
+        &h,
+        &ReplaySettings {
+            policy: Policy::BestFit,
+            nodes: scale_nodes(&h.nodes, 0.5),
+        },
+    )
+    .expect("the changed replay");
+    assert!(
+        half.mean_wait_s > same.mean_wait_s && half.mean_wait_s > rec.mean_wait_s,
+        "record {rec:?}\nsame {same:?}\nhalf {half:?}"
+    );
+    let said = differences(&rec, &half).join("; ");
+    assert!(said.contains("waits grow"), "{said}");
+    eprintln!("record {rec:?}\nsame settings {same:?}\nBestFit, half the nodes {half:?}\n{said}");
+
+    // An unknown window is a clear error, naming the field.
+    let (status, body) = on
+        .call(
+            &op,
+            "GET",
+            "/v1/history/demand?from=2026-12-02T00:00:00Z&to=2026-12-01T00:00:00Z",
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["details"]["field"], "to", "{body}");
+    // Tenants may not read every tenant's demand.
+    let (status, _) = on
+        .call(
+            &member,
+            "GET",
+            "/v1/history/demand?from=2026-12-01T00:00:00Z&to=2026-12-02T00:00:00Z",
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+}
