@@ -19,6 +19,10 @@
 //!   backfill, [`crate::queue::reserve`]);
 //! - **a reason** ([`Wait`]) for every work left waiting.
 //!
+//! [`plan`] runs these as stages over one pass state: load the snapshot,
+//! order the queue, then per work admit, place (backfill beside a blocked
+//! head), preempt, or wait, the first work that waits for GPUs reserving.
+//!
 //! Machines with GPUs of several models become one engine node per model
 //! sharing the machine's CPU and memory ([`crate::snapshot::Node::host`]).
 //! A GPU in MIG mode is a GPU of a distinct engine model (`H100` in MIG
@@ -30,7 +34,8 @@
 //! tenant's guarantee may reclaim capacity other tenants borrowed; what a
 //! tenant holds beyond its guarantee is borrowed ([`borrowed`]).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 
 use rand::SeedableRng;
@@ -201,94 +206,143 @@ fn share_request(milli: u16) -> Request {
     }
 }
 
+/// Engine models by catalog model name.
+type ModelIds = BTreeMap<String, ModelId>;
+
+/// The engine's model table for `nodes`: each catalog model of a GPU not
+/// in MIG mode as itself, and of a GPU in MIG mode as the MIG-capable
+/// model `{model}/mig`. Returns the table and the ids, plain and MIG.
+fn engine_models(nodes: &[NodeSnap]) -> Result<(ModelTable, ModelIds, ModelIds), Error> {
+    let mut models = ModelTable::default();
+    let mut plain = BTreeMap::new();
+    let mut mig = BTreeMap::new();
+    for g in nodes.iter().flat_map(|n| &n.gpus) {
+        if g.mig {
+            if !mig.contains_key(&g.model) {
+                let id = models.intern(&format!("{}{MIG_SUFFIX}", g.model))?;
+                models.set_mig_capable(id, true)?;
+                mig.insert(g.model.clone(), id);
+            }
+        } else if !plain.contains_key(&g.model) {
+            plain.insert(g.model.clone(), models.intern(&g.model)?);
+        }
+    }
+    Ok((models, plain, mig))
+}
+
 impl Pool {
+    /// The pool as the engine's model, with exactly the snapshot's free
+    /// capacity: engine nodes for the ready machines, what running work
+    /// holds committed, then whatever else is taken, and the machines'
+    /// regions and pools as scopes.
     fn build(nodes: &[NodeSnap], running: &[RunningWork]) -> Result<Pool, Error> {
-        let mut models = ModelTable::default();
-        let mut plain = BTreeMap::new();
-        let mut mig = BTreeMap::new();
-        for g in nodes.iter().flat_map(|n| &n.gpus) {
-            if g.mig {
-                if !mig.contains_key(&g.model) {
-                    let id = models.intern(&format!("{}{MIG_SUFFIX}", g.model))?;
-                    models.set_mig_capable(id, true)?;
-                    mig.insert(g.model.clone(), id);
-                }
-            } else if !plain.contains_key(&g.model) {
-                plain.insert(g.model.clone(), models.intern(&g.model)?);
-            }
-        }
-        let mut cluster = Cluster::new(models);
-        let mut slots = Vec::new();
-        let mut device = HashMap::new();
-        let mut first_slot: HashMap<usize, u32> = HashMap::new();
-        let mut unready = 0;
-        for (i, n) in nodes.iter().enumerate() {
-            if !n.ready {
-                unready += 1;
-                continue;
-            }
-            let mut groups: BTreeMap<(bool, &str), Vec<u16>> = BTreeMap::new();
-            for (gi, g) in n.gpus.iter().enumerate() {
-                let gi = u16::try_from(gi).map_err(|_| Error::InvalidRequest("too many gpus"))?;
-                groups
-                    .entry((g.mig, g.model.as_str()))
-                    .or_default()
-                    .push(gi);
-            }
-            let host = u32::try_from(i + 1).map_err(|_| Error::InvalidRequest("too many nodes"))?;
-            let mut add = |model: Option<ModelId>, gpus: Vec<u16>, name: &str| {
-                let spec = NodeSpec {
-                    model,
-                    gpus: u16::try_from(gpus.len()).unwrap_or(u16::MAX),
-                    cpu_milli: n.cpu_total_milli.max(n.cpu_free_milli),
-                    mem_mib: n.mem_total_mib.max(n.mem_free_mib),
-                };
-                let idx = cluster.add_node(spec)?;
-                cluster.set_cordoned(idx, n.cordoned)?;
-                cluster.set_runtime(idx, n.runtime)?;
-                cluster.set_host(idx, host)?;
-                first_slot.entry(i).or_insert(idx);
-                for (d, &gi) in gpus.iter().enumerate() {
-                    device.insert((i, gi), (idx, d as u16));
-                }
-                slots.push(Slot {
-                    node: i,
-                    model: name.to_string(),
-                    gpus,
-                });
-                Ok::<(), Error>(())
-            };
-            if groups.is_empty() {
-                add(None, Vec::new(), "")?;
-            }
-            for ((is_mig, model), gpus) in groups {
-                let id = if is_mig { mig[model] } else { plain[model] };
-                add(Some(id), gpus, model)?;
-            }
-        }
-        let mut pool = Pool {
-            cluster,
-            slots,
-            device,
-            plain,
-            mig,
-            first_slot,
-            machines: nodes.len(),
-            unready,
-        };
+        let mut pool = Pool::empty(nodes)?;
         // What running work holds, then whatever else is taken (work the
         // caller did not list, capacity it keeps back), so the engine's free
         // capacity equals the snapshot's.
+        pool.hold_running(running);
+        pool.hold_rest(nodes)?;
+        pool.number_scopes(nodes)?;
+        Ok(pool)
+    }
+
+    /// Engine nodes for the ready machines, all capacity free.
+    fn empty(nodes: &[NodeSnap]) -> Result<Pool, Error> {
+        let (models, plain, mig) = engine_models(nodes)?;
+        let mut pool = Pool {
+            cluster: Cluster::new(models),
+            slots: Vec::new(),
+            device: HashMap::new(),
+            plain,
+            mig,
+            first_slot: HashMap::new(),
+            machines: nodes.len(),
+            unready: 0,
+        };
+        for (i, n) in nodes.iter().enumerate() {
+            if !n.ready {
+                pool.unready += 1;
+                continue;
+            }
+            pool.add_machine(i, n)?;
+        }
+        Ok(pool)
+    }
+
+    /// Machine `i` as one engine node per GPU model (and MIG mode), or one
+    /// without GPUs for a machine that has none; all of them name the
+    /// machine as their host, so that they share its CPU and memory.
+    fn add_machine(&mut self, i: usize, n: &NodeSnap) -> Result<(), Error> {
+        let mut groups: BTreeMap<(bool, &str), Vec<u16>> = BTreeMap::new();
+        for (gi, g) in n.gpus.iter().enumerate() {
+            let gi = u16::try_from(gi).map_err(|_| Error::InvalidRequest("too many gpus"))?;
+            groups
+                .entry((g.mig, g.model.as_str()))
+                .or_default()
+                .push(gi);
+        }
+        let host = u32::try_from(i + 1).map_err(|_| Error::InvalidRequest("too many nodes"))?;
+        if groups.is_empty() {
+            self.add_slot(i, n, host, None, Vec::new(), "")?;
+        }
+        for ((is_mig, model), gpus) in groups {
+            let id = if is_mig {
+                self.mig[model]
+            } else {
+                self.plain[model]
+            };
+            self.add_slot(i, n, host, Some(id), gpus, model)?;
+        }
+        Ok(())
+    }
+
+    /// One engine node of machine `i`: the machine's GPUs `gpus` (indices
+    /// on the machine) of engine model `model`, catalog name `name`.
+    fn add_slot(
+        &mut self,
+        i: usize,
+        n: &NodeSnap,
+        host: u32,
+        model: Option<ModelId>,
+        gpus: Vec<u16>,
+        name: &str,
+    ) -> Result<(), Error> {
+        let spec = NodeSpec {
+            model,
+            gpus: u16::try_from(gpus.len()).unwrap_or(u16::MAX),
+            cpu_milli: n.cpu_total_milli.max(n.cpu_free_milli),
+            mem_mib: n.mem_total_mib.max(n.mem_free_mib),
+        };
+        let idx = self.cluster.add_node(spec)?;
+        self.cluster.set_cordoned(idx, n.cordoned)?;
+        self.cluster.set_runtime(idx, n.runtime)?;
+        self.cluster.set_host(idx, host)?;
+        self.first_slot.entry(i).or_insert(idx);
+        for (d, &gi) in gpus.iter().enumerate() {
+            self.device.insert((i, gi), (idx, d as u16));
+        }
+        self.slots.push(Slot {
+            node: i,
+            model: name.to_string(),
+            gpus,
+        });
+        Ok(())
+    }
+
+    /// Commits what running work holds. A hold the engine cannot represent
+    /// as one placement (several partial GPUs) is committed share by share,
+    /// CPU and memory with the first.
+    fn hold_running(&mut self, running: &[RunningWork]) {
         for m in running.iter().flat_map(|r| &r.members) {
-            match pool.hold(m) {
+            match self.hold(m) {
                 Some((req, at)) => {
-                    let _ = pool.cluster.commit(&req, &at);
+                    let _ = self.cluster.commit(&req, &at);
                 }
                 None => {
                     // Several partial GPUs: each share on its own, CPU and
                     // memory with the first.
                     for (k, &(g, milli)) in m.gpus.iter().enumerate() {
-                        if let Some(&(s, d)) = pool.device.get(&(m.node, g)) {
+                        if let Some(&(s, d)) = self.device.get(&(m.node, g)) {
                             let mut req = share_request(milli);
                             if k == 0 {
                                 req.cpu_milli = m.cpu_milli;
@@ -298,20 +352,26 @@ impl Pool {
                                 node: s,
                                 gpus: vec![d],
                             };
-                            let _ = pool.cluster.commit(&req, &at);
+                            let _ = self.cluster.commit(&req, &at);
                         }
                     }
                 }
             }
         }
-        for (&(i, gi), &(s, d)) in &pool.device {
+    }
+
+    /// Commits whatever else the snapshot counts as taken: per GPU, and per
+    /// machine (on its first engine node) CPU and memory, down to the
+    /// snapshot's free capacity.
+    fn hold_rest(&mut self, nodes: &[NodeSnap]) -> Result<(), Error> {
+        for (&(i, gi), &(s, d)) in &self.device {
             let want = nodes[i].gpus[usize::from(gi)].free_milli.min(MILLI);
-            let have = pool
+            let have = self
                 .cluster
                 .node(s)
                 .map_or(0, |n| n.gpu_free[usize::from(d)]);
             if have > want {
-                pool.cluster.commit(
+                self.cluster.commit(
                     &share_request(have - want),
                     &Placement {
                         node: s,
@@ -320,15 +380,15 @@ impl Pool {
                 )?;
             }
         }
-        for (&i, &s) in &pool.first_slot {
+        for (&i, &s) in &self.first_slot {
             let n = &nodes[i];
-            let Some(e) = pool.cluster.node(s) else {
+            let Some(e) = self.cluster.node(s) else {
                 continue;
             };
             let cpu = e.cpu_free.saturating_sub(n.cpu_free_milli);
             let mem = e.mem_free.saturating_sub(n.mem_free_mib);
             if cpu > 0 || mem > 0 {
-                pool.cluster.commit(
+                self.cluster.commit(
                     &Request::new(GpuDemand::None, cpu, mem),
                     &Placement {
                         node: s,
@@ -337,19 +397,45 @@ impl Pool {
                 )?;
             }
         }
-        // Regions and pools as the engine's scope numbers, from 1.
+        Ok(())
+    }
+
+    /// Regions and pools as the engine's scope numbers, from 1, in slot
+    /// order.
+    fn number_scopes(&mut self, nodes: &[NodeSnap]) -> Result<(), Error> {
         let mut regions: BTreeMap<&str, u32> = BTreeMap::new();
         let mut pools: BTreeMap<&str, u32> = BTreeMap::new();
-        for (si, s) in pool.slots.iter().enumerate() {
+        for (si, s) in self.slots.iter().enumerate() {
             let n = &nodes[s.node];
             let next = regions.len() as u32 + 1;
             let r = *regions.entry(n.region.as_str()).or_insert(next);
             let next = pools.len() as u32 + 1;
             let p = *pools.entry(n.pool.as_str()).or_insert(next);
-            pool.cluster.set_region(si as u32, r)?;
-            pool.cluster.set_domain(si as u32, p)?;
+            self.cluster.set_region(si as u32, r)?;
+            self.cluster.set_domain(si as u32, p)?;
         }
-        Ok(pool)
+        Ok(())
+    }
+
+    /// Masks promised capacity for everyone but its preemptor: commits it
+    /// now, and returns the commits per preemptor, to be released for it
+    /// alone when its turn comes ([`PassState::take_promise`]).
+    fn mask_promises(&mut self, promises: &[Promise]) -> BTreeMap<WorkKey, Promised> {
+        let mut promised: BTreeMap<WorkKey, Promised> = BTreeMap::new();
+        for p in promises {
+            let Some(&(s, d)) = self.device.get(&(p.node, p.gpu)) else {
+                continue;
+            };
+            let req = share_request(p.milli);
+            let at = Placement {
+                node: s,
+                gpus: vec![d],
+            };
+            if self.cluster.commit(&req, &at).is_ok() {
+                promised.entry(p.to).or_default().push((req, at));
+            }
+        }
+        promised
     }
 
     /// The engine models `w` accepts given its tenant's per-model room.
@@ -495,22 +581,676 @@ struct Held {
 /// Plans one pass. Errors only on a snapshot the engine cannot model
 /// (more than 64 GPU models, a GPU index past `u16`); a work that cannot
 /// be placed is a [`Wait`], never an error.
+///
+/// The pass runs in stages over one `PassState`: it loads the snapshot
+/// (`PassState::new`), orders the queue (`PassState::order`), and takes
+/// each work in that order through `PassState::decide`: admit, place
+/// (backfill beside a blocked head), preempt, or wait with a reason, the
+/// first work that waits for GPUs reserving.
 pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
-    let mut pool = Pool::build(&snap.nodes, &snap.running)?;
-    let mut rng = ChaCha8Rng::seed_from_u64(snap.seed);
-    let mut out = Plan::default();
+    let mut pass = PassState::new(snap)?;
+    let mut picker = pass.order()?;
+    while let Some(qi) = picker.next(snap, &pass.held) {
+        pass.decide(&snap.queue[qi]);
+    }
+    Ok(pass.finish())
+}
 
-    // Running work as the engine's allocations (one per member).
-    let borrowed_flags = borrowed(&snap.running, &snap.tenants);
-    let mut allocations: Vec<Allocation> = Vec::new();
-    let mut alloc_work: Vec<usize> = Vec::new();
-    let mut ending: Vec<Running> = Vec::new();
+/// Capacity promised to one preemptor, as the engine's commits.
+type Promised = Vec<(Request, Placement)>;
+
+/// What one pass carries from one work to the next. Within a pass the
+/// pool only fills (a promise is released only during its preemptor's own
+/// turn; victims keep their GPUs until they stop) and running work only
+/// leaves the victims on offer: what the memos ([`Memo`]) rely on.
+struct PassState<'s> {
+    snap: &'s Snapshot,
+    /// The engine's model of the pool: running work, promised capacity and
+    /// this pass's placements committed.
+    pool: Pool,
+    /// Tie-breaking (and the Random policy), seeded by the snapshot, drawn
+    /// in queue order: the same snapshot plans the same.
+    rng: ChaCha8Rng,
+    engines: Engines,
+    /// Running work as the engine's allocations, for preemption.
+    victims: Victims,
+    /// What each tenant holds, this pass's placements included: quota
+    /// admission and the picker read it.
+    held: BTreeMap<Tenant, Held>,
+    /// Work of known end (running, and placed this pass): a later head's
+    /// reservation counts on its end.
+    ending: Vec<Running>,
+    /// Capacity promised to each preemptor, masked in the pool for
+    /// everyone else.
+    promised: BTreeMap<WorkKey, Promised>,
+    /// Victims still holding their GPUs, per preemptor.
+    stopping_for: BTreeMap<WorkKey, Vec<WorkKey>>,
+    memo: Memo,
+    /// The blocked head, once a work waits for GPUs and reserves.
+    head: Option<Head>,
+    out: Plan,
+}
+
+/// The scorer's cache is per cluster: one engine for the pool, one for
+/// the pool outside the head's machines, one for scratch copies (gangs,
+/// reservations), so that none of them flushes another's.
+struct Engines {
+    pool: Engine,
+    outside: Engine,
+    scratch: Engine,
+}
+
+impl Engines {
+    /// Fragmentation-aware scorers measure against this pass's mix.
+    fn new(snap: &Snapshot) -> Engines {
+        let shapes: Vec<Request> = snap
+            .queue
+            .iter()
+            .filter_map(|w| w.gpu.demand().ok().map(|d| Request::new(d, 0, 0)))
+            .collect();
+        let workload =
+            TargetWorkload::from_gpu_requests(shapes.iter(), TargetWorkload::DEFAULT_COVERAGE);
+        Engines {
+            pool: Engine::new(snap.policy.scorer(&workload)),
+            outside: Engine::new(snap.policy.scorer(&workload)),
+            scratch: Engine::new(snap.policy.scorer(&workload)),
+        }
+    }
+}
+
+/// Within one pass the pool only fills (and victims only leave the
+/// offers), so a shape that found no room, no room outside the head's
+/// machines, or no victims, finds none later in the pass either.
+#[derive(Default)]
+struct Memo {
+    /// Shapes that fit nowhere, with the reason in words.
+    no_fit: HashMap<ShapeKey, String>,
+    no_fit_outside: HashSet<ShapeKey>,
+    /// By shape and preemptor rank (tier, priority, reclaiming tenant).
+    no_victims: HashSet<(ShapeKey, Tier, i32, Option<Tenant>)>,
+}
+
+/// The blocked head: the first work that waits for GPUs (and could fit the
+/// pool emptied). Work behind it starts only where it cannot delay it.
+struct Head {
+    work: WorkKey,
+    reservation: Reservation,
+    /// The pool with the head's machines cordoned, kept in step with it.
+    outside: Cluster,
+    /// Its tenant and ask (milli-GPU): the reservation holds its tenant's
+    /// quota for it too.
+    tenant: Tenant,
+    ask: u64,
+}
+
+/// A work its tenant's quota admits, as the engine asks for it.
+struct Ask {
+    members: usize,
+    /// One member's request (its models narrowed to the tenant's room).
+    req: Request,
+    gang: Gang,
+    shape: ShapeKey,
+    /// Milli-GPU of all members.
+    milli: u64,
+    /// Beyond its tenant's guarantee.
+    borrowed: bool,
+    /// Within a real guarantee, asking for GPUs: it may reclaim capacity
+    /// other tenants borrowed.
+    reclaiming: bool,
+    /// Time to ready by engine node; empty when where it starts does not
+    /// change when it is ready.
+    ready: Vec<u64>,
+}
+
+/// Where the place stage found room for a work.
+enum Fit {
+    /// One placement per member; `true` when it starts ahead of a blocked
+    /// head.
+    At(Vec<Placement>, bool),
+    /// Room only where it would delay the head.
+    BehindHead(WorkKey),
+    /// No room, now or (as a memo knows) for the rest of the pass.
+    Nowhere,
+}
+
+impl<'s> PassState<'s> {
+    /// **Load**: the pool with what running work holds, running work as
+    /// the engine's allocations and as each tenant's quota use, promised
+    /// capacity masked for everyone but its preemptor.
+    fn new(snap: &'s Snapshot) -> Result<Self, Error> {
+        let mut pool = Pool::build(&snap.nodes, &snap.running)?;
+        let rng = ChaCha8Rng::seed_from_u64(snap.seed);
+        let borrowed_flags = borrowed(&snap.running, &snap.tenants);
+        let held = held_by_tenant(snap, &borrowed_flags);
+        let (victims, ending) = Victims::load(snap, &pool, &borrowed_flags);
+        let promised = pool.mask_promises(&snap.promises);
+        // Victims still holding their GPUs, per preemptor.
+        let mut stopping_for: BTreeMap<WorkKey, Vec<WorkKey>> = BTreeMap::new();
+        for r in &snap.running {
+            if let Some(by) = r.preempted_by {
+                stopping_for.entry(by).or_default().push(r.key);
+            }
+        }
+        Ok(PassState {
+            snap,
+            pool,
+            rng,
+            engines: Engines::new(snap),
+            victims,
+            held,
+            ending,
+            promised,
+            stopping_for,
+            memo: Memo::default(),
+            head: None,
+            out: Plan::default(),
+        })
+    }
+
+    /// **Order**: the queue as [`crate::queue::order_with_running`] ranks
+    /// it (priority, then weighted fair share over recent GPU time and
+    /// what runs now, then FIFO), handed out by a [`Picker`] that puts
+    /// guaranteed work of a level before borrowing work.
+    fn order(&self) -> Result<Picker, Error> {
+        let snap = self.snap;
+        let share = fair_share(snap, self.pool.cluster.gpu_capacity_milli().max(1))?;
+        let items = queued_items(snap);
+        // Work running now counts as an item picked at its own rank for its
+        // remaining time (see queue::order_with_running).
+        let running = running_items(snap);
+        let order = queue::order_with_running(&items, &running, &share, snap.now_ms);
+        Ok(Picker::new(snap, &order))
+    }
+
+    /// One work, in queue order, through the stages: admitted by quota,
+    /// then placed (beside a blocked head only where it cannot delay it),
+    /// else waiting for its victims, or preempting, or waiting behind the
+    /// head, or waiting for GPUs (the first such work reserving). Every
+    /// work ends in [`Plan::placements`] or [`Plan::waiting`], once.
+    fn decide(&mut self, w: &QueuedWork) {
+        self.out.order.push(w.key);
+        let Some(ask) = self.admit(w) else {
+            return;
+        };
+        let promise = self.take_promise(w.key);
+        let cached = if promise.is_empty() {
+            self.memo.no_fit.get(&ask.shape).cloned()
+        } else {
+            None
+        };
+        let behind = match self.place(w, &ask, cached.is_some(), !promise.is_empty()) {
+            Fit::At(at, backfilled) => {
+                self.commit(w, &ask, &at, backfilled);
+                return;
+            }
+            Fit::BehindHead(head) => Some(head),
+            Fit::Nowhere => None,
+        };
+        // It fits nowhere now. Mask its promised capacity again: it waits
+        // for the rest.
+        let had_promise = !promise.is_empty();
+        self.return_promise(w.key, promise);
+        let waiting_on = self.stopping_for.get(&w.key).cloned().unwrap_or_default();
+        if !waiting_on.is_empty() {
+            self.out
+                .waiting
+                .push((w.key, Wait::VictimsStopping(waiting_on)));
+            return;
+        }
+        if self.preempt(w, &ask) {
+            return;
+        }
+        if let Some(head) = behind {
+            self.out.waiting.push((w.key, Wait::BehindHead(head)));
+            return;
+        }
+        let text = match cached {
+            Some(t) => t,
+            None => self.explain(w, &ask, had_promise),
+        };
+        if let Some(why) = crate::pool_fit::never_fits(&self.snap.nodes, w) {
+            self.out.waiting.push((w.key, Wait::Unschedulable(why)));
+            return;
+        }
+        self.out.waiting.push((w.key, Wait::NoFit(text)));
+        if self.head.is_none() && could_fit_empty(&self.pool, &ask.gang) {
+            self.reserve(w, &ask);
+        }
+    }
+
+    /// **Admit**: whether the work's tenant's quota admits it now
+    /// (guaranteed or borrowed), counting the quota the head's reservation
+    /// holds; and the work as the engine's request, its models narrowed to
+    /// those its tenant's per-model limits leave room on. A work not
+    /// admitted waits ([`Wait::OverQuota`], or [`Wait::NoFit`] for a GPU
+    /// request that is not valid).
+    fn admit(&mut self, w: &QueuedWork) -> Option<Ask> {
+        let members = usize::from(w.members.max(1));
+        let Ok(demand) = w.gpu.demand() else {
+            self.out
+                .waiting
+                .push((w.key, Wait::NoFit("the GPU request is not valid".into())));
+            return None;
+        };
+        let unlimited = TenantPolicy::unlimited();
+        let policy = self.snap.tenants.get(&w.tenant).unwrap_or(&unlimited);
+        let empty = Held::default();
+        let h = self.held.get(&w.tenant).unwrap_or(&empty);
+        let ask = w.gpu.milli() * members as u64;
+        // The head's reservation holds its tenant's quota for it too:
+        // otherwise the tenant's later work could take the quota the head
+        // waits with, and the head would lose its place on the next pass.
+        let head_quota = match &self.head {
+            Some(head) if head.tenant == w.tenant => head.ask,
+            _ => 0,
+        };
+        let used = QuotaUse {
+            guaranteed_milli: h.guaranteed,
+            borrowed_milli: h
+                .total
+                .saturating_sub(h.guaranteed)
+                .saturating_add(head_quota),
+        };
+        let admission = quota::admit(&policy.quota, &used, ask, u64::MAX);
+        let borrowed = match admission {
+            Admission::Denied(d) => {
+                self.out.waiting.push((w.key, Wait::OverQuota(d)));
+                return None;
+            }
+            Admission::Guaranteed => false,
+            Admission::Borrowed => true,
+        };
+        let models = self.pool.models_for(w, |m| {
+            policy.per_model_milli.get(m).is_none_or(|&limit| {
+                h.per_model.get(m).copied().unwrap_or(0).saturating_add(ask) <= limit
+            })
+        });
+        let req = Request::new(demand, w.cpu_milli, w.mem_mib)
+            .with_models(models)
+            .with_runtime(w.runtime);
+        let mut gang = Gang::uniform(req, members, w.locality);
+        gang.spread = w.spread && members > 1;
+        let shape = ShapeKey {
+            req,
+            members,
+            locality: w.locality,
+            spread: gang.spread,
+        };
+        Some(Ask {
+            members,
+            req,
+            gang,
+            shape,
+            milli: ask,
+            borrowed,
+            // Only a real guarantee, and only for GPUs, reclaims.
+            reclaiming: matches!(admission, Admission::Guaranteed)
+                && policy.quota.guaranteed_milli > 0
+                && ask > 0,
+            ready: self.ready_by_slot(w),
+        })
+    }
+
+    /// Time to ready by engine node (slot), from the machine's; empty when
+    /// the work gives none.
+    fn ready_by_slot(&self, w: &QueuedWork) -> Vec<u64> {
+        if w.ready_ms.is_empty() {
+            return Vec::new();
+        }
+        self.pool
+            .slots
+            .iter()
+            .map(|s| w.ready_ms.get(s.node).copied().unwrap_or(u64::MAX))
+            .collect()
+    }
+
+    /// Its promised capacity is offered to it alone: released in the pool
+    /// (and outside the head's machines) until it is placed or waits.
+    fn take_promise(&mut self, key: WorkKey) -> Promised {
+        let mine = self.promised.remove(&key).unwrap_or_default();
+        for (r, p) in &mine {
+            let _ = self.pool.cluster.release(r, p);
+            if let Some(h) = self.head.as_mut() {
+                let _ = h.outside.release(r, p);
+            }
+        }
+        mine
+    }
+
+    /// A promise not used this pass is masked again, for the next.
+    fn return_promise(&mut self, key: WorkKey, mine: Promised) {
+        for (r, p) in &mine {
+            let _ = self.pool.cluster.commit(r, p);
+            if let Some(h) = self.head.as_mut() {
+                let _ = h.outside.commit(r, p);
+            }
+        }
+        if !mine.is_empty() {
+            self.promised.insert(key, mine);
+        }
+    }
+
+    /// **Place**: where the work goes now, every member or none, on the
+    /// pool as it is (its promise included); `cached` when a memo already
+    /// says its shape fits nowhere. Work with a promise takes it whatever
+    /// the head; other work is then checked against the head ([`Self::backfill`]).
+    fn place(&mut self, w: &QueuedWork, ask: &Ask, cached: bool, has_promise: bool) -> Fit {
+        if cached {
+            return Fit::Nowhere;
+        }
+        let engines = &mut self.engines;
+        let Some(at) = place_on(
+            &mut engines.pool,
+            &mut engines.scratch,
+            &self.pool.cluster,
+            &ask.gang,
+            &ask.ready,
+            &mut self.rng,
+        ) else {
+            return Fit::Nowhere;
+        };
+        if has_promise {
+            return Fit::At(at, false);
+        }
+        self.backfill(w, ask, at)
+    }
+
+    /// **Backfill**: with a head blocked, work that fits starts only where
+    /// it cannot delay the head: where the reservation admits it beside
+    /// the head (EASY backfill, [`Reservation::admit_backfill`]: it ends
+    /// before the head's start or leaves the head's room), else off the
+    /// head's machines. Otherwise, as far as the head allows, it fits
+    /// nowhere (it may still preempt off the head's machines, as it would
+    /// on the next pass).
+    fn backfill(&mut self, w: &QueuedWork, ask: &Ask, at: Vec<Placement>) -> Fit {
+        let Some(head) = self.head.as_mut() else {
+            return Fit::At(at, false);
+        };
+        let ends = w.max_runtime_ms.map(|t| self.snap.now_ms.saturating_add(t));
+        let mut trial = head.reservation.clone();
+        if at.iter().all(|m| trial.admit_backfill(&ask.req, m, ends)) {
+            head.reservation = trial;
+            return Fit::At(at, true);
+        }
+        let around = if self.memo.no_fit_outside.contains(&ask.shape) {
+            None
+        } else {
+            place_on(
+                &mut self.engines.outside,
+                &mut self.engines.scratch,
+                &head.outside,
+                &ask.gang,
+                &ask.ready,
+                &mut self.rng,
+            )
+        };
+        match around {
+            Some(q) => Fit::At(q, true),
+            None => {
+                self.memo.no_fit_outside.insert(ask.shape);
+                Fit::BehindHead(head.work)
+            }
+        }
+    }
+
+    /// Commits a placement: the pool (and the pool outside the head's
+    /// machines) fills, the tenant's use grows, and work of known length
+    /// counts for a later head's reservation.
+    fn commit(&mut self, w: &QueuedWork, ask: &Ask, at: &[Placement], backfilled: bool) {
+        let mut placed = Vec::with_capacity(ask.members);
+        let mut ok = true;
+        let ends = w.max_runtime_ms.map(|t| self.snap.now_ms.saturating_add(t));
+        for m in at {
+            match (
+                self.pool.cluster.commit(&ask.req, m),
+                self.pool.member(m, &ask.req),
+            ) {
+                (Ok(()), Some(mp)) => placed.push(mp),
+                _ => ok = false,
+            }
+            if let Some(h) = self.head.as_mut() {
+                let _ = h.outside.commit(&ask.req, m);
+            }
+            // A later head's reservation counts on its end, as it
+            // will once this runs.
+            if ends.is_some() {
+                self.ending.push(Running {
+                    request: ask.req,
+                    placement: m.clone(),
+                    expected_end_ms: ends,
+                });
+            }
+        }
+        debug_assert!(ok, "the engine proposed a placement that does not fit");
+        if !ok {
+            self.out.waiting.push((
+                w.key,
+                Wait::NoFit("internal: inconsistent placement".into()),
+            ));
+            return;
+        }
+        let e = self.held.entry(w.tenant).or_default();
+        e.total = e.total.saturating_add(ask.milli);
+        if !ask.borrowed {
+            e.guaranteed = e.guaranteed.saturating_add(ask.milli);
+        }
+        for m in &placed {
+            let sum: u64 = m.gpus.iter().map(|&(_, x)| u64::from(x)).sum();
+            *e.per_model.entry(m.model.clone()).or_default() += sum;
+        }
+        self.out.placements.push(Placed {
+            key: w.key,
+            members: placed,
+            borrowed: ask.borrowed,
+            backfilled,
+        });
+    }
+
+    /// **Preempt**: work that fits nowhere may stop the cheapest set of
+    /// running work it outranks, or, within its guarantee, borrowed work
+    /// of other tenants ([`crate::preempt`]). Returns whether it did: the
+    /// victims are told to stop and the work waits for them.
+    fn preempt(&mut self, w: &QueuedWork, ask: &Ask) -> bool {
+        let who = Preemptor {
+            tenant: w.tenant,
+            tier: w.tier,
+            priority: w.priority,
+            reclaiming: ask.reclaiming,
+        };
+        let memo_key = (
+            ask.shape,
+            w.tier,
+            w.priority,
+            who.reclaiming.then_some(w.tenant),
+        );
+        if !self.victims.may_preempt(&who) || self.memo.no_victims.contains(&memo_key) {
+            return false;
+        }
+        let victims = self.find_victims(w, ask, &who);
+        if victims.is_empty() {
+            self.memo.no_victims.insert(memo_key);
+            return false;
+        }
+        self.stop(w.key, &victims);
+        true
+    }
+
+    /// The running work (indices into [`Snapshot::running`]) whose stopping
+    /// lets `w` start; empty if none will do. Single-member work is tried
+    /// first: preempting a gang's member stops the whole gang, on other
+    /// machines too. Behind a blocked head, work may preempt only to start
+    /// where it cannot delay the head: off its machines.
+    fn find_victims(&mut self, w: &QueuedWork, ask: &Ask, who: &Preemptor) -> Vec<usize> {
+        let snap = self.snap;
+        let PassState {
+            pool,
+            rng,
+            engines,
+            victims,
+            head,
+            ..
+        } = self;
+        for singles_only in [true, false] {
+            let (list, map) = victims.offered(who, singles_only);
+            if list.is_empty() {
+                continue;
+            }
+            let found = match (ask.members, head.as_mut()) {
+                (1, Some(h)) if w.locality == Locality::Any => preempt_one(
+                    &mut engines.outside,
+                    &eligible(&list, &h.outside, &ask.req),
+                    &mut h.outside,
+                    &ask.req,
+                    who,
+                    &snap.preempt,
+                    snap.now_ms,
+                    rng,
+                ),
+                (1, None) if w.locality == Locality::Any => preempt_one(
+                    &mut engines.pool,
+                    &eligible(&list, &pool.cluster, &ask.req),
+                    &mut pool.cluster,
+                    &ask.req,
+                    who,
+                    &snap.preempt,
+                    snap.now_ms,
+                    rng,
+                ),
+                (_, h) => preempt_gang(
+                    &mut engines.scratch,
+                    h.map_or(&pool.cluster, |h| &h.outside),
+                    &list,
+                    &ask.gang,
+                    who,
+                    &snap.preempt,
+                    snap.now_ms,
+                    rng,
+                ),
+            };
+            if let Some(ids) = found {
+                let mut chosen: Vec<usize> = ids
+                    .iter()
+                    .filter_map(|&id| map.get(id as usize).copied())
+                    .collect();
+                chosen.sort_unstable();
+                chosen.dedup();
+                return chosen;
+            }
+        }
+        Vec::new()
+    }
+
+    /// Tells `victims` to stop for `by`: they leave every offer (never
+    /// chosen twice), and `by` waits for them.
+    fn stop(&mut self, by: WorkKey, victims: &[usize]) {
+        let keys: Vec<WorkKey> = victims.iter().map(|&v| self.snap.running[v].key).collect();
+        self.stopping_for.insert(by, keys.clone());
+        for &v in victims {
+            self.victims.stopping[v] = true;
+            self.out.preemptions.push(Preemption {
+                victim: self.snap.running[v].key,
+                by,
+                notice_ms: self.snap.preempt.notice_ms,
+            });
+        }
+        for o in self.victims.offers.values_mut() {
+            o.remove(victims);
+        }
+        self.out.waiting.push((by, Wait::VictimsStopping(keys)));
+    }
+
+    /// Why the work fits nowhere, in words: per machine for one member,
+    /// the gang's closest scope for several. Remembered for its shape,
+    /// unless its promise was offered (then the verdict is its own).
+    fn explain(&mut self, w: &QueuedWork, ask: &Ask, had_promise: bool) -> String {
+        let t = if ask.members == 1 {
+            self.pool.explain(&ask.req).to_string()
+        } else {
+            match place_gang(
+                &mut self.engines.scratch,
+                &self.pool.cluster,
+                &ask.gang,
+                &mut self.rng,
+            ) {
+                GangDecision::Unschedulable(why) => {
+                    gang_text(&why, w.locality, &self.snap.nodes, &self.pool)
+                }
+                GangDecision::Placed(_) => "it fits only with its promised GPUs".into(),
+            }
+        };
+        // With its promise offered, its shape's verdict is its own.
+        if !had_promise {
+            self.memo.no_fit.insert(ask.shape, t.clone());
+        }
+        t
+    }
+
+    /// **Reserve**: the work becomes the blocked head. Its reservation
+    /// ([`crate::queue::reserve`]) holds the machines it will start on,
+    /// when running work of known end has ended, whole (their engine nodes
+    /// share CPU and memory), and its tenant's quota; from here on work
+    /// behind it is placed against it ([`Self::backfill`]).
+    fn reserve(&mut self, w: &QueuedWork, ask: &Ask) {
+        let mut r = queue::reserve(
+            &mut self.engines.scratch,
+            &self.pool.cluster,
+            &self.ending,
+            &ask.gang,
+            self.snap.now_ms,
+            &mut self.rng,
+        );
+        // The engine nodes of a reserved machine share its CPU and
+        // memory: hold the whole machine.
+        let mut nodes: Vec<u32> = r
+            .nodes
+            .iter()
+            .flat_map(|&n| self.pool.cluster.host_nodes(n))
+            .collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        r.nodes = nodes;
+        let mut outside = self.pool.cluster.clone();
+        for &n in &r.nodes {
+            let _ = outside.set_cordoned(n, true);
+        }
+        self.head = Some(Head {
+            work: w.key,
+            reservation: r,
+            outside,
+            tenant: w.tenant,
+            ask: ask.milli,
+        });
+    }
+
+    /// The plan, with the head's reservation in machines.
+    fn finish(mut self) -> Plan {
+        let slots = &self.pool.slots;
+        self.out.reservation = self.head.map(|h| {
+            let nodes: BTreeSet<usize> = h
+                .reservation
+                .nodes
+                .iter()
+                .filter_map(|&n| slots.get(n as usize).map(|s| s.node))
+                .collect();
+            HeadReservation {
+                work: h.work,
+                start_ms: h.reservation.start_ms,
+                nodes: nodes.into_iter().collect(),
+            }
+        });
+        self.out
+    }
+}
+
+/// What each tenant holds through running work: in all, within its
+/// guarantee (work not [`borrowed`]), and per GPU model.
+fn held_by_tenant(snap: &Snapshot, borrowed: &[bool]) -> BTreeMap<Tenant, Held> {
     let mut held: BTreeMap<Tenant, Held> = BTreeMap::new();
     for (wi, r) in snap.running.iter().enumerate() {
         let h = held.entry(r.tenant).or_default();
         let milli = held_milli(r);
         h.total = h.total.saturating_add(milli);
-        if !borrowed_flags[wi] {
+        if !borrowed[wi] {
             h.guaranteed = h.guaranteed.saturating_add(milli);
         }
         for m in &r.members {
@@ -524,58 +1264,14 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
                     *h.per_model.entry(model.model.clone()).or_default() += sum;
                 }
             }
-            let Some((request, placement)) = pool.hold(m) else {
-                continue;
-            };
-            if let Some(end) = r.ends_by_ms {
-                ending.push(Running {
-                    request,
-                    placement: placement.clone(),
-                    expected_end_ms: Some(end),
-                });
-            }
-            allocations.push(Allocation {
-                id: allocations.len() as u64,
-                tenant: r.tenant,
-                tier: r.tier,
-                priority: r.priority,
-                preemptible: r.preemptible,
-                borrowed: borrowed_flags[wi],
-                request,
-                placement,
-                started_ms: r.started_ms,
-            });
-            alloc_work.push(wi);
         }
     }
-    let mut stopping: Vec<bool> = snap.running.iter().map(|r| r.stopping).collect();
-    let single: Vec<bool> = snap.running.iter().map(|r| r.members.len() == 1).collect();
+    held
+}
 
-    // Promised capacity is masked for everyone but its preemptor.
-    let mut promised: BTreeMap<WorkKey, Vec<(Request, Placement)>> = BTreeMap::new();
-    for p in &snap.promises {
-        let Some(&(s, d)) = pool.device.get(&(p.node, p.gpu)) else {
-            continue;
-        };
-        let req = share_request(p.milli);
-        let at = Placement {
-            node: s,
-            gpus: vec![d],
-        };
-        if pool.cluster.commit(&req, &at).is_ok() {
-            promised.entry(p.to).or_default().push((req, at));
-        }
-    }
-    // Victims still holding their GPUs, per preemptor.
-    let mut stopping_for: BTreeMap<WorkKey, Vec<WorkKey>> = BTreeMap::new();
-    for r in &snap.running {
-        if let Some(by) = r.preempted_by {
-            stopping_for.entry(by).or_default().push(r.key);
-        }
-    }
-
-    // Queue order.
-    let capacity = pool.cluster.gpu_capacity_milli().max(1);
+/// Fair share over recent GPU use ([`Snapshot::usage`]) against the pool's
+/// `capacity` (milli-GPU), as of the pass's time, with tenants' weights.
+fn fair_share(snap: &Snapshot, capacity: u64) -> Result<FairShareState, Error> {
     let mut share = FairShareState::new(
         snap.fair_share,
         Resources {
@@ -604,8 +1300,12 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
             let _ = share.set_weight(t, p.weight);
         }
     }
-    let items: Vec<QueueItem> = snap
-        .queue
+    Ok(share)
+}
+
+/// The queue as the order's items, all members' demand each.
+fn queued_items(snap: &Snapshot) -> Vec<QueueItem> {
+    snap.queue
         .iter()
         .map(|w| {
             let n = u64::from(w.members.max(1));
@@ -622,11 +1322,13 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
                 expected_runtime_ms: w.max_runtime_ms,
             }
         })
-        .collect();
-    // Work running now counts as an item picked at its own rank for its
-    // remaining time (see queue::order_with_running).
-    let running_items: Vec<QueueItem> = snap
-        .running
+        .collect()
+}
+
+/// Running work as the order's items: its GPUs for its remaining time
+/// (the configured default when its end is unknown).
+fn running_items(snap: &Snapshot) -> Vec<QueueItem> {
+    snap.running
         .iter()
         .map(|r| QueueItem {
             tenant: r.tenant,
@@ -645,475 +1347,148 @@ pub fn plan(snap: &Snapshot) -> Result<Plan, Error> {
                     }),
             ),
         })
-        .collect();
-    let order = queue::order_with_running(&items, &running_items, &share, snap.now_ms);
-    let mut picker = Picker::new(snap, &order);
-    // Fragmentation-aware scorers measure against this pass's mix.
-    let shapes: Vec<Request> = snap
-        .queue
-        .iter()
-        .filter_map(|w| w.gpu.demand().ok().map(|d| Request::new(d, 0, 0)))
-        .collect();
-    let workload =
-        TargetWorkload::from_gpu_requests(shapes.iter(), TargetWorkload::DEFAULT_COVERAGE);
-    let mut engine = Engine::new(snap.policy.scorer(&workload));
+        .collect()
+}
 
-    // A fast bound for preemption: whether any victim could be evicted by
-    // anyone of a tier / priority.
-    let weakest_tier = allocations
-        .iter()
-        .filter(|a| a.preemptible && a.tier != Tier::Dedicated)
-        .map(|a| a.tier)
-        .max();
-    let lowest_priority = allocations
-        .iter()
-        .filter(|a| a.preemptible && a.tier != Tier::Dedicated)
-        .map(|a| a.priority)
-        .min();
-    let any_borrowed = allocations
-        .iter()
-        .any(|a| a.preemptible && a.tier != Tier::Dedicated && a.borrowed);
+/// Running work as the engine's allocations (one per member the pool can
+/// represent), and what preemption may take of it.
+struct Victims {
+    allocations: Vec<Allocation>,
+    /// The running work (index into [`Snapshot::running`]) of each
+    /// allocation.
+    work: Vec<usize>,
+    /// Per running work: told to stop, before or during this pass.
+    stopping: Vec<bool>,
+    /// Per running work: one member only.
+    single: Vec<bool>,
+    /// Offers of victims per preemptor rank (tier, priority, singles only),
+    /// built on first use; victims chosen leave every offer.
+    offers: HashMap<(Tier, i32, bool), Offer>,
+    /// A fast bound for preemption: whether any victim could be evicted by
+    /// anyone of a tier / priority, or by a reclaiming tenant.
+    weakest_tier: Option<Tier>,
+    lowest_priority: Option<i32>,
+    any_borrowed: bool,
+}
 
-    // The scorer's cache is per cluster: one engine for the pool, one for
-    // the pool outside the head's machines, one for scratch copies (gangs,
-    // reservations), so that none of them flushes another's.
-    let mut engine_out = Engine::new(snap.policy.scorer(&workload));
-    let mut engine_scratch = Engine::new(snap.policy.scorer(&workload));
-    // Offers of victims per preemptor rank (tier, priority, singles only),
-    // built on first use; victims chosen leave every offer.
-    let mut offers: HashMap<(Tier, i32, bool), Offer> = HashMap::new();
-    // Within one pass the pool only fills (and victims only leave the
-    // offers), so a shape that found no room, no room outside the head's
-    // machines, or no victims, finds none later in the pass either.
-    let mut no_fit: HashMap<ShapeKey, String> = HashMap::new();
-    let mut no_fit_outside: std::collections::HashSet<ShapeKey> = Default::default();
-    let mut no_victims: std::collections::HashSet<(ShapeKey, Tier, i32, Option<Tenant>)> =
-        Default::default();
-    // The pool with the head's machines cordoned, kept in step with it.
-    let mut outside: Option<Cluster> = None;
-
-    let mut reservation: Option<(WorkKey, Reservation)> = None;
-    let mut head_ask: (Tenant, u64) = (0, 0);
-    while let Some(qi) = picker.next(snap, &held) {
-        let w = &snap.queue[qi];
-        out.order.push(w.key);
-        let members = usize::from(w.members.max(1));
-        let Ok(demand) = w.gpu.demand() else {
-            out.waiting
-                .push((w.key, Wait::NoFit("the GPU request is not valid".into())));
-            continue;
-        };
-        let policy = snap.tenants.get(&w.tenant);
-        let unlimited = TenantPolicy::unlimited();
-        let policy = policy.unwrap_or(&unlimited);
-        let empty = Held::default();
-        let h = held.get(&w.tenant).unwrap_or(&empty);
-        let ask = w.gpu.milli() * members as u64;
-        // The head's reservation holds its tenant's quota for it too:
-        // otherwise the tenant's later work could take the quota the head
-        // waits with, and the head would lose its place on the next pass.
-        let head_quota = match &reservation {
-            Some((_, _)) if head_ask.0 == w.tenant => head_ask.1,
-            _ => 0,
-        };
-        let used = QuotaUse {
-            guaranteed_milli: h.guaranteed,
-            borrowed_milli: h
-                .total
-                .saturating_sub(h.guaranteed)
-                .saturating_add(head_quota),
-        };
-        let admission = quota::admit(&policy.quota, &used, ask, u64::MAX);
-        let borrowed_now = match admission {
-            Admission::Denied(d) => {
-                out.waiting.push((w.key, Wait::OverQuota(d)));
-                continue;
-            }
-            Admission::Guaranteed => false,
-            Admission::Borrowed => true,
-        };
-        let models = pool.models_for(w, |m| {
-            policy.per_model_milli.get(m).is_none_or(|&limit| {
-                h.per_model.get(m).copied().unwrap_or(0).saturating_add(ask) <= limit
-            })
-        });
-        let req = Request::new(demand, w.cpu_milli, w.mem_mib)
-            .with_models(models)
-            .with_runtime(w.runtime);
-        let mut gang = Gang::uniform(req, members, w.locality);
-        gang.spread = w.spread && members > 1;
-        // Time to ready by engine node (slot), from the machine's.
-        let ready_by_slot: Vec<u64> = if w.ready_ms.is_empty() {
-            Vec::new()
-        } else {
-            pool.slots
-                .iter()
-                .map(|s| w.ready_ms.get(s.node).copied().unwrap_or(u64::MAX))
-                .collect()
-        };
-        let ready_fn = |n: u32| ready_by_slot.get(n as usize).copied().unwrap_or(u64::MAX);
-        let ready: Option<&dyn Fn(u32) -> u64> =
-            (!ready_by_slot.is_empty()).then_some(&ready_fn as &dyn Fn(u32) -> u64);
-        let shape = ShapeKey {
-            req,
-            members,
-            locality: w.locality,
-            spread: gang.spread,
-        };
-
-        // Its promised capacity is offered to it alone.
-        let mine = promised.remove(&w.key).unwrap_or_default();
-        for (r, p) in &mine {
-            let _ = pool.cluster.release(r, p);
-            if let Some(o) = outside.as_mut() {
-                let _ = o.release(r, p);
-            }
-        }
-        let cached = if mine.is_empty() {
-            no_fit.get(&shape).cloned()
-        } else {
-            None
-        };
-        let mut decision = match &cached {
-            Some(_) => None,
-            None => place(
-                &mut engine,
-                &mut engine_scratch,
-                &pool.cluster,
-                &gang,
-                ready,
-                &mut rng,
-            ),
-        };
-        let mut backfilled = false;
-        let mut behind: Option<WorkKey> = None;
-        if let (Some(p), Some((head, res)), true) =
-            (&decision, reservation.as_mut(), mine.is_empty())
-        {
-            let ends = w.max_runtime_ms.map(|t| snap.now_ms.saturating_add(t));
-            let mut trial = res.clone();
-            if p.iter().all(|m| trial.admit_backfill(&req, m, ends)) {
-                *res = trial;
-                backfilled = true;
-            } else {
-                let around = match outside.as_ref() {
-                    Some(o) if !no_fit_outside.contains(&shape) => place(
-                        &mut engine_out,
-                        &mut engine_scratch,
-                        o,
-                        &gang,
-                        ready,
-                        &mut rng,
-                    ),
-                    _ => None,
-                };
-                match around {
-                    Some(q) => {
-                        decision = Some(q);
-                        backfilled = true;
-                    }
-                    None => {
-                        // It fits only where it would delay the head: as
-                        // far as the head allows, it fits nowhere (it may
-                        // still preempt off the head's machines, as it
-                        // would on the next pass).
-                        no_fit_outside.insert(shape);
-                        behind = Some(*head);
-                        decision = None;
-                    }
-                }
-            }
-        }
-        if let Some(p) = decision {
-            let mut placed = Vec::with_capacity(members);
-            let mut ok = true;
-            let ends = w.max_runtime_ms.map(|t| snap.now_ms.saturating_add(t));
-            for m in &p {
-                match (pool.cluster.commit(&req, m), pool.member(m, &req)) {
-                    (Ok(()), Some(mp)) => placed.push(mp),
-                    _ => ok = false,
-                }
-                if let Some(o) = outside.as_mut() {
-                    let _ = o.commit(&req, m);
-                }
-                // A later head's reservation counts on its end, as it
-                // will once this runs.
-                if ends.is_some() {
-                    ending.push(Running {
-                        request: req,
-                        placement: m.clone(),
-                        expected_end_ms: ends,
-                    });
-                }
-            }
-            debug_assert!(ok, "the engine proposed a placement that does not fit");
-            if !ok {
-                out.waiting.push((
-                    w.key,
-                    Wait::NoFit("internal: inconsistent placement".into()),
-                ));
-                continue;
-            }
-            let e = held.entry(w.tenant).or_default();
-            e.total = e.total.saturating_add(ask);
-            if !borrowed_now {
-                e.guaranteed = e.guaranteed.saturating_add(ask);
-            }
-            for m in &placed {
-                let sum: u64 = m.gpus.iter().map(|&(_, x)| u64::from(x)).sum();
-                *e.per_model.entry(m.model.clone()).or_default() += sum;
-            }
-            out.placements.push(Placed {
-                key: w.key,
-                members: placed,
-                borrowed: borrowed_now,
-                backfilled,
-            });
-            continue;
-        }
-
-        // It fits nowhere now. Mask its promised capacity again: it waits
-        // for the rest.
-        let had_promise = !mine.is_empty();
-        for (r, p) in &mine {
-            let _ = pool.cluster.commit(r, p);
-            if let Some(o) = outside.as_mut() {
-                let _ = o.commit(r, p);
-            }
-        }
-        if !mine.is_empty() {
-            promised.insert(w.key, mine);
-        }
-        let waiting_on = stopping_for.get(&w.key).cloned().unwrap_or_default();
-        if !waiting_on.is_empty() {
-            out.waiting.push((w.key, Wait::VictimsStopping(waiting_on)));
-            continue;
-        }
-        let who = Preemptor {
-            tenant: w.tenant,
-            tier: w.tier,
-            priority: w.priority,
-            // Only a real guarantee, and only for GPUs, reclaims.
-            reclaiming: matches!(admission, Admission::Guaranteed)
-                && policy.quota.guaranteed_milli > 0
-                && ask > 0,
-        };
-        let may_preempt = weakest_tier.is_some_and(|t| w.tier < t)
-            || lowest_priority.is_some_and(|p| w.priority > p)
-            || (who.reclaiming && any_borrowed);
-        let victim_key = (
-            shape,
-            w.tier,
-            w.priority,
-            who.reclaiming.then_some(w.tenant),
-        );
-        let mut victims: Vec<usize> = Vec::new();
-        if may_preempt && !no_victims.contains(&victim_key) {
-            // Single-member work first: preempting a gang's member stops
-            // the whole gang, on other machines too.
-            for singles_only in [true, false] {
-                let offer = offers
-                    .entry((w.tier, w.priority, singles_only))
-                    .or_insert_with(|| {
-                        Offer::build(&allocations, &alloc_work, |a, wi| {
-                            !stopping[wi]
-                                && (!singles_only || single[wi])
-                                && Preemptor {
-                                    reclaiming: false,
-                                    ..who
-                                }
-                                .may_evict(a)
-                        })
-                    });
-                // Reclaiming adds borrowed work of other tenants that the
-                // rank alone does not reach.
-                let extra: Vec<Allocation>;
-                let extra_map: Vec<usize>;
-                let (list, map): (&[Allocation], &[usize]) = if who.reclaiming {
-                    let mut map = offer.work.clone();
-                    let mut list = offer.list.clone();
-                    for (a, &wi) in allocations.iter().zip(&alloc_work) {
-                        if !stopping[wi]
-                            && (!singles_only || single[wi])
-                            && who.may_evict(a)
-                            && !offer.has(wi)
-                        {
-                            list.push(Allocation {
-                                id: list.len() as u64,
-                                ..a.clone()
-                            });
-                            map.push(wi);
-                        }
-                    }
-                    extra = list;
-                    extra_map = map;
-                    (&extra, &extra_map)
-                } else {
-                    (&offer.list, &offer.work)
-                };
-                if list.is_empty() {
+impl Victims {
+    /// Running work's allocations, and those of known end (what a
+    /// reservation plans the head's start with).
+    fn load(snap: &Snapshot, pool: &Pool, borrowed: &[bool]) -> (Victims, Vec<Running>) {
+        let mut allocations: Vec<Allocation> = Vec::new();
+        let mut work: Vec<usize> = Vec::new();
+        let mut ending: Vec<Running> = Vec::new();
+        for (wi, r) in snap.running.iter().enumerate() {
+            for m in &r.members {
+                let Some((request, placement)) = pool.hold(m) else {
                     continue;
-                }
-                // Only victims on machines that could host the work once
-                // emptied are worth a look.
-                let count = req.gpu.gpu_count();
-                let eligible = |c: &Cluster| -> Vec<&Allocation> {
-                    list.iter()
-                        .filter(|a| a.preemptible)
-                        .filter(|a| {
-                            c.node(a.placement.node).is_some_and(|n| {
-                                !n.cordoned
-                                    && (count == 0 || req.models.allows(n.spec.model))
-                                    && n.spec.gpus >= count
-                                    && n.spec.cpu_milli >= req.cpu_milli
-                                    && n.spec.mem_mib >= req.mem_mib
-                            })
-                        })
-                        .collect()
                 };
-                let found: Option<Vec<u64>> = match (members, outside.as_mut()) {
-                    // Behind a blocked head, work may preempt only to start
-                    // where it cannot delay the head: off its machines.
-                    (1, Some(o)) if w.locality == Locality::Any => preempt_one(
-                        &mut engine_out,
-                        &eligible(o),
-                        o,
-                        &req,
-                        &who,
-                        &snap.preempt,
-                        snap.now_ms,
-                        &mut rng,
-                    ),
-                    (1, None) if w.locality == Locality::Any => preempt_one(
-                        &mut engine,
-                        &eligible(&pool.cluster),
-                        &mut pool.cluster,
-                        &req,
-                        &who,
-                        &snap.preempt,
-                        snap.now_ms,
-                        &mut rng,
-                    ),
-                    _ => {
-                        let d = preempt::plan_gang_unexplained(
-                            &mut engine_scratch,
-                            outside.as_ref().unwrap_or(&pool.cluster),
-                            list,
-                            &gang,
-                            &who,
-                            &snap.preempt,
-                            snap.now_ms,
-                            &mut rng,
-                        );
-                        match d {
-                            GangPreemptDecision::Preempt(p) => {
-                                Some(p.evictions.iter().map(|e| e.allocation).collect())
-                            }
-                            _ => None,
-                        }
-                    }
-                };
-                if let Some(ids) = found {
-                    victims = ids
-                        .iter()
-                        .filter_map(|&id| map.get(id as usize).copied())
-                        .collect();
-                    victims.sort_unstable();
-                    victims.dedup();
-                    break;
+                if let Some(end) = r.ends_by_ms {
+                    ending.push(Running {
+                        request,
+                        placement: placement.clone(),
+                        expected_end_ms: Some(end),
+                    });
                 }
-            }
-            if victims.is_empty() {
-                no_victims.insert(victim_key);
-            }
-        }
-        if !victims.is_empty() {
-            let keys: Vec<WorkKey> = victims.iter().map(|&v| snap.running[v].key).collect();
-            stopping_for.insert(w.key, keys.clone());
-            for &v in &victims {
-                stopping[v] = true;
-                out.preemptions.push(Preemption {
-                    victim: snap.running[v].key,
-                    by: w.key,
-                    notice_ms: snap.preempt.notice_ms,
+                allocations.push(Allocation {
+                    id: allocations.len() as u64,
+                    tenant: r.tenant,
+                    tier: r.tier,
+                    priority: r.priority,
+                    preemptible: r.preemptible,
+                    borrowed: borrowed[wi],
+                    request,
+                    placement,
+                    started_ms: r.started_ms,
                 });
+                work.push(wi);
             }
-            for o in offers.values_mut() {
-                o.remove(&victims);
-            }
-            out.waiting.push((w.key, Wait::VictimsStopping(keys)));
-            continue;
         }
-        if let Some(head) = behind {
-            out.waiting.push((w.key, Wait::BehindHead(head)));
-            continue;
-        }
-        let text = match cached {
-            Some(t) => t,
-            None => {
-                let t = if members == 1 {
-                    pool.explain(&req).to_string()
-                } else {
-                    match place_gang(&mut engine_scratch, &pool.cluster, &gang, &mut rng) {
-                        GangDecision::Unschedulable(why) => {
-                            gang_text(&why, w.locality, &snap.nodes, &pool)
-                        }
-                        GangDecision::Placed(_) => "it fits only with its promised GPUs".into(),
-                    }
-                };
-                // With its promise offered, its shape's verdict is its own.
-                if !had_promise {
-                    no_fit.insert(shape, t.clone());
-                }
-                t
-            }
-        };
-        if let Some(why) = crate::pool_fit::never_fits(&snap.nodes, w) {
-            out.waiting.push((w.key, Wait::Unschedulable(why)));
-            continue;
-        }
-        out.waiting.push((w.key, Wait::NoFit(text)));
-        if reservation.is_none() && could_fit_empty(&pool, &gang) {
-            let mut r = queue::reserve(
-                &mut engine_scratch,
-                &pool.cluster,
-                &ending,
-                &gang,
-                snap.now_ms,
-                &mut rng,
-            );
-            // The engine nodes of a reserved machine share its CPU and
-            // memory: hold the whole machine.
-            let mut nodes: Vec<u32> = r
-                .nodes
+        let evictable = || {
+            allocations
                 .iter()
-                .flat_map(|&n| pool.cluster.host_nodes(n))
-                .collect();
-            nodes.sort_unstable();
-            nodes.dedup();
-            r.nodes = nodes;
-            let mut o = pool.cluster.clone();
-            for &n in &r.nodes {
-                let _ = o.set_cordoned(n, true);
-            }
-            outside = Some(o);
-            reservation = Some((w.key, r));
-            head_ask = (w.tenant, ask);
-        }
-    }
-    out.reservation = reservation.map(|(work, r)| {
-        let nodes: BTreeSet<usize> = r
-            .nodes
-            .iter()
-            .filter_map(|&n| pool.slots.get(n as usize).map(|s| s.node))
-            .collect();
-        HeadReservation {
+                .filter(|a| a.preemptible && a.tier != Tier::Dedicated)
+        };
+        let victims = Victims {
+            weakest_tier: evictable().map(|a| a.tier).max(),
+            lowest_priority: evictable().map(|a| a.priority).min(),
+            any_borrowed: evictable().any(|a| a.borrowed),
+            stopping: snap.running.iter().map(|r| r.stopping).collect(),
+            single: snap.running.iter().map(|r| r.members.len() == 1).collect(),
+            offers: HashMap::new(),
+            allocations,
             work,
-            start_ms: r.start_ms,
-            nodes: nodes.into_iter().collect(),
+        };
+        (victims, ending)
+    }
+
+    /// Whether anything running could be a victim of `who` at all.
+    fn may_preempt(&self, who: &Preemptor) -> bool {
+        self.weakest_tier.is_some_and(|t| who.tier < t)
+            || self.lowest_priority.is_some_and(|p| who.priority > p)
+            || (who.reclaiming && self.any_borrowed)
+    }
+
+    /// The victims offered to `who` (allocations with ids equal to their
+    /// position, and the running work of each): those its rank may evict,
+    /// plus, when it reclaims, borrowed work of other tenants that the
+    /// rank alone does not reach.
+    fn offered(
+        &mut self,
+        who: &Preemptor,
+        singles_only: bool,
+    ) -> (Cow<'_, [Allocation]>, Cow<'_, [usize]>) {
+        let (allocations, work) = (&self.allocations, &self.work);
+        let (stopping, single) = (&self.stopping, &self.single);
+        let offer: &Offer = self
+            .offers
+            .entry((who.tier, who.priority, singles_only))
+            .or_insert_with(|| {
+                Offer::build(allocations, work, |a, wi| {
+                    !stopping[wi]
+                        && (!singles_only || single[wi])
+                        && Preemptor {
+                            reclaiming: false,
+                            ..*who
+                        }
+                        .may_evict(a)
+                })
+            });
+        if !who.reclaiming {
+            return (Cow::Borrowed(&offer.list), Cow::Borrowed(&offer.work));
         }
-    });
-    Ok(out)
+        let mut map = offer.work.clone();
+        let mut list = offer.list.clone();
+        for (a, &wi) in allocations.iter().zip(work.iter()) {
+            if !stopping[wi] && (!singles_only || single[wi]) && who.may_evict(a) && !offer.has(wi)
+            {
+                list.push(Allocation {
+                    id: list.len() as u64,
+                    ..a.clone()
+                });
+                map.push(wi);
+            }
+        }
+        (Cow::Owned(list), Cow::Owned(map))
+    }
+}
+
+/// The victims in `list` on machines that could host `req` once emptied:
+/// only those are worth a look.
+fn eligible<'l>(list: &'l [Allocation], c: &Cluster, req: &Request) -> Vec<&'l Allocation> {
+    let count = req.gpu.gpu_count();
+    list.iter()
+        .filter(|a| a.preemptible)
+        .filter(|a| {
+            c.node(a.placement.node).is_some_and(|n| {
+                !n.cordoned
+                    && (count == 0 || req.models.allows(n.spec.model))
+                    && n.spec.gpus >= count
+                    && n.spec.cpu_milli >= req.cpu_milli
+                    && n.spec.mem_mib >= req.mem_mib
+            })
+        })
+        .collect()
 }
 
 /// What makes two works the same to placement within one pass.
@@ -1126,26 +1501,29 @@ struct ShapeKey {
 }
 
 /// Where a work goes on `cluster`, every member or none. One member
-/// anywhere is one engine decision on the cluster itself (no copy); a gang
-/// is placed on a scratch copy by the scratch engine.
-fn place(
+/// anywhere is one engine decision on the cluster itself (no copy), by
+/// time to ready where `ready` (by engine node) is given; a gang is placed
+/// on a scratch copy by the scratch engine.
+fn place_on(
     engine: &mut Engine,
     scratch_engine: &mut Engine,
     cluster: &Cluster,
     gang: &Gang,
-    ready: Option<&dyn Fn(u32) -> u64>,
+    ready: &[u64],
     rng: &mut ChaCha8Rng,
 ) -> Option<Vec<Placement>> {
     if gang.members.len() == 1 && gang.locality == Locality::Any {
-        let decision = match ready {
-            Some(ready) => engine.decide_startup(
+        let decision = if ready.is_empty() {
+            engine.decide(cluster, &gang.members[0], rng)
+        } else {
+            let ready = |n: u32| ready.get(n as usize).copied().unwrap_or(u64::MAX);
+            engine.decide_startup(
                 cluster,
                 &gang.members[0],
-                ready,
+                &ready,
                 crate::startup::DEFAULT_QUANTUM_MS,
                 rng,
-            ),
-            None => engine.decide(cluster, &gang.members[0], rng),
+            )
         };
         return match decision {
             crate::select::Decision::Placed(p) => Some(vec![p]),
@@ -1179,13 +1557,32 @@ fn preempt_one(
     }
 }
 
+/// The victims (ids into `offer`) whose eviction lets the gang start,
+/// planned on a copy of `cluster` ([`preempt::plan_gang_unexplained`]).
+#[allow(clippy::too_many_arguments)]
+fn preempt_gang(
+    engine: &mut Engine,
+    cluster: &Cluster,
+    offer: &[Allocation],
+    gang: &Gang,
+    who: &Preemptor,
+    config: &PreemptConfig,
+    now_ms: u64,
+    rng: &mut ChaCha8Rng,
+) -> Option<Vec<u64>> {
+    match preempt::plan_gang_unexplained(engine, cluster, offer, gang, who, config, now_ms, rng) {
+        GangPreemptDecision::Preempt(p) => Some(p.evictions.iter().map(|e| e.allocation).collect()),
+        _ => None,
+    }
+}
+
 /// Victims offered to preemptors of one rank: allocations with ids equal
 /// to their position, and the running work each belongs to.
 #[derive(Debug, Default)]
 struct Offer {
     list: Vec<Allocation>,
     work: Vec<usize>,
-    works: std::collections::HashSet<usize>,
+    works: HashSet<usize>,
 }
 
 impl Offer {
