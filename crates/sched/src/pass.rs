@@ -362,9 +362,18 @@ impl Pool {
 
     /// Commits whatever else the snapshot counts as taken: per GPU, and per
     /// machine (on its first engine node) CPU and memory, down to the
-    /// snapshot's free capacity.
+    /// snapshot's free capacity. Walked in machine and GPU order, not the
+    /// maps' (random) order: the order of these commits shapes the
+    /// engine's node classes and so its tie-breaking, and the same
+    /// snapshot must plan the same in every process (the simulator, the
+    /// server and a replay compare plans).
     fn hold_rest(&mut self, nodes: &[NodeSnap]) -> Result<(), Error> {
-        for (&(i, gi), &(s, d)) in &self.device {
+        let mut devices: Vec<((usize, u16), (u32, u16))> =
+            self.device.iter().map(|(&k, &v)| (k, v)).collect();
+        devices.sort_unstable();
+        let mut firsts: Vec<(usize, u32)> = self.first_slot.iter().map(|(&k, &v)| (k, v)).collect();
+        firsts.sort_unstable();
+        for ((i, gi), (s, d)) in devices {
             let want = nodes[i].gpus[usize::from(gi)].free_milli.min(MILLI);
             let have = self
                 .cluster
@@ -380,7 +389,7 @@ impl Pool {
                 )?;
             }
         }
-        for (&i, &s) in &self.first_slot {
+        for (i, s) in firsts {
             let n = &nodes[i];
             let Some(e) = self.cluster.node(s) else {
                 continue;
