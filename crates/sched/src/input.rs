@@ -244,3 +244,32 @@ pub struct Snapshot {
     pub fair_share: FairShareConfig,
     pub preempt: PreemptConfig,
 }
+
+impl Snapshot {
+    /// A pass over `nodes`, `running` and `queue` with nothing promised,
+    /// every tenant unlimited with weight 1, no recent use and the default
+    /// fair-share and preemption settings: what a model without quotas
+    /// (the simulator's) plans with.
+    pub fn unlimited(
+        now_ms: u64,
+        seed: u64,
+        policy: Policy,
+        nodes: Vec<NodeSnap>,
+        running: Vec<RunningWork>,
+        queue: Vec<QueuedWork>,
+    ) -> Self {
+        Snapshot {
+            now_ms,
+            seed,
+            policy,
+            nodes,
+            running,
+            promises: Vec::new(),
+            queue,
+            tenants: BTreeMap::new(),
+            usage: Vec::new(),
+            fair_share: FairShareConfig::default(),
+            preempt: PreemptConfig::default(),
+        }
+    }
+}

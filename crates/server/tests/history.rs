@@ -10,60 +10,15 @@
 use std::collections::BTreeMap;
 
 use chrono::{Duration, TimeZone, Utc};
-use flotilla_core::api::{DiscoveredGpu, ObservedInstance, ObservedPhase, RegisterNode};
-use flotilla_core::catalog::Vendor;
+use flotilla_core::api::{ObservedInstance, ObservedPhase};
 use flotilla_core::clock::Clock;
 use flotilla_core::history::DemandHistory;
-use flotilla_core::node::RuntimeKind;
 use flotilla_sched::Policy;
 use flotilla_server::schedule::schedule_pass;
 use flotilla_sim::history::{differences, recorded, replay, scale_nodes, ReplaySettings};
 use flotilla_testkit::server::OnClock;
 use reqwest::StatusCode;
-use serde_json::{json, Value};
-
-async fn ok(on: &OnClock, key: &str, method: &str, path: &str, body: Option<Value>) -> Value {
-    let (status, b) = on.call(key, method, path, body).await;
-    assert!(status.is_success(), "{method} {path}: {status} {b}");
-    b
-}
-
-/// Registers a node of two H100s; its id.
-async fn node(on: &OnClock, key: &str, name: &str) -> String {
-    let req = RegisterNode {
-        name: name.into(),
-        region: None,
-        pool: None,
-        cpu_milli: 64_000,
-        memory_mb: 512_000,
-        simulated: true,
-        gpus: (0..2)
-            .map(|index| DiscoveredGpu {
-                index,
-                model: "H100".into(),
-                uuid: format!("GPU-{name}-{index}"),
-                memory_mib: 81920,
-                vendor: Vendor::Nvidia,
-                mig_mode: false,
-            })
-            .collect(),
-        agent_version: "test".into(),
-        runtime: RuntimeKind::Process,
-        executor: Default::default(),
-        running: Vec::new(),
-        unenforced_limits: Vec::new(),
-        network: None,
-    };
-    let r = ok(
-        on,
-        key,
-        "POST",
-        "/v1/agent/register",
-        Some(serde_json::to_value(req).unwrap()),
-    )
-    .await;
-    r["node_id"].as_str().unwrap().to_string()
-}
+use serde_json::json;
 
 /// The agent of `node` reports `instance` in `phase`, now.
 async fn report(on: &OnClock, key: &str, node: &str, instance: &str, phase: ObservedPhase) {
@@ -76,8 +31,7 @@ async fn report(on: &OnClock, key: &str, node: &str, instance: &str, phase: Obse
         weights_tier: None,
         limit_exceeded: None,
     };
-    ok(
-        on,
+    on.ok(
         key,
         "POST",
         &format!("/v1/agent/nodes/{node}/sync"),
@@ -98,14 +52,9 @@ async fn start_placed(
         if ends.contains_key(id) {
             continue;
         }
-        let i = ok(
-            on,
-            &on.operator,
-            "GET",
-            &format!("/v1/instances/{id}"),
-            None,
-        )
-        .await;
+        let i = on
+            .ok(&on.operator, "GET", &format!("/v1/instances/{id}"), None)
+            .await;
         if i["state"] != "scheduled" {
             continue;
         }
@@ -120,38 +69,13 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
     let day = Utc.with_ymd_and_hms(2026, 12, 1, 0, 0, 0).unwrap();
     let on = OnClock::new(day).await;
     let op = on.operator.clone();
-    let t = ok(
-        &on,
-        &op,
-        "POST",
-        "/v1/tenants",
-        Some(json!({"name": "lab"})),
-    )
-    .await;
-    let member = ok(
-        &on,
-        &op,
-        "POST",
-        "/v1/keys",
-        Some(json!({"tenant_id": t["id"], "role": "tenant_member"})),
-    )
-    .await["secret"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let provider = ok(
-        &on,
-        &op,
-        "POST",
-        "/v1/keys",
-        Some(json!({"tenant_id": t["id"], "role": "provider"})),
-    )
-    .await["secret"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let t = on
+        .ok(&op, "POST", "/v1/tenants", Some(json!({"name": "lab"})))
+        .await;
+    let member = on.key(&t["id"], "tenant_member").await;
+    let provider = on.key(&t["id"], "provider").await;
     for n in ["n1", "n2", "n3", "n4"] {
-        node(&on, &provider, n).await;
+        on.register_node(&provider, n, &[("H100", 2)]).await;
     }
 
     // Work of the day: (instance or job member id, how long it runs).
@@ -191,20 +115,20 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
                 1 => json!({"gpus": 2, "command": ["train"]}),
                 _ => json!({"gpus": 1, "gpu_fraction": 0.5, "command": ["infer"]}),
             };
-            let i = ok(&on, &member, "POST", "/v1/instances", Some(body)).await;
+            let i = on.ok(&member, "POST", "/v1/instances", Some(body)).await;
             let run = Duration::minutes(60 + 60 * i64::from(k % 3));
             works.push((i["id"].as_str().unwrap().to_string(), run));
         }
         // A two-node training job at 05:00, two hours.
         if s == 30 {
-            let j = ok(
-                &on,
-                &member,
-                "POST",
-                "/v1/jobs",
-                Some(json!({"gpus": 2, "nodes": 2, "command": ["train"]})),
-            )
-            .await;
+            let j = on
+                .ok(
+                    &member,
+                    "POST",
+                    "/v1/jobs",
+                    Some(json!({"gpus": 2, "nodes": 2, "command": ["train"]})),
+                )
+                .await;
             job = Some(j["id"].as_str().unwrap().to_string());
         }
         flotilla_server::jobs::jobs_pass(&on.st)
@@ -212,7 +136,7 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
             .expect("a jobs pass");
         schedule_pass(&on.st).await.expect("a pass");
         if let Some(j) = &job {
-            let jv = ok(&on, &member, "GET", &format!("/v1/jobs/{j}"), None).await;
+            let jv = on.ok(&member, "GET", &format!("/v1/jobs/{j}"), None).await;
             for m in jv["members"].as_array().cloned().unwrap_or_default() {
                 let id = m["instance_id"].as_str().unwrap().to_string();
                 if !works.iter().any(|(w, _)| *w == id) && !ends.contains_key(&id) {

@@ -10,74 +10,10 @@
 //! check that a pool's placement is the plan of the pool's snapshot.
 
 use chrono::{TimeZone, Utc};
-use flotilla_core::api::{DiscoveredGpu, RegisterNode};
-use flotilla_core::catalog::Vendor;
-use flotilla_core::node::RuntimeKind;
 use flotilla_server::schedule::{gather, plan_of, schedule_pass};
 use flotilla_testkit::server::OnClock;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
-
-async fn ok(on: &OnClock, key: &str, method: &str, path: &str, body: Value) -> Value {
-    let (status, b) = on.call(key, method, path, Some(body)).await;
-    assert!(status.is_success(), "{method} {path}: {status} {b}");
-    b
-}
-
-/// A tenant and a key of `role` for it.
-async fn tenant(on: &OnClock, name: &str, role: &str) -> String {
-    let op = on.operator.clone();
-    let t = ok(on, &op, "POST", "/v1/tenants", json!({ "name": name })).await;
-    let k = ok(
-        on,
-        &op,
-        "POST",
-        "/v1/keys",
-        json!({ "tenant_id": t["id"], "role": role }),
-    )
-    .await;
-    k["secret"].as_str().expect("a key").to_string()
-}
-
-/// Registers a node of `gpus` (`"H100:mig"` for MIG mode) through the
-/// agent protocol.
-async fn node(on: &OnClock, key: &str, name: &str, gpus: &[(&str, u32)]) {
-    let mut list = Vec::new();
-    for (model, n) in gpus {
-        let (model, mig) = match model.strip_suffix(":mig") {
-            Some(m) => (m, true),
-            None => (*model, false),
-        };
-        for _ in 0..*n {
-            let index = list.len() as u32;
-            list.push(DiscoveredGpu {
-                index,
-                model: model.to_string(),
-                uuid: format!("GPU-{name}-{index}"),
-                memory_mib: 81920,
-                vendor: Vendor::Nvidia,
-                mig_mode: mig,
-            });
-        }
-    }
-    let req = RegisterNode {
-        name: name.into(),
-        region: None,
-        pool: None,
-        cpu_milli: 64_000,
-        memory_mb: 512_000,
-        simulated: true,
-        gpus: list,
-        agent_version: "test".into(),
-        runtime: RuntimeKind::Process,
-        executor: Default::default(),
-        running: Vec::new(),
-        unenforced_limits: Vec::new(),
-        network: None,
-    };
-    let body = serde_json::to_value(req).expect("a register body");
-    ok(on, key, "POST", "/v1/agent/register", body).await;
-}
 
 async fn create(on: &OnClock, key: &str, path: &str, body: Value) {
     let (status, b) = on.call(key, "POST", path, Some(body)).await;
@@ -87,12 +23,13 @@ async fn create(on: &OnClock, key: &str, path: &str, body: Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_server_and_the_simulator_plan_the_same_from_one_snapshot() {
     let on = OnClock::new(Utc.with_ymd_and_hms(2026, 12, 3, 9, 0, 0).unwrap()).await;
-    let provider = tenant(&on, "owner", "provider").await;
-    let spot = tenant(&on, "spotty", "tenant_member").await;
-    let dedicated = tenant(&on, "steady", "tenant_member").await;
-    node(&on, &provider, "n1", &[("H100", 4)]).await;
-    node(&on, &provider, "n2", &[("H100", 2), ("L40S", 2)]).await;
-    node(&on, &provider, "n3", &[("H100:mig", 2)]).await;
+    let provider = on.tenant_key("owner", "provider").await;
+    let spot = on.tenant_key("spotty", "tenant_member").await;
+    let dedicated = on.tenant_key("steady", "tenant_member").await;
+    on.register_node(&provider, "n1", &[("H100", 4)]).await;
+    on.register_node(&provider, "n2", &[("H100", 2), ("L40S", 2)])
+        .await;
+    on.register_node(&provider, "n3", &[("H100:mig", 2)]).await;
 
     // Running work first: spot whole GPUs, a fraction, MIG slices.
     for body in [

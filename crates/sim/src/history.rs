@@ -29,8 +29,6 @@ use flotilla_sched::gang::Locality;
 use flotilla_sched::pass::{
     self, GpuAsk, GpuSnap, Hold, NodeSnap, QueuedWork, RunningWork, Snapshot, WorkKey,
 };
-use flotilla_sched::preempt::PreemptConfig;
-use flotilla_sched::queue::FairShareConfig;
 use flotilla_sched::{Policy, Runtime, Tier};
 use serde::Serialize;
 
@@ -293,19 +291,14 @@ impl Model<'_> {
                 }
             })
             .collect();
-        Snapshot {
+        Snapshot::unlimited(
             now_ms,
-            seed: 0x4157_0a1e ^ self.passes,
-            policy: self.settings.policy,
+            0x4157_0a1e ^ self.passes,
+            self.settings.policy,
             nodes,
             running,
-            promises: Vec::new(),
             queue,
-            tenants: BTreeMap::new(),
-            usage: Vec::new(),
-            fair_share: FairShareConfig::default(),
-            preempt: PreemptConfig::default(),
-        }
+        )
     }
 
     /// Ends runs due by `now_ms`.
@@ -536,6 +529,10 @@ mod tests {
         }
     }
 
+    fn replay_on(h: &DemandHistory, policy: Policy, nodes: Vec<RecordedNode>) -> Outcome {
+        replay(h, &ReplaySettings { policy, nodes }).unwrap()
+    }
+
     fn t0() -> DateTime<Utc> {
         Utc.with_ymd_and_hms(2026, 12, 1, 0, 0, 0).unwrap()
     }
@@ -586,14 +583,7 @@ mod tests {
             (rec.gpu_hours - 20.0 * 2.0 * 5.0 / 60.0).abs() < 1e-9,
             "{rec:?}"
         );
-        let r = replay(
-            &h,
-            &ReplaySettings {
-                policy: Policy::BestFit,
-                nodes: h.nodes.clone(),
-            },
-        )
-        .unwrap();
+        let r = replay_on(&h, Policy::BestFit, h.nodes.clone());
         assert_eq!(r.ran, 20);
         assert!((r.gpu_hours - rec.gpu_hours).abs() < 1e-9, "{r:?}");
         assert_eq!(r.max_wait_s, 0.0, "{r:?}");
@@ -605,14 +595,7 @@ mod tests {
         let h = history(20, 2, 30, vec![node("a", 8), node("b", 8)]);
         let half = scale_nodes(&h.nodes, 0.5);
         assert_eq!(half.len(), 1);
-        let r = replay(
-            &h,
-            &ReplaySettings {
-                policy: Policy::Fgd,
-                nodes: half,
-            },
-        )
-        .unwrap();
+        let r = replay_on(&h, Policy::Fgd, half);
         assert_eq!(r.ran, 20, "everything runs, later");
         assert!((r.gpu_hours - 20.0).abs() < 1e-9);
         let rec = recorded(&h);
@@ -624,14 +607,7 @@ mod tests {
     #[test]
     fn work_wider_than_every_node_never_runs() {
         let h = history(3, 16, 10, vec![node("a", 8)]);
-        let r = replay(
-            &h,
-            &ReplaySettings {
-                policy: Policy::BestFit,
-                nodes: h.nodes.clone(),
-            },
-        )
-        .unwrap();
+        let r = replay_on(&h, Policy::BestFit, h.nodes.clone());
         assert_eq!((r.ran, r.never_ran), (0, 3));
         assert!(differences(&recorded(&h), &r)
             .join(" ")

@@ -23,8 +23,6 @@
 //! generator and its clock is the `now_ms` it is given (its futures are
 //! ready at once, so `block_on` never waits).
 
-use std::collections::BTreeMap;
-
 use futures::executor::block_on;
 
 pub use flotilla_backends::capacity::{
@@ -35,8 +33,6 @@ use flotilla_sched::gang::Locality;
 use flotilla_sched::pass::{
     self, GpuAsk, GpuSnap, Hold, NodeSnap, Plan, QueuedWork, RunningWork, Snapshot, WorkKey,
 };
-use flotilla_sched::preempt::PreemptConfig;
-use flotilla_sched::queue::FairShareConfig;
 use flotilla_sched::{Policy, Runtime, Tier};
 
 use crate::coldstart::ColdStartModel;
@@ -278,19 +274,14 @@ impl<P: CapacityProvider> NodePool<P> {
             max_runtime_ms: None,
             ready_ms: Vec::new(),
         }];
-        Snapshot {
+        Snapshot::unlimited(
             now_ms,
-            seed: 0x5eed_b1a5 ^ self.passes,
-            policy: self.policy,
+            0x5eed_b1a5 ^ self.passes,
+            self.policy,
             nodes,
             running,
-            promises: Vec::new(),
             queue,
-            tenants: BTreeMap::new(),
-            usage: Vec::new(),
-            fair_share: FairShareConfig::default(),
-            preempt: PreemptConfig::default(),
-        }
+        )
     }
 
     /// Plan one replica of `tier` with the scheduling pass: the node and

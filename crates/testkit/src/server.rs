@@ -233,44 +233,51 @@ impl TestServer {
         gpus: &[(&str, u32)],
         runtime: RuntimeKind,
     ) -> String {
-        let mut list = Vec::new();
-        for (model, n) in gpus {
-            let (model, mig) = match model.strip_suffix(":mig") {
-                Some(m) => (m, true),
-                None => (*model, false),
-            };
-            for _ in 0..*n {
-                let index = list.len() as u32;
-                list.push(DiscoveredGpu {
-                    index,
-                    model: model.to_string(),
-                    uuid: format!("GPU-{name}-{index}"),
-                    memory_mib: 81920,
-                    vendor: Vendor::Nvidia,
-                    mig_mode: mig,
-                });
-            }
-        }
-        let req = RegisterNode {
-            name: name.into(),
-            region: None,
-            pool: None,
-            cpu_milli: 256_000,
-            memory_mb: 2_000_000,
-            simulated: true,
-            gpus: list,
-            agent_version: "test".into(),
-            runtime,
-            executor: Default::default(),
-            running: Vec::new(),
-            unenforced_limits: Vec::new(),
-            network: None,
-        };
+        let req = registration(name, gpus, runtime);
         let body = serde_json::to_value(req).expect("register body");
         let r = self
             .ok(key, Method::POST, "/v1/agent/register", Some(body))
             .await;
         r["node_id"].as_str().expect("node id").to_string()
+    }
+}
+
+/// An agent's registration of a node with simulated GPUs
+/// (`[("H100", 4), ("L40S", 2)]`; `"H100:mig"` for GPUs in MIG mode),
+/// 256 cores and about 2 TB of memory.
+pub fn registration(name: &str, gpus: &[(&str, u32)], runtime: RuntimeKind) -> RegisterNode {
+    let mut list = Vec::new();
+    for (model, n) in gpus {
+        let (model, mig) = match model.strip_suffix(":mig") {
+            Some(m) => (m, true),
+            None => (*model, false),
+        };
+        for _ in 0..*n {
+            let index = list.len() as u32;
+            list.push(DiscoveredGpu {
+                index,
+                model: model.to_string(),
+                uuid: format!("GPU-{name}-{index}"),
+                memory_mib: 81920,
+                vendor: Vendor::Nvidia,
+                mig_mode: mig,
+            });
+        }
+    }
+    RegisterNode {
+        name: name.into(),
+        region: None,
+        pool: None,
+        cpu_milli: 256_000,
+        memory_mb: 2_000_000,
+        simulated: true,
+        gpus: list,
+        agent_version: "test".into(),
+        runtime,
+        executor: Default::default(),
+        running: Vec::new(),
+        unenforced_limits: Vec::new(),
+        network: None,
     }
 }
 
@@ -364,5 +371,45 @@ impl OnClock {
             status,
             serde_json::from_slice(&bytes).unwrap_or(Value::Null),
         )
+    }
+
+    /// [`OnClock::call`] that must succeed (2xx); the body.
+    pub async fn ok(&self, key: &str, method: &str, path: &str, body: Option<Value>) -> Value {
+        let (status, b) = self.call(key, method, path, body).await;
+        assert!(status.is_success(), "{method} {path}: {status} {b}");
+        b
+    }
+
+    /// Creates a tenant (as the operator) and mints a key of `role` for
+    /// it; the key's secret.
+    pub async fn tenant_key(&self, name: &str, role: &str) -> String {
+        let op = self.operator.clone();
+        let t = self
+            .ok(&op, "POST", "/v1/tenants", Some(json!({ "name": name })))
+            .await;
+        self.key(&t["id"], role).await
+    }
+
+    /// Mints a key of `role` for `tenant` (as the operator); its secret.
+    pub async fn key(&self, tenant: &Value, role: &str) -> String {
+        let op = self.operator.clone();
+        let k = self
+            .ok(
+                &op,
+                "POST",
+                "/v1/keys",
+                Some(json!({ "tenant_id": tenant, "role": role })),
+            )
+            .await;
+        k["secret"].as_str().expect("a key secret").to_string()
+    }
+
+    /// Registers a node with simulated GPUs ([`registration`]) through the
+    /// agent protocol; its id.
+    pub async fn register_node(&self, key: &str, name: &str, gpus: &[(&str, u32)]) -> String {
+        let body = serde_json::to_value(registration(name, gpus, RuntimeKind::Process))
+            .expect("register body");
+        let r = self.ok(key, "POST", "/v1/agent/register", Some(body)).await;
+        r["node_id"].as_str().expect("node id").to_string()
     }
 }
