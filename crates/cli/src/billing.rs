@@ -144,7 +144,7 @@ pub enum InvoicesCommand {
     },
     /// Finalise a month's invoices (operators): rated, made immutable,
     /// stored.
-    Finalize {
+    Finalise {
         /// Month, `YYYY-MM`.
         #[arg(long)]
         period: String,
@@ -245,12 +245,12 @@ pub async fn invoices(ctx: &Ctx, command: Option<InvoicesCommand>) -> Result<Exi
                 print_invoice(&decode(raw)?)?;
             }
         }
-        InvoicesCommand::Finalize { period, tenant } => {
+        InvoicesCommand::Finalise { period, tenant } => {
             let mut body = json!({ "period": period });
             if let Some(t) = tenant {
                 body["tenant"] = json!(t);
             }
-            let raw: Value = ctx.client.post("/v1/invoices/finalize", &body).await?;
+            let raw: Value = ctx.client.post("/v1/invoices/finalise", &body).await?;
             if ctx.json {
                 print_json(&raw)?;
                 return Ok(ExitCode::SUCCESS);

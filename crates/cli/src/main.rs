@@ -250,7 +250,7 @@ enum Command {
         csv: bool,
     },
     /// Finalised invoices (`show ID`, `--csv`), a month's draft
-    /// (`preview`), finalising a month (`finalize`, operators).
+    /// (`preview`), finalising a month (`finalise`, operators).
     Invoices {
         #[command(subcommand)]
         command: Option<billing::InvoicesCommand>,
@@ -920,7 +920,7 @@ mod tests {
         assert!(parse(&["estimate", "--input-tokens", "5"]).is_err());
         assert!(parse(&["budget", "set", "--limit", "ten"]).is_err());
         assert!(
-            parse(&["invoices", "finalize"]).is_err(),
+            parse(&["invoices", "finalise"]).is_err(),
             "--period is required"
         );
     }

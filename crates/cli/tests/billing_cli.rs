@@ -162,7 +162,7 @@ fn billing_commands_round_trip_through_the_api() {
     // Invoices: January 2025 holds no usage but the whole unused
     // commitment: 2 GPUs × 30 days = 5,184,000 GPU-s at $2.99/h × 0.7
     // = $3,013.92 (the credit was granted now, too late for January).
-    let fin = home.cli_json(Some(&op), &["invoices", "finalize", "--period", "2025-01"]);
+    let fin = home.cli_json(Some(&op), &["invoices", "finalise", "--period", "2025-01"]);
     let done = fin["finalised"].as_array().unwrap();
     assert_eq!(done.len(), 1, "{fin}");
     assert_eq!(done[0]["total"], "3013.92", "{fin}");
@@ -186,7 +186,7 @@ fn billing_commands_round_trip_through_the_api() {
     let again = home.cli(
         Some(&op),
         &[
-            "invoices", "finalize", "--period", "2025-01", "--tenant", &tenant,
+            "invoices", "finalise", "--period", "2025-01", "--tenant", &tenant,
         ],
     );
     assert!(!again.status.success(), "a final invoice cannot be redone");
@@ -202,7 +202,7 @@ fn billing_commands_round_trip_through_the_api() {
         ],
     ));
     assert_eq!(usage.lines().count(), 1, "only the header: {usage}");
-    let open = home.cli(Some(&op), &["invoices", "finalize", "--period", "2999-01"]);
+    let open = home.cli(Some(&op), &["invoices", "finalise", "--period", "2999-01"]);
     assert!(!open.status.success());
 
     // Payouts: a provider with no nodes has none yet.

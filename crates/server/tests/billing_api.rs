@@ -403,7 +403,7 @@ async fn months_finalise_into_immutable_invoices_with_terms_applied() {
     .await;
 
     // Finalising: operators only, a closed month only, a real month.
-    let fin = "/v1/invoices/finalize";
+    let fin = "/v1/invoices/finalise";
     let (st, _) = s
         .call(
             &admin,

@@ -114,13 +114,13 @@ pub struct FinalizeRequest {
 /// a named tenant whose invoice is already final; without a tenant, every
 /// tenant with lines is finalised and those already final are skipped, so
 /// re-running it is safe.
-#[utoipa::path(post, path = "/v1/invoices/finalize", tag = "billing",
+#[utoipa::path(post, path = "/v1/invoices/finalise", tag = "billing",
     request_body = FinalizeRequest,
     responses((status = 200, body = Finalized),
               (status = 403, body = flotilla_core::api::ErrorBody),
               (status = 409, body = flotilla_core::api::ErrorBody),
               (status = 422, body = flotilla_core::api::ErrorBody)))]
-pub async fn finalize_invoices(
+pub async fn finalise_invoices(
     State(st): State<AppState>,
     caller: Caller,
     ApiJson(req): ApiJson<FinalizeRequest>,

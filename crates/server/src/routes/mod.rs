@@ -268,7 +268,7 @@ fn billing_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(prices::post_estimate))
         .routes(routes!(invoices::list_invoices))
         .routes(routes!(invoices::get_invoice))
-        .routes(routes!(invoices::finalize_invoices))
+        .routes(routes!(invoices::finalise_invoices))
         .routes(routes!(invoices::get_terms, invoices::add_term))
         .routes(routes!(budgets::get_budget, budgets::set_budget))
         .routes(routes!(payouts::get_payouts))
