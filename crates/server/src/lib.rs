@@ -34,6 +34,7 @@ pub mod error;
 pub mod extract;
 pub mod idempotency;
 pub mod jobs;
+pub mod last_plan;
 pub mod leader;
 pub mod metering;
 pub mod metrics;

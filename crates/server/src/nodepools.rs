@@ -28,7 +28,6 @@ use flotilla_core::id::NodeId;
 use flotilla_core::node::RuntimeKind;
 use flotilla_core::nodepool::{NodePoolView, PoolMachineView};
 use flotilla_scale::nodepool::{self, Phase, PoolDecision, Waiting, Why};
-use flotilla_sched::pass::{self, GpuAsk, Wait};
 use flotilla_sched::Runtime;
 use flotilla_store::capacity::{MachineState, NewMachine, PoolMachine};
 use flotilla_store::StoreError;
@@ -73,41 +72,27 @@ fn mint_join_token() -> String {
 }
 
 /// The waiting work this pool's machines could host: queued work the
-/// planner fits nowhere, that asks for GPUs, allows the pool's GPU model
+/// planner fits nowhere (its last plan while current, see
+/// `crate::last_plan`), that asks for GPUs, allows the pool's GPU model
 /// and runs on its runtime.
 async fn waiting_work(st: &AppState, pool: &NodePoolConfig) -> Result<Vec<Waiting>, StoreError> {
-    let g = crate::schedule::gather(st).await?;
-    if g.input.queue.is_empty() {
-        return Ok(Vec::new());
-    }
-    let plan = pass::plan(&g.input).map_err(|e| StoreError::Corrupt(format!("planner: {e}")))?;
+    let plan = crate::schedule::current_plan(st).await?;
     let runtime = runtime_of(pool.runtime);
-    let mut out = Vec::new();
-    for (key, wait) in &plan.waiting {
-        if !matches!(wait, Wait::NoFit(_) | Wait::Unschedulable(_)) {
-            continue;
-        }
-        let Some(q) = g.input.queue.iter().find(|q| q.key == *key) else {
-            continue;
-        };
-        let gpus = match q.gpu {
-            GpuAsk::None => continue,
-            GpuAsk::Whole(n) => u32::from(n),
-            GpuAsk::Fraction(_) | GpuAsk::Mig(_) => 1,
-        };
-        let model_ok = q.models.is_empty()
-            || q.models
-                .iter()
-                .any(|m| m.eq_ignore_ascii_case(&pool.gpu_model));
-        if !model_ok || q.runtime != runtime {
-            continue;
-        }
-        out.push(Waiting {
-            members: u32::from(q.members),
-            gpus,
-        });
-    }
-    Ok(out)
+    Ok(plan
+        .unfit
+        .iter()
+        .filter(|u| {
+            u.runtime == runtime
+                && (u.models.is_empty()
+                    || u.models
+                        .iter()
+                        .any(|m| m.eq_ignore_ascii_case(&pool.gpu_model)))
+        })
+        .map(|u| Waiting {
+            members: u.members,
+            gpus: u.gpus,
+        })
+        .collect())
 }
 
 /// One pass over one pool (see the module doc). Returns the decision.

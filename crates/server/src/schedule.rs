@@ -11,6 +11,7 @@
 //! again on the next pass, from the store as it then is.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use chrono::{DateTime, Duration as ChronoDuration, Utc};
 use flotilla_core::api::WeightTier;
@@ -24,7 +25,7 @@ use flotilla_scale::tiers::ReadinessTiers;
 use flotilla_sched::gang::Locality;
 use flotilla_sched::pass::{
     self, GpuAsk, GpuSnap, Hold, NodeSnap, Plan, Promise, QueuedWork, RunningWork, Snapshot,
-    TenantPolicy, UsageSpan, WorkKey,
+    TenantPolicy, UsageSpan, Wait, WorkKey,
 };
 use flotilla_sched::preempt::PreemptConfig;
 use flotilla_sched::queue::FairShareConfig;
@@ -34,6 +35,7 @@ use flotilla_store::instances::PendingInstance;
 use flotilla_store::jobs::QueuedJob;
 use flotilla_store::StoreError;
 
+use crate::last_plan::{LastPlan, Unfit};
 use crate::state::AppState;
 
 /// How far back the queue's fair share looks at GPU usage.
@@ -108,7 +110,8 @@ pub enum Queued {
 }
 
 impl Queued {
-    fn work_id(&self) -> WorkId {
+    /// Its id.
+    pub fn work_id(&self) -> WorkId {
         match self {
             Queued::Instance(p) => WorkId::Instance(p.id.clone()),
             Queued::Job(j) => WorkId::Job(j.id.clone()),
@@ -601,8 +604,10 @@ pub fn plan_of(g: &Gathered) -> Result<Plan, StoreError> {
 /// placed.
 pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
     let started = tokio::time::Instant::now();
+    let generation = st.change_generation();
     let g = gather(st).await?;
     if g.input.queue.is_empty() {
+        keep(st, &g, &Plan::default(), generation);
         return Ok(0);
     }
     let planning = tokio::time::Instant::now();
@@ -610,6 +615,7 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
     st.ops()
         .placement_plan
         .observe(planning.elapsed().as_secs_f64());
+    keep(st, &g, &plan, generation);
     let done = apply(st, &g, &plan).await?;
     st.ops()
         .placement_pass
@@ -620,15 +626,49 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
     Ok(done.placed)
 }
 
-/// Pending instances and queued jobs in the order the scheduler tries
-/// them: tier, then priority, then weighted fair share across tenants,
-/// then FIFO (see `flotilla_sched::queue`). Computed by the planner from
-/// the store, so it needs no loop state and survives restarts.
-pub async fn queue_all(st: &AppState) -> Result<Vec<Queued>, StoreError> {
-    let g = gather(st).await?;
-    if g.input.queue.is_empty() {
-        return Ok(Vec::new());
+/// Keeps what `plan` decided for its readers ([`crate::last_plan`]).
+fn keep(st: &AppState, g: &Gathered, plan: &Plan, generation: u64) -> Arc<LastPlan> {
+    let unfit = plan
+        .waiting
+        .iter()
+        .filter(|(_, w)| matches!(w, Wait::NoFit(_) | Wait::Unschedulable(_)))
+        .filter_map(|(key, _)| g.input.queue.iter().find(|q| q.key == *key))
+        .filter_map(|q| {
+            let gpus = match q.gpu {
+                GpuAsk::None => return None,
+                GpuAsk::Whole(n) => u32::from(n),
+                GpuAsk::Fraction(_) | GpuAsk::Mig(_) => 1,
+            };
+            Some(Unfit {
+                members: u32::from(q.members),
+                gpus,
+                models: q.models.clone(),
+                runtime: q.runtime,
+            })
+        })
+        .collect();
+    let order = g.in_order(plan).iter().map(Queued::work_id).collect();
+    st.last_plan().keep(LastPlan {
+        generation,
+        at: st.now(),
+        order,
+        unfit,
+    })
+}
+
+/// What the scheduler decides now: the last pass's plan while it is
+/// current ([`crate::last_plan`]), else a plan made afresh from the store
+/// (and kept). Read by the queue routes and the node pools.
+pub async fn current_plan(st: &AppState) -> Result<Arc<LastPlan>, StoreError> {
+    let generation = st.change_generation();
+    if let Some(p) = st.last_plan().current(generation, st.now()) {
+        return Ok(p);
     }
-    let plan = plan_of(&g)?;
-    Ok(g.in_order(&plan))
+    let g = gather(st).await?;
+    let plan = if g.input.queue.is_empty() {
+        Plan::default()
+    } else {
+        plan_of(&g)?
+    };
+    Ok(keep(st, &g, &plan, generation))
 }

@@ -56,6 +56,8 @@ struct Inner {
     secret_key: Mutex<Option<flotilla_store::secrets::SecretKey>>,
     /// Counters and histograms of what this replica did (`/metrics`).
     ops: crate::ops_metrics::OpsMetrics,
+    /// The last scheduling plan, for readers of its outcome.
+    last_plan: crate::last_plan::Kept,
     /// Each instance's GPU readings as its agents reported them, for its
     /// utilisation summary and right-sizing advice. In memory, like the
     /// latest telemetry: a restart starts the profile afresh.
@@ -156,6 +158,7 @@ impl AppState {
                 endpoints_wake: Arc::default(),
                 secret_key: Mutex::default(),
                 ops: crate::ops_metrics::OpsMetrics::default(),
+                last_plan: crate::last_plan::Kept::default(),
                 profiles: Mutex::default(),
                 access: crate::access::Sessions::default(),
             }),
@@ -385,6 +388,16 @@ impl AppState {
     /// What the endpoint autoscaler waits on between ticks.
     pub fn endpoints_wake(&self) -> Arc<tokio::sync::Notify> {
         self.inner.endpoints_wake.clone()
+    }
+
+    /// How many changes were signalled so far (see [`Self::notify_change`]).
+    pub fn change_generation(&self) -> u64 {
+        *self.inner.changes.borrow()
+    }
+
+    /// The last scheduling plan this replica made or read.
+    pub fn last_plan(&self) -> &crate::last_plan::Kept {
+        &self.inner.last_plan
     }
 
     /// A receiver of change signals.

@@ -10,7 +10,7 @@ use std::future::Future;
 use axum::http::Uri;
 use axum::Json;
 use flotilla_core::api::{Instance, Job, Page};
-use flotilla_core::id::{InstanceId, JobId, TenantId};
+use flotilla_core::id::{InstanceId, JobId, TenantId, WorkId};
 use flotilla_core::instance::InstanceState;
 use flotilla_core::job::JobState;
 use flotilla_core::tenant::Role;
@@ -22,7 +22,6 @@ use super::{page, page_req, path_id};
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{serde_urlencoded_query, Pagination};
-use crate::schedule::Queued;
 use crate::state::AppState;
 
 /// Who may create, stop and cancel work.
@@ -52,8 +51,8 @@ pub(crate) trait Kind: Sized + Send + 'static {
     fn id(&self) -> &Self::Id;
     fn tenant(&self) -> &TenantId;
     fn state(&self) -> Self::State;
-    /// Its id when `q` is a queued work of this kind.
-    fn queued(q: &Queued) -> Option<&Self::Id>;
+    /// Its id when `q` names a work of this kind.
+    fn queued(q: &WorkId) -> Option<&Self::Id>;
     fn load<'a>(
         store: &'a Store,
         id: &'a Self::Id,
@@ -136,9 +135,9 @@ pub(crate) async fn queue<K: Kind, E>(
     caller: &Caller,
     entry: impl Fn(u32, K) -> E,
 ) -> ApiResult<Json<Page<E>>> {
-    let order = crate::schedule::queue_all(st).await?;
+    let plan = crate::schedule::current_plan(st).await?;
     let mut items = Vec::new();
-    for (i, q) in order.iter().enumerate() {
+    for (i, q) in plan.order.iter().enumerate() {
         let Some(id) = K::queued(q) else { continue };
         let work = match K::load(st.store(), id).await {
             Ok(w) => w,
@@ -182,10 +181,10 @@ impl Kind for Instance {
     fn state(&self) -> InstanceState {
         self.state
     }
-    fn queued(q: &Queued) -> Option<&InstanceId> {
+    fn queued(q: &WorkId) -> Option<&InstanceId> {
         match q {
-            Queued::Instance(p) => Some(&p.id),
-            Queued::Job(_) => None,
+            WorkId::Instance(id) => Some(id),
+            WorkId::Job(_) => None,
         }
     }
     fn load<'a>(
@@ -235,10 +234,10 @@ impl Kind for Job {
     fn state(&self) -> JobState {
         self.state
     }
-    fn queued(q: &Queued) -> Option<&JobId> {
+    fn queued(q: &WorkId) -> Option<&JobId> {
         match q {
-            Queued::Job(j) => Some(&j.id),
-            Queued::Instance(_) => None,
+            WorkId::Job(id) => Some(id),
+            WorkId::Instance(_) => None,
         }
     }
     fn load<'a>(
