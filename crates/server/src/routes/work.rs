@@ -15,6 +15,7 @@ use flotilla_core::instance::InstanceState;
 use flotilla_core::job::JobState;
 use flotilla_core::tenant::Role;
 use flotilla_core::FieldError;
+use flotilla_store::work::PendingWork;
 use flotilla_store::{PageOf, PageReq, Store, StoreError};
 use serde::Deserialize;
 
@@ -22,7 +23,6 @@ use super::{page, page_req, path_id};
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{serde_urlencoded_query, Pagination};
-use crate::schedule::Queued;
 use crate::state::AppState;
 
 /// Who may create, stop and cancel work.
@@ -53,7 +53,7 @@ pub(crate) trait Kind: Sized + Send + 'static {
     fn tenant(&self) -> &TenantId;
     fn state(&self) -> Self::State;
     /// Its id when `q` is a queued work of this kind.
-    fn queued(q: &Queued) -> Option<&Self::Id>;
+    fn queued(q: &PendingWork) -> Option<&Self::Id>;
     fn load<'a>(
         store: &'a Store,
         id: &'a Self::Id,
@@ -182,10 +182,10 @@ impl Kind for Instance {
     fn state(&self) -> InstanceState {
         self.state
     }
-    fn queued(q: &Queued) -> Option<&InstanceId> {
+    fn queued(q: &PendingWork) -> Option<&InstanceId> {
         match q {
-            Queued::Instance(p) => Some(&p.id),
-            Queued::Job(_) => None,
+            PendingWork::Instance(p) => Some(&p.id),
+            PendingWork::Job(_) => None,
         }
     }
     fn load<'a>(
@@ -235,10 +235,10 @@ impl Kind for Job {
     fn state(&self) -> JobState {
         self.state
     }
-    fn queued(q: &Queued) -> Option<&JobId> {
+    fn queued(q: &PendingWork) -> Option<&JobId> {
         match q {
-            Queued::Job(j) => Some(&j.id),
-            Queued::Instance(_) => None,
+            PendingWork::Job(j) => Some(&j.id),
+            PendingWork::Instance(_) => None,
         }
     }
     fn load<'a>(
