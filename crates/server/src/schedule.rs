@@ -31,8 +31,7 @@ use flotilla_sched::preempt::PreemptConfig;
 use flotilla_sched::queue::FairShareConfig;
 use flotilla_sched::startup::NodeStartup;
 use flotilla_sched::{Policy, Runtime, Tier};
-use flotilla_store::instances::PendingInstance;
-use flotilla_store::jobs::QueuedJob;
+use flotilla_store::work::PendingWork;
 use flotilla_store::StoreError;
 
 use crate::last_plan::{LastPlan, Unfit};
@@ -41,9 +40,9 @@ use crate::state::AppState;
 /// How far back the queue's fair share looks at GPU usage.
 const FAIR_SHARE_WINDOW_H: i64 = 24;
 
-/// The most pending instances, and queued jobs, one pass reads (oldest
-/// first). The planner takes 10,000 works on 1,000 nodes in about a
-/// quarter of a second (`scripts/bench placement`).
+/// The most waiting works (pending instances and queued jobs together,
+/// the oldest) one pass reads. The planner takes 10,000 works on 1,000
+/// nodes in about a quarter of a second (`scripts/bench placement`).
 const QUEUE_READ: u32 = 5_000;
 
 fn ms_of(t: DateTime<Utc>) -> u64 {
@@ -99,37 +98,10 @@ fn ready_on(
         .collect()
 }
 
-/// One piece of queued work: a pending instance (a work of one member) or
-/// a queued job (a gang placed whole).
-#[derive(Debug, Clone)]
-pub enum Queued {
-    /// A pending instance.
-    Instance(PendingInstance),
-    /// A queued job.
-    Job(QueuedJob),
-}
-
-impl Queued {
-    /// Its id.
-    pub fn work_id(&self) -> WorkId {
-        match self {
-            Queued::Instance(p) => WorkId::Instance(p.id.clone()),
-            Queued::Job(j) => WorkId::Job(j.id.clone()),
-        }
-    }
-
-    fn state_reason(&self) -> &str {
-        match self {
-            Queued::Instance(p) => &p.state_reason,
-            Queued::Job(j) => &j.state_reason,
-        }
-    }
-}
-
 /// What a planner key stands for.
 #[derive(Debug, Clone)]
 enum Work {
-    Queued(Box<Queued>),
+    Queued(Box<PendingWork>),
     /// Running work: its id (an instance, or the job whose members these
     /// are) and its member instances.
     Running(WorkId, Vec<InstanceId>),
@@ -272,8 +244,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
     }
 
     // Queued work.
-    let mut queued: Vec<Queued> = inputs.pending.into_iter().map(Queued::Instance).collect();
-    queued.extend(inputs.jobs.into_iter().map(Queued::Job));
+    let queued = inputs.queue;
     // Replicas that declare their weights start where they are ready
     // soonest: what each node holds of them.
     let held_weights = inputs.weights;
@@ -282,9 +253,9 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
     let mut key_of: BTreeMap<WorkId, WorkKey> = BTreeMap::new();
     for q in queued {
         let key = works.len() as WorkKey;
-        key_of.insert(q.work_id(), key);
+        key_of.insert(q.id(), key);
         queue.push(match &q {
-            Queued::Instance(p) => QueuedWork {
+            PendingWork::Instance(p) => QueuedWork {
                 key,
                 tenant: tenants.index(&p.tenant_id),
                 tier: tier_of(p.tier),
@@ -305,7 +276,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
                     .map(|w| ready_on(&nodes, &held_weights, w, &tiers))
                     .unwrap_or_default(),
             },
-            Queued::Job(j) => QueuedWork {
+            PendingWork::Job(j) => QueuedWork {
                 key,
                 tenant: tenants.index(&j.tenant_id),
                 tier: tier_of(j.spec.tier),
@@ -452,7 +423,7 @@ impl Gathered {
     /// The id a key names, as reasons print it.
     fn name(&self, key: WorkKey) -> String {
         match self.works.get(key as usize) {
-            Some(Work::Queued(q)) => q.work_id().to_string(),
+            Some(Work::Queued(q)) => q.id().to_string(),
             Some(Work::Running(id, _)) => id.to_string(),
             None => format!("work {key}"),
         }
@@ -474,7 +445,7 @@ impl Gathered {
     }
 
     /// The queued work in the order the plan tried it.
-    pub fn in_order(&self, plan: &Plan) -> Vec<Queued> {
+    pub fn in_order(&self, plan: &Plan) -> Vec<PendingWork> {
         plan.order
             .iter()
             .filter_map(|&k| match self.works.get(k as usize) {
@@ -506,50 +477,36 @@ pub async fn apply(st: &AppState, g: &Gathered, plan: &Plan) -> Result<Applied, 
         let Some(Work::Queued(q)) = g.works.get(p.key as usize) else {
             continue;
         };
-        let outcome = match &**q {
-            Queued::Instance(inst) => {
-                let Some(at) = p.members.first().and_then(|m| g.placement(m, &inst.share)) else {
-                    continue;
-                };
-                store.schedule_instance(&inst.id, &at, now).await.map(|()| {
-                    tracing::info!(instance = %inst.id, node = %at.node, gpus = at.gpus.len(),
-                        backfill = p.backfilled, "instance scheduled");
-                })
-            }
-            Queued::Job(j) => {
-                let share = j.spec.share(st.catalog());
-                let Some(plans) = p
-                    .members
-                    .iter()
-                    .map(|m| g.placement(m, &share))
-                    .collect::<Option<Vec<_>>>()
-                else {
-                    continue;
-                };
-                let ids: Vec<InstanceId> = plans
-                    .iter()
-                    .map(|_| {
-                        let (t, r) = st.ids();
-                        InstanceId::generate(t, r)
-                    })
-                    .collect();
-                store
-                    .schedule_job(&j.id, j.attempt, &plans, &ids, now)
-                    .await
-                    .map(|_| {
-                        tracing::info!(job = %j.id, members = plans.len(), attempt = j.attempt + 1,
-                            backfill = p.backfilled, "job gang scheduled");
-                    })
-            }
+        let share = match &**q {
+            PendingWork::Instance(i) => i.share.clone(),
+            PendingWork::Job(j) => j.spec.share(st.catalog()),
         };
-        match outcome {
-            Ok(()) => done.placed += 1,
+        let Some(at) = p
+            .members
+            .iter()
+            .map(|m| g.placement(m, &share))
+            .collect::<Option<Vec<_>>>()
+        else {
+            continue;
+        };
+        // A job's members are new instances: their ids, as every id, come
+        // from the server's clock and randomness.
+        let new_member = || {
+            let (t, r) = st.ids();
+            InstanceId::generate(t, r)
+        };
+        match store.schedule_work(q, &at, new_member, now).await {
+            Ok(members) => {
+                log_placed(q, &at, &members, p.backfilled);
+                done.placed += 1;
+            }
             Err(StoreError::Conflict(_) | StoreError::NotFound(_)) => {
-                tracing::debug!(work = %q.work_id(), "placement lost a race; retrying next pass");
+                tracing::debug!(work = %q.id(), "placement lost a race; retrying next pass");
                 done.conflicts += 1;
             }
             Err(StoreError::Quota(e)) => {
-                set_reason(st, q, &format!("over quota: {e}"), now).await?;
+                let reason = format!("over quota: {e}");
+                store.set_work_reason(&q.id(), &reason, now).await?;
             }
             Err(e) => return Err(e),
         }
@@ -559,7 +516,7 @@ pub async fn apply(st: &AppState, g: &Gathered, plan: &Plan) -> Result<Applied, 
             continue;
         };
         let by = match g.works.get(pre.by as usize) {
-            Some(Work::Queued(q)) => q.work_id(),
+            Some(Work::Queued(q)) => q.id(),
             _ => continue,
         };
         for m in members {
@@ -575,21 +532,27 @@ pub async fn apply(st: &AppState, g: &Gathered, plan: &Plan) -> Result<Applied, 
         };
         let reason = wait.describe(|k| g.name(k));
         if reason != q.state_reason() {
-            set_reason(st, q, &reason, now).await?;
+            store.set_work_reason(&q.id(), &reason, now).await?;
         }
     }
     Ok(done)
 }
 
-async fn set_reason(
-    st: &AppState,
-    q: &Queued,
-    reason: &str,
-    now: DateTime<Utc>,
-) -> Result<(), StoreError> {
+/// Logs a placement `apply` wrote: `members` are the instances now
+/// scheduled, by rank.
+fn log_placed(q: &PendingWork, at: &[Placement], members: &[InstanceId], backfill: bool) {
     match q {
-        Queued::Instance(p) => st.store().set_pending_reason(&p.id, reason, now).await,
-        Queued::Job(j) => st.store().set_job_reason(&j.id, reason, now).await,
+        PendingWork::Instance(i) => {
+            // Its one placement (the store refuses any other count).
+            if let Some(a) = at.first() {
+                tracing::info!(instance = %i.id, node = %a.node, gpus = a.gpus.len(), backfill,
+                    "instance scheduled");
+            }
+        }
+        PendingWork::Job(j) => {
+            tracing::info!(job = %j.id, members = members.len(), attempt = j.attempt + 1,
+                backfill, "job gang scheduled");
+        }
     }
 }
 
@@ -647,7 +610,7 @@ fn keep(st: &AppState, g: &Gathered, plan: &Plan, generation: u64) -> Arc<LastPl
             })
         })
         .collect();
-    let order = g.in_order(plan).iter().map(Queued::work_id).collect();
+    let order = g.in_order(plan).iter().map(PendingWork::id).collect();
     st.last_plan().keep(LastPlan {
         generation,
         at: st.now(),

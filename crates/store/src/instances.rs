@@ -351,7 +351,11 @@ async fn mark_starting(
     .await
 }
 
-/// Commits a placement inside `tx`: see [`Store::schedule_instance`].
+/// Commits an instance's placement inside `tx`: takes each GPU only if it
+/// is still free and moves the instance to `scheduled`; `Conflict` when a
+/// GPU was taken meanwhile or the instance left `pending` (the caller's
+/// rollback then undoes the rest). [`Store::schedule_work`] places a
+/// pending instance with it, and a job's members one by one.
 pub(crate) async fn schedule_in(
     tx: &mut Transaction<'static, Any>,
     id: &InstanceId,
@@ -733,36 +737,6 @@ impl Store {
             *i = with_queued(i.clone());
         }
         Ok(page)
-    }
-
-    /// Pending instances, oldest first.
-    pub async fn pending_instances(&self, limit: u32) -> Result<Vec<PendingInstance>> {
-        pending_instances_in(&mut *self.pool().acquire().await?, limit).await
-    }
-
-    /// Updates the reason a pending instance is not placed.
-    pub async fn set_pending_reason(
-        &self,
-        id: &InstanceId,
-        reason: &str,
-        now: DateTime<Utc>,
-    ) -> Result<()> {
-        self.set_wait_reason(id, reason, now).await
-    }
-
-    /// Commits a placement: takes each GPU only if it is still free, moves
-    /// the instance to `scheduled`. `Conflict` (and no change) when a GPU
-    /// was taken meanwhile or the instance left `pending`.
-    pub async fn schedule_instance(
-        &self,
-        id: &InstanceId,
-        plan: &Placement,
-        now: DateTime<Utc>,
-    ) -> Result<()> {
-        let mut tx = self.begin().await?;
-        schedule_in(&mut tx, id, plan, now).await?;
-        crate::txn::commit(tx).await?;
-        Ok(())
     }
 
     /// Asks for an instance to stop. Not yet placed: stopped at once. On a
@@ -1324,8 +1298,9 @@ impl Store {
     }
 }
 
-/// [`Store::pending_instances`] on `conn`: a scheduling pass reads it inside its
-/// one snapshot transaction ([`Store::pass_inputs`]).
+/// Pending instances, oldest first, on `conn`: half of
+/// [`Store::pending_work`], which a scheduling pass reads inside its one
+/// snapshot transaction ([`Store::pass_inputs`]).
 pub(crate) async fn pending_instances_in(
     conn: &mut sqlx::AnyConnection,
     limit: u32,

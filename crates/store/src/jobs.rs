@@ -2,7 +2,7 @@
 //!
 //! A job row holds the spec and the state; its members are instances
 //! (`job_id`, `job_rank`, `job_attempt`), created only when the whole gang
-//! is placed: [`Store::schedule_job`] inserts every member already
+//! is placed: [`Store::schedule_work`] inserts every member already
 //! `scheduled`, with its GPUs claimed, and moves the job to `running`, in
 //! one transaction, so a gang is placed whole or not at all. Every job
 //! change is conditional on the state and attempt the caller saw, so two
@@ -17,7 +17,7 @@ use flotilla_core::instance::{InstanceSpec, InstanceState};
 use flotilla_core::job::{member_env, JobSpec, JobState};
 use flotilla_core::placement::Placement;
 use sqlx::any::AnyRow;
-use sqlx::Row;
+use sqlx::{Any, Row, Transaction};
 
 use crate::work::add_event;
 use crate::{at, json, ms, to_json, PageOf, PageReq, Result, Store, StoreError, WorkTable};
@@ -59,7 +59,7 @@ pub struct QueuedJob {
     pub tenant_id: TenantId,
     /// The spec (gang size, per-member demand, tier, priority).
     pub spec: JobSpec,
-    /// Attempts started so far; [`Store::schedule_job`] checks it.
+    /// Attempts started so far; [`Store::schedule_work`] checks it.
     pub attempt: u32,
     /// Current queued reason.
     pub state_reason: String,
@@ -221,121 +221,6 @@ impl Store {
         Ok(page)
     }
 
-    /// Queued jobs, oldest first.
-    pub async fn queued_jobs(&self, limit: u32) -> Result<Vec<QueuedJob>> {
-        queued_jobs_in(&mut *self.pool().acquire().await?, limit).await
-    }
-
-    /// Updates the reason a queued job is not placed.
-    pub async fn set_job_reason(&self, id: &JobId, reason: &str, now: DateTime<Utc>) -> Result<()> {
-        self.set_wait_reason(id, reason, now).await
-    }
-
-    /// Places a queued job's whole gang: `plans[r]` is rank r's placement
-    /// and `ids[r]` its new instance's id. In one transaction the job moves
-    /// to `running` with a new attempt (only if it is still queued at
-    /// `attempt`) and every member is inserted and scheduled with its GPUs
-    /// claimed; any GPU taken meanwhile rolls all of it back (`Conflict`).
-    /// Members run with the job's spec and the `FLOTILLA_JOB_*` variables.
-    pub async fn schedule_job(
-        &self,
-        id: &JobId,
-        attempt: u32,
-        plans: &[Placement],
-        ids: &[InstanceId],
-        now: DateTime<Utc>,
-    ) -> Result<Job> {
-        let mut tx = self.begin().await?;
-        let row = sqlx::query("SELECT * FROM jobs WHERE id = $1")
-            .bind(id.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::NotFound("job"))?;
-        let j = job(&row)?;
-        if j.state != JobState::Queued || j.attempts != attempt {
-            return Err(StoreError::Conflict(format!(
-                "job {id} is no longer queued"
-            )));
-        }
-        if plans.len() != j.spec.nodes as usize || ids.len() != plans.len() {
-            return Err(StoreError::Conflict(format!(
-                "job {id} has {} members, the plan {}",
-                j.spec.nodes,
-                plans.len()
-            )));
-        }
-        let next = attempt + 1;
-        let placed_on: Vec<String> = plans.iter().map(|p| p.node.to_string()).collect();
-        let reason = format!("attempt {next}: {} members placed", plans.len());
-        let n = sqlx::query(
-            "UPDATE jobs SET state = 'running', state_reason = $1, attempt = $2, updated_at = $3, \
-             started_at = COALESCE(started_at, $3) WHERE id = $4 AND state = 'queued' AND attempt = $5",
-        )
-        .bind(&reason)
-        .bind(i64::from(next))
-        .bind(ms(now))
-        .bind(id.as_str())
-        .bind(i64::from(attempt))
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if n != 1 {
-            return Err(StoreError::Conflict(format!(
-                "job {id} is no longer queued"
-            )));
-        }
-        // Node names by rank, for the members' rendezvous.
-        let mut names = Vec::with_capacity(plans.len());
-        for node in &placed_on {
-            let name: String = sqlx::query("SELECT name FROM nodes WHERE id = $1")
-                .bind(node)
-                .fetch_one(&mut *tx)
-                .await?
-                .try_get("name")?;
-            names.push(name);
-        }
-        let world = u32::try_from(plans.len()).unwrap_or(u32::MAX);
-        for (rank, (plan, member)) in plans.iter().zip(ids).enumerate() {
-            let rank = u32::try_from(rank).unwrap_or(u32::MAX);
-            let mut env = j.spec.env.clone();
-            env.extend(member_env(id.as_str(), rank, world, next, &names));
-            let spec = InstanceSpec {
-                name: j.spec.name.as_ref().map(|n| format!("{n}-{rank}")),
-                gpus: j.spec.gpus_per_member(),
-                gpu_types: j.spec.gpu_types.clone(),
-                cpu_milli: j.spec.cpu_milli,
-                memory_mb: j.spec.memory_mb,
-                command: j.spec.command.clone(),
-                env,
-                workdir: j.spec.workdir.clone(),
-                billing_class: j.spec.billing_class,
-                priority: j.spec.priority,
-                tier: j.spec.tier,
-                preemptible: j.spec.preemptible,
-                // What the planner placed it as: whole GPUs, or the job's share.
-                share: plan.share.clone(),
-                image: j.spec.image.clone(),
-                disk_mb: j.spec.disk_mb,
-            };
-            let why = format!("rank {rank} of {id}, attempt {next}");
-            crate::instances::insert_pending(&mut tx, member, &j.tenant_id, &spec, None, &why, now)
-                .await?;
-            sqlx::query(
-                "UPDATE instances SET job_id = $1, job_rank = $2, job_attempt = $3 WHERE id = $4",
-            )
-            .bind(id.as_str())
-            .bind(i64::from(rank))
-            .bind(i64::from(next))
-            .bind(member.as_str())
-            .execute(&mut *tx)
-            .await?;
-            crate::instances::schedule_in(&mut tx, member, plan, now).await?;
-        }
-        add_event(&mut tx, id, JobState::Running, &reason, now).await?;
-        crate::txn::commit(tx).await?;
-        self.job(id).await
-    }
-
     /// Running jobs with their current attempt's members (without their
     /// events, which the job rule does not read): two queries whatever the
     /// number of jobs, as the job loop runs this on every pass.
@@ -473,8 +358,9 @@ impl Store {
     }
 }
 
-/// [`Store::queued_jobs`] on `conn`: a scheduling pass reads it inside its
-/// one snapshot transaction ([`Store::pass_inputs`]).
+/// Queued jobs, oldest first, on `conn`: half of [`Store::pending_work`],
+/// which a scheduling pass reads inside its one snapshot transaction
+/// ([`Store::pass_inputs`]).
 pub(crate) async fn queued_jobs_in(
     conn: &mut sqlx::AnyConnection,
     limit: u32,
@@ -514,4 +400,107 @@ pub(crate) async fn running_time_limits_in(
         }
     }
     Ok(out)
+}
+
+/// Places a queued job's whole gang inside `tx` (see
+/// [`Store::schedule_work`]): `plans[r]` is rank r's placement and `ids[r]`
+/// its new instance's id. The job moves to `running` with a new attempt
+/// (only if it is still queued at `attempt`) and every member is inserted
+/// and scheduled with its GPUs claimed; any GPU taken meanwhile is a
+/// `Conflict`, and the caller's rollback undoes all of it. Members run with
+/// the job's spec and the `FLOTILLA_JOB_*` variables.
+pub(crate) async fn schedule_gang_in(
+    tx: &mut Transaction<'static, Any>,
+    id: &JobId,
+    attempt: u32,
+    plans: &[Placement],
+    ids: &[InstanceId],
+    now: DateTime<Utc>,
+) -> Result<()> {
+    let row = sqlx::query("SELECT * FROM jobs WHERE id = $1")
+        .bind(id.as_str())
+        .fetch_optional(&mut **tx)
+        .await?
+        .ok_or(StoreError::NotFound("job"))?;
+    let j = job(&row)?;
+    if j.state != JobState::Queued || j.attempts != attempt {
+        return Err(StoreError::Conflict(format!(
+            "job {id} is no longer queued"
+        )));
+    }
+    if plans.len() != j.spec.nodes as usize || ids.len() != plans.len() {
+        return Err(StoreError::Conflict(format!(
+            "job {id} has {} members, the plan {}",
+            j.spec.nodes,
+            plans.len()
+        )));
+    }
+    let next = attempt + 1;
+    let placed_on: Vec<String> = plans.iter().map(|p| p.node.to_string()).collect();
+    let reason = format!("attempt {next}: {} members placed", plans.len());
+    let n = sqlx::query(
+        "UPDATE jobs SET state = 'running', state_reason = $1, attempt = $2, updated_at = $3, \
+         started_at = COALESCE(started_at, $3) WHERE id = $4 AND state = 'queued' AND attempt = $5",
+    )
+    .bind(&reason)
+    .bind(i64::from(next))
+    .bind(ms(now))
+    .bind(id.as_str())
+    .bind(i64::from(attempt))
+    .execute(&mut **tx)
+    .await?
+    .rows_affected();
+    if n != 1 {
+        return Err(StoreError::Conflict(format!(
+            "job {id} is no longer queued"
+        )));
+    }
+    // Node names by rank, for the members' rendezvous.
+    let mut names = Vec::with_capacity(plans.len());
+    for node in &placed_on {
+        let name: String = sqlx::query("SELECT name FROM nodes WHERE id = $1")
+            .bind(node)
+            .fetch_one(&mut **tx)
+            .await?
+            .try_get("name")?;
+        names.push(name);
+    }
+    let world = u32::try_from(plans.len()).unwrap_or(u32::MAX);
+    for (rank, (plan, member)) in plans.iter().zip(ids).enumerate() {
+        let rank = u32::try_from(rank).unwrap_or(u32::MAX);
+        let mut env = j.spec.env.clone();
+        env.extend(member_env(id.as_str(), rank, world, next, &names));
+        let spec = InstanceSpec {
+            name: j.spec.name.as_ref().map(|n| format!("{n}-{rank}")),
+            gpus: j.spec.gpus_per_member(),
+            gpu_types: j.spec.gpu_types.clone(),
+            cpu_milli: j.spec.cpu_milli,
+            memory_mb: j.spec.memory_mb,
+            command: j.spec.command.clone(),
+            env,
+            workdir: j.spec.workdir.clone(),
+            billing_class: j.spec.billing_class,
+            priority: j.spec.priority,
+            tier: j.spec.tier,
+            preemptible: j.spec.preemptible,
+            // What the planner placed it as: whole GPUs, or the job's share.
+            share: plan.share.clone(),
+            image: j.spec.image.clone(),
+            disk_mb: j.spec.disk_mb,
+        };
+        let why = format!("rank {rank} of {id}, attempt {next}");
+        crate::instances::insert_pending(tx, member, &j.tenant_id, &spec, None, &why, now).await?;
+        sqlx::query(
+            "UPDATE instances SET job_id = $1, job_rank = $2, job_attempt = $3 WHERE id = $4",
+        )
+        .bind(id.as_str())
+        .bind(i64::from(rank))
+        .bind(i64::from(next))
+        .bind(member.as_str())
+        .execute(&mut **tx)
+        .await?;
+        crate::instances::schedule_in(tx, member, plan, now).await?;
+    }
+    add_event(tx, id, JobState::Running, &reason, now).await?;
+    Ok(())
 }

@@ -39,7 +39,7 @@ mod txn;
 pub mod usage;
 pub mod vertical;
 pub mod weights;
-mod work;
+pub mod work;
 
 pub(crate) use work::WorkTable;
 

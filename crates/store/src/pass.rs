@@ -22,8 +22,8 @@ use flotilla_core::id::{GpuId, JobId, NodeId, TenantId, WorkId};
 use flotilla_core::placement::NodeSnapshot;
 use flotilla_core::quota::Quota;
 
-use crate::instances::{HeldInstance, PendingInstance, RecentUsage};
-use crate::jobs::QueuedJob;
+use crate::instances::{HeldInstance, RecentUsage};
+use crate::work::PendingWork;
 use crate::{Backend, Result, Store};
 
 /// Everything a scheduling pass reads, as of one moment.
@@ -31,10 +31,9 @@ use crate::{Backend, Result, Store};
 pub struct PassInputs {
     /// Every node with its free GPUs, CPU and memory.
     pub nodes: Vec<NodeSnapshot>,
-    /// Pending instances, oldest first.
-    pub pending: Vec<PendingInstance>,
-    /// Queued jobs, oldest first.
-    pub jobs: Vec<QueuedJob>,
+    /// Pending instances and queued jobs, oldest first
+    /// ([`Store::pending_work`]).
+    pub queue: Vec<PendingWork>,
     /// Instances holding GPUs.
     pub held: Vec<HeldInstance>,
     /// Time limits (seconds) of running jobs that have one; read only
@@ -53,8 +52,8 @@ pub struct PassInputs {
 
 impl Store {
     /// Reads a pass's inputs in one read-only transaction (see the
-    /// module): at most `queue_limit` pending instances and as many queued
-    /// jobs, and GPU use since `usage_since`.
+    /// module): at most `queue_limit` pieces of waiting work, the oldest,
+    /// and GPU use since `usage_since`.
     pub async fn pass_inputs(
         &self,
         queue_limit: u32,
@@ -67,8 +66,7 @@ impl Store {
                 .await?;
         }
         let nodes = crate::nodes::placement_snapshot_in(&mut tx).await?;
-        let pending = crate::instances::pending_instances_in(&mut tx, queue_limit).await?;
-        let jobs = crate::jobs::queued_jobs_in(&mut tx, queue_limit).await?;
+        let queue = crate::work::pending_work_in(&mut tx, queue_limit).await?;
         let held = crate::instances::held_instances_in(&mut tx).await?;
         let time_limits = if held.iter().any(|h| h.job_id.is_some()) {
             crate::jobs::running_time_limits_in(&mut tx).await?
@@ -76,7 +74,9 @@ impl Store {
             BTreeMap::new()
         };
         let promised = crate::instances::promised_gpus_in(&mut tx).await?;
-        let weights = if pending.iter().any(|p| p.weights.is_some()) {
+        let declares_weights =
+            |w: &PendingWork| matches!(w, PendingWork::Instance(p) if p.weights.is_some());
+        let weights = if queue.iter().any(declares_weights) {
             crate::weights::weights_by_node_in(&mut tx).await?
         } else {
             BTreeMap::new()
@@ -87,8 +87,7 @@ impl Store {
         tx.rollback().await?;
         Ok(PassInputs {
             nodes,
-            pending,
-            jobs,
+            queue,
             held,
             time_limits,
             promised,

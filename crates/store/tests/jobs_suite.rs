@@ -8,12 +8,13 @@ use std::collections::BTreeMap;
 
 use flotilla_core::api::{DiscoveredGpu, ObservedInstance, ObservedPhase, RegisterNode};
 use flotilla_core::catalog::Vendor;
-use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId};
-use flotilla_core::instance::{BillingClass, InstanceState};
+use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId, WorkId};
+use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
 use flotilla_core::job::{JobSpec, JobState, RestartPolicy};
 use flotilla_core::placement::{Placement, PlacementRequest};
 use flotilla_core::quota::Quota;
 use flotilla_store::instances::Applied;
+use flotilla_store::work::PendingWork;
 use flotilla_store::{PageReq, Store, StoreError};
 use flotilla_testdb::{rnd, t0};
 
@@ -24,6 +25,7 @@ flotilla_testdb::backend_suite!(
     a_preempted_member_is_not_requeued_alone,
     preemptors_are_promised_their_victims_gpus_and_limits_are_read,
     a_page_of_jobs_carries_each_jobs_own_members_and_events,
+    instances_and_jobs_wait_in_one_queue,
 );
 
 async fn tenant(s: &Store, name: &str) -> TenantId {
@@ -100,7 +102,7 @@ fn spec(gpus: u32, nodes: u32) -> JobSpec {
     }
 }
 
-/// One member per node, first fit, as plans for `schedule_job`.
+/// One member per node, first fit, as plans for `schedule_work`.
 async fn plans(s: &Store, per: u32, nodes: &[NodeId]) -> Vec<Placement> {
     let snap = s.placement_snapshot().await.unwrap();
     let req = PlacementRequest {
@@ -119,8 +121,37 @@ async fn plans(s: &Store, per: u32, nodes: &[NodeId]) -> Vec<Placement> {
         .collect()
 }
 
-fn ids(n: usize) -> Vec<InstanceId> {
-    (0..n).map(|_| InstanceId::generate(2, rnd())).collect()
+/// An instance of one whole GPU.
+fn one_gpu() -> InstanceSpec {
+    InstanceSpec {
+        name: None,
+        gpus: 1,
+        gpu_types: vec![],
+        cpu_milli: 1000,
+        memory_mb: 1024,
+        command: vec!["x".into()],
+        env: BTreeMap::new(),
+        workdir: None,
+        billing_class: BillingClass::OnDemand,
+        priority: 0,
+        tier: 1,
+        preemptible: false,
+        share: flotilla_core::placement::GpuShare::Whole,
+        image: None,
+        disk_mb: None,
+    }
+}
+
+/// Places queued job `id` at `plans`, as a pass that read it now would;
+/// returns its new members by rank.
+async fn schedule(
+    s: &Store,
+    id: &JobId,
+    plans: &[Placement],
+) -> Result<Vec<InstanceId>, StoreError> {
+    let work = support::waiting(s, id.clone()).await;
+    s.schedule_work(&work, plans, support::new_member, t0())
+        .await
 }
 
 async fn job_lifecycle_through_restart_and_cancel(s: &Store) {
@@ -148,10 +179,13 @@ async fn job_lifecycle_through_restart_and_cancel(s: &Store) {
     assert!(matches!(over, Err(StoreError::Quota(_))), "{over:?}");
     assert_eq!(s.usage(&t).await.unwrap().gpus_total, 0);
 
-    let queued = s.queued_jobs(10).await.unwrap();
+    let queued = s.pending_work(10).await.unwrap();
     assert_eq!(queued.len(), 1);
-    assert_eq!((queued[0].attempt, queued[0].spec.nodes), (0, 2));
-    s.set_job_reason(&id, "waiting for GPUs: x", t0())
+    let PendingWork::Job(first) = &queued[0] else {
+        panic!("{queued:?}")
+    };
+    assert_eq!((first.attempt, first.spec.nodes), (0, 2));
+    s.set_work_reason(&id.clone().into(), "waiting for GPUs: x", t0())
         .await
         .unwrap();
     assert_eq!(
@@ -161,8 +195,11 @@ async fn job_lifecycle_through_restart_and_cancel(s: &Store) {
 
     // Scheduled whole: two members, one per node, with their variables.
     let p = plans(s, 2, &[a.clone(), b.clone()]).await;
-    let m = ids(2);
-    let j = s.schedule_job(&id, 0, &p, &m, t0()).await.unwrap();
+    let m = s
+        .schedule_work(&queued[0], &p, support::new_member, t0())
+        .await
+        .unwrap();
+    let j = s.job(&id).await.unwrap();
     assert_eq!((j.state, j.attempts), (JobState::Running, 1));
     assert_eq!(j.members.len(), 2);
     assert!(j.started_at.is_some());
@@ -183,8 +220,10 @@ async fn job_lifecycle_through_restart_and_cancel(s: &Store) {
         assert_eq!(i.node_id.as_ref(), Some(&p[rank].node));
     }
     assert_eq!(s.usage(&t).await.unwrap().gpus_total, 4);
-    // A second schedule at the old attempt is refused.
-    let again = s.schedule_job(&id, 0, &p, &ids(2), t0()).await;
+    // A second schedule of the job as read at the old attempt is refused.
+    let again = s
+        .schedule_work(&queued[0], &p, support::new_member, t0())
+        .await;
     assert!(matches!(again, Err(StoreError::Conflict(_))), "{again:?}");
 
     let running = s.running_jobs().await.unwrap();
@@ -225,8 +264,7 @@ async fn job_lifecycle_through_restart_and_cancel(s: &Store) {
     assert!(j.finished_at.is_none());
     // The second attempt's members are told apart from the first's.
     let p = plans(s, 2, &[a.clone(), b.clone()]).await;
-    let m2 = ids(2);
-    s.schedule_job(&id, 1, &p, &m2, t0()).await.unwrap();
+    let m2 = schedule(s, &id, &p).await.unwrap();
     assert_eq!(
         s.instance(&m2[1]).await.unwrap().env["FLOTILLA_JOB_ATTEMPT"],
         "2"
@@ -271,7 +309,7 @@ async fn a_gang_is_scheduled_whole_or_not_at_all(s: &Store) {
     let mut p = plans(s, 1, &[a.clone(), b.clone()]).await;
     // Rank 1 is planned onto rank 0's GPU: the whole gang is refused.
     p[1] = p[0].clone();
-    let r = s.schedule_job(&id, 0, &p, &ids(2), t0()).await;
+    let r = schedule(s, &id, &p).await;
     assert!(matches!(r, Err(StoreError::Conflict(_))), "{r:?}");
     let j = s.job(&id).await.unwrap();
     assert_eq!((j.state, j.attempts), (JobState::Queued, 0));
@@ -279,10 +317,10 @@ async fn a_gang_is_scheduled_whole_or_not_at_all(s: &Store) {
     let snap = s.placement_snapshot().await.unwrap();
     assert!(snap.iter().all(|n| n.gpus.iter().all(|g| g.free)));
     // A plan of the wrong size is refused too.
-    let r = s.schedule_job(&id, 0, &p[..1], &ids(1), t0()).await;
+    let r = schedule(s, &id, &p[..1]).await;
     assert!(matches!(r, Err(StoreError::Conflict(_))), "{r:?}");
     let p = plans(s, 1, &[a, b]).await;
-    s.schedule_job(&id, 0, &p, &ids(2), t0()).await.unwrap();
+    schedule(s, &id, &p).await.unwrap();
     let snap = s.placement_snapshot().await.unwrap();
     assert!(snap.iter().all(|n| n.gpus.iter().all(|g| !g.free)));
 }
@@ -296,10 +334,7 @@ async fn a_preempted_member_is_not_requeued_alone(s: &Store) {
     let mut second = p[0].clone();
     let snap = s.placement_snapshot().await.unwrap();
     second.gpus = vec![snap[0].gpus[1].id.clone()];
-    let m = ids(2);
-    s.schedule_job(&id, 0, &[p[0].clone(), second], &m, t0())
-        .await
-        .unwrap();
+    let m = schedule(s, &id, &[p[0].clone(), second]).await.unwrap();
     // A job preempts it: the preemption names the job.
     let by = flotilla_core::id::WorkId::Job(JobId::generate(3, rnd()));
     assert!(s.preempt(&m[0], &by, t0()).await.unwrap());
@@ -319,8 +354,13 @@ async fn a_preempted_member_is_not_requeued_alone(s: &Store) {
     let i = s.instance(&m[0]).await.unwrap();
     assert_eq!(i.state, InstanceState::Stopped);
     assert_eq!(i.preempted_by.as_ref(), Some(&by));
-    let pending = s.pending_instances(10).await.unwrap();
-    assert!(pending.is_empty(), "{pending:?}");
+    let pending = s.pending_work(10).await.unwrap();
+    assert!(
+        pending
+            .iter()
+            .all(|w| !matches!(w, PendingWork::Instance(_))),
+        "{pending:?}"
+    );
 }
 
 async fn preemptors_are_promised_their_victims_gpus_and_limits_are_read(s: &Store) {
@@ -345,8 +385,7 @@ async fn preemptors_are_promised_their_victims_gpus_and_limits_are_read(s: &Stor
         gpus: vec![gpus[1].clone()],
         ..p0.clone()
     };
-    let m = ids(2);
-    s.schedule_job(&id, 0, &[p0, p1], &m, t0()).await.unwrap();
+    let m = schedule(s, &id, &[p0, p1]).await.unwrap();
     let limits = s.running_time_limits().await.unwrap();
     assert_eq!(limits.get(&id), Some(&60));
     let held = s.held_instances().await.unwrap();
@@ -358,24 +397,9 @@ async fn preemptors_are_promised_their_victims_gpus_and_limits_are_read(s: &Stor
     let by_job = JobId::generate(2, rnd());
     s.create_job(&by_job, &t, &spec(1, 1), t0()).await.unwrap();
     let by_inst = InstanceId::generate(2, rnd());
-    let one = flotilla_core::instance::InstanceSpec {
-        name: None,
-        gpus: 1,
-        gpu_types: vec![],
-        cpu_milli: 1000,
-        memory_mb: 1024,
-        command: vec!["x".into()],
-        env: BTreeMap::new(),
-        workdir: None,
-        billing_class: BillingClass::OnDemand,
-        priority: 0,
-        tier: 1,
-        preemptible: false,
-        share: flotilla_core::placement::GpuShare::Whole,
-        image: None,
-        disk_mb: None,
-    };
-    s.create_instance(&by_inst, &t, &one, t0()).await.unwrap();
+    s.create_instance(&by_inst, &t, &one_gpu(), t0())
+        .await
+        .unwrap();
     let wj = flotilla_core::id::WorkId::Job(by_job.clone());
     let wi = flotilla_core::id::WorkId::Instance(by_inst.clone());
     assert!(s.preempt(&m[0], &wj, t0()).await.unwrap());
@@ -397,8 +421,9 @@ async fn preemptors_are_promised_their_victims_gpus_and_limits_are_read(s: &Stor
         held_ids(&inputs.held),
         held_ids(&s.held_instances().await.unwrap())
     );
-    assert!(inputs.pending.iter().any(|p| p.id == by_inst));
-    assert!(inputs.jobs.iter().any(|j| j.id == by_job));
+    let queued: Vec<_> = inputs.queue.iter().map(PendingWork::id).collect();
+    assert!(queued.contains(&by_inst.clone().into()));
+    assert!(queued.contains(&by_job.clone().into()));
     assert_eq!(
         inputs.nodes.len(),
         s.placement_snapshot().await.unwrap().len()
@@ -434,11 +459,9 @@ async fn a_page_of_jobs_carries_each_jobs_own_members_and_events(s: &Store) {
     s.create_job(&jb, &b, &spec(2, 1), t0()).await.unwrap();
     s.create_job(&j2, &a, &spec(2, 1), t0()).await.unwrap();
     let p = plans(s, 1, &[n1.clone(), n2.clone()]).await;
-    let m1 = ids(2);
-    s.schedule_job(&j1, 0, &p, &m1, t0()).await.unwrap();
+    let m1 = schedule(s, &j1, &p).await.unwrap();
     let pb = plans(s, 1, std::slice::from_ref(&n1)).await;
-    let mb = ids(1);
-    s.schedule_job(&jb, 0, &pb, &mb, t0()).await.unwrap();
+    schedule(s, &jb, &pb).await.unwrap();
     s.cancel_job(&j2, t0()).await.unwrap();
 
     let page = s
@@ -470,4 +493,74 @@ async fn a_page_of_jobs_carries_each_jobs_own_members_and_events(s: &Store) {
         assert_eq!(one.members.len(), j.members.len());
         assert_eq!(one.events.len(), j.events.len());
     }
+}
+
+/// Instances and jobs wait in one queue: read oldest first whatever their
+/// kind, at most `limit` of them all together, explained through the
+/// work's id, and an instance placed through the same call as a gang.
+async fn instances_and_jobs_wait_in_one_queue(s: &Store) {
+    let t = tenant(s, "queue").await;
+    let n = node(s, &t, "wq", 2).await;
+    let at = |secs: i64| t0() + chrono::Duration::seconds(secs);
+    let i1 = InstanceId::generate(1, rnd());
+    s.create_instance(&i1, &t, &one_gpu(), at(0)).await.unwrap();
+    let j1 = JobId::generate(2, rnd());
+    s.create_job(&j1, &t, &spec(1, 1), at(1)).await.unwrap();
+    let i2 = InstanceId::generate(3, rnd());
+    s.create_instance(&i2, &t, &one_gpu(), at(2)).await.unwrap();
+    let (w1, wj, w2): (WorkId, WorkId, WorkId) =
+        (i1.clone().into(), j1.clone().into(), i2.clone().into());
+    let queue = move |limit: u32| async move {
+        let work = s.pending_work(limit).await.unwrap();
+        work.iter().map(PendingWork::id).collect::<Vec<_>>()
+    };
+    assert_eq!(queue(10).await, vec![w1.clone(), wj.clone(), w2.clone()]);
+    assert_eq!(queue(2).await, vec![w1.clone(), wj.clone()]);
+
+    // Why it waits, set through its id.
+    s.set_work_reason(&w2, "waiting for GPUs: y", at(3))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.instance(&i2).await.unwrap().state_reason,
+        "waiting for GPUs: y"
+    );
+
+    // An instance is placed with exactly one placement.
+    let work = support::waiting(s, i1.clone()).await;
+    let p = plans(s, 1, std::slice::from_ref(&n)).await;
+    for wrong in [Vec::new(), vec![p[0].clone(), p[0].clone()]] {
+        let r = s
+            .schedule_work(&work, &wrong, support::new_member, at(3))
+            .await;
+        assert!(matches!(r, Err(StoreError::Conflict(_))), "{r:?}");
+    }
+    assert_eq!(s.instance(&i1).await.unwrap().state, InstanceState::Pending);
+    let placed = s
+        .schedule_work(&work, &p, support::new_member, at(3))
+        .await
+        .unwrap();
+    assert_eq!(placed, vec![i1.clone()]);
+    let inst = s.instance(&i1).await.unwrap();
+    assert_eq!(inst.state, InstanceState::Scheduled);
+    assert_eq!(inst.gpu_ids, p[0].gpus);
+
+    // Placed, it left the queue: placing it again (on the GPU still free)
+    // is a conflict, and its reason no longer changes.
+    let free = plans(s, 1, std::slice::from_ref(&n)).await;
+    assert_ne!(free[0].gpus, p[0].gpus);
+    let again = s
+        .schedule_work(&work, &free, support::new_member, at(4))
+        .await;
+    assert!(matches!(again, Err(StoreError::Conflict(_))), "{again:?}");
+    s.set_work_reason(&w1, "late", at(4)).await.unwrap();
+    let inst = s.instance(&i1).await.unwrap();
+    assert_eq!(inst.state, InstanceState::Scheduled);
+    assert_ne!(inst.state_reason, "late");
+    assert_eq!(queue(10).await, vec![wj, w2]);
+    let free_after = plans(s, 1, std::slice::from_ref(&n)).await;
+    assert_eq!(
+        free_after[0].gpus, free[0].gpus,
+        "the refused write took nothing"
+    );
 }

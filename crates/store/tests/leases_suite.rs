@@ -145,6 +145,8 @@ async fn placement_fixture(s: &Store) -> (InstanceId, flotilla_core::placement::
 async fn a_write_under_a_stale_token_is_refused(s: &Store) {
     let ttl = Duration::seconds(2);
     let (id, plan) = placement_fixture(s).await;
+    let work = support::waiting(s, id.clone()).await;
+    let plan = [plan];
     let old = s.acquire_lease(LEADER, "old", ttl, t0()).await.unwrap();
     let deposed = s.fenced(LEADER, old.token);
     assert_eq!(deposed.fence().map(|f| f.token), Some(old.token));
@@ -153,7 +155,10 @@ async fn a_write_under_a_stale_token_is_refused(s: &Store) {
     let new = s.acquire_lease(LEADER, "new", ttl, later).await.unwrap();
     assert!(new.held_by("new", later) && new.token > old.token);
     // The deposed leader's placement is refused, and nothing changed.
-    match deposed.schedule_instance(&id, &plan, later).await {
+    match deposed
+        .schedule_work(&work, &plan, support::new_member, later)
+        .await
+    {
         Err(StoreError::Fenced {
             lease,
             token,
@@ -185,13 +190,13 @@ async fn a_write_under_a_stale_token_is_refused(s: &Store) {
     // A store fenced on a lease that was never granted cannot write.
     assert!(matches!(
         s.fenced("never-granted", 1)
-            .schedule_instance(&id, &plan, later)
+            .schedule_work(&work, &plan, support::new_member, later)
             .await,
         Err(StoreError::Fenced { current: None, .. })
     ));
     // The current leader's write goes through.
     s.fenced(LEADER, new.token)
-        .schedule_instance(&id, &plan, later)
+        .schedule_work(&work, &plan, support::new_member, later)
         .await
         .unwrap();
     assert_eq!(

@@ -140,7 +140,12 @@ async fn place(s: &Store, id: &InstanceId, now: DateTime<Utc>) -> Result<(), Sto
         share: GpuShare::Whole,
     };
     match support::first_fitting(&snap, &req) {
-        Some(p) => s.schedule_instance(id, &p, now).await,
+        Some(p) => {
+            let work = support::waiting(s, id.clone()).await;
+            s.schedule_work(&work, &[p], support::new_member, now)
+                .await
+                .map(drop)
+        }
         None => Err(StoreError::Conflict("no node fits".into())),
     }
 }
@@ -461,12 +466,13 @@ async fn gpus_are_never_allocated_twice_under_races(s: &Store) {
     // Every task computes its plan from the same stale snapshot, so most
     // plans collide; the store must let exactly one win per GPU.
     let snap = s.placement_snapshot().await.unwrap();
+    let queue = s.pending_work(1_000).await.unwrap();
     let tasks: Vec<_> = ids
         .iter()
         .enumerate()
         .map(|(i, id)| {
             let s = s.clone();
-            let id = id.clone();
+            let work = queue.iter().find(|w| w.id() == *id).unwrap().clone();
             let mut snap = snap.clone();
             // Spread the plans so some succeed: task i prefers GPU i % 8.
             snap[0].gpus.rotate_left(i % 8);
@@ -482,14 +488,15 @@ async fn gpus_are_never_allocated_twice_under_races(s: &Store) {
                     share: GpuShare::Whole,
                 };
                 let plan = support::first_fitting(&snap, &req).unwrap();
-                s.schedule_instance(&id, &plan, t0()).await
+                s.schedule_work(&work, &[plan], support::new_member, t0())
+                    .await
             })
         })
         .collect();
     let mut won = 0;
     for t in tasks {
         match t.await.unwrap() {
-            Ok(()) => won += 1,
+            Ok(_) => won += 1,
             Err(StoreError::Conflict(_)) => {}
             Err(e) => panic!("unexpected error: {e}"),
         }
@@ -541,12 +548,13 @@ async fn race_shares(
         ids.push(id);
     }
     let snap = s.placement_snapshot().await.unwrap();
+    let queue = s.pending_work(1_000).await.unwrap();
     let tasks: Vec<_> = ids
         .iter()
         .enumerate()
         .map(|(i, id)| {
             let s = s.clone();
-            let id = id.clone();
+            let work = queue.iter().find(|w| w.id() == *id).unwrap().clone();
             let mut snap = snap.clone();
             let share = share.clone();
             snap[0].gpus.rotate_left(i % spread);
@@ -569,14 +577,15 @@ async fn race_shares(
                     gpus: vec![snap[0].gpus[0].id.clone()],
                     share: req.share.clone(),
                 });
-                s.schedule_instance(&id, &plan, t0()).await
+                s.schedule_work(&work, &[plan], support::new_member, t0())
+                    .await
             })
         })
         .collect();
     let mut out = Vec::new();
     for (id, task) in ids.into_iter().zip(tasks) {
         let won = match task.await.unwrap() {
-            Ok(()) => true,
+            Ok(_) => true,
             Err(StoreError::Conflict(_)) => false,
             Err(e) => panic!("unexpected error: {e}"),
         };

@@ -1,8 +1,13 @@
 //! Placements for the store suites. The store's correctness does not depend
 //! on where work goes (the planner in `flotilla-sched` decides that), only
-//! on its conditional writes, so these tests take the first GPUs that fit.
+//! on its conditional writes, so these tests take the first GPUs that fit,
+//! and hand the store the waiting work as a pass would have read it.
 
+use flotilla_core::id::{InstanceId, WorkId};
 use flotilla_core::placement::{NodeSnapshot, Placement, PlacementRequest};
+use flotilla_store::work::PendingWork;
+use flotilla_store::Store;
+use flotilla_testdb::rnd;
 
 /// The first ready, uncordoned node (in snapshot order) with `req.gpus`
 /// GPUs of one allowed model that fit `req.share`, and the CPU and memory.
@@ -33,4 +38,21 @@ pub fn first_fitting(nodes: &[NodeSnapshot], req: &PlacementRequest) -> Option<P
                     share: req.share.clone(),
                 })
         })
+}
+
+/// Work `id` as a scheduling pass reads it from the queue: what
+/// [`Store::schedule_work`] is handed back. Panics when it is not waiting.
+pub async fn waiting(s: &Store, id: impl Into<WorkId>) -> PendingWork {
+    let id = id.into();
+    s.pending_work(10_000)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|w| w.id() == id)
+        .unwrap_or_else(|| panic!("{id} is not waiting"))
+}
+
+/// The id of a job's new member, as the server mints one.
+pub fn new_member() -> InstanceId {
+    InstanceId::generate(2, rnd())
 }
