@@ -6,8 +6,9 @@
 //! per pool per tick.
 //!
 //! A kept plan serves only while it is current: made at this replica's
-//! present change generation (every write that can change the queue or
-//! the pool signals a change, `AppState::notify_change`) and no older than
+//! present change generation (it grows with every change signalled,
+//! `AppState::notify_change`, and every API request that may have written,
+//! `AppState::note_write`) and no older than
 //! [`MAX_AGE`], which bounds how long a change made through another replica
 //! (whose signal this one does not see) can go unseen. Otherwise the reader
 //! plans afresh (`crate::schedule::current_plan`) and keeps that.

@@ -230,6 +230,27 @@ pub async fn bootstrap(store: &Store, data_dir: &Path) -> anyhow::Result<Bootstr
 }
 
 /// The whole HTTP application for `state`.
+/// Counts every API request that may have written (any method but GET,
+/// HEAD and OPTIONS), once it is answered: a quota, a cordon or a new
+/// instance can change what the scheduler would plan, so the kept plan
+/// (`last_plan`) must not serve readers past it. A counter, not a change
+/// signal: agents' long polls are not woken by it.
+async fn writes_layer(
+    axum::extract::State(st): axum::extract::State<AppState>,
+    req: axum::extract::Request,
+    next: middleware::Next,
+) -> axum::response::Response {
+    let reads = matches!(
+        *req.method(),
+        axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
+    );
+    let resp = next.run(req).await;
+    if !reads {
+        st.note_write();
+    }
+    resp
+}
+
 pub fn app(state: AppState) -> Router {
     let (api, doc) = routes::documented();
     let doc_json = Arc::new(doc);
@@ -271,6 +292,7 @@ pub fn app(state: AppState) -> Router {
             idempotency::layer,
         ))
         .layer(middleware::from_fn_with_state(state.clone(), audit::layer))
+        .layer(middleware::from_fn_with_state(state.clone(), writes_layer))
         .layer(middleware::from_fn_with_state(state.clone(), auth::layer))
         .layer(DefaultBodyLimit::max(extract::BODY_LIMIT))
         .with_state(state.clone());

@@ -58,6 +58,8 @@ struct Inner {
     ops: crate::ops_metrics::OpsMetrics,
     /// The last scheduling plan, for readers of its outcome.
     last_plan: crate::last_plan::Kept,
+    /// API requests that may have written, answered so far.
+    writes: std::sync::atomic::AtomicU64,
     /// Each instance's GPU readings as its agents reported them, for its
     /// utilisation summary and right-sizing advice. In memory, like the
     /// latest telemetry: a restart starts the profile afresh.
@@ -159,6 +161,7 @@ impl AppState {
                 secret_key: Mutex::default(),
                 ops: crate::ops_metrics::OpsMetrics::default(),
                 last_plan: crate::last_plan::Kept::default(),
+                writes: std::sync::atomic::AtomicU64::new(0),
                 profiles: Mutex::default(),
                 access: crate::access::Sessions::default(),
             }),
@@ -390,9 +393,19 @@ impl AppState {
         self.inner.endpoints_wake.clone()
     }
 
-    /// How many changes were signalled so far (see [`Self::notify_change`]).
+    /// Grows with every change signalled ([`Self::notify_change`]) and
+    /// every API request that may have written ([`Self::note_write`]):
+    /// a kept plan made at another generation is stale.
     pub fn change_generation(&self) -> u64 {
-        *self.inner.changes.borrow()
+        let writes = self.inner.writes.load(std::sync::atomic::Ordering::Acquire);
+        (*self.inner.changes.borrow()).wrapping_add(writes)
+    }
+
+    /// Counts an API request that may have written.
+    pub fn note_write(&self) {
+        self.inner
+            .writes
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
 
     /// The last scheduling plan this replica made or read.
