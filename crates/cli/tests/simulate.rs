@@ -222,3 +222,109 @@ fn tiered_simulation_reports_starts_by_tier_and_cost_in_money() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// `flotilla simulate --from-history` against a real server and two
+/// agents: instances and a two-node job run and end, then the window is
+/// replayed. With the recorded settings the replay holds the recorded
+/// GPU-hours (within 2 %); the changed replay is reported beside it; bad
+/// windows and non-operator keys get clear errors.
+#[test]
+fn replays_this_clusters_recorded_demand() {
+    use std::time::Duration;
+
+    use flotilla_testkit::process::wait_until;
+
+    let home = Home::new(BIN);
+    let _server = home.server();
+    let _agents = [
+        home.agent("node-a", "2xH100"),
+        home.agent("node-b", "2xH100"),
+    ];
+    let op = home.operator_key();
+    let (_, key) = home.tenant("lab");
+    wait_until("both nodes' GPUs", Duration::from_secs(30), || {
+        home.get(&key, "/v1/gpu-types")["items"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|g| g["name"] == "H100" && g["free"] == 4))
+    });
+    let from = chrono::Utc::now() - chrono::Duration::seconds(5);
+    let mut ids = Vec::new();
+    for gpus in ["1", "2", "1"] {
+        ids.push(home.run_detached(&key, &["--gpus", gpus, "--", "sleep", "2"]));
+    }
+    let job = home.cli(
+        Some(&key),
+        &[
+            "jobs", "submit", "--gpus", "2", "--nodes", "2", "--wait", "--", "sleep", "1",
+        ],
+    );
+    assert!(
+        job.status.success(),
+        "{}",
+        String::from_utf8_lossy(&job.stderr)
+    );
+    wait_until("every instance ended", Duration::from_secs(90), || {
+        ids.iter()
+            .all(|id| home.get(&key, &format!("/v1/instances/{id}"))["state"] == "succeeded")
+    });
+    let to = chrono::Utc::now() + chrono::Duration::seconds(5);
+    let window = format!(
+        "{}..{}",
+        from.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        to.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    );
+    let out_dir = home.dir.path().join("replay");
+    let r = home.cli_json(
+        Some(&op),
+        &[
+            "simulate",
+            "--from-history",
+            &window,
+            "--placement-policy",
+            "BestFit",
+            "--node-scale",
+            "0.5",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ],
+    );
+    let recorded = &r["recorded"];
+    assert_eq!(recorded["works"], 4, "three instances and the job: {r}");
+    let rec_h = recorded["gpu_hours"].as_f64().unwrap();
+    assert!(rec_h > 0.0, "{r}");
+    let same = &r["replay_recorded_settings"]["outcome"];
+    let same_h = same["gpu_hours"].as_f64().unwrap();
+    assert!(
+        (same_h - rec_h).abs() <= rec_h * 0.02,
+        "replayed {same_h} GPU-hours against {rec_h} recorded: {r}"
+    );
+    assert_eq!(same["ran"], 4, "{r}");
+    let changed = &r["replay_changed"];
+    assert_eq!(changed["policy"], "BestFit", "{r}");
+    assert_eq!(changed["nodes"], 1, "half of two machines: {r}");
+    assert_eq!(
+        changed["outcome"]["ran"], 3,
+        "the 2-node job fits no single machine: {r}"
+    );
+    let report = std::fs::read_to_string(out_dir.join("report.md")).unwrap();
+    assert!(report.contains("| GPU-hours |"), "{report}");
+    assert!(report.contains("never run"), "{report}");
+
+    // Clear errors: a window backwards, a malformed one, a tenant's key.
+    for (bad, says) in [
+        ("2026-12-02..2026-12-01", "TO must be after FROM"),
+        ("yesterday", "FROM..TO"),
+    ] {
+        let o = home.cli(Some(&op), &["simulate", "--from-history", bad]);
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(says), "{bad}: {err}");
+    }
+    let o = home.cli(Some(&key), &["simulate", "--from-history", &window]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("may not read the cluster's demand history"),
+        "{err}"
+    );
+}
