@@ -31,7 +31,7 @@ use flotilla_sched::preempt::PreemptConfig;
 use flotilla_sched::queue::FairShareConfig;
 use flotilla_sched::startup::NodeStartup;
 use flotilla_sched::{Policy, Runtime, Tier};
-use flotilla_store::work::PendingWork;
+use flotilla_store::waiting::PendingWork;
 use flotilla_store::StoreError;
 
 use crate::last_plan::{LastPlan, Unfit};

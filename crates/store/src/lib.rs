@@ -38,8 +38,9 @@ pub mod tenants;
 mod txn;
 pub mod usage;
 pub mod vertical;
+pub mod waiting;
 pub mod weights;
-pub mod work;
+mod work;
 
 pub(crate) use work::WorkTable;
 

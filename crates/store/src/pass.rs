@@ -23,7 +23,7 @@ use flotilla_core::placement::NodeSnapshot;
 use flotilla_core::quota::Quota;
 
 use crate::instances::{HeldInstance, RecentUsage};
-use crate::work::PendingWork;
+use crate::waiting::PendingWork;
 use crate::{Backend, Result, Store};
 
 /// Everything a scheduling pass reads, as of one moment.
@@ -66,7 +66,7 @@ impl Store {
                 .await?;
         }
         let nodes = crate::nodes::placement_snapshot_in(&mut tx).await?;
-        let queue = crate::work::pending_work_in(&mut tx, queue_limit).await?;
+        let queue = crate::waiting::pending_work_in(&mut tx, queue_limit).await?;
         let held = crate::instances::held_instances_in(&mut tx).await?;
         let time_limits = if held.iter().any(|h| h.job_id.is_some()) {
             crate::jobs::running_time_limits_in(&mut tx).await?

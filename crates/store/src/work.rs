@@ -2,100 +2,21 @@
 //! member and a job a gang of instances; each has a row with a tenant and
 //! a state, and an append-only table of the transitions it went through.
 //! Paging those rows and writing and reading those transitions is written
-//! once, here, for both.
-//!
-//! The scheduler sees both kinds as one queue, so waiting work is read,
-//! placed and explained through one API: [`Store::pending_work`],
-//! [`Store::schedule_work`] and [`Store::set_work_reason`], over
-//! [`PendingWork`]. What differs by kind (one member or a whole gang) is
-//! decided here, once, and not again by every caller.
+//! once, here, for both. (The one queue the scheduler reads over both
+//! kinds is [`crate::waiting`]; it builds on this module and on the two
+//! tables' own, which build on this one.)
 
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
-use sqlx::{Any, AnyConnection, Row, Transaction};
+use sqlx::{Any, Row, Transaction};
 
-use flotilla_core::id::{InstanceId, JobId, TenantId, WorkId};
+use flotilla_core::id::{InstanceId, JobId};
 use flotilla_core::instance::InstanceState;
 use flotilla_core::job::JobState;
-use flotilla_core::placement::Placement;
 
-use crate::instances::PendingInstance;
-use crate::jobs::QueuedJob;
-use crate::{at, ms, PageReq, Result, Store, StoreError};
-
-/// Work waiting to be placed, as the scheduler reads it: a pending
-/// instance (work of one member) or a queued job (a gang placed whole).
-/// What [`Store::schedule_work`] is handed back, so a placement is
-/// conditional on the work as the caller saw it (a job at its attempt).
-#[derive(Debug, Clone)]
-pub enum PendingWork {
-    /// A pending instance.
-    Instance(PendingInstance),
-    /// A queued job.
-    Job(QueuedJob),
-}
-
-impl PendingWork {
-    /// Its id.
-    pub fn id(&self) -> WorkId {
-        match self {
-            PendingWork::Instance(p) => WorkId::Instance(p.id.clone()),
-            PendingWork::Job(j) => WorkId::Job(j.id.clone()),
-        }
-    }
-
-    /// Its owner.
-    pub fn tenant_id(&self) -> &TenantId {
-        match self {
-            PendingWork::Instance(p) => &p.tenant_id,
-            PendingWork::Job(j) => &j.tenant_id,
-        }
-    }
-
-    /// Why it is not placed yet, as last written.
-    pub fn state_reason(&self) -> &str {
-        match self {
-            PendingWork::Instance(p) => &p.state_reason,
-            PendingWork::Job(j) => &j.state_reason,
-        }
-    }
-
-    /// When it was submitted (a requeued job keeps its first submission).
-    pub fn created_at(&self) -> DateTime<Utc> {
-        match self {
-            PendingWork::Instance(p) => p.created_at,
-            PendingWork::Job(j) => j.created_at,
-        }
-    }
-}
-
-/// [`Store::pending_work`] on `conn`: a scheduling pass reads it inside
-/// its one snapshot transaction ([`Store::pass_inputs`]).
-pub(crate) async fn pending_work_in(
-    conn: &mut AnyConnection,
-    limit: u32,
-) -> Result<Vec<PendingWork>> {
-    // The oldest `limit` of both kinds are among the oldest `limit` of
-    // each (ids sort by creation time).
-    let mut work: Vec<PendingWork> = crate::instances::pending_instances_in(conn, limit)
-        .await?
-        .into_iter()
-        .map(PendingWork::Instance)
-        .collect();
-    work.extend(
-        crate::jobs::queued_jobs_in(conn, limit)
-            .await?
-            .into_iter()
-            .map(PendingWork::Job),
-    );
-    // Stable: work submitted in one millisecond keeps the reads' order,
-    // instances before jobs and each kind by id.
-    work.sort_by_key(PendingWork::created_at);
-    work.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
-    Ok(work)
-}
+use crate::{at, ms, PageReq, Result, Store};
 
 /// The tables that hold work: a closed set, so a table name is never
 /// built from input.
@@ -193,70 +114,8 @@ pub(crate) async fn add_event<K: WorkKey>(
 }
 
 impl Store {
-    /// Pending instances and queued jobs together, at most `limit` of
-    /// them, oldest first: the queue a scheduling pass orders (its own
-    /// read is [`Store::pass_inputs`], in one snapshot with the rest).
-    pub async fn pending_work(&self, limit: u32) -> Result<Vec<PendingWork>> {
-        pending_work_in(&mut *self.pool().acquire().await?, limit).await
-    }
-
-    /// Places waiting work, in one transaction: a pending instance's one
-    /// member (`placements` holds exactly one placement), or a queued
-    /// job's whole gang (`placements[r]` is rank r's, and `new_member`
-    /// names each rank's new instance: the caller owns ids' time and
-    /// randomness). Each GPU is taken only if it is still free; a job only
-    /// if it is still queued at the attempt `work` was read at, and it
-    /// moves to `running` with a new attempt. `Conflict`, and no change at
-    /// all, when a GPU was taken meanwhile, the work left the queue, or
-    /// the plan has the wrong number of members. Returns the instances now
-    /// scheduled, by rank (for an instance: itself).
-    pub async fn schedule_work(
-        &self,
-        work: &PendingWork,
-        placements: &[Placement],
-        mut new_member: impl FnMut() -> InstanceId,
-        now: DateTime<Utc>,
-    ) -> Result<Vec<InstanceId>> {
-        let mut tx = self.begin().await?;
-        let members = match work {
-            PendingWork::Instance(p) => {
-                let [plan] = placements else {
-                    return Err(StoreError::Conflict(format!(
-                        "instance {} has 1 member, the plan {}",
-                        p.id,
-                        placements.len()
-                    )));
-                };
-                crate::instances::schedule_in(&mut tx, &p.id, plan, now).await?;
-                vec![p.id.clone()]
-            }
-            PendingWork::Job(j) => {
-                let ids: Vec<InstanceId> = placements.iter().map(|_| new_member()).collect();
-                crate::jobs::schedule_gang_in(&mut tx, &j.id, j.attempt, placements, &ids, now)
-                    .await?;
-                ids
-            }
-        };
-        crate::txn::commit(tx).await?;
-        Ok(members)
-    }
-
-    /// Updates why waiting work is not placed yet; nothing when it has
-    /// left the queue meanwhile.
-    pub async fn set_work_reason(
-        &self,
-        id: &WorkId,
-        reason: &str,
-        now: DateTime<Utc>,
-    ) -> Result<()> {
-        match id {
-            WorkId::Instance(i) => self.set_wait_reason(i, reason, now).await,
-            WorkId::Job(j) => self.set_wait_reason(j, reason, now).await,
-        }
-    }
-
     /// [`Store::set_work_reason`] for one kind of work.
-    async fn set_wait_reason<K: WorkKey>(
+    pub(crate) async fn set_wait_reason<K: WorkKey>(
         &self,
         id: &K,
         reason: &str,

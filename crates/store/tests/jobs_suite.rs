@@ -14,7 +14,7 @@ use flotilla_core::job::{JobSpec, JobState, RestartPolicy};
 use flotilla_core::placement::{Placement, PlacementRequest};
 use flotilla_core::quota::Quota;
 use flotilla_store::instances::Applied;
-use flotilla_store::work::PendingWork;
+use flotilla_store::waiting::PendingWork;
 use flotilla_store::{PageReq, Store, StoreError};
 use flotilla_testdb::{rnd, t0};
 

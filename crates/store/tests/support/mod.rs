@@ -5,7 +5,7 @@
 
 use flotilla_core::id::{InstanceId, WorkId};
 use flotilla_core::placement::{NodeSnapshot, Placement, PlacementRequest};
-use flotilla_store::work::PendingWork;
+use flotilla_store::waiting::PendingWork;
 use flotilla_store::Store;
 use flotilla_testdb::rnd;
 
