@@ -161,7 +161,7 @@ fn outcome_table(columns: &[(&str, &history::Outcome)]) -> String {
     }
     t.push('\n');
     type Cell = fn(&history::Outcome) -> String;
-    let rows: [(&str, Cell); 8] = [
+    let rows: [(&str, Cell); 9] = [
         ("works (ran in the record)", |o| o.works.to_string()),
         ("ran", |o| o.ran.to_string()),
         ("never ran", |o| o.never_ran.to_string()),
@@ -170,6 +170,9 @@ fn outcome_table(columns: &[(&str, &history::Outcome)]) -> String {
         ("p95 wait (s)", |o| format!("{:.1}", o.p95_wait_s)),
         ("longest wait (s)", |o| format!("{:.1}", o.max_wait_s)),
         ("preemptions", |o| o.preemptions.to_string()),
+        ("cost to tenants (list price)", |o| {
+            format!("{} {}", o.cost, o.currency)
+        }),
     ];
     for (label, cell) in rows {
         t.push_str(&format!("| {label} |"));
@@ -258,7 +261,8 @@ pub async fn from_history(ctx: &Ctx, args: SimulateArgs) -> Result<ExitCode> {
         "- the replay with the recorded settings holds {:.3} GPU-hours against {:.3} recorded ({:+.2} %)\n",
         same.gpu_hours, recorded.gpu_hours, gpu_gap
     ));
-    md.push_str("- not replayed yet: quotas and fair-share history (every tenant unlimited), endpoints' request rates through the autoscaler (their replicas replay as the instances they were), prices\n\n");
+    md.push_str("- cost: GPU time at the list on-demand price of the model each work ran on (flotilla-billing's list book); the server's own price versions, spot prices and owners' payouts are not replayed yet\n");
+    md.push_str("- not replayed yet: quotas and fair-share history (every tenant unlimited), endpoints' request rates through the autoscaler (their replicas replay as the instances they were)\n\n");
     md.push_str(&table);
     if !said.is_empty() {
         md.push('\n');

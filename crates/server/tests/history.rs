@@ -195,6 +195,9 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
         rec.gpu_hours
     );
 
+    assert_eq!(same.cost, rec.cost, "the same GPU time costs the same");
+    assert!(rec.cost > rust_decimal::Decimal::ZERO, "{rec:?}");
+
     let half = replay(
         &h,
         &ReplaySettings {

@@ -15,10 +15,13 @@
 //! size), so with the recorded settings the replay holds the same GPU time
 //! as the record, and its waits are the pass's own.
 //!
+//! GPU time is costed at the list on-demand price of the model each work
+//! ran on, from the billing crate's list book ([`crate::cost`]).
+//!
 //! Not replayed (yet): tenants' quotas and fair-share history (the replay
 //! runs every tenant unlimited, weight 1), endpoints' request rates through
 //! the autoscaler (their replicas are replayed as the instances they were),
-//! and prices.
+//! the server's own price versions, spot prices and owners' payouts.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -30,7 +33,10 @@ use flotilla_sched::pass::{
     self, GpuAsk, GpuSnap, Hold, NodeSnap, QueuedWork, RunningWork, Snapshot, WorkKey,
 };
 use flotilla_sched::{Policy, Runtime, Tier};
+use rust_decimal::Decimal;
 use serde::Serialize;
+
+use crate::cost::Pricing;
 
 /// What the replay varies.
 #[derive(Debug, Clone)]
@@ -58,6 +64,13 @@ pub struct Outcome {
     pub max_wait_s: f64,
     /// Works stopped to make room for others.
     pub preemptions: usize,
+    /// What tenants pay for that GPU time at the list on-demand price of
+    /// the model each work ran on (the billing crate's list book, as the
+    /// server rates usage by default); GPU time of an unpriced model
+    /// counts nothing.
+    pub cost: Decimal,
+    /// The currency of `cost`.
+    pub currency: String,
 }
 
 /// Why a replay could not run.
@@ -100,6 +113,8 @@ struct Demand {
     runtime: Runtime,
     milli: u64,
     recorded_wait_ms: u64,
+    /// The model it ran on in the record (or asked for first).
+    model: String,
 }
 
 fn ask_of(w: &RecordedWork) -> GpuAsk {
@@ -118,6 +133,11 @@ fn ask_of(w: &RecordedWork) -> GpuAsk {
 /// The works of `h` that ran in the record (were placed before its end),
 /// oldest first.
 fn demand(h: &DemandHistory) -> Vec<Demand> {
+    let any_model = h
+        .nodes
+        .iter()
+        .find_map(|n| n.gpus.first().cloned())
+        .unwrap_or_default();
     let mut tenants: BTreeMap<&str, u32> = BTreeMap::new();
     let mut out = Vec::new();
     for w in &h.works {
@@ -143,16 +163,41 @@ fn demand(h: &DemandHistory) -> Vec<Demand> {
             runtime: runtime_of(w.runtime),
             milli: w.milli(),
             recorded_wait_ms: placed_ms.saturating_sub(submitted_ms),
+            model: w
+                .gpu_model
+                .clone()
+                .or_else(|| w.gpu_types.first().cloned())
+                .unwrap_or_else(|| any_model.clone()),
         });
     }
     out
 }
 
-fn hours(milli_ms: u128) -> f64 {
-    milli_ms as f64 / 1000.0 / 3_600_000.0
+/// Milli-GPU-milliseconds held, by GPU model.
+type Held = BTreeMap<String, u128>;
+
+/// GPU-hours and their list cost.
+fn totals(held: &Held) -> (f64, Decimal, String) {
+    let mut currency = String::from("USD");
+    let mut cost = Decimal::ZERO;
+    let mut milli_ms = 0u128;
+    for (model, &m) in held {
+        milli_ms += m;
+        if let Ok(p) = Pricing::list(model) {
+            currency = p.currency.clone();
+            // milli-GPU-ms / 1000 = GPU-ms; / 1000 = GPU-seconds.
+            let gpu_s = Decimal::from_i128_with_scale(i128::try_from(m).unwrap_or(i128::MAX), 6);
+            cost += gpu_s * p.on_demand_per_gpu_second;
+        }
+    }
+    (
+        milli_ms as f64 / 1000.0 / 3_600_000.0,
+        cost.round_dp(2),
+        currency,
+    )
 }
 
-fn outcome(works: usize, waits_ms: &mut [u64], milli_ms: u128, preemptions: usize) -> Outcome {
+fn outcome(works: usize, waits_ms: &mut [u64], held: &Held, preemptions: usize) -> Outcome {
     waits_ms.sort_unstable();
     let ran = waits_ms.len();
     let s = |ms: u64| ms as f64 / 1000.0;
@@ -166,15 +211,18 @@ fn outcome(works: usize, waits_ms: &mut [u64], milli_ms: u128, preemptions: usiz
     } else {
         waits_ms[((ran as f64 * 0.95).ceil() as usize).clamp(1, ran) - 1]
     };
+    let (gpu_hours, cost, currency) = totals(held);
     Outcome {
         works,
         ran,
         never_ran: works - ran,
-        gpu_hours: hours(milli_ms),
+        gpu_hours,
         mean_wait_s: mean,
         p95_wait_s: s(p95),
         max_wait_s: s(waits_ms.last().copied().unwrap_or(0)),
         preemptions,
+        cost,
+        currency,
     }
 }
 
@@ -182,11 +230,11 @@ fn outcome(works: usize, waits_ms: &mut [u64], milli_ms: u128, preemptions: usiz
 pub fn recorded(h: &DemandHistory) -> Outcome {
     let d = demand(h);
     let mut waits: Vec<u64> = d.iter().map(|w| w.recorded_wait_ms).collect();
-    let milli_ms: u128 = d
-        .iter()
-        .map(|w| u128::from(w.milli) * u128::from(w.run_ms))
-        .sum();
-    outcome(d.len(), &mut waits, milli_ms, 0)
+    let mut held = Held::new();
+    for w in &d {
+        *held.entry(w.model.clone()).or_default() += u128::from(w.milli) * u128::from(w.run_ms);
+    }
+    outcome(d.len(), &mut waits, &held, 0)
 }
 
 /// A work holding GPUs in the replay.
@@ -196,6 +244,8 @@ struct Run {
     started_ms: u64,
     ends_ms: u64,
     holds: Vec<Hold>,
+    /// The GPU model it runs on.
+    model: String,
 }
 
 /// The replay's model of the pool.
@@ -208,7 +258,7 @@ struct Model<'a> {
     /// Remaining run of each work (less after a preemption).
     remaining_ms: Vec<u64>,
     first_placed_ms: Vec<Option<u64>>,
-    milli_ms: u128,
+    held: Held,
     preemptions: usize,
     passes: u64,
 }
@@ -304,16 +354,16 @@ impl Model<'_> {
     /// Ends runs due by `now_ms`.
     fn finish(&mut self, now_ms: u64) {
         let demand = self.demand;
-        let mut held = 0u128;
+        let held = &mut self.held;
         self.running.retain(|r| {
             if r.ends_ms <= now_ms {
-                held += u128::from(demand[r.key].milli) * u128::from(r.ends_ms - r.started_ms);
+                *held.entry(r.model.clone()).or_default() +=
+                    u128::from(demand[r.key].milli) * u128::from(r.ends_ms - r.started_ms);
                 false
             } else {
                 true
             }
         });
-        self.milli_ms += held;
     }
 
     /// One pass at `now_ms`, applied; whether it changed anything.
@@ -330,7 +380,8 @@ impl Model<'_> {
             if let Some(at) = self.running.iter().position(|r| r.key == key) {
                 let r = self.running.swap_remove(at);
                 let ran = now_ms - r.started_ms;
-                self.milli_ms += u128::from(self.demand[key].milli) * u128::from(ran);
+                *self.held.entry(r.model.clone()).or_default() +=
+                    u128::from(self.demand[key].milli) * u128::from(ran);
                 self.remaining_ms[key] = self.remaining_ms[key].saturating_sub(ran);
                 self.queue.insert(key);
                 self.preemptions += 1;
@@ -354,11 +405,16 @@ impl Model<'_> {
                 })
                 .collect();
             self.first_placed_ms[key].get_or_insert(now_ms);
+            let model = p
+                .members
+                .first()
+                .map_or_else(|| d.model.clone(), |m| m.model.clone());
             self.running.push(Run {
                 key,
                 started_ms: now_ms,
                 ends_ms: now_ms + self.remaining_ms[key],
                 holds,
+                model,
             });
             changed = true;
         }
@@ -377,7 +433,7 @@ pub fn replay(h: &DemandHistory, settings: &ReplaySettings) -> Result<Outcome, R
         queue: BTreeSet::new(),
         remaining_ms: demand.iter().map(|d| d.run_ms).collect(),
         first_placed_ms: vec![None; demand.len()],
-        milli_ms: 0,
+        held: Held::new(),
         preemptions: 0,
         passes: 0,
     };
@@ -413,7 +469,7 @@ pub fn replay(h: &DemandHistory, settings: &ReplaySettings) -> Result<Outcome, R
         .zip(&demand)
         .filter_map(|(p, d)| p.map(|p| p.saturating_sub(d.submitted_ms)))
         .collect();
-    Ok(outcome(demand.len(), &mut waits, m.milli_ms, m.preemptions))
+    Ok(outcome(demand.len(), &mut waits, &m.held, m.preemptions))
 }
 
 /// A kind of machine: its GPUs' models and MIG modes, its pool and region.
@@ -497,6 +553,12 @@ pub fn differences(a: &Outcome, b: &Outcome) -> Vec<String> {
         out.push(format!(
             "{} works never run (fit nowhere in the pool)",
             b.never_ran - a.never_ran
+        ));
+    }
+    if b.cost != a.cost {
+        out.push(format!(
+            "cost to tenants {} → {} {}",
+            a.cost, b.cost, b.currency
         ));
     }
     if (b.gpu_hours - a.gpu_hours).abs() > a.gpu_hours * 0.02 {
@@ -588,6 +650,13 @@ mod tests {
         assert!((r.gpu_hours - rec.gpu_hours).abs() < 1e-9, "{r:?}");
         assert_eq!(r.max_wait_s, 0.0, "{r:?}");
         assert_eq!(r.preemptions, 0);
+        // 3.33 GPU-hours of H100 at its list price, both ways.
+        let h100 = Pricing::list("H100").unwrap().on_demand(3_600_000);
+        assert_eq!(
+            rec.cost,
+            (h100 * Decimal::from(10) / Decimal::from(3)).round_dp(2)
+        );
+        assert_eq!(r.cost, rec.cost);
     }
 
     #[test]
