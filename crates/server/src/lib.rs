@@ -233,19 +233,26 @@ pub async fn bootstrap(store: &Store, data_dir: &Path) -> anyhow::Result<Bootstr
 /// Counts every API request that may have written (any method but GET,
 /// HEAD and OPTIONS), once it is answered: a quota, a cordon or a new
 /// instance can change what the scheduler would plan, so the kept plan
-/// (`last_plan`) must not serve readers past it. A counter, not a change
+/// (`last_plan`) must not serve readers past it, and the leader's pass is
+/// due (`reconcile::PassTrigger`). The agents' and the gateway's protocol
+/// calls and usage reports are not counted: they arrive all the time, and
+/// the routes signal a change themselves when one changes what the
+/// scheduler sees (`AppState::notify_change`). A counter, not a change
 /// signal: agents' long polls are not woken by it.
 async fn writes_layer(
     axum::extract::State(st): axum::extract::State<AppState>,
     req: axum::extract::Request,
     next: middleware::Next,
 ) -> axum::response::Response {
-    let reads = matches!(
+    let path = req.uri().path();
+    let counted = !matches!(
         *req.method(),
         axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
-    );
+    ) && !path.starts_with("/v1/agent/")
+        && !path.starts_with("/v1/gateway/")
+        && path != "/v1/usage/events";
     let resp = next.run(req).await;
-    if !reads {
+    if counted {
         st.note_write();
     }
     resp

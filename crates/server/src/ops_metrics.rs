@@ -42,6 +42,9 @@ pub struct OpsMetrics {
     pub placement_pass: Histogram,
     /// The planner's part of those passes (pure decision time).
     pub placement_plan: Histogram,
+    /// Every scheduling pass the leader started, work queued or not: the
+    /// pass runs when it is due (`reconcile::PassTrigger`), not every round.
+    pub placement_passes: Counter<u64, AtomicU64>,
     /// Scaling decisions by `kind` (endpoint, vertical) and `direction`
     /// (up, down, hold; a vertical move is `move`).
     pub scaling_decisions: Family<Labels, Counter<u64, AtomicU64>>,
@@ -63,6 +66,7 @@ impl Default for OpsMetrics {
         Self {
             placement_pass: pass_histogram(),
             placement_plan: pass_histogram(),
+            placement_passes: Counter::default(),
             scaling_decisions: Family::default(),
             gateway_requests: Family::new_with_constructor(request_histogram),
             usage_events: Family::default(),
@@ -117,6 +121,11 @@ impl OpsMetrics {
             "flotilla_placement_pass_duration_seconds",
             "Scheduling passes with work queued: gather, plan and apply",
             self.placement_pass.clone(),
+        );
+        registry.register(
+            "flotilla_placement_passes",
+            "Scheduling passes started (they run on a change or a planned time, not every round)",
+            self.placement_passes.clone(),
         );
         registry.register(
             "flotilla_placement_plan_duration_seconds",

@@ -9,8 +9,69 @@ use std::time::Duration;
 use chrono::Duration as ChronoDuration;
 use flotilla_store::StoreError;
 
-use crate::schedule::schedule_pass;
+use chrono::{DateTime, Utc};
+
+use crate::schedule::{run_pass, PassOutcome};
 use crate::state::AppState;
+
+/// The longest work may wait without a pass while this replica sees no
+/// change: what a pass could decide differently with time alone (fair
+/// share decaying) or after a change made through another replica (an
+/// exit its agent reported there) is picked up within it.
+pub const PASS_AT_LEAST_EVERY: ChronoDuration = ChronoDuration::seconds(5);
+
+/// When the leader's scheduling pass is due: when something changed since
+/// the last one (the state's change generation: a change signalled, or an
+/// API request that may have written; or work submitted through any
+/// replica, seen as a new newest waiting id), when a time the last plan
+/// named arrives (the blocked head's expected start), and, while work
+/// waits, at least every [`PASS_AT_LEAST_EVERY`]. Never by the round's
+/// tick alone: an idle leader with nothing waiting plans nothing.
+#[derive(Debug, Clone, Default)]
+pub struct PassTrigger {
+    /// The generation the last pass started at; `None` before the first.
+    generation: Option<u64>,
+    /// The newest waiting instance and job when it started.
+    newest: (Option<String>, Option<String>),
+    /// When the last pass ran.
+    ran_at: Option<DateTime<Utc>>,
+    /// What it found.
+    last: PassOutcome,
+}
+
+impl PassTrigger {
+    /// Whether a pass is due at `generation`, with `newest` the newest
+    /// waiting ids, at `now`.
+    pub fn due(
+        &self,
+        generation: u64,
+        newest: &(Option<String>, Option<String>),
+        now: DateTime<Utc>,
+    ) -> bool {
+        let Some(ran_at) = self.ran_at else {
+            return true;
+        };
+        self.generation != Some(generation)
+            || &self.newest != newest
+            || self.last.head_due.is_some_and(|t| t <= now)
+            || (self.last.waiting > 0 && now - ran_at >= PASS_AT_LEAST_EVERY)
+    }
+
+    /// A pass started at `generation` and `newest` ran at `now` and found
+    /// `outcome`.
+    pub fn ran(
+        &mut self,
+        generation: u64,
+        newest: (Option<String>, Option<String>),
+        now: DateTime<Utc>,
+        outcome: PassOutcome,
+    ) {
+        self.generation = Some(generation);
+        self.newest = newest;
+        self.ran_at = Some(now);
+        self.last = outcome;
+    }
+}
 
 /// Marks nodes whose heartbeats stopped as unreachable and their work
 /// lost, once their lease ran out and a margin more
@@ -86,6 +147,7 @@ pub async fn run(st: AppState, tick: Duration) {
     let mut shutdown = st.shutdown_signal();
     let mut last_housekeeping = st.now();
     let mut last_metering = st.now() - ChronoDuration::seconds(METERING_EVERY_S);
+    let mut trigger = PassTrigger::default();
     loop {
         if *shutdown.borrow() {
             return;
@@ -106,8 +168,15 @@ pub async fn run(st: AppState, tick: Duration) {
         if let Err(e) = crate::jobs::jobs_pass(&st).await {
             tracing::warn!(error = %e, "job pass failed; retrying");
         }
-        if let Err(e) = schedule_pass(&st).await {
-            tracing::warn!(error = %e, "placement pass failed; retrying");
+        let generation = st.change_generation();
+        match st.store().newest_waiting().await {
+            Ok(newest) if trigger.due(generation, &newest, st.now()) => match run_pass(&st).await {
+                Ok(outcome) => trigger.ran(generation, newest, st.now(), outcome),
+                // Due again next round: the trigger is left as it was.
+                Err(e) => tracing::warn!(error = %e, "placement pass failed; retrying"),
+            },
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot read the queue's newest work; retrying"),
         }
         if let Err(e) = crate::offers::offers_pass(&st).await {
             tracing::warn!(error = %e, "offer window pass failed; retrying");
@@ -194,5 +263,51 @@ impl Drop for Running {
             .billing()
             .running
             .store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    #[test]
+    fn a_pass_is_due_on_a_change_a_planned_time_or_a_wait_never_on_a_tick() {
+        let t = Utc.with_ymd_and_hms(2026, 12, 3, 10, 0, 0).unwrap();
+        let none = (None, None);
+        let mut p = PassTrigger::default();
+        assert!(p.due(0, &none, t), "the first round passes");
+        p.ran(0, none.clone(), t, PassOutcome::default());
+        // Idle: nothing waits, nothing changes, for an hour of rounds.
+        assert!(!p.due(0, &none, t + ChronoDuration::hours(1)));
+        // A change on this replica, or new work through any replica.
+        assert!(p.due(1, &none, t));
+        assert!(p.due(0, &(Some("ins_2".into()), None), t));
+        // A blocked head expected to start in 30 s: due then, not before.
+        p.ran(
+            0,
+            none.clone(),
+            t,
+            PassOutcome {
+                placed: 0,
+                waiting: 1,
+                head_due: Some(t + ChronoDuration::seconds(30)),
+            },
+        );
+        assert!(!p.due(0, &none, t + ChronoDuration::seconds(4)));
+        assert!(p.due(0, &none, t + ChronoDuration::seconds(30)));
+        // Work waiting and no planned time: at least every few seconds.
+        p.ran(
+            0,
+            none.clone(),
+            t,
+            PassOutcome {
+                placed: 0,
+                waiting: 3,
+                head_due: None,
+            },
+        );
+        assert!(!p.due(0, &none, t + ChronoDuration::seconds(4)));
+        assert!(p.due(0, &none, t + PASS_AT_LEAST_EVERY));
     }
 }

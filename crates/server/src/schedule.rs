@@ -563,15 +563,36 @@ pub fn plan_of(g: &Gathered) -> Result<Plan, StoreError> {
     pass::plan(&g.input).map_err(|e| StoreError::Corrupt(format!("planner: {e}")))
 }
 
+/// What one pass found, for deciding when the next is due
+/// ([`crate::reconcile`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PassOutcome {
+    /// Works placed (an instance, or a whole job).
+    pub placed: usize,
+    /// Works left waiting.
+    pub waiting: usize,
+    /// When the queue's blocked head is expected to start (its
+    /// reservation), if the plan knows: a time to plan again at even if
+    /// nothing changes.
+    pub head_due: Option<DateTime<Utc>>,
+}
+
 /// One scheduling pass: gather, plan, apply. Returns how many works it
 /// placed.
 pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
+    Ok(run_pass(st).await?.placed)
+}
+
+/// [`schedule_pass`], with what the caller needs to know when to run the
+/// next one.
+pub async fn run_pass(st: &AppState) -> Result<PassOutcome, StoreError> {
     let started = tokio::time::Instant::now();
+    st.ops().placement_passes.inc();
     let generation = st.change_generation();
     let g = gather(st).await?;
     if g.input.queue.is_empty() {
         keep(st, &g, &Plan::default(), generation);
-        return Ok(0);
+        return Ok(PassOutcome::default());
     }
     let planning = tokio::time::Instant::now();
     let plan = plan_of(&g)?;
@@ -586,7 +607,16 @@ pub async fn schedule_pass(st: &AppState) -> Result<usize, StoreError> {
     if done.placed > 0 || done.preempted > 0 {
         st.notify_change();
     }
-    Ok(done.placed)
+    let head_due = plan
+        .reservation
+        .as_ref()
+        .and_then(|r| r.start_ms)
+        .and_then(|ms| DateTime::<Utc>::from_timestamp_millis(i64::try_from(ms).ok()?));
+    Ok(PassOutcome {
+        placed: done.placed,
+        waiting: plan.waiting.len(),
+        head_due,
+    })
 }
 
 /// Keeps what `plan` decided for its readers ([`crate::last_plan`]).

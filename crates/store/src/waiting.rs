@@ -149,4 +149,22 @@ impl Store {
             WorkId::Job(j) => self.set_wait_reason(j, reason, now).await,
         }
     }
+
+    /// The newest waiting instance's and job's ids: cheap (one index
+    /// probe each), and different whenever work was submitted or requeued
+    /// through any replica since the last read, so the leader can tell
+    /// that its pass is due without planning.
+    pub async fn newest_waiting(&self) -> Result<(Option<String>, Option<String>)> {
+        let instance: Option<String> = sqlx::query_scalar(
+            "SELECT id FROM instances WHERE state = 'pending' ORDER BY id DESC LIMIT 1",
+        )
+        .fetch_optional(self.pool())
+        .await?;
+        let job: Option<String> = sqlx::query_scalar(
+            "SELECT id FROM jobs WHERE state = 'queued' ORDER BY id DESC LIMIT 1",
+        )
+        .fetch_optional(self.pool())
+        .await?;
+        Ok((instance, job))
+    }
 }
