@@ -11,8 +11,6 @@ use flotilla_sched::pass::{
     plan, GpuAsk, GpuSnap, Hold, NodeSnap, Plan, Promise, QueuedWork, RunningWork, Snapshot,
     TenantPolicy, Wait, WorkKey,
 };
-use flotilla_sched::preempt::PreemptConfig;
-use flotilla_sched::queue::FairShareConfig;
 use flotilla_sched::quota::Quota;
 use flotilla_sched::{Policy, Runtime, Tier};
 use proptest::prelude::*;
@@ -61,19 +59,7 @@ fn work(key: WorkKey, gpu: GpuAsk) -> QueuedWork {
 }
 
 fn snapshot(nodes: Vec<NodeSnap>, queue: Vec<QueuedWork>) -> Snapshot {
-    Snapshot {
-        now_ms: 1_000_000,
-        seed: 7,
-        policy: Policy::Flotilla,
-        nodes,
-        running: Vec::new(),
-        promises: Vec::new(),
-        queue,
-        tenants: BTreeMap::new(),
-        usage: Vec::new(),
-        fair_share: FairShareConfig::default(),
-        preempt: PreemptConfig::default(),
-    }
+    Snapshot::unlimited(1_000_000, 7, Policy::Flotilla, nodes, Vec::new(), queue)
 }
 
 fn placed(p: &Plan, key: WorkKey) -> bool {
@@ -660,17 +646,8 @@ fn arb_snapshot() -> impl Strategy<Value = Snapshot> {
                 );
             }
             Snapshot {
-                now_ms: 1_000_000,
-                seed,
-                policy,
-                nodes,
-                running,
-                promises: Vec::new(),
-                queue,
                 tenants,
-                usage: Vec::new(),
-                fair_share: FairShareConfig::default(),
-                preempt: PreemptConfig::default(),
+                ..Snapshot::unlimited(1_000_000, seed, policy, nodes, running, queue)
             }
         })
 }
