@@ -411,6 +411,16 @@ async fn native_sqlite(url: &str) -> Result<SqlitePool> {
         .await?)
 }
 
+/// `Ok` when a write by key touched `rows` > 0 rows, else
+/// [`StoreError::NotFound`] naming `what`: an UPDATE or DELETE whose key
+/// matches nothing means the caller named something that does not exist.
+pub(crate) fn touched(rows: u64, what: &'static str) -> Result<()> {
+    if rows == 0 {
+        return Err(StoreError::NotFound(what));
+    }
+    Ok(())
+}
+
 /// UTC milliseconds as stored.
 pub(crate) fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()

@@ -122,6 +122,29 @@ pub(crate) async fn admit_in(
 }
 
 impl Store {
+    /// Deletes row `id` of `table` if `tenant` owns it; another tenant's
+    /// row is `NotFound` (naming `what`) like a missing one, so a caller
+    /// learns nothing about ids it does not own.
+    pub(crate) async fn delete_tenant_row(
+        &self,
+        table: &'static str,
+        tenant: &TenantId,
+        id: &str,
+        what: &'static str,
+    ) -> Result<()> {
+        let mut tx = self.begin().await?;
+        let n = sqlx::query(&format!(
+            "DELETE FROM {table} WHERE id = $1 AND tenant_id = $2"
+        ))
+        .bind(id)
+        .bind(tenant.as_str())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        crate::txn::commit(tx).await?;
+        crate::touched(n, what)
+    }
+
     /// Creates a tenant; `AlreadyExists` when the name is taken.
     pub async fn create_tenant(
         &self,
@@ -236,10 +259,7 @@ impl Store {
         .execute(self.writer())
         .await?
         .rows_affected();
-        if n == 0 {
-            return Err(StoreError::NotFound("tenant"));
-        }
-        Ok(())
+        crate::touched(n, "tenant")
     }
 
     /// GPUs a tenant's live instances hold.
