@@ -525,10 +525,7 @@ impl Cluster {
     /// steer the GpuClustering scorer; a rebuilt snapshot starts clean.
     pub fn release(&mut self, req: &Request, placement: &Placement) -> Result<(), Error> {
         let node_idx = placement.node;
-        let node = self
-            .nodes
-            .get_mut(node_idx as usize)
-            .ok_or(Error::UnknownNode(node_idx))?;
+        let node = self.node_mut(node_idx)?;
         let over = |what| Error::Overcommit {
             node: node_idx,
             what,
@@ -574,10 +571,7 @@ impl Cluster {
     /// anything. On error nothing changes.
     pub fn commit(&mut self, req: &Request, placement: &Placement) -> Result<(), Error> {
         let node_idx = placement.node;
-        let node = self
-            .nodes
-            .get_mut(node_idx as usize)
-            .ok_or(Error::UnknownNode(node_idx))?;
+        let node = self.node_mut(node_idx)?;
         let over = |what| Error::Overcommit {
             node: node_idx,
             what,
