@@ -217,6 +217,24 @@ impl<T> PageOf<T> {
 }
 
 impl Store {
+    /// The rows of one page of a list, optionally of one tenant. `sql`
+    /// binds `$1` to the cursor (`''` on the first page), `$2` to the
+    /// tenant (`''`: every tenant) and `$3` to one more than the page
+    /// holds, the convention every such list query follows.
+    pub(crate) async fn page_rows(
+        &self,
+        sql: &str,
+        only: Option<&flotilla_core::id::TenantId>,
+        page: &PageReq,
+    ) -> Result<Vec<sqlx::any::AnyRow>> {
+        Ok(sqlx::query(sql)
+            .bind(page.after_or_empty())
+            .bind(only.map(|t| t.as_str()).unwrap_or(""))
+            .bind(page.fetch())
+            .fetch_all(self.pool())
+            .await?)
+    }
+
     /// Connects to `url` (`sqlite://PATH?mode=rwc` or `postgres://…`) and
     /// applies the embedded migrations, with the default
     /// [`leases::Timeouts`].

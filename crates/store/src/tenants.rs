@@ -196,14 +196,13 @@ impl Store {
         only: Option<&TenantId>,
         page: &PageReq,
     ) -> Result<PageOf<Tenant>> {
-        let rows = sqlx::query(
-            "SELECT * FROM tenants WHERE id > $1 AND ($2 = '' OR id = $2) ORDER BY id LIMIT $3",
-        )
-        .bind(page.after_or_empty())
-        .bind(only.map(|t| t.as_str()).unwrap_or(""))
-        .bind(page.fetch())
-        .fetch_all(self.pool())
-        .await?;
+        let rows = self
+            .page_rows(
+                "SELECT * FROM tenants WHERE id > $1 AND ($2 = '' OR id = $2) ORDER BY id LIMIT $3",
+                only,
+                page,
+            )
+            .await?;
         let items = rows.iter().map(tenant).collect::<Result<Vec<_>>>()?;
         Ok(PageOf::from_overfetch(items, page, |t| t.id.to_string()))
     }

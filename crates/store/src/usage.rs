@@ -693,6 +693,27 @@ pub struct Rollup {
     pub stored_events: u64,
 }
 
+impl Rollup {
+    /// The summed `events` followed by the events passed through
+    /// unsummed (`singles`). Voiding is already applied to both, so a
+    /// pass-through correction must not void a rollup row by key: its
+    /// `corrects` is dropped.
+    fn with_singles(
+        mut events: Vec<UsageEvent>,
+        singles: BTreeMap<EventKey, UsageEvent>,
+        stored_events: u64,
+    ) -> Self {
+        events.extend(singles.into_values().map(|mut e| {
+            e.corrects = None;
+            e
+        }));
+        Rollup {
+            events,
+            stored_events,
+        }
+    }
+}
+
 impl Store {
     /// Appends a batch under flotilla-billing's ledger rules, in ONE
     /// transaction: new events are recorded; an event whose key is already
@@ -1117,15 +1138,7 @@ impl Store {
                 });
             }
         }
-        events.extend(singles.into_values().map(|mut e| {
-            // Voiding is already applied.
-            e.corrects = None;
-            e
-        }));
-        Ok(Rollup {
-            events,
-            stored_events,
-        })
+        Ok(Rollup::with_singles(events, singles, stored_events))
     }
 
     /// Every tenant's usage mark: a counter bumped by each append that
@@ -1410,16 +1423,7 @@ impl Store {
                 });
             }
         }
-        events.extend(singles.into_values().map(|mut e| {
-            // Voiding is already applied; a pass-through correction must
-            // not void a rollup row by key.
-            e.corrects = None;
-            e
-        }));
-        Ok(Rollup {
-            events,
-            stored_events,
-        })
+        Ok(Rollup::with_singles(events, singles, stored_events))
     }
 }
 
