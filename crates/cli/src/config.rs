@@ -180,6 +180,22 @@ pub fn normalize_server(url: &str) -> String {
     flotilla_client::parse_servers(url).join(",")
 }
 
+/// The server address(es) a node command was given, each normalised
+/// (several comma-separated URLs are replicas of one control plane, which
+/// the agent fails over between), or the default server when none is.
+pub fn server_urls(server: Option<String>) -> String {
+    server
+        .map(|s| {
+            s.split(',')
+                .filter(|u| !u.trim().is_empty())
+                .map(normalize_server)
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| DEFAULT_SERVER.to_string())
+}
+
 /// The TLS flags a client command was given (`--tls-fingerprint`,
 /// `--ca-cert`, or their environment variables).
 #[derive(Debug, Clone, Copy, Default)]

@@ -96,7 +96,7 @@ pub async fn run(
     command: ExecutorCommand,
 ) -> Result<ExitCode> {
     init_logging();
-    let server_url = server_url(server);
+    let server_url = config::server_urls(server);
     let trust = config::trust(tls.fingerprint, tls.ca_cert)?;
     let args = match command {
         ExecutorCommand::Slurm(args) => args,
@@ -144,20 +144,6 @@ pub async fn run(
     }
     eprintln!("stopped");
     Ok(ExitCode::SUCCESS)
-}
-
-/// The server's address(es), as given or the default.
-fn server_url(server: Option<String>) -> String {
-    server
-        .map(|s| {
-            s.split(',')
-                .filter(|u| !u.trim().is_empty())
-                .map(config::normalize_server)
-                .collect::<Vec<_>>()
-                .join(",")
-        })
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| config::DEFAULT_SERVER.to_string())
 }
 
 /// The Kubernetes executor's configuration from `path` (defaults when

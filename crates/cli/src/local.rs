@@ -357,6 +357,16 @@ fn check_simulated(spec: &str) -> Result<()> {
         .map_err(|e| anyhow!("--simulate-gpus: {}", e.message))
 }
 
+/// Checks what a node is asked to run before anything starts (`up` and
+/// `agent` alike): the simulated GPUs parse and the workload runtime can
+/// run on this machine.
+fn check_node(simulate_gpus: Option<&str>, workloads: &WorkloadArgs) -> Result<()> {
+    if let Some(spec) = simulate_gpus {
+        check_simulated(spec)?;
+    }
+    crate::preflight::check(workloads.runtime, workloads.insecure_process_runtime)
+}
+
 /// Binds the API listener and derives the URL clients and the local agent
 /// use (a wildcard address is reached through loopback).
 async fn bind(addr: &str, https: bool) -> Result<(TcpListener, String)> {
@@ -611,14 +621,8 @@ fn task_ended(
 /// `flotilla up`.
 pub async fn up(args: UpArgs) -> Result<ExitCode> {
     init_logging();
-    if let Some(spec) = &args.simulate_gpus {
-        check_simulated(spec)?;
-    }
     // Before the server binds and "flotilla is up" is printed.
-    crate::preflight::check(
-        args.workloads.runtime,
-        args.workloads.insecure_process_runtime,
-    )?;
+    check_node(args.simulate_gpus.as_deref(), &args.workloads)?;
     let mut signals = Signals::new()?;
     // One egress policy for the node's workloads and the control plane's
     // calls made for tenants (`--allow-egress` on `up`).
@@ -796,25 +800,8 @@ pub async fn agent(
 ) -> Result<ExitCode> {
     init_logging();
     let trust = config::trust(tls.fingerprint, tls.ca_cert)?;
-    if let Some(spec) = &args.simulate_gpus {
-        check_simulated(spec)?;
-    }
-    crate::preflight::check(
-        args.workloads.runtime,
-        args.workloads.insecure_process_runtime,
-    )?;
-    // Several comma-separated URLs are replicas of one control plane: the
-    // agent fails over between them.
-    let server_url = server_url
-        .map(|s| {
-            s.split(',')
-                .filter(|u| !u.trim().is_empty())
-                .map(config::normalize_server)
-                .collect::<Vec<_>>()
-                .join(",")
-        })
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| config::DEFAULT_SERVER.to_string());
+    check_node(args.simulate_gpus.as_deref(), &args.workloads)?;
+    let server_url = config::server_urls(server_url);
     let work_dir = match args.work_dir {
         Some(w) => w,
         None => data_dir(None)?.join("agent"),

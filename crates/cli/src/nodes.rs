@@ -16,19 +16,25 @@ fn node_id(raw: &str) -> Result<NodeId> {
     NodeId::parse(raw.trim(), "node id").map_err(|e| anyhow!("{e}"))
 }
 
+/// POSTs a node action (its body empty). With `--json` the answer is
+/// printed as it came and `None` returned, the command then printing
+/// nothing more; otherwise the answer decoded for the command to show.
+async fn act<T: serde::de::DeserializeOwned>(ctx: &Ctx, path: &str) -> Result<Option<T>> {
+    let raw: Value = ctx.client.post(path, &json!({})).await?;
+    if ctx.json {
+        print_json(&raw)?;
+        return Ok(None);
+    }
+    decode(raw).map(Some)
+}
+
 /// `flotilla nodes cordon ID` / `uncordon ID`.
 pub async fn cordon(ctx: &Ctx, id: &str, cordoned: bool) -> Result<ExitCode> {
     let id = node_id(id)?;
     let verb = if cordoned { "cordon" } else { "uncordon" };
-    let raw: Value = ctx
-        .client
-        .post(&format!("/v1/nodes/{id}/{verb}"), &json!({}))
-        .await?;
-    if ctx.json {
-        print_json(&raw)?;
+    let Some(n) = act::<Node>(ctx, &format!("/v1/nodes/{id}/{verb}")).await? else {
         return Ok(ExitCode::SUCCESS);
-    }
-    let n: Node = decode(raw)?;
+    };
     outln!("{} {}: {}", n.id, n.name, output::node_state(&n))?;
     Ok(ExitCode::SUCCESS)
 }
@@ -36,15 +42,9 @@ pub async fn cordon(ctx: &Ctx, id: &str, cordoned: bool) -> Result<ExitCode> {
 /// `flotilla nodes drain ID`.
 pub async fn drain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = node_id(id)?;
-    let raw: Value = ctx
-        .client
-        .post(&format!("/v1/nodes/{id}/drain"), &json!({}))
-        .await?;
-    if ctx.json {
-        print_json(&raw)?;
+    let Some(r) = act::<DrainReport>(ctx, &format!("/v1/nodes/{id}/drain")).await? else {
         return Ok(ExitCode::SUCCESS);
-    }
-    let r: DrainReport = decode(raw)?;
+    };
     outln!(
         "{} {}: {}; {} instance(s) stopping",
         r.node.id,
@@ -62,15 +62,9 @@ pub async fn drain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 pub async fn reset_gpu(ctx: &Ctx, id: &str, gpu: &str) -> Result<ExitCode> {
     let id = node_id(id)?;
     let gpu = GpuId::parse(gpu.trim(), "gpu id").map_err(|e| anyhow!("{e}"))?;
-    let raw: Value = ctx
-        .client
-        .post(&format!("/v1/nodes/{id}/gpus/{gpu}/reset"), &json!({}))
-        .await?;
-    if ctx.json {
-        print_json(&raw)?;
+    let Some(n) = act::<Node>(ctx, &format!("/v1/nodes/{id}/gpus/{gpu}/reset")).await? else {
         return Ok(ExitCode::SUCCESS);
-    }
-    let n: Node = decode(raw)?;
+    };
     outln!("{} {}: gpus {}", n.id, n.name, output::node_gpus(&n))?;
     Ok(ExitCode::SUCCESS)
 }

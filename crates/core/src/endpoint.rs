@@ -16,6 +16,7 @@ use crate::error::FieldError;
 use crate::gateway::{Balance, EndpointSignals};
 use crate::id::{EndpointId, InstanceId, TenantId};
 use crate::instance::{BillingClass, CreateInstance, InstanceSpec, InstanceState};
+use crate::offer::{minutes, window_open, DAYS};
 use crate::queue_trigger::{keep_secrets, validate_triggers, QueueTrigger, TriggerStatus};
 
 /// The policies an endpoint may name (`flotilla-scale` builds them).
@@ -351,15 +352,6 @@ fn utc() -> String {
     "UTC".into()
 }
 
-const DAYS: [&str; 7] = ["mon", "tue", "wed", "thu", "fri", "sat", "sun"];
-
-/// Minutes after midnight of `HH:MM`.
-fn minutes(s: &str) -> Option<u32> {
-    let (h, m) = s.split_once(':')?;
-    let (h, m) = (h.parse::<u32>().ok()?, m.parse::<u32>().ok()?);
-    (h < 24 && m < 60 && s.len() == 5).then_some(h * 60 + m)
-}
-
 fn validate_schedules(
     tz: &str,
     windows: &[ScheduleWindow],
@@ -411,24 +403,9 @@ pub fn scheduled_min(spec: &EndpointSpec, now: DateTime<Utc>) -> u32 {
     let local = now.with_timezone(&tz);
     let at = local.hour() * 60 + local.minute();
     let today = local.weekday().num_days_from_monday() as usize;
-    let yesterday = (today + 6) % 7;
-    let on = |w: &ScheduleWindow, day: usize| {
-        w.days.is_empty() || w.days.iter().any(|d| d.eq_ignore_ascii_case(DAYS[day]))
-    };
     spec.schedules
         .iter()
-        .filter(|w| {
-            let (Some(start), Some(end)) = (minutes(&w.start), minutes(&w.end)) else {
-                return false;
-            };
-            if start < end {
-                on(w, today) && (start..end).contains(&at)
-            } else {
-                // Past midnight: the evening part today, the morning part
-                // belongs to the window that opened yesterday.
-                (on(w, today) && at >= start) || (on(w, yesterday) && at < end)
-            }
-        })
+        .filter(|w| window_open(&w.days, &w.start, &w.end, today, at))
         .map(|w| w.min_replicas)
         .max()
         .unwrap_or(0)

@@ -39,10 +39,30 @@ pub struct NodeOffer {
 }
 
 /// Minutes after midnight of `HH:MM`.
-fn minutes(s: &str) -> Option<u32> {
+pub(crate) fn minutes(s: &str) -> Option<u32> {
     let (h, m) = s.split_once(':')?;
     let (h, m) = (h.parse::<u32>().ok()?, m.parse::<u32>().ok()?);
     (h < 24 && m < 60 && s.len() == 5).then_some(h * 60 + m)
+}
+
+/// Whether a weekly window (`days`, empty: every day; `start` to `end`,
+/// `HH:MM`, an `end` at or before `start` running past midnight) is open
+/// at minute `at` of weekday `today` (0: Monday), on the clock the window
+/// is written in. One reading for provider offers and endpoint schedules,
+/// so a window means the same wherever it is written.
+pub(crate) fn window_open(days: &[String], start: &str, end: &str, today: usize, at: u32) -> bool {
+    let yesterday = (today + 6) % 7;
+    let on = |day: usize| days.is_empty() || days.iter().any(|d| d.eq_ignore_ascii_case(DAYS[day]));
+    let (Some(start), Some(end)) = (minutes(start), minutes(end)) else {
+        return false;
+    };
+    if start < end {
+        on(today) && (start..end).contains(&at)
+    } else {
+        // Past midnight: the evening part today, the morning part
+        // belongs to the window that opened yesterday.
+        (on(today) && at >= start) || (on(yesterday) && at < end)
+    }
 }
 
 impl NodeOffer {
@@ -88,22 +108,9 @@ impl NodeOffer {
         }
         let at = now.hour() * 60 + now.minute();
         let today = now.weekday().num_days_from_monday() as usize;
-        let yesterday = (today + 6) % 7;
-        let on = |w: &OfferWindow, day: usize| {
-            w.days.is_empty() || w.days.iter().any(|d| d.eq_ignore_ascii_case(DAYS[day]))
-        };
-        self.windows.iter().any(|w| {
-            let (Some(start), Some(end)) = (minutes(&w.start), minutes(&w.end)) else {
-                return false;
-            };
-            if start < end {
-                on(w, today) && (start..end).contains(&at)
-            } else {
-                // Past midnight: the evening part today, the morning part
-                // belongs to the window that opened yesterday.
-                (on(w, today) && at >= start) || (on(w, yesterday) && at < end)
-            }
-        })
+        self.windows
+            .iter()
+            .any(|w| window_open(&w.days, &w.start, &w.end, today, at))
     }
 
     /// When the offer next stops, if it stops within `horizon` of `now`

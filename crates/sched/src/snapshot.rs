@@ -417,6 +417,14 @@ impl Cluster {
         &self.classes[id as usize]
     }
 
+    /// Node `idx` for a setter: an index the cluster never handed out is
+    /// the caller's error, reported rather than ignored.
+    fn node_mut(&mut self, idx: u32) -> Result<&mut Node, Error> {
+        self.nodes
+            .get_mut(idx as usize)
+            .ok_or(Error::UnknownNode(idx))
+    }
+
     /// The state of one node (its class key).
     pub fn state_of(&self, idx: u32) -> Option<&NodeState> {
         self.node(idx)
@@ -424,10 +432,7 @@ impl Cluster {
     }
 
     pub fn set_cordoned(&mut self, idx: u32, cordoned: bool) -> Result<(), Error> {
-        let node = self
-            .nodes
-            .get_mut(idx as usize)
-            .ok_or(Error::UnknownNode(idx))?;
+        let node = self.node_mut(idx)?;
         node.cordoned = cordoned;
         self.reclassify(idx);
         Ok(())
@@ -436,10 +441,7 @@ impl Cluster {
     /// Sets how a node runs work; nodes start as [`Runtime::Process`].
     /// Unlike the domain it is part of the node's class ([`NodeState`]).
     pub fn set_runtime(&mut self, idx: u32, runtime: Runtime) -> Result<(), Error> {
-        let node = self
-            .nodes
-            .get_mut(idx as usize)
-            .ok_or(Error::UnknownNode(idx))?;
+        let node = self.node_mut(idx)?;
         if node.runtime != runtime {
             node.runtime = runtime;
             self.reclassify(idx);
@@ -451,20 +453,14 @@ impl Cluster {
     /// ([`crate::gang`]) to keep a gang inside one domain; placement of
     /// single requests ignores it.
     pub fn set_domain(&mut self, idx: u32, domain: u32) -> Result<(), Error> {
-        let node = self
-            .nodes
-            .get_mut(idx as usize)
-            .ok_or(Error::UnknownNode(idx))?;
+        let node = self.node_mut(idx)?;
         node.domain = domain;
         Ok(())
     }
 
     /// Puts a node in a region (0: none); see [`Cluster::set_domain`].
     pub fn set_region(&mut self, idx: u32, region: u32) -> Result<(), Error> {
-        let node = self
-            .nodes
-            .get_mut(idx as usize)
-            .ok_or(Error::UnknownNode(idx))?;
+        let node = self.node_mut(idx)?;
         node.region = region;
         Ok(())
     }
@@ -477,10 +473,7 @@ impl Cluster {
         if host == 0 {
             return Err(Error::InvalidRequest("host 0 means no host"));
         }
-        let node = self
-            .nodes
-            .get_mut(idx as usize)
-            .ok_or(Error::UnknownNode(idx))?;
+        let node = self.node_mut(idx)?;
         if node.host != 0 {
             return Err(Error::InvalidRequest("a node's host is set once"));
         }
@@ -532,10 +525,7 @@ impl Cluster {
     /// steer the GpuClustering scorer; a rebuilt snapshot starts clean.
     pub fn release(&mut self, req: &Request, placement: &Placement) -> Result<(), Error> {
         let node_idx = placement.node;
-        let node = self
-            .nodes
-            .get_mut(node_idx as usize)
-            .ok_or(Error::UnknownNode(node_idx))?;
+        let node = self.node_mut(node_idx)?;
         let over = |what| Error::Overcommit {
             node: node_idx,
             what,
@@ -581,10 +571,7 @@ impl Cluster {
     /// anything. On error nothing changes.
     pub fn commit(&mut self, req: &Request, placement: &Placement) -> Result<(), Error> {
         let node_idx = placement.node;
-        let node = self
-            .nodes
-            .get_mut(node_idx as usize)
-            .ok_or(Error::UnknownNode(node_idx))?;
+        let node = self.node_mut(node_idx)?;
         let over = |what| Error::Overcommit {
             node: node_idx,
             what,

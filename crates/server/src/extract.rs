@@ -5,6 +5,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
+use chrono::{DateTime, Utc};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
@@ -95,18 +96,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Pagination {
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
         let raw: RawPagination = serde_urlencoded_query(parts.uri.query())?;
-        let limit = match raw.limit {
-            None => 100,
-            Some(s) => match s.parse::<u32>() {
-                Ok(n) if (1..=1000).contains(&n) => n,
-                _ => {
-                    return Err(ApiError::bad_request(
-                        "limit",
-                        "must be a whole number from 1 to 1000",
-                    ))
-                }
-            },
-        };
+        let limit = page_limit(raw.limit.as_deref())?;
         if let Some(c) = &raw.cursor {
             if c.is_empty()
                 || c.len() > 64
@@ -123,6 +113,36 @@ impl<S: Send + Sync> FromRequestParts<S> for Pagination {
             cursor: raw.cursor,
         })
     }
+}
+
+/// The `limit` query parameter of a paged read: 1–1000, 100 when absent.
+pub fn page_limit(raw: Option<&str>) -> Result<u32, ApiError> {
+    match raw {
+        None => Ok(100),
+        Some(s) => s
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=1000).contains(n))
+            .ok_or_else(|| ApiError::bad_request("limit", "must be a whole number from 1 to 1000")),
+    }
+}
+
+/// A time in query parameter `field`, RFC 3339 with any offset, as UTC:
+/// one parser so that every route accepts and refuses the same times.
+pub fn instant(raw: &str, field: &str) -> Result<DateTime<Utc>, ApiError> {
+    DateTime::parse_from_rfc3339(raw)
+        .map(|t| t.with_timezone(&Utc))
+        .map_err(|_| {
+            ApiError::bad_request(field, "must be an RFC 3339 time like 2025-01-01T00:00:00Z")
+        })
+}
+
+/// [`instant`] for a parameter the route cannot do without.
+pub fn required_instant(raw: Option<&str>, field: &str) -> Result<DateTime<Utc>, ApiError> {
+    instant(
+        raw.ok_or_else(|| ApiError::bad_request(field, "is required (RFC 3339)"))?,
+        field,
+    )
 }
 
 /// Parses a query string into `T`, ignoring keys `T` does not name.

@@ -53,15 +53,14 @@ impl Store {
         only: Option<&TenantId>,
         page: &PageReq,
     ) -> Result<PageOf<AuditEntry>> {
-        let rows = sqlx::query(
+        let rows = self
+            .page_rows(
             "SELECT * FROM audit_log WHERE ($1 = '' OR id < $1) AND ($2 = '' OR tenant_id = $2) \
              ORDER BY id DESC LIMIT $3",
-        )
-        .bind(page.after_or_empty())
-        .bind(only.map(|t| t.as_str()).unwrap_or(""))
-        .bind(page.fetch())
-        .fetch_all(self.pool())
-        .await?;
+                only,
+                page,
+            )
+            .await?;
         let items = rows.iter().map(entry).collect::<Result<Vec<_>>>()?;
         Ok(PageOf::from_overfetch(items, page, |e| e.id.to_string()))
     }

@@ -215,10 +215,7 @@ impl Store {
             .execute(self.writer())
             .await?
             .rows_affected();
-        if n == 0 {
-            return Err(StoreError::NotFound("pool machine"));
-        }
-        Ok(())
+        crate::touched(n, "pool machine")
     }
 
     /// Its node joined: `joined`, idle from now.
@@ -276,10 +273,7 @@ impl Store {
         .execute(self.writer())
         .await?
         .rows_affected();
-        if n == 0 {
-            return Err(StoreError::NotFound("pool machine"));
-        }
-        Ok(())
+        crate::touched(n, "pool machine")
     }
 
     /// Redeems a join token: once, before it expires. On success the agent
@@ -406,9 +400,6 @@ impl Store {
             .execute(self.writer())
             .await?
             .rows_affected();
-        if n == 0 {
-            return Err(StoreError::NotFound("node"));
-        }
-        Ok(())
+        crate::touched(n, "node")
     }
 }

@@ -211,15 +211,14 @@ impl Store {
         only: Option<&TenantId>,
         page: &PageReq,
     ) -> Result<PageOf<Endpoint>> {
-        let rows = sqlx::query(
-            "SELECT * FROM endpoints WHERE deleted_at IS NULL AND id > $1 \
+        let rows = self
+            .page_rows(
+                "SELECT * FROM endpoints WHERE deleted_at IS NULL AND id > $1 \
              AND ($2 = '' OR tenant_id = $2) ORDER BY id LIMIT $3",
-        )
-        .bind(page.after_or_empty())
-        .bind(only.map(|t| t.as_str()).unwrap_or(""))
-        .bind(page.fetch())
-        .fetch_all(self.pool())
-        .await?;
+                only,
+                page,
+            )
+            .await?;
         let mut items = Vec::with_capacity(rows.len());
         for row in &rows {
             let id = EndpointId::from_trusted(row.try_get("id")?);

@@ -242,15 +242,14 @@ impl Store {
         only: Option<&TenantId>,
         page: &PageReq,
     ) -> Result<PageOf<Invoice>> {
-        let rows = sqlx::query(
-            "SELECT body FROM invoices WHERE id > $1 AND ($2 = '' OR tenant_id = $2) \
+        let rows = self
+            .page_rows(
+                "SELECT body FROM invoices WHERE id > $1 AND ($2 = '' OR tenant_id = $2) \
              ORDER BY id LIMIT $3",
-        )
-        .bind(page.after_or_empty())
-        .bind(only.map(|t| t.as_str()).unwrap_or(""))
-        .bind(page.fetch())
-        .fetch_all(self.pool())
-        .await?;
+                only,
+                page,
+            )
+            .await?;
         let items = rows
             .iter()
             .map(|r| json(&r.try_get::<String, _>("body")?, "invoice"))

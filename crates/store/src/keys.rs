@@ -106,14 +106,14 @@ impl Store {
         only: Option<&TenantId>,
         page: &PageReq,
     ) -> Result<PageOf<ApiKey>> {
-        let rows = sqlx::query(
-            "SELECT * FROM api_keys WHERE id > $1 AND ($2 = '' OR tenant_id = $2) ORDER BY id LIMIT $3",
-        )
-        .bind(page.after_or_empty())
-        .bind(only.map(|t| t.as_str()).unwrap_or(""))
-        .bind(page.fetch())
-        .fetch_all(self.pool())
-        .await?;
+        let rows = self
+            .page_rows(
+                "SELECT * FROM api_keys WHERE id > $1 AND ($2 = '' OR tenant_id = $2) \
+                 ORDER BY id LIMIT $3",
+                only,
+                page,
+            )
+            .await?;
         let items = rows.iter().map(key).collect::<Result<Vec<_>>>()?;
         Ok(PageOf::from_overfetch(items, page, |k| k.id.to_string()))
     }

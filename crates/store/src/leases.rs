@@ -157,6 +157,20 @@ fn lease(r: &sqlx::any::AnyRow) -> Result<Lease> {
     })
 }
 
+/// Reads lease `name` in `tx`, then commits: a change to a lease answers
+/// with the row as its own transaction left it, not as a later writer's.
+async fn commit_reading(
+    mut tx: sqlx::Transaction<'static, sqlx::Any>,
+    name: &str,
+) -> Result<Lease> {
+    let row = sqlx::query("SELECT * FROM leases WHERE name = $1")
+        .bind(name)
+        .fetch_one(&mut *tx)
+        .await?;
+    crate::txn::commit(tx).await?;
+    lease(&row)
+}
+
 impl Store {
     /// Takes or renews the lease `name` for `holder` until `now + ttl`:
     /// granted when it is free, ran out, or is `holder`'s already. Returns
@@ -199,12 +213,7 @@ impl Store {
         .bind(until)
         .execute(&mut *tx)
         .await?;
-        let row = sqlx::query("SELECT * FROM leases WHERE name = $1")
-            .bind(name)
-            .fetch_one(&mut *tx)
-            .await?;
-        crate::txn::commit(tx).await?;
-        lease(&row)
+        commit_reading(tx, name).await
     }
 
     /// Hands the lease from `from` to `to` whether or not it ran out, under
@@ -231,12 +240,7 @@ impl Store {
         .bind(ms(now))
         .execute(&mut *tx)
         .await?;
-        let row = sqlx::query("SELECT * FROM leases WHERE name = $1")
-            .bind(name)
-            .fetch_one(&mut *tx)
-            .await?;
-        crate::txn::commit(tx).await?;
-        lease(&row)
+        commit_reading(tx, name).await
     }
 
     /// Gives the lease up at once if `holder` holds it (a clean shutdown),

@@ -218,6 +218,24 @@ impl<T> PageOf<T> {
 }
 
 impl Store {
+    /// The rows of one page of a list, optionally of one tenant. `sql`
+    /// binds `$1` to the cursor (`''` on the first page), `$2` to the
+    /// tenant (`''`: every tenant) and `$3` to one more than the page
+    /// holds, the convention every such list query follows.
+    pub(crate) async fn page_rows(
+        &self,
+        sql: &str,
+        only: Option<&flotilla_core::id::TenantId>,
+        page: &PageReq,
+    ) -> Result<Vec<sqlx::any::AnyRow>> {
+        Ok(sqlx::query(sql)
+            .bind(page.after_or_empty())
+            .bind(only.map(|t| t.as_str()).unwrap_or(""))
+            .bind(page.fetch())
+            .fetch_all(self.pool())
+            .await?)
+    }
+
     /// Connects to `url` (`sqlite://PATH?mode=rwc` or `postgres://…`) and
     /// applies the embedded migrations, with the default
     /// [`leases::Timeouts`].
@@ -410,6 +428,16 @@ async fn native_sqlite(url: &str) -> Result<SqlitePool> {
         .max_connections(2)
         .connect_with(opts)
         .await?)
+}
+
+/// `Ok` when a write by key touched `rows` > 0 rows, else
+/// [`StoreError::NotFound`] naming `what`: an UPDATE or DELETE whose key
+/// matches nothing means the caller named something that does not exist.
+pub(crate) fn touched(rows: u64, what: &'static str) -> Result<()> {
+    if rows == 0 {
+        return Err(StoreError::NotFound(what));
+    }
+    Ok(())
 }
 
 /// UTC milliseconds as stored.

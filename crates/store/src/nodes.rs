@@ -97,6 +97,28 @@ pub struct RegisteredNode {
     pub created: bool,
 }
 
+/// Binds the facts a node registers with, in the order both the insert
+/// of a new node and the update of a known one name their columns
+/// (region to network).
+fn bind_registration<'q>(
+    q: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
+    req: &'q RegisterNode,
+    region: &'q str,
+    pool: &'q str,
+    now: DateTime<Utc>,
+) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
+    q.bind(region)
+        .bind(pool)
+        .bind(i64::from(req.simulated))
+        .bind(req.cpu_milli as i64)
+        .bind(req.memory_mb as i64)
+        .bind(&req.agent_version)
+        .bind(ms(now))
+        .bind(req.runtime.as_str())
+        .bind(req.executor.as_str())
+        .bind(network_json(req))
+}
+
 impl Store {
     /// Registers a node by name, or re-attaches to the node of that name:
     /// updates its facts, marks it ready and reconciles its GPUs by index
@@ -126,49 +148,31 @@ impl Store {
                         req.name
                     )));
                 }
-                sqlx::query(
+                let q = sqlx::query(
                     "UPDATE nodes SET region = $1, pool = $2, state = 'ready', simulated = $3, cpu_milli = $4, \
                      memory_mb = $5, agent_version = $6, last_heartbeat_at = $7, runtime = $8, \
                      executor = $9, network = $10 WHERE id = $11",
-                )
-                .bind(&region)
-                .bind(&pool)
-                .bind(i64::from(req.simulated))
-                .bind(req.cpu_milli as i64)
-                .bind(req.memory_mb as i64)
-                .bind(&req.agent_version)
-                .bind(ms(now))
-                .bind(req.runtime.as_str())
-                .bind(req.executor.as_str())
-                .bind(network_json(req))
-                .bind(id.as_str())
-                .execute(&mut *tx)
-                .await?;
+                );
+                bind_registration(q, req, &region, &pool, now)
+                    .bind(id.as_str())
+                    .execute(&mut *tx)
+                    .await?;
                 let (_, gpu_ids) = new_ids();
                 ((id, gpu_ids), false)
             }
             None => {
                 let (id, gpu_ids) = new_ids();
-                sqlx::query(
+                let q = sqlx::query(
                     "INSERT INTO nodes (id, name, owner_tenant_id, region, pool, state, simulated, cpu_milli, \
                      memory_mb, agent_version, last_heartbeat_at, created_at, runtime, executor, network) \
                      VALUES ($1, $2, $3, $4, $5, 'ready', $6, $7, $8, $9, $10, $10, $11, $12, $13)",
                 )
                 .bind(id.as_str())
                 .bind(&req.name)
-                .bind(owner.as_str())
-                .bind(&region)
-                .bind(&pool)
-                .bind(i64::from(req.simulated))
-                .bind(req.cpu_milli as i64)
-                .bind(req.memory_mb as i64)
-                .bind(&req.agent_version)
-                .bind(ms(now))
-                .bind(req.runtime.as_str())
-                .bind(req.executor.as_str())
-                .bind(network_json(req))
-                .execute(&mut *tx)
-                .await?;
+                .bind(owner.as_str());
+                bind_registration(q, req, &region, &pool, now)
+                    .execute(&mut *tx)
+                    .await?;
                 ((id, gpu_ids), true)
             }
         };
@@ -336,10 +340,7 @@ impl Store {
             .execute(self.writer())
             .await?
             .rows_affected();
-        if n == 0 {
-            return Err(StoreError::NotFound("node"));
-        }
-        Ok(())
+        crate::touched(n, "node")
     }
 
     /// When a node's GPUs are offered.
@@ -589,9 +590,7 @@ impl Store {
             .execute(&mut *tx)
             .await?
             .rows_affected();
-        if n == 0 {
-            return Err(StoreError::NotFound("node"));
-        }
+        crate::touched(n, "node")?;
         let rows = sqlx::query(
             "SELECT id FROM instances WHERE node_id = $1 AND state IN ('scheduled', 'starting', 'running') \
              AND stop_requested = 0 ORDER BY id",

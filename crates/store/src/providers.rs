@@ -69,10 +69,7 @@ impl Store {
             .execute(self.writer())
             .await?
             .rows_affected();
-        if n == 0 {
-            return Err(StoreError::NotFound("node"));
-        }
-        Ok(())
+        crate::touched(n, "node")
     }
 
     /// The provider of every node that has one.

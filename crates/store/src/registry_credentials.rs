@@ -108,18 +108,13 @@ impl Store {
         tenant: &TenantId,
         id: &RegistryCredentialId,
     ) -> Result<()> {
-        let mut tx = self.begin().await?;
-        let n = sqlx::query("DELETE FROM registry_credentials WHERE id = $1 AND tenant_id = $2")
-            .bind(id.as_str())
-            .bind(tenant.as_str())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        crate::txn::commit(tx).await?;
-        if n == 0 {
-            return Err(crate::StoreError::NotFound("registry credential"));
-        }
-        Ok(())
+        self.delete_tenant_row(
+            "registry_credentials",
+            tenant,
+            id.as_str(),
+            "registry credential",
+        )
+        .await
     }
 
     /// The tenant's login for `registry`, its secret opened with `key`;

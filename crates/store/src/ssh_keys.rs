@@ -88,17 +88,7 @@ impl Store {
     /// Removes one of the tenant's keys; another tenant's is `NotFound`,
     /// like a missing one.
     pub async fn delete_ssh_key(&self, tenant: &TenantId, id: &SshKeyId) -> Result<()> {
-        let mut tx = self.begin().await?;
-        let n = sqlx::query("DELETE FROM ssh_keys WHERE id = $1 AND tenant_id = $2")
-            .bind(id.as_str())
-            .bind(tenant.as_str())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        crate::txn::commit(tx).await?;
-        if n == 0 {
-            return Err(StoreError::NotFound("SSH key"));
-        }
-        Ok(())
+        self.delete_tenant_row("ssh_keys", tenant, id.as_str(), "SSH key")
+            .await
     }
 }

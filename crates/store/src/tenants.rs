@@ -122,6 +122,29 @@ pub(crate) async fn admit_in(
 }
 
 impl Store {
+    /// Deletes row `id` of `table` if `tenant` owns it; another tenant's
+    /// row is `NotFound` (naming `what`) like a missing one, so a caller
+    /// learns nothing about ids it does not own.
+    pub(crate) async fn delete_tenant_row(
+        &self,
+        table: &'static str,
+        tenant: &TenantId,
+        id: &str,
+        what: &'static str,
+    ) -> Result<()> {
+        let mut tx = self.begin().await?;
+        let n = sqlx::query(&format!(
+            "DELETE FROM {table} WHERE id = $1 AND tenant_id = $2"
+        ))
+        .bind(id)
+        .bind(tenant.as_str())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        crate::txn::commit(tx).await?;
+        crate::touched(n, what)
+    }
+
     /// Creates a tenant; `AlreadyExists` when the name is taken.
     pub async fn create_tenant(
         &self,
@@ -173,14 +196,13 @@ impl Store {
         only: Option<&TenantId>,
         page: &PageReq,
     ) -> Result<PageOf<Tenant>> {
-        let rows = sqlx::query(
-            "SELECT * FROM tenants WHERE id > $1 AND ($2 = '' OR id = $2) ORDER BY id LIMIT $3",
-        )
-        .bind(page.after_or_empty())
-        .bind(only.map(|t| t.as_str()).unwrap_or(""))
-        .bind(page.fetch())
-        .fetch_all(self.pool())
-        .await?;
+        let rows = self
+            .page_rows(
+                "SELECT * FROM tenants WHERE id > $1 AND ($2 = '' OR id = $2) ORDER BY id LIMIT $3",
+                only,
+                page,
+            )
+            .await?;
         let items = rows.iter().map(tenant).collect::<Result<Vec<_>>>()?;
         Ok(PageOf::from_overfetch(items, page, |t| t.id.to_string()))
     }
@@ -236,10 +258,7 @@ impl Store {
         .execute(self.writer())
         .await?
         .rows_affected();
-        if n == 0 {
-            return Err(StoreError::NotFound("tenant"));
-        }
-        Ok(())
+        crate::touched(n, "tenant")
     }
 
     /// GPUs a tenant's live instances hold.

@@ -556,6 +556,25 @@ macro_rules! bind_node_rollup {
     }};
 }
 
+/// Runs `$body` on the ledger transaction of either driver, with `$conn`
+/// bound to it and `$positional` true on the native SQLite one (`?`
+/// placeholders). The two transactions are different types, so the body
+/// is written once and compiled for each.
+macro_rules! on_ledger {
+    ($tx:expr, |$conn:ident, $positional:ident| $body:block) => {
+        match $tx {
+            LedgerTx::Any($conn) => {
+                let $positional = false;
+                $body
+            }
+            LedgerTx::Sqlite($conn) => {
+                let $positional = true;
+                $body
+            }
+        }
+    };
+}
+
 /// Adds the batch's sums to `usage_rollup` and `usage_node_rollup`: one
 /// multi-row upsert each (more only past `chunk` rows; none for a table
 /// with nothing to add), in key order so that concurrent batches lock
@@ -575,58 +594,33 @@ async fn upsert_rollup(tx: &mut LedgerTx, sums: &BatchSums<'_>, chunk: usize) ->
             }
         }
         sql.push_str(" ON CONFLICT (tenant_id) DO UPDATE SET appended = usage_marks.appended + 1");
-        match tx {
-            LedgerTx::Any(tx) => {
-                let mut q = sqlx::query(&sql);
-                for t in part {
-                    q = q.bind(*t);
-                }
-                q.execute(&mut **tx).await?;
+        on_ledger!(tx, |conn, _positional| {
+            let mut q = sqlx::query(&sql);
+            for t in part {
+                q = q.bind(*t);
             }
-            LedgerTx::Sqlite(tx) => {
-                let mut q = sqlx::query(&sql);
-                for t in part {
-                    q = q.bind(*t);
-                }
-                q.execute(&mut **tx).await?;
-            }
-        }
+            q.execute(&mut **conn).await?;
+        });
     }
     let mut nodes: Vec<_> = sums.node.iter().collect();
     nodes.sort_unstable_by(|a, b| a.0.cmp(b.0));
     for part in nodes.chunks(chunk.max(1)) {
-        match tx {
-            LedgerTx::Any(tx) => {
-                let sql = node_upsert_sql(part.len(), false);
-                bind_node_rollup!(sqlx::query(&sql), part)
-                    .execute(&mut **tx)
-                    .await?;
-            }
-            LedgerTx::Sqlite(tx) => {
-                let sql = node_upsert_sql(part.len(), true);
-                bind_node_rollup!(sqlx::query(&sql), part)
-                    .execute(&mut **tx)
-                    .await?;
-            }
-        }
+        on_ledger!(tx, |conn, positional| {
+            let sql = node_upsert_sql(part.len(), positional);
+            bind_node_rollup!(sqlx::query(&sql), part)
+                .execute(&mut **conn)
+                .await?;
+        });
     }
     let mut rows: Vec<_> = sums.tenant.iter().collect();
     rows.sort_unstable_by(|a, b| a.0.cmp(b.0));
     for part in rows.chunks(chunk.max(1)) {
-        match tx {
-            LedgerTx::Any(tx) => {
-                let sql = upsert_sql(part.len(), false);
-                bind_rollup!(sqlx::query(&sql), part)
-                    .execute(&mut **tx)
-                    .await?;
-            }
-            LedgerTx::Sqlite(tx) => {
-                let sql = upsert_sql(part.len(), true);
-                bind_rollup!(sqlx::query(&sql), part)
-                    .execute(&mut **tx)
-                    .await?;
-            }
-        }
+        on_ledger!(tx, |conn, positional| {
+            let sql = upsert_sql(part.len(), positional);
+            bind_rollup!(sqlx::query(&sql), part)
+                .execute(&mut **conn)
+                .await?;
+        });
     }
     Ok(())
 }
@@ -697,6 +691,27 @@ pub struct Rollup {
     pub events: Vec<UsageEvent>,
     /// Stored events summed into them.
     pub stored_events: u64,
+}
+
+impl Rollup {
+    /// The summed `events` followed by the events passed through
+    /// unsummed (`singles`). Voiding is already applied to both, so a
+    /// pass-through correction must not void a rollup row by key: its
+    /// `corrects` is dropped.
+    fn with_singles(
+        mut events: Vec<UsageEvent>,
+        singles: BTreeMap<EventKey, UsageEvent>,
+        stored_events: u64,
+    ) -> Self {
+        events.extend(singles.into_values().map(|mut e| {
+            e.corrects = None;
+            e
+        }));
+        Rollup {
+            events,
+            stored_events,
+        }
+    }
 }
 
 impl Store {
@@ -1123,15 +1138,7 @@ impl Store {
                 });
             }
         }
-        events.extend(singles.into_values().map(|mut e| {
-            // Voiding is already applied.
-            e.corrects = None;
-            e
-        }));
-        Ok(Rollup {
-            events,
-            stored_events,
-        })
+        Ok(Rollup::with_singles(events, singles, stored_events))
     }
 
     /// Every tenant's usage mark: a counter bumped by each append that
@@ -1416,16 +1423,7 @@ impl Store {
                 });
             }
         }
-        events.extend(singles.into_values().map(|mut e| {
-            // Voiding is already applied; a pass-through correction must
-            // not void a rollup row by key.
-            e.corrects = None;
-            e
-        }));
-        Ok(Rollup {
-            events,
-            stored_events,
-        })
+        Ok(Rollup::with_singles(events, singles, stored_events))
     }
 }
 

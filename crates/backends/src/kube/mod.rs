@@ -126,6 +126,29 @@ struct Gone {
     observed: ObservedInstance,
 }
 
+impl Gone {
+    /// An instance stopped before Flotilla created its pod: it ends as
+    /// stopped, with `message` saying so, instead of waiting for a pod
+    /// that will never come.
+    fn never_started(node: &str, id: &InstanceId, now: DateTime<Utc>, message: &str) -> Self {
+        Gone {
+            node: node.to_string(),
+            observed: ObservedInstance {
+                instance_id: id.clone(),
+                phase: ObservedPhase::Exited {
+                    code: status::TERMINATED,
+                    stopped: true,
+                },
+                at: now,
+                message: Some(message.into()),
+                container: None,
+                weights_tier: None,
+                limit_exceeded: None,
+            },
+        }
+    }
+}
+
 /// An instance whose pod could not be created.
 #[derive(Debug, Clone)]
 struct Failed {
@@ -592,21 +615,12 @@ impl KubeExecutor {
                     }
                     st.gone.insert(
                         id.clone(),
-                        Gone {
-                            node: node.to_string(),
-                            observed: ObservedInstance {
-                                instance_id: id.clone(),
-                                phase: ObservedPhase::Exited {
-                                    code: status::TERMINATED,
-                                    stopped: true,
-                                },
-                                at: now,
-                                message: Some("stopped before its job's pods were created".into()),
-                                container: None,
-                                weights_tier: None,
-                                limit_exceeded: None,
-                            },
-                        },
+                        Gone::never_started(
+                            node,
+                            id,
+                            now,
+                            "stopped before its job's pods were created",
+                        ),
                     );
                     continue;
                 }
@@ -629,21 +643,7 @@ impl KubeExecutor {
                 } else if !known {
                     self.lock().gone.insert(
                         id.clone(),
-                        Gone {
-                            node: node.to_string(),
-                            observed: ObservedInstance {
-                                instance_id: id.clone(),
-                                phase: ObservedPhase::Exited {
-                                    code: status::TERMINATED,
-                                    stopped: true,
-                                },
-                                at: now,
-                                message: Some("stopped before its pod was created".into()),
-                                container: None,
-                                weights_tier: None,
-                                limit_exceeded: None,
-                            },
-                        },
+                        Gone::never_started(node, id, now, "stopped before its pod was created"),
                     );
                 }
                 continue;

@@ -325,19 +325,26 @@ pub fn namespace(name: &str, tenant: Option<&TenantId>) -> Namespace {
     }
 }
 
+/// Metadata of the objects that fence a tenant's namespace (its quota and
+/// network policy): one name, marked as Flotilla's so that it is found
+/// and replaced rather than duplicated.
+fn tenancy_meta(namespace: &str) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(TENANCY_OBJECT.into()),
+        namespace: Some(namespace.into()),
+        labels: Some(BTreeMap::from([(
+            LABEL_MANAGED_BY.to_string(),
+            MANAGED_BY.to_string(),
+        )])),
+        ..Default::default()
+    }
+}
+
 /// The namespace's ResourceQuota: a backstop behind Flotilla's own tenant
 /// quotas, so that a bug or a hand-made pod cannot take the cluster.
 pub fn quota(namespace: &str, config: &KubeConfig) -> ResourceQuota {
     ResourceQuota {
-        metadata: ObjectMeta {
-            name: Some(TENANCY_OBJECT.into()),
-            namespace: Some(namespace.into()),
-            labels: Some(BTreeMap::from([(
-                LABEL_MANAGED_BY.to_string(),
-                MANAGED_BY.to_string(),
-            )])),
-            ..Default::default()
-        },
+        metadata: tenancy_meta(namespace),
         spec: Some(ResourceQuotaSpec {
             hard: Some(
                 config
@@ -375,15 +382,7 @@ pub fn network_policy(namespace: &str, config: &KubeConfig) -> NetworkPolicy {
         });
     }
     NetworkPolicy {
-        metadata: ObjectMeta {
-            name: Some(TENANCY_OBJECT.into()),
-            namespace: Some(namespace.into()),
-            labels: Some(BTreeMap::from([(
-                LABEL_MANAGED_BY.to_string(),
-                MANAGED_BY.to_string(),
-            )])),
-            ..Default::default()
-        },
+        metadata: tenancy_meta(namespace),
         spec: Some(NetworkPolicySpec {
             pod_selector: Some(LabelSelector::default()),
             policy_types: Some(vec!["Ingress".into()]),

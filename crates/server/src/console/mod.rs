@@ -384,9 +384,11 @@ fn login_form(token: &str, error: Option<&str>) -> Markup {
     }
 }
 
-async fn login_page() -> Response {
+/// The sign-in form with a fresh CSRF token, in its cookie and its hidden
+/// field, answered with `status` and, after a failed attempt, `error`.
+fn sign_in_page(status: StatusCode, error: Option<&str>) -> Response {
     let token = session::random_token();
-    let mut r = secure(shell("Sign in", login_form(&token, None)));
+    let mut r = secure((status, shell("Sign in", login_form(&token, error))));
     if let Ok(v) = session::set_cookie(
         LOGIN_COOKIE,
         Some(&token),
@@ -399,25 +401,16 @@ async fn login_page() -> Response {
     r
 }
 
+async fn login_page() -> Response {
+    sign_in_page(StatusCode::OK, None)
+}
+
 async fn login(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
     Form(f): Form<Fields>,
 ) -> Response {
-    let fail = |status: StatusCode, msg: &str| {
-        let token = session::random_token();
-        let mut r = secure((status, shell("Sign in", login_form(&token, Some(msg)))));
-        if let Ok(v) = session::set_cookie(
-            LOGIN_COOKIE,
-            Some(&token),
-            std::time::Duration::from_secs(3600),
-        )
-        .parse()
-        {
-            r.headers_mut().append(SET_COOKIE, v);
-        }
-        r
-    };
+    let fail = |status: StatusCode, msg: &str| sign_in_page(status, Some(msg));
     let sent = field(&f, "csrf").unwrap_or("");
     let ok = session::cookie(&headers, LOGIN_COOKIE).is_some_and(|c| session::same_token(c, sent));
     if !ok {

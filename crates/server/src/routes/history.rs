@@ -5,7 +5,7 @@
 
 use axum::extract::State;
 use axum::Json;
-use chrono::{DateTime, Duration, Utc};
+use chrono::Duration;
 use flotilla_core::history::{DemandHistory, RecordedNode, RecordedWork};
 use flotilla_core::node::RuntimeKind;
 use flotilla_core::placement::GpuShare;
@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
-use crate::extract::serde_urlencoded_query;
+use crate::extract::{required_instant, serde_urlencoded_query};
 use crate::state::AppState;
 
 /// The longest window one call reads.
@@ -25,15 +25,6 @@ const MAX_WINDOW_DAYS: i64 = 92;
 struct Window {
     from: Option<String>,
     to: Option<String>,
-}
-
-fn instant(raw: Option<&str>, field: &str) -> ApiResult<DateTime<Utc>> {
-    let raw = raw.ok_or_else(|| ApiError::bad_request(field, "is required (RFC 3339)"))?;
-    DateTime::parse_from_rfc3339(raw)
-        .map(|t| t.with_timezone(&Utc))
-        .map_err(|_| {
-            ApiError::bad_request(field, "must be an RFC 3339 time like 2025-01-01T00:00:00Z")
-        })
 }
 
 /// Thousandths of a GPU one GPU of `share` takes, as the scheduling pass
@@ -84,8 +75,8 @@ pub async fn demand(
 ) -> ApiResult<Json<DemandHistory>> {
     caller.require(&[], "read the cluster's demand history")?;
     let q: Window = serde_urlencoded_query(uri.query())?;
-    let from = instant(q.from.as_deref(), "from")?;
-    let to = instant(q.to.as_deref(), "to")?;
+    let from = required_instant(q.from.as_deref(), "from")?;
+    let to = required_instant(q.to.as_deref(), "to")?;
     if from >= to {
         return Err(ApiError::bad_request("to", "must be after from"));
     }

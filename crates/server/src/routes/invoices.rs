@@ -30,6 +30,7 @@ use crate::pricing::{finalise_invoice, price_book, store_final, RatingError};
 use crate::routes::export::{csv_response, invoices_csv, wants_csv};
 use crate::routes::path_id;
 use crate::routes::prices::billing_field;
+use crate::routes::tenants::visible_tenant;
 use crate::routes::usage::{grace, parse_month};
 use crate::state::AppState;
 pub use flotilla_billing::api::{Finalized, Skipped, Terms};
@@ -271,15 +272,6 @@ pub enum NewTerm {
         #[schema(value_type = Option<String>)]
         expires_at: Option<DateTime<Utc>>,
     },
-}
-
-async fn visible_tenant(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<TenantId> {
-    let id = path_id(raw, "tenant_id", TenantId::parse)?;
-    if !caller.sees(&id) {
-        return Err(ApiError::not_found("tenant"));
-    }
-    st.store().tenant(&id).await?;
-    Ok(id)
 }
 
 fn term_id(id: &str) -> ApiResult<()> {

@@ -16,7 +16,7 @@ use serde::Deserialize;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{parse_json, serde_urlencoded_query};
+use crate::extract::{instant, page_limit, parse_json, serde_urlencoded_query};
 use crate::pricing::{price_book, spot_series};
 use crate::state::AppState;
 pub use flotilla_billing::api::{PriceCatalog, SpotPrices};
@@ -93,14 +93,6 @@ struct SpotQuery {
     limit: Option<String>,
 }
 
-fn instant(raw: &str, field: &str) -> ApiResult<chrono::DateTime<chrono::Utc>> {
-    chrono::DateTime::parse_from_rfc3339(raw)
-        .map(|t| t.with_timezone(&chrono::Utc))
-        .map_err(|_| {
-            ApiError::bad_request(field, "must be an RFC 3339 time like 2025-01-01T00:00:00Z")
-        })
-}
-
 /// The spot price in force per model: the latest point of the series
 /// recorded from pool utilisation (`floor + (ceiling - floor) × u`), or the
 /// band's floor from the epoch before any was recorded. Invoice lines name
@@ -130,16 +122,7 @@ pub async fn get_spot_prices(
         Some(t) => instant(t, "to")?,
         None => now + chrono::Duration::milliseconds(1),
     };
-    let limit = match q.limit.as_deref() {
-        None => 100,
-        Some(l) => l
-            .parse::<u32>()
-            .ok()
-            .filter(|n| (1..=1000).contains(n))
-            .ok_or_else(|| {
-                ApiError::bad_request("limit", "must be a whole number from 1 to 1000")
-            })?,
-    };
+    let limit = page_limit(q.limit.as_deref())?;
     let (history, next_from) = match q.model.as_deref() {
         None => (Vec::new(), None),
         Some(m) => {

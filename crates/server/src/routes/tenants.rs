@@ -61,7 +61,13 @@ pub async fn create_tenant(
     Ok((StatusCode::CREATED, Json(tenant)))
 }
 
-async fn visible_tenant(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<TenantId> {
+/// The tenant in the path, when the caller may see it; another tenant
+/// is 404, as for every resource the caller cannot see.
+pub(crate) async fn visible_tenant(
+    st: &AppState,
+    caller: &Caller,
+    raw: &str,
+) -> ApiResult<TenantId> {
     let id = path_id(raw, "tenant_id", TenantId::parse)?;
     if !caller.sees(&id) {
         return Err(ApiError::not_found("tenant"));

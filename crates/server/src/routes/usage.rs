@@ -24,7 +24,7 @@ use utoipa::ToSchema;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{parse_json, serde_urlencoded_query};
+use crate::extract::{page_limit, parse_json, required_instant, serde_urlencoded_query};
 use crate::state::AppState;
 
 /// Most events in one `POST /v1/usage/events`.
@@ -224,15 +224,6 @@ struct UsageQuery {
     cursor: Option<String>,
 }
 
-fn instant(raw: Option<&str>, field: &str) -> ApiResult<DateTime<Utc>> {
-    let raw = raw.ok_or_else(|| ApiError::bad_request(field, "is required (RFC 3339)"))?;
-    DateTime::parse_from_rfc3339(raw)
-        .map(|t| t.with_timezone(&Utc))
-        .map_err(|_| {
-            ApiError::bad_request(field, "must be an RFC 3339 time like 2025-01-01T00:00:00Z")
-        })
-}
-
 /// The tenant a read is about: the caller's own, or for operators any
 /// named one (404 when it does not exist). Others naming another tenant
 /// get 404, as for every resource they cannot see.
@@ -296,21 +287,12 @@ pub async fn list_usage(
 ) -> ApiResult<axum::response::Response> {
     let csv = super::export::wants_csv(&uri, &headers)?;
     let q: UsageQuery = serde_urlencoded_query(uri.query())?;
-    let from = instant(q.from.as_deref(), "from")?;
-    let to = instant(q.to.as_deref(), "to")?;
+    let from = required_instant(q.from.as_deref(), "from")?;
+    let to = required_instant(q.to.as_deref(), "to")?;
     if from >= to {
         return Err(ApiError::bad_request("to", "must be after from"));
     }
-    let limit = match q.limit.as_deref() {
-        None => 100,
-        Some(s) => s
-            .parse::<u32>()
-            .ok()
-            .filter(|n| (1..=1000).contains(n))
-            .ok_or_else(|| {
-                ApiError::bad_request("limit", "must be a whole number from 1 to 1000")
-            })?,
-    };
+    let limit = page_limit(q.limit.as_deref())?;
     let after = match q.cursor.as_deref() {
         None => None,
         Some(c) => Some(decode_cursor(c).ok_or_else(|| {
