@@ -9,13 +9,13 @@
 //!   recording them would let anyone fill the table (they are rate-limited
 //!   by address instead, see `crate::auth::layer`);
 //! - the protocol traffic of agents and the gateway and reported metrics
-//!   ([`EXEMPT`]): observations sent every few seconds, not decisions of a
+//!   ([`crate::routes::kinds::AUDIT_EXEMPT`]): observations sent every few seconds, not decisions of a
 //!   person, whose own records (the ledger, logs, node state) keep them;
-//! - `POST /v1/estimates`, which computes a price and stores nothing.
+//! - `POST …/estimates`, which computes a price and stores nothing.
 
 use axum::body::{to_bytes, Body};
 use axum::extract::{MatchedPath, Request, State};
-use axum::http::{header, Method};
+use axum::http::header;
 use axum::middleware::Next;
 use axum::response::Response;
 use flotilla_core::api::AuditEntry;
@@ -24,41 +24,9 @@ use flotilla_core::id::AuditId;
 use crate::auth::Authn;
 use crate::state::AppState;
 
-/// Mutating routes that are not audited, by template (see the module
-/// documentation for why).
-pub const EXEMPT: &[&str] = &[
-    "/v1/agent/nodes/{node_id}/sync",
-    "/v1/agent/instances/{instance_id}/logs",
-    "/v1/gateway/authorize",
-    "/v1/gateway/signals",
-    "/v1/gateway/usage",
-    "/v1/usage/events",
-    "/v1/endpoints/{endpoint_id}/metrics",
-    "/v1/estimates",
-];
-
-/// Reads that are audited all the same: the WebSocket upgrades that enter
-/// a running instance (exec, shell, port-forward, ssh). They change nothing in
-/// the store, yet run code in a tenant's workload, so who did it and when
-/// belongs in the log (as `GET`, with the upgrade's 101 or the refusal).
-pub const ENTERING: &[&str] = &[
-    "/v1/instances/{instance_id}/exec",
-    "/v1/instances/{instance_id}/port-forward",
-    "/v1/instances/{instance_id}/ssh",
-];
-
 /// Largest answer read back for the id of a created object; creations
 /// answer with the object, far smaller than this.
 const CREATED_BODY_LIMIT: usize = 4 * 1024 * 1024;
-
-/// Whether a call of `method` on the route `template` is audited.
-pub fn audited(method: &Method, template: &str) -> bool {
-    (matches!(
-        *method,
-        Method::POST | Method::PUT | Method::PATCH | Method::DELETE
-    ) && !EXEMPT.contains(&template))
-        || (*method == Method::GET && ENTERING.contains(&template))
-}
 
 /// The value of the last `{parameter}` of `template` in `path`: the object
 /// a call names (`/v1/instances/{instance_id}/stop` names the instance).
@@ -95,7 +63,7 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
     else {
         return next.run(req).await;
     };
-    if !audited(req.method(), &template) {
+    if !crate::routes::kinds::audited(req.method(), &template) {
         return next.run(req).await;
     }
     let Some(Authn(Ok(caller))) = req.extensions().get::<Authn>().cloned() else {
@@ -160,17 +128,14 @@ mod tests {
     #[test]
     fn the_named_object_is_the_last_path_parameter() {
         assert_eq!(
-            named_object(
-                "/v1/instances/{instance_id}/stop",
-                "/v1/instances/inst_1/stop"
-            ),
+            named_object("/instances/{instance_id}/stop", "/instances/inst_1/stop"),
             Some("inst_1".into())
         );
         assert_eq!(
-            named_object("/v1/tenants/{tenant_id}/quota", "/v1/tenants/ten_9/quota"),
+            named_object("/tenants/{tenant_id}/quota", "/tenants/ten_9/quota"),
             Some("ten_9".into())
         );
-        assert_eq!(named_object("/v1/instances", "/v1/instances"), None);
+        assert_eq!(named_object("/instances", "/instances"), None);
     }
 
     #[test]
@@ -185,41 +150,5 @@ mod tests {
         );
         assert_eq!(created_id(br#"{"secret": "flt_abc"}"#), None);
         assert_eq!(created_id(b"not json"), None);
-    }
-
-    #[test]
-    fn protocol_traffic_and_reads_are_not_audited() {
-        assert!(audited(&Method::POST, "/v1/instances"));
-        assert!(audited(&Method::DELETE, "/v1/keys/{key_id}"));
-        assert!(audited(&Method::PUT, "/v1/budget"));
-        assert!(!audited(&Method::GET, "/v1/instances"));
-        assert!(!audited(&Method::POST, "/v1/agent/nodes/{node_id}/sync"));
-        assert!(!audited(&Method::POST, "/v1/estimates"));
-        assert!(audited(&Method::GET, "/v1/instances/{instance_id}/exec"));
-        assert!(audited(
-            &Method::GET,
-            "/v1/instances/{instance_id}/port-forward"
-        ));
-        assert!(audited(&Method::GET, "/v1/instances/{instance_id}/ssh"));
-        assert!(!audited(&Method::GET, "/v1/instances/{instance_id}"));
-    }
-
-    #[test]
-    fn every_exempt_route_is_a_mutating_route_of_the_api() {
-        let (_, doc) = crate::routes::api().split_for_parts();
-        for t in EXEMPT {
-            let item = doc
-                .paths
-                .paths
-                .get(*t)
-                .unwrap_or_else(|| panic!("{t} is not a route"));
-            assert!(
-                item.post.is_some()
-                    || item.put.is_some()
-                    || item.patch.is_some()
-                    || item.delete.is_some(),
-                "{t} has no mutating method"
-            );
-        }
     }
 }

@@ -157,15 +157,6 @@ pub async fn authenticate(
     }))
 }
 
-/// Routes anyone may read without a key: probes and the API's own
-/// description.
-fn public(path: &str) -> bool {
-    matches!(
-        path,
-        "/healthz" | "/v1/health" | "/v1/openapi.json" | "/v1/docs"
-    )
-}
-
 /// The authentication layer, outermost of the API's own layers: every
 /// request's key is looked up once, before the idempotency layer could
 /// replay a stored answer (a revoked key must not get back the secret a
@@ -190,7 +181,7 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
                 return e.into_response();
             }
         }
-        Err(AuthFailure::Missing) if public(parts.uri.path()) => {}
+        Err(AuthFailure::Missing) if crate::routes::kinds::is_public(parts.uri.path()) => {}
         Err(_) => {
             let addr = parts
                 .extensions

@@ -30,9 +30,7 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
     // Usage batches are idempotent event by event (their keys) and may be
     // far larger than the body limit buffered here.
     if !matches!(*req.method(), Method::POST | Method::PATCH | Method::DELETE)
-        || req.uri().path().starts_with("/v1/agent/")
-        || req.uri().path().starts_with("/v1/gateway/")
-        || req.uri().path() == "/v1/usage/events"
+        || crate::routes::kinds::is_protocol(req.uri().path())
     {
         return next.run(req).await;
     }

@@ -244,13 +244,7 @@ async fn writes_layer(
     req: axum::extract::Request,
     next: middleware::Next,
 ) -> axum::response::Response {
-    let path = req.uri().path();
-    let counted = !matches!(
-        *req.method(),
-        axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
-    ) && !path.starts_with("/v1/agent/")
-        && !path.starts_with("/v1/gateway/")
-        && path != "/v1/usage/events";
+    let counted = routes::kinds::is_write(req.method(), req.uri().path());
     let resp = next.run(req).await;
     if counted {
         st.note_write();
@@ -265,21 +259,21 @@ pub fn app(state: AppState) -> Router {
     let request_id = HeaderName::from_static("x-request-id");
     let api = api
         .route(
-            "/v1/openapi.json",
+            routes::kinds::OPENAPI_JSON,
             get({
                 let d = doc_json.clone();
                 move || async move { Json((*d).clone()) }
             }),
         )
         .route(
-            "/v1/docs",
+            routes::kinds::DOCS_HTML,
             get({
                 let h = docs_html.clone();
                 move || async move { Html((*h).clone()) }
             }),
         )
         .route("/healthz", get(health))
-        .route("/v1/health", get(health_json))
+        .route(routes::kinds::HEALTH_JSON, get(health_json))
         .route("/metrics", get(metrics::metrics))
         .fallback(|| async { error::ApiError::not_found("route") })
         .method_not_allowed_fallback(|| async {

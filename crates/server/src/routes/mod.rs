@@ -28,6 +28,7 @@ pub mod instances;
 pub mod invoices;
 pub mod jobs;
 pub mod keys;
+pub mod kinds;
 pub mod nodepools;
 pub mod nodes;
 pub mod offers;
