@@ -1,7 +1,9 @@
 //! A day of this cluster's own activity, replayed: the server runs a day
 //! on a manual clock (instances of whole GPUs and fractions arriving every
-//! half hour and running one to three hours, a two-node training job),
-//! played through the agent protocol; `GET /v1/history/demand` reads it
+//! half hour and running one to three hours, a two-node training job, and
+//! an inference endpoint that the autoscaler scales up under four hours of
+//! load reported by the gateway and back to zero after it), played through
+//! the agent protocol; `GET /v1/history/demand` reads it
 //! back; the simulator's replay (`flotilla_sim::history`, what
 //! `flotilla simulate --from-history` runs) gives the recorded GPU-hours
 //! back within 2 % under the recorded settings, and with another placement
@@ -14,6 +16,7 @@ use flotilla_core::api::{ObservedInstance, ObservedPhase};
 use flotilla_core::clock::Clock;
 use flotilla_core::history::DemandHistory;
 use flotilla_sched::Policy;
+use flotilla_server::endpoints::Controller;
 use flotilla_server::schedule::schedule_pass;
 use flotilla_sim::history::{differences, recorded, replay, scale_nodes, ReplaySettings};
 use flotilla_testkit::server::OnClock;
@@ -64,6 +67,29 @@ async fn start_placed(
     }
 }
 
+/// A replica's readiness answer on the port its URL names, so that the
+/// endpoint controller's probe finds it ready (as a real server would
+/// once loaded).
+async fn serve_ready(url: &str) -> tokio::sync::oneshot::Sender<()> {
+    let addr = url
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .unwrap_or_else(|e| panic!("the replica's address {addr} is free: {e}"));
+    let app = axum::Router::new().fallback(|| async { "ok" });
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+            })
+            .await;
+    });
+    tx
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits() {
     let day = Utc.with_ymd_and_hms(2026, 12, 1, 0, 0, 0).unwrap();
@@ -78,11 +104,30 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
         on.register_node(&provider, n, &[("H100", 2)]).await;
     }
 
+    // An inference endpoint, scaled to zero when idle.
+    let ep = on
+        .ok(
+            &member,
+            "POST",
+            "/v1/endpoints",
+            Some(json!({
+                "name": "chat", "command": ["serve"], "gpus": 1,
+                "min_replicas": 0, "max_replicas": 3, "idle_window_s": 600,
+                "replica_concurrency": 4
+            })),
+        )
+        .await;
+    let ep_id = ep["id"].as_str().unwrap().to_string();
+    let mut ctl = Controller::new(on.st.config().egress());
+    let mut requests_total = 0u64;
+    let mut replicas: BTreeMap<String, Option<tokio::sync::oneshot::Sender<()>>> = BTreeMap::new();
+
     // Work of the day: (instance or job member id, how long it runs).
     let mut works: Vec<(String, Duration)> = Vec::new();
     let mut ends: BTreeMap<String, (String, chrono::DateTime<Utc>)> = BTreeMap::new();
     let mut job = None;
     let step = Duration::minutes(10);
+    let (from, to) = (day, day + Duration::days(1));
     for s in 0..(24 * 6) {
         // Runs that are due end first.
         let now = on.clock.now();
@@ -131,6 +176,22 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
                 .await;
             job = Some(j["id"].as_str().unwrap().to_string());
         }
+        // The gateway's reading of the endpoint: 09:00 to 13:00 under
+        // load (12 in flight, 4 queued), idle otherwise.
+        let busy = (9 * 6..13 * 6).contains(&s);
+        requests_total += if busy { 600 } else { 0 };
+        let (in_flight, queued) = if busy { (12, 4) } else { (0, 0) };
+        on.ok(
+            &provider,
+            "POST",
+            "/v1/gateway/signals",
+            Some(json!({"signals": [{
+                "endpoint_id": ep_id, "at": on.clock.now(), "in_flight": in_flight,
+                "queued": queued, "requests_total": requests_total
+            }]})),
+        )
+        .await;
+        ctl.pass(&on.st).await.expect("an endpoint pass");
         flotilla_server::jobs::jobs_pass(&on.st)
             .await
             .expect("a jobs pass");
@@ -144,11 +205,44 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
                 }
             }
         }
+        // The endpoint's replicas: new ones run until the autoscaler stops
+        // them; a running one answers its readiness probe; a stopped one's
+        // agent reports its exit.
+        let epv = on
+            .ok(&member, "GET", &format!("/v1/endpoints/{ep_id}"), None)
+            .await;
+        for r in epv["replicas"].as_array().cloned().unwrap_or_default() {
+            let id = r["instance_id"].as_str().unwrap().to_string();
+            if !replicas.contains_key(&id) {
+                replicas.insert(id.clone(), None);
+                works.push((id.clone(), Duration::days(2)));
+            }
+            if r["state"] == "running" && replicas[&id].is_none() {
+                let stop = serve_ready(r["url"].as_str().unwrap()).await;
+                replicas.insert(id, Some(stop));
+            }
+        }
+        for id in replicas.keys() {
+            let Some((node, _)) = ends.get(id).cloned() else {
+                continue;
+            };
+            let i = on
+                .ok(&op, "GET", &format!("/v1/instances/{id}"), None)
+                .await;
+            if i["stop_requested"] == true {
+                let stopped = ObservedPhase::Exited {
+                    code: 0,
+                    stopped: true,
+                };
+                report(&on, &provider, &node, id, stopped).await;
+                ends.remove(id);
+                works.retain(|(w, _)| w != id);
+            }
+        }
         start_placed(&on, &provider, &works, &mut ends).await;
         on.clock.advance(step);
     }
 
-    let (from, to) = (day, day + Duration::days(1));
     let (status, body) = on
         .call(
             &op,
@@ -164,7 +258,29 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
     assert_eq!(status, StatusCode::OK, "{body}");
     let h: DemandHistory = serde_json::from_value(body).expect("a demand history");
     assert_eq!(h.nodes.len(), 4);
-    assert_eq!(h.works.len(), 36 + 1, "36 instances and the job");
+    assert!(
+        replicas.len() >= 2,
+        "the load scaled the endpoint to at least two replicas: {replicas:?}"
+    );
+    assert!(
+        replicas.keys().all(|id| !ends.contains_key(id)),
+        "every replica was stopped once the load was gone"
+    );
+    assert_eq!(
+        h.works.len(),
+        36 + 1 + replicas.len(),
+        "36 instances, the job and the endpoint's replicas"
+    );
+    let replica_ms: u64 = h
+        .works
+        .iter()
+        .filter(|w| replicas.contains_key(w.id.as_str()))
+        .filter_map(|w| w.ran_ms(to))
+        .sum();
+    assert!(
+        replica_ms >= 4 * 3_600_000,
+        "the replicas served the four hours of load: {replica_ms} ms"
+    );
     let job_work = h
         .works
         .iter()
@@ -173,7 +289,7 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
     assert!(job_work.finished_at.is_some(), "{job_work:?}");
 
     let rec = recorded(&h);
-    assert_eq!(rec.works, 37, "{rec:?}");
+    assert_eq!(rec.works, 37 + replicas.len(), "{rec:?}");
     // 36 arrivals: 9 of each shape; 1 GPU for 1-3 h (18 of them), 2 GPUs,
     // half GPUs; plus the job's 4 GPU-hours... all measured by the record.
     assert!(rec.gpu_hours > 40.0, "{rec:?}");
