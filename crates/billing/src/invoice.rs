@@ -817,14 +817,7 @@ pub fn build_invoice(input: InvoiceInput<'_>) -> Result<Draft> {
 /// How an invoice line names a share of `model`: `0.5 × H100`,
 /// `H100 1g.10gb`; `None` for whole GPUs.
 fn share_label(model: &str, share: &GpuShare) -> Option<String> {
-    match share {
-        GpuShare::Whole => None,
-        GpuShare::Milli { milli } => Some(format!(
-            "{} × {model}",
-            Decimal::new(i64::from(*milli), 3).normalize()
-        )),
-        GpuShare::Mig { profile } => Some(format!("{model} {profile}")),
-    }
+    (*share != GpuShare::Whole).then(|| share.label(model))
 }
 
 fn make_line(k: &LineKey, quantity: Decimal, amount: Decimal) -> InvoiceLine {

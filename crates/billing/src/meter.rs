@@ -56,53 +56,33 @@ impl std::fmt::Display for EventKey {
     }
 }
 
-/// How much of a GPU one unit of a GPU meter is.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum GpuShare {
-    /// A whole GPU.
-    Whole,
-    /// Thousandths of a GPU (time-sliced or MPS sharing), 1..=1000.
-    Milli {
-        /// Thousandths of one GPU.
-        milli: u32,
-    },
-    /// A MIG instance such as `3g.40gb`: `g` of the GPU's 7 compute slices.
-    Mig {
-        /// The NVIDIA profile name.
-        profile: String,
-    },
+/// How much of a GPU one unit of a GPU meter is: the platform's one share
+/// type, serialised in the ledger's own form (see its documentation).
+pub use flotilla_core::placement::GpuShare;
+
+/// What a GPU meter's share is worth in exact units (see
+/// [`SHARE_UNITS_PER_GPU`]): a whole GPU 7,000, a fraction 7 per milli, a
+/// MIG instance 1,000 per compute slice of the GPU's 7. Sevenths and
+/// thousandths both count exactly, so no share rounds.
+pub trait ShareUnits {
+    /// Share units of one unit of this share.
+    fn units(&self) -> i128;
+    /// The share as a fraction of a whole GPU (MIG: slices / 7).
+    fn fraction(&self) -> Result<Decimal>;
 }
 
-impl GpuShare {
-    /// Share units of one unit of this share (see [`SHARE_UNITS_PER_GPU`]).
-    pub fn units(&self) -> Result<i128> {
+impl ShareUnits for GpuShare {
+    fn units(&self) -> i128 {
         match self {
-            Self::Whole => Ok(SHARE_UNITS_PER_GPU),
-            Self::Milli { milli } if (1..=1000).contains(milli) => Ok(i128::from(*milli) * 7),
-            Self::Milli { milli } => Err(BillingError::invalid(
-                "meter.share.milli",
-                format!("must be between 1 and 1000, got {milli}"),
-            )),
-            Self::Mig { profile } => {
-                let slices = profile
-                    .split_once("g.")
-                    .and_then(|(g, _)| g.parse::<i128>().ok())
-                    .filter(|g| (1..=7).contains(g));
-                slices.map(|g| g * 1000).ok_or_else(|| {
-                    BillingError::invalid(
-                        "meter.share.profile",
-                        format!("`{profile}` is not a MIG profile like `3g.40gb`"),
-                    )
-                })
-            }
+            GpuShare::Whole => SHARE_UNITS_PER_GPU,
+            GpuShare::Fraction { milli } => i128::from(*milli) * 7,
+            GpuShare::Mig(p) => i128::from(p.compute_slices) * 1000,
         }
     }
 
-    /// The share as a fraction of a whole GPU (MIG: slices / 7).
-    pub fn fraction(&self) -> Result<Decimal> {
+    fn fraction(&self) -> Result<Decimal> {
         money::div(
-            money::dec_i128(self.units()?, "share")?,
+            money::dec_i128(self.units(), "share")?,
             Decimal::from(7000),
             "share",
         )
@@ -226,14 +206,13 @@ impl UsageEvent {
             return Err(BillingError::invalid("amount", "must be positive"));
         }
         match &self.meter {
-            Meter::GpuSeconds { model, share } => {
+            Meter::GpuSeconds { model, .. } => {
                 if model.is_empty() {
                     return Err(BillingError::invalid(
                         "meter.model",
                         "must name a GPU model",
                     ));
                 }
-                share.units()?;
                 self.whole_units()?;
             }
             Meter::InstanceSeconds => {
@@ -284,7 +263,7 @@ impl UsageEvent {
     /// Share units held throughout the interval, for GPU meters.
     pub fn gpu_units(&self) -> Result<Option<i128>> {
         match &self.meter {
-            Meter::GpuSeconds { share, .. } => Ok(Some(self.whole_units()? * share.units()?)),
+            Meter::GpuSeconds { share, .. } => Ok(Some(self.whole_units()? * share.units())),
             _ => Ok(None),
         }
     }
@@ -530,7 +509,6 @@ pub fn lifecycle_usage(
             format!("must be between 1 and {MAX_UNITS}"),
         ));
     }
-    l.share.units()?;
     let floor = |t: DateTime<Utc>| t.with_nanosecond(0).unwrap_or(t);
     let ceil = |t: DateTime<Utc>| {
         if t.nanosecond() == 0 {
@@ -668,22 +646,30 @@ mod tests {
 
     #[test]
     fn shares_are_exact_units() {
-        assert_eq!(GpuShare::Whole.units().unwrap(), 7000);
-        assert_eq!(GpuShare::Milli { milli: 250 }.units().unwrap(), 1750);
-        assert_eq!(
-            GpuShare::Mig {
-                profile: "3g.40gb".into()
-            }
-            .units()
-            .unwrap(),
-            3000
-        );
-        assert!(GpuShare::Mig {
-            profile: "9g.1gb".into()
+        assert_eq!(GpuShare::Whole.units(), 7000);
+        assert_eq!(GpuShare::Fraction { milli: 250 }.units(), 1750);
+        let mig = GpuShare::mig_named("3g.40gb").unwrap();
+        assert_eq!(mig.units(), 3000);
+        assert!(GpuShare::mig_named("9g.1gb").is_err());
+        assert!(GpuShare::from_milli(0).is_err());
+        // The ledger's form: what stored events hold reads back the same.
+        for (json, share) in [
+            (r#"{"kind":"whole"}"#, GpuShare::Whole),
+            (
+                r#"{"kind":"milli","milli":250}"#,
+                GpuShare::Fraction { milli: 250 },
+            ),
+            (r#"{"kind":"mig","profile":"3g.40gb"}"#, mig),
+        ] {
+            assert_eq!(serde_json::from_str::<GpuShare>(json).unwrap(), share);
+            assert_eq!(serde_json::to_string(&share).unwrap(), json);
         }
-        .units()
-        .is_err());
-        assert!(GpuShare::Milli { milli: 0 }.units().is_err());
+        assert_eq!(
+            serde_json::from_str::<GpuShare>(r#"{"kind":"milli","milli":1000}"#).unwrap(),
+            GpuShare::Whole
+        );
+        assert!(serde_json::from_str::<GpuShare>(r#"{"kind":"milli","milli":0}"#).is_err());
+        assert!(serde_json::from_str::<GpuShare>(r#"{"kind":"mig","profile":"x"}"#).is_err());
         let e = ev("a", 0, 100);
         assert_eq!(
             e.quantity_within(t(50), t(1000)).unwrap(),

@@ -56,8 +56,8 @@ fn make(
     ][class as usize];
     let share = match share {
         0 | 1 => GpuShare::Whole,
-        2 => GpuShare::Milli { milli: 250 },
-        _ => GpuShare::Milli { milli: 500 },
+        2 => GpuShare::Fraction { milli: 250 },
+        _ => GpuShare::Fraction { milli: 500 },
     };
     let gpu = Meter::GpuSeconds {
         model: "H100".into(),
@@ -351,9 +351,7 @@ fn mig_shares_bill_as_sevenths() {
     let t = tenant(0);
     let mig = Meter::GpuSeconds {
         model: "H100".into(),
-        share: GpuShare::Mig {
-            profile: "3g.40gb".into(),
-        },
+        share: GpuShare::mig_named("3g.40gb").unwrap(),
     };
     // 2 x 3g slices for 7000 s = 6000 whole-GPU-seconds.
     let e = event(

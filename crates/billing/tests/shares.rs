@@ -35,14 +35,8 @@ fn shares_bill_their_part_of_each_second_on_lines_that_name_them() {
     };
     let mut events = Vec::new();
     for l in [
-        run("inst_half", GpuShare::Milli { milli: 500 }, 1),
-        run(
-            "inst_mig",
-            GpuShare::Mig {
-                profile: "1g.10gb".into(),
-            },
-            7,
-        ),
+        run("inst_half", GpuShare::Fraction { milli: 500 }, 1),
+        run("inst_mig", GpuShare::mig_named("1g.10gb").unwrap(), 7),
         run("inst_whole", GpuShare::Whole, 1),
     ] {
         events.extend(lifecycle_usage(&l, at(23, 0, 0), 60).unwrap());

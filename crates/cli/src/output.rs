@@ -112,16 +112,8 @@ pub fn instance_gpus(inst: &Instance) -> String {
 /// A GPU meter's model with its share, as `ps` shows an instance's:
 /// `L40S` for whole GPUs, `0.25 × L40S` for a share, `H100 1g.10gb` for
 /// a MIG instance.
-pub fn metered_gpu(model: &str, share: &flotilla_billing::meter::GpuShare) -> String {
-    use flotilla_billing::meter::GpuShare;
-    match share {
-        GpuShare::Whole => model.to_string(),
-        GpuShare::Milli { milli } => {
-            let f = rust_decimal::Decimal::new(i64::from(*milli), 3).normalize();
-            format!("{f} × {model}")
-        }
-        GpuShare::Mig { profile } => format!("{model} {profile}"),
-    }
+pub fn metered_gpu(model: &str, share: &flotilla_core::placement::GpuShare) -> String {
+    share.label(model)
 }
 
 /// Where an instance's published ports are reached, comma-separated; `-`
@@ -258,17 +250,15 @@ mod tests {
     fn metered_shares_read_as_ps_shows_them() {
         use flotilla_billing::meter::GpuShare;
         assert_eq!(
-            metered_gpu("L40S", &GpuShare::Milli { milli: 250 }),
+            metered_gpu("L40S", &GpuShare::Fraction { milli: 250 }),
             "0.25 × L40S"
         );
         assert_eq!(
-            metered_gpu("H100", &GpuShare::Milli { milli: 500 }),
+            metered_gpu("H100", &GpuShare::Fraction { milli: 500 }),
             "0.5 × H100"
         );
         assert_eq!(metered_gpu("H100", &GpuShare::Whole), "H100");
-        let mig = GpuShare::Mig {
-            profile: "1g.10gb".into(),
-        };
+        let mig = GpuShare::mig_named("1g.10gb").unwrap();
         assert_eq!(metered_gpu("H100", &mig), "H100 1g.10gb");
     }
 

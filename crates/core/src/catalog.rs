@@ -47,7 +47,11 @@ pub struct GpuModel {
 }
 
 /// One MIG profile of a model: what one instance of it takes of a GPU.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+/// Ordered and hashed so that a share of it can key a ledger's meter
+/// (`crate::placement::GpuShare`).
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema,
+)]
 pub struct MigProfile {
     /// NVIDIA's name, e.g. `1g.10gb`.
     pub name: String,

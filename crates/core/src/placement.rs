@@ -4,7 +4,11 @@
 //! `flotilla-sched`'s (the pass planner); these are the types the store
 //! writes and checks.
 
-use crate::catalog::{MigProfile, MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
+use std::sync::LazyLock;
+
+use serde::{Deserialize, Serialize};
+
+use crate::catalog::{Catalog, MigProfile, MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
 use crate::id::{GpuId, NodeId};
 
 /// One whole GPU in milli-GPU.
@@ -15,7 +19,15 @@ pub const MILLI_PER_GPU: u16 = 1000;
 /// other fractions (MPS, with a thread percentage and a memory cap); a MIG
 /// profile takes one hardware instance of a GPU in MIG mode. A GPU never
 /// mixes MIG instances with whole or fractional work.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+///
+/// The one share type: the store places it, the scheduler's asks are made
+/// from it (`flotilla_sched::GpuAsk::of`), and the ledger's GPU meter is
+/// keyed by it. Its serialised form is the ledger's, which stored events
+/// keep forever: `{"kind":"whole"}`, `{"kind":"milli","milli":250}`,
+/// `{"kind":"mig","profile":"3g.40gb"}` (a MIG profile is known by its
+/// name, see [`GpuShare::mig_named`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+#[serde(try_from = "ShareWire", into = "ShareWire")]
 pub enum GpuShare {
     /// Whole GPUs, `gpus` of them.
     #[default]
@@ -29,7 +41,81 @@ pub enum GpuShare {
     Mig(MigProfile),
 }
 
+/// [`GpuShare`] as the ledger stores it.
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum ShareWire {
+    Whole,
+    Milli { milli: u32 },
+    Mig { profile: String },
+}
+
+impl From<GpuShare> for ShareWire {
+    fn from(s: GpuShare) -> Self {
+        match s {
+            GpuShare::Whole => ShareWire::Whole,
+            GpuShare::Fraction { milli } => ShareWire::Milli {
+                milli: u32::from(milli),
+            },
+            GpuShare::Mig(p) => ShareWire::Mig { profile: p.name },
+        }
+    }
+}
+
+impl TryFrom<ShareWire> for GpuShare {
+    type Error = String;
+
+    fn try_from(w: ShareWire) -> Result<Self, String> {
+        match w {
+            ShareWire::Whole => Ok(GpuShare::Whole),
+            ShareWire::Milli { milli } => GpuShare::from_milli(milli),
+            ShareWire::Mig { profile } => GpuShare::mig_named(&profile),
+        }
+    }
+}
+
+/// The shipped catalog, for naming MIG profiles when a share is read back.
+static SHIPPED: LazyLock<Catalog> = LazyLock::new(Catalog::default);
+
 impl GpuShare {
+    /// A share of `milli` thousandths of a GPU: 1..=999 a fraction, 1000
+    /// the whole GPU.
+    pub fn from_milli(milli: u32) -> Result<Self, String> {
+        match milli {
+            1000 => Ok(GpuShare::Whole),
+            // 1..=999: fits u16.
+            m @ 1..=999 => Ok(GpuShare::Fraction { milli: m as u16 }),
+            m => Err(format!("a GPU share must be 1 to 1000 milli, got {m}")),
+        }
+    }
+
+    /// One instance of the MIG profile called `name`. The shipped catalog's
+    /// profile where it has one (a profile name means the same slices on
+    /// every model that offers it); otherwise read from the name itself,
+    /// `<compute slices>g.<memory>gb`, counting memory in eighths of a GPU
+    /// of 8 × that memory's slice.
+    pub fn mig_named(name: &str) -> Result<Self, String> {
+        if let Some((p, _)) = SHIPPED.mig_profile(name) {
+            return Ok(GpuShare::Mig(p));
+        }
+        let parsed = name.split_once("g.").and_then(|(g, mem)| {
+            let compute = g
+                .parse::<u8>()
+                .ok()
+                .filter(|c| (1..=MIG_COMPUTE_SLICES).contains(c))?;
+            let gb = mem.strip_suffix("gb")?.parse::<u64>().ok()?;
+            Some(MigProfile {
+                name: name.to_string(),
+                compute_slices: compute,
+                memory_slices: compute.min(MIG_MEMORY_SLICES),
+                memory_mib: gb * 1024,
+            })
+        });
+        parsed
+            .map(GpuShare::Mig)
+            .ok_or_else(|| format!("`{name}` is not a MIG profile like `3g.40gb`"))
+    }
+
     /// The request fields that ask for this share: `(gpu_fraction,
     /// mig_profile)`, both absent for whole GPUs.
     pub fn as_request(&self) -> (Option<f64>, Option<String>) {

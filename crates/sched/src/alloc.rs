@@ -44,6 +44,13 @@ impl Tier {
         Tier::ALL.into_iter().find(|t| t.number() == n)
     }
 
+    /// The tier numbered `n`, dedicated for a number outside 1..=3 (which
+    /// the API's validation rules out): the tier that nothing preempts, so
+    /// a bad record can never make work preemptible.
+    pub fn from_number_or_dedicated(n: u8) -> Tier {
+        Tier::from_number(n).unwrap_or(Tier::Dedicated)
+    }
+
     pub(crate) fn index(self) -> usize {
         usize::from(self.number() - 1)
     }

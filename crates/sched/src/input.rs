@@ -8,9 +8,11 @@
 
 use std::collections::BTreeMap;
 
+use flotilla_core::catalog::{MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
+use flotilla_core::placement::GpuShare;
+
 use crate::alloc::{Tenant, Tier};
 use crate::gang::Locality;
-use crate::mig::MigProfile;
 use crate::preempt::PreemptConfig;
 use crate::queue::FairShareConfig;
 use crate::quota::Quota;
@@ -53,19 +55,36 @@ impl GpuAsk {
         })
     }
 
-    /// A MIG instance of `profile`, counted by its compute slices
-    /// ([`MigProfile::milli`]). A caller that knows the GPU's memory slices
-    /// too should count the larger of the two fractions, and give MIG-mode
-    /// GPUs the smaller of their free fractions, so that what fits here
-    /// fits the hardware.
-    pub fn mig_profile(profile: MigProfile) -> GpuAsk {
-        GpuAsk::Mig(profile.milli())
+    /// What each member of a work asks when it takes `gpus` GPUs of
+    /// `share` (the platform's one share type, `flotilla_core`'s): none,
+    /// whole GPUs, a fraction of one, or a MIG instance counted by the
+    /// larger of its compute and memory fractions ([`mig_milli`]).
+    pub fn of(share: &GpuShare, gpus: u32) -> GpuAsk {
+        match share {
+            GpuShare::Whole if gpus == 0 => GpuAsk::None,
+            GpuShare::Whole => GpuAsk::Whole(u16::try_from(gpus).unwrap_or(u16::MAX)),
+            GpuShare::Fraction { milli } => GpuAsk::Fraction(*milli),
+            GpuShare::Mig(p) => GpuAsk::Mig(mig_milli(p.compute_slices, p.memory_slices).0),
+        }
     }
 
     /// Milli-GPU one member holds.
     pub fn milli(self) -> u64 {
         self.demand().map_or(0, |d| u64::from(d.total_milli()))
     }
+}
+
+/// A MIG instance of `compute` compute and `memory` memory slices as
+/// milli-GPU, rounded down, counted both ways: `(the larger, the smaller)`
+/// of the two fractions. An instance asks for the larger and a MIG-mode
+/// GPU offers the smaller of its free fractions, so whatever the planner
+/// fits also fits the GPU's geometry, which the store checks again when it
+/// writes (rounding down keeps seven 1g slices within 1000).
+pub fn mig_milli(compute: u8, memory: u8) -> (u16, u16) {
+    let c = u32::from(compute.min(MIG_COMPUTE_SLICES)) * 1000 / u32::from(MIG_COMPUTE_SLICES);
+    let m = u32::from(memory.min(MIG_MEMORY_SLICES)) * 1000 / u32::from(MIG_MEMORY_SLICES);
+    // Both at most 1000: fit u16.
+    (c.max(m) as u16, c.min(m) as u16)
 }
 
 /// One GPU of a machine.

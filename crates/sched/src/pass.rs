@@ -53,8 +53,8 @@ use crate::snapshot::{Cluster, ModelId, ModelTable, NodeSpec};
 use crate::{Error, TargetWorkload, MILLI};
 
 pub use crate::input::{
-    GpuAsk, GpuSnap, Hold, NodeSnap, Promise, QueuedWork, RunningWork, Snapshot, TenantPolicy,
-    UsageSpan, WorkKey, MIG_SUFFIX,
+    mig_milli, GpuAsk, GpuSnap, Hold, NodeSnap, Promise, QueuedWork, RunningWork, Snapshot,
+    TenantPolicy, UsageSpan, WorkKey, MIG_SUFFIX,
 };
 
 /// Where one member goes.

@@ -17,6 +17,15 @@ pub enum Runtime {
     Container,
 }
 
+impl From<flotilla_core::node::RuntimeKind> for Runtime {
+    fn from(r: flotilla_core::node::RuntimeKind) -> Self {
+        match r {
+            flotilla_core::node::RuntimeKind::Process => Runtime::Process,
+            flotilla_core::node::RuntimeKind::Container => Runtime::Container,
+        }
+    }
+}
+
 /// The GPU part of a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GpuDemand {

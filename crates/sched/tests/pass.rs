@@ -5,8 +5,8 @@
 
 use std::collections::BTreeMap;
 
+use flotilla_core::placement::GpuShare;
 use flotilla_sched::gang::Locality;
-use flotilla_sched::mig::MigProfile;
 use flotilla_sched::pass::{
     plan, GpuAsk, GpuSnap, Hold, NodeSnap, Plan, Promise, QueuedWork, RunningWork, Snapshot,
     TenantPolicy, Wait, WorkKey,
@@ -89,7 +89,8 @@ fn a_replica_goes_where_it_is_ready_soonest_and_else_where_the_policy_packs() {
 }
 
 fn mig(s: &str) -> GpuAsk {
-    GpuAsk::mig_profile(s.parse::<MigProfile>().unwrap())
+    // Counted by its compute slices alone, as these tests' GPUs count them.
+    GpuAsk::Mig(GpuShare::mig_named(s).unwrap().milli())
 }
 
 /// What applying `plan` to `snap` leaves: placed work runs, victims stop

@@ -122,20 +122,21 @@ pub fn usage(
 
 /// What one unit of the instance's GPU meter is: a fraction bills its
 /// share (a 0.25 share accrues 0.25 GPU-seconds a second), a MIG instance
-/// its compute slices of 7, whole GPUs one GPU each.
+/// its compute slices of 7, whole GPUs one GPU each. An instance whose
+/// stored share no longer reads (a profile the catalog dropped, which
+/// validation at creation rules out) bills as whole GPUs, the safe side
+/// for nobody: it is logged.
 pub fn share_of(inst: &Instance) -> GpuShare {
-    if let Some(profile) = &inst.mig_profile {
-        return GpuShare::Mig {
-            profile: profile.clone(),
-        };
-    }
-    match inst.gpu_fraction {
+    let share = match (&inst.mig_profile, inst.gpu_fraction) {
+        (Some(profile), _) => GpuShare::mig_named(profile),
         // Stored in milli, so the round trip through f64 is exact.
-        Some(f) => GpuShare::Milli {
-            milli: (f * 1000.0).round().clamp(1.0, 1000.0) as u32,
-        },
-        None => GpuShare::Whole,
-    }
+        (None, Some(f)) => GpuShare::from_milli((f * 1000.0).round().clamp(1.0, 1000.0) as u32),
+        (None, None) => Ok(GpuShare::Whole),
+    };
+    share.unwrap_or_else(|e| {
+        tracing::error!(instance = %inst.id, error = %e, "unreadable GPU share; metered as whole GPUs");
+        GpuShare::Whole
+    })
 }
 
 /// A serverless endpoint's replica bills its GPU time to the endpoint, at
@@ -327,12 +328,7 @@ mod tests {
             mig_profile: Some("1g.10gb".into()),
             ..half
         };
-        assert_eq!(
-            share_of(&mig),
-            GpuShare::Mig {
-                profile: "1g.10gb".into()
-            }
-        );
+        assert_eq!(share_of(&mig), GpuShare::mig_named("1g.10gb").unwrap());
     }
 
     #[test]

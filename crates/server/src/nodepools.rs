@@ -25,7 +25,6 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use flotilla_backends::capacity::{CapacityError, Join, MachineState as Cloud, ProvisionRequest};
 use flotilla_core::id::NodeId;
-use flotilla_core::node::RuntimeKind;
 use flotilla_core::nodepool::{NodePoolView, PoolMachineView};
 use flotilla_scale::nodepool::{self, Phase, PoolDecision, Waiting, Why};
 use flotilla_sched::Runtime;
@@ -57,13 +56,6 @@ fn ms_of(t: DateTime<Utc>) -> u64 {
     u64::try_from(t.timestamp_millis()).unwrap_or(0)
 }
 
-fn runtime_of(r: RuntimeKind) -> Runtime {
-    match r {
-        RuntimeKind::Process => Runtime::Process,
-        RuntimeKind::Container => Runtime::Container,
-    }
-}
-
 /// A one-time join token: `fjt_` and 32 random bytes in hex.
 fn mint_join_token() -> String {
     let mut bytes = [0u8; 32];
@@ -77,7 +69,7 @@ fn mint_join_token() -> String {
 /// and runs on its runtime.
 async fn waiting_work(st: &AppState, pool: &NodePoolConfig) -> Result<Vec<Waiting>, StoreError> {
     let plan = crate::schedule::current_plan(st).await?;
-    let runtime = runtime_of(pool.runtime);
+    let runtime = Runtime::from(pool.runtime);
     Ok(plan
         .unfit
         .iter()

@@ -129,39 +129,6 @@ impl Tenants {
     }
 }
 
-fn tier_of(n: u8) -> Tier {
-    Tier::from_number(n).unwrap_or(Tier::Dedicated)
-}
-
-fn ask_of(share: &GpuShare, gpus: u32) -> GpuAsk {
-    match share {
-        GpuShare::Whole if gpus == 0 => GpuAsk::None,
-        GpuShare::Whole => GpuAsk::Whole(u16::try_from(gpus).unwrap_or(u16::MAX)),
-        GpuShare::Fraction { milli } => GpuAsk::Fraction(*milli),
-        GpuShare::Mig(p) => GpuAsk::Mig(mig_milli(p.compute_slices, p.memory_slices).0),
-    }
-}
-
-/// A MIG instance of `compute` compute and `memory` memory slices as
-/// milli-GPU, rounded down, counted both ways: `(the larger, the smaller)`
-/// of the two fractions. An instance asks for the larger and a MIG-mode
-/// GPU offers the smaller of its free fractions, so whatever the planner
-/// fits also fits the GPU's geometry, which the store checks again when it
-/// writes (rounding down keeps seven 1g slices within 1000).
-pub(crate) fn mig_milli(compute: u8, memory: u8) -> (u16, u16) {
-    use flotilla_core::catalog::{MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES};
-    let c = u32::from(compute.min(MIG_COMPUTE_SLICES)) * 1000 / u32::from(MIG_COMPUTE_SLICES);
-    let m = u32::from(memory.min(MIG_MEMORY_SLICES)) * 1000 / u32::from(MIG_MEMORY_SLICES);
-    (c.max(m) as u16, c.min(m) as u16)
-}
-
-fn runtime_of(r: RuntimeKind) -> Runtime {
-    match r {
-        RuntimeKind::Process => Runtime::Process,
-        RuntimeKind::Container => Runtime::Container,
-    }
-}
-
 fn locality_of(l: JobLocality) -> Locality {
     match l {
         JobLocality::Any => Locality::Any,
@@ -217,7 +184,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
                 model: g.model.clone(),
                 mig: g.mig_mode,
                 free_milli: if g.mig_mode {
-                    mig_milli(g.mig_compute_free, g.mig_memory_free).1
+                    pass::mig_milli(g.mig_compute_free, g.mig_memory_free).1
                 } else {
                     g.free_milli
                 },
@@ -232,7 +199,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
             cordoned: n.cordoned || !n.offer.offered_at(now),
             region: n.region.clone(),
             pool: n.pool.clone(),
-            runtime: runtime_of(n.runtime),
+            runtime: Runtime::from(n.runtime),
             // Totals are the free capacity plus what running work holds,
             // added below.
             cpu_total_milli: cpu,
@@ -258,17 +225,17 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
             PendingWork::Instance(p) => QueuedWork {
                 key,
                 tenant: tenants.index(&p.tenant_id),
-                tier: tier_of(p.tier),
+                tier: Tier::from_number_or_dedicated(p.tier),
                 priority: p.priority,
                 submitted_ms: ms_of(p.created_at),
                 members: 1,
                 spread: false,
                 locality: Locality::Any,
-                gpu: ask_of(&p.share, p.gpus),
+                gpu: GpuAsk::of(&p.share, p.gpus),
                 models: p.gpu_types.clone(),
                 cpu_milli: p.cpu_milli,
                 mem_mib: p.memory_mb,
-                runtime: runtime_of(p.runtime),
+                runtime: Runtime::from(p.runtime),
                 max_runtime_ms: None,
                 ready_ms: p
                     .weights
@@ -279,19 +246,19 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
             PendingWork::Job(j) => QueuedWork {
                 key,
                 tenant: tenants.index(&j.tenant_id),
-                tier: tier_of(j.spec.tier),
+                tier: Tier::from_number_or_dedicated(j.spec.tier),
                 priority: j.spec.priority,
                 submitted_ms: ms_of(j.created_at),
                 members: u16::try_from(j.spec.nodes.max(1)).unwrap_or(u16::MAX),
                 // `--nodes N`: N members on N machines, as Slurm's -N.
                 spread: true,
                 locality: locality_of(j.spec.locality),
-                gpu: ask_of(&j.spec.share(st.catalog()), j.spec.gpus_per_member()),
+                gpu: GpuAsk::of(&j.spec.share(st.catalog()), j.spec.gpus_per_member()),
                 models: j.spec.gpu_types.clone(),
                 cpu_milli: j.spec.cpu_milli,
                 mem_mib: j.spec.memory_mb,
                 // Members run from the job's image, if it has one.
-                runtime: runtime_of(RuntimeKind::for_work(j.spec.image.is_some())),
+                runtime: Runtime::from(RuntimeKind::for_work(j.spec.image.is_some())),
                 max_runtime_ms: j.spec.time_limit_s.map(|s| s.saturating_mul(1000)),
                 ready_ms: Vec::new(),
             },
@@ -347,7 +314,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
                 running.push(RunningWork {
                     key,
                     tenant: tenants.index(&h.tenant_id),
-                    tier: tier_of(h.tier),
+                    tier: Tier::from_number_or_dedicated(h.tier),
                     priority: h.priority,
                     preemptible: h.preemptible,
                     started_ms: ms_of(h.since),

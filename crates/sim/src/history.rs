@@ -27,7 +27,6 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
 use flotilla_core::history::{DemandHistory, RecordedNode, RecordedWork};
-use flotilla_core::node::RuntimeKind;
 use flotilla_sched::gang::Locality;
 use flotilla_sched::pass::{
     self, GpuAsk, GpuSnap, Hold, NodeSnap, QueuedWork, RunningWork, Snapshot, WorkKey,
@@ -79,17 +78,6 @@ pub enum ReplayError {
     /// The pass could not model the snapshot (too many GPU models).
     #[error("the scheduling pass refused the replay's snapshot: {0}")]
     Pass(#[from] flotilla_sched::Error),
-}
-
-fn tier_of(n: u8) -> Tier {
-    Tier::from_number(n).unwrap_or(Tier::Dedicated)
-}
-
-fn runtime_of(r: RuntimeKind) -> Runtime {
-    match r {
-        RuntimeKind::Process => Runtime::Process,
-        RuntimeKind::Container => Runtime::Container,
-    }
 }
 
 fn ms_since(from: DateTime<Utc>, t: DateTime<Utc>) -> u64 {
@@ -160,7 +148,7 @@ fn demand(h: &DemandHistory) -> Vec<Demand> {
             preemptible: w.preemptible,
             cpu_milli: w.cpu_milli,
             mem_mib: w.memory_mb,
-            runtime: runtime_of(w.runtime),
+            runtime: Runtime::from(w.runtime),
             milli: w.milli(),
             recorded_wait_ms: placed_ms.saturating_sub(submitted_ms),
             model: w
@@ -273,7 +261,7 @@ impl Model<'_> {
                 cordoned: false,
                 region: n.region.clone(),
                 pool: n.pool.clone(),
-                runtime: runtime_of(n.runtime),
+                runtime: Runtime::from(n.runtime),
                 cpu_total_milli: u32::try_from(n.cpu_milli).unwrap_or(u32::MAX),
                 mem_total_mib: n.memory_mb,
                 cpu_free_milli: u32::try_from(n.cpu_milli).unwrap_or(u32::MAX),
@@ -307,7 +295,7 @@ impl Model<'_> {
             running.push(RunningWork {
                 key: r.key as WorkKey,
                 tenant: d.tenant,
-                tier: tier_of(d.tier),
+                tier: Tier::from_number_or_dedicated(d.tier),
                 priority: d.priority,
                 preemptible: d.preemptible,
                 started_ms: r.started_ms,
@@ -325,7 +313,7 @@ impl Model<'_> {
                 QueuedWork {
                     key: k as WorkKey,
                     tenant: d.tenant,
-                    tier: tier_of(d.tier),
+                    tier: Tier::from_number_or_dedicated(d.tier),
                     priority: d.priority,
                     submitted_ms: d.submitted_ms,
                     members: d.members,
@@ -583,7 +571,7 @@ mod tests {
             name: name.into(),
             region: "local".into(),
             pool: "default".into(),
-            runtime: RuntimeKind::Process,
+            runtime: flotilla_core::node::RuntimeKind::Process,
             cpu_milli: 64_000,
             memory_mb: 256_000,
             gpus: vec!["H100".into(); gpus],
@@ -618,7 +606,7 @@ mod tests {
                     tier: 2,
                     priority: 0,
                     preemptible: false,
-                    runtime: RuntimeKind::Process,
+                    runtime: flotilla_core::node::RuntimeKind::Process,
                     submitted_at: at,
                     started_at: Some(at),
                     finished_at: Some(at + Duration::minutes(run_min)),

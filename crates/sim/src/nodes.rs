@@ -156,12 +156,6 @@ const NEW_REPLICA: WorkKey = 0;
 /// The simulator's one tenant.
 const TENANT: flotilla_sched::Tenant = 1;
 
-/// An endpoint tier (1..=3) as the planner's; anything else is tier 1, as
-/// the server reads it.
-fn tier_of(n: u8) -> Tier {
-    Tier::from_number(n).unwrap_or(Tier::Dedicated)
-}
-
 impl<P: CapacityProvider> NodePool<P> {
     /// An empty pool of `gpu` nodes, placing with the best-fit policy (the
     /// fullest node that still has room, so whole nodes free up to be
@@ -236,7 +230,7 @@ impl<P: CapacityProvider> NodePool<P> {
                 running.push(RunningWork {
                     key: running.len() as WorkKey + 1,
                     tenant: TENANT,
-                    tier: tier_of(t),
+                    tier: Tier::from_number_or_dedicated(t),
                     priority: 0,
                     preemptible: false,
                     started_ms: n.requested_ms,
@@ -260,7 +254,7 @@ impl<P: CapacityProvider> NodePool<P> {
         let queue = vec![QueuedWork {
             key: NEW_REPLICA,
             tenant: TENANT,
-            tier: tier_of(tier),
+            tier: Tier::from_number_or_dedicated(tier),
             priority: 0,
             submitted_ms: now_ms,
             members: 1,

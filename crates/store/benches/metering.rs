@@ -53,9 +53,7 @@ fn event(t: &TenantId, source: &str, i: usize, node: Option<&NodeId>) -> UsageEv
     let minute = (i / 200) as i64;
     let start = jan() + Duration::minutes(minute % (60 * 24 * 30));
     let share = if matches!(subject % 10, 0) {
-        GpuShare::Mig {
-            profile: "3g.40gb".into(),
-        }
+        GpuShare::mig_named("3g.40gb").unwrap()
     } else {
         GpuShare::Whole
     };

@@ -21,8 +21,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use chrono::{DateTime, Duration, SubsecRound, Utc};
 use flotilla_billing::meter::{
-    check_append, Appended, EventKey, Meter, Subject, SubjectKind, UsageEvent, MAX_COUNT,
-    MAX_EVENT_DAYS, MAX_UNITS,
+    check_append, Appended, EventKey, Meter, ShareUnits, Subject, SubjectKind, UsageEvent,
+    MAX_COUNT, MAX_EVENT_DAYS, MAX_UNITS,
 };
 use flotilla_billing::{BillingError, Period};
 use flotilla_core::id::{NodeId, TenantId};
@@ -190,7 +190,7 @@ fn is_count_meter(kind: &str) -> bool {
 impl<'a> Flat<'a> {
     fn new(e: &'a UsageEvent) -> Result<Self, BillingError> {
         let (model, share_units) = match &e.meter {
-            Meter::GpuSeconds { model, share } => (model.as_str(), share.units()?),
+            Meter::GpuSeconds { model, share } => (model.as_str(), share.units()),
             _ => ("", 0),
         };
         let amount_int = if e.amount.fract().is_zero() {

@@ -253,9 +253,7 @@ async fn rollup_rates_to_the_same_invoice_as_every_event(s: &Store) {
             if sub % 5 == 0 {
                 e.meter = Meter::GpuSeconds {
                     model: "H100".into(),
-                    share: GpuShare::Mig {
-                        profile: "3g.40gb".into(),
-                    },
+                    share: GpuShare::mig_named("3g.40gb").unwrap(),
                 };
             }
             evs.push(e);
@@ -573,9 +571,7 @@ async fn node_rollup_pays_providers_like_every_event(s: &Store) {
                 if sub % 3 == 0 {
                     e.meter = Meter::GpuSeconds {
                         model: "H100".into(),
-                        share: GpuShare::Mig {
-                            profile: "3g.40gb".into(),
-                        },
+                        share: GpuShare::mig_named("3g.40gb").unwrap(),
                     };
                 }
                 if sub == 4 {

@@ -80,8 +80,8 @@ pub fn usage_csv(events: &[UsageEvent]) -> Result<String, ApiError> {
                 model.as_str(),
                 match share {
                     GpuShare::Whole => "whole".to_string(),
-                    GpuShare::Milli { milli } => format!("milli:{milli}"),
-                    GpuShare::Mig { profile } => format!("mig:{profile}"),
+                    GpuShare::Fraction { milli } => format!("milli:{milli}"),
+                    GpuShare::Mig(p) => format!("mig:{}", p.name),
                 },
             ),
             Meter::InstanceSeconds => ("instance_seconds", "", String::new()),

@@ -34,7 +34,7 @@ fn milli_of(share: &GpuShare) -> u32 {
         GpuShare::Whole => 1000,
         GpuShare::Fraction { milli } => u32::from(*milli),
         GpuShare::Mig(p) => {
-            u32::from(crate::schedule::mig_milli(p.compute_slices, p.memory_slices).0)
+            u32::from(flotilla_sched::pass::mig_milli(p.compute_slices, p.memory_slices).0)
         }
     }
 }
