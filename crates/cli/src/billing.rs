@@ -7,18 +7,21 @@
 use std::process::ExitCode;
 
 use anyhow::{anyhow, bail, Context, Result};
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
-use flotilla_billing::api::{BudgetView, Finalized, Payouts, PriceCatalog, SpotPrices, Terms};
-use flotilla_billing::estimate::{BillingModel, Estimate, EstimateOption};
+use flotilla_billing::api::{FinalizeRequest, NewTerm, SetBudget};
+use flotilla_billing::estimate::{
+    BillingModel, EstimateOption, GpuWorkload, ServerlessWorkload, Workload,
+};
 use flotilla_billing::invoice::{Invoice, InvoiceStatus};
-use flotilla_billing::price::{Commitment, CreditGrant, Discount, PriceVersion};
+use flotilla_billing::price::{CreditKind, DiscountScope, Payment};
+use flotilla_client::UsageRange;
+use flotilla_core::id::TenantId;
 use rust_decimal::Decimal;
-use serde_json::{json, Value};
+use serde_json::Value;
 
-use crate::client::decode;
 use crate::ctx::Ctx;
-use crate::output::{outln, print_json, print_table, table, wire};
+use crate::output::{outln, print_answer, print_table, table, wire};
 
 pub(crate) fn this_month() -> String {
     Utc::now().format("%Y-%m").to_string()
@@ -27,8 +30,9 @@ pub(crate) fn this_month() -> String {
 /// `flotilla prices`.
 #[derive(Debug, Subcommand)]
 pub enum PricesCommand {
-    /// Publish the next catalog version from a JSON file (operators): the
-    /// body `GET /v1/prices` lists per version; `version` may be left out.
+    /// Publish the next catalog version from a JSON file (operators): a
+    /// version as `flotilla prices --json` lists it; `version` may be left
+    /// out.
     Set {
         /// The version as JSON.
         #[arg(long, value_name = "FILE")]
@@ -43,11 +47,10 @@ pub async fn prices(ctx: &Ctx, command: Option<PricesCommand>) -> Result<ExitCod
             .with_context(|| format!("reading {}", file.display()))?;
         let body: Value = serde_json::from_str(&text)
             .with_context(|| format!("{} is not JSON", file.display()))?;
-        let raw: Value = ctx.client.post("/v1/prices", &body).await?;
+        let v = ctx.client.publish_prices(&body).await?;
         if ctx.json {
-            print_json(&raw)?;
+            print_answer(&v)?;
         } else {
-            let v: PriceVersion = decode(raw)?;
             outln!(
                 "published price version {} (effective {})",
                 v.version,
@@ -56,12 +59,11 @@ pub async fn prices(ctx: &Ctx, command: Option<PricesCommand>) -> Result<ExitCod
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let raw: Value = ctx.client.get("/v1/prices", &[]).await?;
+    let catalog = ctx.client.prices().await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&catalog)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let catalog: PriceCatalog = decode(raw)?;
     let in_force = catalog.in_force;
     let mut t = table(["VERSION", "EFFECTIVE FROM", "STATE"]);
     for v in &catalog.versions {
@@ -80,7 +82,7 @@ pub async fn prices(ctx: &Ctx, command: Option<PricesCommand>) -> Result<ExitCod
     let Some(cur) = catalog.versions.iter().find(|v| v.version == in_force) else {
         return Ok(ExitCode::SUCCESS);
     };
-    let spot: SpotPrices = ctx.client.get("/v1/prices/spot", &[]).await?;
+    let spot = ctx.client.spot_prices().await?;
     outln!(
         "\nversion {in_force}, prices in {} per GPU-hour",
         catalog.currency
@@ -196,17 +198,16 @@ fn print_invoice(inv: &Invoice) -> Result<()> {
 pub async fn invoices(ctx: &Ctx, command: Option<InvoicesCommand>) -> Result<ExitCode> {
     match command.unwrap_or(InvoicesCommand::List { csv: false }) {
         InvoicesCommand::List { csv: true } => {
-            print!("{}", ctx.client.list_csv("/v1/invoices", &[]).await?);
+            print!("{}", ctx.client.invoices_csv().await?);
         }
         InvoicesCommand::List { csv: false } => {
-            let items: Vec<Value> = ctx.client.list("/v1/invoices", &[], None).await?;
+            let items = ctx.client.invoices().await?;
             if ctx.json {
-                print_json(&items)?;
+                print_answer(&items)?;
                 return Ok(ExitCode::SUCCESS);
             }
             let mut t = table(["ID", "TENANT", "PERIOD", "STATUS", "TOTAL"]);
-            for raw in items {
-                let i: Invoice = decode(raw)?;
+            for i in items {
                 t.add_row([
                     i.id().to_string(),
                     i.tenant().to_string(),
@@ -221,41 +222,39 @@ pub async fn invoices(ctx: &Ctx, command: Option<InvoicesCommand>) -> Result<Exi
             if !id.starts_with("inv_") {
                 bail!("`{id}` is not an invoice id (inv_…)");
             }
-            let path = format!("/v1/invoices/{id}");
             if csv {
-                print!("{}", ctx.client.get_csv(&path, &[]).await?.0);
+                print!("{}", ctx.client.invoice_csv(&id).await?);
                 return Ok(ExitCode::SUCCESS);
             }
-            let raw: Value = ctx.client.get(&path, &[]).await?;
+            let inv = ctx.client.invoice(&id).await?;
             if ctx.json {
-                print_json(&raw)?;
+                print_answer(&inv)?;
             } else {
-                print_invoice(&decode(raw)?)?;
+                print_invoice(&inv)?;
             }
         }
         InvoicesCommand::Preview { period } => {
             let period = period.unwrap_or_else(this_month);
-            let raw: Value = ctx
-                .client
-                .get("/v1/invoices/preview", &[("period", period)])
-                .await?;
+            let inv = ctx.client.invoice_preview(&period).await?;
             if ctx.json {
-                print_json(&raw)?;
+                print_answer(&inv)?;
             } else {
-                print_invoice(&decode(raw)?)?;
+                print_invoice(&inv)?;
             }
         }
         InvoicesCommand::Finalise { period, tenant } => {
-            let mut body = json!({ "period": period });
-            if let Some(t) = tenant {
-                body["tenant"] = json!(t);
-            }
-            let raw: Value = ctx.client.post("/v1/invoices/finalise", &body).await?;
+            let tenant = tenant
+                .map(|t| TenantId::parse(t.trim(), "--tenant"))
+                .transpose()
+                .map_err(|e| anyhow!("{e}"))?;
+            let done = ctx
+                .client
+                .finalise_invoices(&FinalizeRequest { period, tenant })
+                .await?;
             if ctx.json {
-                print_json(&raw)?;
+                print_answer(&done)?;
                 return Ok(ExitCode::SUCCESS);
             }
-            let done: Finalized = decode(raw)?;
             let mut t = table(["TENANT", "INVOICE", "TOTAL", "RESULT"]);
             for i in &done.finalised {
                 t.add_row([
@@ -280,8 +279,8 @@ pub async fn invoices(ctx: &Ctx, command: Option<InvoicesCommand>) -> Result<Exi
 }
 
 /// `flotilla usage --csv`: every event of the range as CSV.
-pub async fn usage_csv(ctx: &Ctx, query: &[(&str, String)]) -> Result<ExitCode> {
-    print!("{}", ctx.client.list_csv("/v1/usage", query).await?);
+pub async fn usage_csv(ctx: &Ctx, range: &UsageRange) -> Result<ExitCode> {
+    print!("{}", ctx.client.usage_csv(range).await?);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -319,25 +318,23 @@ pub async fn budget(
     tenant: Option<String>,
     command: Option<BudgetCommand>,
 ) -> Result<ExitCode> {
-    let raw: Value = match command {
+    let b = match command {
         Some(BudgetCommand::Set(b)) => {
-            let mut body = json!({ "limit": b.limit.to_string(), "hard_cap": b.hard_cap });
-            if let Some(t) = &tenant {
-                body["tenant"] = json!(t);
-            }
-            if !b.thresholds.is_empty() {
-                body["thresholds"] = json!(b.thresholds);
-            }
-            if let Some(u) = b.webhook_url {
-                body["webhook_url"] = json!(u);
-                body["webhook_secret"] = json!(b.webhook_secret);
-            }
-            ctx.client.put("/v1/budget", &body).await?
+            // The secret goes only with a URL to sign deliveries to.
+            let webhook_secret = b.webhook_url.as_ref().and(b.webhook_secret);
+            let req = SetBudget {
+                tenant: tenant.clone(),
+                limit: b.limit,
+                thresholds: (!b.thresholds.is_empty()).then_some(b.thresholds),
+                hard_cap: b.hard_cap,
+                webhook_url: b.webhook_url,
+                webhook_secret,
+            };
+            ctx.client.set_budget(&req).await?
         }
         None => {
-            let q: Vec<(&str, String)> = tenant.iter().map(|t| ("tenant", t.clone())).collect();
-            match ctx.client.get("/v1/budget", &q).await {
-                Ok(raw) => raw,
+            match ctx.client.budget(tenant.as_deref()).await {
+                Ok(b) => b,
                 // No budget is a state, not a failure: say so and how to
                 // set one.
                 Err(e) if e.is_not_found() && !ctx.json => {
@@ -353,10 +350,9 @@ pub async fn budget(
         }
     };
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&b)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let b: BudgetView = decode(raw)?;
     let cur = &b.currency;
     outln!(
         "budget of {}: {} {cur} a month{}",
@@ -445,25 +441,23 @@ pub struct EstimateArgs {
 }
 
 pub async fn estimate(ctx: &Ctx, a: EstimateArgs) -> Result<ExitCode> {
-    let body = match (a.rps, a.count) {
-        (Some(rps), _) => json!({
-            "kind": "serverless",
-            "model": a.gpu,
-            "requests_per_second": rps.to_string(),
-            "input_tokens_per_request": a.input_tokens.to_string(),
-            "output_tokens_per_request": a.output_tokens.to_string(),
-            "gpu_seconds_per_request": a.gpu_seconds_per_request.to_string(),
-            "parked_gb": a.parked_gb.to_string(),
-            "tier": a.tier,
+    let workload = match (a.rps, a.count) {
+        (Some(rps), _) => Workload::Serverless(ServerlessWorkload {
+            model: a.gpu,
+            requests_per_second: rps,
+            input_tokens_per_request: a.input_tokens,
+            output_tokens_per_request: a.output_tokens,
+            gpu_seconds_per_request: a.gpu_seconds_per_request,
+            tier: a.tier,
+            parked_gb: a.parked_gb,
         }),
-        (None, Some(count)) => json!({
-            "kind": "gpu",
-            "model": a.gpu,
-            "gpus": count,
-            "hours_per_day": a.hours_per_day.to_string(),
-            "duty_cycle": a.duty_cycle.to_string(),
-            "tier": a.tier,
-            "serves_requests": a.serves_requests,
+        (None, Some(count)) => Workload::Gpu(GpuWorkload {
+            model: a.gpu,
+            gpus: count,
+            hours_per_day: a.hours_per_day,
+            duty_cycle: a.duty_cycle,
+            tier: a.tier,
+            serves_requests: a.serves_requests,
         }),
         (None, None) => {
             return Err(anyhow!(
@@ -471,12 +465,11 @@ pub async fn estimate(ctx: &Ctx, a: EstimateArgs) -> Result<ExitCode> {
             ))
         }
     };
-    let raw: Value = ctx.client.post("/v1/estimates", &body).await?;
+    let est = ctx.client.estimate(&workload).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&est)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let est: Estimate = decode(raw)?;
     let cur = &est.currency.code;
     let model_name = |o: &EstimateOption| -> String {
         match &o.billing_model {
@@ -514,15 +507,11 @@ pub async fn estimate(ctx: &Ctx, a: EstimateArgs) -> Result<ExitCode> {
 /// `flotilla payouts`: provider payout statements of a month.
 pub async fn payouts(ctx: &Ctx, period: Option<String>) -> Result<ExitCode> {
     let period = period.unwrap_or_else(this_month);
-    let raw: Value = ctx
-        .client
-        .get("/v1/payouts", &[("period", period.clone())])
-        .await?;
+    let payouts = ctx.client.payouts(&period).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&payouts)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let payouts: Payouts = decode(raw)?;
     if payouts.items.is_empty() {
         outln!("no payouts for {period}")?;
     }
@@ -567,13 +556,13 @@ pub enum TermsCommand {
         gpus: u32,
         /// Start of the term (RFC 3339).
         #[arg(long)]
-        start: String,
+        start: DateTime<Utc>,
         /// Term in days.
         #[arg(long)]
         term_days: u32,
         /// `monthly` or `upfront`.
-        #[arg(long, default_value = "monthly")]
-        payment: String,
+        #[arg(long, default_value = "monthly", value_parser = wire_name::<Payment>)]
+        payment: Payment,
         /// Discount fraction (0.3 = 30 %); default: the catalog's offer.
         #[arg(long)]
         discount: Option<rust_decimal::Decimal>,
@@ -587,14 +576,14 @@ pub enum TermsCommand {
         #[arg(long)]
         percent: rust_decimal::Decimal,
         /// `all`, `on_demand`, `reserved`, `spot` or `serverless`.
-        #[arg(long, default_value = "all")]
-        scope: String,
+        #[arg(long, default_value = "all", value_parser = wire_name::<DiscountScope>)]
+        scope: DiscountScope,
         /// First period it applies to (RFC 3339 start).
         #[arg(long)]
-        from: String,
+        from: DateTime<Utc>,
         /// Periods starting before this (RFC 3339); default: no end.
         #[arg(long)]
-        until: Option<String>,
+        until: Option<DateTime<Utc>>,
     },
     /// Add a credit or prepaid balance.
     Credit {
@@ -605,12 +594,19 @@ pub enum TermsCommand {
         #[arg(long)]
         amount: rust_decimal::Decimal,
         /// `promotional` or `prepaid`.
-        #[arg(long, default_value = "promotional")]
-        kind: String,
+        #[arg(long, default_value = "promotional", value_parser = wire_name::<CreditKind>)]
+        kind: CreditKind,
         /// Usable by periods starting before this (RFC 3339).
         #[arg(long)]
-        expires_at: Option<String>,
+        expires_at: Option<DateTime<Utc>>,
     },
+}
+
+/// A name as the API spells it (`monthly`, `on_demand`, `prepaid`, …),
+/// read by the wire type's own deserialiser so that the two cannot
+/// disagree; its error lists the names there are.
+fn wire_name<T: serde::de::DeserializeOwned>(s: &str) -> std::result::Result<T, String> {
+    serde_json::from_value(Value::String(s.trim().to_string())).map_err(|e| e.to_string())
 }
 
 /// `flotilla terms [--tenant T] [commitment|discount|credit …]`: a
@@ -627,10 +623,8 @@ pub async fn terms(
     if !tenant.starts_with("ten_") {
         bail!("`{tenant}` is not a tenant id (ten_…)");
     }
-    let path = format!("/v1/tenants/{tenant}/terms");
     if let Some(cmd) = command {
-        // The answer is the term added, of the kind asked for.
-        let (kind, body) = match cmd {
+        let term = match cmd {
             TermsCommand::Commitment {
                 id,
                 model,
@@ -639,53 +633,54 @@ pub async fn terms(
                 term_days,
                 payment,
                 discount,
-            } => (
-                "commitment",
-                json!({"kind": "commitment", "id": id, "model": model, "gpus": gpus,
-                "start": start, "term_days": term_days, "payment": payment,
-                "discount": discount.map(|d| d.to_string())}),
-            ),
+            } => NewTerm::Commitment {
+                id,
+                model,
+                gpus,
+                start,
+                term_days,
+                payment,
+                discount,
+            },
             TermsCommand::Discount {
                 id,
                 percent,
                 scope,
                 from,
                 until,
-            } => (
-                "discount",
-                json!({"kind": "discount", "id": id, "percent": percent.to_string(),
-                "scope": scope, "from": from, "until": until}),
-            ),
+            } => NewTerm::Discount {
+                id,
+                percent,
+                scope,
+                from,
+                until,
+            },
             TermsCommand::Credit {
                 id,
                 amount,
                 kind,
                 expires_at,
-            } => (
-                "credit",
-                json!({"kind": "credit", "id": id, "amount": amount.to_string(),
-                "credit_kind": kind, "expires_at": expires_at}),
-            ),
+            } => NewTerm::Credit {
+                id,
+                credit_kind: kind,
+                amount,
+                granted_at: None,
+                expires_at,
+            },
         };
-        let raw: Value = ctx.client.post(&path, &body).await?;
+        let added = ctx.client.add_term(&tenant, &term).await?;
         if ctx.json {
-            print_json(&raw)?;
+            print_answer(&added)?;
             return Ok(ExitCode::SUCCESS);
         }
-        let id = match kind {
-            "commitment" => decode::<Commitment>(raw)?.id,
-            "discount" => decode::<Discount>(raw)?.id,
-            _ => decode::<CreditGrant>(raw)?.id,
-        };
-        outln!("added {kind} `{id}`")?;
+        outln!("added {} `{}`", added.kind(), added.id())?;
         return Ok(ExitCode::SUCCESS);
     }
-    let raw: Value = ctx.client.get(&path, &[]).await?;
+    let terms = ctx.client.terms(&tenant).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&terms)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let terms: Terms = decode(raw)?;
     let mut t = table(["TERM", "ID", "DETAIL"]);
     for c in &terms.commitments {
         t.add_row([

@@ -2,15 +2,13 @@
 //! CLI builds it (several comma-separated server URLs fail over), how it
 //! reads the client's errors, and how it phrases them for a person.
 //!
-//! Commands ask for the raw JSON of an answer ([`serde_json::Value`]) where
-//! `--json` prints exactly what the server said, and decode it into the
-//! API's types (`flotilla_core::api`, `flotilla_billing::api`) with
-//! [`decode`] for human output; they never read an answer by key. This
-//! module never prints.
+//! Commands call the client's typed method of each route and get the
+//! API's own types back (`flotilla_core::api`, `flotilla_billing::api`);
+//! `--json` prints that answer written out again
+//! ([`crate::output::print_answer`]). They name no URL path and never read
+//! an answer by key. This module never prints.
 
 use anyhow::Result;
-use serde::de::DeserializeOwned;
-use serde_json::Value;
 
 pub use flotilla_client::{Client, Error as ClientError, LogFollow};
 
@@ -27,11 +25,6 @@ pub fn connect(servers: &str, api_key: &str, trust: flotilla_client::Trust) -> R
 pub fn is_transient(e: &anyhow::Error) -> bool {
     e.downcast_ref::<ClientError>()
         .is_some_and(ClientError::is_transient)
-}
-
-/// Decodes a raw answer into a wire type.
-pub fn decode<T: DeserializeOwned>(v: Value) -> Result<T> {
-    serde_json::from_value(v).map_err(|source| anyhow::Error::new(ClientError::Decode { source }))
 }
 
 /// A client error as the CLI says it: the server's own sentence for an

@@ -8,28 +8,21 @@ use std::process::ExitCode;
 
 use anyhow::{anyhow, bail, Context, Result};
 use chrono::Utc;
-use flotilla_billing::meter::{Meter, UsageEvent};
-use flotilla_core::api::{
-    ApiKey, CreateApiKey, CreateTenant, CreatedApiKey, GpuTypeView, Instance, InstanceTelemetry,
-    Me, Node, QuotaView, Tenant,
-};
+use flotilla_billing::meter::Meter;
+use flotilla_client::UsageRange;
+use flotilla_core::api::{CreateApiKey, CreateTenant, Instance, Me, QuotaView};
 use flotilla_core::catalog::Catalog;
 use flotilla_core::id::{InstanceId, KeyId, TenantId};
 use flotilla_core::instance::{BillingClass, CreateInstance, InstanceState};
 use flotilla_core::tenant::Role;
-use serde_json::Value;
 
-use crate::client::{decode, Client};
+use crate::client::Client;
 use crate::config::{self, Credentials};
 pub use crate::ctx::Ctx;
 use crate::daemon::Signals;
 use crate::follow::{self, FollowOptions, Followed};
 use crate::limits::parse_memory;
-use crate::output::{self, age, one_line, outln, print_json, print_table, table};
-
-fn decode_all<T: serde::de::DeserializeOwned>(items: Vec<Value>) -> Result<Vec<T>> {
-    items.into_iter().map(decode).collect()
-}
+use crate::output::{self, age, one_line, outln, print_answer, print_json, print_table, table};
 
 /// Validates an id argument locally: a typo is caught before it becomes
 /// part of a URL path.
@@ -76,15 +69,15 @@ pub async fn login(
 
 /// `flotilla gpus`.
 pub async fn gpus(ctx: &Ctx) -> Result<ExitCode> {
-    let raw: Vec<Value> = ctx.client.list("/v1/gpu-types", &[], None).await?;
+    let gpus = ctx.client.gpu_types().await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&gpus)?;
         return Ok(ExitCode::SUCCESS);
     }
     let mut t = table([
         "MODEL", "VENDOR", "MEMORY", "MIG", "PERF", "PRICE/H", "TOTAL", "FREE",
     ]);
-    for g in decode_all::<GpuTypeView>(raw)? {
+    for g in gpus {
         let vendor = serde_json::to_value(g.model.vendor)?;
         t.add_row([
             g.model.name.clone(),
@@ -107,9 +100,9 @@ pub async fn gpus(ctx: &Ctx) -> Result<ExitCode> {
 
 /// `flotilla nodes`.
 pub async fn nodes(ctx: &Ctx) -> Result<ExitCode> {
-    let raw: Vec<Value> = ctx.client.list("/v1/nodes", &[], None).await?;
+    let nodes = ctx.client.nodes().await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&nodes)?;
         return Ok(ExitCode::SUCCESS);
     }
     let now = Utc::now();
@@ -124,7 +117,7 @@ pub async fn nodes(ctx: &Ctx) -> Result<ExitCode> {
         "GPUS",
         "HEARTBEAT",
     ]);
-    for n in decode_all::<Node>(raw)? {
+    for n in nodes {
         t.add_row([
             n.id.to_string(),
             n.name.clone(),
@@ -335,12 +328,11 @@ pub async fn run(ctx: &Ctx, args: RunArgs) -> Result<ExitCode> {
     } else {
         Some(Signals::new()?)
     };
-    let raw: Value = ctx.client.post("/v1/instances", &req).await?;
-    let inst: Instance = decode(raw.clone())?;
+    let inst = ctx.client.create_instance(&req).await?;
     eprintln!("instance {} created", inst.id);
     if args.detach {
         if ctx.json {
-            print_json(&raw)?;
+            print_answer(&inst)?;
         } else {
             outln!("{}", inst.id)?;
         }
@@ -386,37 +378,25 @@ fn parse_state(s: &str) -> std::result::Result<InstanceState, String> {
 
 /// `flotilla ps`.
 pub async fn ps(ctx: &Ctx, args: PsArgs) -> Result<ExitCode> {
-    let mut query = Vec::new();
-    if let Some(s) = args.state {
-        query.push(("state", s.as_str().to_string()));
-    }
     // Finished instances are hidden unless asked for by --all or --state.
     let hide_final = !args.all && args.state.is_none();
     let server_limit = if hide_final { None } else { args.limit };
-    let raw: Vec<Value> = ctx
-        .client
-        .list("/v1/instances", &query, server_limit)
-        .await?;
-    let mut shown = Vec::new();
-    for v in raw {
-        let inst: Instance = decode(v.clone())?;
-        if hide_final && inst.state.is_terminal() {
-            continue;
-        }
-        shown.push((v, inst));
+    let mut shown = ctx.client.instances(args.state, server_limit).await?;
+    if hide_final {
+        shown.retain(|i| !i.state.is_terminal());
     }
     if let Some(l) = args.limit {
         shown.truncate(l);
     }
     if ctx.json {
-        print_json(&shown.into_iter().map(|(v, _)| v).collect::<Vec<_>>())?;
+        print_answer(&shown)?;
         return Ok(ExitCode::SUCCESS);
     }
     let now = Utc::now();
     let mut t = table([
         "ID", "NAME", "STATE", "GPUS", "NODE", "AGE", "URLS", "REASON",
     ]);
-    for (_, i) in shown {
+    for i in shown {
         t.add_row([
             i.id.to_string(),
             i.name.clone().unwrap_or_else(|| "-".into()),
@@ -435,15 +415,11 @@ pub async fn ps(ctx: &Ctx, args: PsArgs) -> Result<ExitCode> {
 /// `flotilla top`: the latest readings of an instance's GPUs.
 pub async fn top(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = instance_id(id)?;
-    let raw = ctx
-        .client
-        .get(&format!("/v1/instances/{id}/telemetry"), &[])
-        .await?;
+    let t = ctx.client.instance_telemetry(&id).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&t)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let t: InstanceTelemetry = decode(raw)?;
     if t.gpus.is_empty() {
         outln!(
             "{id}: no GPU readings (it holds no GPU now, its GPUs are simulated, \
@@ -513,28 +489,27 @@ pub(crate) async fn instance_logs(ctx: &Ctx, id: &str, follow_it: bool) -> Resul
 /// `flotilla stop`.
 pub async fn stop(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = instance_id(id)?;
-    let path = format!("/v1/instances/{id}/stop");
-    end_work(ctx, &path, "stopping", |i: &Instance| {
+    let inst = ctx.client.stop_instance(id.as_str()).await?;
+    end_work(ctx, &inst, "stopping", |i: &Instance| {
         (i.id.to_string(), i.state.as_str(), i.state.is_terminal())
     })
-    .await
 }
 
-/// Asks for work to end (`POST path`: an instance's stop, a job's cancel)
-/// and says where it stands: `ID STATE`, with `(still_note)` while it is
-/// still being stopped; the answer as it came with `--json`.
-pub(crate) async fn end_work<W: serde::de::DeserializeOwned>(
+/// Says where work asked to end (an instance's stop, a job's cancel)
+/// stands, from the server's answer to the ask: `ID STATE`, with
+/// `(still_note)` while it is still being stopped; the answer itself with
+/// `--json`.
+pub(crate) fn end_work<W: serde::Serialize>(
     ctx: &Ctx,
-    path: &str,
+    answer: &W,
     still_note: &str,
     state: impl Fn(&W) -> (String, &'static str, bool),
 ) -> Result<ExitCode> {
-    let raw: Value = ctx.client.post(path, &serde_json::json!({})).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(answer)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let (id, name, ended) = state(&decode::<W>(raw)?);
+    let (id, name, ended) = state(answer);
     if ended {
         outln!("{id} {name}")?;
     } else {
@@ -546,12 +521,11 @@ pub(crate) async fn end_work<W: serde::de::DeserializeOwned>(
 /// `flotilla explain ID`.
 pub async fn explain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = instance_id(id)?;
-    let raw: Value = ctx.client.get(&format!("/v1/instances/{id}"), &[]).await?;
+    let inst = ctx.client.instance(id.as_str()).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&inst)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let inst: Instance = decode(raw)?;
     for line in explanation(&inst) {
         outln!("{line}")?;
     }
@@ -652,24 +626,20 @@ pub async fn usage(
 ) -> Result<ExitCode> {
     let now = Utc::now();
     let month_start = format!("{}-01T00:00:00Z", now.format("%Y-%m"));
-    let query = [
-        ("from", from.unwrap_or(month_start)),
-        (
-            "to",
-            to.unwrap_or_else(|| now.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
-        ),
-    ];
+    let range = UsageRange {
+        from: from.unwrap_or(month_start),
+        to: to.unwrap_or_else(|| now.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+    };
     if csv {
-        return crate::billing::usage_csv(ctx, &query).await;
+        return crate::billing::usage_csv(ctx, &range).await;
     }
-    let raw: Vec<Value> = ctx.client.list("/v1/usage", &query, None).await?;
+    let events = ctx.client.usage(&range).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&events)?;
         return Ok(ExitCode::SUCCESS);
     }
     let mut t = table(["END", "SUBJECT", "METER", "CLASS", "AMOUNT", "SECONDS"]);
-    for raw in raw {
-        let e: UsageEvent = decode(raw)?;
+    for e in events {
         let meter = match &e.meter {
             Meter::GpuSeconds { model, share } => {
                 format!("gpu {}", output::metered_gpu(model, share))
@@ -696,14 +666,14 @@ pub async fn usage(
 
 /// `flotilla tenants`.
 pub async fn tenants_list(ctx: &Ctx) -> Result<ExitCode> {
-    let raw: Vec<Value> = ctx.client.list("/v1/tenants", &[], None).await?;
+    let tenants = ctx.client.tenants().await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&tenants)?;
         return Ok(ExitCode::SUCCESS);
     }
     let now = Utc::now();
     let mut t = table(["ID", "NAME", "AGE"]);
-    for tn in decode_all::<Tenant>(raw)? {
+    for tn in tenants {
         t.add_row([tn.id.to_string(), tn.name.clone(), age(now, tn.created_at)]);
     }
     print_table(&t)?;
@@ -712,15 +682,11 @@ pub async fn tenants_list(ctx: &Ctx) -> Result<ExitCode> {
 
 /// `flotilla tenants create`.
 pub async fn tenants_create(ctx: &Ctx, name: String) -> Result<ExitCode> {
-    let raw = ctx
-        .client
-        .post("/v1/tenants", &CreateTenant { name })
-        .await?;
+    let tn = ctx.client.create_tenant(&CreateTenant { name }).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&tn)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let tn: Tenant = decode(raw)?;
     outln!("tenant {} created: {}", tn.name, tn.id)?;
     Ok(ExitCode::SUCCESS)
 }
@@ -734,7 +700,7 @@ async fn resolve_tenant(client: &Client, given: Option<&str>) -> Result<TenantId
     if given.starts_with(TenantId::PREFIX) {
         return TenantId::parse(given, "--tenant").map_err(|e| anyhow!("{e}"));
     }
-    let tenants: Vec<Tenant> = decode_all(client.list("/v1/tenants", &[], None).await?)?;
+    let tenants = client.tenants().await?;
     tenants
         .into_iter()
         .find(|t| t.name == given)
@@ -744,14 +710,14 @@ async fn resolve_tenant(client: &Client, given: Option<&str>) -> Result<TenantId
 
 /// `flotilla keys`.
 pub async fn keys_list(ctx: &Ctx) -> Result<ExitCode> {
-    let raw: Vec<Value> = ctx.client.list("/v1/keys", &[], None).await?;
+    let keys = ctx.client.keys().await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&keys)?;
         return Ok(ExitCode::SUCCESS);
     }
     let now = Utc::now();
     let mut t = table(["ID", "NAME", "ROLE", "TENANT", "PREFIX", "AGE", "STATUS"]);
-    for k in decode_all::<ApiKey>(raw)? {
+    for k in keys {
         let status = match k.revoked_at {
             Some(at) => format!("revoked {} ago", age(now, at)),
             None => "active".into(),
@@ -776,27 +742,18 @@ pub async fn keys_list(ctx: &Ctx) -> Result<ExitCode> {
 
 /// `flotilla audit`: the newest `limit` entries of the audit log.
 pub async fn audit(ctx: &Ctx, tenant: Option<String>, limit: u64) -> Result<ExitCode> {
-    let query = match tenant {
-        Some(t) => vec![(
-            "tenant_id",
-            resolve_tenant(&ctx.client, Some(&t)).await?.to_string(),
-        )],
-        None => Vec::new(),
+    let tenant = match tenant {
+        Some(t) => Some(resolve_tenant(&ctx.client, Some(&t)).await?),
+        None => None,
     };
-    let raw: Vec<Value> = ctx
-        .client
-        .list(
-            "/v1/audit",
-            &query,
-            Some(usize::try_from(limit).unwrap_or(usize::MAX)),
-        )
-        .await?;
+    let limit = Some(usize::try_from(limit).unwrap_or(usize::MAX));
+    let entries = ctx.client.audit(tenant.as_ref(), limit).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&entries)?;
         return Ok(ExitCode::SUCCESS);
     }
     let mut t = table(["AT", "TENANT", "KEY", "CALL", "OBJECT", "STATUS"]);
-    for e in decode_all::<flotilla_core::api::AuditEntry>(raw)? {
+    for e in entries {
         t.add_row([
             e.at.format("%Y-%m-%d %H:%M:%S").to_string(),
             e.tenant_id.to_string(),
@@ -834,13 +791,12 @@ pub async fn keys_create(
         name: name.unwrap_or_default(),
         endpoints: None,
     };
-    let raw: Value = ctx.client.post("/v1/keys", &req).await?;
+    let created = ctx.client.create_key(&req).await?;
     eprintln!("warning: the secret is shown only this once; store it now");
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&created)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let created: CreatedApiKey = decode(raw)?;
     eprintln!(
         "key {} created: {} of tenant {}",
         created.key.id,
@@ -854,7 +810,7 @@ pub async fn keys_create(
 /// `flotilla keys revoke`.
 pub async fn keys_revoke(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = KeyId::parse(id.trim(), "key id").map_err(|e| anyhow!("{e}"))?;
-    ctx.client.delete(&format!("/v1/keys/{id}")).await?;
+    ctx.client.revoke_key(&id).await?;
     if ctx.json {
         print_json(&serde_json::json!({ "id": id, "revoked": true }))?;
     } else {
@@ -909,19 +865,15 @@ pub fn parse_model_limit(s: &str) -> std::result::Result<(String, Limit), String
 /// `flotilla quota`.
 pub async fn quota_show(ctx: &Ctx, tenant: Option<String>) -> Result<ExitCode> {
     let tenant_id = resolve_tenant(&ctx.client, tenant.as_deref()).await?;
-    let raw = ctx
-        .client
-        .get(&format!("/v1/tenants/{tenant_id}/quota"), &[])
-        .await?;
-    print_quota(ctx, raw)
+    let view = ctx.client.quota(&tenant_id).await?;
+    print_quota(ctx, view)
 }
 
-fn print_quota(ctx: &Ctx, raw: Value) -> Result<ExitCode> {
+fn print_quota(ctx: &Ctx, view: QuotaView) -> Result<ExitCode> {
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&view)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let view: QuotaView = decode(raw)?;
     let fmt = |l: Option<u32>| l.map_or("unlimited".to_string(), |n| n.to_string());
     outln!("tenant {}", view.tenant_id)?;
     let mut t = table(["QUOTA", "LIMIT", "IN USE"]);
@@ -974,8 +926,7 @@ pub async fn quota_set(
         );
     }
     let tenant_id = resolve_tenant(&ctx.client, tenant.as_deref()).await?;
-    let path = format!("/v1/tenants/{tenant_id}/quota");
-    let view: QuotaView = decode(ctx.client.get(&path, &[]).await?)?;
+    let view = ctx.client.quota(&tenant_id).await?;
     let mut quota = view.quota;
     if let Some(l) = gpus_total {
         quota.gpus_total = l.as_option();
@@ -1002,8 +953,8 @@ pub async fn quota_set(
         }
     }
     quota.gpus_per_model = per;
-    let raw: Value = ctx.client.put(&path, &quota).await?;
-    print_quota(ctx, raw)
+    let view = ctx.client.set_quota(&tenant_id, &quota).await?;
+    print_quota(ctx, view)
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
+use flotilla_client::paths;
 use flotilla_core::api::{CreateApiKey, CreatedApiKey};
 use flotilla_core::endpoint::{CreateEndpoint, Endpoint};
 use flotilla_core::gateway::nearest_rank;
@@ -284,14 +285,10 @@ fn replicas_of(e: &Endpoint) -> (usize, usize) {
 /// times unit price: a few seconds of GPU time are worth less than a cent),
 /// and its currency.
 async fn bill(ctx: &Ctx) -> Result<(Decimal, String)> {
-    let raw: Value = ctx
+    let inv = ctx
         .client
-        .get(
-            "/v1/invoices/preview",
-            &[("period", crate::billing::this_month())],
-        )
+        .invoice_preview(&crate::billing::this_month())
         .await?;
-    let inv: flotilla_billing::Invoice = crate::client::decode(raw)?;
     let exact = inv
         .lines()
         .iter()
@@ -331,7 +328,7 @@ async fn wait_for_route(
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let listed = match http
-            .get(format!("{gateway}/v1/models"))
+            .get(format!("{gateway}{}", paths::openai::MODELS))
             .bearer_auth(key)
             .send()
             .await
@@ -507,8 +504,7 @@ pub async fn run(ctx: &Ctx, api_key: &str, args: DemoArgs) -> Result<ExitCode> {
         _ = tokio::signal::ctrl_c() => None,
     };
     if let Some(k) = &minted {
-        let path = format!("/v1/keys/{}", k.key.id);
-        if let Err(e) = ctx.client.delete_json::<Value>(&path).await {
+        if let Err(e) = ctx.client.revoke_key(&k.key.id).await {
             eprintln!(
                 "could not revoke the demo's inference key {}: {e}",
                 k.key.id
@@ -542,7 +538,7 @@ async fn inference_key(ctx: &Ctx, ep: &Endpoint) -> Option<CreatedApiKey> {
         name: "flotilla demo".into(),
         endpoints: Some(vec![ep.id.clone()]),
     };
-    ctx.client.post("/v1/keys", &req).await.ok()
+    ctx.client.create_key(&req).await.ok()
 }
 
 /// Deletes the demo endpoint unless `keep`, once (`deleted` says whether
@@ -582,7 +578,7 @@ async fn show(
     let http = gateway_client(gateway, &ctx.trust)?;
     wait_for_route(&http, gateway, api_key, &args.name).await?;
     let start = Instant::now();
-    let url = format!("{gateway}/v1/chat/completions");
+    let url = format!("{gateway}{}", paths::openai::CHAT_COMPLETIONS);
     let key: Arc<str> = api_key.into();
     let mut load = tokio::spawn(drive(http, args.clone(), url, key, tally.clone(), start));
     let view = View::new(args.duration);

@@ -12,12 +12,10 @@ use flotilla_core::api::Job;
 use flotilla_core::id::JobId;
 use flotilla_core::job::{CreateJob, JobState, Locality, RestartPolicy};
 
-use crate::client::decode;
 use crate::commands::{end_work, instance_logs, WorkArgs};
 use crate::ctx::Ctx;
-use crate::output::{age, one_line, outln, print_json, print_table, table};
+use crate::output::{age, one_line, outln, print_answer, print_table, table};
 use crate::queue::{queue_row, work_queue};
-use serde_json::Value;
 
 /// `flotilla jobs` actions.
 #[derive(Debug, Subcommand)]
@@ -131,11 +129,10 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
         args.locality,
         args.time_limit_s,
     );
-    let raw: Value = ctx.client.post("/v1/jobs", &req).await?;
-    let job: Job = decode(raw.clone())?;
+    let job = ctx.client.create_job(&req).await?;
     if !args.wait {
         if ctx.json {
-            print_json(&raw)?;
+            print_answer(&job)?;
         } else {
             outln!("{}", job.id)?;
         }
@@ -144,8 +141,7 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
     eprintln!("{} submitted; waiting for it to end", job.id);
     let mut last = (job.state, job.attempts);
     loop {
-        let raw: Value = ctx.client.get(&format!("/v1/jobs/{}", job.id), &[]).await?;
-        let j: Job = decode(raw.clone())?;
+        let j = ctx.client.job(&job.id).await?;
         if (j.state, j.attempts) != last {
             eprintln!(
                 "{} {} (attempt {}): {}",
@@ -158,7 +154,7 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
         }
         if j.state.is_terminal() {
             if ctx.json {
-                print_json(&raw)?;
+                print_answer(&j)?;
             } else {
                 outln!("{} {}", j.id, j.state.as_str())?;
             }
@@ -185,27 +181,18 @@ async fn submit(ctx: &Ctx, args: SubmitArgs) -> Result<ExitCode> {
 
 /// `4xH100 (2x2)`: total GPUs, then members x GPUs per member.
 async fn list(ctx: &Ctx, all: bool, state: Option<JobState>) -> Result<ExitCode> {
-    let mut query = Vec::new();
-    if let Some(s) = state {
-        query.push(("state", s.as_str().to_string()));
-    }
     let hide_final = !all && state.is_none();
-    let raw: Vec<Value> = ctx.client.list("/v1/jobs", &query, None).await?;
-    let mut shown = Vec::new();
-    for v in raw {
-        let j: Job = decode(v.clone())?;
-        if hide_final && j.state.is_terminal() {
-            continue;
-        }
-        shown.push((v, j));
+    let mut shown = ctx.client.jobs(state).await?;
+    if hide_final {
+        shown.retain(|j| !j.state.is_terminal());
     }
     if ctx.json {
-        print_json(&shown.into_iter().map(|(v, _)| v).collect::<Vec<_>>())?;
+        print_answer(&shown)?;
         return Ok(ExitCode::SUCCESS);
     }
     let now = Utc::now();
     let mut t = table(["ID", "NAME", "STATE", "GPUS", "ATTEMPTS", "AGE", "REASON"]);
-    for (_, j) in shown {
+    for j in shown {
         t.add_row([
             j.id.to_string(),
             j.spec.name.clone().unwrap_or_else(|| "-".into()),
@@ -220,11 +207,8 @@ async fn list(ctx: &Ctx, all: bool, state: Option<JobState>) -> Result<ExitCode>
     Ok(ExitCode::SUCCESS)
 }
 
-async fn get(ctx: &Ctx, id: &str) -> Result<(serde_json::Value, Job)> {
-    let id = job_id(id)?;
-    let raw: Value = ctx.client.get(&format!("/v1/jobs/{id}"), &[]).await?;
-    let job = decode(raw.clone())?;
-    Ok((raw, job))
+async fn get(ctx: &Ctx, id: &str) -> Result<Job> {
+    Ok(ctx.client.job(&job_id(id)?).await?)
 }
 
 /// The lines `flotilla jobs show` and `flotilla explain JOB` print.
@@ -285,9 +269,9 @@ fn describe(j: &Job) -> Vec<String> {
 }
 
 async fn show(ctx: &Ctx, id: &str) -> Result<ExitCode> {
-    let (raw, j) = get(ctx, id).await?;
+    let j = get(ctx, id).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&j)?;
         return Ok(ExitCode::SUCCESS);
     }
     for line in describe(&j) {
@@ -302,20 +286,18 @@ pub async fn explain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 }
 
 async fn queue(ctx: &Ctx) -> Result<ExitCode> {
-    work_queue(ctx, "/v1/jobs/queue", queue_row).await
+    work_queue(ctx, ctx.client.job_queue().await?, queue_row)
 }
 
 async fn cancel(ctx: &Ctx, id: &str) -> Result<ExitCode> {
-    let id = job_id(id)?;
-    let path = format!("/v1/jobs/{id}/cancel");
-    end_work(ctx, &path, "stopping its members", |j: &Job| {
+    let job = ctx.client.cancel_job(&job_id(id)?).await?;
+    end_work(ctx, &job, "stopping its members", |j: &Job| {
         (j.id.to_string(), j.state.as_str(), j.state.is_terminal())
     })
-    .await
 }
 
 async fn logs(ctx: &Ctx, id: &str, rank: u32, follow_it: bool) -> Result<ExitCode> {
-    let (_, j) = get(ctx, id).await?;
+    let j = get(ctx, id).await?;
     if rank >= j.spec.nodes {
         bail!(
             "rank {rank} is out of range: {} has ranks 0..{}",

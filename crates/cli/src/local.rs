@@ -588,8 +588,8 @@ fn announce_tls(server: &RunningServer) {
 fn announce_urls(url: &str) {
     say!("API:      {url}");
     say!("console:  {url}/ (sign in with an API key)");
-    say!("docs:     {url}/v1/docs");
-    say!("OpenAPI:  {url}/v1/openapi.json");
+    say!("docs:     {url}{}", flotilla_client::paths::DOCS);
+    say!("OpenAPI:  {url}{}", flotilla_client::paths::OPENAPI);
 }
 
 /// Awaits a task's end within `limit`, turning panics and timeouts into

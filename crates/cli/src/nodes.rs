@@ -4,35 +4,31 @@
 use std::process::ExitCode;
 
 use anyhow::{anyhow, Result};
-use flotilla_core::api::{DrainReport, Node, NodeEvent};
-use flotilla_core::id::{GpuId, NodeId};
-use serde_json::{json, Value};
+use flotilla_core::id::{EndpointId, GpuId, InstanceId, NodeId};
+use serde::Serialize;
 
-use crate::client::decode;
 use crate::ctx::Ctx;
-use crate::output::{self, outln, print_json, print_table, table};
+use crate::output::{self, outln, print_answer, print_table, table};
 
 fn node_id(raw: &str) -> Result<NodeId> {
     NodeId::parse(raw.trim(), "node id").map_err(|e| anyhow!("{e}"))
 }
 
-/// POSTs a node action (its body empty). With `--json` the answer is
-/// printed as it came and `None` returned, the command then printing
-/// nothing more; otherwise the answer decoded for the command to show.
-async fn act<T: serde::de::DeserializeOwned>(ctx: &Ctx, path: &str) -> Result<Option<T>> {
-    let raw: Value = ctx.client.post(path, &json!({})).await?;
+/// The answer to a node action: with `--json` printed as it is and `None`
+/// returned, the command then printing nothing more; otherwise handed back
+/// for the command to show.
+fn act<T: Serialize>(ctx: &Ctx, answer: T) -> Result<Option<T>> {
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&answer)?;
         return Ok(None);
     }
-    decode(raw).map(Some)
+    Ok(Some(answer))
 }
 
 /// `flotilla nodes cordon ID` / `uncordon ID`.
 pub async fn cordon(ctx: &Ctx, id: &str, cordoned: bool) -> Result<ExitCode> {
     let id = node_id(id)?;
-    let verb = if cordoned { "cordon" } else { "uncordon" };
-    let Some(n) = act::<Node>(ctx, &format!("/v1/nodes/{id}/{verb}")).await? else {
+    let Some(n) = act(ctx, ctx.client.cordon_node(&id, cordoned).await?)? else {
         return Ok(ExitCode::SUCCESS);
     };
     outln!("{} {}: {}", n.id, n.name, output::node_state(&n))?;
@@ -42,7 +38,7 @@ pub async fn cordon(ctx: &Ctx, id: &str, cordoned: bool) -> Result<ExitCode> {
 /// `flotilla nodes drain ID`.
 pub async fn drain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = node_id(id)?;
-    let Some(r) = act::<DrainReport>(ctx, &format!("/v1/nodes/{id}/drain")).await? else {
+    let Some(r) = act(ctx, ctx.client.drain_node(&id).await?)? else {
         return Ok(ExitCode::SUCCESS);
     };
     outln!(
@@ -62,7 +58,7 @@ pub async fn drain(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 pub async fn reset_gpu(ctx: &Ctx, id: &str, gpu: &str) -> Result<ExitCode> {
     let id = node_id(id)?;
     let gpu = GpuId::parse(gpu.trim(), "gpu id").map_err(|e| anyhow!("{e}"))?;
-    let Some(n) = act::<Node>(ctx, &format!("/v1/nodes/{id}/gpus/{gpu}/reset")).await? else {
+    let Some(n) = act(ctx, ctx.client.reset_gpu(&id, &gpu).await?)? else {
         return Ok(ExitCode::SUCCESS);
     };
     outln!("{} {}: gpus {}", n.id, n.name, output::node_gpus(&n))?;
@@ -72,17 +68,13 @@ pub async fn reset_gpu(ctx: &Ctx, id: &str, gpu: &str) -> Result<ExitCode> {
 /// `flotilla nodes events ID`.
 pub async fn events(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = node_id(id)?;
-    let raw: Vec<Value> = ctx
-        .client
-        .list(&format!("/v1/nodes/{id}/events"), &[], None)
-        .await?;
+    let events = ctx.client.node_events(&id).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&events)?;
         return Ok(ExitCode::SUCCESS);
     }
     let mut t = table(["SEQ", "AT", "KIND", "GPU", "MESSAGE"]);
-    for v in raw {
-        let e: NodeEvent = decode(v)?;
+    for e in events {
         t.add_row([
             e.seq.to_string(),
             e.at.format("%Y-%m-%d %H:%M:%S").to_string(),
@@ -99,27 +91,23 @@ pub async fn events(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 /// (`ep_…`) utilisation and right-sizing advice.
 pub async fn advise(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = id.trim();
-    let (path, what) = if id.starts_with("ep_") {
-        let id =
-            flotilla_core::id::EndpointId::parse(id, "endpoint id").map_err(|e| anyhow!("{e}"))?;
-        (format!("/v1/endpoints/{id}/advice"), id.to_string())
-    } else {
-        let id =
-            flotilla_core::id::InstanceId::parse(id, "instance id").map_err(|e| anyhow!("{e}"))?;
-        (format!("/v1/instances/{id}/advice"), id.to_string())
-    };
-    let raw: Value = ctx.client.get(&path, &[]).await?;
-    if ctx.json {
-        print_json(&raw)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    let (summary, recommendation, per) = if what.starts_with("ep_") {
-        let a: flotilla_core::advice::EndpointAdvice = decode(raw)?;
+    let (what, summary, recommendation, per) = if id.starts_with("ep_") {
+        let id = EndpointId::parse(id, "endpoint id").map_err(|e| anyhow!("{e}"))?;
+        let a = ctx.client.endpoint_advice(&id).await?;
+        if ctx.json {
+            print_answer(&a)?;
+            return Ok(ExitCode::SUCCESS);
+        }
         let per = format!(" over {} replica(s)", a.replicas);
-        (a.summary, a.recommendation, per)
+        (id.to_string(), a.summary, a.recommendation, per)
     } else {
-        let a: flotilla_core::advice::InstanceAdvice = decode(raw)?;
-        (a.summary, a.recommendation, String::new())
+        let id = InstanceId::parse(id, "instance id").map_err(|e| anyhow!("{e}"))?;
+        let a = ctx.client.instance_advice(&id).await?;
+        if ctx.json {
+            print_answer(&a)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        (id.to_string(), a.summary, a.recommendation, String::new())
     };
     let Some(s) = summary else {
         outln!("{what}: no GPU readings yet (simulated GPUs report none)")?;

@@ -72,6 +72,14 @@ pub fn print_table(t: &Table) -> std::io::Result<()> {
     out.flush()
 }
 
+/// Prints an answer of the API for `--json`, read through its type and
+/// written again by way of [`serde_json::Value`]: objects then print with
+/// their keys in the order `Value` keeps them (sorted), the order `--json`
+/// has always shown the server's answers in, whichever type read them.
+pub fn print_answer<T: serde::Serialize>(answer: &T) -> anyhow::Result<()> {
+    print_json(&serde_json::to_value(answer)?)
+}
+
 /// Prints any serialisable value as pretty JSON on stdout.
 pub fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();

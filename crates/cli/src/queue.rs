@@ -6,12 +6,11 @@
 use std::process::ExitCode;
 
 use anyhow::Result;
-use flotilla_core::api::{JobQueueEntry, Page, QueueEntry};
+use flotilla_core::api::JobQueueEntry;
 use serde_json::Value;
 
-use crate::client::decode;
 use crate::ctx::Ctx;
-use crate::output::{age, one_line, outln, print_json, print_table, table};
+use crate::output::{age, one_line, outln, print_answer, print_json, print_table, table};
 
 /// The prefix of a waiting reason for work the pool can never hold (more
 /// distinct machines or GPUs than it has); the scheduler writes it.
@@ -26,11 +25,11 @@ pub(crate) fn unschedulable(reason: &str) -> bool {
 /// `flotilla queue`: instances and jobs by position, with why each waits.
 /// `--json`: the server's entries, each with `"kind"`: `instance` or `job`.
 pub async fn all(ctx: &Ctx) -> Result<ExitCode> {
-    let instances: Page<Value> = ctx.client.get("/v1/queue", &[]).await?;
-    let jobs: Page<Value> = ctx.client.get("/v1/jobs/queue", &[]).await?;
+    let instances = ctx.client.instance_queue().await?;
+    let jobs = ctx.client.job_queue().await?;
     let mut entries: Vec<(QueueRow, Value)> = Vec::new();
-    for raw in instances.items {
-        let e: QueueEntry = decode(raw.clone())?;
+    for e in instances {
+        let raw = serde_json::to_value(&e)?;
         let i = e.instance;
         let row = QueueRow {
             position: e.position,
@@ -44,8 +43,8 @@ pub async fn all(ctx: &Ctx) -> Result<ExitCode> {
         };
         entries.push((row, with_kind(raw, "instance")));
     }
-    for raw in jobs.items {
-        let e: JobQueueEntry = decode(raw.clone())?;
+    for e in jobs {
+        let raw = serde_json::to_value(&e)?;
         entries.push((queue_row(e), with_kind(raw, "job")));
     }
     entries.sort_by(|a, b| (a.0.position, &a.0.id).cmp(&(b.0.position, &b.0.id)));
@@ -81,28 +80,22 @@ pub(crate) struct QueueRow {
     pub reason: String,
 }
 
-/// Prints the queue the server lists at `path`, one row per entry: the
-/// entries as the server wrote them with `--json`, a table otherwise.
-pub(crate) async fn work_queue<E: serde::de::DeserializeOwned>(
+/// Prints a queue the server listed, one row per entry: the entries
+/// themselves with `--json`, a table otherwise.
+pub(crate) fn work_queue<E: serde::Serialize>(
     ctx: &Ctx,
-    path: &str,
+    entries: Vec<E>,
     row: impl Fn(E) -> QueueRow,
 ) -> Result<ExitCode> {
-    let raw: flotilla_core::api::Page<Value> = ctx.client.get(path, &[]).await?;
     if ctx.json {
-        print_json(&raw.items)?;
+        print_answer(&entries)?;
         return Ok(ExitCode::SUCCESS);
     }
-    if raw.items.is_empty() {
+    if entries.is_empty() {
         // A bare header reads like a broken command; say what it means.
         outln!("the queue is empty: nothing is waiting for GPUs")?;
         return Ok(ExitCode::SUCCESS);
     }
-    let entries = raw
-        .items
-        .into_iter()
-        .map(decode::<E>)
-        .collect::<Result<Vec<E>>>()?;
     print_queue(entries.into_iter().map(row))?;
     Ok(ExitCode::SUCCESS)
 }

@@ -9,14 +9,11 @@ use std::process::ExitCode;
 use anyhow::{anyhow, bail, Result};
 use chrono::Utc;
 use clap::Subcommand;
-use flotilla_core::api::Node;
 use flotilla_core::id::{NodeId, RegistryCredentialId};
-use flotilla_core::registry::{CreateRegistryCredential, RegistryCredential};
-use serde_json::Value;
+use flotilla_core::registry::CreateRegistryCredential;
 
-use crate::client::decode;
 use crate::ctx::Ctx;
-use crate::output::{self, age, outln, print_json, print_table, table};
+use crate::output::{self, age, outln, print_answer, print_json, print_table, table};
 
 /// Environment variable `registries add` reads the secret from.
 pub const SECRET_ENV: &str = "FLOTILLA_REGISTRY_SECRET";
@@ -72,18 +69,14 @@ pub async fn dispatch(ctx: &Ctx, command: Option<RegistriesCommand>) -> Result<E
 }
 
 async fn list(ctx: &Ctx) -> Result<ExitCode> {
-    let raw: Value = ctx.client.get("/v1/registry-credentials", &[]).await?;
-    let items = raw
-        .get("items")
-        .cloned()
-        .unwrap_or(Value::Array(Vec::new()));
+    let items = ctx.client.registry_credentials().await?;
     if ctx.json {
-        print_json(&items)?;
+        print_answer(&items)?;
         return Ok(ExitCode::SUCCESS);
     }
     let now = Utc::now();
     let mut t = table(["ID", "REGISTRY", "USERNAME", "AGE"]);
-    for c in decode::<Vec<RegistryCredential>>(items)? {
+    for c in items {
         t.add_row([
             c.id.to_string(),
             c.registry,
@@ -104,12 +97,11 @@ async fn add(ctx: &Ctx, registry: String, username: String, secret: String) -> R
         username,
         secret,
     };
-    let raw: Value = ctx.client.post("/v1/registry-credentials", &req).await?;
+    let made = ctx.client.add_registry_credential(&req).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&made)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let made: RegistryCredential = decode(raw)?;
     outln!(
         "login {} stored for {} as {}",
         made.id,
@@ -121,9 +113,7 @@ async fn add(ctx: &Ctx, registry: String, username: String, secret: String) -> R
 
 async fn remove(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = RegistryCredentialId::parse(id.trim(), "credential id").map_err(|e| anyhow!("{e}"))?;
-    ctx.client
-        .delete(&format!("/v1/registry-credentials/{id}"))
-        .await?;
+    ctx.client.remove_registry_credential(&id).await?;
     if ctx.json {
         print_json(&serde_json::json!({ "id": id, "removed": true }))?;
     } else {
@@ -135,12 +125,11 @@ async fn remove(ctx: &Ctx, id: &str) -> Result<ExitCode> {
 /// `flotilla nodes show ID`: the node, its GPUs and its image cache.
 pub async fn node_show(ctx: &Ctx, id: &str) -> Result<ExitCode> {
     let id = NodeId::parse(id.trim(), "node id").map_err(|e| anyhow!("{e}"))?;
-    let raw: Value = ctx.client.get(&format!("/v1/nodes/{id}"), &[]).await?;
+    let n = ctx.client.node(&id).await?;
     if ctx.json {
-        print_json(&raw)?;
+        print_answer(&n)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let n: Node = decode(raw)?;
     let now = Utc::now();
     outln!("node:      {} ({})", n.id, n.name)?;
     outln!("state:     {}", output::node_state(&n))?;

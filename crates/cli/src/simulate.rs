@@ -47,7 +47,7 @@ pub struct SimulateArgs {
     scenario: Option<String>,
     /// Replay this cluster's own recorded demand of a window instead:
     /// `FROM..TO`, RFC 3339 times or dates (`2026-12-01..2026-12-02`, UTC
-    /// midnights). Reads `GET /v1/history/demand` with an operator key.
+    /// midnights). Reads the server's demand history with an operator key.
     #[arg(long, value_name = "FROM..TO", conflicts_with_all = ["trace", "scenario"])]
     from_history: Option<String>,
     /// With --from-history: the placement policy of the changed replay

@@ -514,40 +514,51 @@ impl Home {
         body
     }
 
+    /// Runs `call` with a client of this home's server as `key`, on a
+    /// thread of its own with a runtime of its own: the tests that drive a
+    /// [`Home`] are mostly synchronous, and an asynchronous one could not
+    /// start a runtime inside its own.
+    fn with_client<T, F, Fut>(&self, key: &str, call: F) -> T
+    where
+        T: Send,
+        F: FnOnce(flotilla_client::Client) -> Fut + Send,
+        Fut: std::future::Future<Output = T>,
+    {
+        let client =
+            flotilla_client::Client::new(&self.url(), key).expect("a client of this home's server");
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("a runtime for the client")
+                    .block_on(call(client))
+            })
+            .join()
+            .expect("the client's thread")
+        })
+    }
+
     /// The output lines of instance `id` so far (its first 1,000), as
     /// `key` reads them.
     pub fn log_lines(&self, key: &str, id: &str) -> Vec<String> {
-        let logs = self.get(key, &format!("/v1/instances/{id}/logs?limit=1000"));
-        logs["items"]
-            .as_array()
-            .map(|items| {
-                items
-                    .iter()
-                    .map(|l| l["line"].as_str().unwrap_or_default().to_string())
-                    .collect()
-            })
-            .unwrap_or_default()
+        let page = self
+            .with_client(key, |c| async move { c.logs_page(id, 0).await })
+            .unwrap_or_else(|e| panic!("reading the log of {id}: {e}"));
+        page.items.into_iter().map(|l| l.line).collect()
     }
 
     /// `(tenant, status)` of each audit entry for `route` on object `id`,
     /// as the operator key `op` reads the audit log (its last 1,000).
     pub fn audit_statuses(&self, op: &str, route: &str, id: &str) -> Vec<(String, u16)> {
-        let page = self.get(op, "/v1/audit?limit=1000");
-        page["items"]
-            .as_array()
-            .map(|items| {
-                items
-                    .iter()
-                    .filter(|e| e["route"] == route && e["object_id"] == id)
-                    .map(|e| {
-                        (
-                            e["tenant_id"].as_str().unwrap_or_default().to_string(),
-                            e["status"].as_u64().unwrap_or_default() as u16,
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+        let entries = self
+            .with_client(op, |c| async move { c.audit(None, Some(1000)).await })
+            .unwrap_or_else(|e| panic!("reading the audit log: {e}"));
+        entries
+            .into_iter()
+            .filter(|e| e.route == route && e.object_id.as_deref() == Some(id))
+            .map(|e| (e.tenant_id.to_string(), e.status))
+            .collect()
     }
 
     /// The attacks on the control plane's files every isolation test

@@ -3,9 +3,15 @@
 
 use std::time::Duration;
 
-use flotilla_core::api::{DiscoveredGpu, ObservedInstance, ObservedPhase, RegisterNode};
+use flotilla_client::paths;
+use flotilla_core::api::{
+    CreateApiKey, CreateTenant, DiscoveredGpu, ObservedInstance, ObservedPhase, RegisterNode,
+    SyncRequest,
+};
 use flotilla_core::catalog::Vendor;
+use flotilla_core::id::{NodeId, TenantId};
 use flotilla_core::node::RuntimeKind;
+use flotilla_core::tenant::Role;
 use flotilla_server::{bootstrap, open_store, serve, ServerConfig, Store};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -87,9 +93,11 @@ pub async fn start(config: ServerConfig) -> TestServer {
 }
 
 impl TestServer {
-    /// `flotilla-client` for this server with `key`, for tests of the
-    /// typed client against the real server (the helpers below use plain
-    /// reqwest so that they test the server, not the client).
+    /// `flotilla-client` for this server with `key`: for tests of the
+    /// typed client against the real server, and for the setup helpers
+    /// below (a tenant, a key, a node), which name no path. The raw
+    /// helpers (`raw`, `request`, `call`, `ok`) use plain reqwest, so that
+    /// a test of the wire tests the server, not the client.
     pub fn client(&self, key: &str) -> flotilla_client::Client {
         flotilla_client::Client::new(&self.url, key).expect("a client of the test server")
     }
@@ -161,28 +169,24 @@ impl TestServer {
 
     /// Creates a tenant (as the operator); its id.
     pub async fn create_tenant(&self, name: &str) -> String {
-        let t = self
-            .ok(
-                &self.operator,
-                Method::POST,
-                "/v1/tenants",
-                Some(json!({ "name": name })),
-            )
-            .await;
-        t["id"].as_str().expect("tenant id").to_string()
+        let req = CreateTenant { name: name.into() };
+        let t = self.client(&self.operator).create_tenant(&req).await;
+        t.unwrap_or_else(|e| panic!("creating tenant {name}: {e}"))
+            .id
+            .to_string()
     }
 
     /// Mints a key of `role` for `tenant` (as the operator); its secret.
     pub async fn key(&self, tenant: &str, role: &str) -> String {
-        let k = self
-            .ok(
-                &self.operator,
-                Method::POST,
-                "/v1/keys",
-                Some(json!({ "tenant_id": tenant, "role": role })),
-            )
-            .await;
-        k["secret"].as_str().expect("key secret").to_string()
+        let req = CreateApiKey {
+            tenant_id: Some(TenantId::parse(tenant, "tenant").expect("a tenant id")),
+            role: Role::parse(role).expect("a role"),
+            name: String::new(),
+            endpoints: None,
+        };
+        let k = self.client(&self.operator).create_key(&req).await;
+        k.unwrap_or_else(|e| panic!("minting a {role} key: {e}"))
+            .secret
     }
 
     /// One agent sync of `node` reporting `observed` (instance id, phase),
@@ -205,16 +209,21 @@ impl TestServer {
                 limit_exceeded: None,
             })
             .collect();
-        self.ok(
-            key,
-            Method::POST,
-            &format!("/v1/agent/nodes/{node}/sync"),
-            Some(json!({"observed": observed, "wait_ms": 0})),
-        )
-        .await["assignments"]
-            .as_array()
-            .expect("assignments")
-            .clone()
+        let req = SyncRequest {
+            observed,
+            wait_ms: 0,
+            gpus: Vec::new(),
+            images: None,
+            weights: None,
+        };
+        let node = NodeId::parse(node, "node").expect("a node id");
+        let answer = self.client(key).sync_node(&node, &req).await;
+        let answer = answer.unwrap_or_else(|e| panic!("syncing {node}: {e}"));
+        answer
+            .assignments
+            .iter()
+            .map(|a| serde_json::to_value(a).expect("an assignment as JSON"))
+            .collect()
     }
 
     /// Registers a node with simulated GPUs (`[("H100", 4), ("L40S", 2)]`;
@@ -234,11 +243,10 @@ impl TestServer {
         runtime: RuntimeKind,
     ) -> String {
         let req = registration(name, gpus, runtime);
-        let body = serde_json::to_value(req).expect("register body");
-        let r = self
-            .ok(key, Method::POST, "/v1/agent/register", Some(body))
-            .await;
-        r["node_id"].as_str().expect("node id").to_string()
+        let r = self.client(key).register_node(&req).await;
+        r.unwrap_or_else(|e| panic!("registering {name}: {e}"))
+            .node_id
+            .to_string()
     }
 }
 
@@ -385,7 +393,7 @@ impl OnClock {
     pub async fn tenant_key(&self, name: &str, role: &str) -> String {
         let op = self.operator.clone();
         let t = self
-            .ok(&op, "POST", "/v1/tenants", Some(json!({ "name": name })))
+            .ok(&op, "POST", paths::TENANTS, Some(json!({ "name": name })))
             .await;
         self.key(&t["id"], role).await
     }
@@ -397,7 +405,7 @@ impl OnClock {
             .ok(
                 &op,
                 "POST",
-                "/v1/keys",
+                paths::KEYS,
                 Some(json!({ "tenant_id": tenant, "role": role })),
             )
             .await;
@@ -409,7 +417,9 @@ impl OnClock {
     pub async fn register_node(&self, key: &str, name: &str, gpus: &[(&str, u32)]) -> String {
         let body = serde_json::to_value(registration(name, gpus, RuntimeKind::Process))
             .expect("register body");
-        let r = self.ok(key, "POST", "/v1/agent/register", Some(body)).await;
+        let r = self
+            .ok(key, "POST", paths::AGENT_REGISTER, Some(body))
+            .await;
         r["node_id"].as_str().expect("node id").to_string()
     }
 }
