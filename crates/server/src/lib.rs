@@ -28,7 +28,6 @@ pub mod auth;
 pub mod billing_step;
 pub mod budgets;
 pub mod config;
-pub mod console;
 pub mod endpoints;
 pub mod error;
 pub mod extract;
@@ -306,12 +305,19 @@ pub fn app(state: AppState) -> Router {
     // The console calls this very API in-process, as the signed-in key, so
     // a click in the console passes the same authentication, rate limits
     // and audit log as the API call it makes.
-    let console = console::router(console::ConsoleState {
-        app: state,
-        api: console::session::Api::new(api.clone()),
-        sessions: Default::default(),
-        series: Default::default(),
+    let telemetry_of = state.clone();
+    let telemetry: flotilla_console::Telemetry = Arc::new(move || {
+        telemetry_of
+            .fresh_telemetry()
+            .into_iter()
+            .map(|(node, t)| (node, t.gpus))
+            .collect()
     });
+    let console = flotilla_console::router(flotilla_console::ConsoleState::new(
+        flotilla_console::session::Api::new(api.clone()),
+        state.clock(),
+        telemetry,
+    ));
     api.merge(console)
     .layer(PropagateRequestIdLayer::new(request_id.clone()))
     .layer(

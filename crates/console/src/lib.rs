@@ -7,9 +7,9 @@
 //! Pages read and change state only through the `/v1` API, called
 //! in-process as the signed-in key ([`session::Api`]): the console can
 //! show nothing and do nothing that the key could not through the API.
-//! The one exception is the fleet map's cordon button, which writes the
-//! node's `cordoned` flag after the console has checked, through the API,
-//! that the key is an operator's.
+//! It never depends on the server or the store: what it needs of the
+//! server that the API does not answer (its clock, its fresh GPU
+//! telemetry) is handed to it as values when the server mounts it.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -23,7 +23,9 @@ use axum::Router;
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 use serde_json::Value;
 
-use crate::state::AppState;
+use flotilla_core::api::GpuSample;
+use flotilla_core::clock::Clock;
+use flotilla_core::id::NodeId;
 
 pub mod fmt;
 pub mod operator;
@@ -33,13 +35,22 @@ pub mod terminal;
 
 use session::{Api, Session, Sessions, LOGIN_COOKIE, SESSION_COOKIE, SESSION_TTL};
 
+/// The GPU readings of every node heard from recently, by node: what the
+/// fleet map colours by utilisation or temperature. The server hands the
+/// console its in-memory telemetry, which no API route lists.
+pub type Telemetry = Arc<dyn Fn() -> HashMap<NodeId, Vec<GpuSample>> + Send + Sync>;
+
 /// What the console's handlers share.
 #[derive(Clone)]
 pub struct ConsoleState {
-    /// The server's state (the store, for the operator's cordon only).
-    pub app: AppState,
     /// The API, in-process.
     pub api: Api,
+    /// The server's clock (a manual one in tests): the console never
+    /// reads the wall clock itself, so its months and "offered now" agree
+    /// with the API's.
+    pub clock: Arc<dyn Clock>,
+    /// The server's fresh telemetry.
+    pub telemetry: Telemetry,
     /// Signed-in browsers.
     pub sessions: Sessions,
     /// Recent samples of each endpoint's replicas and traffic, for its
@@ -158,7 +169,26 @@ impl IntoResponse for ConsoleError {
 /// Result of a console handler.
 pub type ConsoleResult<T> = Result<T, ConsoleError>;
 
-/// The console's routes, for [`crate::app`].
+impl ConsoleState {
+    /// A console over `api`, reading `clock` and `telemetry`, with no one
+    /// signed in.
+    pub fn new(api: Api, clock: Arc<dyn Clock>, telemetry: Telemetry) -> Self {
+        Self {
+            api,
+            clock,
+            telemetry,
+            sessions: Sessions::default(),
+            series: Arc::default(),
+        }
+    }
+
+    /// Now, by the server's clock.
+    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        self.clock.now()
+    }
+}
+
+/// The console's routes, mounted by the server beside the API.
 pub fn router(st: ConsoleState) -> Router {
     Router::new()
         .route("/", get(home))

@@ -91,7 +91,7 @@ async fn fleet(
     require_operator(&st, &s).await?;
     let by = ColourBy::parse(q.by.as_deref());
     let nodes = st.api.list(&s, "/v1/nodes", 2000).await?;
-    let telemetry = st.app.fresh_telemetry();
+    let telemetry = (st.telemetry)();
     let map = html! {
         div #fleet hx-get={ "/fleet?by=" (by.as_str()) } hx-trigger="every 3s" hx-swap="outerHTML" hx-select="#fleet" {
             @if nodes.is_empty() { p { "No nodes have joined yet: start `flotilla agent` on a GPU machine." } }
@@ -111,7 +111,7 @@ async fn fleet(
                         ol.gpus aria-label={ "GPUs of " (show(&n["name"])) } {
                             @for g in n["gpus"].as_array().cloned().unwrap_or_default() {
                                 @let idx = g["index"].as_u64().unwrap_or(0);
-                                @let sample = samples.as_ref().and_then(|t| t.gpus.iter().find(|x| u64::from(x.index) == idx));
+                                @let sample = samples.as_ref().and_then(|t| t.iter().find(|x| u64::from(x.index) == idx));
                                 @let used = g["used_milli"].as_u64().unwrap_or(0) as f64;
                                 @let (lvl, text) = match by {
                                     ColourBy::Allocation => (level(Some(used), 1000.0), format!("{:.0}% allocated", used / 10.0)),
@@ -176,20 +176,19 @@ async fn cordon(
     let id =
         NodeId::parse(&node, "node_id").map_err(|e| ConsoleError::field("node_id", e.message))?;
     let cordoned = super::field(&f, "cordoned") != Some("false");
-    st.app
-        .store()
-        .set_node_cordoned(&id, cordoned)
-        .await
-        .map_err(|e| match e {
-            flotilla_store::StoreError::NotFound(_) => ConsoleError::Api {
-                status: axum::http::StatusCode::NOT_FOUND,
-                message: "no such node".into(),
-            },
-            other => ConsoleError::internal(other),
-        })?;
+    // The API's own route: it records the change in the audit log and
+    // wakes the next pass, which must skip the node at once.
+    let action = if cordoned { "cordon" } else { "uncordon" };
+    let _: Value = st
+        .api
+        .call(
+            &s,
+            axum::http::Method::POST,
+            &format!("/v1/nodes/{id}/{action}"),
+            None,
+        )
+        .await?;
     tracing::info!(node = %id, cordoned, "node cordon changed from the console");
-    // The next pass must see it (and skip the node) at once.
-    st.app.notify_change();
     Ok(Redirect::to("/fleet").into_response())
 }
 
@@ -315,7 +314,7 @@ async fn provider(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<R
         });
     }
     let nodes = st.api.list(&s, "/v1/nodes", 1000).await?;
-    let month = st.app.now().format("%Y-%m").to_string();
+    let month = st.now().format("%Y-%m").to_string();
     let payouts: Value = st
         .api
         .get(&s, &format!("/v1/payouts?period={month}"))
@@ -336,7 +335,7 @@ async fn provider(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<R
         })
         .collect();
     let statements = payouts["items"].as_array().cloned().unwrap_or_default();
-    let now = st.app.now();
+    let now = st.now();
     let mut offers = Vec::new();
     for n in nodes
         .iter()
@@ -351,7 +350,7 @@ async fn provider(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<R
         h2 { "When your GPUs are offered (UTC)" }
         p.help { "One window a line: optional days, then start-end, e.g. `mon,tue,wed,thu,fri 18:00-08:00` "
             "(past midnight) or `12:00-14:00` (every day). No lines: always offered. Outside its windows a node "
-            "takes no new work; work still running is stopped, with notice, " (crate::offers::NOTICE.num_minutes()) " minutes before a window closes." }
+            "takes no new work; work still running is stopped, with notice, " (flotilla_core::offer::NOTICE.num_minutes()) " minutes before a window closes." }
         @for (nid, name, offer) in &offers {
             section.offer data-node=(nid) data-name=(name) {
                 h3 { (name) " · offered now: "

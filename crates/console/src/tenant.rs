@@ -644,7 +644,7 @@ async fn endpoint_series(
     let id = seg(&id)?;
     let e: Value = st.api.get(&s, &format!("/v1/endpoints/{id}")).await?;
     let reps = e["replicas"].as_array().cloned().unwrap_or_default();
-    let now = st.app.now().timestamp();
+    let now = st.now().timestamp();
     let requests_total = e["signals"]["requests_total"].as_u64().unwrap_or(0);
     let mut map = st
         .series
@@ -701,7 +701,7 @@ async fn delete_endpoint(
 // ---- Usage and invoices ----------------------------------------------------
 
 fn this_month(st: &ConsoleState) -> String {
-    st.app.now().format("%Y-%m").to_string()
+    st.now().format("%Y-%m").to_string()
 }
 
 fn invoice_lines(inv: &Value) -> Markup {
@@ -867,8 +867,7 @@ async fn draft_invoice_csv(
         .get(&s, &format!("/v1/invoices/preview?period={period}"))
         .await?;
     // The same writer as the API's CSV of final invoices.
-    let csv = crate::routes::export::invoices_csv(&[inv])
-        .map_err(|e| ConsoleError::internal(e.message))?;
+    let csv = flotilla_billing::export::invoices_csv(&[inv]).map_err(ConsoleError::internal)?;
     Ok(csv_download(&format!("invoice-{period}-draft.csv"), csv))
 }
 
