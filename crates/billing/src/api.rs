@@ -1,9 +1,10 @@
 //! Wire types of the billing API (`/v1/prices`, `/v1/budget`,
 //! `/v1/invoices`, `/v1/tenants/{id}/terms`, `/v1/payouts`) that are not
-//! billing's domain types themselves: the server answers with them and the
-//! client reads them, so the two cannot drift apart. They live here rather
-//! than in `flotilla_core::api` because they carry billing's types
-//! (invoices, price versions, terms), which core cannot name.
+//! billing's domain types themselves: the server answers with them (and
+//! reads the requests) and the client sends and reads them, so the two
+//! cannot drift apart. They live here rather than in `flotilla_core::api`
+//! because they carry billing's types (invoices, price versions, terms),
+//! which core cannot name.
 
 use std::collections::BTreeMap;
 
@@ -15,7 +16,9 @@ use serde::{Deserialize, Serialize};
 use crate::budget::{BudgetAlert, Delivery};
 use crate::invoice::Invoice;
 use crate::payout::PayoutStatement;
-use crate::price::{Commitment, CreditGrant, Discount, PriceVersion, SpotPoint};
+use crate::price::{
+    Commitment, CreditGrant, CreditKind, Discount, DiscountScope, Payment, PriceVersion, SpotPoint,
+};
 
 /// The catalog: every version, and which is in force now.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -132,4 +135,147 @@ pub struct Payouts {
     /// price_point_at), `gross`, `operator_fee`, `payout`.
     #[schema(value_type = Vec<Object>)]
     pub items: Vec<PayoutStatement>,
+}
+
+/// A budget to set (`PUT /v1/budget`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetBudget {
+    /// Operators only: whose budget (default: the caller's tenant).
+    #[schema(value_type = Option<String>)]
+    pub tenant: Option<String>,
+    /// Spend limit per month, in the catalog currency; positive.
+    #[schema(value_type = String)]
+    pub limit: Decimal,
+    /// Alert thresholds in percent (default 50, 80, 100).
+    pub thresholds: Option<Vec<u32>>,
+    /// Refuse new spot and preemptible work of tier 2 and 3 once spend
+    /// reaches the limit (default false). Tier-1 and on-demand work is
+    /// never refused, and running work is never stopped.
+    #[serde(default)]
+    pub hard_cap: bool,
+    /// `http://` or `https://` URL alerts are POSTed to; it must reach an
+    /// address the server's egress policy allows.
+    pub webhook_url: Option<String>,
+    /// The HMAC-SHA256 key that signs deliveries (16 to 256 characters);
+    /// required with `webhook_url`.
+    pub webhook_secret: Option<String>,
+}
+
+/// What to finalise (`POST /v1/invoices/finalise`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FinalizeRequest {
+    /// The month, `YYYY-MM` (UTC).
+    pub period: String,
+    /// One tenant; default: every tenant with something to bill.
+    #[schema(value_type = Option<String>)]
+    pub tenant: Option<TenantId>,
+}
+
+/// A new term for a tenant, by `kind` (`POST /v1/tenants/{id}/terms`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum NewTerm {
+    /// A reserved commitment, priced at the on-demand price in force at
+    /// `start` less `discount` (default: the catalog's offer for the term).
+    Commitment {
+        /// Operator-given id.
+        id: String,
+        /// GPU model.
+        model: String,
+        /// Whole GPUs.
+        gpus: u32,
+        /// Start of the term.
+        #[schema(value_type = String)]
+        start: DateTime<Utc>,
+        /// Term in days.
+        term_days: u32,
+        /// `upfront` or `monthly`.
+        #[schema(value_type = String)]
+        payment: Payment,
+        /// Discount fraction (0.3 = 30 %); default: the catalog's offer.
+        #[schema(value_type = Option<String>)]
+        discount: Option<Decimal>,
+    },
+    /// A percentage off the lines in scope.
+    Discount {
+        /// Operator-given id.
+        id: String,
+        /// Percent off, above 0 and at most 100.
+        #[schema(value_type = String)]
+        percent: Decimal,
+        /// `all`, `on_demand`, `reserved`, `spot` or `serverless`.
+        #[schema(value_type = String)]
+        scope: DiscountScope,
+        /// First period it applies to (its start).
+        #[schema(value_type = String)]
+        from: DateTime<Utc>,
+        /// Periods starting before this; default: no end.
+        #[schema(value_type = Option<String>)]
+        until: Option<DateTime<Utc>>,
+    },
+    /// A credit or prepaid balance.
+    Credit {
+        /// Operator-given id.
+        id: String,
+        /// `promotional` or `prepaid`.
+        #[schema(value_type = String)]
+        credit_kind: CreditKind,
+        /// Amount in the catalog currency.
+        #[schema(value_type = String)]
+        amount: Decimal,
+        /// When it was granted (default: now).
+        #[schema(value_type = Option<String>)]
+        granted_at: Option<DateTime<Utc>>,
+        /// Usable by periods starting before this; default: never expires.
+        #[schema(value_type = Option<String>)]
+        expires_at: Option<DateTime<Utc>>,
+    },
+}
+
+/// The term `POST /v1/tenants/{id}/terms` stored, of the kind asked for:
+/// on the wire the bare commitment, discount or credit. Only serialised:
+/// a reader knows the kind it asked for and reads that type, since the
+/// three cannot be told apart by their fields alone without guessing.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum AddedTerm {
+    /// A commitment, its price locked.
+    Commitment(Commitment),
+    /// A discount.
+    Discount(Discount),
+    /// A credit grant.
+    Credit(CreditGrant),
+}
+
+impl AddedTerm {
+    /// Its id (unique per kind within the tenant).
+    pub fn id(&self) -> &str {
+        match self {
+            AddedTerm::Commitment(c) => &c.id,
+            AddedTerm::Discount(d) => &d.id,
+            AddedTerm::Credit(c) => &c.id,
+        }
+    }
+
+    /// `commitment`, `discount` or `credit`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            AddedTerm::Commitment(_) => "commitment",
+            AddedTerm::Discount(_) => "discount",
+            AddedTerm::Credit(_) => "credit",
+        }
+    }
+}
+
+impl NewTerm {
+    /// `commitment`, `discount` or `credit`: the `kind` on the wire.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            NewTerm::Commitment { .. } => "commitment",
+            NewTerm::Discount { .. } => "discount",
+            NewTerm::Credit { .. } => "credit",
+        }
+    }
 }

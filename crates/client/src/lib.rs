@@ -24,14 +24,22 @@
 //! happened ([`Error::is_transient`] and friends help the caller choose).
 
 mod access;
+mod billing;
 mod client;
 mod endpoints;
 mod error;
+mod instances;
+mod jobs;
 mod logs;
+mod nodes;
+pub mod paths;
+mod registries;
 mod retry;
 mod routes;
+mod tenants;
 
 pub use access::{Session, SessionReceiver, SessionSender, Tunnel, TunnelReceiver, TunnelSender};
+pub use billing::UsageRange;
 pub use client::{idempotency_key, parse_servers, Builder, Client, LOG_PAGE_SIZE, PAGE_SIZE};
 pub use error::{Error, TransportKind};
 /// Server trust for `https://` URLs, and the fingerprints pinned in it.

@@ -1,7 +1,10 @@
-//! One typed method per API route the CLI, the agent and the test kit use.
-//! Routes without a method here are reached with the generic verbs
-//! ([`Client::get`], [`Client::post`], [`Client::list`], …) and the
-//! `flotilla_core::api` types.
+//! One typed method per API route the CLI, the agent and the test kit use:
+//! here the caller's identity, SSH keys, an instance's life and logs, and
+//! the agent protocol; the other domains have modules of their own
+//! (`billing`, `endpoints`, `instances`, `jobs`, `nodes`, `registries`,
+//! `tenants`). Callers outside this crate name no path: a route without a
+//! method gets one, rather than a path string handed to the generic verbs
+//! ([`Client::get`], [`Client::post`], [`Client::list`], …).
 
 use std::time::Duration;
 
@@ -164,7 +167,7 @@ impl Client {
 
     /// `POST /v1/agent/register`.
     pub async fn register_node(&self, node: &RegisterNode) -> Result<Registered> {
-        self.post_agent("/v1/agent/register", node, Some(AGENT_TIMEOUT))
+        self.post_agent(crate::paths::AGENT_REGISTER, node, Some(AGENT_TIMEOUT))
             .await
     }
 
