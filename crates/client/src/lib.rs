@@ -28,10 +28,12 @@ mod billing;
 mod client;
 mod endpoints;
 mod error;
+mod in_process;
 mod instances;
 mod jobs;
 mod logs;
 mod nodes;
+mod offers;
 pub mod paths;
 mod registries;
 mod retry;
@@ -44,6 +46,7 @@ pub use client::{idempotency_key, parse_servers, Builder, Client, LOG_PAGE_SIZE,
 pub use error::{Error, TransportKind};
 /// Server trust for `https://` URLs, and the fingerprints pinned in it.
 pub use flotilla_tls::{Fingerprint, Trust};
+pub use in_process::{InProcess, IN_PROCESS_URL};
 pub use logs::LogFollow;
 pub use retry::RetryPolicy;
 pub use routes::LONG_POLL_SLACK;

@@ -1,14 +1,17 @@
 //! The instance page's terminal: a WebSocket from the browser, signed in
-//! by the console's session cookie, handed to the API's own
-//! `GET /v1/instances/{id}/exec` as the signed-in key.
+//! by the console's session cookie, joined to the API's own
+//! `GET /v1/instances/{id}/exec` session opened as the signed-in key
+//! ([`flotilla_client::Client::exec`], in-process when the server mounts
+//! the console).
 //!
 //! Browsers cannot put an `Authorization` header on a WebSocket, so the
-//! console answers the handshake at `/instances/{id}/terminal` and passes
-//! it on in-process, like every other console page: the API's route
-//! checks the key, the instance and its state, records the session in the
-//! audit log (a `GET` of `/v1/instances/{instance_id}/exec`, refusals
-//! included), waits for the agent and splices the two ends. This module
-//! never opens, records or splices a session itself.
+//! console answers the handshake at `/instances/{id}/terminal` and opens
+//! the session through the client, like every other console page: the
+//! API's route checks the key, the instance and its state, records the
+//! session in the audit log (a `GET` of `/v1/instances/{instance_id}/exec`,
+//! refusals included), waits for the agent and splices the two ends. This
+//! module only relays the session's frames, unchanged, between the
+//! browser and the API.
 //!
 //! A cookie travels with any request to this origin, so before the
 //! handshake goes anywhere the console checks that the page asking is its
@@ -16,21 +19,19 @@
 //! a page cannot forge) must name this host, and the query must carry the
 //! session's CSRF token. That stops cross-site WebSocket hijacking.
 
-use std::net::SocketAddr;
-
-use axum::body::Body;
-use axum::extract::ws::{Message, WebSocketUpgrade};
-use axum::extract::{ConnectInfo, FromRequestParts, Path, Query, Request, State};
-use axum::http::header::{AUTHORIZATION, COOKIE, HOST, ORIGIN};
-use axum::http::{HeaderMap, HeaderName, Method, StatusCode};
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, Query};
+use axum::http::header::{HOST, ORIGIN};
+use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use flotilla_core::access::Frame;
-use futures::SinkExt as _;
+use flotilla_core::access::{AccessKind, Frame};
+use futures::{SinkExt as _, StreamExt as _};
 use serde::Deserialize;
 
-use super::session::{urlencode, Session};
+use super::session::Session;
 use super::tenant::seg;
 use super::{ConsoleError, ConsoleResult, ConsoleState};
 
@@ -41,9 +42,6 @@ pub const SHELL: [&str; 3] = [
     "-c",
     "if command -v bash >/dev/null 2>&1; then exec bash; else exec sh; fi",
 ];
-
-/// Largest refusal read back from the API for its message.
-const REFUSAL_LIMIT: usize = 64 * 1024;
 
 pub(super) fn routes() -> Router<ConsoleState> {
     Router::new().route("/instances/{id}/terminal", get(terminal))
@@ -70,90 +68,108 @@ pub fn same_origin(headers: &HeaderMap) -> bool {
     authority.is_some_and(|a| !a.is_empty() && a.eq_ignore_ascii_case(host))
 }
 
-/// The API's path for the terminal's session.
-fn exec_path(id: &str, cols: u16, rows: u16) -> ConsoleResult<String> {
-    let command = serde_json::to_string(&SHELL).map_err(ConsoleError::internal)?;
-    Ok(format!(
-        "/v1/instances/{id}/exec?command={}&tty=true&cols={cols}&rows={rows}",
-        urlencode(&command)
-    ))
+/// The session the terminal asks the API for: [`SHELL`] on a terminal of
+/// the browser's size.
+fn shell_session(cols: u16, rows: u16) -> AccessKind {
+    AccessKind::Exec {
+        command: SHELL.iter().map(|s| s.to_string()).collect(),
+        tty: true,
+        cols,
+        rows,
+    }
 }
 
 /// `GET /instances/{id}/terminal?csrf=&cols=&rows=`: the WebSocket of the
 /// terminal tab, carrying the API's session frames (`docs/access.md`).
 async fn terminal(
-    State(st): State<ConsoleState>,
     s: Session,
     Path(id): Path<String>,
     Query(q): Query<TerminalQuery>,
-    req: Request,
+    headers: HeaderMap,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> ConsoleResult<Response> {
     let id = seg(&id)?;
-    if !same_origin(req.headers()) {
+    if !same_origin(&headers) {
         return Err(ConsoleError::Csrf);
     }
     s.check_csrf(q.csrf.as_deref())?;
-    let (mut parts, _) = req.into_parts();
-    // The connection's upgrade goes to the API's handler; a clone stays
-    // here, to tell the browser why when the API refuses.
-    let upgrade = parts.extensions.get::<hyper::upgrade::OnUpgrade>().cloned();
-    let peer = parts.extensions.get::<ConnectInfo<SocketAddr>>().cloned();
-    let ws = WebSocketUpgrade::from_request_parts(&mut parts, &())
-        .await
-        .map_err(|_| ConsoleError::Api {
-            status: StatusCode::BAD_REQUEST,
-            message: "the terminal is a WebSocket: open it from the instance's page".into(),
-        })?;
-    let path = exec_path(id, q.cols.unwrap_or(80), q.rows.unwrap_or(24))?;
-    // A fresh request: the console's own routing (its matched path and
-    // path parameters) must not reach the API's router, which would add
-    // its own to them.
-    let mut inner = axum::http::Request::builder()
-        .method(Method::GET)
-        .uri(path)
-        .body(Body::empty())
-        .map_err(ConsoleError::internal)?;
-    for (name, value) in &parts.headers {
-        if *name != COOKIE && *name != AUTHORIZATION {
-            inner.headers_mut().append(name, value.clone());
-        }
-    }
-    if let Some(u) = upgrade {
-        inner.extensions_mut().insert(u);
-    }
-    if let Some(p) = peer {
-        inner.extensions_mut().insert(p);
-    }
-    let answer = st.api.forward_as(&s, inner).await?;
-    if answer.status() == StatusCode::SWITCHING_PROTOCOLS {
-        return Ok(answer);
-    }
-    // Refused (not running, another tenant's, a role that may not enter):
-    // the browser cannot read a failed handshake, so it gets the API's
-    // message as an error frame instead.
-    let status = answer.status();
-    let body = axum::body::to_bytes(answer.into_body(), REFUSAL_LIMIT)
-        .await
-        .unwrap_or_default();
-    let message = refusal(status, &body);
+    let ws = ws.map_err(|_| ConsoleError::Api {
+        status: StatusCode::BAD_REQUEST,
+        message: "the terminal is a WebSocket: open it from the instance's page".into(),
+    })?;
+    let kind = shell_session(q.cols.unwrap_or(80), q.rows.unwrap_or(24));
+    // Opened before the browser's handshake is answered, so that a refusal
+    // (not running, another tenant's, a role that may not enter) reaches
+    // the browser, which cannot read a failed handshake, as an error
+    // frame on an accepted one.
+    let opened = s.api.exec(id, &kind).await;
     Ok(ws
-        .on_upgrade(move |mut socket| async move {
-            let frame = Frame::Error(message).encode();
-            let _ = socket.send(Message::Binary(frame.into())).await;
-            let _ = socket.close().await;
+        .on_upgrade(move |socket| async move {
+            match opened {
+                Ok(session) => relay(socket, session).await,
+                Err(e) => {
+                    let mut socket = socket;
+                    let frame = Frame::Error(refusal(&e)).encode();
+                    let _ = socket.send(Message::Binary(frame.into())).await;
+                    let _ = socket.close().await;
+                }
+            }
         })
         .into_response())
 }
 
-/// The message of the API's refusal, for the terminal.
-fn refusal(status: StatusCode, body: &[u8]) -> String {
-    if status == StatusCode::UNAUTHORIZED {
-        return "the key of this console session stopped working: sign in again".into();
+/// Carries frames both ways until either side ends: the browser's input
+/// and resizes to the API, the session's output and exit to the browser.
+async fn relay(browser: WebSocket, session: flotilla_client::Session) {
+    let (mut to_api, mut from_api) = session.split();
+    let (mut to_browser, mut from_browser) = browser.split();
+    let up = async {
+        while let Some(Ok(m)) = from_browser.next().await {
+            match m {
+                Message::Binary(b) => {
+                    let Ok(frame) = Frame::decode(&b) else { break };
+                    if to_api.send(&frame).await.is_err() {
+                        break;
+                    }
+                }
+                Message::Close(_) => break,
+                _ => {}
+            }
+        }
+        to_api.close().await;
+    };
+    let down = async {
+        while let Some(next) = from_api.recv().await {
+            let frame = match next {
+                Ok(frame) => frame,
+                Err(e) => Frame::Error(e.message()),
+            };
+            let last = matches!(frame, Frame::Error(_));
+            if to_browser
+                .send(Message::Binary(frame.encode().into()))
+                .await
+                .is_err()
+                || last
+            {
+                break;
+            }
+        }
+        let _ = to_browser.close().await;
+    };
+    tokio::select! {
+        _ = up => {}
+        _ = down => {}
     }
-    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
-    match v["error"]["message"].as_str() {
-        Some(m) => m.to_string(),
-        None => format!("the session was refused ({})", status.as_u16()),
+}
+
+/// The message of the API's refusal, for the terminal.
+fn refusal(e: &flotilla_client::Error) -> String {
+    match e.status() {
+        Some(401) => "the key of this console session stopped working: sign in again".into(),
+        Some(status) if e.code() == Some(&format!("http_{status}")) => {
+            format!("the session was refused ({status})")
+        }
+        _ => e.message(),
     }
 }
 
@@ -194,19 +210,41 @@ mod tests {
 
     #[test]
     fn the_terminal_runs_the_shell_flotilla_shell_runs() {
-        let p = exec_path("inst_1", 120, 40).unwrap();
-        assert!(p.starts_with("/v1/instances/inst_1/exec?command=%5B%22sh%22%2C%22-c%22%2C"));
-        assert!(p.ends_with("&tty=true&cols=120&rows=40"), "{p}");
+        let AccessKind::Exec {
+            command,
+            tty,
+            cols,
+            rows,
+        } = shell_session(120, 40)
+        else {
+            panic!("not an exec session");
+        };
+        assert_eq!(command, SHELL);
+        assert!(tty);
+        assert_eq!((cols, rows), (120, 40));
+    }
+
+    fn answer(status: u16, code: &str, message: &str) -> flotilla_client::Error {
+        flotilla_client::Error::Api {
+            status,
+            code: code.into(),
+            message: message.into(),
+            field: None,
+            retry_after: None,
+        }
     }
 
     #[test]
     fn refusals_read_as_the_apis_message() {
-        let body = br#"{"error": {"code": "conflict", "message": "instance inst_1 is stopped, not running"}}"#;
         assert_eq!(
-            refusal(StatusCode::CONFLICT, body),
+            refusal(&answer(
+                409,
+                "conflict",
+                "instance inst_1 is stopped, not running"
+            )),
             "instance inst_1 is stopped, not running"
         );
-        assert!(refusal(StatusCode::UNAUTHORIZED, b"").contains("sign in"));
-        assert!(refusal(StatusCode::BAD_GATEWAY, b"oops").contains("502"));
+        assert!(refusal(&answer(401, "unauthorized", "no")).contains("sign in"));
+        assert!(refusal(&answer(502, "http_502", "oops")).contains("502"));
     }
 }
