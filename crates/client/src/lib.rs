@@ -1,5 +1,6 @@
-//! The typed HTTP client of Flotilla's API, used by the CLI, the node agent
-//! and the test kit, so that every caller of the API speaks it the same way:
+//! The typed HTTP client of Flotilla's API, used by the CLI, the node agent,
+//! the test kit and the web console (in-process, see [`InProcess`]), so
+//! that every caller of the API speaks it the same way:
 //!
 //! - requests and answers are the API's own types (`flotilla_core::api`),
 //!   the ones the server serialises, so client and server cannot drift;

@@ -38,7 +38,9 @@ async fn requests_reach_the_router_with_the_key_and_answers_decode() {
         .fallback(|| async {
             (
                 axum::http::StatusCode::NOT_FOUND,
-                Json(serde_json::json!({"error": {"code": "not_found", "message": "no such thing"}})),
+                Json(
+                    serde_json::json!({"error": {"code": "not_found", "message": "no such thing"}}),
+                ),
             )
         });
     let client = Client::in_process(served(router), "flt_secret")
