@@ -19,6 +19,7 @@ pub mod api;
 pub mod budget;
 pub mod error;
 pub mod estimate;
+pub mod export;
 pub mod invoice;
 pub mod meter;
 pub mod money;

@@ -12,6 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::Error;
+use crate::in_process::{InProcess, IN_PROCESS_URL};
 use crate::retry::RetryPolicy;
 use crate::Result;
 
@@ -82,9 +83,20 @@ pub struct Builder {
     timeout: Duration,
     user_agent: String,
     trust: Trust,
+    in_process: Option<InProcess>,
 }
 
 impl Builder {
+    /// Reaches the API through `conn` instead of over the network (see
+    /// [`InProcess`]): the server URLs are replaced by
+    /// [`IN_PROCESS_URL`], and TLS does not apply.
+    pub fn in_process(mut self, conn: InProcess) -> Self {
+        self.servers = vec![IN_PROCESS_URL.to_string()];
+        self.trust = Trust::System;
+        self.in_process = Some(conn);
+        self
+    }
+
     /// Which server certificates `https://` URLs may present (default:
     /// [`Trust::System`], the operating system's roots). A pinned
     /// fingerprint or a CA file is refused with an `http://` URL, which
@@ -129,7 +141,8 @@ impl Builder {
                 });
             }
         }
-        let https = self.servers.iter().any(|s| s.starts_with("https://"));
+        let https =
+            self.in_process.is_none() && self.servers.iter().any(|s| s.starts_with("https://"));
         if !matches!(self.trust, Trust::System) {
             if let Some(plain) = self.servers.iter().find(|s| !s.starts_with("https://")) {
                 return Err(Error::Config {
@@ -164,6 +177,7 @@ impl Builder {
                 token: self.token,
                 retry: self.retry,
                 timeout: self.timeout,
+                in_process: self.in_process,
             }),
         })
     }
@@ -186,6 +200,8 @@ struct Inner {
     token: String,
     retry: RetryPolicy,
     timeout: Duration,
+    /// Set: requests go to the API in this process, not over the network.
+    in_process: Option<InProcess>,
 }
 
 /// One request as the machinery sends it (to each server in turn, and
@@ -241,7 +257,14 @@ impl Client {
             timeout: REQUEST_TIMEOUT,
             user_agent: concat!("flotilla-client/", env!("CARGO_PKG_VERSION")).to_string(),
             trust: Trust::System,
+            in_process: None,
         }
+    }
+
+    /// A builder for the API served in this process, reached through
+    /// `conn` (see [`InProcess`]), with the bearer `token`.
+    pub fn in_process(conn: InProcess, token: &str) -> Builder {
+        Self::builder(IN_PROCESS_URL, token).in_process(conn)
     }
 
     /// A client with the default settings (see [`Client::builder`]).
@@ -261,6 +284,7 @@ impl Client {
                 token: token.trim().to_string(),
                 retry: self.inner.retry,
                 timeout: self.inner.timeout,
+                in_process: self.inner.in_process.clone(),
             }),
         }
     }
@@ -370,10 +394,7 @@ impl Client {
         if let Some(k) = &call.idempotency_key {
             req = req.header("Idempotency-Key", k);
         }
-        let resp = req
-            .send()
-            .await
-            .map_err(|e| Error::from_reqwest(server, &e))?;
+        let resp = self.execute(server, req).await?;
         let status = resp.status();
         if status.is_success() {
             return Ok(resp);
@@ -425,10 +446,9 @@ impl Client {
             if !query.is_empty() {
                 req = req.query(query);
             }
-            let resp = match req.send().await {
+            let resp = match self.execute(server, req).await {
                 Ok(resp) => resp,
                 Err(e) => {
-                    let e = Error::from_reqwest(server, &e);
                     if e.fails_over() {
                         last = Some(e);
                         continue;
@@ -465,6 +485,25 @@ impl Client {
             field: "server",
             message: "no server URL".to_string(),
         }))
+    }
+
+    /// Sends a built request over the network, or in-process when the
+    /// client was built so; the answer whatever its status.
+    async fn execute(
+        &self,
+        server: &str,
+        req: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response> {
+        match &self.inner.in_process {
+            None => req
+                .send()
+                .await
+                .map_err(|e| Error::from_reqwest(server, &e)),
+            Some(conn) => {
+                let req = req.build().map_err(|e| Error::from_reqwest(server, &e))?;
+                conn.send(req).await
+            }
+        }
     }
 
     /// Sends `call` and decodes the JSON answer; an empty body (204)

@@ -1,5 +1,6 @@
-//! The typed HTTP client of Flotilla's API, used by the CLI, the node agent
-//! and the test kit, so that every caller of the API speaks it the same way:
+//! The typed HTTP client of Flotilla's API, used by the CLI, the node agent,
+//! the test kit and the web console (in-process, see [`InProcess`]), so
+//! that every caller of the API speaks it the same way:
 //!
 //! - requests and answers are the API's own types (`flotilla_core::api`),
 //!   the ones the server serialises, so client and server cannot drift;
@@ -28,10 +29,12 @@ mod billing;
 mod client;
 mod endpoints;
 mod error;
+mod in_process;
 mod instances;
 mod jobs;
 mod logs;
 mod nodes;
+mod offers;
 pub mod paths;
 mod registries;
 mod retry;
@@ -44,6 +47,7 @@ pub use client::{idempotency_key, parse_servers, Builder, Client, LOG_PAGE_SIZE,
 pub use error::{Error, TransportKind};
 /// Server trust for `https://` URLs, and the fingerprints pinned in it.
 pub use flotilla_tls::{Fingerprint, Trust};
+pub use in_process::{InProcess, IN_PROCESS_URL};
 pub use logs::LogFollow;
 pub use retry::RetryPolicy;
 pub use routes::LONG_POLL_SLACK;

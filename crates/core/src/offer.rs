@@ -13,6 +13,9 @@ use crate::FieldError;
 pub const DAYS: [&str; 7] = ["mon", "tue", "wed", "thu", "fri", "sat", "sun"];
 /// Most windows one node may have.
 pub const MAX_WINDOWS: usize = 64;
+/// How long before a window closes its work is told to stop: here, not in
+/// the server, because the provider's page says it too.
+pub const NOTICE: Duration = Duration::minutes(2);
 
 /// A weekly window, UTC: `start` to `end` (`HH:MM`, 24 h; an `end` at or
 /// before `start` runs past midnight) on `days` (`mon`…`sun`; empty:

@@ -28,7 +28,6 @@ pub mod auth;
 pub mod billing_step;
 pub mod budgets;
 pub mod config;
-pub mod console;
 pub mod endpoints;
 pub mod error;
 pub mod extract;
@@ -297,15 +296,33 @@ pub fn app(state: AppState) -> Router {
         .layer(middleware::from_fn_with_state(state.clone(), auth::layer))
         .layer(DefaultBodyLimit::max(extract::BODY_LIMIT))
         .with_state(state.clone());
-    // The console calls this very API in-process, as the signed-in key, so
-    // a click in the console passes the same authentication, rate limits
-    // and audit log as the API call it makes.
-    let console = console::router(console::ConsoleState {
-        app: state,
-        api: console::session::Api::new(api.clone()),
-        sessions: Default::default(),
-        series: Default::default(),
+    // The console calls this very API in-process, as the signed-in key,
+    // through the typed client, so a click in the console passes the same
+    // authentication, rate limits and audit log as the API call it makes.
+    let telemetry_of = state.clone();
+    let telemetry: flotilla_console::Telemetry = Arc::new(move || {
+        telemetry_of
+            .fresh_telemetry()
+            .into_iter()
+            .map(|(node, t)| (node, t.gpus))
+            .collect()
     });
+    let console = match flotilla_client::Client::in_process(console_connection(api.clone()), "")
+        // A page answers at once: a refusal (429 included) is the page's
+        // to show, not the client's to wait out.
+        .retry(flotilla_client::RetryPolicy::none())
+        .build()
+    {
+        Ok(client) => flotilla_console::router(flotilla_console::ConsoleState::new(
+            client,
+            state.clock(),
+            telemetry,
+        )),
+        Err(e) => {
+            tracing::error!(error = %e, "the console could not be set up; serving the API alone");
+            axum::Router::new()
+        }
+    };
     api.merge(console)
     .layer(PropagateRequestIdLayer::new(request_id.clone()))
     .layer(
@@ -319,6 +336,26 @@ pub fn app(state: AppState) -> Router {
         }),
     )
     .layer(SetRequestIdLayer::new(request_id, MakeRequestUuid))
+}
+
+/// Connections to `api` that never leave the process: each call serves a
+/// fresh in-memory connection as HTTP/1.1 with upgrades (so the console's
+/// terminal can open the exec WebSocket) and returns the client's end.
+fn console_connection(api: axum::Router) -> flotilla_client::InProcess {
+    flotilla_client::InProcess::new(move || {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let service = hyper_util::service::TowerToHyperService::new(api.clone());
+        tokio::spawn(async move {
+            let served = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(server), service)
+                .with_upgrades()
+                .await;
+            if let Err(e) = served {
+                tracing::debug!(error = %e, "in-process API connection ended");
+            }
+        });
+        client
+    })
 }
 
 async fn health(axum::extract::State(st): axum::extract::State<AppState>) -> impl IntoResponse {

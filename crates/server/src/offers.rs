@@ -10,8 +10,7 @@ use flotilla_store::StoreError;
 
 use crate::state::AppState;
 
-/// How long before a window closes its work is told to stop.
-pub const NOTICE: chrono::Duration = chrono::Duration::minutes(2);
+pub use flotilla_core::offer::NOTICE;
 
 /// Stops the work on nodes whose offer window closes within [`NOTICE`]
 /// or has closed; the number of instances asked to stop.

@@ -333,6 +333,12 @@ impl AppState {
         &self.inner.config
     }
 
+    /// The clock every decision of this server reads: handed to the
+    /// console, which shows times against the same `now`.
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        self.inner.clock.clone()
+    }
+
     /// Now, by the injected clock.
     pub fn now(&self) -> DateTime<Utc> {
         self.inner.clock.now()

@@ -10,7 +10,7 @@
 use axum::http::{header, HeaderMap, HeaderValue, Uri};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, SecondsFormat, Utc};
-use flotilla_billing::invoice::{Invoice, InvoiceStatus};
+use flotilla_billing::invoice::Invoice;
 use flotilla_billing::meter::{GpuShare, Meter, UsageEvent};
 use serde::Deserialize;
 
@@ -119,64 +119,10 @@ pub fn usage_csv(events: &[UsageEvent]) -> Result<String, ApiError> {
     finish(w)
 }
 
-/// One row per invoice line, with its invoice's id, tenant, period,
-/// status and currency repeated, so the rows of several invoices can be
-/// filtered and summed as they are.
+/// One row per invoice line: [`flotilla_billing::export::invoices_csv`],
+/// shared with the console's download of a draft invoice.
 pub fn invoices_csv(invoices: &[Invoice]) -> Result<String, ApiError> {
-    let mut w = csv::Writer::from_writer(Vec::new());
-    w.write_record([
-        "invoice",
-        "tenant",
-        "period_start",
-        "period_end",
-        "status",
-        "currency",
-        "line",
-        "kind",
-        "description",
-        "model",
-        "quantity",
-        "unit",
-        "unit_price",
-        "amount",
-        "price_version",
-        "price_point_at",
-        "reference",
-    ])
-    .map_err(ApiError::internal)?;
-    for inv in invoices {
-        let status = match inv.status() {
-            InvoiceStatus::Draft => "draft",
-            InvoiceStatus::Finalised { .. } => "finalised",
-        };
-        for (i, l) in inv.lines().iter().enumerate() {
-            let kind = serde_json::to_value(l.kind)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default();
-            w.write_record([
-                inv.id().as_str(),
-                inv.tenant().as_str(),
-                &time(inv.period().start),
-                &time(inv.period().end),
-                status,
-                &inv.currency().code,
-                &(i + 1).to_string(),
-                &kind,
-                &l.description,
-                l.model.as_deref().unwrap_or(""),
-                &l.quantity.to_string(),
-                &l.unit,
-                &l.unit_price.to_string(),
-                &l.amount.to_string(),
-                &l.price_version.map(|v| v.to_string()).unwrap_or_default(),
-                &l.price_point_at.map(time).unwrap_or_default(),
-                l.reference.as_deref().unwrap_or(""),
-            ])
-            .map_err(ApiError::internal)?;
-        }
-    }
-    finish(w)
+    flotilla_billing::export::invoices_csv(invoices).map_err(ApiError::internal)
 }
 
 /// A CSV answer, with the next page's cursor in `X-Next-Cursor`.

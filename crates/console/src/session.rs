@@ -1,34 +1,47 @@
 //! Console sessions: signing in with an API key, the session cookie, CSRF
-//! tokens, and calls into the `/v1` API on the signed-in key's behalf.
+//! tokens, and the typed client that calls the API as the signed-in key.
 //!
 //! A session is a random id (32 bytes from the OS) in an `HttpOnly`,
 //! `SameSite=Strict` cookie; the server keeps what it stands for in memory
-//! (the key's secret, needed to call the API as that key, and the form
-//! token). Nothing of the key reaches the browser after sign-in, and a
-//! restart signs everyone out, which is the safe failure. Pages never read
-//! the store for a tenant's objects themselves: they call the API router
-//! in-process with the key as the bearer, so every page answers by exactly
-//! the API's rules (roles, tenant scoping, 404 for another tenant's
-//! objects, rate limits, a revoked key stops working at once).
+//! (a client holding the key's secret, needed to call the API as that key,
+//! and the form token). Nothing of the key reaches the browser after
+//! sign-in, and a restart signs everyone out, which is the safe failure.
+//! Pages never read the store for a tenant's objects themselves: they call
+//! the API through `flotilla_client` (in-process when the server mounts
+//! the console) with the key as the bearer, so every page answers by
+//! exactly the API's rules (roles, tenant scoping, 404 for another
+//! tenant's objects, rate limits, a revoked key stops working at once).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
 use axum::extract::FromRequestParts;
-use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, COOKIE};
+use axum::http::header::COOKIE;
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, Method, Request, StatusCode};
-use axum::Router;
+use axum::http::{HeaderMap, StatusCode};
+use flotilla_client::Client;
 use flotilla_core::id::TenantId;
 use flotilla_core::tenant::Role;
 use rand::RngCore;
-use serde::de::DeserializeOwned;
-use serde_json::Value;
-use tower::ServiceExt;
 
 use super::{ConsoleError, ConsoleState};
+
+impl From<flotilla_client::Error> for ConsoleError {
+    /// The API's refusal as the console shows it: 401 (the key stopped
+    /// working) signs the browser out, another status keeps the API's
+    /// status and message; a failure on the way is internal.
+    fn from(e: flotilla_client::Error) -> Self {
+        match e.status() {
+            Some(401) => ConsoleError::SignIn,
+            Some(status) => ConsoleError::Api {
+                status: StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
+                message: e.message(),
+            },
+            None => ConsoleError::internal(e),
+        }
+    }
+}
 
 /// Name of the session cookie.
 pub const SESSION_COOKIE: &str = "flotilla_session";
@@ -64,8 +77,8 @@ pub fn same_token(a: &str, b: &str) -> bool {
 pub struct Session {
     /// Its id (the cookie's value).
     pub id: String,
-    /// The API key's secret: pages call the API as this key.
-    secret: String,
+    /// The API as the session's key: pages call it, never the store.
+    pub api: Client,
     /// The token every form of this session carries.
     pub csrf: String,
     /// The key's role when it signed in (the API checks it again on every
@@ -125,14 +138,14 @@ impl Sessions {
     /// Opens a session for a key that the API accepted.
     pub fn open(
         &self,
-        secret: String,
+        api: Client,
         role: Role,
         tenant_id: TenantId,
         tenant_name: String,
     ) -> Session {
         let s = Session {
             id: random_token(),
-            secret,
+            api,
             csrf: random_token(),
             role,
             tenant_id,
@@ -206,188 +219,6 @@ impl FromRequestParts<ConsoleState> for Session {
     }
 }
 
-/// An answer of the in-process API.
-#[derive(Debug)]
-pub struct ApiAnswer {
-    /// Its status.
-    pub status: StatusCode,
-    /// Its headers.
-    pub headers: HeaderMap,
-    /// Its body.
-    pub body: Bytes,
-}
-
-/// The `/v1` router, served in-process to the console's pages.
-#[derive(Clone)]
-pub struct Api {
-    router: Router,
-}
-
-impl Api {
-    /// Wraps the API router (already given its state).
-    pub fn new(router: Router) -> Self {
-        Self { router }
-    }
-
-    /// Calls the API with `secret` as the bearer; the answer whatever its
-    /// status.
-    pub async fn raw(
-        &self,
-        secret: &str,
-        method: Method,
-        path: &str,
-        body: Option<&Value>,
-    ) -> Result<ApiAnswer, ConsoleError> {
-        let mut req = Request::builder()
-            .method(method)
-            .uri(path)
-            .header(AUTHORIZATION, format!("Bearer {secret}"));
-        let body = match body {
-            Some(v) => {
-                req = req.header(CONTENT_TYPE, "application/json");
-                Body::from(serde_json::to_vec(v).map_err(ConsoleError::internal)?)
-            }
-            None => Body::empty(),
-        };
-        let req = req.body(body).map_err(ConsoleError::internal)?;
-        let resp = self
-            .router
-            .clone()
-            .oneshot(req)
-            .await
-            .map_err(ConsoleError::internal)?;
-        let (parts, body) = resp.into_parts();
-        let body = axum::body::to_bytes(body, 64 * 1024 * 1024)
-            .await
-            .map_err(ConsoleError::internal)?;
-        Ok(ApiAnswer {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        })
-    }
-
-    /// Hands `req` to the API as `session` (its bearer set to the
-    /// session's key) and answers what the API answers, body unread: the
-    /// terminal's WebSocket handshake, whose 101 must reach the browser
-    /// as it is.
-    pub async fn forward_as(
-        &self,
-        session: &Session,
-        mut req: Request<Body>,
-    ) -> Result<axum::response::Response, ConsoleError> {
-        let bearer = format!("Bearer {}", session.secret)
-            .parse()
-            .map_err(ConsoleError::internal)?;
-        req.headers_mut().insert(AUTHORIZATION, bearer);
-        self.router
-            .clone()
-            .oneshot(req)
-            .await
-            .map_err(ConsoleError::internal)
-    }
-
-    /// Calls the API as `session`, whatever the answer's status.
-    pub async fn raw_as(
-        &self,
-        session: &Session,
-        method: Method,
-        path: &str,
-        body: Option<&Value>,
-    ) -> Result<ApiAnswer, ConsoleError> {
-        self.raw(&session.secret, method, path, body).await
-    }
-
-    /// Calls the API as `session`; a JSON body on success, the API's error
-    /// (status, message) otherwise.
-    pub async fn call<T: DeserializeOwned>(
-        &self,
-        session: &Session,
-        method: Method,
-        path: &str,
-        body: Option<&Value>,
-    ) -> Result<T, ConsoleError> {
-        let a = self.raw(&session.secret, method, path, body).await?;
-        decode(a)
-    }
-
-    /// `GET path` as `session`.
-    pub async fn get<T: DeserializeOwned>(
-        &self,
-        session: &Session,
-        path: &str,
-    ) -> Result<T, ConsoleError> {
-        self.call(session, Method::GET, path, None).await
-    }
-
-    /// Every item of a paginated list (`path` may carry a query), up to
-    /// `max` items.
-    pub async fn list(
-        &self,
-        session: &Session,
-        path: &str,
-        max: usize,
-    ) -> Result<Vec<Value>, ConsoleError> {
-        let mut items = Vec::new();
-        let mut cursor: Option<String> = None;
-        let sep = if path.contains('?') { '&' } else { '?' };
-        loop {
-            let mut p = format!("{path}{sep}limit=1000");
-            if let Some(c) = &cursor {
-                p.push_str("&cursor=");
-                p.push_str(&urlencode(c));
-            }
-            let page: Value = self.get(session, &p).await?;
-            if let Some(a) = page["items"].as_array() {
-                items.extend(a.iter().cloned());
-            }
-            cursor = page["next_cursor"].as_str().map(str::to_string);
-            if cursor.is_none() || items.len() >= max {
-                items.truncate(max);
-                return Ok(items);
-            }
-        }
-    }
-}
-
-/// The API answer's JSON, or its error as a [`ConsoleError`].
-pub fn decode<T: DeserializeOwned>(a: ApiAnswer) -> Result<T, ConsoleError> {
-    if a.status.is_success() {
-        return serde_json::from_slice(&a.body).map_err(ConsoleError::internal);
-    }
-    Err(api_error(&a))
-}
-
-/// The API's error body as a [`ConsoleError`].
-pub fn api_error(a: &ApiAnswer) -> ConsoleError {
-    let v: Value = serde_json::from_slice(&a.body).unwrap_or(Value::Null);
-    let message = v["error"]["message"]
-        .as_str()
-        .unwrap_or("the request failed")
-        .to_string();
-    if a.status == StatusCode::UNAUTHORIZED {
-        return ConsoleError::SignIn;
-    }
-    ConsoleError::Api {
-        status: a.status,
-        message,
-    }
-}
-
-/// Percent-encodes a query value.
-pub fn urlencode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                out.push(b as char)
-            }
-            _ => out.push_str(&format!("%{b:02X}")),
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -417,17 +248,13 @@ mod tests {
     async fn sessions_open_find_and_close() {
         let s = Sessions::default();
         let t = TenantId::generate(1, 1);
-        let a = s.open("flt_x".into(), Role::TenantAdmin, t, "acme".into());
+        let api = Client::new("http://127.0.0.1:1", "flt_x").unwrap();
+        let a = s.open(api, Role::TenantAdmin, t, "acme".into());
         assert_eq!(s.get(&a.id).map(|x| x.csrf), Some(a.csrf.clone()));
         assert!(a.check_csrf(Some(&a.csrf)).is_ok());
         assert!(a.check_csrf(Some("nope")).is_err());
         assert!(a.check_csrf(None).is_err());
         s.close(&a.id);
         assert!(s.get(&a.id).is_none());
-    }
-
-    #[test]
-    fn query_values_are_encoded() {
-        assert_eq!(urlencode("a b+c/é"), "a%20b%2Bc%2F%C3%A9");
     }
 }

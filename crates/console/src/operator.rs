@@ -9,10 +9,11 @@ use axum::routing::{get, post};
 use axum::Router;
 use flotilla_core::id::NodeId;
 use flotilla_core::offer::{NodeOffer, OfferWindow};
+use flotilla_core::tenant::Role;
 use maud::{html, Markup};
 use serde_json::Value;
 
-use super::fmt::{amount, per_hour, time, unit_price};
+use super::fmt::{amount, at, json, opt, per_hour, time, unit_price};
 use super::session::Session;
 use super::{
     badge, check, csrf_field, fragment, is_htmx, page, show, table, ConsoleError, ConsoleResult,
@@ -32,9 +33,8 @@ pub(super) fn routes() -> Router<ConsoleState> {
 
 /// A 404 unless the key is an operator's now: asked of the API, so a key
 /// revoked or changed since sign-in is refused.
-async fn require_operator(st: &ConsoleState, s: &Session) -> ConsoleResult<()> {
-    let me: Value = st.api.get(s, "/v1/me").await?;
-    if me["key"]["role"].as_str() == Some("operator") {
+async fn require_operator(s: &Session) -> ConsoleResult<()> {
+    if s.api.me().await?.key.role == Role::Operator {
         Ok(())
     } else {
         Err(ConsoleError::Api {
@@ -88,31 +88,31 @@ async fn fleet(
     Query(q): Query<FleetQuery>,
     h: HeaderMap,
 ) -> ConsoleResult<Response> {
-    require_operator(&st, &s).await?;
+    require_operator(&s).await?;
     let by = ColourBy::parse(q.by.as_deref());
-    let nodes = st.api.list(&s, "/v1/nodes", 2000).await?;
-    let telemetry = st.app.fresh_telemetry();
+    let nodes = s.api.nodes().await?;
+    let telemetry = (st.telemetry)();
     let map = html! {
         div #fleet hx-get={ "/fleet?by=" (by.as_str()) } hx-trigger="every 3s" hx-swap="outerHTML" hx-select="#fleet" {
             @if nodes.is_empty() { p { "No nodes have joined yet: start `flotilla agent` on a GPU machine." } }
             ul.fleet {
                 @for n in &nodes {
-                    @let nid = n["id"].as_str().unwrap_or("");
-                    @let state = n["state"].as_str().unwrap_or("");
-                    @let cordoned = n["cordoned"].as_bool() == Some(true);
-                    @let samples = NodeId::parse(nid, "node").ok().and_then(|id| telemetry.get(&id).cloned());
-                    li.node .unhealthy[state != "ready"] .cordoned[cordoned] data-node=(nid) data-name=(show(&n["name"])) {
+                    @let nid = n.id.as_str();
+                    @let state = n.state.as_str();
+                    @let cordoned = n.cordoned;
+                    @let samples = telemetry.get(&n.id);
+                    li.node .unhealthy[state != "ready"] .cordoned[cordoned] data-node=(nid) data-name=(n.name) {
                         div.node-head {
-                            strong { (show(&n["name"])) }
+                            strong { (n.name) }
                             " " (badge(state))
                             @if cordoned { " " (badge("cordoned")) }
-                            span.muted { " " (show(&n["region"])) " · " (show(&n["pool"])) @if n["simulated"].as_bool() == Some(true) { " · simulated" } }
+                            span.muted { " " (n.region) " · " (n.pool) @if n.simulated { " · simulated" } }
                         }
-                        ol.gpus aria-label={ "GPUs of " (show(&n["name"])) } {
-                            @for g in n["gpus"].as_array().cloned().unwrap_or_default() {
-                                @let idx = g["index"].as_u64().unwrap_or(0);
-                                @let sample = samples.as_ref().and_then(|t| t.gpus.iter().find(|x| u64::from(x.index) == idx));
-                                @let used = g["used_milli"].as_u64().unwrap_or(0) as f64;
+                        ol.gpus aria-label={ "GPUs of " (n.name) } {
+                            @for g in &n.gpus {
+                                @let idx = g.index;
+                                @let sample = samples.and_then(|t| t.iter().find(|x| x.index == idx));
+                                @let used = f64::from(g.used_milli);
                                 @let (lvl, text) = match by {
                                     ColourBy::Allocation => (level(Some(used), 1000.0), format!("{:.0}% allocated", used / 10.0)),
                                     ColourBy::Utilisation => {
@@ -125,8 +125,8 @@ async fn fleet(
                                     }
                                 };
                                 li class={ "gpu heat" (lvl.map(|l| l.to_string()).unwrap_or_else(|| "-none".into())) }
-                                    title={ (show(&g["model"])) " #" (idx) ": " (text) } {
-                                    span.gpu-model { (show(&g["model"])) }
+                                    title={ (g.model) " #" (idx) ": " (text) } {
+                                    span.gpu-model { (g.model) }
                                     span.gpu-val { (text) }
                                 }
                             }
@@ -134,7 +134,7 @@ async fn fleet(
                         form.inline method="post" action={ "/fleet/" (nid) "/cordon" } {
                             (csrf_field(&s))
                             input type="hidden" name="cordoned" value=(if cordoned { "false" } else { "true" });
-                            button type="submit" .danger[!cordoned] aria-label={ (if cordoned { "Uncordon " } else { "Cordon " }) (show(&n["name"])) } {
+                            button type="submit" .danger[!cordoned] aria-label={ (if cordoned { "Uncordon " } else { "Cordon " }) (n.name) } {
                                 (if cordoned { "Uncordon" } else { "Cordon" })
                             }
                         }
@@ -166,47 +166,36 @@ async fn fleet(
 }
 
 async fn cordon(
-    State(st): State<ConsoleState>,
     s: Session,
     Path(node): Path<String>,
     Form(f): Form<Fields>,
 ) -> ConsoleResult<Response> {
     check(&s, &f)?;
-    require_operator(&st, &s).await?;
+    require_operator(&s).await?;
     let id =
         NodeId::parse(&node, "node_id").map_err(|e| ConsoleError::field("node_id", e.message))?;
     let cordoned = super::field(&f, "cordoned") != Some("false");
-    st.app
-        .store()
-        .set_node_cordoned(&id, cordoned)
-        .await
-        .map_err(|e| match e {
-            flotilla_store::StoreError::NotFound(_) => ConsoleError::Api {
-                status: axum::http::StatusCode::NOT_FOUND,
-                message: "no such node".into(),
-            },
-            other => ConsoleError::internal(other),
-        })?;
+    // The API's own route: it records the change in the audit log and
+    // wakes the next pass, which must skip the node at once.
+    s.api.cordon_node(&id, cordoned).await?;
     tracing::info!(node = %id, cordoned, "node cordon changed from the console");
-    // The next pass must see it (and skip the node) at once.
-    st.app.notify_change();
     Ok(Redirect::to("/fleet").into_response())
 }
 
-async fn queue(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
-    let inst = st.api.list(&s, "/v1/queue", 1000).await?;
-    let jobs = st.api.list(&s, "/v1/jobs/queue", 1000).await?;
+async fn queue(s: Session) -> ConsoleResult<Response> {
+    let inst = s.api.instance_queue().await?;
+    let jobs = s.api.job_queue().await?;
     let rows: Vec<Markup> = inst
         .iter()
         .map(|e| {
-            let i = &e["instance"];
+            let i = &e.instance;
             html! { tr {
-                td.num { (show(&e["position"])) }
-                th scope="row" { a href={ "/instances/" (show(&i["id"])) } { (show(&i["id"])) } }
-                td { (show(&i["tenant_id"])) }
-                td.num { (show(&i["gpus"])) }
-                td.reason { (show(&i["state_reason"])) }
-                td { (time(&i["created_at"])) }
+                td.num { (e.position) }
+                th scope="row" { a href={ "/instances/" (i.id) } { (i.id) } }
+                td { (i.tenant_id) }
+                td.num { (i.gpus) }
+                td.reason { (i.state_reason) }
+                td { (at(&i.created_at)) }
             } }
         })
         .collect();
@@ -214,10 +203,10 @@ async fn queue(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Resp
         .iter()
         .map(|e| {
             html! { tr {
-                td.num { (show(&e["position"])) }
-                th scope="row" { (show(&e["job"]["id"])) }
-                td { (show(&e["job"]["tenant_id"])) }
-                td.reason { (show(&e["job"]["state_reason"])) }
+                td.num { (e.position) }
+                th scope="row" { (e.job.id) }
+                td { (e.job.tenant_id) }
+                td.reason { (e.job.state_reason) }
             } }
         })
         .collect();
@@ -231,34 +220,31 @@ async fn queue(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Resp
     Ok(page(&s, "Queue", "/queue", body))
 }
 
-async fn tenants(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
-    require_operator(&st, &s).await?;
-    let list = st.api.list(&s, "/v1/tenants", 1000).await?;
+async fn tenants(s: Session) -> ConsoleResult<Response> {
+    require_operator(&s).await?;
+    let list = s.api.tenants().await?;
     let mut rows = Vec::new();
     for t in &list {
-        let tid = t["id"].as_str().unwrap_or("");
-        let q: Value = st
-            .api
-            .get(&s, &format!("/v1/tenants/{tid}/quota"))
-            .await
-            .unwrap_or(Value::Null);
-        let per_model = q["quota"]["gpus_per_model"]
-            .as_object()
-            .map(|m| {
-                m.iter()
+        // A tenant whose quota cannot be read still gets its row.
+        let q = s.api.quota(&t.id).await.ok();
+        let quota = q.as_ref().map(|q| &q.quota);
+        let per_model = quota
+            .map(|q| {
+                q.gpus_per_model
+                    .iter()
                     .map(|(k, v)| format!("{k} ≤ {v}"))
                     .collect::<Vec<_>>()
                     .join(", ")
             })
             .unwrap_or_default();
         rows.push(html! { tr {
-            th scope="row" { (show(&t["name"])) }
-            td { (tid) }
-            td.num { (show(&q["usage"]["gpus_total"])) }
-            td.num { (q["quota"]["gpus_total"].as_u64().map(|n| n.to_string()).unwrap_or_else(|| "no limit".into())) }
+            th scope="row" { (t.name) }
+            td { (t.id) }
+            td.num { (opt(q.as_ref().map(|q| q.usage.gpus_total))) }
+            td.num { (quota.and_then(|q| q.gpus_total).map(|n| n.to_string()).unwrap_or_else(|| "no limit".into())) }
             td { (per_model) }
-            td.num { (show(&q["quota"]["gpus_guaranteed"])) }
-            td.num { (show(&q["quota"]["weight"])) }
+            td.num { (opt(quota.and_then(|q| q.gpus_guaranteed))) }
+            td.num { (opt(quota.and_then(|q| q.weight))) }
         } });
     }
     let body = table(
@@ -278,8 +264,8 @@ async fn tenants(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Re
     Ok(page(&s, "Tenants & quotas", "/tenants", body))
 }
 
-async fn prices(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
-    let p: Value = st.api.get(&s, "/v1/prices").await?;
+async fn prices(s: Session) -> ConsoleResult<Response> {
+    let p = json(&s.api.prices().await?);
     let currency = p["currency"].as_str().unwrap_or("USD").to_string();
     let in_force = p["in_force"].as_u64();
     let versions = p["versions"].as_array().cloned().unwrap_or_default();
@@ -314,44 +300,42 @@ async fn provider(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<R
             message: "no such page for this key".into(),
         });
     }
-    let nodes = st.api.list(&s, "/v1/nodes", 1000).await?;
-    let month = st.app.now().format("%Y-%m").to_string();
-    let payouts: Value = st
+    let nodes = s.api.nodes().await?;
+    let month = st.now().format("%Y-%m").to_string();
+    let payouts = s
         .api
-        .get(&s, &format!("/v1/payouts?period={month}"))
+        .payouts(&month)
         .await
+        .map(|p| json(&p))
         .unwrap_or(Value::Null);
+    let mine = |n: &&flotilla_core::api::Node| s.is_operator() || n.owner_tenant_id == s.tenant_id;
     let node_rows = nodes
         .iter()
-        .filter(|n| s.is_operator() || n["owner_tenant_id"].as_str() == Some(s.tenant_id.as_str()))
+        .filter(mine)
         .map(|n| {
-            let gpus = n["gpus"].as_array().cloned().unwrap_or_default();
-            let used: u64 = gpus.iter().map(|g| g["used_milli"].as_u64().unwrap_or(0)).sum();
+            let gpus = &n.gpus;
+            let used: u64 = gpus.iter().map(|g| u64::from(g.used_milli)).sum();
             html! { tr {
-                th scope="row" { (show(&n["name"])) }
-                td { (badge(n["state"].as_str().unwrap_or(""))) @if n["cordoned"].as_bool() == Some(true) { " " (badge("cordoned")) } }
+                th scope="row" { (n.name) }
+                td { (badge(n.state.as_str())) @if n.cordoned { " " (badge("cordoned")) } }
                 td.num { (gpus.len()) }
                 td.num { (format!("{:.0}%", if gpus.is_empty() { 0.0 } else { used as f64 / (gpus.len() as f64 * 10.0) })) }
             } }
         })
         .collect();
     let statements = payouts["items"].as_array().cloned().unwrap_or_default();
-    let now = st.app.now();
+    let now = st.now();
     let mut offers = Vec::new();
-    for n in nodes
-        .iter()
-        .filter(|n| s.is_operator() || n["owner_tenant_id"].as_str() == Some(s.tenant_id.as_str()))
-    {
-        let nid = n["id"].as_str().unwrap_or("").to_string();
-        let offer: NodeOffer = st.api.get(&s, &format!("/v1/nodes/{nid}/offer")).await?;
-        offers.push((nid, show(&n["name"]), offer));
+    for n in nodes.iter().filter(mine) {
+        let offer = s.api.node_offer(&n.id).await?;
+        offers.push((n.id.to_string(), n.name.clone(), offer));
     }
     let body = html! {
         (table("Your nodes and their use now", &["Node", "State", "GPUs", "Allocated"], node_rows, "No nodes: join one with `flotilla agent`"))
         h2 { "When your GPUs are offered (UTC)" }
         p.help { "One window a line: optional days, then start-end, e.g. `mon,tue,wed,thu,fri 18:00-08:00` "
             "(past midnight) or `12:00-14:00` (every day). No lines: always offered. Outside its windows a node "
-            "takes no new work; work still running is stopped, with notice, " (crate::offers::NOTICE.num_minutes()) " minutes before a window closes." }
+            "takes no new work; work still running is stopped, with notice, " (flotilla_core::offer::NOTICE.num_minutes()) " minutes before a window closes." }
         @for (nid, name, offer) in &offers {
             section.offer data-node=(nid) data-name=(name) {
                 h3 { (name) " · offered now: "
@@ -426,7 +410,6 @@ fn parse_windows(text: &str) -> ConsoleResult<Vec<OfferWindow>> {
 }
 
 async fn set_offer(
-    State(st): State<ConsoleState>,
     s: Session,
     Path(node): Path<String>,
     Form(f): Form<Fields>,
@@ -437,16 +420,7 @@ async fn set_offer(
     let offer = NodeOffer {
         windows: parse_windows(super::field(&f, "windows").unwrap_or(""))?,
     };
-    let body = serde_json::to_value(&offer).map_err(ConsoleError::internal)?;
-    let _: Value = st
-        .api
-        .call(
-            &s,
-            axum::http::Method::PUT,
-            &format!("/v1/nodes/{id}/offer"),
-            Some(&body),
-        )
-        .await?;
+    s.api.set_node_offer(&id, &offer).await?;
     Ok(Redirect::to("/provider").into_response())
 }
 

@@ -7,15 +7,15 @@ use std::collections::BTreeMap;
 
 use axum::extract::{Form, Path, Query, State};
 use axum::http::header::{CONTENT_DISPOSITION, CONTENT_TYPE};
-use axum::http::{HeaderMap, Method};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use maud::{html, Markup};
 use serde_json::{json, Value};
 
-use super::fmt::{amount, dec, per_hour, time, unit_price};
-use super::session::{api_error, Session};
+use super::fmt::{amount, at, dec, json, per_hour, time, unit_price, word};
+use super::session::Session;
 use super::{
     badge, check, csrf_field, field, fragment, is_htmx, json_data, page, show, table, ConsoleError,
     ConsoleResult, ConsoleState, Fields, Sample,
@@ -90,15 +90,33 @@ fn parse_num<T: std::str::FromStr>(f: &Fields, name: &'static str) -> ConsoleRes
         .transpose()
 }
 
+/// A form's fields, gathered as JSON, as the API's request type: a value
+/// the type cannot hold is the form's error, named like the API names it.
+fn request<T: serde::de::DeserializeOwned>(body: Value) -> ConsoleResult<T> {
+    serde_json::from_value(body).map_err(|e| ConsoleError::field("form", e.to_string()))
+}
+
+/// Typed answers as JSON (see [`json`]).
+fn json_items<T: serde::Serialize>(items: &[T]) -> Vec<Value> {
+    items.iter().map(json).collect()
+}
+
+/// The GPU catalog with the pool's capacity, as the pages below read it
+/// (`{"items": […]}`).
+async fn gpu_types(s: &Session) -> ConsoleResult<Value> {
+    Ok(json!({ "items": json_items(&s.api.gpu_types().await?) }))
+}
+
 // ---- GPUs ------------------------------------------------------------------
 
-async fn gpus(State(st): State<ConsoleState>, s: Session, h: HeaderMap) -> ConsoleResult<Response> {
-    let types: Value = st.api.get(&s, "/v1/gpu-types").await?;
-    let prices: Value = st.api.get(&s, "/v1/prices").await?;
-    let spot: Value = st
+async fn gpus(s: Session, h: HeaderMap) -> ConsoleResult<Response> {
+    let types = gpu_types(&s).await?;
+    let prices = json(&s.api.prices().await?);
+    let spot = s
         .api
-        .get(&s, "/v1/prices/spot")
+        .spot_prices()
         .await
+        .map(|p| json(&p))
         .unwrap_or(Value::Null);
     let in_force = prices["in_force"].as_u64();
     let currency = prices["currency"].as_str().unwrap_or("USD").to_string();
@@ -189,12 +207,8 @@ fn instance_row(i: &Value) -> Markup {
     }
 }
 
-async fn instances(
-    State(st): State<ConsoleState>,
-    s: Session,
-    h: HeaderMap,
-) -> ConsoleResult<Response> {
-    let list = st.api.list(&s, "/v1/instances", 200).await?;
+async fn instances(s: Session, h: HeaderMap) -> ConsoleResult<Response> {
+    let list = json_items(&s.api.instances(None, Some(200)).await?);
     let mut list = list;
     list.reverse();
     let rows = list.iter().map(instance_row).collect();
@@ -207,7 +221,7 @@ async fn instances(
     if is_htmx(&h) {
         return Ok(fragment(tbl));
     }
-    let types: Value = st.api.get(&s, "/v1/gpu-types").await?;
+    let types = gpu_types(&s).await?;
     let models: Vec<String> = types["items"]
         .as_array()
         .map(|a| {
@@ -252,11 +266,7 @@ async fn instances(
     Ok(page(&s, "Instances", "/instances", body))
 }
 
-async fn launch(
-    State(st): State<ConsoleState>,
-    s: Session,
-    Form(f): Form<Fields>,
-) -> ConsoleResult<Response> {
+async fn launch(s: Session, Form(f): Form<Fields>) -> ConsoleResult<Response> {
     check(&s, &f)?;
     let fraction: Option<f64> = parse_num(&f, "gpu_fraction")?;
     let gpus: u32 = if fraction.is_some() {
@@ -284,22 +294,13 @@ async fn launch(
     if let Some(i) = field(&f, "image") {
         body["image"] = json!(i);
     }
-    let inst: Value = st
-        .api
-        .call(&s, Method::POST, "/v1/instances", Some(&body))
-        .await?;
-    let id = inst["id"].as_str().unwrap_or("");
-    Ok(Redirect::to(&format!("/instances/{}", seg(id)?)).into_response())
+    let inst = s.api.create_instance(&request(body)?).await?;
+    Ok(Redirect::to(&format!("/instances/{}", inst.id)).into_response())
 }
 
-async fn instance(
-    State(st): State<ConsoleState>,
-    s: Session,
-    Path(id): Path<String>,
-    h: HeaderMap,
-) -> ConsoleResult<Response> {
+async fn instance(s: Session, Path(id): Path<String>, h: HeaderMap) -> ConsoleResult<Response> {
     let id = seg(&id)?;
-    let i: Value = st.api.get(&s, &format!("/v1/instances/{id}")).await?;
+    let i = json(&s.api.instance(id).await?);
     let state = i["state"].as_str().unwrap_or("");
     let live = matches!(state, "pending" | "scheduled" | "starting" | "running");
     let summary = html! {
@@ -394,76 +395,60 @@ struct SinceQuery {
 }
 
 async fn instance_logs(
-    State(st): State<ConsoleState>,
     s: Session,
     Path(id): Path<String>,
     Query(q): Query<SinceQuery>,
 ) -> ConsoleResult<Response> {
     let id = seg(&id)?;
     let since = q.since.unwrap_or(0);
-    let page: Value = st
-        .api
-        .get(
-            &s,
-            &format!("/v1/instances/{id}/logs?since={since}&limit=1000"),
-        )
-        .await?;
-    let lines = page["items"].as_array().cloned().unwrap_or_default();
-    let next = lines
-        .last()
-        .and_then(|l| l["seq"].as_u64())
-        .map(|n| n + 1)
-        .unwrap_or(since);
+    let lines = s.api.logs_page(id, since).await?.items;
+    let next = lines.last().map_or(since, |l| l.seq + 1);
     // Keep polling while the instance can still write, or lines remain.
-    let more = if lines.len() == 1000 {
+    let more = if lines.len() == flotilla_client::LOG_PAGE_SIZE {
         true
     } else {
-        let i: Value = st.api.get(&s, &format!("/v1/instances/{id}")).await?;
-        !matches!(
-            i["state"].as_str(),
-            Some("succeeded" | "failed" | "stopped" | "lost")
-        ) || !lines.is_empty()
+        {
+            use flotilla_core::instance::InstanceState as S;
+            let state = s.api.instance(id).await?.state;
+            !matches!(state, S::Succeeded | S::Failed | S::Stopped | S::Lost) || !lines.is_empty()
+        }
     };
     Ok(fragment(html! {
         @for l in &lines {
-            div class={ "line " (l["stream"].as_str().unwrap_or("stdout")) } { (flotilla_core::text::escape_controls(l["line"].as_str().unwrap_or(""))) }
+            div class={ "line " (word(&l.stream)) } { (flotilla_core::text::escape_controls(&l.line)) }
         }
         @if more { (log_poller(id, next)) } @else { div.end { "— end of output —" } }
     }))
 }
 
 async fn stop_instance(
-    State(st): State<ConsoleState>,
     s: Session,
     Path(id): Path<String>,
     Form(f): Form<Fields>,
 ) -> ConsoleResult<Response> {
     check(&s, &f)?;
     let id = seg(&id)?;
-    let _: Value = st
-        .api
-        .call(&s, Method::POST, &format!("/v1/instances/{id}/stop"), None)
-        .await?;
+    s.api.stop_instance(id).await?;
     Ok(Redirect::to(&format!("/instances/{id}")).into_response())
 }
 
 // ---- Jobs ------------------------------------------------------------------
 
-async fn jobs(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
-    let mut list = st.api.list(&s, "/v1/jobs", 200).await?;
+async fn jobs(s: Session) -> ConsoleResult<Response> {
+    let mut list = s.api.jobs(None).await?;
     list.reverse();
     let rows = list
         .iter()
         .map(|j| {
             html! {
                 tr {
-                    th scope="row" { (show(&j["id"])) }
-                    td { (j["name"].as_str().unwrap_or("")) }
-                    td { (badge(j["state"].as_str().unwrap_or(""))) }
-                    td.reason { (j["state_reason"].as_str().unwrap_or("")) }
-                    td.num { (show(&j["nodes"])) " × " (show(&j["gpus_per_node"])) }
-                    td.num { (show(&j["attempt"])) }
-                    td { (time(&j["created_at"])) }
+                    th scope="row" { (j.id) }
+                    td { (j.spec.name.as_deref().unwrap_or("")) }
+                    td { (badge(j.state.as_str())) }
+                    td.reason { (j.state_reason) }
+                    td.num { (j.spec.nodes) " × " (j.spec.gpus) }
+                    td.num { (j.attempts) }
+                    td { (at(&j.created_at)) }
                 }
             }
         })
@@ -477,8 +462,8 @@ async fn jobs(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Respo
 
 // ---- Endpoints -------------------------------------------------------------
 
-async fn endpoints(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
-    let list = st.api.list(&s, "/v1/endpoints", 200).await?;
+async fn endpoints(s: Session) -> ConsoleResult<Response> {
+    let list = json_items(&s.api.endpoints().await?);
     let rows = list
         .iter()
         .map(|e| {
@@ -529,11 +514,7 @@ async fn endpoints(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<
     Ok(page(&s, "Endpoints", "/endpoints", body))
 }
 
-async fn deploy(
-    State(st): State<ConsoleState>,
-    s: Session,
-    Form(f): Form<Fields>,
-) -> ConsoleResult<Response> {
+async fn deploy(s: Session, Form(f): Form<Fields>) -> ConsoleResult<Response> {
     check(&s, &f)?;
     let name = field(&f, "name").ok_or_else(|| ConsoleError::field("name", "enter a name"))?;
     let mut body = json!({ "name": name, "env": env_lines(field(&f, "env"))? });
@@ -564,25 +545,13 @@ async fn deploy(
     if let Some(n) = parse_num::<u64>(&f, "slo_p95_ms")? {
         body["slo_p95_ms"] = json!(n);
     }
-    let ep: Value = st
-        .api
-        .call(&s, Method::POST, "/v1/endpoints", Some(&body))
-        .await?;
-    Ok(Redirect::to(&format!(
-        "/endpoints/{}",
-        seg(ep["id"].as_str().unwrap_or(""))?
-    ))
-    .into_response())
+    let ep = s.api.create_endpoint(&request(body)?).await?;
+    Ok(Redirect::to(&format!("/endpoints/{}", ep.id)).into_response())
 }
 
-async fn endpoint(
-    State(st): State<ConsoleState>,
-    s: Session,
-    Path(id): Path<String>,
-    h: HeaderMap,
-) -> ConsoleResult<Response> {
+async fn endpoint(s: Session, Path(id): Path<String>, h: HeaderMap) -> ConsoleResult<Response> {
     let id = seg(&id)?;
-    let e: Value = st.api.get(&s, &format!("/v1/endpoints/{id}")).await?;
+    let e = json(&s.api.endpoint(id).await?);
     let reps = e["replicas"].as_array().cloned().unwrap_or_default();
     let name = e["name"].as_str().unwrap_or(id).to_string();
     let ready = reps
@@ -642,9 +611,9 @@ async fn endpoint_series(
     Path(id): Path<String>,
 ) -> ConsoleResult<Response> {
     let id = seg(&id)?;
-    let e: Value = st.api.get(&s, &format!("/v1/endpoints/{id}")).await?;
+    let e = json(&s.api.endpoint(id).await?);
     let reps = e["replicas"].as_array().cloned().unwrap_or_default();
-    let now = st.app.now().timestamp();
+    let now = st.now().timestamp();
     let requests_total = e["signals"]["requests_total"].as_u64().unwrap_or(0);
     let mut map = st
         .series
@@ -684,24 +653,20 @@ async fn endpoint_series(
 }
 
 async fn delete_endpoint(
-    State(st): State<ConsoleState>,
     s: Session,
     Path(id): Path<String>,
     Form(f): Form<Fields>,
 ) -> ConsoleResult<Response> {
     check(&s, &f)?;
     let id = seg(&id)?;
-    let _: Value = st
-        .api
-        .call(&s, Method::DELETE, &format!("/v1/endpoints/{id}"), None)
-        .await?;
+    s.api.delete_endpoint(id).await?;
     Ok(Redirect::to("/endpoints").into_response())
 }
 
 // ---- Usage and invoices ----------------------------------------------------
 
 fn this_month(st: &ConsoleState) -> String {
-    st.app.now().format("%Y-%m").to_string()
+    st.now().format("%Y-%m").to_string()
 }
 
 fn invoice_lines(inv: &Value) -> Markup {
@@ -730,11 +695,8 @@ fn invoice_lines(inv: &Value) -> Markup {
 
 async fn billing(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
     let month = this_month(&st);
-    let draft: Value = st
-        .api
-        .get(&s, &format!("/v1/invoices/preview?period={month}"))
-        .await?;
-    let finals = st.api.list(&s, "/v1/invoices", 120).await?;
+    let draft = json(&s.api.invoice_preview(&month).await?);
+    let finals = json_items(&s.api.invoices().await?);
     let currency = draft["currency"]["code"]
         .as_str()
         .unwrap_or("USD")
@@ -820,16 +782,9 @@ fn valid_month(p: &str) -> ConsoleResult<&str> {
     }
 }
 
-async fn draft_invoice(
-    State(st): State<ConsoleState>,
-    s: Session,
-    Path(period): Path<String>,
-) -> ConsoleResult<Response> {
+async fn draft_invoice(s: Session, Path(period): Path<String>) -> ConsoleResult<Response> {
     let period = valid_month(&period)?;
-    let inv: Value = st
-        .api
-        .get(&s, &format!("/v1/invoices/preview?period={period}"))
-        .await?;
+    let inv = json(&s.api.invoice_preview(period).await?);
     let body = html! {
         p { "Draft: rated now from the ledger with the prices in force; it may still change until the month is finalised." }
         p { a.button #download-csv href={ "/invoices/draft/" (period) "/csv" } download { "Download CSV" } }
@@ -856,29 +811,17 @@ fn csv_download(name: &str, body: String) -> Response {
     ))
 }
 
-async fn draft_invoice_csv(
-    State(st): State<ConsoleState>,
-    s: Session,
-    Path(period): Path<String>,
-) -> ConsoleResult<Response> {
+async fn draft_invoice_csv(s: Session, Path(period): Path<String>) -> ConsoleResult<Response> {
     let period = valid_month(&period)?;
-    let inv: flotilla_billing::invoice::Invoice = st
-        .api
-        .get(&s, &format!("/v1/invoices/preview?period={period}"))
-        .await?;
+    let inv = s.api.invoice_preview(period).await?;
     // The same writer as the API's CSV of final invoices.
-    let csv = crate::routes::export::invoices_csv(&[inv])
-        .map_err(|e| ConsoleError::internal(e.message))?;
+    let csv = flotilla_billing::export::invoices_csv(&[inv]).map_err(ConsoleError::internal)?;
     Ok(csv_download(&format!("invoice-{period}-draft.csv"), csv))
 }
 
-async fn final_invoice(
-    State(st): State<ConsoleState>,
-    s: Session,
-    Path(id): Path<String>,
-) -> ConsoleResult<Response> {
+async fn final_invoice(s: Session, Path(id): Path<String>) -> ConsoleResult<Response> {
     let id = seg(&id)?;
-    let inv: Value = st.api.get(&s, &format!("/v1/invoices/{id}")).await?;
+    let inv = json(&s.api.invoice(id).await?);
     let body = html! {
         p.muted { "Finalised " (time(&inv["status"]["at"])) " · tenant " (show(&inv["tenant"])) }
         p { a.button #download-csv href={ "/invoices/" (id) "/csv" } download { "Download CSV" } }
@@ -887,39 +830,19 @@ async fn final_invoice(
     Ok(page(&s, &format!("Invoice {id}"), "/billing", body))
 }
 
-async fn final_invoice_csv(
-    State(st): State<ConsoleState>,
-    s: Session,
-    Path(id): Path<String>,
-) -> ConsoleResult<Response> {
+async fn final_invoice_csv(s: Session, Path(id): Path<String>) -> ConsoleResult<Response> {
     let id = seg(&id)?;
-    let a = st
-        .api
-        .raw_as(
-            &s,
-            Method::GET,
-            &format!("/v1/invoices/{id}?format=csv"),
-            None,
-        )
-        .await?;
-    if !a.status.is_success() {
-        return Err(api_error(&a));
-    }
-    Ok(csv_download(
-        &format!("{id}.csv"),
-        String::from_utf8_lossy(&a.body).into_owned(),
-    ))
+    let csv = s.api.invoice_csv(id).await?;
+    Ok(csv_download(&format!("{id}.csv"), csv))
 }
 
 // ---- Budget ----------------------------------------------------------------
 
-async fn budget(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
-    let b: Option<Value> = match st.api.get::<Value>(&s, "/v1/budget").await {
-        Ok(v) => Some(v),
-        Err(ConsoleError::Api { status, .. }) if status == axum::http::StatusCode::NOT_FOUND => {
-            None
-        }
-        Err(e) => return Err(e),
+async fn budget(s: Session) -> ConsoleResult<Response> {
+    let b: Option<Value> = match s.api.budget(None).await {
+        Ok(v) => Some(json(&v)),
+        Err(e) if e.is_not_found() => None,
+        Err(e) => return Err(e.into()),
     };
     let body = html! {
         @if let Some(b) = &b {
@@ -956,11 +879,7 @@ async fn budget(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Res
     Ok(page(&s, "Budget", "/budget", body))
 }
 
-async fn set_budget(
-    State(st): State<ConsoleState>,
-    s: Session,
-    Form(f): Form<Fields>,
-) -> ConsoleResult<Response> {
+async fn set_budget(s: Session, Form(f): Form<Fields>) -> ConsoleResult<Response> {
     check(&s, &f)?;
     let limit = field(&f, "limit").ok_or_else(|| ConsoleError::field("limit", "enter a limit"))?;
     let thresholds = field(&f, "thresholds")
@@ -983,21 +902,14 @@ async fn set_budget(
     if let Some(u) = field(&f, "webhook_url") {
         body["webhook_url"] = json!(u);
     }
-    let _: Value = st
-        .api
-        .call(&s, Method::PUT, "/v1/budget", Some(&body))
-        .await?;
+    s.api.set_budget(&request(body)?).await?;
     Ok(Redirect::to("/budget").into_response())
 }
 
 // ---- API keys --------------------------------------------------------------
 
-async fn keys_page(
-    st: &ConsoleState,
-    s: &Session,
-    created: Option<&Value>,
-) -> ConsoleResult<Response> {
-    let list = st.api.list(s, "/v1/keys", 500).await?;
+async fn keys_page(s: &Session, created: Option<&Value>) -> ConsoleResult<Response> {
+    let list = json_items(&s.api.keys().await?);
     let rows = list
         .iter()
         .map(|k| {
@@ -1047,43 +959,31 @@ async fn keys_page(
     Ok(page(s, "API keys", "/keys", body))
 }
 
-async fn keys(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
-    keys_page(&st, &s, None).await
+async fn keys(s: Session) -> ConsoleResult<Response> {
+    keys_page(&s, None).await
 }
 
-async fn create_key(
-    State(st): State<ConsoleState>,
-    s: Session,
-    Form(f): Form<Fields>,
-) -> ConsoleResult<Response> {
+async fn create_key(s: Session, Form(f): Form<Fields>) -> ConsoleResult<Response> {
     check(&s, &f)?;
     let body = json!({
         "name": field(&f, "name").unwrap_or("console"),
         "role": field(&f, "role").unwrap_or("tenant_member"),
         "tenant_id": s.tenant_id.as_str(),
     });
-    let created: Value = st
-        .api
-        .call(&s, Method::POST, "/v1/keys", Some(&body))
-        .await?;
-    keys_page(&st, &s, Some(&created)).await
+    let created = json(&s.api.create_key(&request(body)?).await?);
+    keys_page(&s, Some(&created)).await
 }
 
 async fn revoke_key(
-    State(st): State<ConsoleState>,
     s: Session,
     Path(id): Path<String>,
     Form(f): Form<Fields>,
 ) -> ConsoleResult<Response> {
     check(&s, &f)?;
     let id = seg(&id)?;
-    let a = st
-        .api
-        .raw_as(&s, Method::DELETE, &format!("/v1/keys/{id}"), None)
-        .await?;
-    if !a.status.is_success() {
-        return Err(api_error(&a));
-    }
+    let id = flotilla_core::id::KeyId::parse(id, "key_id")
+        .map_err(|e| ConsoleError::field("key_id", e.message))?;
+    s.api.revoke_key(&id).await?;
     Ok(Redirect::to("/keys").into_response())
 }
 
@@ -1097,12 +997,8 @@ struct EstimateQuery {
     tier: Option<String>,
 }
 
-async fn estimate(
-    State(st): State<ConsoleState>,
-    s: Session,
-    Query(q): Query<EstimateQuery>,
-) -> ConsoleResult<Response> {
-    let types: Value = st.api.get(&s, "/v1/gpu-types").await?;
+async fn estimate(s: Session, Query(q): Query<EstimateQuery>) -> ConsoleResult<Response> {
+    let types = gpu_types(&s).await?;
     let models: Vec<String> = types["items"]
         .as_array()
         .map(|a| {
@@ -1129,11 +1025,7 @@ async fn estimate(
         if let Some(m) = &model {
             w["model"] = json!(m);
         }
-        Some(
-            st.api
-                .call(&s, Method::POST, "/v1/estimates", Some(&w))
-                .await?,
-        )
+        Some(json(&s.api.estimate(&request(w)?).await?))
     } else {
         None
     };

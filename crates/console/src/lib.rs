@@ -4,12 +4,14 @@
 //! `assets/`, whose `package-lock.json` names the exact npm packages they
 //! came from), so the console needs no network and no build step.
 //!
-//! Pages read and change state only through the `/v1` API, called
-//! in-process as the signed-in key ([`session::Api`]): the console can
-//! show nothing and do nothing that the key could not through the API.
-//! The one exception is the fleet map's cordon button, which writes the
-//! node's `cordoned` flag after the console has checked, through the API,
-//! that the key is an operator's.
+//! Pages read and change state only through the API's typed client
+//! (`flotilla_client`), which the server hands over reaching the API
+//! in-process, and which each session holds as its signed-in key
+//! ([`session::Session::api`]): the console can show nothing and do
+//! nothing that the key could not through the API.
+//! It never depends on the server or the store: what it needs of the
+//! server that the API does not answer (its clock, its fresh GPU
+//! telemetry) is handed to it as values when the server mounts it.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -20,10 +22,13 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use flotilla_client::Client;
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 use serde_json::Value;
 
-use crate::state::AppState;
+use flotilla_core::api::GpuSample;
+use flotilla_core::clock::Clock;
+use flotilla_core::id::NodeId;
 
 pub mod fmt;
 pub mod operator;
@@ -31,15 +36,25 @@ pub mod session;
 pub mod tenant;
 pub mod terminal;
 
-use session::{Api, Session, Sessions, LOGIN_COOKIE, SESSION_COOKIE, SESSION_TTL};
+use session::{Session, Sessions, LOGIN_COOKIE, SESSION_COOKIE, SESSION_TTL};
+
+/// The GPU readings of every node heard from recently, by node: what the
+/// fleet map colours by utilisation or temperature. The server hands the
+/// console its in-memory telemetry, which no API route lists.
+pub type Telemetry = Arc<dyn Fn() -> HashMap<NodeId, Vec<GpuSample>> + Send + Sync>;
 
 /// What the console's handlers share.
 #[derive(Clone)]
 pub struct ConsoleState {
-    /// The server's state (the store, for the operator's cordon only).
-    pub app: AppState,
-    /// The API, in-process.
-    pub api: Api,
+    /// The API, keyless: each session calls it with its own key
+    /// ([`Client::with_token`]).
+    pub api: Client,
+    /// The server's clock (a manual one in tests): the console never
+    /// reads the wall clock itself, so its months and "offered now" agree
+    /// with the API's.
+    pub clock: Arc<dyn Clock>,
+    /// The server's fresh telemetry.
+    pub telemetry: Telemetry,
     /// Signed-in browsers.
     pub sessions: Sessions,
     /// Recent samples of each endpoint's replicas and traffic, for its
@@ -158,7 +173,27 @@ impl IntoResponse for ConsoleError {
 /// Result of a console handler.
 pub type ConsoleResult<T> = Result<T, ConsoleError>;
 
-/// The console's routes, for [`crate::app`].
+impl ConsoleState {
+    /// A console over `api` (whose key is never used: sessions replace
+    /// it with theirs), reading `clock` and `telemetry`, with no one
+    /// signed in.
+    pub fn new(api: Client, clock: Arc<dyn Clock>, telemetry: Telemetry) -> Self {
+        Self {
+            api,
+            clock,
+            telemetry,
+            sessions: Sessions::default(),
+            series: Arc::default(),
+        }
+    }
+
+    /// Now, by the server's clock.
+    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        self.clock.now()
+    }
+}
+
+/// The console's routes, mounted by the server beside the API.
 pub fn router(st: ConsoleState) -> Router {
     Router::new()
         .route("/", get(home))
@@ -422,42 +457,25 @@ async fn login(
             "api_key: enter an API key",
         );
     };
-    let me = match st
-        .api
-        .raw(secret, axum::http::Method::GET, "/v1/me", None)
-        .await
-    {
-        Ok(a) if a.status.is_success() => {
-            serde_json::from_slice::<Value>(&a.body).unwrap_or(Value::Null)
+    let api = st.api.with_token(secret);
+    let me = match api.me().await {
+        Ok(me) => me,
+        Err(e) if e.status() == Some(429) => {
+            return fail(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many attempts: wait a moment",
+            )
         }
-        Ok(a) if a.status == StatusCode::TOO_MANY_REQUESTS => {
-            return fail(a.status, "too many attempts: wait a moment")
-        }
-        _ => {
+        Err(_) => {
             return fail(
                 StatusCode::UNAUTHORIZED,
                 "that key is not valid, or was revoked",
             )
         }
     };
-    let role = match me["key"]["role"].as_str() {
-        Some("operator") => flotilla_core::tenant::Role::Operator,
-        Some("tenant_admin") => flotilla_core::tenant::Role::TenantAdmin,
-        Some("tenant_member") => flotilla_core::tenant::Role::TenantMember,
-        Some("provider") => flotilla_core::tenant::Role::Provider,
-        _ => return fail(StatusCode::UNAUTHORIZED, "that key cannot sign in"),
-    };
-    let Some(tenant) = me["key"]["tenant_id"]
-        .as_str()
-        .and_then(|t| flotilla_core::id::TenantId::parse(t, "tenant_id").ok())
-    else {
-        return fail(StatusCode::UNAUTHORIZED, "that key cannot sign in");
-    };
-    let name = me["tenant"]["name"]
-        .as_str()
-        .map(str::to_string)
-        .unwrap_or_else(|| tenant.to_string());
-    let s = st.sessions.open(secret.to_string(), role, tenant, name);
+    let s = st
+        .sessions
+        .open(api, me.key.role, me.key.tenant_id, me.tenant.name);
     let to = if s.is_operator() {
         "/fleet"
     } else {
