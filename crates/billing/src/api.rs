@@ -154,8 +154,11 @@ pub struct SetBudget {
     /// never refused, and running work is never stopped.
     #[serde(default)]
     pub hard_cap: bool,
-    /// `http://` or `https://` URL alerts are POSTed to; it must reach an
-    /// address the server's egress policy allows.
+    /// `http://` or `https://` URL alerts are POSTed to. It must reach a
+    /// public address: loopback, private, link-local, shared, unique-local,
+    /// multicast and unspecified addresses (literal, or what the name
+    /// resolves to) are refused unless the operator allows them
+    /// (`--allow-egress CIDR[:PORTS]`, or `--webhook-allow-private`).
     pub webhook_url: Option<String>,
     /// The HMAC-SHA256 key that signs deliveries (16 to 256 characters);
     /// required with `webhook_url`.

@@ -4,13 +4,12 @@
 
 use axum::extract::State;
 use axum::Json;
+use flotilla_billing::api::SetBudget;
 use flotilla_billing::budget::{Budget, DEFAULT_THRESHOLDS};
 use flotilla_core::tenant::Role;
 use flotilla_core::FieldError;
 use flotilla_store::budgets::StoredBudget;
-use rust_decimal::Decimal;
 use serde::Deserialize;
-use utoipa::ToSchema;
 
 use crate::auth::Caller;
 use crate::budgets::{month_of, spend};
@@ -73,34 +72,6 @@ async fn check_webhook_target(st: &AppState, url: &reqwest::Url) -> ApiResult<()
         .map_err(|e| ApiError::field(FieldError::new("webhook_url", e.to_string())))?;
     crate::outbound::check_destination(&st.config().webhook_egress(), &host, port, "webhook_url")
         .await
-}
-
-/// A budget to set.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct SetBudget {
-    /// Operators only: whose budget (default: the caller's tenant).
-    #[schema(value_type = Option<String>)]
-    pub tenant: Option<String>,
-    /// Spend limit per month, in the catalog currency; positive.
-    #[schema(value_type = String)]
-    pub limit: Decimal,
-    /// Alert thresholds in percent (default 50, 80, 100).
-    pub thresholds: Option<Vec<u32>>,
-    /// Refuse new spot and preemptible work of tier 2 and 3 once spend
-    /// reaches the limit (default false). Tier-1 and on-demand work is
-    /// never refused, and running work is never stopped.
-    #[serde(default)]
-    pub hard_cap: bool,
-    /// `http://` or `https://` URL alerts are POSTed to. It must reach a
-    /// public address: loopback, private, link-local, shared, unique-local,
-    /// multicast and unspecified addresses (literal, or what the name
-    /// resolves to) are refused unless the operator allows them
-    /// (`--allow-egress CIDR[:PORTS]`, or `--webhook-allow-private`).
-    pub webhook_url: Option<String>,
-    /// The HMAC-SHA256 key that signs deliveries (16 to 256 characters);
-    /// required with `webhook_url`.
-    pub webhook_secret: Option<String>,
 }
 
 /// Sets (or replaces) the tenant's budget (tenant admins for their own

@@ -10,18 +10,14 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use chrono::{DateTime, Utc};
+use flotilla_billing::api::{FinalizeRequest, NewTerm};
 use flotilla_billing::invoice::Invoice;
-use flotilla_billing::price::{
-    Commitment, CreditGrant, CreditKind, Discount, DiscountScope, Payment,
-};
+use flotilla_billing::price::{Commitment, CreditGrant, Discount};
 use flotilla_core::api::Page;
-use flotilla_core::id::{InvoiceId, TenantId};
+use flotilla_core::id::InvoiceId;
 use flotilla_core::FieldError;
 use flotilla_store::PageReq;
 use rust_decimal::Decimal;
-use serde::Deserialize;
-use utoipa::ToSchema;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ApiResult};
@@ -96,17 +92,6 @@ pub async fn get_invoice(
         body,
     )
         .into_response())
-}
-
-/// What to finalise.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct FinalizeRequest {
-    /// The month, `YYYY-MM` (UTC).
-    pub period: String,
-    /// One tenant (id); default: every tenant with something to bill.
-    #[schema(value_type = Option<String>)]
-    pub tenant: Option<TenantId>,
 }
 
 /// Finalises a month (operators): each tenant's usage is rated, marked
@@ -211,67 +196,6 @@ pub async fn finalise_invoices(
         out.finalised.push(inv);
     }
     Ok(Json(out))
-}
-
-/// A new term for a tenant, by `kind`.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum NewTerm {
-    /// A reserved commitment, priced at the on-demand price in force at
-    /// `start` less `discount` (default: the catalog's offer for the term).
-    Commitment {
-        /// Operator-given id.
-        id: String,
-        /// GPU model.
-        model: String,
-        /// Whole GPUs.
-        gpus: u32,
-        /// Start of the term.
-        #[schema(value_type = String)]
-        start: DateTime<Utc>,
-        /// Term in days.
-        term_days: u32,
-        /// `upfront` or `monthly`.
-        #[schema(value_type = String)]
-        payment: Payment,
-        /// Discount fraction (0.3 = 30 %); default: the catalog's offer.
-        #[schema(value_type = Option<String>)]
-        discount: Option<Decimal>,
-    },
-    /// A percentage off the lines in scope.
-    Discount {
-        /// Operator-given id.
-        id: String,
-        /// Percent off, above 0 and at most 100.
-        #[schema(value_type = String)]
-        percent: Decimal,
-        /// `all`, `on_demand`, `reserved`, `spot` or `serverless`.
-        #[schema(value_type = String)]
-        scope: DiscountScope,
-        /// First period it applies to (its start).
-        #[schema(value_type = String)]
-        from: DateTime<Utc>,
-        /// Periods starting before this; default: no end.
-        #[schema(value_type = Option<String>)]
-        until: Option<DateTime<Utc>>,
-    },
-    /// A credit or prepaid balance.
-    Credit {
-        /// Operator-given id.
-        id: String,
-        /// `promotional` or `prepaid`.
-        #[schema(value_type = String)]
-        credit_kind: CreditKind,
-        /// Amount in the catalog currency.
-        #[schema(value_type = String)]
-        amount: Decimal,
-        /// When it was granted (default: now).
-        #[schema(value_type = Option<String>)]
-        granted_at: Option<DateTime<Utc>>,
-        /// Usable by periods starting before this; default: never expires.
-        #[schema(value_type = Option<String>)]
-        expires_at: Option<DateTime<Utc>>,
-    },
 }
 
 fn term_id(id: &str) -> ApiResult<()> {
