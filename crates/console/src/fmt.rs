@@ -17,26 +17,22 @@ pub fn dec(v: &Value) -> Option<Decimal> {
     }
 }
 
-/// An amount with its currency code: `12.34 USD`.
-pub fn amount(v: &Value, currency: &str) -> String {
-    match dec(v) {
-        Some(d) => format!("{} {currency}", d.round_dp(2)),
-        None => "—".into(),
-    }
+/// An amount with its currency code, to the cent as the pages have
+/// always shown it: `12.34 USD`.
+pub fn amount(d: Decimal, currency: &str) -> String {
+    format!("{} {currency}", d.round_dp(2))
 }
 
 /// A unit price at the catalog's precision.
-pub fn unit_price(v: &Value) -> String {
-    dec(v)
-        .map(flotilla_billing::money::display_unit_price)
-        .unwrap_or_else(|| "—".into())
+pub fn unit_price(d: Decimal) -> String {
+    flotilla_billing::money::display_unit_price(d)
 }
 
 /// A per-second price as a price per hour, at the catalog's precision
-/// and at least to the cent (`2.00`, `0.105`).
-pub fn per_hour(per_second: &Value) -> String {
-    dec(per_second)
-        .and_then(|d| d.checked_mul(Decimal::from(3600)))
+/// and at least to the cent (`2.00`, `0.105`); `—` if it overflows.
+pub fn per_hour(per_second: Decimal) -> String {
+    per_second
+        .checked_mul(Decimal::from(3600))
         .and_then(|h| Decimal::from_str(&flotilla_billing::money::display_unit_price(h)).ok())
         .map(|mut h| {
             if h.scale() < 2 {
@@ -45,6 +41,22 @@ pub fn per_hour(per_second: &Value) -> String {
             h.to_string()
         })
         .unwrap_or_else(|| "—".into())
+}
+
+/// An amount as [`amount`] writes it, from JSON (until every page reads
+/// typed answers).
+pub fn amount_json(v: &Value, currency: &str) -> String {
+    dec(v).map_or_else(|| "—".into(), |d| amount(d, currency))
+}
+
+/// A unit price as [`unit_price`] writes it, from JSON.
+pub fn unit_price_json(v: &Value) -> String {
+    dec(v).map_or_else(|| "—".into(), unit_price)
+}
+
+/// A price per hour as [`per_hour`] writes it, from JSON.
+pub fn per_hour_json(per_second: &Value) -> String {
+    dec(per_second).map_or_else(|| "—".into(), per_hour)
 }
 
 /// An RFC 3339 time shortened to `YYYY-MM-DD HH:MM:SS` (UTC).
@@ -101,14 +113,15 @@ mod tests {
 
     #[test]
     fn prices_show_at_catalog_precision() {
+        let d = |s: &str| Decimal::from_str(s).unwrap();
         assert_eq!(
-            unit_price(&json!("0.0004166666666666666666666667")),
+            unit_price(d("0.0004166666666666666666666667")),
             "0.0004166667"
         );
-        assert_eq!(per_hour(&json!("0.0004166666666666666666666667")), "1.50");
-        assert_eq!(per_hour(&json!("0.0000291666666666666666666667")), "0.105");
-        assert_eq!(amount(&json!("12.345"), "USD"), "12.34 USD");
-        assert_eq!(amount(&Value::Null, "USD"), "—");
+        assert_eq!(per_hour(d("0.0004166666666666666666666667")), "1.50");
+        assert_eq!(per_hour(d("0.0000291666666666666666666667")), "0.105");
+        assert_eq!(amount(d("12.345"), "USD"), "12.34 USD");
+        assert_eq!(amount_json(&Value::Null, "USD"), "—");
         assert_eq!(
             time(&json!("2026-12-01T10:00:00.5Z")),
             "2026-12-01 10:00:00"

@@ -13,7 +13,7 @@ use flotilla_core::tenant::Role;
 use maud::{html, Markup};
 use serde_json::Value;
 
-use super::fmt::{amount, at, json, opt, per_hour, time, unit_price};
+use super::fmt::{amount_json, at, json, opt, per_hour_json, time, unit_price_json};
 use super::session::Session;
 use super::{
     badge, check, csrf_field, fragment, is_htmx, page, show, table, ConsoleError, ConsoleResult,
@@ -278,14 +278,14 @@ async fn prices(s: Session) -> ConsoleResult<Response> {
                 (table(&format!("GPU prices per hour, {currency}"), &["Model", "On demand /h", "Spot floor /h", "Spot ceiling /h"],
                     v["on_demand"].as_object().map(|m| m.iter().map(|(model, od)| html! { tr {
                         th scope="row" { (model) }
-                        td.num { (per_hour(&od["per_gpu_second"])) }
-                        td.num { (per_hour(&v["spot"][model]["floor"])) }
-                        td.num { (per_hour(&v["spot"][model]["ceiling"])) }
+                        td.num { (per_hour_json(&od["per_gpu_second"])) }
+                        td.num { (per_hour_json(&v["spot"][model]["floor"])) }
+                        td.num { (per_hour_json(&v["spot"][model]["ceiling"])) }
                     } }).collect()).unwrap_or_default(), "No GPU prices"))
                 (table("Reserved offers", &["Term (days)", "Discount"],
                     v["reserved_offers"].as_array().map(|a| a.iter().map(|o| html! { tr {
                         td.num { (show(&o["term_days"])) }
-                        td.num { (unit_price(&o["discount"])) }
+                        td.num { (unit_price_json(&o["discount"])) }
                     } }).collect()).unwrap_or_default(), "No reserved offers"))
             }
         }
@@ -359,13 +359,13 @@ async fn provider(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<R
             (table(&format!("Provider {}", show(&p["provider"])), &["Model", "Kind", "GPU-seconds", "Unit price", "Gross"],
                 p["lines"].as_array().map(|ls| ls.iter().map(|l| html! { tr {
                     td { (show(&l["model"])) } td { (show(&l["kind"])) }
-                    td.num { (show(&l["gpu_seconds"])) } td.num { (unit_price(&l["unit_price"])) }
-                    td.num { (amount(&l["gross"], &cur)) }
+                    td.num { (show(&l["gpu_seconds"])) } td.num { (unit_price_json(&l["unit_price"])) }
+                    td.num { (amount_json(&l["gross"], &cur)) }
                 } }).collect()).unwrap_or_default(), "No usage on these nodes this month"))
             dl.facts.totals {
-                dt { "Gross" } dd { (amount(&p["gross"], &cur)) }
-                dt { "Operator fee" } dd { (amount(&p["operator_fee"], &cur)) }
-                dt { "Payout" } dd { (amount(&p["payout"], &cur)) }
+                dt { "Gross" } dd { (amount_json(&p["gross"], &cur)) }
+                dt { "Operator fee" } dd { (amount_json(&p["operator_fee"], &cur)) }
+                dt { "Payout" } dd { (amount_json(&p["payout"], &cur)) }
             }
         }
     };

@@ -4,6 +4,7 @@
 //! estimator. Each reads and writes through the API as the signed-in key.
 
 use std::collections::BTreeMap;
+use std::str::FromStr;
 
 use axum::extract::{Form, Path, Query, State};
 use axum::http::header::{CONTENT_DISPOSITION, CONTENT_TYPE};
@@ -11,10 +12,17 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use flotilla_billing::api::SetBudget;
+use flotilla_billing::estimate::{GpuWorkload, Workload};
+use flotilla_core::api::CreateApiKey;
+use flotilla_core::endpoint::CreateEndpoint;
+use flotilla_core::instance::{BillingClass, CreateInstance};
+use flotilla_core::tenant::Role;
 use maud::{html, Markup};
+use rust_decimal::Decimal;
 use serde_json::{json, Value};
 
-use super::fmt::{amount, at, dec, json, per_hour, time, unit_price, word};
+use super::fmt::{amount_json, at, dec, json, per_hour_json, time, unit_price_json, word};
 use super::session::Session;
 use super::{
     badge, check, csrf_field, field, fragment, is_htmx, json_data, page, show, table, ConsoleError,
@@ -90,12 +98,6 @@ fn parse_num<T: std::str::FromStr>(f: &Fields, name: &'static str) -> ConsoleRes
         .transpose()
 }
 
-/// A form's fields, gathered as JSON, as the API's request type: a value
-/// the type cannot hold is the form's error, named like the API names it.
-fn request<T: serde::de::DeserializeOwned>(body: Value) -> ConsoleResult<T> {
-    serde_json::from_value(body).map_err(|e| ConsoleError::field("form", e.to_string()))
-}
-
 /// Typed answers as JSON (see [`json`]).
 fn json_items<T: serde::Serialize>(items: &[T]) -> Vec<Value> {
     items.iter().map(json).collect()
@@ -148,8 +150,8 @@ async fn gpus(s: Session, h: HeaderMap) -> ConsoleResult<Response> {
                     td.num { (show(&t["memory_gib"])) " GiB" }
                     td.num.free { (free) " / " (total) }
                     td { meter min="0" max=(total.max(1)) value=(free) aria-label={ (name) " GPUs free" } {} }
-                    td.num { (per_hour(od)) }
-                    td.num { (per_hour(&latest_spot(name))) }
+                    td.num { (per_hour_json(od)) }
+                    td.num { (per_hour_json(&latest_spot(name))) }
                 }
             }
         })
@@ -268,34 +270,54 @@ async fn instances(s: Session, h: HeaderMap) -> ConsoleResult<Response> {
 
 async fn launch(s: Session, Form(f): Form<Fields>) -> ConsoleResult<Response> {
     check(&s, &f)?;
-    let fraction: Option<f64> = parse_num(&f, "gpu_fraction")?;
-    let gpus: u32 = if fraction.is_some() {
+    let inst = s.api.create_instance(&launch_request(&f)?).await?;
+    Ok(Redirect::to(&format!("/instances/{}", inst.id)).into_response())
+}
+
+/// The launch form as the API's request: one GPU with a share, the
+/// command run by `sh -c`, an unknown billing class refused by its name.
+fn launch_request(f: &Fields) -> ConsoleResult<CreateInstance> {
+    let gpu_fraction: Option<f64> = parse_num(f, "gpu_fraction")?;
+    let gpus = if gpu_fraction.is_some() {
         1
     } else {
-        parse_num(&f, "gpus")?.unwrap_or(1)
+        parse_num(f, "gpus")?.unwrap_or(1)
     };
-    let mut body = json!({
-        "gpus": gpus,
-        "billing_class": field(&f, "billing_class").unwrap_or("on_demand"),
-        "env": env_lines(field(&f, "env"))?,
-    });
-    if let Some(n) = field(&f, "name") {
-        body["name"] = json!(n);
-    }
-    if let Some(m) = field(&f, "model") {
-        body["gpu_types"] = json!([m]);
-    }
-    if let Some(fr) = fraction {
-        body["gpu_fraction"] = json!(fr);
-    }
-    if let Some(c) = field(&f, "command") {
-        body["command"] = json!(["sh", "-c", c]);
-    }
-    if let Some(i) = field(&f, "image") {
-        body["image"] = json!(i);
-    }
-    let inst = s.api.create_instance(&request(body)?).await?;
-    Ok(Redirect::to(&format!("/instances/{}", inst.id)).into_response())
+    let billing_class = match field(f, "billing_class") {
+        None => BillingClass::default(),
+        Some(b) => BillingClass::parse(b).ok_or_else(|| {
+            ConsoleError::field(
+                "billing_class",
+                format!("`{b}` is not one of on_demand, spot, reserved"),
+            )
+        })?,
+    };
+    Ok(CreateInstance {
+        gpus,
+        name: field(f, "name").map(str::to_string),
+        gpu_types: field(f, "model").map(str::to_string).into_iter().collect(),
+        cpu_milli: None,
+        memory_mb: None,
+        disk_mb: None,
+        command: shell_command(field(f, "command")),
+        env: env_lines(field(f, "env"))?,
+        workdir: None,
+        billing_class,
+        priority: None,
+        tier: None,
+        preemptible: None,
+        gpu_fraction,
+        mig_profile: None,
+        image: field(f, "image").map(str::to_string),
+        ports: Vec::new(),
+        scratch_mb: None,
+    })
+}
+
+/// A command line as `sh -c` runs it; none when the field is blank.
+fn shell_command(c: Option<&str>) -> Vec<String> {
+    c.map(|c| vec!["sh".into(), "-c".into(), c.into()])
+        .unwrap_or_default()
 }
 
 async fn instance(s: Session, Path(id): Path<String>, h: HeaderMap) -> ConsoleResult<Response> {
@@ -516,37 +538,34 @@ async fn endpoints(s: Session) -> ConsoleResult<Response> {
 
 async fn deploy(s: Session, Form(f): Form<Fields>) -> ConsoleResult<Response> {
     check(&s, &f)?;
-    let name = field(&f, "name").ok_or_else(|| ConsoleError::field("name", "enter a name"))?;
-    let mut body = json!({ "name": name, "env": env_lines(field(&f, "env"))? });
-    if let Some(c) = field(&f, "command") {
-        body["command"] = json!(["sh", "-c", c]);
-    }
-    if let Some(i) = field(&f, "image") {
-        body["image"] = json!(i);
-    }
-    if let Some(m) = field(&f, "models") {
-        body["models"] = json!(m
-            .split(',')
-            .map(str::trim)
-            .filter(|m| !m.is_empty())
-            .collect::<Vec<_>>());
-    }
-    if let Some(fr) = parse_num::<f64>(&f, "gpu_fraction")? {
-        body["gpu_fraction"] = json!(fr);
-    }
-    for (k, name) in [
-        ("min_replicas", "min_replicas"),
-        ("max_replicas", "max_replicas"),
-    ] {
-        if let Some(n) = parse_num::<u32>(&f, name)? {
-            body[k] = json!(n);
-        }
-    }
-    if let Some(n) = parse_num::<u64>(&f, "slo_p95_ms")? {
-        body["slo_p95_ms"] = json!(n);
-    }
-    let ep = s.api.create_endpoint(&request(body)?).await?;
+    let ep = s.api.create_endpoint(&deploy_request(&f)?).await?;
     Ok(Redirect::to(&format!("/endpoints/{}", ep.id)).into_response())
+}
+
+/// The deploy form as the API's request; what it leaves blank takes the
+/// API's default.
+fn deploy_request(f: &Fields) -> ConsoleResult<CreateEndpoint> {
+    let name = field(f, "name").ok_or_else(|| ConsoleError::field("name", "enter a name"))?;
+    Ok(CreateEndpoint {
+        name: name.to_string(),
+        command: shell_command(field(f, "command")),
+        env: env_lines(field(f, "env"))?,
+        image: field(f, "image").map(str::to_string),
+        models: field(f, "models")
+            .map(|m| {
+                m.split(',')
+                    .map(str::trim)
+                    .filter(|m| !m.is_empty())
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default(),
+        gpu_fraction: parse_num(f, "gpu_fraction")?,
+        min_replicas: parse_num(f, "min_replicas")?,
+        max_replicas: parse_num(f, "max_replicas")?,
+        slo_p95_ms: parse_num(f, "slo_p95_ms")?,
+        ..CreateEndpoint::default()
+    })
 }
 
 async fn endpoint(s: Session, Path(id): Path<String>, h: HeaderMap) -> ConsoleResult<Response> {
@@ -682,13 +701,13 @@ fn invoice_lines(inv: &Value) -> Markup {
                 td { (l["model"].as_str().unwrap_or("")) }
                 td.num { (dec(&l["quantity"]).map(|d| d.round_dp(3).normalize().to_string()).unwrap_or_default()) }
                 td { (show(&l["unit"])) }
-                td.num { (unit_price(&l["unit_price"])) }
-                td.num { (amount(&l["amount"], &currency)) }
+                td.num { (unit_price_json(&l["unit_price"])) }
+                td.num { (amount_json(&l["amount"], &currency)) }
             }
         }).collect(), "No charges in this period"))
         dl.facts.totals {
-            dt { "Subtotal" } dd { (amount(&inv["subtotal"], &currency)) }
-            dt { "Total" } dd #invoice-total { (amount(&inv["total"], &currency)) }
+            dt { "Subtotal" } dd { (amount_json(&inv["subtotal"], &currency)) }
+            dt { "Total" } dd #invoice-total { (amount_json(&inv["total"], &currency)) }
         }
     }
 }
@@ -760,7 +779,7 @@ async fn billing(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Re
                     th scope="row" { a href={ "/invoices/" (iid) } { (iid) } }
                     td { (time(&i["period"]["start"]).chars().take(7).collect::<String>()) }
                     td { (show(&i["tenant"])) }
-                    td.num { (amount(&i["total"], cur)) }
+                    td.num { (amount_json(&i["total"], cur)) }
                     td { a href={ "/invoices/" (iid) "/csv" } download { "CSV" } }
                 } }
             }).collect(), "No final invoices yet: a month is finalised 72 hours after it ends"))
@@ -848,8 +867,8 @@ async fn budget(s: Session) -> ConsoleResult<Response> {
         @if let Some(b) = &b {
             @let cur = b["currency"]["code"].as_str().unwrap_or("USD");
             dl.facts {
-                dt { "Limit" } dd { (amount(&b["limit"], cur)) }
-                dt { "Spent this month" } dd #spend { (amount(&b["spend"], cur)) }
+                dt { "Limit" } dd { (amount_json(&b["limit"], cur)) }
+                dt { "Spent this month" } dd #spend { (amount_json(&b["spend"], cur)) }
                 dt { "Thresholds" } dd { (b["thresholds"].as_array().map(|t| t.iter().map(|x| format!("{}%", show(x))).collect::<Vec<_>>().join(", ")).unwrap_or_default()) }
                 dt { "Hard cap on spot work" } dd { (if b["hard_cap"].as_bool() == Some(true) { "yes" } else { "no" }) }
             }
@@ -881,8 +900,17 @@ async fn budget(s: Session) -> ConsoleResult<Response> {
 
 async fn set_budget(s: Session, Form(f): Form<Fields>) -> ConsoleResult<Response> {
     check(&s, &f)?;
-    let limit = field(&f, "limit").ok_or_else(|| ConsoleError::field("limit", "enter a limit"))?;
-    let thresholds = field(&f, "thresholds")
+    s.api.set_budget(&budget_request(&f)?).await?;
+    Ok(Redirect::to("/budget").into_response())
+}
+
+/// The budget form as the API's request: the limit a decimal, the
+/// thresholds whole percents (`%` allowed), each refused by its name.
+fn budget_request(f: &Fields) -> ConsoleResult<SetBudget> {
+    let limit = field(f, "limit").ok_or_else(|| ConsoleError::field("limit", "enter a limit"))?;
+    let limit = Decimal::from_str(limit)
+        .map_err(|_| ConsoleError::field("limit", format!("`{limit}` is not a decimal number")))?;
+    let thresholds = field(f, "thresholds")
         .map(|t| {
             t.split(',')
                 .map(str::trim)
@@ -895,15 +923,14 @@ async fn set_budget(s: Session, Form(f): Form<Fields>) -> ConsoleResult<Response
                 .collect::<ConsoleResult<Vec<_>>>()
         })
         .transpose()?;
-    let mut body = json!({ "limit": limit, "hard_cap": field(&f, "hard_cap") == Some("true") });
-    if let Some(t) = thresholds {
-        body["thresholds"] = json!(t);
-    }
-    if let Some(u) = field(&f, "webhook_url") {
-        body["webhook_url"] = json!(u);
-    }
-    s.api.set_budget(&request(body)?).await?;
-    Ok(Redirect::to("/budget").into_response())
+    Ok(SetBudget {
+        tenant: None,
+        limit,
+        thresholds,
+        hard_cap: field(f, "hard_cap") == Some("true"),
+        webhook_url: field(f, "webhook_url").map(str::to_string),
+        webhook_secret: None,
+    })
 }
 
 // ---- API keys --------------------------------------------------------------
@@ -965,13 +992,27 @@ async fn keys(s: Session) -> ConsoleResult<Response> {
 
 async fn create_key(s: Session, Form(f): Form<Fields>) -> ConsoleResult<Response> {
     check(&s, &f)?;
-    let body = json!({
-        "name": field(&f, "name").unwrap_or("console"),
-        "role": field(&f, "role").unwrap_or("tenant_member"),
-        "tenant_id": s.tenant_id.as_str(),
-    });
-    let created = json(&s.api.create_key(&request(body)?).await?);
+    let created = json(&s.api.create_key(&key_request(&s, &f)?).await?);
     keys_page(&s, Some(&created)).await
+}
+
+/// The key form as the API's request, for the session's tenant.
+fn key_request(s: &Session, f: &Fields) -> ConsoleResult<CreateApiKey> {
+    let role = match field(f, "role") {
+        None => Role::TenantMember,
+        Some(r) => Role::parse(r).ok_or_else(|| {
+            ConsoleError::field(
+                "role",
+                format!("`{r}` is not one of operator, tenant_admin, tenant_member, provider"),
+            )
+        })?,
+    };
+    Ok(CreateApiKey {
+        tenant_id: Some(s.tenant_id.clone()),
+        role,
+        name: field(f, "name").unwrap_or("console").to_string(),
+        endpoints: None,
+    })
 }
 
 async fn revoke_key(
@@ -1012,20 +1053,11 @@ async fn estimate(s: Session, Query(q): Query<EstimateQuery>) -> ConsoleResult<R
     let hours = q.hours_per_day.as_deref().unwrap_or("8");
     let tier = q.tier.as_deref().unwrap_or("2");
     let result: Option<Value> = if q.gpus.is_some() {
-        let gpus_n: u32 = gpus
-            .parse()
-            .map_err(|_| ConsoleError::field("gpus", "must be a whole number"))?;
-        let hours_n: f64 = hours
-            .parse()
-            .map_err(|_| ConsoleError::field("hours_per_day", "must be a number"))?;
-        let tier_n: u8 = tier
-            .parse()
-            .map_err(|_| ConsoleError::field("tier", "must be 1 or 2"))?;
-        let mut w = json!({"kind": "gpu", "gpus": gpus_n, "hours_per_day": hours_n, "duty_cycle": 1.0, "tier": tier_n, "serves_requests": false});
-        if let Some(m) = &model {
-            w["model"] = json!(m);
-        }
-        Some(json(&s.api.estimate(&request(w)?).await?))
+        Some(json(
+            &s.api
+                .estimate(&estimate_request(model.clone(), gpus, hours, tier)?)
+                .await?,
+        ))
     } else {
         None
     };
@@ -1051,20 +1083,43 @@ async fn estimate(s: Session, Query(q): Query<EstimateQuery>) -> ConsoleResult<R
             @let cur = r["currency"]["code"].as_str().unwrap_or("USD").to_string();
             @let opts = r["options"].as_array().cloned().unwrap_or_default();
             @if let Some(c) = r["cheapest"].as_object() {
-                p.notice role="status" { "Cheapest that meets it: " strong { (show(&c["model"].clone())) " " (billing_model(&r["cheapest"]["billing_model"])) } " at " (amount(&r["cheapest"]["monthly_cost"], &cur)) " a month." }
+                p.notice role="status" { "Cheapest that meets it: " strong { (show(&c["model"].clone())) " " (billing_model(&r["cheapest"]["billing_model"])) } " at " (amount_json(&r["cheapest"]["monthly_cost"], &cur)) " a month." }
             }
             (table(&format!("Monthly cost by billing model (price version {})", show(&r["price_version"])), &["Model", "Billing model", "GPUs", "Monthly cost", "Meets", "Note"],
                 opts.iter().map(|o| html! { tr {
                     td { (show(&o["model"])) }
                     td { (billing_model(&o["billing_model"])) }
                     td.num { (show(&o["gpus"])) }
-                    td.num { (amount(&o["monthly_cost"], &cur)) }
+                    td.num { (amount_json(&o["monthly_cost"], &cur)) }
                     td { (if o["meets"].as_bool() == Some(true) { "yes" } else { "no" }) }
                     td { (show(&o["note"])) }
                 } }).collect(), "No options"))
         }
     };
     Ok(page(&s, "Cost estimator", "/estimate", body))
+}
+
+/// The estimator's query as the API's workload: GPUs held for some
+/// hours a day, busy all that time, serving no requests.
+fn estimate_request(
+    model: Option<String>,
+    gpus: &str,
+    hours_per_day: &str,
+    tier: &str,
+) -> ConsoleResult<Workload> {
+    Ok(Workload::Gpu(GpuWorkload {
+        model,
+        gpus: gpus
+            .parse()
+            .map_err(|_| ConsoleError::field("gpus", "must be a whole number"))?,
+        hours_per_day: Decimal::from_str(hours_per_day)
+            .map_err(|_| ConsoleError::field("hours_per_day", "must be a number"))?,
+        duty_cycle: Decimal::ONE,
+        tier: tier
+            .parse()
+            .map_err(|_| ConsoleError::field("tier", "must be 1 or 2"))?,
+        serves_requests: false,
+    }))
 }
 
 /// `on demand`, `spot`, `serverless`, or a reserved offer with its term
@@ -1086,6 +1141,18 @@ fn billing_model(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A session of `role` (its client reaches nothing: pages render
+    /// from values given to them).
+    fn session(role: Role) -> Session {
+        let api = flotilla_client::Client::new("http://127.0.0.1:1", "flt_x").unwrap();
+        super::super::session::Sessions::default().open(
+            api,
+            role,
+            flotilla_core::id::TenantId::generate(1, 1),
+            "acme".into(),
+        )
+    }
 
     #[test]
     fn path_segments_that_cannot_be_ids_are_refused() {
@@ -1109,6 +1176,128 @@ mod tests {
         assert!(valid_month("2026-12").is_ok());
         for bad in ["2026-1", "2026/12", "abcd-ef", "2026-123"] {
             assert!(valid_month(bad).is_err(), "{bad}");
+        }
+    }
+
+    fn form(pairs: &[(&str, &str)]) -> Fields {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// The message of a refused form, which must name the API's field.
+    fn refusal<T>(r: ConsoleResult<T>) -> String {
+        match r {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("the form was accepted"),
+        }
+    }
+
+    #[test]
+    fn the_launch_form_builds_the_api_request() {
+        let r = launch_request(&form(&[
+            ("name", "train"),
+            ("model", "H100"),
+            ("gpus", "2"),
+            ("billing_class", "spot"),
+            ("command", "python train.py"),
+            ("env", "A=1"),
+        ]))
+        .unwrap();
+        assert_eq!(r.gpus, 2);
+        assert_eq!(r.name.as_deref(), Some("train"));
+        assert_eq!(r.gpu_types, ["H100"]);
+        assert_eq!(r.billing_class, BillingClass::Spot);
+        assert_eq!(r.command, ["sh", "-c", "python train.py"]);
+        assert_eq!(r.env["A"], "1");
+        // A share is one GPU, whatever the count says.
+        let r = launch_request(&form(&[("gpus", "4"), ("gpu_fraction", "0.25")])).unwrap();
+        assert_eq!((r.gpus, r.gpu_fraction), (1, Some(0.25)));
+        assert!(r.command.is_empty() && r.gpu_types.is_empty());
+        for (k, v) in [
+            ("gpus", "two"),
+            ("gpu_fraction", "half"),
+            ("billing_class", "free"),
+        ] {
+            let e = refusal(launch_request(&form(&[(k, v)])));
+            assert!(e.starts_with(&format!("{k}: ")), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_deploy_form_builds_the_api_request() {
+        let r = deploy_request(&form(&[
+            ("name", "chat"),
+            ("models", "chat, , code"),
+            ("gpu_fraction", "0.5"),
+            ("min_replicas", "1"),
+            ("max_replicas", "2"),
+            ("slo_p95_ms", "2000"),
+        ]))
+        .unwrap();
+        assert_eq!(r.name, "chat");
+        assert_eq!(r.models, ["chat", "code"]);
+        assert_eq!(r.gpu_fraction, Some(0.5));
+        assert_eq!((r.min_replicas, r.max_replicas), (Some(1), Some(2)));
+        assert_eq!(r.slo_p95_ms, Some(2000));
+        assert_eq!(r.policy, None, "left to the API's default");
+        for k in ["min_replicas", "max_replicas", "slo_p95_ms", "gpu_fraction"] {
+            let e = refusal(deploy_request(&form(&[("name", "chat"), (k, "-x")])));
+            assert!(e.starts_with(&format!("{k}: ")), "{e}");
+        }
+        assert!(refusal(deploy_request(&form(&[]))).starts_with("name: "));
+    }
+
+    #[test]
+    fn the_budget_form_builds_the_api_request() {
+        let r = budget_request(&form(&[
+            ("limit", "250.50"),
+            ("thresholds", "50, 80%,100"),
+            ("hard_cap", "true"),
+        ]))
+        .unwrap();
+        assert_eq!(r.limit, Decimal::new(25050, 2));
+        assert_eq!(r.thresholds, Some(vec![50, 80, 100]));
+        assert!(r.hard_cap && r.webhook_url.is_none());
+        assert!(refusal(budget_request(&form(&[("limit", "lots")]))).starts_with("limit: "));
+        let e = refusal(budget_request(&form(&[
+            ("limit", "1"),
+            ("thresholds", "half"),
+        ])));
+        assert!(e.starts_with("thresholds: "), "{e}");
+    }
+
+    #[test]
+    fn the_key_form_builds_the_api_request() {
+        let s = session(Role::TenantAdmin);
+        let r = key_request(&s, &form(&[("name", "ci"), ("role", "tenant_admin")])).unwrap();
+        assert_eq!(r.role, Role::TenantAdmin);
+        assert_eq!(r.name, "ci");
+        assert_eq!(r.tenant_id.as_ref(), Some(&s.tenant_id));
+        assert_eq!(
+            key_request(&s, &form(&[])).unwrap().role,
+            Role::TenantMember
+        );
+        assert!(refusal(key_request(&s, &form(&[("role", "root")]))).starts_with("role: "));
+    }
+
+    #[test]
+    fn the_estimate_query_builds_the_api_workload() {
+        let Workload::Gpu(w) = estimate_request(Some("H100".into()), "2", "7.5", "2").unwrap()
+        else {
+            panic!("a GPU workload")
+        };
+        assert_eq!((w.gpus, w.tier), (2, 2));
+        assert_eq!(w.hours_per_day, Decimal::new(75, 1));
+        assert_eq!(w.model.as_deref(), Some("H100"));
+        for (k, e) in [
+            ("gpus", estimate_request(None, "x", "8", "2")),
+            ("hours_per_day", estimate_request(None, "1", "x", "2")),
+            ("tier", estimate_request(None, "1", "8", "x")),
+        ] {
+            let e = refusal(e);
+            assert!(e.starts_with(&format!("{k}: ")), "{e}");
         }
     }
 
