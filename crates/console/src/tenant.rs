@@ -14,7 +14,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use flotilla_billing::api::SetBudget;
 use flotilla_billing::estimate::{GpuWorkload, Workload};
-use flotilla_core::api::CreateApiKey;
+use flotilla_core::api::{CreateApiKey, GpuTypeView, Instance};
 use flotilla_core::endpoint::CreateEndpoint;
 use flotilla_core::instance::{BillingClass, CreateInstance};
 use flotilla_core::tenant::Role;
@@ -22,7 +22,9 @@ use maud::{html, Markup};
 use rust_decimal::Decimal;
 use serde_json::{json, Value};
 
-use super::fmt::{amount_json, at, dec, json, per_hour_json, time, unit_price_json, word};
+use super::fmt::{
+    amount_json, at, at_opt, dec, json, opt, per_hour_json, time, unit_price_json, word,
+};
 use super::session::Session;
 use super::{
     badge, check, csrf_field, field, fragment, is_htmx, json_data, page, show, table, ConsoleError,
@@ -175,43 +177,42 @@ async fn gpus(s: Session, h: HeaderMap) -> ConsoleResult<Response> {
 /// An instance's GPUs as `flotilla ps` writes them: `2 × H100`, a share
 /// as `0.25 × L40S`, a MIG slice as `H100 1g.10gb`; the models asked
 /// (`H100|A100`) or `any` until it is placed.
-fn instance_gpus(i: &Value) -> String {
-    let asked: Vec<&str> = i["gpu_types"]
-        .as_array()
-        .map(|t| t.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
-    let model = match i["gpu_model"].as_str() {
-        Some(m) => m.to_string(),
-        None if asked.is_empty() => "any".to_string(),
-        None => asked.join("|"),
+fn instance_gpus(i: &Instance) -> String {
+    let model = match &i.gpu_model {
+        Some(m) => m.clone(),
+        None if i.gpu_types.is_empty() => "any".to_string(),
+        None => i.gpu_types.join("|"),
     };
-    if let Some(f) = i["gpu_fraction"].as_f64() {
+    if let Some(f) = i.gpu_fraction {
         return format!("{f} × {model}");
     }
-    if let Some(p) = i["mig_profile"].as_str() {
+    if let Some(p) = &i.mig_profile {
         return format!("{model} {p}");
     }
-    format!("{} × {model}", show(&i["gpus"]))
+    format!("{} × {model}", i.gpus)
 }
 
-fn instance_row(i: &Value) -> Markup {
-    let id = i["id"].as_str().unwrap_or("");
+fn instance_row(i: &Instance) -> Markup {
     html! {
-        tr data-instance=(id) {
-            th scope="row" { a href={ "/instances/" (id) } { (id) } }
-            td { (i["name"].as_str().unwrap_or("")) }
-            td { (badge(i["state"].as_str().unwrap_or(""))) }
-            td.reason { (i["state_reason"].as_str().unwrap_or("")) }
+        tr data-instance=(i.id) {
+            th scope="row" { a href={ "/instances/" (i.id) } { (i.id) } }
+            td { (i.name.as_deref().unwrap_or("")) }
+            td { (badge(i.state.as_str())) }
+            td.reason { (i.state_reason) }
             td.num.gpus { (instance_gpus(i)) }
-            td { (i["node_id"].as_str().unwrap_or("—")) }
-            td { (time(&i["created_at"])) }
+            td { (opt(i.node_id.as_ref())) }
+            td { (at(&i.created_at)) }
         }
     }
 }
 
+/// The names of the catalog's models, for the forms' model lists.
+fn model_names(types: &[GpuTypeView]) -> Vec<String> {
+    types.iter().map(|t| t.model.name.clone()).collect()
+}
+
 async fn instances(s: Session, h: HeaderMap) -> ConsoleResult<Response> {
-    let list = json_items(&s.api.instances(None, Some(200)).await?);
-    let mut list = list;
+    let mut list = s.api.instances(None, Some(200)).await?;
     list.reverse();
     let rows = list.iter().map(instance_row).collect();
     let tbl = html! {
@@ -223,15 +224,7 @@ async fn instances(s: Session, h: HeaderMap) -> ConsoleResult<Response> {
     if is_htmx(&h) {
         return Ok(fragment(tbl));
     }
-    let types = gpu_types(&s).await?;
-    let models: Vec<String> = types["items"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|t| t["name"].as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
+    let models = model_names(&s.api.gpu_types().await?);
     let body = html! {
         (tbl)
         section #launch aria-labelledby="launch-h" {
@@ -322,36 +315,13 @@ fn shell_command(c: Option<&str>) -> Vec<String> {
 
 async fn instance(s: Session, Path(id): Path<String>, h: HeaderMap) -> ConsoleResult<Response> {
     let id = seg(&id)?;
-    let i = json(&s.api.instance(id).await?);
-    let state = i["state"].as_str().unwrap_or("");
-    let live = matches!(state, "pending" | "scheduled" | "starting" | "running");
-    let summary = html! {
-        div #summary hx-get={ "/instances/" (id) } hx-trigger=[live.then_some("every 2s")] hx-swap="outerHTML" hx-select="#summary" {
-            dl.facts {
-                dt { "State" } dd #state { (badge(state)) }
-                dt { "Reason" } dd { (i["state_reason"].as_str().unwrap_or("")) }
-                dt { "GPUs" } dd #gpus { (instance_gpus(&i)) }
-                dt { "Node" } dd { (i["node_id"].as_str().unwrap_or("—")) }
-                dt { "Exit code" } dd { (show(&i["exit_code"])) }
-                dt { "Started" } dd { (time(&i["started_at"])) }
-                dt { "Finished" } dd { (time(&i["finished_at"])) }
-            }
-            @if live && !i["stop_requested"].as_bool().unwrap_or(false) {
-                form method="post" action={ "/instances/" (id) "/stop" } {
-                    (csrf_field(&s))
-                    button.danger type="submit" { "Stop instance" }
-                }
-            }
-            @let events = i["events"].as_array().cloned().unwrap_or_default();
-            (table("Lifecycle", &["When", "State", "Why"], events.iter().map(|e| html! {
-                tr { td { (time(&e["at"])) } td { (badge(e["state"].as_str().unwrap_or(""))) } td { (show(&e["reason"])) } }
-            }).collect(), "No events"))
-        }
-    };
+    let i = s.api.instance(id).await?;
+    let summary = instance_summary(&s, &i);
     if is_htmx(&h) {
         return Ok(fragment(summary));
     }
-    let title = format!("Instance {}", i["name"].as_str().unwrap_or(id));
+    let title = format!("Instance {}", i.name.as_deref().unwrap_or(id));
+    let state = i.state.as_str();
     let body = html! {
         p.muted { (id) }
         (summary)
@@ -371,6 +341,38 @@ async fn instance(s: Session, Path(id): Path<String>, h: HeaderMap) -> ConsoleRe
         }
     };
     Ok(page(&s, &title, "/instances", body))
+}
+
+/// The instance page's live part: its facts, the stop button while it
+/// can still be stopped, its lifecycle; polled while it is not final.
+fn instance_summary(s: &Session, i: &Instance) -> Markup {
+    use flotilla_core::instance::InstanceState as S;
+    let live = matches!(
+        i.state,
+        S::Pending | S::Scheduled | S::Starting | S::Running
+    );
+    html! {
+        div #summary hx-get={ "/instances/" (i.id) } hx-trigger=[live.then_some("every 2s")] hx-swap="outerHTML" hx-select="#summary" {
+            dl.facts {
+                dt { "State" } dd #state { (badge(i.state.as_str())) }
+                dt { "Reason" } dd { (i.state_reason) }
+                dt { "GPUs" } dd #gpus { (instance_gpus(i)) }
+                dt { "Node" } dd { (opt(i.node_id.as_ref())) }
+                dt { "Exit code" } dd { (opt(i.exit_code)) }
+                dt { "Started" } dd { (at_opt(i.started_at.as_ref())) }
+                dt { "Finished" } dd { (at_opt(i.finished_at.as_ref())) }
+            }
+            @if live && !i.stop_requested {
+                form method="post" action={ "/instances/" (i.id) "/stop" } {
+                    (csrf_field(s))
+                    button.danger type="submit" { "Stop instance" }
+                }
+            }
+            (table("Lifecycle", &["When", "State", "Why"], i.events.iter().map(|e| html! {
+                tr { td { (at(&e.at)) } td { (badge(e.state.as_str())) } td { (e.reason) } }
+            }).collect(), "No events"))
+        }
+    }
 }
 
 /// The terminal tab: a shell inside a running instance (xterm.js,
@@ -1299,6 +1301,72 @@ mod tests {
             let e = refusal(e);
             assert!(e.starts_with(&format!("{k}: ")), "{e}");
         }
+    }
+
+    /// An instance as the API answers it, with `extra` fields over a
+    /// running one on node-less defaults.
+    fn instance_of(extra: serde_json::Value) -> Instance {
+        let mut v = json!({
+            "id": flotilla_core::id::InstanceId::generate(1, 1),
+            "tenant_id": flotilla_core::id::TenantId::generate(1, 1),
+            "name": "train",
+            "state": "running",
+            "state_reason": "started",
+            "gpus": 2,
+            "gpu_ids": [],
+            "stop_requested": false,
+            "created_at": "2026-12-01T10:00:00.5Z",
+            "started_at": "2026-12-01T10:00:05Z",
+            "events": [{"state": "running", "reason": "started", "at": "2026-12-01T10:00:05Z"}],
+            "gpu_types": ["H100", "A100"],
+            "cpu_milli": 1000,
+            "memory_mb": 1024,
+            "command": ["sleep", "1"],
+            "env": {},
+            "billing_class": "on_demand",
+        });
+        if let (Some(v), serde_json::Value::Object(extra)) = (v.as_object_mut(), extra) {
+            v.extend(extra);
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn instances_render_from_the_typed_answer() {
+        let i = instance_of(json!({}));
+        assert_eq!(instance_gpus(&i), "2 × H100|A100");
+        let html = instance_summary(&session(Role::TenantMember), &i).into_string();
+        for want in [
+            ">running</span>",
+            "<dd>started</dd>",
+            "<dd>—</dd>",
+            "2026-12-01 10:00:05",
+            "Stop instance",
+            "every 2s",
+        ] {
+            assert!(html.contains(want), "{want} in {html}");
+        }
+        let row = instance_row(&i).into_string();
+        assert!(
+            row.contains("2026-12-01 10:00:00") && row.contains(">train<"),
+            "{row}"
+        );
+        let done = instance_of(json!({
+            "state": "failed", "exit_code": 3, "gpu_model": "L40S", "gpu_fraction": 0.25,
+            "node_id": flotilla_core::id::NodeId::generate(1, 1),
+        }));
+        assert_eq!(instance_gpus(&done), "0.25 × L40S");
+        let html = instance_summary(&session(Role::TenantMember), &done).into_string();
+        assert!(
+            html.contains("<dd>3</dd>") && !html.contains("Stop instance"),
+            "{html}"
+        );
+        assert!(
+            !html.contains("every 2s"),
+            "a final instance is not polled: {html}"
+        );
+        let mig = instance_of(json!({"gpu_model": "H100", "mig_profile": "1g.10gb", "gpus": 1}));
+        assert_eq!(instance_gpus(&mig), "H100 1g.10gb");
     }
 
     #[test]
