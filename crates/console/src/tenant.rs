@@ -15,7 +15,7 @@ use axum::{Json, Router};
 use flotilla_billing::api::SetBudget;
 use flotilla_billing::estimate::{GpuWorkload, Workload};
 use flotilla_core::api::{CreateApiKey, GpuTypeView, Instance};
-use flotilla_core::endpoint::CreateEndpoint;
+use flotilla_core::endpoint::{CreateEndpoint, Endpoint};
 use flotilla_core::instance::{BillingClass, CreateInstance};
 use flotilla_core::tenant::Role;
 use maud::{html, Markup};
@@ -486,26 +486,34 @@ async fn jobs(s: Session) -> ConsoleResult<Response> {
 
 // ---- Endpoints -------------------------------------------------------------
 
+/// Replicas routed to, of those not yet stopped.
+fn ready_replicas(e: &Endpoint) -> usize {
+    e.replicas.iter().filter(|r| r.ready).count()
+}
+
+fn yes_no(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+fn endpoint_row(e: &Endpoint) -> Markup {
+    html! {
+        tr data-endpoint=(e.id) {
+            th scope="row" { a href={ "/endpoints/" (e.id) } { (e.name) } }
+            td.num { (ready_replicas(e)) " / " (e.replicas.len()) }
+            td.num { (opt(e.desired_replicas)) }
+            td { (e.reason.as_deref().unwrap_or("")) }
+            td.num { (e.spec.min_replicas) "–" (e.spec.max_replicas) }
+            td.num { (e.spec.slo_p95_ms) " ms" }
+        }
+    }
+}
+
 async fn endpoints(s: Session) -> ConsoleResult<Response> {
-    let list = json_items(&s.api.endpoints().await?);
-    let rows = list
-        .iter()
-        .map(|e| {
-            let id = e["id"].as_str().unwrap_or("");
-            let reps = e["replicas"].as_array().cloned().unwrap_or_default();
-            let ready = reps.iter().filter(|r| r["ready"].as_bool() == Some(true)).count();
-            html! {
-                tr data-endpoint=(id) {
-                    th scope="row" { a href={ "/endpoints/" (id) } { (show(&e["name"])) } }
-                    td.num { (ready) " / " (reps.len()) }
-                    td.num { (show(&e["desired_replicas"])) }
-                    td { (e["reason"].as_str().unwrap_or("")) }
-                    td.num { (show(&e["spec"]["min_replicas"])) "–" (show(&e["spec"]["max_replicas"])) }
-                    td.num { (show(&e["spec"]["slo_p95_ms"])) " ms" }
-                }
-            }
-        })
-        .collect();
+    let rows = s.api.endpoints().await?.iter().map(endpoint_row).collect();
     let body = html! {
         (table("Endpoints", &["Name", "Ready / replicas", "Desired", "Reason", "Min–max", "SLO p95"], rows,
             "No endpoints yet: deploy one below"))
@@ -572,40 +580,13 @@ fn deploy_request(f: &Fields) -> ConsoleResult<CreateEndpoint> {
 
 async fn endpoint(s: Session, Path(id): Path<String>, h: HeaderMap) -> ConsoleResult<Response> {
     let id = seg(&id)?;
-    let e = json(&s.api.endpoint(id).await?);
-    let reps = e["replicas"].as_array().cloned().unwrap_or_default();
-    let name = e["name"].as_str().unwrap_or(id).to_string();
-    let ready = reps
-        .iter()
-        .filter(|r| r["ready"].as_bool() == Some(true))
-        .count();
-    let live = html! {
-        div #ep-state hx-get={ "/endpoints/" (id) } hx-trigger="every 2s" hx-swap="outerHTML" hx-select="#ep-state" {
-            dl.facts {
-                dt { "Ready replicas" } dd #ready-replicas { (ready) " of " (reps.len()) }
-                dt { "Desired replicas" } dd { (show(&e["desired_replicas"])) }
-                dt { "Why" } dd { (e["reason"].as_str().unwrap_or("")) }
-                dt { "Replicas" } dd { (show(&e["spec"]["min_replicas"])) "–" (show(&e["spec"]["max_replicas"])) }
-                dt { "SLO p95" } dd { (show(&e["spec"]["slo_p95_ms"])) " ms" }
-                dt { "Models" } dd { (e["spec"]["models"].as_array().map(|m| m.iter().map(show).collect::<Vec<_>>().join(", ")).unwrap_or_default()) }
-            }
-            (table("Replicas", &["Instance", "Revision", "State", "Ready", "Draining"], reps.iter().map(|r| {
-                let iid = r["instance_id"].as_str().unwrap_or("");
-                html! { tr {
-                    th scope="row" { a href={ "/instances/" (iid) } { (iid) } }
-                    td.num { (show(&r["revision"])) }
-                    td { (badge(r["state"].as_str().unwrap_or(""))) }
-                    td { (if r["ready"].as_bool() == Some(true) { "yes" } else { "no" }) }
-                    td { (if r["draining"].as_bool() == Some(true) { "yes" } else { "no" }) }
-                } }
-            }).collect(), "No replicas (scaled to zero)"))
-        }
-    };
+    let e = s.api.endpoint(id).await?;
+    let live = endpoint_live(&e);
     if is_htmx(&h) {
         return Ok(fragment(live));
     }
     let body = html! {
-        p.muted { (id) " · revision " (show(&e["revision"])) " · policy " (show(&e["spec"]["policy"])) }
+        p.muted { (id) " · revision " (e.revision) " · policy " (e.spec.policy) }
         section aria-labelledby="chart-h" {
             h2 #chart-h { "Replicas against traffic" }
             div.chart #replica-chart data-series={ "/endpoints/" (id) "/series" } data-kind="replicas"
@@ -621,7 +602,36 @@ async fn endpoint(s: Session, Path(id): Path<String>, h: HeaderMap) -> ConsoleRe
             button.danger type="submit" { "Delete endpoint" }
         }
     };
-    Ok(page(&s, &format!("Endpoint {name}"), "/endpoints", body))
+    Ok(page(
+        &s,
+        &format!("Endpoint {}", e.name),
+        "/endpoints",
+        body,
+    ))
+}
+
+/// The endpoint page's live part, polled every 2 s: its replicas against
+/// the autoscaler's decision and its spec.
+fn endpoint_live(e: &Endpoint) -> Markup {
+    html! {
+        div #ep-state hx-get={ "/endpoints/" (e.id) } hx-trigger="every 2s" hx-swap="outerHTML" hx-select="#ep-state" {
+            dl.facts {
+                dt { "Ready replicas" } dd #ready-replicas { (ready_replicas(e)) " of " (e.replicas.len()) }
+                dt { "Desired replicas" } dd { (opt(e.desired_replicas)) }
+                dt { "Why" } dd { (e.reason.as_deref().unwrap_or("")) }
+                dt { "Replicas" } dd { (e.spec.min_replicas) "–" (e.spec.max_replicas) }
+                dt { "SLO p95" } dd { (e.spec.slo_p95_ms) " ms" }
+                dt { "Models" } dd { (e.spec.models.join(", ")) }
+            }
+            (table("Replicas", &["Instance", "Revision", "State", "Ready", "Draining"], e.replicas.iter().map(|r| html! { tr {
+                th scope="row" { a href={ "/instances/" (r.instance_id) } { (r.instance_id) } }
+                td.num { (r.revision) }
+                td { (badge(r.state.as_str())) }
+                td { (yes_no(r.ready)) }
+                td { (yes_no(r.draining)) }
+            } }).collect(), "No replicas (scaled to zero)"))
+        }
+    }
 }
 
 /// The endpoint's chart series: samples it now (at most once a second),
@@ -632,10 +642,10 @@ async fn endpoint_series(
     Path(id): Path<String>,
 ) -> ConsoleResult<Response> {
     let id = seg(&id)?;
-    let e = json(&s.api.endpoint(id).await?);
-    let reps = e["replicas"].as_array().cloned().unwrap_or_default();
+    let e = s.api.endpoint(id).await?;
     let now = st.now().timestamp();
-    let requests_total = e["signals"]["requests_total"].as_u64().unwrap_or(0);
+    let signals = e.signals.as_ref();
+    let requests_total = signals.map_or(0, |g| g.requests_total);
     let mut map = st
         .series
         .lock()
@@ -651,17 +661,13 @@ async fn endpoint_series(
             .unwrap_or(0.0);
         q.push_back(Sample {
             t: now,
-            ready: reps
-                .iter()
-                .filter(|r| r["ready"].as_bool() == Some(true))
-                .count() as u32,
-            replicas: reps.len() as u32,
-            desired: e["desired_replicas"].as_u64().unwrap_or(0) as u32,
+            ready: ready_replicas(&e) as u32,
+            replicas: e.replicas.len() as u32,
+            desired: e.desired_replicas.unwrap_or(0),
             rps,
-            in_flight: (e["signals"]["in_flight"].as_u64().unwrap_or(0)
-                + e["signals"]["queued"].as_u64().unwrap_or(0)) as u32,
-            p95_ms: e["signals"]["latency_p95_ms"].as_f64(),
-            slo_ms: e["spec"]["slo_p95_ms"].as_u64().unwrap_or(0),
+            in_flight: signals.map_or(0, |g| g.in_flight.saturating_add(g.queued)),
+            p95_ms: signals.and_then(|g| g.latency_p95_ms),
+            slo_ms: e.spec.slo_p95_ms,
             requests_total,
         });
         while q.len() > SERIES_LEN {
@@ -1367,6 +1373,53 @@ mod tests {
         );
         let mig = instance_of(json!({"gpu_model": "H100", "mig_profile": "1g.10gb", "gpus": 1}));
         assert_eq!(instance_gpus(&mig), "H100 1g.10gb");
+    }
+
+    #[test]
+    fn endpoints_render_from_the_typed_answer() {
+        let spec = deploy_request(&form(&[
+            ("name", "chat"),
+            ("command", "serve"),
+            ("models", "chat, code"),
+            ("min_replicas", "1"),
+            ("max_replicas", "3"),
+            ("slo_p95_ms", "800"),
+        ]))
+        .unwrap()
+        .validate(&flotilla_core::catalog::Catalog::default())
+        .unwrap();
+        let replica = |ready| {
+            json!({"instance_id": flotilla_core::id::InstanceId::generate(1, 1), "revision": 2,
+                "state": "running", "url": "http://x", "ready": ready, "draining": false})
+        };
+        let e: Endpoint = serde_json::from_value(json!({
+            "id": flotilla_core::id::EndpointId::generate(1, 1),
+            "tenant_id": flotilla_core::id::TenantId::generate(1, 1),
+            "name": "chat",
+            "revision": 2,
+            "spec": spec,
+            "desired_replicas": 2,
+            "reason": "slo",
+            "replicas": [replica(true), replica(false)],
+            "deleting": false,
+            "created_at": "2026-12-01T10:00:00Z",
+            "updated_at": "2026-12-01T10:00:00Z",
+        }))
+        .unwrap();
+        let row = endpoint_row(&e).into_string();
+        for want in [">chat</a>", "1 / 2", ">2<", ">slo<", "1–3", "800 ms"] {
+            assert!(row.contains(want), "{want} in {row}");
+        }
+        let live = endpoint_live(&e).into_string();
+        for want in [
+            "1 of 2",
+            "<dd>chat, code</dd>",
+            "<dd>1–3</dd>",
+            "<td>yes</td>",
+            "<td>no</td>",
+        ] {
+            assert!(live.contains(want), "{want} in {live}");
+        }
     }
 
     #[test]
