@@ -556,8 +556,10 @@ pub fn fragment(m: Markup) -> Response {
 
 /// Inline JSON for the charts (read by `console.js`); `<` escaped so it
 /// cannot close the script element.
-pub fn json_data(id: &str, v: &Value) -> Markup {
-    let text = v.to_string().replace('<', "\\u003c");
+pub fn json_data(id: &str, v: &impl serde::Serialize) -> Markup {
+    let text = serde_json::to_string(v)
+        .unwrap_or_else(|_| "null".into())
+        .replace('<', "\\u003c");
     html! { script type="application/json" id=(id) { (PreEscaped(text)) } }
 }
 

@@ -14,6 +14,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use flotilla_billing::api::SetBudget;
 use flotilla_billing::estimate::{GpuWorkload, Workload};
+use flotilla_billing::invoice::InvoiceStatus;
+use flotilla_billing::Invoice;
 use flotilla_core::api::{CreateApiKey, GpuTypeView, Instance};
 use flotilla_core::endpoint::{CreateEndpoint, Endpoint};
 use flotilla_core::instance::{BillingClass, CreateInstance};
@@ -23,7 +25,7 @@ use rust_decimal::Decimal;
 use serde_json::{json, Value};
 
 use super::fmt::{
-    amount_json, at, at_opt, dec, json, opt, per_hour_json, time, unit_price_json, word,
+    amount, amount_json, at, at_opt, dec, json, opt, per_hour_json, time, unit_price, word,
 };
 use super::session::Session;
 use super::{
@@ -696,76 +698,82 @@ fn this_month(st: &ConsoleState) -> String {
     st.now().format("%Y-%m").to_string()
 }
 
-fn invoice_lines(inv: &Value) -> Markup {
-    let currency = inv["currency"]["code"]
-        .as_str()
-        .unwrap_or("USD")
-        .to_string();
-    let lines = inv["lines"].as_array().cloned().unwrap_or_default();
+fn invoice_lines(inv: &Invoice) -> Markup {
+    let currency = &inv.currency().code;
     html! {
-        (table("Lines", &["Description", "Model", "Quantity", "Unit", "Unit price", "Amount"], lines.iter().map(|l| html! {
+        (table("Lines", &["Description", "Model", "Quantity", "Unit", "Unit price", "Amount"], inv.lines().iter().map(|l| html! {
             tr {
-                td { (show(&l["description"])) }
-                td { (l["model"].as_str().unwrap_or("")) }
-                td.num { (dec(&l["quantity"]).map(|d| d.round_dp(3).normalize().to_string()).unwrap_or_default()) }
-                td { (show(&l["unit"])) }
-                td.num { (unit_price_json(&l["unit_price"])) }
-                td.num { (amount_json(&l["amount"], &currency)) }
+                td { (l.description) }
+                td { (l.model.as_deref().unwrap_or("")) }
+                td.num { (l.quantity.round_dp(3).normalize()) }
+                td { (l.unit) }
+                td.num { (unit_price(l.unit_price)) }
+                td.num { (amount(l.amount, currency)) }
             }
         }).collect(), "No charges in this period"))
         dl.facts.totals {
-            dt { "Subtotal" } dd { (amount_json(&inv["subtotal"], &currency)) }
-            dt { "Total" } dd #invoice-total { (amount_json(&inv["total"], &currency)) }
+            dt { "Subtotal" } dd { (amount(inv.subtotal(), currency)) }
+            dt { "Total" } dd #invoice-total { (amount(inv.total(), currency)) }
         }
     }
 }
 
+/// A month as the billing page names it: `2026-12`.
+fn month_of(t: &chrono::DateTime<chrono::Utc>) -> String {
+    t.format("%Y-%m").to_string()
+}
+
+/// A decimal for the charts, which plot floats.
+fn plotted(d: Decimal) -> f64 {
+    d.to_string().parse().unwrap_or(0.0)
+}
+
+/// The cost chart's data, as `console.js` reads it.
+#[derive(serde::Serialize)]
+struct CostChart<'a> {
+    months: Vec<&'a str>,
+    totals: Vec<f64>,
+    models: Vec<&'a str>,
+    model_totals: Vec<f64>,
+    currency: &'a str,
+}
+
 async fn billing(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
     let month = this_month(&st);
-    let draft = json(&s.api.invoice_preview(&month).await?);
-    let finals = json_items(&s.api.invoices().await?);
-    let currency = draft["currency"]["code"]
-        .as_str()
-        .unwrap_or("USD")
-        .to_string();
-    // Cost by month: final invoices, then this month's draft.
+    let draft = s.api.invoice_preview(&month).await?;
+    let finals = s.api.invoices().await?;
+    Ok(page(
+        &s,
+        "Usage & invoices",
+        "/billing",
+        billing_body(&s, &month, &draft, &finals),
+    ))
+}
+
+/// The billing page: cost by month (final invoices, then this month's
+/// draft) and this month's cost by model, the draft's lines, the final
+/// invoices newest first.
+fn billing_body(s: &Session, month: &str, draft: &Invoice, finals: &[Invoice]) -> Markup {
+    let currency = draft.currency().code.as_str();
     let mut months: Vec<(String, f64)> = finals
         .iter()
-        .filter(|i| s.is_operator() || i["tenant"].as_str() == Some(s.tenant_id.as_str()))
-        .map(|i| {
-            (
-                time(&i["period"]["start"]).chars().take(7).collect(),
-                dec(&i["total"])
-                    .and_then(|d| d.to_string().parse().ok())
-                    .unwrap_or(0.0),
-            )
-        })
+        .filter(|i| s.is_operator() || *i.tenant() == s.tenant_id)
+        .map(|i| (month_of(&i.period().start), plotted(i.total())))
         .collect();
-    months.push((
-        month.clone(),
-        dec(&draft["total"])
-            .and_then(|d| d.to_string().parse().ok())
-            .unwrap_or(0.0),
-    ));
-    // This month's cost by model.
+    months.push((month.to_string(), plotted(draft.total())));
     let mut by_model: BTreeMap<String, f64> = BTreeMap::new();
-    for l in draft["lines"].as_array().cloned().unwrap_or_default() {
-        let key = l["model"]
-            .as_str()
-            .map(str::to_string)
-            .unwrap_or_else(|| show(&l["kind"]));
-        *by_model.entry(key).or_default() += dec(&l["amount"])
-            .and_then(|d| d.to_string().parse().ok())
-            .unwrap_or(0.0);
+    for l in draft.lines() {
+        let key = l.model.clone().unwrap_or_else(|| word(&l.kind));
+        *by_model.entry(key).or_default() += plotted(l.amount);
     }
-    let chart = json!({
-        "months": months.iter().map(|m| &m.0).collect::<Vec<_>>(),
-        "totals": months.iter().map(|m| m.1).collect::<Vec<_>>(),
-        "models": by_model.keys().collect::<Vec<_>>(),
-        "model_totals": by_model.values().collect::<Vec<_>>(),
-        "currency": currency,
-    });
-    let body = html! {
+    let chart = CostChart {
+        months: months.iter().map(|m| m.0.as_str()).collect(),
+        totals: months.iter().map(|m| m.1).collect(),
+        models: by_model.keys().map(String::as_str).collect(),
+        model_totals: by_model.values().copied().collect(),
+        currency,
+    };
+    html! {
         section aria-labelledby="cost-h" {
             h2 #cost-h { "Cost by month (" (currency) ")" }
             (json_data("cost-data", &chart))
@@ -776,24 +784,19 @@ async fn billing(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Re
             h2 #draft-h { "This month so far (" (month) ", draft)" }
             p { a #open-draft href={ "/invoices/draft/" (month) } { "Open this month's invoice" } " · "
                 a href={ "/invoices/draft/" (month) "/csv" } download { "Download CSV" } }
-            (invoice_lines(&draft))
+            (invoice_lines(draft))
         }
         section aria-labelledby="final-h" {
             h2 #final-h { "Final invoices" }
-            (table("Finalised invoices", &["Invoice", "Period", "Tenant", "Total", "CSV"], finals.iter().rev().map(|i| {
-                let iid = i["id"].as_str().unwrap_or("");
-                let cur = i["currency"]["code"].as_str().unwrap_or("USD");
-                html! { tr {
-                    th scope="row" { a href={ "/invoices/" (iid) } { (iid) } }
-                    td { (time(&i["period"]["start"]).chars().take(7).collect::<String>()) }
-                    td { (show(&i["tenant"])) }
-                    td.num { (amount_json(&i["total"], cur)) }
-                    td { a href={ "/invoices/" (iid) "/csv" } download { "CSV" } }
-                } }
-            }).collect(), "No final invoices yet: a month is finalised 72 hours after it ends"))
+            (table("Finalised invoices", &["Invoice", "Period", "Tenant", "Total", "CSV"], finals.iter().rev().map(|i| html! { tr {
+                th scope="row" { a href={ "/invoices/" (i.id()) } { (i.id()) } }
+                td { (month_of(&i.period().start)) }
+                td { (i.tenant()) }
+                td.num { (amount(i.total(), &i.currency().code)) }
+                td { a href={ "/invoices/" (i.id()) "/csv" } download { "CSV" } }
+            } }).collect(), "No final invoices yet: a month is finalised 72 hours after it ends"))
         }
-    };
-    Ok(page(&s, "Usage & invoices", "/billing", body))
+    }
 }
 
 fn valid_month(p: &str) -> ConsoleResult<&str> {
@@ -811,7 +814,7 @@ fn valid_month(p: &str) -> ConsoleResult<&str> {
 
 async fn draft_invoice(s: Session, Path(period): Path<String>) -> ConsoleResult<Response> {
     let period = valid_month(&period)?;
-    let inv = json(&s.api.invoice_preview(period).await?);
+    let inv = s.api.invoice_preview(period).await?;
     let body = html! {
         p { "Draft: rated now from the ledger with the prices in force; it may still change until the month is finalised." }
         p { a.button #download-csv href={ "/invoices/draft/" (period) "/csv" } download { "Download CSV" } }
@@ -848,9 +851,13 @@ async fn draft_invoice_csv(s: Session, Path(period): Path<String>) -> ConsoleRes
 
 async fn final_invoice(s: Session, Path(id): Path<String>) -> ConsoleResult<Response> {
     let id = seg(&id)?;
-    let inv = json(&s.api.invoice(id).await?);
+    let inv = s.api.invoice(id).await?;
+    let finalised = match inv.status() {
+        InvoiceStatus::Finalised { at: t } => at(&t),
+        InvoiceStatus::Draft => "—".into(),
+    };
     let body = html! {
-        p.muted { "Finalised " (time(&inv["status"]["at"])) " · tenant " (show(&inv["tenant"])) }
+        p.muted { "Finalised " (finalised) " · tenant " (inv.tenant()) }
         p { a.button #download-csv href={ "/invoices/" (id) "/csv" } download { "Download CSV" } }
         (invoice_lines(&inv))
     };
@@ -1419,6 +1426,58 @@ mod tests {
             "<td>no</td>",
         ] {
             assert!(live.contains(want), "{want} in {live}");
+        }
+    }
+
+    /// An invoice as the API answers it: one H100 line, in `status`.
+    fn invoice_of(tenant: &flotilla_core::id::TenantId, status: serde_json::Value) -> Invoice {
+        serde_json::from_value(json!({
+            "id": flotilla_core::id::InvoiceId::generate(1, 1),
+            "tenant": tenant,
+            "period": {"start": "2026-11-01T00:00:00Z", "end": "2026-12-01T00:00:00Z"},
+            "currency": {"code": "EUR", "minor_units": 2},
+            "status": status,
+            "lines": [{
+                "kind": "on_demand", "description": "H100 on demand", "model": "H100",
+                "quantity": "3600.00049", "unit": "gpu_second",
+                "unit_price": "0.0008305555555555555555555556", "amount": "2.99",
+                "price_version": 1, "price_point_at": null, "reference": null, "tier": null,
+            }],
+            "subtotal": "2.99",
+            "total": "2.985",
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn invoices_render_from_the_typed_answer() {
+        let s = session(Role::TenantAdmin);
+        let inv = invoice_of(&s.tenant_id, json!({"state": "draft"}));
+        let lines = invoice_lines(&inv).into_string();
+        for want in [
+            "<td>H100 on demand</td>",
+            "<td>H100</td>",
+            ">3600<",
+            "<td>gpu_second</td>",
+            ">0.0008305556<",
+            "2.99 EUR",
+            "2.98 EUR",
+        ] {
+            assert!(lines.contains(want), "{want} in {lines}");
+        }
+        let fin = invoice_of(
+            &s.tenant_id,
+            json!({"state": "finalised", "at": "2026-12-04T00:00:00Z"}),
+        );
+        let body = billing_body(&s, "2026-12", &inv, &[fin]).into_string();
+        for want in [
+            "Cost by month (EUR)",
+            r#""months":["2026-11","2026-12"]"#,
+            r#""models":["H100"]"#,
+            "<td>2026-11</td>",
+            "This month so far (2026-12, draft)",
+        ] {
+            assert!(body.contains(want), "{want} in {body}");
         }
     }
 
