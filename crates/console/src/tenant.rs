@@ -12,11 +12,11 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use flotilla_billing::api::SetBudget;
-use flotilla_billing::estimate::{GpuWorkload, Workload};
+use flotilla_billing::api::{BudgetView, SetBudget};
+use flotilla_billing::estimate::{BillingModel, Estimate, GpuWorkload, Workload};
 use flotilla_billing::invoice::InvoiceStatus;
 use flotilla_billing::Invoice;
-use flotilla_core::api::{CreateApiKey, GpuTypeView, Instance};
+use flotilla_core::api::{ApiKey, CreateApiKey, CreatedApiKey, GpuTypeView, Instance};
 use flotilla_core::endpoint::{CreateEndpoint, Endpoint};
 use flotilla_core::instance::{BillingClass, CreateInstance};
 use flotilla_core::tenant::Role;
@@ -24,9 +24,7 @@ use maud::{html, Markup};
 use rust_decimal::Decimal;
 use serde_json::{json, Value};
 
-use super::fmt::{
-    amount, amount_json, at, at_opt, dec, json, opt, per_hour_json, time, unit_price, word,
-};
+use super::fmt::{amount, at, at_opt, json, opt, per_hour_json, unit_price, word};
 use super::session::Session;
 use super::{
     badge, check, csrf_field, field, fragment, is_htmx, json_data, page, show, table, ConsoleError,
@@ -873,44 +871,47 @@ async fn final_invoice_csv(s: Session, Path(id): Path<String>) -> ConsoleResult<
 // ---- Budget ----------------------------------------------------------------
 
 async fn budget(s: Session) -> ConsoleResult<Response> {
-    let b: Option<Value> = match s.api.budget(None).await {
-        Ok(v) => Some(json(&v)),
+    let b = match s.api.budget(None).await {
+        Ok(v) => Some(v),
         Err(e) if e.is_not_found() => None,
         Err(e) => return Err(e.into()),
     };
-    let body = html! {
-        @if let Some(b) = &b {
-            @let cur = b["currency"]["code"].as_str().unwrap_or("USD");
+    Ok(page(&s, "Budget", "/budget", budget_body(&s, b.as_ref())))
+}
+
+/// The budget page: the budget in force (if any) against this month's
+/// spend, and the form that sets it.
+fn budget_body(s: &Session, b: Option<&BudgetView>) -> Markup {
+    html! {
+        @if let Some(b) = b {
+            @let cur = b.currency.as_str();
             dl.facts {
-                dt { "Limit" } dd { (amount_json(&b["limit"], cur)) }
-                dt { "Spent this month" } dd #spend { (amount_json(&b["spend"], cur)) }
-                dt { "Thresholds" } dd { (b["thresholds"].as_array().map(|t| t.iter().map(|x| format!("{}%", show(x))).collect::<Vec<_>>().join(", ")).unwrap_or_default()) }
-                dt { "Hard cap on spot work" } dd { (if b["hard_cap"].as_bool() == Some(true) { "yes" } else { "no" }) }
+                dt { "Limit" } dd { (amount(b.limit, cur)) }
+                dt { "Spent this month" } dd #spend { (amount(b.spend, cur)) }
+                dt { "Thresholds" } dd { (b.thresholds.iter().map(|t| format!("{t}%")).collect::<Vec<_>>().join(", ")) }
+                dt { "Hard cap on spot work" } dd { (yes_no(b.hard_cap)) }
             }
-            @if let (Some(spend), Some(limit)) = (dec(&b["spend"]), dec(&b["limit"])) {
-                label for="budget-meter" { "Spent of limit" }
-                meter #budget-meter min="0" max=(limit.to_string()) value=(spend.to_string()) high=((limit * rust_decimal::Decimal::new(8, 1)).to_string()) {}
-            }
+            label for="budget-meter" { "Spent of limit" }
+            meter #budget-meter min="0" max=(b.limit) value=(b.spend) high=(b.limit * Decimal::new(8, 1)) {}
         } @else {
             p { "No budget set." }
         }
         section aria-labelledby="set-h" {
             h2 #set-h { "Set the monthly budget" }
             form.grid method="post" action="/budget" {
-                (csrf_field(&s))
+                (csrf_field(s))
                 label for="b-limit" { "Limit" }
-                input #b-limit name="limit" inputmode="decimal" required value=(b.as_ref().map(|b| show(&b["limit"])).unwrap_or_default());
+                input #b-limit name="limit" inputmode="decimal" required value=(b.map(|b| b.limit.to_string()).unwrap_or_default());
                 label for="b-thr" { "Alert thresholds, % (comma separated)" }
                 input #b-thr name="thresholds" value="50, 80, 100";
                 label for="b-cap" { "Hard cap: no new spot work once reached" }
-                input #b-cap name="hard_cap" type="checkbox" value="true" checked[b.as_ref().is_some_and(|b| b["hard_cap"].as_bool() == Some(true))];
+                input #b-cap name="hard_cap" type="checkbox" value="true" checked[b.is_some_and(|b| b.hard_cap)];
                 label for="b-hook" { "Webhook URL (optional)" }
                 input #b-hook name="webhook_url" type="url";
                 div.actions { button type="submit" { "Save budget" } }
             }
         }
-    };
-    Ok(page(&s, "Budget", "/budget", body))
+    }
 }
 
 async fn set_budget(s: Session, Form(f): Form<Fields>) -> ConsoleResult<Response> {
@@ -950,35 +951,39 @@ fn budget_request(f: &Fields) -> ConsoleResult<SetBudget> {
 
 // ---- API keys --------------------------------------------------------------
 
-async fn keys_page(s: &Session, created: Option<&Value>) -> ConsoleResult<Response> {
-    let list = json_items(&s.api.keys().await?);
+async fn keys_page(s: &Session, created: Option<&CreatedApiKey>) -> ConsoleResult<Response> {
+    let list = s.api.keys().await?;
+    Ok(page(s, "API keys", "/keys", keys_body(s, &list, created)))
+}
+
+/// The keys page: a key just created with its secret (shown this once),
+/// every key with a revoke button until revoked, the form for a new one.
+fn keys_body(s: &Session, list: &[ApiKey], created: Option<&CreatedApiKey>) -> Markup {
     let rows = list
         .iter()
         .map(|k| {
-            let kid = k["id"].as_str().unwrap_or("");
-            let revoked = !k["revoked_at"].is_null();
             html! { tr {
-                th scope="row" { (kid) }
-                td { (show(&k["name"])) }
-                td { (show(&k["role"])) }
-                td { code { (show(&k["prefix"])) "…" } }
-                td { (time(&k["created_at"])) }
+                th scope="row" { (k.id) }
+                td { (k.name) }
+                td { (k.role.as_str()) }
+                td { code { (k.prefix) "…" } }
+                td { (at(&k.created_at)) }
                 td {
-                    @if revoked { "revoked " (time(&k["revoked_at"])) } @else {
-                        form.inline method="post" action={ "/keys/" (kid) "/revoke" } {
+                    @if let Some(r) = &k.revoked_at { "revoked " (at(r)) } @else {
+                        form.inline method="post" action={ "/keys/" (k.id) "/revoke" } {
                             (csrf_field(s))
-                            button.danger type="submit" aria-label={ "Revoke key " (kid) } { "Revoke" }
+                            button.danger type="submit" aria-label={ "Revoke key " (k.id) } { "Revoke" }
                         }
                     }
                 }
             } }
         })
         .collect();
-    let body = html! {
+    html! {
         @if let Some(c) = created {
             div.notice role="status" {
-                p { "New key " (show(&c["id"])) ". Copy its secret now: it is shown once." }
-                p { code #new-secret { (show(&c["secret"])) } }
+                p { "New key " (c.key.id) ". Copy its secret now: it is shown once." }
+                p { code #new-secret { (c.secret) } }
             }
         }
         (table("API keys", &["Id", "Name", "Role", "Prefix", "Created", ""], rows, "No keys"))
@@ -997,8 +1002,7 @@ async fn keys_page(s: &Session, created: Option<&Value>) -> ConsoleResult<Respon
                 div.actions { button type="submit" { "Create key" } }
             }
         }
-    };
-    Ok(page(s, "API keys", "/keys", body))
+    }
 }
 
 async fn keys(s: Session) -> ConsoleResult<Response> {
@@ -1007,7 +1011,7 @@ async fn keys(s: Session) -> ConsoleResult<Response> {
 
 async fn create_key(s: Session, Form(f): Form<Fields>) -> ConsoleResult<Response> {
     check(&s, &f)?;
-    let created = json(&s.api.create_key(&key_request(&s, &f)?).await?);
+    let created = s.api.create_key(&key_request(&s, &f)?).await?;
     keys_page(&s, Some(&created)).await
 }
 
@@ -1054,25 +1058,17 @@ struct EstimateQuery {
 }
 
 async fn estimate(s: Session, Query(q): Query<EstimateQuery>) -> ConsoleResult<Response> {
-    let types = gpu_types(&s).await?;
-    let models: Vec<String> = types["items"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|t| t["name"].as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
+    let models = model_names(&s.api.gpu_types().await?);
     let model = q.model.clone().filter(|m| !m.is_empty());
     let gpus = q.gpus.as_deref().unwrap_or("1");
     let hours = q.hours_per_day.as_deref().unwrap_or("8");
     let tier = q.tier.as_deref().unwrap_or("2");
-    let result: Option<Value> = if q.gpus.is_some() {
-        Some(json(
-            &s.api
+    let result = if q.gpus.is_some() {
+        Some(
+            s.api
                 .estimate(&estimate_request(model.clone(), gpus, hours, tier)?)
                 .await?,
-        ))
+        )
     } else {
         None
     };
@@ -1094,24 +1090,29 @@ async fn estimate(s: Session, Query(q): Query<EstimateQuery>) -> ConsoleResult<R
             }
             div.actions { button type="submit" { "Estimate" } }
         }
-        @if let Some(r) = &result {
-            @let cur = r["currency"]["code"].as_str().unwrap_or("USD").to_string();
-            @let opts = r["options"].as_array().cloned().unwrap_or_default();
-            @if let Some(c) = r["cheapest"].as_object() {
-                p.notice role="status" { "Cheapest that meets it: " strong { (show(&c["model"].clone())) " " (billing_model(&r["cheapest"]["billing_model"])) } " at " (amount_json(&r["cheapest"]["monthly_cost"], &cur)) " a month." }
-            }
-            (table(&format!("Monthly cost by billing model (price version {})", show(&r["price_version"])), &["Model", "Billing model", "GPUs", "Monthly cost", "Meets", "Note"],
-                opts.iter().map(|o| html! { tr {
-                    td { (show(&o["model"])) }
-                    td { (billing_model(&o["billing_model"])) }
-                    td.num { (show(&o["gpus"])) }
-                    td.num { (amount_json(&o["monthly_cost"], &cur)) }
-                    td { (if o["meets"].as_bool() == Some(true) { "yes" } else { "no" }) }
-                    td { (show(&o["note"])) }
-                } }).collect(), "No options"))
-        }
+        @if let Some(r) = &result { (estimate_result(r)) }
     };
     Ok(page(&s, "Cost estimator", "/estimate", body))
+}
+
+/// An estimate: the cheapest option that meets the workload, then every
+/// option by model and billing model.
+fn estimate_result(r: &Estimate) -> Markup {
+    let cur = r.currency.code.as_str();
+    html! {
+        @if let Some(c) = &r.cheapest {
+            p.notice role="status" { "Cheapest that meets it: " strong { (c.model) " " (billing_model(&c.billing_model)) } " at " (amount(c.monthly_cost, cur)) " a month." }
+        }
+        (table(&format!("Monthly cost by billing model (price version {})", r.price_version), &["Model", "Billing model", "GPUs", "Monthly cost", "Meets", "Note"],
+            r.options.iter().map(|o| html! { tr {
+                td { (o.model) }
+                td { (billing_model(&o.billing_model)) }
+                td.num { (o.gpus) }
+                td.num { (amount(o.monthly_cost, cur)) }
+                td { (yes_no(o.meets)) }
+                td { (o.note) }
+            } }).collect(), "No options"))
+    }
 }
 
 /// The estimator's query as the API's workload: GPUs held for some
@@ -1139,17 +1140,18 @@ fn estimate_request(
 
 /// `on demand`, `spot`, `serverless`, or a reserved offer with its term
 /// and discount.
-fn billing_model(v: &Value) -> String {
-    match v["kind"].as_str() {
-        Some("reserved") => format!(
-            "reserved {} days, {} off",
-            show(&v["term_days"]),
-            dec(&v["discount"])
-                .map(|d| format!("{}%", (d * rust_decimal::Decimal::from(100)).normalize()))
-                .unwrap_or_default()
+fn billing_model(m: &BillingModel) -> String {
+    match m {
+        BillingModel::Reserved {
+            term_days,
+            discount,
+        } => format!(
+            "reserved {term_days} days, {}% off",
+            (discount * Decimal::from(100)).normalize()
         ),
-        Some(k) => k.replace('_', " "),
-        None => show(v),
+        BillingModel::OnDemand => "on demand".into(),
+        BillingModel::Spot => "spot".into(),
+        BillingModel::Serverless => "serverless".into(),
     }
 }
 
@@ -1482,9 +1484,83 @@ mod tests {
     }
 
     #[test]
+    fn budget_keys_and_estimates_render_from_the_typed_answers() {
+        let s = session(Role::TenantAdmin);
+        let b: BudgetView = serde_json::from_value(json!({
+            "tenant": s.tenant_id, "limit": "250", "currency": "EUR", "thresholds": [50, 80],
+            "hard_cap": true, "webhook_url": null, "period_start": "2026-12-01T00:00:00Z",
+            "spend": "12.345", "alerts": [], "deliveries": [],
+        }))
+        .unwrap();
+        let html = budget_body(&s, Some(&b)).into_string();
+        for want in [
+            "250 EUR",
+            "12.34 EUR",
+            "<dd>50%, 80%</dd>",
+            "<dd>yes</dd>",
+            r#"max="250""#,
+            r#"value="250""#,
+        ] {
+            assert!(html.contains(want), "{want} in {html}");
+        }
+        assert!(budget_body(&s, None)
+            .into_string()
+            .contains("No budget set."));
+
+        let key: ApiKey = serde_json::from_value(json!({
+            "id": flotilla_core::id::KeyId::generate(1, 1), "tenant_id": s.tenant_id,
+            "role": "tenant_member", "name": "ci", "prefix": "flt_ab",
+            "created_at": "2026-12-01T10:00:00Z", "revoked_at": "2026-12-02T10:00:00Z",
+        }))
+        .unwrap();
+        let created = CreatedApiKey {
+            key: key.clone(),
+            secret: "flt_secret".into(),
+        };
+        let html = keys_body(&s, std::slice::from_ref(&key), Some(&created)).into_string();
+        for want in [
+            format!("New key {}.", key.id),
+            "flt_secret".into(),
+            "<td>tenant_member</td>".into(),
+            "flt_ab…".into(),
+            "revoked 2026-12-02 10:00:00".into(),
+        ] {
+            assert!(html.contains(&want), "{want} in {html}");
+        }
+
+        let option = |billing_model, cost: &str, meets| {
+            json!({"model": "H100", "billing_model": billing_model, "gpus": 2,
+                "monthly_cost": cost, "meets": meets, "note": "n"})
+        };
+        let e: Estimate = serde_json::from_value(json!({
+            "currency": {"code": "USD", "minor_units": 2}, "price_version": 3,
+            "month_seconds": 2_592_000,
+            "options": [
+                option(json!({"kind": "on_demand"}), "100", true),
+                option(json!({"kind": "reserved", "term_days": 365, "discount": "0.35"}), "65", true),
+            ],
+            "cheapest": option(json!({"kind": "reserved", "term_days": 365, "discount": "0.35"}), "65", true),
+        }))
+        .unwrap();
+        let html = estimate_result(&e).into_string();
+        for want in [
+            "Cheapest that meets it: <strong>H100 reserved 365 days, 35% off</strong> at 65 USD a month.",
+            "(price version 3)",
+            "<td>on demand</td>",
+            "100 USD",
+        ] {
+            assert!(html.contains(want), "{want} in {html}");
+        }
+    }
+
+    #[test]
     fn reserved_offers_read_as_words() {
-        let v = json!({"kind": "reserved", "term_days": 365, "discount": "0.3"});
-        assert_eq!(billing_model(&v), "reserved 365 days, 30% off");
-        assert_eq!(billing_model(&json!({"kind": "on_demand"})), "on demand");
+        let r = BillingModel::Reserved {
+            term_days: 365,
+            discount: Decimal::new(3, 1),
+        };
+        assert_eq!(billing_model(&r), "reserved 365 days, 30% off");
+        assert_eq!(billing_model(&BillingModel::OnDemand), "on demand");
+        assert_eq!(billing_model(&BillingModel::Spot), "spot");
     }
 }
