@@ -1,5 +1,5 @@
-//! How the console writes money, prices and times: amounts at the
-//! currency's minor units, unit prices at the catalog's precision
+//! How the console writes money, prices and times, from the API's typed
+//! values: amounts to the cent, unit prices at the catalog's precision
 //! ([`flotilla_billing::money::display_unit_price`], shared with the CLI),
 //! per-second prices also per hour, times in UTC.
 
@@ -7,15 +7,6 @@ use std::str::FromStr;
 
 use rust_decimal::Decimal;
 use serde_json::Value;
-
-/// A decimal carried as a JSON string (or number).
-pub fn dec(v: &Value) -> Option<Decimal> {
-    match v {
-        Value::String(s) => Decimal::from_str(s).ok(),
-        Value::Number(n) => Decimal::from_str(&n.to_string()).ok(),
-        _ => None,
-    }
-}
 
 /// An amount with its currency code, to the cent as the pages have
 /// always shown it: `12.34 USD`.
@@ -43,37 +34,7 @@ pub fn per_hour(per_second: Decimal) -> String {
         .unwrap_or_else(|| "—".into())
 }
 
-/// An amount as [`amount`] writes it, from JSON (until every page reads
-/// typed answers).
-pub fn amount_json(v: &Value, currency: &str) -> String {
-    dec(v).map_or_else(|| "—".into(), |d| amount(d, currency))
-}
-
-/// A unit price as [`unit_price`] writes it, from JSON.
-pub fn unit_price_json(v: &Value) -> String {
-    dec(v).map_or_else(|| "—".into(), unit_price)
-}
-
-/// A price per hour as [`per_hour`] writes it, from JSON.
-pub fn per_hour_json(per_second: &Value) -> String {
-    dec(per_second).map_or_else(|| "—".into(), per_hour)
-}
-
-/// An RFC 3339 time shortened to `YYYY-MM-DD HH:MM:SS` (UTC).
-pub fn time(v: &Value) -> String {
-    match v.as_str() {
-        Some(s) => match chrono::DateTime::parse_from_rfc3339(s) {
-            Ok(t) => t
-                .with_timezone(&chrono::Utc)
-                .format("%Y-%m-%d %H:%M:%S")
-                .to_string(),
-            Err(_) => s.to_string(),
-        },
-        None => "—".into(),
-    }
-}
-
-/// A time as [`time`] writes it, from a typed answer.
+/// A time shortened to `YYYY-MM-DD HH:MM:SS` (UTC).
 pub fn at(t: &chrono::DateTime<chrono::Utc>) -> String {
     t.format("%Y-%m-%d %H:%M:%S").to_string()
 }
@@ -98,18 +59,9 @@ pub fn word<T: serde::Serialize>(v: &T) -> String {
     }
 }
 
-/// A typed answer as JSON, for the pages that still render the API's
-/// nested billing documents (price versions, payouts, invoices,
-/// estimates) field by field from JSON; decoded through the API's type
-/// first, so a change of the wire still fails at the client.
-pub fn json<T: serde::Serialize>(v: &T) -> Value {
-    serde_json::to_value(v).unwrap_or(Value::Null)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
 
     #[test]
     fn prices_show_at_catalog_precision() {
@@ -121,10 +73,7 @@ mod tests {
         assert_eq!(per_hour(d("0.0004166666666666666666666667")), "1.50");
         assert_eq!(per_hour(d("0.0000291666666666666666666667")), "0.105");
         assert_eq!(amount(d("12.345"), "USD"), "12.34 USD");
-        assert_eq!(amount_json(&Value::Null, "USD"), "—");
-        assert_eq!(
-            time(&json!("2026-12-01T10:00:00.5Z")),
-            "2026-12-01 10:00:00"
-        );
+        let t = chrono::DateTime::parse_from_rfc3339("2026-12-01T10:00:00.5Z").unwrap();
+        assert_eq!(at(&t.with_timezone(&chrono::Utc)), "2026-12-01 10:00:00");
     }
 }

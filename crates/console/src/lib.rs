@@ -24,7 +24,6 @@ use axum::routing::{get, post};
 use axum::Router;
 use flotilla_client::Client;
 use maud::{html, Markup, PreEscaped, DOCTYPE};
-use serde_json::Value;
 
 use flotilla_core::api::GpuSample;
 use flotilla_core::clock::Clock;
@@ -532,15 +531,6 @@ pub fn badge(state: &str) -> Markup {
         _ => "neutral",
     };
     html! { span class={ "badge " (class) } { (state) } }
-}
-
-/// A short display of a JSON value.
-pub fn show(v: &Value) -> String {
-    match v {
-        Value::Null => "—".into(),
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
 }
 
 /// The fragment-or-page switch of htmx polling: `HX-Request` marks a

@@ -12,7 +12,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use flotilla_billing::api::{BudgetView, SetBudget};
+use flotilla_billing::api::{BudgetView, PriceCatalog, SetBudget, SpotPrices};
 use flotilla_billing::estimate::{BillingModel, Estimate, GpuWorkload, Workload};
 use flotilla_billing::invoice::InvoiceStatus;
 use flotilla_billing::Invoice;
@@ -22,12 +22,11 @@ use flotilla_core::instance::{BillingClass, CreateInstance};
 use flotilla_core::tenant::Role;
 use maud::{html, Markup};
 use rust_decimal::Decimal;
-use serde_json::{json, Value};
 
-use super::fmt::{amount, at, at_opt, json, opt, per_hour_json, unit_price, word};
+use super::fmt::{amount, at, at_opt, opt, per_hour, unit_price, word};
 use super::session::Session;
 use super::{
-    badge, check, csrf_field, field, fragment, is_htmx, json_data, page, show, table, ConsoleError,
+    badge, check, csrf_field, field, fragment, is_htmx, json_data, page, table, ConsoleError,
     ConsoleResult, ConsoleState, Fields, Sample,
 };
 
@@ -100,76 +99,64 @@ fn parse_num<T: std::str::FromStr>(f: &Fields, name: &'static str) -> ConsoleRes
         .transpose()
 }
 
-/// Typed answers as JSON (see [`json`]).
-fn json_items<T: serde::Serialize>(items: &[T]) -> Vec<Value> {
-    items.iter().map(json).collect()
-}
-
-/// The GPU catalog with the pool's capacity, as the pages below read it
-/// (`{"items": […]}`).
-async fn gpu_types(s: &Session) -> ConsoleResult<Value> {
-    Ok(json!({ "items": json_items(&s.api.gpu_types().await?) }))
-}
-
 // ---- GPUs ------------------------------------------------------------------
 
 async fn gpus(s: Session, h: HeaderMap) -> ConsoleResult<Response> {
-    let types = gpu_types(&s).await?;
-    let prices = json(&s.api.prices().await?);
-    let spot = s
-        .api
-        .spot_prices()
-        .await
-        .map(|p| json(&p))
-        .unwrap_or(Value::Null);
-    let in_force = prices["in_force"].as_u64();
-    let currency = prices["currency"].as_str().unwrap_or("USD").to_string();
-    let version = prices["versions"]
-        .as_array()
-        .and_then(|vs| vs.iter().find(|v| v["version"].as_u64() == in_force))
-        .cloned()
-        .unwrap_or(Value::Null);
-    let mut items = types["items"].as_array().cloned().unwrap_or_default();
-    // Models the pool has first, then the rest of the catalog.
-    items.sort_by_key(|t| t["total"].as_u64().unwrap_or(0) == 0);
-    let latest_spot = |model: &str| -> Value {
-        spot["latest"]
-            .as_array()
-            .and_then(|l| l.iter().find(|p| p["model"].as_str() == Some(model)))
-            .map(|p| p["per_gpu_second"].clone())
-            .unwrap_or(Value::Null)
-    };
-    let rows = items
-        .iter()
-        .map(|t| {
-            let name = t["name"].as_str().unwrap_or("");
-            let od = &version["on_demand"][name]["per_gpu_second"];
-            let (free, total) = (t["free"].as_u64().unwrap_or(0), t["total"].as_u64().unwrap_or(0));
-            html! {
-                tr data-model=(name) {
-                    th scope="row" { (name) }
-                    td { (show(&t["vendor"])) }
-                    td.num { (show(&t["memory_gib"])) " GiB" }
-                    td.num.free { (free) " / " (total) }
-                    td { meter min="0" max=(total.max(1)) value=(free) aria-label={ (name) " GPUs free" } {} }
-                    td.num { (per_hour_json(od)) }
-                    td.num { (per_hour_json(&latest_spot(name))) }
-                }
-            }
-        })
-        .collect();
-    let body = html! {
-        div #catalog hx-get="/gpus" hx-trigger="every 5s" hx-swap="outerHTML" hx-select="#catalog" {
-            (table(&format!("GPU models, free now, and prices per GPU-hour in {currency} (catalog version {})", in_force.unwrap_or(0)),
-                &["Model", "Vendor", "Memory", "Free / total", "Availability", "On demand /h", "Spot /h"],
-                rows, "No GPU models in the catalog"))
-        }
-        p { a.button href="/instances#launch" { "Launch an instance" } }
-    };
+    let types = s.api.gpu_types().await?;
+    let prices = s.api.prices().await?;
+    // Without spot prices the catalog still shows, spot as —.
+    let spot = s.api.spot_prices().await.ok();
+    let body = gpus_body(types, &prices, spot.as_ref());
     if is_htmx(&h) {
         return Ok(fragment(body));
     }
     Ok(page(&s, "GPUs", "/gpus", body))
+}
+
+/// The GPU catalog: each model with its free GPUs, its on-demand price
+/// in the version in force and its latest spot price per hour; models the
+/// pool has first.
+fn gpus_body(
+    mut types: Vec<GpuTypeView>,
+    prices: &PriceCatalog,
+    spot: Option<&SpotPrices>,
+) -> Markup {
+    let version = prices
+        .versions
+        .iter()
+        .find(|v| v.version == prices.in_force);
+    types.sort_by_key(|t| t.total == 0);
+    let rows = types
+        .iter()
+        .map(|t| {
+            let name = t.model.name.as_str();
+            let od = version
+                .and_then(|v| v.on_demand.get(name))
+                .map(|p| per_hour(p.per_gpu_second));
+            let spot = spot
+                .and_then(|sp| sp.latest.iter().find(|p| p.model == name))
+                .map(|p| per_hour(p.per_gpu_second));
+            html! {
+                tr data-model=(name) {
+                    th scope="row" { (name) }
+                    td { (word(&t.model.vendor)) }
+                    td.num { (t.model.memory_gib) " GiB" }
+                    td.num.free { (t.free) " / " (t.total) }
+                    td { meter min="0" max=(t.total.max(1)) value=(t.free) aria-label={ (name) " GPUs free" } {} }
+                    td.num { (opt(od)) }
+                    td.num { (opt(spot)) }
+                }
+            }
+        })
+        .collect();
+    html! {
+        div #catalog hx-get="/gpus" hx-trigger="every 5s" hx-swap="outerHTML" hx-select="#catalog" {
+            (table(&format!("GPU models, free now, and prices per GPU-hour in {} (catalog version {})", prices.currency, prices.in_force),
+                &["Model", "Vendor", "Memory", "Free / total", "Availability", "On demand /h", "Spot /h"],
+                rows, "No GPU models in the catalog"))
+        }
+        p { a.button href="/instances#launch" { "Launch an instance" } }
+    }
 }
 
 // ---- Instances -------------------------------------------------------------
@@ -634,6 +621,12 @@ fn endpoint_live(e: &Endpoint) -> Markup {
     }
 }
 
+/// An endpoint's chart data, as `console.js` reads it.
+#[derive(serde::Serialize)]
+struct Series {
+    points: Vec<Sample>,
+}
+
 /// The endpoint's chart series: samples it now (at most once a second),
 /// then returns the kept points.
 async fn endpoint_series(
@@ -676,7 +669,7 @@ async fn endpoint_series(
     }
     let points: Vec<Sample> = q.iter().cloned().collect();
     drop(map);
-    Ok(super::secure(Json(json!({ "points": points }))))
+    Ok(super::secure(Json(Series { points })))
 }
 
 async fn delete_endpoint(
@@ -1156,8 +1149,9 @@ fn billing_model(m: &BillingModel) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+    use serde_json::json;
 
     /// A session of `role` (its client reaches nothing: pages render
     /// from values given to them).
@@ -1182,8 +1176,8 @@ mod tests {
     #[test]
     fn environment_lines_parse_and_name_the_bad_one() {
         let env = env_lines(Some("A=1\n\n# c\nB = x=y\n")).unwrap();
-        assert_eq!(env["A"], "1");
-        assert_eq!(env["B"], " x=y");
+        assert_eq!(env.get("A").map(String::as_str), Some("1"));
+        assert_eq!(env.get("B").map(String::as_str), Some(" x=y"));
         let e = env_lines(Some("nope")).unwrap_err();
         assert!(e.to_string().contains("env"), "{e}");
     }
@@ -1227,7 +1221,7 @@ mod tests {
         assert_eq!(r.gpu_types, ["H100"]);
         assert_eq!(r.billing_class, BillingClass::Spot);
         assert_eq!(r.command, ["sh", "-c", "python train.py"]);
-        assert_eq!(r.env["A"], "1");
+        assert_eq!(r.env.get("A").map(String::as_str), Some("1"));
         // A share is one GPU, whatever the count says.
         let r = launch_request(&form(&[("gpus", "4"), ("gpu_fraction", "0.25")])).unwrap();
         assert_eq!((r.gpus, r.gpu_fraction), (1, Some(0.25)));
@@ -1551,6 +1545,78 @@ mod tests {
         ] {
             assert!(html.contains(want), "{want} in {html}");
         }
+    }
+
+    /// A price catalog as the API answers it: version 1 (H100 at 2.99
+    /// an hour, an L40S price and no spot band for it) in force.
+    pub(crate) fn catalog() -> PriceCatalog {
+        let flat = json!({"kind": "flat", "unit_price": "0"});
+        serde_json::from_value(json!({
+            "in_force": 1,
+            "currency": "USD",
+            "versions": [{
+                "version": 1,
+                "effective_from": "2026-01-01T00:00:00Z",
+                "currency": {"code": "USD", "minor_units": 2},
+                "on_demand": {
+                    "H100": {"per_gpu_second": "0.0008305555555555555555555556"},
+                    "L40S": {"per_gpu_second": "0.0003"},
+                },
+                "spot": {"H100": {"floor": "0.0002", "ceiling": "0.0006"}},
+                "serverless": {"per_request": flat, "per_million_input_tokens": flat,
+                    "per_million_output_tokens": flat, "per_gpu_second": {}},
+                "reserved_offers": [{"term_days": 365, "discount": "0.35"}],
+                "per_instance_second": "0",
+                "per_storage_gb_second": "0",
+            }],
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_gpu_catalog_renders_from_the_typed_answers() {
+        let model = |name: &str, total: u32, free: u32| {
+            let mut m = serde_json::to_value(
+                flotilla_core::catalog::Catalog::default()
+                    .get(name)
+                    .unwrap()
+                    .clone(),
+            )
+            .unwrap();
+            if let Some(o) = m.as_object_mut() {
+                o.insert("total".into(), json!(total));
+                o.insert("free".into(), json!(free));
+            }
+            serde_json::from_value::<GpuTypeView>(m).unwrap()
+        };
+        let spot: SpotPrices = serde_json::from_value(json!({
+            "latest": [{"model": "H100", "at": "2026-12-01T00:00:00Z", "utilisation": "0.5",
+                "per_gpu_second": "0.0004", "price_version": 1}],
+            "history": [],
+        }))
+        .unwrap();
+        let types = vec![model("L40S", 0, 0), model("H100", 8, 3)];
+        let html = gpus_body(types, &catalog(), Some(&spot)).into_string();
+        for want in [
+            "prices per GPU-hour in USD (catalog version 1)",
+            "<td>nvidia</td>",
+            "3 / 8",
+            ">2.99<",
+            ">1.44<",
+            ">1.08<",
+        ] {
+            assert!(html.contains(want), "{want} in {html}");
+        }
+        let (h100, l40s) = (
+            html.find("data-model=\"H100\""),
+            html.find("data-model=\"L40S\""),
+        );
+        assert!(h100 < l40s, "models the pool has come first");
+        let no_spot = gpus_body(vec![model("H100", 1, 1)], &catalog(), None).into_string();
+        assert!(
+            no_spot.contains(">2.99</td><td class=\"num\">—<"),
+            "{no_spot}"
+        );
     }
 
     #[test]
