@@ -24,7 +24,6 @@ use axum::routing::{get, post};
 use axum::Router;
 use flotilla_client::Client;
 use maud::{html, Markup, PreEscaped, DOCTYPE};
-use serde_json::Value;
 
 use flotilla_core::api::GpuSample;
 use flotilla_core::clock::Clock;
@@ -534,15 +533,6 @@ pub fn badge(state: &str) -> Markup {
     html! { span class={ "badge " (class) } { (state) } }
 }
 
-/// A short display of a JSON value.
-pub fn show(v: &Value) -> String {
-    match v {
-        Value::Null => "—".into(),
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
-}
-
 /// The fragment-or-page switch of htmx polling: `HX-Request` marks a
 /// fragment request.
 pub fn is_htmx(h: &HeaderMap) -> bool {
@@ -556,8 +546,10 @@ pub fn fragment(m: Markup) -> Response {
 
 /// Inline JSON for the charts (read by `console.js`); `<` escaped so it
 /// cannot close the script element.
-pub fn json_data(id: &str, v: &Value) -> Markup {
-    let text = v.to_string().replace('<', "\\u003c");
+pub fn json_data(id: &str, v: &impl serde::Serialize) -> Markup {
+    let text = serde_json::to_string(v)
+        .unwrap_or_else(|_| "null".into())
+        .replace('<', "\\u003c");
     html! { script type="application/json" id=(id) { (PreEscaped(text)) } }
 }
 

@@ -7,16 +7,17 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use flotilla_billing::api::PriceCatalog;
+use flotilla_billing::payout::PayoutStatement;
 use flotilla_core::id::NodeId;
 use flotilla_core::offer::{NodeOffer, OfferWindow};
 use flotilla_core::tenant::Role;
 use maud::{html, Markup};
-use serde_json::Value;
 
-use super::fmt::{amount, at, json, opt, per_hour, time, unit_price};
+use super::fmt::{amount, at, opt, per_hour, unit_price, word};
 use super::session::Session;
 use super::{
-    badge, check, csrf_field, fragment, is_htmx, page, show, table, ConsoleError, ConsoleResult,
+    badge, check, csrf_field, fragment, is_htmx, page, table, ConsoleError, ConsoleResult,
     ConsoleState, Fields,
 };
 
@@ -265,32 +266,37 @@ async fn tenants(s: Session) -> ConsoleResult<Response> {
 }
 
 async fn prices(s: Session) -> ConsoleResult<Response> {
-    let p = json(&s.api.prices().await?);
-    let currency = p["currency"].as_str().unwrap_or("USD").to_string();
-    let in_force = p["in_force"].as_u64();
-    let versions = p["versions"].as_array().cloned().unwrap_or_default();
-    let body = html! {
-        @for v in versions.iter().rev() {
-            @let ver = v["version"].as_u64();
+    let p = s.api.prices().await?;
+    Ok(page(&s, "Price catalog", "/prices", prices_body(&p)))
+}
+
+/// Every catalog version, newest first, the one in force marked: GPU
+/// prices per hour and the reserved offers.
+fn prices_body(p: &PriceCatalog) -> Markup {
+    let dash = || "—".to_string();
+    html! {
+        @for v in p.versions.iter().rev() {
             section {
-                h2 { "Version " (show(&v["version"])) @if ver == in_force { " (in force)" } }
-                p.muted { "Effective from " (time(&v["effective_from"])) }
-                (table(&format!("GPU prices per hour, {currency}"), &["Model", "On demand /h", "Spot floor /h", "Spot ceiling /h"],
-                    v["on_demand"].as_object().map(|m| m.iter().map(|(model, od)| html! { tr {
-                        th scope="row" { (model) }
-                        td.num { (per_hour(&od["per_gpu_second"])) }
-                        td.num { (per_hour(&v["spot"][model]["floor"])) }
-                        td.num { (per_hour(&v["spot"][model]["ceiling"])) }
-                    } }).collect()).unwrap_or_default(), "No GPU prices"))
+                h2 { "Version " (v.version) @if v.version == p.in_force { " (in force)" } }
+                p.muted { "Effective from " (at(&v.effective_from)) }
+                (table(&format!("GPU prices per hour, {}", p.currency), &["Model", "On demand /h", "Spot floor /h", "Spot ceiling /h"],
+                    v.on_demand.iter().map(|(model, od)| {
+                        let band = v.spot.get(model);
+                        html! { tr {
+                            th scope="row" { (model) }
+                            td.num { (per_hour(od.per_gpu_second)) }
+                            td.num { (band.map_or_else(dash, |b| per_hour(b.floor))) }
+                            td.num { (band.map_or_else(dash, |b| per_hour(b.ceiling))) }
+                        } }
+                    }).collect(), "No GPU prices"))
                 (table("Reserved offers", &["Term (days)", "Discount"],
-                    v["reserved_offers"].as_array().map(|a| a.iter().map(|o| html! { tr {
-                        td.num { (show(&o["term_days"])) }
-                        td.num { (unit_price(&o["discount"])) }
-                    } }).collect()).unwrap_or_default(), "No reserved offers"))
+                    v.reserved_offers.iter().map(|o| html! { tr {
+                        td.num { (o.term_days) }
+                        td.num { (unit_price(o.discount)) }
+                    } }).collect(), "No reserved offers"))
             }
         }
-    };
-    Ok(page(&s, "Price catalog", "/prices", body))
+    }
 }
 
 async fn provider(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<Response> {
@@ -302,12 +308,13 @@ async fn provider(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<R
     }
     let nodes = s.api.nodes().await?;
     let month = st.now().format("%Y-%m").to_string();
-    let payouts = s
+    // Without a statement the page still shows the nodes and offers.
+    let statements = s
         .api
         .payouts(&month)
         .await
-        .map(|p| json(&p))
-        .unwrap_or(Value::Null);
+        .map(|p| p.items)
+        .unwrap_or_default();
     let mine = |n: &&flotilla_core::api::Node| s.is_operator() || n.owner_tenant_id == s.tenant_id;
     let node_rows = nodes
         .iter()
@@ -323,7 +330,6 @@ async fn provider(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<R
             } }
         })
         .collect();
-    let statements = payouts["items"].as_array().cloned().unwrap_or_default();
     let now = st.now();
     let mut offers = Vec::new();
     for n in nodes.iter().filter(mine) {
@@ -354,22 +360,27 @@ async fn provider(State(st): State<ConsoleState>, s: Session) -> ConsoleResult<R
         }
         h2 { "Payout statements, " (month) }
         @if statements.is_empty() { p { "No payout statement for this month yet." } }
-        @for p in &statements {
-            @let cur = p["currency"]["code"].as_str().unwrap_or("USD").to_string();
-            (table(&format!("Provider {}", show(&p["provider"])), &["Model", "Kind", "GPU-seconds", "Unit price", "Gross"],
-                p["lines"].as_array().map(|ls| ls.iter().map(|l| html! { tr {
-                    td { (show(&l["model"])) } td { (show(&l["kind"])) }
-                    td.num { (show(&l["gpu_seconds"])) } td.num { (unit_price(&l["unit_price"])) }
-                    td.num { (amount(&l["gross"], &cur)) }
-                } }).collect()).unwrap_or_default(), "No usage on these nodes this month"))
-            dl.facts.totals {
-                dt { "Gross" } dd { (amount(&p["gross"], &cur)) }
-                dt { "Operator fee" } dd { (amount(&p["operator_fee"], &cur)) }
-                dt { "Payout" } dd { (amount(&p["payout"], &cur)) }
-            }
-        }
+        @for p in &statements { (payout_statement(p)) }
     };
     Ok(page(&s, "My GPUs & payouts", "/provider", body))
+}
+
+/// One provider's payout statement: its lines, gross, fee and payout.
+fn payout_statement(p: &PayoutStatement) -> Markup {
+    let cur = p.currency.code.as_str();
+    html! {
+        (table(&format!("Provider {}", p.provider), &["Model", "Kind", "GPU-seconds", "Unit price", "Gross"],
+            p.lines.iter().map(|l| html! { tr {
+                td { (l.model) } td { (word(&l.kind)) }
+                td.num { (l.gpu_seconds) } td.num { (unit_price(l.unit_price)) }
+                td.num { (amount(l.gross, cur)) }
+            } }).collect(), "No usage on these nodes this month"))
+        dl.facts.totals {
+            dt { "Gross" } dd { (amount(p.gross, cur)) }
+            dt { "Operator fee" } dd { (amount(p.operator_fee, cur)) }
+            dt { "Payout" } dd { (amount(p.payout, cur)) }
+        }
+    }
 }
 
 /// A window as the provider page writes it: `mon,tue 08:00-18:00`.
@@ -438,6 +449,49 @@ mod tests {
         assert_eq!(window_line(&w[0]), "mon,tue 18:00-08:00");
         assert_eq!(window_line(&w[1]), "12:00-14:00");
         assert!(parse_windows("sometimes").is_err());
+    }
+
+    #[test]
+    fn prices_and_payouts_render_from_the_typed_answers() {
+        let html = prices_body(&crate::tenant::tests::catalog()).into_string();
+        for want in [
+            "Version 1 (in force)",
+            "Effective from 2026-01-01 00:00:00",
+            "GPU prices per hour, USD",
+            ">2.99<",
+            ">0.72<",
+            ">2.16<",
+            ">365<",
+            ">0.35<",
+        ] {
+            assert!(html.contains(want), "{want} in {html}");
+        }
+        // L40S has an on-demand price and no spot band.
+        assert!(
+            html.contains(">1.08</td><td class=\"num\">—</td><td class=\"num\">—<"),
+            "{html}"
+        );
+        let p: PayoutStatement = serde_json::from_value(serde_json::json!({
+            "provider": flotilla_core::id::ProviderId::generate(1, 1),
+            "period": {"start": "2026-12-01T00:00:00Z", "end": "2027-01-01T00:00:00Z"},
+            "currency": {"code": "USD", "minor_units": 2},
+            "lines": [{"model": "H100", "kind": "spot", "gpu_seconds": "3600", "unit_price": "0.0004",
+                "gross": "1.44", "price_version": 1, "price_point_at": null}],
+            "gross": "1.44", "operator_fee": "0.144", "payout": "1.296",
+        }))
+        .unwrap();
+        let html = payout_statement(&p).into_string();
+        for want in [
+            format!("Provider {}", p.provider),
+            "<td>spot</td>".into(),
+            ">3600<".into(),
+            ">0.0004<".into(),
+            "1.44 USD".into(),
+            "0.14 USD".into(),
+            "1.30 USD".into(),
+        ] {
+            assert!(html.contains(&want), "{want} in {html}");
+        }
     }
 
     #[test]
