@@ -788,7 +788,7 @@ impl Store {
         use InstanceState::*;
         let row = sqlx::query(
             "SELECT state, node_id, stop_requested, gpu_ids, preempted_by, job_id, share_milli, mig_profile, \
-             mig_compute, mig_memory, mig_memory_mib, updated_at FROM instances WHERE id = $1",
+             mig_compute, mig_memory, mig_memory_mib, updated_at, started_at FROM instances WHERE id = $1",
         )
         .bind(obs.instance_id.as_str())
         .fetch_optional(self.pool())
@@ -813,8 +813,14 @@ impl Store {
         // billing before what the server already recorded, or ahead of it.
         // A time far outside that window (a node whose clock is off, a
         // server on a test clock) is not trusted at all: the server's own
-        // time stands. The slack covers whole-second engine clocks.
-        let since = at(row.try_get("updated_at")?);
+        // time stands. The slack covers whole-second engine clocks. A lost
+        // instance's last change is the server's guess (its lease's end):
+        // the exit its agent reports when back may lie before it, back to
+        // its start (a fence that stopped it, work that ended meanwhile).
+        let since = match (state, row.try_get::<Option<i64>, _>("started_at")?) {
+            (Lost, Some(started)) => at(started),
+            _ => at(row.try_get("updated_at")?),
+        };
         let slack = chrono::Duration::seconds(2);
         let seen = if obs.at >= since - slack && obs.at <= now + slack {
             obs.at.clamp(since, now.max(since))
