@@ -1117,15 +1117,17 @@ impl Store {
     }
 
     /// Instances that ran and whose usage is not fully metered: running (or
-    /// lost) ones, and final ones metered short of their finish. Oldest
-    /// first, with their events and how far metering got.
+    /// lost) ones, and final ones metered short of their finish or past it
+    /// (minutes metered before an earlier exit was reported, which the
+    /// final pass corrects). Oldest first, with their events and how far
+    /// metering got.
     pub async fn instances_to_meter(
         &self,
         limit: u32,
     ) -> Result<Vec<(Instance, Option<DateTime<Utc>>)>> {
         let rows = sqlx::query(
             "SELECT id, metered_until FROM instances WHERE started_at IS NOT NULL \
-             AND (finished_at IS NULL OR metered_until IS NULL OR metered_until < finished_at) \
+             AND (finished_at IS NULL OR metered_until IS NULL OR metered_until <> finished_at) \
              ORDER BY id LIMIT $1",
         )
         .bind(i64::from(limit))
