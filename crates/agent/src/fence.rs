@@ -4,13 +4,17 @@
 //! it, a paused agent's workloads would keep running while the server,
 //! once the lease has run out, restarts them elsewhere: the same job twice.
 //!
-//! The agent writes the lease's two deadlines (start stopping; stopped by
-//! then) and its workloads' process groups to a file after every sync that
-//! renewed the lease ([`write`]); the fence ([`watch`]) reads it ten times
-//! a second: past the first deadline it sends SIGTERM to every group, past
-//! the second SIGKILL. It leaves when the agent removes the file (a clean
-//! stop), when another agent took the file over, or, once it has stopped
-//! everything, when its agent is gone.
+//! The agent writes the lease's two deadlines (the lease's end, counted
+//! from the last sync the server answered: start stopping; half a
+//! heartbeat interval later, before the server declares the work lost:
+//! stopped by then) and its workloads' process groups to a file after
+//! every sync that renewed the lease ([`write`]); the fence ([`watch`])
+//! reads it ten times a second: past the first deadline it sends SIGTERM
+//! to every group, past the second SIGKILL. It leaves when the agent
+//! removes the file (a clean stop, or an agent that took over after this
+//! one was killed: it holds the lease from then on), when another agent
+//! took the file over, or, once it has stopped everything, when its agent
+//! is gone.
 //!
 //! Process ids may be reused: a group listed in the file is signalled only
 //! until the next renewal rewrites the list, which bounds the window to one
@@ -75,6 +79,11 @@ pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The lease in the fence file at `path`, if there is a readable one.
+pub fn read(path: &Path) -> Option<Lease> {
+    Lease::parse(&std::fs::read_to_string(path).ok()?)
 }
 
 /// Replaces the fence file with `lease`, atomically (a rename), readable by

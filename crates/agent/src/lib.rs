@@ -7,11 +7,12 @@
 //! The agent must never restart a process on its own: an instance id it has
 //! seen once is never spawned again by this agent process. Losing the
 //! server pauses reporting; the work goes on for as long as the node's
-//! lease (which the server states in every sync answer) lasts, counted from
-//! the last sync that succeeded. Past it the agent stops the work itself
-//! (SIGTERM, then SIGKILL before the lease ends), because the server then
-//! declares it lost and may restart it elsewhere: a job must never run
-//! twice. It must never report an instance as exited before the server
+//! lease (which the server states, and renews, in every sync answer)
+//! lasts, counted from when the last answer arrived. Once it ran out the
+//! agent stops the work itself (SIGTERM, then SIGKILL half a heartbeat
+//! interval later), because the server declares it lost one interval
+//! after the lease's end and may restart it elsewhere: a job must never
+//! run twice. It must never report an instance as exited before the server
 //! accepted all of its log lines.
 //!
 //! Modules: [`discovery`] (what the node offers), [`runtime`] (where
@@ -345,20 +346,37 @@ pub async fn run(
     // Before registering: the server fails whatever the node does not say
     // still runs.
     agent.adopt().await;
+    // The adopted work stays under the lease its agent held, fenced by
+    // this process from now on (see `take_over_stale_fences`). Left
+    // running if this returns early: it guards that work until the lease
+    // runs out, and leaves with this process.
+    let fence = agent.start_fence();
+    agent.take_over_stale_fences();
+    let watchdog = tokio::spawn(fence_forever(shared.clone()));
     tokio::pin!(shutdown);
     tokio::select! {
         registered = agent.register(true) => {
-            let registered = registered?;
+            let registered = match registered {
+                Ok(r) => r,
+                Err(e) => {
+                    watchdog.abort();
+                    return Err(e);
+                }
+            };
             // Known from the start, so the first syncs are timed for it; it
             // only begins to count with the first sync that succeeds.
-            agent.shared.node_lease().length = registered.lease_ms.filter(|ms| *ms > 0).map(Duration::from_millis);
+            agent
+                .shared
+                .node_lease()
+                .stated(registered.lease_ms, registered.heartbeat_interval_ms);
             agent.node = Some(registered);
         }
-        () = &mut shutdown => return Ok(()),
+        () = &mut shutdown => {
+            watchdog.abort();
+            return Ok(());
+        }
     }
-    let fence = agent.start_fence();
     let shipper = tokio::spawn(ship_logs_forever(shared.clone(), client));
-    let watchdog = tokio::spawn(fence_forever(shared));
     tokio::select! {
         () = agent.sync_forever() => {}
         () = &mut shutdown => {}
@@ -608,33 +626,64 @@ fn not_started(id: &InstanceId, at: chrono::DateTime<Utc>) -> ObservedInstance {
     }
 }
 
-/// The node's lease as the agent keeps it: how long it lasts, and until
-/// when (by this process's monotonic clock) the last successful sync keeps
-/// it. `None` until a server states one (an older server has none).
+/// The node's lease as the agent keeps it: how long it lasts, until when
+/// (by this process's monotonic clock) the last sync the server answered
+/// keeps it, and how long after its end the work may take to be gone.
+/// `None` until a server states one (an older server has none).
 #[derive(Debug, Default, Clone, Copy)]
 struct NodeLease {
     length: Option<Duration>,
     until: Option<Instant>,
+    /// From the lease's end to the kill: half a heartbeat interval. The
+    /// server declares the node's work lost a whole interval after the
+    /// lease's end, so the other half covers the answer's transit (the
+    /// agent counts from the arrival, the server from its answer).
+    lead: Option<Duration>,
 }
 
 impl NodeLease {
-    /// A sync sent at `sent` succeeded, stating `lease_ms`. The lease is
-    /// counted from the send: the server recorded the heartbeat after it,
-    /// so the agent's deadline never falls after the server's.
-    fn renewed(&mut self, sent: Instant, lease_ms: Option<u64>) {
-        if let Some(ms) = lease_ms.filter(|ms| *ms > 0) {
-            let length = Duration::from_millis(ms);
-            self.length = Some(length);
-            self.until = Some(sent + length);
+    /// What registration stated: the lease's length and the heartbeat
+    /// interval the kill lead derives from. The lease only begins to
+    /// count with the first answered sync.
+    fn stated(&mut self, lease_ms: Option<u64>, heartbeat_interval_ms: u64) {
+        self.length = lease_ms.filter(|ms| *ms > 0).map(Duration::from_millis);
+        if self.length.is_some() && heartbeat_interval_ms > 0 {
+            self.lead = Some(Duration::from_millis(heartbeat_interval_ms) / 2);
         }
     }
 
-    /// When to begin stopping work, and the grace to give it so that it is
-    /// gone by the end of the lease: a quarter of the lease before its end.
+    /// The answer to a sync, stating `lease_ms`, arrived at `acked`. The
+    /// server renews the lease when it answers (after the long poll, not
+    /// when the sync arrived), so the whole lease counts from here: a
+    /// long poll does not eat into it.
+    fn renewed(&mut self, acked: Instant, lease_ms: Option<u64>) {
+        if let Some(ms) = lease_ms.filter(|ms| *ms > 0) {
+            let length = Duration::from_millis(ms);
+            self.length = Some(length);
+            self.until = Some(acked + length);
+        }
+    }
+
+    /// The lease an earlier agent process held, read from its fence's
+    /// file, for the work taken over from it: it holds until this process
+    /// renews it (a later end is kept).
+    fn inherited(&mut self, until: Instant, lead: Duration) {
+        if self.until.is_none_or(|u| u < until) {
+            self.until = Some(until);
+            self.lead = Some(self.lead.unwrap_or(lead));
+        }
+    }
+
+    /// When to begin stopping work (the lease's end: not before it ran
+    /// out) and the grace to give it, so that it is gone before the
+    /// server declares it lost.
     fn stop_from(&self) -> Option<(Instant, Duration)> {
-        let (length, until) = (self.length?, self.until?);
-        let lead = length / 4;
-        Some((until.checked_sub(lead).unwrap_or(until), lead))
+        let until = self.until?;
+        let lead = self
+            .lead
+            .or(self.length.map(|l| l / 6))
+            .unwrap_or(Duration::ZERO);
+        Some((until, lead))
     }
 }
 
@@ -763,7 +812,6 @@ impl Agent {
         use std::os::unix::process::CommandExt;
         let program = self.config.fence_program.as_ref()?;
         let _ = std::fs::remove_file(self.fence_file());
-        self.retire_stale_fences();
         match std::process::Command::new(program)
             .arg("agent-fence")
             .arg("--file")
@@ -787,13 +835,20 @@ impl Agent {
         }
     }
 
-    /// Removes the fence files of agents that are gone (killed, so they
-    /// could not): their fences then leave instead of stopping, when the
-    /// dead agent's lease runs out, the work this agent took over.
-    fn retire_stale_fences(&self) {
+    /// Takes over from the fences of agents that are gone (killed, so
+    /// they could not stop them): the latest lease their files hold
+    /// becomes this agent's until a sync renews it, and this agent's own
+    /// fence guards the work adopted from them with it. Then their files
+    /// go, so their fences leave instead of stopping the work this agent
+    /// now answers for. Done before registering: a restart that took
+    /// most of the lease must not lose the work to the old fence while it
+    /// registers, nor keep it past the lease if it cannot register.
+    fn take_over_stale_fences(&self) {
         let Ok(entries) = std::fs::read_dir(&self.config.work_dir) else {
             return;
         };
+        let mut stale = Vec::new();
+        let mut latest: Option<fence::Lease> = None;
         for entry in entries.flatten() {
             let name = entry.file_name();
             let Some(pid) = name
@@ -806,23 +861,44 @@ impl Agent {
             let gone = pid <= 0
                 || nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
                     == Err(nix::errno::Errno::ESRCH);
-            if gone && pid != std::process::id() as i32 {
-                tracing::info!(pid, "retiring the fence of an agent that is gone");
-                let _ = std::fs::remove_file(entry.path());
+            if !gone || pid == std::process::id() as i32 {
+                continue;
             }
+            if let Some(old) = fence::read(&entry.path()) {
+                if latest
+                    .as_ref()
+                    .is_none_or(|l| l.stop_from_ms < old.stop_from_ms)
+                {
+                    latest = Some(old);
+                }
+            }
+            stale.push((pid, entry.path()));
+        }
+        if let Some(old) = latest {
+            let (now, wall) = (Instant::now(), fence::now_ms());
+            let until = now + Duration::from_millis(old.stop_from_ms.saturating_sub(wall));
+            let lead = Duration::from_millis(old.until_ms.saturating_sub(old.stop_from_ms));
+            tracing::info!(
+                left_ms = old.stop_from_ms.saturating_sub(wall),
+                "holding the lease of the agent that is gone until a sync renews it"
+            );
+            self.shared.node_lease().inherited(until, lead);
+            // In this agent's fence file before the old files go.
+            self.tell_fence();
+        }
+        for (pid, path) in stale {
+            tracing::info!(pid, "retiring the fence of an agent that is gone");
+            let _ = std::fs::remove_file(path);
         }
     }
 
-    /// Writes the renewed lease and the running workloads' process groups
+    /// Writes the lease and the running workloads' process groups
     /// for the fence (a no-op without a lease).
     fn tell_fence(&self) {
         if self.config.fence_program.is_none() {
             return;
         }
-        let Some((from, _)) = self.shared.node_lease().stop_from() else {
-            return;
-        };
-        let Some(until) = self.shared.node_lease().until else {
+        let Some((from, lead)) = self.shared.node_lease().stop_from() else {
             return;
         };
         let now = Instant::now();
@@ -839,7 +915,7 @@ impl Agent {
         let lease = fence::Lease {
             agent_pid: std::process::id(),
             stop_from_ms: at(from),
-            until_ms: at(until),
+            until_ms: at(from + lead),
             groups,
         };
         if let Err(error) = fence::write(&self.fence_file(), &lease) {
@@ -936,7 +1012,9 @@ impl Agent {
                         &req.observed,
                         &req.gpus,
                     );
-                    self.shared.node_lease().renewed(sent, resp.lease_ms);
+                    self.shared
+                        .node_lease()
+                        .renewed(Instant::now(), resp.lease_ms);
                     self.apply(resp.assignments);
                     self.open_sessions(resp.sessions);
                     self.tell_fence();
@@ -965,9 +1043,9 @@ impl Agent {
 
     /// The long-poll wait to ask for, and when to give a sync up. Under a
     /// node lease both are half a heartbeat interval (a quarter lease at
-    /// most): the lease counts from when a sync was sent, so a server that
-    /// stops answering mid-poll must leave time to fail over to another
-    /// before the lease runs out.
+    /// most): the lease counts from the last answer, so a server that stops
+    /// answering mid-poll must leave time to fail over to another before
+    /// the lease runs out.
     fn sync_timing(&self, node: &Registered) -> (u64, Duration) {
         let interval = node.heartbeat_interval_ms;
         let lease = self.shared.node_lease().length;
@@ -1480,21 +1558,35 @@ mod tests {
     }
 
     #[test]
-    fn the_lease_is_counted_from_the_send_and_work_stops_before_its_end() {
+    fn the_lease_is_counted_from_the_answer_and_work_stops_once_it_ran_out() {
         let t0 = Instant::now();
         let mut l = NodeLease::default();
         assert!(l.stop_from().is_none(), "no lease stated, nothing to fence");
         l.renewed(t0, None);
         assert!(l.stop_from().is_none());
-        l.renewed(t0, Some(8_000));
+        // Registration: a 15 s lease, syncs every 5 s.
+        l.stated(Some(15_000), 5_000);
+        assert!(l.stop_from().is_none(), "counts from the first answer");
+        l.renewed(t0, Some(15_000));
         let (from, grace) = l.stop_from().unwrap();
-        assert_eq!(grace, Duration::from_secs(2));
-        assert_eq!(from, t0 + Duration::from_secs(6));
-        assert!(from + grace <= t0 + Duration::from_secs(8));
-        // A later sync moves it; a sync from an older server keeps it.
-        l.renewed(t0 + Duration::from_secs(5), Some(8_000));
+        assert_eq!(from, t0 + Duration::from_secs(15), "not before its end");
+        assert_eq!(grace, Duration::from_millis(2_500));
+        // Killed before the server (lease end + one interval) gives it away.
+        assert!(from + grace < t0 + Duration::from_secs(20));
+        // A later answer moves it; one from an older server keeps it.
+        l.renewed(t0 + Duration::from_secs(5), Some(15_000));
         l.renewed(t0 + Duration::from_secs(6), None);
-        assert_eq!(l.stop_from().unwrap().0, t0 + Duration::from_secs(11));
+        assert_eq!(l.stop_from().unwrap().0, t0 + Duration::from_secs(20));
+        // A lease taken over from a killed agent holds until renewed, and
+        // never shortens one this process holds.
+        let mut fresh = NodeLease::default();
+        fresh.inherited(t0 + Duration::from_secs(3), Duration::from_secs(1));
+        assert_eq!(
+            fresh.stop_from(),
+            Some((t0 + Duration::from_secs(3), Duration::from_secs(1)))
+        );
+        l.inherited(t0 + Duration::from_secs(3), Duration::from_secs(1));
+        assert_eq!(l.stop_from().unwrap().0, t0 + Duration::from_secs(20));
     }
 
     #[test]

@@ -170,7 +170,8 @@ pub struct UsageEvent {
     /// The node that served it; payouts follow it to the node's provider.
     #[serde(default)]
     pub node: Option<NodeId>,
-    /// The event this one voids and restates, if it is a correction.
+    /// The event this one voids and restates, if it is a correction. A
+    /// correction of a rate meter may restate nothing (`start == end`).
     #[serde(default)]
     pub corrects: Option<EventKey>,
 }
@@ -190,7 +191,10 @@ impl UsageEvent {
             ));
         }
         let span = millis(self.start, self.end);
-        if span < 0 || (self.meter.is_rate() && span == 0) {
+        // A correction may restate nothing (an empty interval): it voids
+        // the event it names, e.g. a slice metered wholly after the
+        // work's exit, which only became known later.
+        if span < 0 || (self.meter.is_rate() && span == 0 && self.corrects.is_none()) {
             return Err(BillingError::invalid(
                 "end",
                 format!("must be after start {}, got {}", self.start, self.end),
@@ -630,6 +634,21 @@ mod tests {
             Appended::New
         );
         assert_eq!(l.len(), 2);
+    }
+
+    #[test]
+    fn a_correction_may_restate_nothing() {
+        let a = ev("a", 0, 60);
+        let mut void = ev("a-void", 60, 60);
+        assert!(void.validate().is_err(), "an empty interval is no usage");
+        void.corrects = Some(a.key.clone());
+        void.validate().unwrap();
+        let x = effective_events([&a, &void]).unwrap();
+        let total: Decimal = x
+            .iter()
+            .map(|e| e.quantity_within(t(0), t(1000)).unwrap())
+            .sum();
+        assert_eq!(total, Decimal::ZERO);
     }
 
     #[test]

@@ -306,12 +306,20 @@ fn billed_gpu_seconds(env: &Home, key: &str) -> BTreeMap<String, i64> {
         enc(now + chrono::Duration::hours(1))
     );
     let mut out = BTreeMap::new();
-    for e in env.get(key, &path)["items"]
+    let items = env.get(key, &path)["items"]
         .as_array()
         .cloned()
-        .unwrap_or_default()
-    {
-        if e["meter"]["meter"] != "gpu_seconds" {
+        .unwrap_or_default();
+    // Events a correction voids (the correction restates them).
+    let voided: std::collections::BTreeSet<String> = items
+        .iter()
+        .filter(|e| e["corrects"].is_object())
+        .map(|e| format!("{}/{}", e["corrects"]["source"], e["corrects"]["id"]))
+        .collect();
+    for e in items {
+        if e["meter"]["meter"] != "gpu_seconds"
+            || voided.contains(&format!("{}/{}", e["key"]["source"], e["key"]["id"]))
+        {
             continue;
         }
         let (a, b) = (ts(&e["start"]).unwrap(), ts(&e["end"]).unwrap());

@@ -1019,8 +1019,9 @@ pub struct SyncResponse {
     /// The node is unknown (e.g. the database was reset): register again.
     #[serde(default)]
     pub reregister: bool,
-    /// The node's lease (see [`Registered::lease_ms`]), counted from when
-    /// the agent sent this sync.
+    /// The node's lease (see [`Registered::lease_ms`]), renewed by this
+    /// answer: counted from when it arrives. The server declares the
+    /// node's work lost one heartbeat interval after the lease's end.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
     /// Sessions into instances of this node (exec, shell, port-forward)

@@ -5,10 +5,21 @@
 //! `flotilla-billing` (`lifecycle_usage`); this module only decides the
 //! window and remembers how far it got.
 //!
-//! Billed: from `running` to the final state. A `lost` instance is not
-//! metered while lost; if its agent returns with the work still running the
-//! time in between is billed (the work ran), and if it never returns the
-//! bill stops when it was lost.
+//! Billed: from `running` to the final state, at the time the agent
+//! reported for it (the workload's exit, also one during an outage of the
+//! server or the agent, or the time the lease's fence stopped it). A `lost`
+//! instance is not metered while lost; if its agent returns with the work
+//! still running the time in between is billed (the work ran), if it
+//! returns reporting the exit the bill stops at that exit, and if it never
+//! returns (the server ends the instance: no exit code) the bill stops when
+//! it was lost.
+//!
+//! While an instance seems to run its complete minutes are metered before
+//! anyone knows whether it still runs (a server back from an outage meters
+//! the outage's minutes before the agent reports): when the exit it later
+//! reports lies before what was metered, the minutes past it are corrected
+//! by new events that void them and restate them up to the exit (nothing,
+//! for a minute wholly after it). The ledger is never edited.
 
 use chrono::{DateTime, Duration, Utc};
 use flotilla_billing::meter::{
@@ -39,10 +50,13 @@ pub enum Window {
     Final {
         /// First instant not yet metered.
         from: DateTime<Utc>,
-        /// When billing stops.
+        /// When billing stops (before `from` when metering overran it).
         end: DateTime<Utc>,
         /// When the instance finished (metering is recorded as done then).
         finished: DateTime<Utc>,
+        /// How far it was metered while it seemed to run, when that is
+        /// past `end`: those slices are corrected back to `end`.
+        overrun: Option<DateTime<Utc>>,
     },
 }
 
@@ -63,11 +77,21 @@ pub fn window(inst: &Instance, until: Option<DateTime<Utc>>) -> Window {
         .map(|e| e.at);
     match (inst.state, inst.finished_at) {
         (InstanceState::Lost, _) => Window::Wait,
-        (s, Some(finished)) if s.is_terminal() => Window::Final {
-            from,
-            end: ended_while_lost.unwrap_or(finished).max(from),
-            finished,
-        },
+        (s, Some(finished)) if s.is_terminal() => {
+            // Ended while lost: at the exit its agent reported when it came
+            // back (an exit code says it did), else when it was lost.
+            let end = match ended_while_lost {
+                Some(lost) if inst.exit_code.is_none() => lost,
+                _ => finished,
+            }
+            .max(started);
+            Window::Final {
+                from,
+                end,
+                finished,
+                overrun: until.filter(|u| *u > end),
+            }
+        }
         (InstanceState::Running | InstanceState::Starting, _) => Window::Running { from },
         _ => Window::Wait,
     }
@@ -79,14 +103,15 @@ pub fn usage(
     window: &Window,
     now: DateTime<Utc>,
 ) -> Result<(Vec<UsageEvent>, Option<DateTime<Utc>>), flotilla_billing::BillingError> {
-    let (from, end, done) = match window {
+    let (from, end, done, overrun) = match window {
         Window::Wait => return Ok((Vec::new(), None)),
-        Window::Running { from } => (*from, None, None),
+        Window::Running { from } => (*from, None, None, None),
         Window::Final {
             from,
             end,
             finished,
-        } => (*from, Some(*end), Some(*finished)),
+            overrun,
+        } => (*from, Some(*end), Some(*finished), *overrun),
     };
     let (Some(model), gpus) = (inst.gpu_model.clone(), inst.gpus) else {
         return Ok((Vec::new(), done));
@@ -107,7 +132,15 @@ pub fn usage(
         preempted_at: None,
         node: inst.node_id.clone(),
     };
-    let events = lifecycle_usage(&lifecycle, now, SLICE_SECS)?;
+    let mut events = lifecycle_usage(&lifecycle, now, SLICE_SECS)?;
+    if let (Some(end), Some(metered), Some(started)) = (end, overrun, inst.started_at) {
+        let ran = Lifecycle {
+            start: started,
+            end: None,
+            ..lifecycle
+        };
+        events.extend(corrections(&ran, end, metered)?);
+    }
     let reached = match done {
         Some(finished) => Some(finished),
         None => {
@@ -118,6 +151,39 @@ pub fn usage(
         }
     };
     Ok((events, reached))
+}
+
+/// Corrections of the slices of `ran` (a lifecycle from its start, no end
+/// yet) that were metered up to `metered` while it seemed to run, for an
+/// end at `end`: each slice reaching past the end (in whole seconds, as
+/// `lifecycle_usage` bills) is voided and restated up to it, as nothing
+/// when it began after it. Keyed after the slice they correct, so a pass
+/// cut anywhere and rerun writes them once.
+fn corrections(
+    ran: &Lifecycle,
+    end: DateTime<Utc>,
+    metered: DateTime<Utc>,
+) -> Result<Vec<UsageEvent>, flotilla_billing::BillingError> {
+    use chrono::Timelike as _;
+    let whole = end.with_nanosecond(0).unwrap_or(end);
+    let stop = if whole == end {
+        end
+    } else {
+        whole + Duration::seconds(1)
+    };
+    // Exactly what the passes wrote while it ran: complete slices only.
+    let billed = lifecycle_usage(ran, metered, SLICE_SECS)?;
+    Ok(billed
+        .into_iter()
+        .filter(|e| e.end > stop)
+        .map(|e| {
+            let mut c = e.clone();
+            c.key.id = format!("{}/exit", e.key.id);
+            c.end = stop.max(e.start);
+            c.corrects = Some(e.key);
+            c
+        })
+        .collect())
 }
 
 /// What one unit of the instance's GPU meter is: a fraction bills its
@@ -347,7 +413,8 @@ mod tests {
             Window::Final {
                 from: t(10),
                 end: t(100),
-                finished: t(500)
+                finished: t(500),
+                overrun: None,
             }
         );
         let (events, reached) = usage(&failed, &w, t(600)).unwrap();
@@ -358,5 +425,118 @@ mod tests {
             ..inst(Stopped, &[(Pending, 0), (Stopped, 5)], Some(5))
         };
         assert_eq!(window(&never_ran, None), Window::Wait);
+    }
+
+    /// GPU-seconds that count: corrections applied, as rating does.
+    fn billed(events: &[UsageEvent]) -> rust_decimal::Decimal {
+        flotilla_billing::meter::effective_events(events)
+            .unwrap()
+            .iter()
+            .filter(|e| e.key.id.contains("/gpu/"))
+            .map(|e| e.quantity_within(t(-100_000), t(100_000)).unwrap())
+            .sum()
+    }
+
+    /// Runs the passes: one at each of `passes` while `running`, then one
+    /// for `done`. Returns every event written.
+    fn meter(running: &Instance, passes: &[i64], done: &Instance, last: i64) -> Vec<UsageEvent> {
+        let mut until = None;
+        let mut all = Vec::new();
+        for &p in passes {
+            let (events, reached) = usage(running, &window(running, until), t(p)).unwrap();
+            all.extend(events);
+            until = reached.or(until);
+        }
+        let (events, reached) = usage(done, &window(done, until), t(last)).unwrap();
+        assert_eq!(reached, done.finished_at);
+        all.extend(events);
+        all
+    }
+
+    #[test]
+    fn an_exit_reported_after_its_minutes_were_metered_corrects_them() {
+        use InstanceState::*;
+        let running = inst(Running, &[(Pending, 0), (Running, 10)], None);
+        // Metered through t(120) (a server back from an outage) before the
+        // agent reports the exit at t(75.4), inside the second minute.
+        let exit = t(75) + Duration::milliseconds(400);
+        let done = Instance {
+            exit_code: Some(0),
+            finished_at: Some(exit),
+            ..inst(
+                Succeeded,
+                &[(Pending, 0), (Running, 10), (Succeeded, 75)],
+                None,
+            )
+        };
+        let all = meter(&running, &[130], &done, 140);
+        // [10, 76): whole seconds, 2 GPUs.
+        assert_eq!(billed(&all), rust_decimal::Decimal::from(2 * 66));
+        let fixes: Vec<_> = all.iter().filter(|e| e.corrects.is_some()).collect();
+        assert_eq!(
+            fixes.len(),
+            2,
+            "the second minute's gpu and instance slices"
+        );
+        // Nothing edited: the slice and its correction are both there.
+        assert!(all
+            .iter()
+            .any(|e| Some(&e.key) == fixes[0].corrects.as_ref()));
+
+        // An exit before the last metered minute began voids it whole.
+        let early = Instance {
+            finished_at: Some(t(55)),
+            ..done.clone()
+        };
+        let all = meter(&running, &[70, 130], &early, 140);
+        assert_eq!(billed(&all), rust_decimal::Decimal::from(2 * 45));
+        assert!(all
+            .iter()
+            .any(|e| e.corrects.is_some() && e.start == e.end && e.start == t(60)));
+        // Rerun after a crash: the same keys and payloads.
+        let again = usage(&early, &window(&early, Some(t(120))), t(150))
+            .unwrap()
+            .0;
+        assert!(again.iter().all(|e| all.contains(e)), "exactly once");
+    }
+
+    #[test]
+    fn a_fenced_copy_is_billed_to_the_kill_its_agent_reports() {
+        use InstanceState::*;
+        // Lost at its lease's end t(100); its agent's fence killed it at
+        // t(93.2), which the agent reports (with an exit code) when back.
+        let running = inst(Running, &[(Running, 10)], None);
+        let killed = t(93) + Duration::milliseconds(200);
+        let fenced = Instance {
+            exit_code: Some(143),
+            finished_at: Some(killed),
+            ..inst(Failed, &[(Running, 10), (Lost, 100), (Failed, 93)], None)
+        };
+        let all = meter(&running, &[], &fenced, 200);
+        assert_eq!(billed(&all), rust_decimal::Decimal::from(2 * 84));
+        // Metered into the minute past the kill while it seemed to run.
+        let all = meter(&running, &[125], &fenced, 200);
+        assert_eq!(billed(&all), rust_decimal::Decimal::from(2 * 84));
+        // Killed after the lease's end (SIGTERM at the end, then its exit):
+        // billed to the kill too.
+        let late = Instance {
+            finished_at: Some(t(101)),
+            ..fenced.clone()
+        };
+        assert_eq!(
+            billed(&meter(&running, &[], &late, 200)),
+            rust_decimal::Decimal::from(2 * 91)
+        );
+        // Never back: the server ends it (no exit code) and the bill
+        // stops at the lease's end.
+        let given_up = Instance {
+            exit_code: None,
+            finished_at: Some(t(500)),
+            ..fenced
+        };
+        assert_eq!(
+            billed(&meter(&running, &[], &given_up, 600)),
+            rust_decimal::Decimal::from(2 * 90)
+        );
     }
 }

@@ -788,7 +788,7 @@ impl Store {
         use InstanceState::*;
         let row = sqlx::query(
             "SELECT state, node_id, stop_requested, gpu_ids, preempted_by, job_id, share_milli, mig_profile, \
-             mig_compute, mig_memory, mig_memory_mib, updated_at FROM instances WHERE id = $1",
+             mig_compute, mig_memory, mig_memory_mib, updated_at, started_at FROM instances WHERE id = $1",
         )
         .bind(obs.instance_id.as_str())
         .fetch_optional(self.pool())
@@ -813,8 +813,14 @@ impl Store {
         // billing before what the server already recorded, or ahead of it.
         // A time far outside that window (a node whose clock is off, a
         // server on a test clock) is not trusted at all: the server's own
-        // time stands. The slack covers whole-second engine clocks.
-        let since = at(row.try_get("updated_at")?);
+        // time stands. The slack covers whole-second engine clocks. A lost
+        // instance's last change is the server's guess (its lease's end):
+        // the exit its agent reports when back may lie before it, back to
+        // its start (a fence that stopped it, work that ended meanwhile).
+        let since = match (state, row.try_get::<Option<i64>, _>("started_at")?) {
+            (Lost, Some(started)) => at(started),
+            _ => at(row.try_get("updated_at")?),
+        };
         let slack = chrono::Duration::seconds(2);
         let seen = if obs.at >= since - slack && obs.at <= now + slack {
             obs.at.clamp(since, now.max(since))
@@ -1111,15 +1117,17 @@ impl Store {
     }
 
     /// Instances that ran and whose usage is not fully metered: running (or
-    /// lost) ones, and final ones metered short of their finish. Oldest
-    /// first, with their events and how far metering got.
+    /// lost) ones, and final ones metered short of their finish or past it
+    /// (minutes metered before an earlier exit was reported, which the
+    /// final pass corrects). Oldest first, with their events and how far
+    /// metering got.
     pub async fn instances_to_meter(
         &self,
         limit: u32,
     ) -> Result<Vec<(Instance, Option<DateTime<Utc>>)>> {
         let rows = sqlx::query(
             "SELECT id, metered_until FROM instances WHERE started_at IS NOT NULL \
-             AND (finished_at IS NULL OR metered_until IS NULL OR metered_until < finished_at) \
+             AND (finished_at IS NULL OR metered_until IS NULL OR metered_until <> finished_at) \
              ORDER BY id LIMIT $1",
         )
         .bind(i64::from(limit))

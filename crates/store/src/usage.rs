@@ -642,6 +642,11 @@ fn merge_adjacent(groups: BTreeMap<GroupKey, i128>) -> Vec<(GroupKey, i128)> {
         .collect();
     let mut out: Vec<(GroupKey, i128)> = Vec::with_capacity(groups.len());
     for (g, total) in groups {
+        // Time meters over an empty interval (corrections that restate
+        // nothing) hold no usage.
+        if g.start_ms >= g.end_ms && !counts.contains(&g.meter_detail) {
+            continue;
+        }
         if let Some((last, last_total)) = out.last_mut() {
             if *last_total == total
                 && last.end_ms == g.start_ms
@@ -697,16 +702,22 @@ impl Rollup {
     /// The summed `events` followed by the events passed through
     /// unsummed (`singles`). Voiding is already applied to both, so a
     /// pass-through correction must not void a rollup row by key: its
-    /// `corrects` is dropped.
+    /// `corrects` is dropped, and one that restates nothing (an empty
+    /// interval of a time meter) is left out.
     fn with_singles(
         mut events: Vec<UsageEvent>,
         singles: BTreeMap<EventKey, UsageEvent>,
         stored_events: u64,
     ) -> Self {
-        events.extend(singles.into_values().map(|mut e| {
-            e.corrects = None;
-            e
-        }));
+        events.extend(
+            singles
+                .into_values()
+                .filter(|e| !(e.meter.is_rate() && e.start >= e.end))
+                .map(|mut e| {
+                    e.corrects = None;
+                    e
+                }),
+        );
         Rollup {
             events,
             stored_events,
@@ -1101,6 +1112,11 @@ impl Store {
         let mut meters: HashMap<String, Meter> = HashMap::new();
         let mut n = 0u64;
         for ((node, detail, class, kind, start_ms, end_ms), total) in groups {
+            // GPU time over an empty interval: a correction that restates
+            // nothing.
+            if start_ms >= end_ms {
+                continue;
+            }
             let meter = match meters.get(&detail) {
                 Some(m) => m.clone(),
                 None => {

@@ -294,6 +294,13 @@ async fn rollup_rates_to_the_same_invoice_as_every_event(s: &Store) {
     let mut fix = gpu(&t, "fix-1", "inst_1", 0, 30, 2);
     fix.corrects = Some(evs[30].key.clone());
     evs.push(fix);
+    // One restating nothing (an empty interval): the slice is voided
+    // whole, as the metering pass does for a minute after the exit.
+    let mut void = evs[31].clone();
+    void.key.id = "void-1".into();
+    void.end = void.start;
+    void.corrects = Some(evs[31].key.clone());
+    evs.push(void);
     // Another tenant's usage is never counted.
     let other = tenant(s).await;
     evs.push(gpu(&other, "x", "inst_x", 0, 60, 8));
@@ -612,8 +619,19 @@ async fn node_rollup_pays_providers_like_every_event(s: &Store) {
     void.node = None;
     void.amount = Decimal::ONE;
     void.corrects = Some(evs[on_b].key.clone());
+    // And one restating nothing (an empty interval) on the same node.
+    let other_on_node = evs
+        .iter()
+        .rposition(|e| e.node.as_ref() == Some(&a1) && matches!(e.meter, Meter::GpuSeconds { .. }))
+        .unwrap();
+    assert_ne!(other_on_node, on_node);
+    let mut empty = evs[other_on_node].clone();
+    empty.key.id = "fix-3".into();
+    empty.end = empty.start;
+    empty.corrects = Some(evs[other_on_node].key.clone());
     evs.push(fix);
     evs.push(void);
+    evs.push(empty);
     let r = s.append_usage(&evs, long(), now).await.unwrap();
     assert_eq!(r.rejected, vec![]);
 

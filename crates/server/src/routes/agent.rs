@@ -131,6 +131,10 @@ fn heartbeat_interval(st: &AppState) -> Duration {
     st.config().heartbeat_interval()
 }
 
+/// How long after a sync arrived its answer records the node's heartbeat
+/// again (the lease's renewal), in milliseconds.
+const ANSWER_RENEWS_AFTER_MS: i64 = 100;
+
 /// The node lease the agent is told, in milliseconds.
 fn lease_ms(st: &AppState) -> Option<u64> {
     u64::try_from(st.config().node_lease().as_millis()).ok()
@@ -334,6 +338,16 @@ pub async fn sync(
         assignments = st.store().assignments(&id).await?;
     }
     attach_registry_auth(&st, &mut assignments, &req.observed).await?;
+    // The answer renews the node's lease: the agent counts it from when
+    // the answer arrives, so a long poll does not eat into it. Recorded
+    // again unless the answer follows the arrival at once (the agent's
+    // count then trails the server's by that moment and the answer's
+    // transit, which the kill lead leaves room for; see the agent's
+    // `NodeLease`).
+    let answered = st.now();
+    if answered - now >= chrono::Duration::milliseconds(ANSWER_RENEWS_AFTER_MS) {
+        st.store().heartbeat(&id, answered).await?;
+    }
     Ok(Json(SyncResponse {
         assignments,
         reregister: false,
