@@ -31,6 +31,7 @@ use flotilla_core::id::NodeId;
 
 pub mod fmt;
 pub mod operator;
+pub mod replay;
 pub mod session;
 pub mod tenant;
 pub mod terminal;
@@ -202,6 +203,7 @@ pub fn router(st: ConsoleState) -> Router {
         .merge(tenant::routes())
         .merge(terminal::routes())
         .merge(operator::routes())
+        .merge(replay::routes())
         .with_state(st)
 }
 
@@ -309,7 +311,11 @@ fn nav_for(s: &Session) -> Vec<(&'static str, Vec<Nav>)> {
     if s.is_operator() {
         groups.push((
             "Operator",
-            vec![n("/fleet", "Fleet map"), n("/tenants", "Tenants")],
+            vec![
+                n("/fleet", "Fleet map"),
+                n("/tenants", "Tenants"),
+                n("/replay", "Replay demand"),
+            ],
         ));
     }
     if s.is_provider() {
