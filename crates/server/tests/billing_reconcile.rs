@@ -250,6 +250,16 @@ async fn injected_discrepancies_are_reported_with_their_causes() {
     assert_eq!(reconcile_pass(&f.on.st).await.expect("a pass"), 3);
     assert_eq!(f.on.st.ops().billing_reconcile_differences.get(), 3);
 
+    // The route is in the OpenAPI document, with its answer's schema.
+    let doc =
+        f.on.ok(&f.on.operator, "GET", "/v1/openapi.json", None)
+            .await;
+    assert!(
+        doc["paths"]["/v1/billing/reconcile"]["get"].is_object(),
+        "the route is documented"
+    );
+    assert!(doc["components"]["schemas"]["ReconcileReport"].is_object());
+
     // Tenants may not reconcile; a window must be one.
     let (status, _) =
         f.on.call(&f.member, "GET", "/v1/billing/reconcile", None)
