@@ -282,3 +282,30 @@ impl NewTerm {
         }
     }
 }
+
+/// `GET /v1/billing/reconcile`: what the ledger bills against what the
+/// executors saw run, per instance, over `[since, until)`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ReconcileReport {
+    /// Start of the window compared.
+    #[schema(value_type = String)]
+    pub since: DateTime<Utc>,
+    /// End of the window: a little before now, so that metering (one-minute
+    /// slices, written every few seconds) has caught up with it.
+    #[schema(value_type = String)]
+    pub until: DateTime<Utc>,
+    /// Differences at most this many seconds per instance are not reported.
+    #[schema(value_type = String)]
+    pub threshold_seconds: Decimal,
+    /// Instances billed or running in the window.
+    pub instances: u64,
+    /// Instance-seconds the ledger bills in the window, in all.
+    #[schema(value_type = String)]
+    pub billed_seconds: Decimal,
+    /// Seconds the executors saw running in the window, in all.
+    #[schema(value_type = String)]
+    pub observed_seconds: Decimal,
+    /// Every instance whose bill and run differ beyond the threshold, with
+    /// its cause, by instance id.
+    pub differences: Vec<crate::reconcile::Difference>,
+}

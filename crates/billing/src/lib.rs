@@ -25,6 +25,7 @@ pub mod meter;
 pub mod money;
 pub mod payout;
 pub mod price;
+pub mod reconcile;
 
 pub use error::BillingError;
 pub use invoice::{Invoice, InvoiceBook, InvoiceLine, LineKind, MemoryInvoiceBook};

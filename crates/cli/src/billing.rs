@@ -1,8 +1,8 @@
 //! Billing commands: `prices`, `invoices`, `budget`, `estimate`,
-//! `payouts`, and CSV export of usage and invoices. Each is a thin client
-//! of the API: it sends what was typed and prints what came back, read
-//! through the API's own types (`flotilla_billing::api` and billing's
-//! domain types), never by key.
+//! `payouts`, `billing reconcile`, and CSV export of usage and invoices.
+//! Each is a thin client of the API: it sends what was typed and prints
+//! what came back, read through the API's own types
+//! (`flotilla_billing::api` and billing's domain types), never by key.
 
 use std::process::ExitCode;
 
@@ -537,6 +537,92 @@ pub async fn payouts(ctx: &Ctx, period: Option<String>) -> Result<ExitCode> {
         )?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Exit status of `flotilla billing reconcile` when it found differences
+/// (0: none; 1: the check itself failed, like every command's error; 2:
+/// bad arguments), so that a script or a cron job can tell them apart.
+pub const DIFFERENCES_FOUND: u8 = 3;
+
+/// `flotilla billing …`.
+#[derive(Debug, Subcommand)]
+pub enum BillingCommand {
+    /// Compare, per instance, the seconds the ledger bills with the
+    /// seconds its executor saw it run, and list every difference beyond
+    /// the threshold with its cause (operators). Exits 3 when it finds
+    /// any, 0 when none.
+    Reconcile {
+        /// Start of the window (RFC 3339; default: an hour before its end).
+        #[arg(long)]
+        since: Option<String>,
+        /// End of the window (RFC 3339; default: two minutes ago, so
+        /// metering has caught up).
+        #[arg(long)]
+        until: Option<String>,
+        /// Seconds per instance a difference may reach unreported
+        /// (default 2: the rounding rule bills a started second at each
+        /// end of a run).
+        #[arg(long = "threshold-s", value_name = "SECONDS")]
+        threshold_s: Option<String>,
+    },
+}
+
+/// `flotilla billing reconcile`.
+pub async fn billing(ctx: &Ctx, command: BillingCommand) -> Result<ExitCode> {
+    let BillingCommand::Reconcile {
+        since,
+        until,
+        threshold_s,
+    } = command;
+    let q = flotilla_client::ReconcileQuery {
+        since,
+        until,
+        threshold_s,
+    };
+    let r = ctx.client.billing_reconcile(&q).await?;
+    let code = if r.differences.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(DIFFERENCES_FOUND)
+    };
+    if ctx.json {
+        print_answer(&r)?;
+        return Ok(code);
+    }
+    outln!(
+        "reconciled {} to {}: {} instance(s), {} s billed, {} s observed running, threshold {} s",
+        r.since.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        r.until.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        r.instances,
+        r.billed_seconds,
+        r.observed_seconds,
+        r.threshold_seconds
+    )?;
+    if r.differences.is_empty() {
+        outln!("no differences: the ledger bills what the executors saw run")?;
+        return Ok(code);
+    }
+    let mut t = table([
+        "INSTANCE",
+        "TENANT",
+        "CAUSE",
+        "BILLED S",
+        "OBSERVED S",
+        "DIFFERENCE S",
+    ]);
+    for d in &r.differences {
+        t.add_row([
+            d.instance.clone(),
+            d.tenant.to_string(),
+            d.cause.as_str().to_string(),
+            d.billed_seconds.to_string(),
+            d.observed_seconds.to_string(),
+            d.difference_seconds.to_string(),
+        ]);
+    }
+    print_table(&t)?;
+    outln!("{} difference(s)", r.differences.len())?;
+    Ok(code)
 }
 
 /// `flotilla terms add …`: one term for a tenant (operators).

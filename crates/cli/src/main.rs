@@ -282,6 +282,12 @@ enum Command {
         #[command(subcommand)]
         command: Option<billing::TermsCommand>,
     },
+    /// Billing checks (operators): `reconcile` compares the ledger with
+    /// what the executors saw run.
+    Billing {
+        #[command(subcommand)]
+        command: billing::BillingCommand,
+    },
     /// Provider payout statements of a month.
     Payouts {
         /// Month, `YYYY-MM` (default: this month).
@@ -589,6 +595,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Budget { tenant, command } => billing::budget(&ctx, tenant, command).await,
         Command::Estimate(args) => billing::estimate(&ctx, args).await,
         Command::Payouts { period } => billing::payouts(&ctx, period).await,
+        Command::Billing { command } => billing::billing(&ctx, command).await,
         Command::Terms { tenant, command } => billing::terms(&ctx, tenant, command).await,
         Command::Tenants { command } => match command {
             None | Some(TenantsCommand::List) => commands::tenants_list(&ctx).await,

@@ -216,3 +216,93 @@ fn billing_commands_round_trip_through_the_api() {
     let out = text(&home.cli(Some(&provider), &["payouts", "--period", "2025-01"]));
     assert!(out.contains("no payouts for 2025-01"), "{out}");
 }
+
+/// `flotilla billing reconcile`: a clean ledger reconciles (exit 0); usage
+/// with no workload behind it is printed with its cause and exits 3, the
+/// documented status for differences found; `--json` gives the report.
+#[test]
+fn billing_reconcile_prints_the_report_and_exits_3_on_differences() {
+    let home = Home::new(BIN);
+    let _server = home.server();
+    let op = home.operator_key();
+    let (tenant, admin) = home.tenant("acme");
+
+    let clean = home.cli(Some(&op), &["billing", "reconcile"]);
+    assert_eq!(clean.status.code(), Some(0), "{clean:?}");
+    let out = String::from_utf8_lossy(&clean.stdout);
+    assert!(out.contains("no differences"), "{out}");
+
+    // Four minutes ago, a minute of instance time of an instance that
+    // never existed.
+    let now = chrono::Utc::now();
+    let at = |ago_s: i64| {
+        (now - chrono::Duration::seconds(ago_s)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    };
+    let body = serde_json::json!({"events": [{
+        "key": {"tenant": tenant, "source": "operator:test", "id": "ghost-1"},
+        "subject": {"kind": "instance", "id": "inst_ghost"},
+        "meter": {"meter": "instance_seconds"},
+        "billing_class": "on_demand",
+        "start": at(300),
+        "end": at(240),
+        "amount": "1"
+    }]});
+    let (status, answer) = flotilla_testkit::process::http(
+        "POST",
+        &format!("{}/v1/usage/events", home.url()),
+        Some(&op),
+        Some(&body.to_string()),
+    )
+    .unwrap();
+    assert_eq!(
+        (status, &answer["accepted"]),
+        (200, &serde_json::json!(1)),
+        "{answer}"
+    );
+
+    let since = at(3600);
+    let found = home.cli(Some(&op), &["billing", "reconcile", "--since", &since]);
+    assert_eq!(found.status.code(), Some(3), "{found:?}");
+    let out = String::from_utf8_lossy(&found.stdout);
+    for want in [
+        "inst_ghost",
+        "billed_without_run",
+        "1 difference(s)",
+        "CAUSE",
+    ] {
+        assert!(out.contains(want), "missing {want}: {out}");
+    }
+    let json = home.cli(
+        Some(&op),
+        &[
+            "--json",
+            "billing",
+            "reconcile",
+            "--since",
+            &since,
+            "--threshold-s",
+            "1",
+        ],
+    );
+    assert_eq!(json.status.code(), Some(3));
+    let report: flotilla_billing::api::ReconcileReport =
+        serde_json::from_slice(&json.stdout).expect("a report");
+    assert_eq!(report.differences.len(), 1, "{report:?}");
+    assert_eq!(
+        report.differences[0].cause,
+        flotilla_billing::reconcile::Cause::BilledWithoutRun
+    );
+    assert_eq!(report.differences[0].billed_seconds, 60.into());
+    assert_eq!(report.threshold_seconds, 1.into());
+
+    // Operators only; a bad time is an error (1), named.
+    let refused = home.cli(Some(&admin), &["billing", "reconcile"]);
+    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+    let bad = home.cli(Some(&op), &["billing", "reconcile", "--since", "yesterday"]);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("since"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}

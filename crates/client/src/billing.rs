@@ -4,8 +4,8 @@
 //! versions and estimates), the ones the server serialises.
 
 use flotilla_billing::api::{
-    AddedTerm, BudgetView, FinalizeRequest, NewTerm, Payouts, PriceCatalog, SetBudget, SpotPrices,
-    Terms,
+    AddedTerm, BudgetView, FinalizeRequest, NewTerm, Payouts, PriceCatalog, ReconcileReport,
+    SetBudget, SpotPrices, Terms,
 };
 use flotilla_billing::estimate::{Estimate, Workload};
 use flotilla_billing::price::PriceVersion;
@@ -30,6 +30,18 @@ impl UsageRange {
     fn query(&self) -> [(&'static str, String); 2] {
         [("from", self.from.clone()), ("to", self.to.clone())]
     }
+}
+
+/// The window and threshold of a billing reconciliation; `None` is the
+/// server's default.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReconcileQuery {
+    /// Start (RFC 3339), inclusive.
+    pub since: Option<String>,
+    /// End (RFC 3339), exclusive.
+    pub until: Option<String>,
+    /// Seconds per instance a difference may reach unreported.
+    pub threshold_s: Option<String>,
 }
 
 impl Client {
@@ -121,6 +133,25 @@ impl Client {
     pub async fn payouts(&self, period: &str) -> Result<Payouts> {
         self.get("/v1/payouts", &[("period", period.to_string())])
             .await
+    }
+
+    /// `GET /v1/billing/reconcile` (operators): the instances whose billed
+    /// time and observed run differ beyond the threshold over the window.
+    /// Unset bounds take the server's defaults (the hour up to two minutes
+    /// ago, 2 s); times are RFC 3339 text as given, so that the server
+    /// judges them and names the bad one.
+    pub async fn billing_reconcile(&self, q: &ReconcileQuery) -> Result<ReconcileReport> {
+        let mut params = Vec::new();
+        for (name, v) in [
+            ("since", &q.since),
+            ("until", &q.until),
+            ("threshold_s", &q.threshold_s),
+        ] {
+            if let Some(v) = v {
+                params.push((name, v.clone()));
+            }
+        }
+        self.get("/v1/billing/reconcile", &params).await
     }
 
     /// `GET /v1/tenants/{tenant}/terms`: commitments, discounts, credits.

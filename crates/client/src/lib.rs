@@ -42,7 +42,7 @@ mod routes;
 mod tenants;
 
 pub use access::{Session, SessionReceiver, SessionSender, Tunnel, TunnelReceiver, TunnelSender};
-pub use billing::UsageRange;
+pub use billing::{ReconcileQuery, UsageRange};
 pub use client::{idempotency_key, parse_servers, Builder, Client, LOG_PAGE_SIZE, PAGE_SIZE};
 pub use error::{Error, TransportKind};
 /// Server trust for `https://` URLs, and the fingerprints pinned in it.

@@ -1,6 +1,7 @@
 //! One leader among server replicas. Every replica serves the API; the one
 //! holding the `leader` lease in the database also runs the control loops
-//! (jobs, placement, liveness, metering, billing, autoscaling).
+//! (jobs, placement, liveness, metering, billing, billing reconciliation,
+//! autoscaling).
 //!
 //! The election loop tries for the lease (or renews it) every third of its
 //! time to live. Granted: the loops run on a state whose store is fenced
@@ -111,6 +112,7 @@ impl Term {
             tasks: vec![
                 tokio::spawn(crate::reconcile::run(fenced.clone(), tick)),
                 tokio::spawn(crate::nodepools::run(fenced.clone(), tick)),
+                tokio::spawn(crate::reconciliation::run(fenced.clone())),
                 tokio::spawn(crate::endpoints::run(fenced, tick)),
             ],
         }

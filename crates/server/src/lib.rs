@@ -44,6 +44,7 @@ pub mod outbound;
 pub mod parking;
 pub mod pricing;
 pub mod reconcile;
+pub mod reconciliation;
 mod request_defaults;
 pub mod routes;
 pub mod schedule;

@@ -12,6 +12,7 @@ use std::sync::atomic::AtomicU64;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -59,6 +60,9 @@ pub struct OpsMetrics {
     /// GPUs taken out of placement by a fault, by `kind` (xid, ecc,
     /// over_temperature).
     pub gpu_faults: Family<Labels, Counter<u64, AtomicU64>>,
+    /// Instances whose bill and run differed beyond the threshold at the
+    /// leader's last billing reconciliation ([`crate::reconciliation`]).
+    pub billing_reconcile_differences: Gauge,
 }
 
 impl Default for OpsMetrics {
@@ -72,6 +76,7 @@ impl Default for OpsMetrics {
             usage_events: Family::default(),
             usage_ingest: pass_histogram(),
             gpu_faults: Family::default(),
+            billing_reconcile_differences: Gauge::default(),
         }
     }
 }
@@ -157,6 +162,12 @@ impl OpsMetrics {
             "GPUs taken out of placement by a fault, by kind (xid, ecc, over_temperature)",
             self.gpu_faults.clone(),
         );
+        registry.register(
+            "flotilla_billing_reconcile_differences",
+            "Instances whose billed time and observed run differed beyond the threshold at the last \
+             reconciliation of the last hour (set by the leader; see flotilla_leader)",
+            self.billing_reconcile_differences.clone(),
+        );
     }
 }
 
@@ -171,6 +182,7 @@ mod tests {
         m.scaling_decision("endpoint", 1, 3);
         m.scaling_decision("endpoint", 3, 3);
         m.usage_outcome("gateway", 5, 1, 0);
+        m.billing_reconcile_differences.set(2);
         m.gateway_requests
             .get_or_create(&vec![("endpoint", "ep_x".to_string())])
             .observe(0.3);
@@ -184,6 +196,7 @@ mod tests {
             "flotilla_scaling_decisions_total{kind=\"endpoint\",direction=\"hold\"} 1",
             "flotilla_usage_events_total{source=\"gateway\",outcome=\"accepted\"} 5",
             "flotilla_usage_events_total{source=\"gateway\",outcome=\"rejected\"} 0",
+            "flotilla_billing_reconcile_differences 2",
             "flotilla_gateway_request_duration_seconds_bucket{le=\"0.5\",endpoint=\"ep_x\"} 1",
         ] {
             assert!(out.contains(line), "missing `{line}` in:\n{out}");

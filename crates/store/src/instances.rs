@@ -699,7 +699,10 @@ impl Store {
         Ok(with_queued(inst))
     }
 
-    async fn events(&self, ids: &[InstanceId]) -> Result<BTreeMap<InstanceId, Vec<InstanceEvent>>> {
+    pub(crate) async fn events(
+        &self,
+        ids: &[InstanceId],
+    ) -> Result<BTreeMap<InstanceId, Vec<InstanceEvent>>> {
         let mut out = BTreeMap::new();
         let ids = ids.iter().map(InstanceId::as_str);
         for (id, list) in self.transitions(WorkTable::Instances, ids).await? {

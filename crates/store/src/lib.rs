@@ -31,6 +31,7 @@ pub mod nodes;
 pub mod pass;
 pub mod prices;
 pub mod providers;
+pub mod reconcile;
 pub mod registry_credentials;
 pub mod secrets;
 pub mod ssh_keys;

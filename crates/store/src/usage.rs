@@ -68,7 +68,8 @@ const PROBE_CHUNK: usize = 1000;
 /// Most events one call may append; the API allows 10,000 per request.
 pub const MAX_BATCH: usize = 100_000;
 
-const EVENT_COLUMNS: &str = "tenant_id, source, event_id, subject_kind, subject_id, meter, \
+pub(crate) const EVENT_COLUMNS: &str =
+    "tenant_id, source, event_id, subject_kind, subject_id, meter, \
      meter_detail, model, share_units, billing_class, start_ms, end_ms, amount, amount_int, \
      node_id, corrects_source, corrects_id, received_at";
 
@@ -318,7 +319,7 @@ fn probe_sql(keys: usize, positional: bool) -> String {
 
 /// One stored row (of the `Any` or the native SQLite driver) back as the
 /// event it records.
-fn decode<'r, R>(r: &'r R) -> Result<UsageEvent>
+pub(crate) fn decode<'r, R>(r: &'r R) -> Result<UsageEvent>
 where
     R: Row,
     &'static str: sqlx::ColumnIndex<R>,

@@ -45,6 +45,7 @@ flotilla_testdb::backend_suite!(
     gpu_faults_cordons_drains_and_node_events,
     fleet_counts_for_metrics,
     limits_reach_the_agent_and_name_why_work_ended,
+    reconciliation_reads_time_meters_and_runs_in_a_window,
 );
 
 async fn tenant(s: &Store, name: &str) -> TenantId {
@@ -1447,4 +1448,94 @@ async fn limits_reach_the_agent_and_name_why_work_ended(s: &Store) {
         .await
         .unwrap();
     assert!(s.node(&n).await.unwrap().unenforced_limits.is_empty());
+}
+
+/// What billing's reconciliation reads over a window: every tenant's GPU-
+/// and instance-second events touching it (not requests, not events outside
+/// it), and the instances running at some time in it, with their events.
+async fn reconciliation_reads_time_meters_and_runs_in_a_window(s: &Store) {
+    use flotilla_billing::meter::{EventKey, Meter, Subject, SubjectKind, UsageEvent};
+    use rust_decimal::Decimal;
+    let (a, b) = (tenant(s, "rec-a").await, tenant(s, "rec-b").await);
+    let n = node(s, &a, "n1", &[("H100", 2)]).await;
+    let at = |secs: i64| t0() + Duration::seconds(secs);
+    let event = |t: &TenantId, id: &str, meter: Meter, start: i64, end: i64| UsageEvent {
+        key: EventKey {
+            tenant: t.clone(),
+            source: "lifecycle".into(),
+            id: id.into(),
+        },
+        subject: Subject {
+            kind: SubjectKind::Instance,
+            id: "inst_x".into(),
+        },
+        meter,
+        billing_class: BillingClass::OnDemand,
+        start: at(start),
+        end: at(end),
+        amount: Decimal::ONE,
+        node: None,
+        corrects: None,
+    };
+    let gpu = || Meter::GpuSeconds {
+        model: "H100".into(),
+        share: GpuShare::Whole,
+    };
+    let events = [
+        event(&a, "in-gpu", gpu(), 60, 120),
+        event(&b, "in-inst", Meter::InstanceSeconds, 110, 200),
+        event(&a, "requests", Meter::Requests, 60, 120),
+        event(&a, "before", Meter::InstanceSeconds, 0, 100),
+        event(&b, "after", Meter::InstanceSeconds, 300, 360),
+    ];
+    s.append_usage(&events, Duration::days(3), at(400))
+        .await
+        .unwrap();
+    let mut got: Vec<String> = s
+        .time_usage_between(at(100), at(300))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.key.id)
+        .collect();
+    got.sort();
+    assert_eq!(got, ["in-gpu", "in-inst"]);
+
+    // One instance runs 10 s to 50 s, another from 20 s on; a third never
+    // starts.
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = InstanceId::generate(1, rnd());
+        s.create_instance(&id, &a, &spec(1, &["H100"]), t0())
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    for (id, start) in ids.iter().take(2).zip([10, 20]) {
+        place(s, id, t0()).await.unwrap();
+        s.apply_observed(
+            &n,
+            &seen(id, ObservedPhase::Running { pid: 1 }, at(start)),
+            at(start),
+        )
+        .await
+        .unwrap();
+    }
+    let done = ObservedPhase::Exited {
+        code: 0,
+        stopped: false,
+    };
+    s.apply_observed(&n, &seen(&ids[0], done, at(50)), at(50))
+        .await
+        .unwrap();
+    let ran = |from: i64, to: i64| async move {
+        let list = s.instances_ran_between(at(from), at(to)).await.unwrap();
+        assert!(list.iter().all(|i| !i.events.is_empty()), "{list:?}");
+        list.into_iter().map(|i| i.id).collect::<Vec<_>>()
+    };
+    let mut both = vec![ids[0].clone(), ids[1].clone()];
+    both.sort();
+    assert_eq!(ran(0, 100).await, both);
+    assert_eq!(ran(60, 100).await, vec![ids[1].clone()]);
+    assert_eq!(ran(0, 10).await, Vec::<InstanceId>::new());
 }

@@ -34,6 +34,7 @@ pub mod nodes;
 pub mod offers;
 pub mod payouts;
 pub mod prices;
+pub mod reconcile;
 pub mod registries;
 pub mod ssh_keys;
 pub mod telemetry;
@@ -273,6 +274,7 @@ fn billing_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(invoices::get_terms, invoices::add_term))
         .routes(routes!(budgets::get_budget, budgets::set_budget))
         .routes(routes!(payouts::get_payouts))
+        .routes(routes!(reconcile::get_reconcile))
 }
 
 /// A store page as an API page.
