@@ -34,7 +34,7 @@ pub(super) fn routes() -> Router<ConsoleState> {
 
 /// A 404 unless the key is an operator's now: asked of the API, so a key
 /// revoked or changed since sign-in is refused.
-async fn require_operator(s: &Session) -> ConsoleResult<()> {
+pub(super) async fn require_operator(s: &Session) -> ConsoleResult<()> {
     if s.api.me().await?.key.role == Role::Operator {
         Ok(())
     } else {

@@ -98,6 +98,7 @@ async fn replay(
     s: Session,
     Query(q): Query<ReplayQuery>,
 ) -> ConsoleResult<Response> {
+    super::operator::require_operator(&s).await?;
     let a = asked(&q, st.now())?;
     let h = s.api.demand_history(a.from, a.to).await?;
     let server_policy = history::parse_policy(&h.placement_policy).unwrap_or(Policy::Flotilla);

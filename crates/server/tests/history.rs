@@ -330,6 +330,34 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
     assert!(said.contains("waits grow"), "{said}");
     eprintln!("record {rec:?}\nsame settings {same:?}\nBestFit, half the nodes {half:?}\n{said}");
 
+    // The operator's console page shows the same comparison.
+    let stamp = |t: chrono::DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let (status, html) = on
+        .console_page(
+            &op,
+            &format!(
+                "/replay?from={}&to={}&policy=BestFit&node_scale=0.5",
+                stamp(from),
+                stamp(to)
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    for shown in [
+        "Replay: Flotilla, 4 nodes",
+        "Replay: BestFit, 2 nodes",
+        &format!("{:.2}", rec.gpu_hours),
+        "waits grow",
+    ] {
+        assert!(
+            html.contains(shown),
+            "the replay page shows {shown}: {html}"
+        );
+    }
+    // Not a tenant's page.
+    let (status, _) = on.console_page(&member, "/replay").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
     // An unknown window is a clear error, naming the field.
     let (status, body) = on
         .call(

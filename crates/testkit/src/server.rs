@@ -381,6 +381,80 @@ impl OnClock {
         )
     }
 
+    /// One raw request through `app`: status, `Set-Cookie` values and the
+    /// body as text.
+    async fn raw(
+        app: &axum::Router,
+        method: &str,
+        path: &str,
+        cookie: Option<&str>,
+        form: Option<String>,
+    ) -> (StatusCode, Vec<String>, String) {
+        use tower::ServiceExt;
+        let mut req = axum::http::Request::builder().method(method).uri(path);
+        if let Some(c) = cookie {
+            req = req.header("cookie", c);
+        }
+        if form.is_some() {
+            req = req.header("content-type", "application/x-www-form-urlencoded");
+        }
+        let req = req
+            .body(form.map_or_else(axum::body::Body::empty, axum::body::Body::from))
+            .expect("a request");
+        let resp = app.clone().oneshot(req).await.expect("the router answers");
+        let status = resp.status();
+        let cookies = resp
+            .headers()
+            .get_all("set-cookie")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .map(|v| v.split(';').next().unwrap_or_default().to_string())
+            .collect();
+        let bytes = axum::body::to_bytes(resp.into_body(), 16 << 20)
+            .await
+            .expect("the body");
+        (
+            status,
+            cookies,
+            String::from_utf8_lossy(&bytes).into_owned(),
+        )
+    }
+
+    /// Signs in to the web console with `key` (its sign-in form, with the
+    /// form's token) and reads the page at `path`: its status and HTML.
+    pub async fn console_page(&self, key: &str, path: &str) -> (StatusCode, String) {
+        // One app for the three requests: its console keeps the session.
+        let app = flotilla_server::app(self.st.clone());
+        let (_, cookies, login) = Self::raw(&app, "GET", "/login", None, None).await;
+        let login_cookie = cookies
+            .into_iter()
+            .find(|c| c.starts_with("flotilla_login="))
+            .expect("the sign-in page sets its cookie");
+        let at = login.find("name=\"csrf\"").expect("a csrf field");
+        let v = login[at..].find("value=\"").expect("its value") + at + 7;
+        let token = &login[v..v + login[v..].find('"').expect("its end")];
+        assert!(
+            key.chars()
+                .chain(token.chars())
+                .all(|c| c.is_ascii_alphanumeric() || c == '_'),
+            "key and token need no form encoding"
+        );
+        let (status, cookies, body) = Self::raw(
+            &app,
+            "POST",
+            "/login",
+            Some(&login_cookie),
+            Some(format!("csrf={token}&api_key={key}")),
+        )
+        .await;
+        let session = cookies
+            .into_iter()
+            .find(|c| c.starts_with("flotilla_session="))
+            .unwrap_or_else(|| panic!("signing in answered {status}: {body}"));
+        let (status, _, html) = Self::raw(&app, "GET", path, Some(&session), None).await;
+        (status, html)
+    }
+
     /// [`OnClock::call`] that must succeed (2xx); the body.
     pub async fn ok(&self, key: &str, method: &str, path: &str, body: Option<Value>) -> Value {
         let (status, b) = self.call(key, method, path, body).await;
