@@ -1066,23 +1066,102 @@ impl Store {
     }
 
     /// The node stopped answering: every instance it holds becomes `lost`
-    /// and releases its GPUs. Returns the instances changed.
+    /// and releases its GPUs, except those asked to stop, which end
+    /// `stopped` (their agent, out of lease, stopped them; a lost one
+    /// waits for an agent that may never come back, and a stop must end
+    /// it). Returns the instances changed.
     pub async fn mark_node_lost(
         &self,
         node: &NodeId,
         now: DateTime<Utc>,
     ) -> Result<Vec<InstanceId>> {
         use InstanceState::*;
+        let mut changed = self
+            .end_stops_on(node, &[], None, "node unreachable", now)
+            .await?;
         let reason = "node unreachable: heartbeats stopped";
-        self.move_all_on(
+        changed.extend(
+            self.move_all_on(
+                node,
+                &[Scheduled, Starting, Running],
+                &[],
+                Lost,
+                reason,
+                now,
+            )
+            .await?,
+        );
+        Ok(changed)
+    }
+
+    /// Instances on `node` asked to stop that its agent, syncing, does not
+    /// report (`reported`) although the stop was asked at or before
+    /// `asked_by`: no agent holds them (it never took them, forgot them,
+    /// or restarted), so they end `stopped` and free their GPUs. The
+    /// caller leaves `asked_by` far enough back for an agent that holds
+    /// one to have reported it. Returns the instances changed.
+    pub async fn end_unreported_stops(
+        &self,
+        node: &NodeId,
+        reported: &[InstanceId],
+        asked_by: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<InstanceId>> {
+        self.end_stops_on(
             node,
-            &[Scheduled, Starting, Running],
-            &[],
-            Lost,
-            reason,
+            reported,
+            Some(asked_by),
+            "its node no longer reports it",
             now,
         )
         .await
+    }
+
+    /// Ends as `stopped` every instance on `node` holding GPUs and asked
+    /// to stop (at or before `asked_by`, by its last change, when given),
+    /// except `except`; each in its own transaction. A preempted one is
+    /// requeued, as when its agent reports the stop.
+    async fn end_stops_on(
+        &self,
+        node: &NodeId,
+        except: &[InstanceId],
+        asked_by: Option<DateTime<Utc>>,
+        why: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<InstanceId>> {
+        use InstanceState::*;
+        let rows = sqlx::query(
+            "SELECT id, state, updated_at, preempted_by, job_id FROM instances WHERE node_id = $1 \
+             AND stop_requested = 1 AND state IN ('scheduled', 'starting', 'running') ORDER BY id",
+        )
+        .bind(node.as_str())
+        .fetch_all(self.pool())
+        .await?;
+        let mut ended = Vec::new();
+        for r in &rows {
+            let id = InstanceId::from_trusted(r.try_get("id")?);
+            let state = state_of(&r.try_get::<String, _>("state")?)?;
+            let changed_at = at(r.try_get("updated_at")?);
+            if except.contains(&id) || asked_by.is_some_and(|t| changed_at > t) {
+                continue;
+            }
+            let reason = if state == Scheduled {
+                format!("stopped before it started; {why}")
+            } else {
+                format!("stopped on request; {why}")
+            };
+            let preempted = r.try_get::<Option<String>, _>("preempted_by")?.is_some();
+            let in_job = r.try_get::<Option<String>, _>("job_id")?.is_some();
+            let mut tx = self.begin().await?;
+            if transition(&mut tx, &id, state, Stopped, &reason, None, now).await? {
+                if preempted && !in_job {
+                    self.requeue_in(&mut tx, &id, now).await?;
+                }
+                ended.push(id);
+            }
+            crate::txn::commit(tx).await?;
+        }
+        Ok(ended)
     }
 
     /// Lost instances on `node` the returning agent did not report: they

@@ -131,6 +131,19 @@ fn heartbeat_interval(st: &AppState) -> Duration {
     st.config().heartbeat_interval()
 }
 
+/// How long after a stop was asked a syncing agent that does not report
+/// the instance is taken not to hold it: the node's lease and margin (an
+/// agent out of lease stops its work unreported) and the longest grace a
+/// stop gives (a preemption's notice).
+fn unreported_stop_wait(st: &AppState) -> chrono::Duration {
+    let cfg = st.config();
+    chrono::Duration::from_std(cfg.node_lease() + cfg.node_lease_margin())
+        .unwrap_or(chrono::Duration::seconds(20))
+        + chrono::Duration::milliseconds(
+            flotilla_store::instances::PREEMPT_NOTICE_MS.min(i64::MAX as u64) as i64,
+        )
+}
+
 /// How long after a sync arrived its answer records the node's heartbeat
 /// again (the lease's renewal), in milliseconds.
 const ANSWER_RENEWS_AFTER_MS: i64 = 100;
@@ -313,6 +326,20 @@ pub async fn sync(
         st.store().fail_unreported_lost(&id, &reported, now).await?;
         st.store().mark_node_ready(&id, now).await?;
         tracing::info!(node = %id, reattached = reported.len(), "node is back");
+        changed = true;
+    }
+    // Work asked to stop that this agent does not report, long enough
+    // after the stop for an agent holding it to have reported it (its
+    // lease, the margin, the longest stop grace): no agent holds it, and
+    // nothing else would ever end it.
+    let reported: Vec<InstanceId> = req.observed.iter().map(|o| o.instance_id.clone()).collect();
+    let asked_by = now - unreported_stop_wait(&st);
+    if !st
+        .store()
+        .end_unreported_stops(&id, &reported, asked_by, now)
+        .await?
+        .is_empty()
+    {
         changed = true;
     }
     if changed {
