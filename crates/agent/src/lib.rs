@@ -532,6 +532,8 @@ struct Tracked {
     weights: Option<(ReplicaWeights, WeightTier)>,
     /// Parked (or found not to park) after its stop.
     park_decided: bool,
+    /// Its endpoint was deleted: it stops without parking.
+    no_park: bool,
 }
 
 impl Tracked {
@@ -546,6 +548,7 @@ impl Tracked {
             fenced: false,
             weights: None,
             park_decided: false,
+            no_park: false,
         }
     }
 
@@ -1015,7 +1018,7 @@ impl Agent {
                     self.shared
                         .node_lease()
                         .renewed(Instant::now(), resp.lease_ms);
-                    self.apply(resp.assignments);
+                    self.apply(resp.assignments, &resp.unpark);
                     self.open_sessions(resp.sessions);
                     self.tell_fence();
                     let elapsed = sent.elapsed();
@@ -1084,8 +1087,9 @@ impl Agent {
         report
     }
 
-    /// Applies the server's desired work.
-    fn apply(&mut self, assignments: Vec<Assignment>) {
+    /// Applies the server's desired work; `unpark`: replicas of deleted
+    /// endpoints, neither to park nor to keep parked.
+    fn apply(&mut self, assignments: Vec<Assignment>, unpark: &[InstanceId]) {
         let listed: HashSet<InstanceId> =
             assignments.iter().map(|a| a.instance_id.clone()).collect();
         let mut to_start = Vec::new();
@@ -1134,9 +1138,12 @@ impl Agent {
                 }
             }
             // A replica the server stopped that exited cleanly parks
-            // (a scale-down); decided once, before it may be forgotten.
+            // (a scale-down) unless its endpoint was deleted (told once,
+            // remembered: the exit may come syncs later); decided once,
+            // before it may be forgotten.
             let now = Utc::now();
             for (id, t) in instances.iter_mut() {
+                t.no_park |= unpark.contains(id);
                 if t.park_decided || !t.server_stop {
                     continue;
                 }
@@ -1144,7 +1151,7 @@ impl Agent {
                     continue;
                 };
                 t.park_decided = true;
-                if let (Some((w, _)), true) = (&t.weights, exit.stop_requested) {
+                if let (Some((w, _)), true, false) = (&t.weights, exit.stop_requested, t.no_park) {
                     if self.weights.park(id, w, now) {
                         tracing::info!(instance_id = %id, key = %w.key, keep_s = w.keep_parked_s, "replica parked");
                     }
@@ -1154,6 +1161,11 @@ impl Agent {
             self.not_started.retain(|id, _| listed.contains(id));
             for r in self.weights.expire(now) {
                 tracing::info!(instance_id = %r, "parked replica released");
+            }
+            for r in unpark {
+                if self.weights.release(r) {
+                    tracing::info!(instance_id = %r, "parked replica of a deleted endpoint released");
+                }
             }
             instances.retain(|id, t| {
                 let keep = Self::keep(id, t, &listed);

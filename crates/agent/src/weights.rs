@@ -149,6 +149,14 @@ impl NodeWeightsState {
         gone
     }
 
+    /// Ends the park of `replica` (its endpoint was deleted: nothing will
+    /// restore it). Whether it was parked.
+    pub fn release(&mut self, replica: &InstanceId) -> bool {
+        let held = self.parks.remove(replica).is_some();
+        self.parked.unpark(replica.as_str());
+        held
+    }
+
     /// Host memory held by parked replicas, bytes.
     pub fn parked_bytes(&self) -> u64 {
         self.parked.used_bytes()
@@ -246,6 +254,12 @@ mod tests {
         assert_eq!(n.expire(t(70)), vec![replica(2)]);
         assert_eq!(n.expire(t(80)), vec![replica(3)]);
         assert_eq!(n.parked_bytes(), 0);
+        // Released (its endpoint deleted): gone from memory and the report.
+        assert!(n.park(&replica(4), &w, t(200)));
+        assert!(n.release(&replica(4)));
+        assert!(!n.release(&replica(4)));
+        assert_eq!(n.parked_bytes(), 0);
+        assert!(n.report().iter().all(|e| e.tier != WeightTier::Parked));
         // Not parked at all: 0 s to keep, or larger than host memory.
         assert!(!n.park(&replica(4), &weights("ep_a-r1", 16.0, 0), t(90)));
         assert!(!n.park(&replica(5), &weights("ep_a-r1", 50.0, 60), t(90)));

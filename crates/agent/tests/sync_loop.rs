@@ -220,6 +220,7 @@ impl Mock {
                 reregister: false,
                 lease_ms: self.with(|s| s.lease_ms),
                 sessions: vec![],
+                unpark: vec![],
             };
             return (200, serde_json::to_string(&resp).unwrap());
         }

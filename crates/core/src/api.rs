@@ -1029,6 +1029,11 @@ pub struct SyncResponse {
     /// it or its tenant gave up.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sessions: Vec<crate::access::AccessSession>,
+    /// Replicas of deleted endpoints on this node: not to be parked when
+    /// they stop (the endpoint will never restore them), and released if
+    /// parked already. Absent from older servers (nothing to release).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unpark: Vec<InstanceId>,
 }
 
 /// Log lines pushed by an agent.

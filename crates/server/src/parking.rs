@@ -8,6 +8,12 @@
 //! keyed by the replica and when it parked, written before the report
 //! replaces the stored one, so a pass cut between the two and replayed
 //! bills the park once.
+//!
+//! A deleted endpoint never restores its replicas, so its tenant pays for
+//! no park past the deletion: a park's bill ends at the endpoint's
+//! deletion (one that began after it bills nothing), and each sync tells
+//! the agent which replicas of deleted endpoints to release or not park
+//! ([`flotilla_core::api::SyncResponse::unpark`]).
 
 use chrono::{DateTime, Duration, SubsecRound, Utc};
 use flotilla_billing::meter::{EventKey, Meter, Subject, SubjectKind, UsageEvent};
@@ -59,6 +65,22 @@ pub fn park_usage(
     })
 }
 
+/// When the bill of a park that began at `since` and ended at `now`
+/// stops: at `now`, or at its endpoint's deletion (`deleted_at`) when that
+/// came first; `None` for a park that began after the deletion (nothing
+/// to bill: the endpoint could never restore it).
+pub fn park_end(
+    since: DateTime<Utc>,
+    now: DateTime<Utc>,
+    deleted_at: Option<DateTime<Utc>>,
+) -> Option<DateTime<Utc>> {
+    match deleted_at {
+        Some(d) if since.trunc_subsecs(3) >= d.trunc_subsecs(3) => None,
+        Some(d) => Some(now.min(d)),
+        None => Some(now),
+    }
+}
+
 /// Records a node's report of the weights it holds: meters the parks
 /// that ended since the last report, then stores the report.
 pub async fn record_report(
@@ -81,7 +103,12 @@ pub async fn record_report(
             }
             Err(e) => return Err(e),
         };
-        events.extend(park_usage(node, &tenant, park, now));
+        let deleted_at = st.store().endpoint_deleted_at(ep).await?;
+        let Some(end) = park_end(park.since, now, deleted_at) else {
+            tracing::info!(endpoint = %ep, "parked after its endpoint's deletion; not billed");
+            continue;
+        };
+        events.extend(park_usage(node, &tenant, park, end));
     }
     if !events.is_empty() {
         let out = st
@@ -131,5 +158,19 @@ mod tests {
             ..park
         };
         assert!(park_usage(&node, &tenant, &cached, t0).is_none());
+    }
+
+    #[test]
+    fn a_deleted_endpoints_park_is_billed_up_to_the_deletion_only() {
+        let t = |s: i64| Utc.timestamp_opt(1_700_000_000 + s, 0).single().unwrap();
+        // Live endpoint: the park is billed until it ended.
+        assert_eq!(park_end(t(0), t(90), None), Some(t(90)));
+        // Deleted while parked: billed up to the deletion.
+        assert_eq!(park_end(t(0), t(90), Some(t(30))), Some(t(30)));
+        // Deleted after the park ended: the end stands.
+        assert_eq!(park_end(t(0), t(90), Some(t(120))), Some(t(90)));
+        // Parked at or after the deletion: nothing.
+        assert_eq!(park_end(t(30), t(90), Some(t(30))), None);
+        assert_eq!(park_end(t(40), t(90), Some(t(30))), None);
     }
 }

@@ -205,6 +205,16 @@ impl Store {
         self.endpoint_row(&row, &replicas)
     }
 
+    /// When an endpoint was deleted; `None` while it is live.
+    pub async fn endpoint_deleted_at(&self, id: &EndpointId) -> Result<Option<DateTime<Utc>>> {
+        let row = sqlx::query("SELECT deleted_at FROM endpoints WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound("endpoint"))?;
+        Ok(row.try_get::<Option<i64>, _>("deleted_at")?.map(at))
+    }
+
     /// Live endpoints, optionally of one tenant, by id.
     pub async fn list_endpoints(
         &self,

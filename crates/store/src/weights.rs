@@ -89,6 +89,30 @@ impl Store {
             .collect())
     }
 
+    /// The replicas of deleted endpoints on `node` that must not stay
+    /// parked: live ones (not to be parked when they stop) and the parks
+    /// its agent last reported. A deleted endpoint never restores them.
+    pub async fn replicas_to_unpark(&self, node: &NodeId) -> Result<Vec<InstanceId>> {
+        let rows = sqlx::query(
+            "SELECT r.instance_id AS id FROM endpoint_replicas r \
+             JOIN endpoints e ON e.id = r.endpoint_id JOIN instances i ON i.id = r.instance_id \
+             WHERE i.node_id = $1 AND e.deleted_at IS NOT NULL \
+             AND i.state IN ('scheduled', 'starting', 'running') \
+             UNION SELECT w.replica AS id FROM node_weights w JOIN endpoints e ON e.id = w.endpoint_id \
+             WHERE w.node_id = $1 AND w.tier = 'parked' AND e.deleted_at IS NOT NULL \
+             ORDER BY id",
+        )
+        .bind(node.as_str())
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                InstanceId::parse(&r.try_get::<String, _>("id")?, "replica")
+                    .map_err(|e| StoreError::Corrupt(e.to_string()))
+            })
+            .collect()
+    }
+
     /// Replaces what `node` holds with its agent's report, when it
     /// differs (agents report on every sync). Returns whether it changed.
     pub async fn set_node_weights(

@@ -285,6 +285,7 @@ pub async fn sync(
                         reregister: true,
                         lease_ms: lease_ms(&st),
                         sessions: vec![],
+                        unpark: vec![],
                     }));
                 }
             }
@@ -380,6 +381,8 @@ pub async fn sync(
         reregister: false,
         lease_ms: lease_ms(&st),
         sessions: st.access().for_node(&id),
+        // A deleted endpoint's replicas stop outright and its parks end.
+        unpark: st.store().replicas_to_unpark(&id).await?,
     }))
 }
 
