@@ -11,6 +11,10 @@ pub const TENANTS: &str = "/v1/tenants";
 pub const KEYS: &str = "/v1/keys";
 /// `POST`: an agent registers its node.
 pub const AGENT_REGISTER: &str = "/v1/agent/register";
+/// `POST`: an agent's sync of `node`: what it observed, what it is to run.
+pub fn agent_sync(node: &str) -> String {
+    format!("/v1/agent/nodes/{node}/sync")
+}
 /// The API's reference, as HTML.
 pub const DOCS: &str = "/v1/docs";
 /// The API's OpenAPI document.

@@ -188,7 +188,7 @@ impl Client {
         req: &SyncRequest,
         timeout: Duration,
     ) -> Result<SyncResponse> {
-        let path = format!("/v1/agent/nodes/{node_id}/sync");
+        let path = crate::paths::agent_sync(node_id.as_str());
         self.post_agent(&path, req, Some(timeout)).await
     }
 

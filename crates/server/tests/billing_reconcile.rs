@@ -10,7 +10,7 @@
 use chrono::{Duration, TimeZone, Utc};
 use flotilla_billing::api::ReconcileReport;
 use flotilla_billing::reconcile::Cause;
-use flotilla_core::api::{ObservedInstance, ObservedPhase};
+use flotilla_core::api::ObservedPhase;
 use flotilla_core::clock::Clock;
 use flotilla_server::metering::metering_pass;
 use flotilla_server::reconciliation::reconcile_pass;
@@ -19,26 +19,6 @@ use flotilla_testkit::server::OnClock;
 use reqwest::StatusCode;
 use rust_decimal::Decimal;
 use serde_json::{json, Value};
-
-/// The agent of `node` reports `instance` in `phase`, now.
-async fn report(on: &OnClock, key: &str, node: &str, instance: &str, phase: ObservedPhase) {
-    let observed = ObservedInstance {
-        instance_id: serde_json::from_value(json!(instance)).unwrap(),
-        phase,
-        at: on.clock.now(),
-        message: None,
-        container: None,
-        weights_tier: None,
-        limit_exceeded: None,
-    };
-    on.ok(
-        key,
-        "POST",
-        &format!("/v1/agent/nodes/{node}/sync"),
-        Some(json!({"observed": [observed], "wait_ms": 0})),
-    )
-    .await;
-}
 
 fn exited() -> ObservedPhase {
     ObservedPhase::Exited {
@@ -95,7 +75,9 @@ impl Fixture {
     }
 
     async fn report(&self, instance: &str, phase: ObservedPhase) {
-        report(&self.on, &self.provider, &self.node, instance, phase).await;
+        self.on
+            .report(&self.provider, &self.node, instance, phase)
+            .await;
     }
 
     fn advance_ms(&self, ms: i64) {

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 
 use chrono::{Duration, TimeZone, Utc};
-use flotilla_core::api::{ObservedInstance, ObservedPhase};
+use flotilla_core::api::ObservedPhase;
 use flotilla_core::clock::Clock;
 use flotilla_core::history::DemandHistory;
 use flotilla_sched::Policy;
@@ -22,26 +22,6 @@ use flotilla_sim::history::{differences, recorded, replay, scale_nodes, ReplaySe
 use flotilla_testkit::server::OnClock;
 use reqwest::StatusCode;
 use serde_json::json;
-
-/// The agent of `node` reports `instance` in `phase`, now.
-async fn report(on: &OnClock, key: &str, node: &str, instance: &str, phase: ObservedPhase) {
-    let observed = ObservedInstance {
-        instance_id: serde_json::from_value(json!(instance)).unwrap(),
-        phase,
-        at: on.clock.now(),
-        message: None,
-        container: None,
-        weights_tier: None,
-        limit_exceeded: None,
-    };
-    on.ok(
-        key,
-        "POST",
-        &format!("/v1/agent/nodes/{node}/sync"),
-        Some(json!({"observed": [observed], "wait_ms": 0})),
-    )
-    .await;
-}
 
 /// Instances placed and not yet started: started now by their agent, to
 /// end `run` later. `ends` maps an instance to (node, end time).
@@ -62,7 +42,8 @@ async fn start_placed(
             continue;
         }
         let node = i["node_id"].as_str().unwrap().to_string();
-        report(on, provider, &node, id, ObservedPhase::Running { pid: 7 }).await;
+        on.report(provider, &node, id, ObservedPhase::Running { pid: 7 })
+            .await;
         ends.insert(id.clone(), (node, on.clock.now() + *run));
     }
 }
@@ -137,8 +118,7 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
             .map(|(id, (node, _))| (id.clone(), node.clone()))
             .collect();
         for (id, node) in due {
-            report(
-                &on,
+            on.report(
                 &provider,
                 &node,
                 &id,
@@ -234,7 +214,7 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
                     code: 0,
                     stopped: true,
                 };
-                report(&on, &provider, &node, id, stopped).await;
+                on.report(&provider, &node, id, stopped).await;
                 ends.remove(id);
                 works.retain(|(w, _)| w != id);
             }

@@ -381,6 +381,34 @@ impl OnClock {
         )
     }
 
+    /// The agent of `node` reports `instance` in `phase` now, by this
+    /// clock, through the agent protocol (one sync that waits for nothing);
+    /// the sync's answer.
+    pub async fn report(
+        &self,
+        key: &str,
+        node: &str,
+        instance: &str,
+        phase: ObservedPhase,
+    ) -> Value {
+        let observed = ObservedInstance {
+            instance_id: serde_json::from_value(json!(instance)).expect("an instance id"),
+            phase,
+            at: flotilla_core::clock::Clock::now(&self.clock),
+            message: None,
+            container: None,
+            weights_tier: None,
+            limit_exceeded: None,
+        };
+        self.ok(
+            key,
+            "POST",
+            &paths::agent_sync(node),
+            Some(json!({"observed": [observed], "wait_ms": 0})),
+        )
+        .await
+    }
+
     /// One raw request through `app`: status, `Set-Cookie` values and the
     /// body as text.
     async fn raw(
