@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use chrono::{DateTime, Duration, Timelike, Utc};
+use chrono::{DateTime, Duration, SubsecRound, Utc};
 use flotilla_core::id::{NodeId, TenantId};
 use flotilla_core::instance::BillingClass;
 use rust_decimal::prelude::ToPrimitive;
@@ -463,6 +463,13 @@ where
         .collect())
 }
 
+/// `t` truncated to whole milliseconds: the metering rule's only rounding
+/// of time (the ledger stores milliseconds). Usage is metered from the
+/// engine's own start and end to the millisecond.
+pub fn to_millisecond(t: DateTime<Utc>) -> DateTime<Utc> {
+    t.trunc_subsecs(3)
+}
+
 /// An instance's (or job's) life as the control plane recorded it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lifecycle {
@@ -490,14 +497,16 @@ pub struct Lifecycle {
     pub node: Option<NodeId>,
 }
 
-/// Turns a lifecycle into usage events, per second: the start is floored
-/// and the stop ceiled to whole seconds (a started second is billed). The
-/// stop is the earliest of `end` and `preempted_at`, so preempted spot work
-/// is not charged after its preemption. Usage is cut into slices aligned on
-/// multiples of `slice_secs` since the Unix epoch, one GPU and one instance
-/// event per slice, keyed `subject/meter/slice-start`: re-running this after
-/// a crash yields the same keys, hence exactly-once. While it runs (no end,
-/// no preemption) only slices complete at `now` are emitted, so a slice is
+/// Turns a lifecycle into usage events, to the millisecond: the start and
+/// the stop are the engine's own times truncated to whole milliseconds (the
+/// ledger's resolution), nothing more is rounded here; an invoice rounds
+/// money once per line. The stop is the earliest of `end` and
+/// `preempted_at`, so preempted spot work is not charged after its
+/// preemption. Usage is cut into slices aligned on multiples of
+/// `slice_secs` since the Unix epoch, one GPU and one instance event per
+/// slice, keyed `subject/meter/slice-start`: re-running this after a crash
+/// yields the same keys, hence exactly-once. While it runs (no end, no
+/// preemption) only slices complete at `now` are emitted, so a slice is
 /// never emitted twice with different contents.
 pub fn lifecycle_usage(
     l: &Lifecycle,
@@ -513,21 +522,13 @@ pub fn lifecycle_usage(
             format!("must be between 1 and {MAX_UNITS}"),
         ));
     }
-    let floor = |t: DateTime<Utc>| t.with_nanosecond(0).unwrap_or(t);
-    let ceil = |t: DateTime<Utc>| {
-        if t.nanosecond() == 0 {
-            t
-        } else {
-            floor(t) + Duration::seconds(1)
-        }
-    };
-    let start = floor(l.start);
+    let start = to_millisecond(l.start);
     let stop = match (l.end, l.preempted_at) {
-        (Some(e), Some(p)) => Some(ceil(e.min(p))),
-        (Some(t), None) | (None, Some(t)) => Some(ceil(t)),
+        (Some(e), Some(p)) => Some(to_millisecond(e.min(p))),
+        (Some(t), None) | (None, Some(t)) => Some(to_millisecond(t)),
         (None, None) => None,
     };
-    let horizon = stop.unwrap_or_else(|| floor(now));
+    let horizon = stop.unwrap_or_else(|| to_millisecond(now));
     if horizon <= start {
         return Ok(Vec::new());
     }
@@ -540,9 +541,12 @@ pub fn lifecycle_usage(
     let slice = i64::from(slice_secs);
     let mut out = Vec::new();
     let mut s0 = start.timestamp().div_euclid(slice) * slice;
-    while s0 < horizon.timestamp() {
+    loop {
         let slice_start = DateTime::<Utc>::from_timestamp(s0, 0)
             .ok_or_else(|| BillingError::invalid("start", "out of range"))?;
+        if slice_start >= horizon {
+            break;
+        }
         let slice_end = slice_start + Duration::seconds(slice);
         let a = slice_start.max(start);
         let b = slice_end.min(horizon);
@@ -697,7 +701,7 @@ mod tests {
     }
 
     #[test]
-    fn lifecycle_is_per_second_and_stops_at_preemption() {
+    fn lifecycle_is_to_the_millisecond_and_stops_at_preemption() {
         let l = Lifecycle {
             tenant: TenantId::generate(1, 1),
             source: "lifecycle".into(),
@@ -722,8 +726,8 @@ mod tests {
             .filter(|(_, e)| matches!(e.meter, Meter::GpuSeconds { .. }))
             .map(|(q, _)| q)
             .sum();
-        // 3500 .. 7301 is 3801 s, times 2 GPUs.
-        assert_eq!(gpu, Decimal::from(7602));
+        // 3500.4 .. 7300.001 is 3799.601 s, times 2 GPUs.
+        assert_eq!(gpu, Decimal::new(7_599_202, 3));
         assert_eq!(evs.len(), 6);
         // While running, only complete slices appear, and they are stable.
         let running = Lifecycle {
@@ -738,5 +742,74 @@ mod tests {
             part[0],
             lifecycle_usage(&running, t(9000), 3600).unwrap()[0]
         );
+    }
+
+    fn short(start: DateTime<Utc>, end: DateTime<Utc>) -> Lifecycle {
+        Lifecycle {
+            tenant: TenantId::generate(1, 1),
+            source: "lifecycle".into(),
+            subject: Subject {
+                kind: SubjectKind::Instance,
+                id: "inst_s".into(),
+            },
+            model: "H100".into(),
+            share: GpuShare::Whole,
+            gpus: 1,
+            billing_class: BillingClass::OnDemand,
+            start,
+            end: Some(end),
+            preempted_at: None,
+            node: None,
+        }
+    }
+
+    fn gpu_seconds(evs: &[UsageEvent]) -> Decimal {
+        evs.iter()
+            .filter(|e| matches!(e.meter, Meter::GpuSeconds { .. }))
+            .map(|e| e.quantity_within(t(0), t(1_000_000)).unwrap())
+            .sum()
+    }
+
+    #[test]
+    fn a_short_run_is_billed_exactly_what_it_ran() {
+        let ms = Duration::milliseconds;
+        // 1.2 s from a whole second: 1.2 GPU-seconds, not 2.
+        let l = short(t(100), t(101) + ms(200));
+        let evs = lifecycle_usage(&l, t(200), 60).unwrap();
+        assert_eq!(gpu_seconds(&evs), Decimal::new(1200, 3));
+        assert_eq!(evs.len(), 2);
+        assert_eq!(evs[0].key.id, "inst_s/gpu/60");
+        // 1.2 s off the second, across a slice boundary (59.9 .. 61.1):
+        // 0.1 s in the slice at 0, 1.1 s in the slice at 60, 1.2 s in all.
+        let l = short(t(59) + ms(900), t(61) + ms(100));
+        let evs = lifecycle_usage(&l, t(200), 60).unwrap();
+        assert_eq!(gpu_seconds(&evs), Decimal::new(1200, 3));
+        let keys: Vec<&str> = evs.iter().map(|e| e.key.id.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "inst_s/gpu/0",
+                "inst_s/instance/0",
+                "inst_s/gpu/60",
+                "inst_s/instance/60"
+            ]
+        );
+        assert_eq!(evs[0].start, t(59) + ms(900));
+        assert_eq!(evs[2].end, t(61) + ms(100));
+        // Sub-millisecond edges are truncated to the millisecond, the
+        // ledger's resolution: 10.0005 .. 11.2009 meters 10.000 .. 11.200.
+        let l = short(
+            t(10) + Duration::microseconds(500),
+            t(11) + Duration::microseconds(200_900),
+        );
+        let evs = lifecycle_usage(&l, t(200), 60).unwrap();
+        assert_eq!(gpu_seconds(&evs), Decimal::new(1200, 3));
+        assert_eq!(evs[0].start, t(10));
+        assert_eq!(evs[0].end, t(11) + ms(200));
+        // The same lifecycle metered again gives the same events.
+        assert_eq!(evs, lifecycle_usage(&l, t(300), 60).unwrap());
+        // Under a millisecond is nothing to bill.
+        let l = short(t(10), t(10) + Duration::microseconds(999));
+        assert!(lifecycle_usage(&l, t(200), 60).unwrap().is_empty());
     }
 }

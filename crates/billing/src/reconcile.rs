@@ -27,12 +27,13 @@ use crate::meter::{effective_events, Meter, SubjectKind, UsageEvent};
 use crate::money::millis;
 use crate::Result;
 
-/// The default threshold, milliseconds per instance: the rounding rule's
-/// worth. Lifecycle metering floors a run's start and ceils its stop to
-/// whole seconds (a started second is billed), so a correctly billed run
-/// is billed up to just under one second more at each end: under 2 s in
-/// all, never less than it ran.
-pub const DEFAULT_THRESHOLD_MS: i64 = 2_000;
+/// The default threshold, milliseconds per instance. Lifecycle metering
+/// bills a run from its start to its stop to the millisecond, so a
+/// correctly billed run differs from what its executor reported by under a
+/// millisecond at each end; a second leaves room for the clocks of the
+/// control plane and the executor to disagree a little, and is still well
+/// under any real discrepancy (a missed or duplicated slice is a minute).
+pub const DEFAULT_THRESHOLD_MS: i64 = 1_000;
 
 /// Which meter a ledger span came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -117,10 +117,11 @@ fn example_1_on_demand_per_second_with_minimum() {
     assert_eq!(
         rows(&inv),
         vec![
-            // 2 x 9001 s + 1 x 23 s = 18025 GPU-s; 18.025 rounds half-even to 18.02.
-            row(LineKind::OnDemand, "18025", "0.001", "18.02"),
-            // inst_a2 ran 23 s of a 60 s minimum: 37 GPU-s; 0.037 -> 0.04.
-            row(LineKind::Minimum, "37", "0.001", "0.04"),
+            // Metered to the millisecond: 2 x 9000.4 s + 1 x 22.5 s =
+            // 18023.3 GPU-s; 18.0233 rounds half-even, once, to 18.02.
+            row(LineKind::OnDemand, "18023.3", "0.001", "18.02"),
+            // inst_a2 ran 22.5 s of a 60 s minimum: 37.5 GPU-s; 0.0375 -> 0.04.
+            row(LineKind::Minimum, "37.5", "0.001", "0.04"),
         ]
     );
     assert_eq!(inv.total().to_string(), "18.06");

@@ -560,8 +560,8 @@ pub enum BillingCommand {
         #[arg(long)]
         until: Option<String>,
         /// Seconds per instance a difference may reach unreported
-        /// (default 2: the rounding rule bills a started second at each
-        /// end of a run).
+        /// (default 1: usage is metered to the millisecond; the second is
+        /// room for clocks to disagree).
         #[arg(long = "threshold-s", value_name = "SECONDS")]
         threshold_s: Option<String>,
     },

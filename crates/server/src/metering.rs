@@ -155,7 +155,7 @@ pub fn usage(
 
 /// Corrections of the slices of `ran` (a lifecycle from its start, no end
 /// yet) that were metered up to `metered` while it seemed to run, for an
-/// end at `end`: each slice reaching past the end (in whole seconds, as
+/// end at `end`: each slice reaching past the end (to the millisecond, as
 /// `lifecycle_usage` bills) is voided and restated up to it, as nothing
 /// when it began after it. Keyed after the slice they correct, so a pass
 /// cut anywhere and rerun writes them once.
@@ -164,13 +164,7 @@ fn corrections(
     end: DateTime<Utc>,
     metered: DateTime<Utc>,
 ) -> Result<Vec<UsageEvent>, flotilla_billing::BillingError> {
-    use chrono::Timelike as _;
-    let whole = end.with_nanosecond(0).unwrap_or(end);
-    let stop = if whole == end {
-        end
-    } else {
-        whole + Duration::seconds(1)
-    };
+    let stop = flotilla_billing::meter::to_millisecond(end);
     // Exactly what the passes wrote while it ran: complete slices only.
     let billed = lifecycle_usage(ran, metered, SLICE_SECS)?;
     Ok(billed
@@ -470,8 +464,8 @@ mod tests {
             )
         };
         let all = meter(&running, &[130], &done, 140);
-        // [10, 76): whole seconds, 2 GPUs.
-        assert_eq!(billed(&all), rust_decimal::Decimal::from(2 * 66));
+        // [10, 75.4): to the millisecond, 2 GPUs.
+        assert_eq!(billed(&all), rust_decimal::Decimal::new(2 * 65_400, 3));
         let fixes: Vec<_> = all.iter().filter(|e| e.corrects.is_some()).collect();
         assert_eq!(
             fixes.len(),
@@ -513,10 +507,10 @@ mod tests {
             ..inst(Failed, &[(Running, 10), (Lost, 100), (Failed, 93)], None)
         };
         let all = meter(&running, &[], &fenced, 200);
-        assert_eq!(billed(&all), rust_decimal::Decimal::from(2 * 84));
+        assert_eq!(billed(&all), rust_decimal::Decimal::new(2 * 83_200, 3));
         // Metered into the minute past the kill while it seemed to run.
         let all = meter(&running, &[125], &fenced, 200);
-        assert_eq!(billed(&all), rust_decimal::Decimal::from(2 * 84));
+        assert_eq!(billed(&all), rust_decimal::Decimal::new(2 * 83_200, 3));
         // Killed after the lease's end (SIGTERM at the end, then its exit):
         // billed to the kill too.
         let late = Instance {

@@ -57,12 +57,12 @@ fn threshold_ms(raw: Option<&str>) -> Result<i64, ApiError> {
 /// `billed_without_run`, `ran_without_bill`, `over_billed`,
 /// `under_billed`. Default window: the hour before `until`; default
 /// `until`: two minutes ago (metering writes one-minute slices); default
-/// threshold: 2 s, the rounding rule's worth (a started second is billed
-/// at each end of a run).
+/// threshold: 1 s (usage is metered to the millisecond of the run's start
+/// and stop; the second is room for clocks to disagree).
 #[utoipa::path(get, path = "/v1/billing/reconcile", tag = "billing",
     params(("since" = Option<String>, Query, description = "RFC 3339 start, inclusive (default: an hour before until)"),
            ("until" = Option<String>, Query, description = "RFC 3339 end, exclusive (default: two minutes ago); at most 31 days after since"),
-           ("threshold_s" = Option<String>, Query, description = "seconds per instance a difference may reach unreported (default 2)")),
+           ("threshold_s" = Option<String>, Query, description = "seconds per instance a difference may reach unreported (default 1)")),
     responses((status = 200, body = ReconcileReport),
               (status = 400, body = flotilla_core::api::ErrorBody),
               (status = 403, body = flotilla_core::api::ErrorBody)))]
@@ -103,7 +103,7 @@ mod tests {
 
     #[test]
     fn the_threshold_is_decimal_seconds_within_bounds() {
-        assert_eq!(threshold_ms(None).unwrap(), 2_000);
+        assert_eq!(threshold_ms(None).unwrap(), 1_000);
         assert_eq!(threshold_ms(Some("0")).unwrap(), 0);
         assert_eq!(threshold_ms(Some("1.5")).unwrap(), 1_500);
         for bad in ["-1", "x", "86401"] {
