@@ -198,13 +198,36 @@ fn run_scenario(env: &Env) {
     // on the invoice preview, whose total is the sum of its lines.
     let id = inst["id"].as_str().unwrap();
     let month = chrono::Utc::now().format("%Y-%m").to_string();
+    // 2 GPUs from its start to its end, to the millisecond.
+    let at = |v: &Value| {
+        flotilla_billing::meter::to_millisecond(
+            v.as_str()
+                .unwrap()
+                .parse::<chrono::DateTime<chrono::Utc>>()
+                .unwrap(),
+        )
+    };
+    let ran_ms = (at(&inst["finished_at"]) - at(&inst["started_at"])).num_milliseconds();
+    let want = rust_decimal::Decimal::new(2 * ran_ms, 3);
+    let h100_quantity = |inv: &Value| {
+        inv["lines"].as_array().and_then(|l| {
+            l.iter()
+                .find(|l| l["description"].as_str().unwrap_or("").contains("H100"))
+                .and_then(|l| {
+                    l["quantity"]
+                        .as_str()?
+                        .parse::<rust_decimal::Decimal>()
+                        .ok()
+                })
+        })
+    };
     let mut invoice = Value::Null;
     wait_until(
         "metered usage on the invoice",
         Duration::from_secs(30),
         || {
             invoice = env.get(&key, &format!("/v1/invoices/preview?period={month}"));
-            invoice["lines"].as_array().is_some_and(|l| !l.is_empty())
+            h100_quantity(&invoice).is_some_and(|q| q >= want)
         },
     );
     let dec = |v: &Value| v.as_str().unwrap().parse::<f64>().unwrap();
@@ -215,9 +238,9 @@ fn run_scenario(env: &Env) {
         .iter()
         .find(|l| l["description"].as_str().unwrap_or("").contains("H100"))
         .unwrap_or_else(|| panic!("no H100 line: {invoice}"));
-    // 2 GPUs for about 1.5 s, whole seconds, a started second billed.
+    // 2 GPUs for about 1.5 s, exactly, to the millisecond.
+    assert_eq!(h100_quantity(&invoice), Some(want), "{gpu_line}");
     let gpu_seconds = dec(&gpu_line["quantity"]);
-    assert!((2.0..=12.0).contains(&gpu_seconds), "{gpu_line}");
     assert_eq!(gpu_line["unit"], "gpu_second");
     // Rated at the H100 list price per second, rounded half-even to cents.
     let expected = (gpu_seconds * 2.99 / 3600.0 * 100.0).round() / 100.0;

@@ -394,8 +394,8 @@ fn agent_slurm_and_kubernetes_nodes_share_one_inventory_and_one_placement() {
             Duration::from_secs(90),
             || {
                 metered = metered_secs(&env, &key, id);
-                // Slurm and Kubernetes report whole seconds, and usage is
-                // metered in whole seconds.
+                // Slurm and Kubernetes report whole seconds; usage is
+                // metered to the millisecond of the times reported.
                 (metered - engine).abs() <= 2.0
             },
         );

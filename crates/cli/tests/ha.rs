@@ -139,7 +139,7 @@ fn all_instances(urls: &[String], key: &str) -> Vec<Value> {
 /// GPU-seconds billed per instance: the `gpu_seconds` events of the
 /// caller's tenant over the last hour, each once, less those a correction
 /// voids (the correction restates them).
-fn billed_gpu_seconds(urls: &[String], key: &str) -> BTreeMap<String, i64> {
+fn billed_gpu_ms(urls: &[String], key: &str) -> BTreeMap<String, i64> {
     let now = Utc::now();
     let from = (now - chrono::Duration::hours(1)).to_rfc3339();
     let to = (now + chrono::Duration::hours(1)).to_rfc3339();
@@ -177,7 +177,7 @@ fn billed_gpu_seconds(urls: &[String], key: &str) -> BTreeMap<String, i64> {
             counted.push((
                 k,
                 e["subject"]["id"].as_str().unwrap_or("").to_string(),
-                gpus * (b - a).num_seconds(),
+                gpus * (b - a).num_milliseconds(),
             ));
         }
         match page["next_cursor"].as_str() {
@@ -197,13 +197,13 @@ fn urlencode(s: &str) -> String {
     s.replace(':', "%3A").replace('+', "%2B")
 }
 
-/// What a finished instance should be billed: whole seconds from its start
-/// (floored) to its billing end (ceiled), times its GPUs.
-fn expected_gpu_seconds(inst: &Value, end: DateTime<Utc>) -> i64 {
+/// What a finished instance should be billed, in GPU-milliseconds: from
+/// its start to its billing end to the millisecond (each truncated to
+/// whole milliseconds), times its GPUs.
+fn expected_gpu_ms(inst: &Value, end: DateTime<Utc>) -> i64 {
     let start = ts(&inst["started_at"]).expect("started");
-    let floor = start.timestamp();
-    let ceil = end.timestamp() + i64::from(end.timestamp_subsec_nanos() > 0);
-    inst["gpus"].as_i64().unwrap_or(0) * (ceil - floor)
+    let ms = flotilla_billing::meter::to_millisecond;
+    inst["gpus"].as_i64().unwrap_or(0) * (ms(end) - ms(start)).num_milliseconds()
 }
 
 /// One instance's hold on GPUs: id, GPU ids, from, to.
@@ -391,7 +391,8 @@ fn three_servers_survive_a_kill_9_of_the_leader() {
     }
     assert_no_gpu_held_twice(&all);
 
-    // Each instance's usage is counted once: exactly its run, in seconds.
+    // Each instance's usage is counted once: exactly its run, to the
+    // millisecond.
     let expected: BTreeMap<String, i64> = all
         .iter()
         .filter(|i| i["state"] == "succeeded")
@@ -399,13 +400,13 @@ fn three_servers_survive_a_kill_9_of_the_leader() {
             let end = ts(&i["finished_at"]).unwrap();
             (
                 i["id"].as_str().unwrap().to_string(),
-                expected_gpu_seconds(i, end),
+                expected_gpu_ms(i, end),
             )
         })
         .collect();
     let mut billed = BTreeMap::new();
     wait_until("usage metered", Duration::from_secs(60), || {
-        billed = billed_gpu_seconds(&survivors, &key);
+        billed = billed_gpu_ms(&survivors, &key);
         expected.iter().all(|(id, _)| billed.contains_key(id))
     });
     for (id, want) in &expected {
@@ -840,7 +841,7 @@ fn a_node_cut_off_past_its_lease_stops_its_work_before_it_runs_elsewhere() {
         (lost_at - slack..lost_at + slack).contains(&last_ran),
         "stopped at its lease's end: ran until {last_ran}, lease ended {lost_at}"
     );
-    let want_old = expected_gpu_seconds(&old, lost_at);
+    let want_old = expected_gpu_ms(&old, lost_at);
     let mut billed = BTreeMap::new();
     // Usage lands slice by slice as the metering pass reaches it: wait for
     // all of it (an excess would stop the wait too, and fail below).
@@ -848,7 +849,7 @@ fn a_node_cut_off_past_its_lease_stops_its_work_before_it_runs_elsewhere() {
         "the old copy's usage in full",
         Duration::from_secs(60),
         || {
-            billed = billed_gpu_seconds(&urls, &key);
+            billed = billed_gpu_ms(&urls, &key);
             billed.get(&old_id).is_some_and(|&s| s >= want_old)
         },
     );

@@ -295,9 +295,9 @@ fn cordon_keeps_work_and_drain_moves_a_job_to_another_node() {
     });
 }
 
-/// GPU-seconds billed per instance of the caller's tenant over the last
-/// hour: each `gpu_seconds` event once.
-fn billed_gpu_seconds(env: &Home, key: &str) -> BTreeMap<String, i64> {
+/// GPU-milliseconds billed per instance of the caller's tenant over the
+/// last hour: each `gpu_seconds` event once.
+fn billed_gpu_ms(env: &Home, key: &str) -> BTreeMap<String, i64> {
     let now = Utc::now();
     let enc = |t: DateTime<Utc>| t.to_rfc3339().replace(':', "%3A").replace('+', "%2B");
     let path = format!(
@@ -325,7 +325,7 @@ fn billed_gpu_seconds(env: &Home, key: &str) -> BTreeMap<String, i64> {
         let (a, b) = (ts(&e["start"]).unwrap(), ts(&e["end"]).unwrap());
         let gpus: i64 = e["amount"].as_str().unwrap_or("0").parse().unwrap_or(0);
         *out.entry(e["subject"]["id"].as_str().unwrap_or("").to_string())
-            .or_insert(0) += gpus * (b - a).num_seconds();
+            .or_insert(0) += gpus * (b - a).num_milliseconds();
     }
     out
 }
@@ -400,11 +400,12 @@ fn a_silent_nodes_job_runs_elsewhere_within_two_heartbeat_timeouts() {
         .expect("declared lost");
     assert_eq!(lost_at, last + timeout, "lost as of its lease's end");
     let start = ts(&old["started_at"]).unwrap();
-    let want =
-        lost_at.timestamp() + i64::from(lost_at.timestamp_subsec_nanos() > 0) - start.timestamp();
+    // Billed to the millisecond from its start to its lease's end.
+    let ms = flotilla_billing::meter::to_millisecond;
+    let want = (ms(lost_at) - ms(start)).num_milliseconds();
     let mut billed = BTreeMap::new();
     wait_until("the lost copy's usage", Duration::from_secs(60), || {
-        billed = billed_gpu_seconds(&env, &key);
+        billed = billed_gpu_ms(&env, &key);
         billed.get(&first) == Some(&want)
     });
     assert_eq!(billed.get(&first), Some(&want), "{billed:?}");

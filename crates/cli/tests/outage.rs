@@ -15,10 +15,10 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use chrono::{DateTime, Timelike, Utc};
+use chrono::{DateTime, Utc};
 use flotilla_billing::meter::{effective_events, Meter, UsageEvent};
 use flotilla_testkit::process::{free_port, http, wait_until, Home, Proc};
-use rust_decimal::prelude::ToPrimitive;
+use rust_decimal::Decimal;
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
@@ -67,7 +67,7 @@ fn stamp(lines: &[String], prefix: &str) -> Option<f64> {
 
 /// GPU-seconds the ledger bills `subject`, corrections applied, and how
 /// many corrections it holds for it.
-fn billed(home: &Home, key: &str, tenant: &str, subject: &str) -> (f64, usize) {
+fn billed(home: &Home, key: &str, tenant: &str, subject: &str) -> (Decimal, usize) {
     let from = (Utc::now() - chrono::Duration::hours(2)).to_rfc3339();
     let to = (Utc::now() + chrono::Duration::hours(1)).to_rfc3339();
     let mut events: Vec<UsageEvent> = Vec::new();
@@ -99,11 +99,11 @@ fn billed(home: &Home, key: &str, tenant: &str, subject: &str) -> (f64, usize) {
         Utc::now() - chrono::Duration::days(1),
         Utc::now() + chrono::Duration::days(1),
     );
-    let gpu: f64 = effective_events(&mine)
+    let gpu: Decimal = effective_events(&mine)
         .unwrap()
         .iter()
         .filter(|e| matches!(e.meter, Meter::GpuSeconds { .. }))
-        .map(|e| e.quantity_within(a, b).unwrap().to_f64().unwrap())
+        .map(|e| e.quantity_within(a, b).unwrap())
         .sum();
     (gpu, corrections)
 }
@@ -112,18 +112,12 @@ fn urlencode(s: &str) -> String {
     s.replace('+', "%2B").replace(':', "%3A")
 }
 
-/// Whole seconds billed for a run from `s` to `f`: the start floored, the
-/// stop ceiled (flotilla-billing's `lifecycle_usage`).
-fn whole_seconds(s: DateTime<Utc>, f: DateTime<Utc>) -> f64 {
-    let floor = |t: DateTime<Utc>| t.with_nanosecond(0).unwrap();
-    let ceil = |t: DateTime<Utc>| {
-        if t.nanosecond() == 0 {
-            t
-        } else {
-            floor(t) + chrono::Duration::seconds(1)
-        }
-    };
-    (ceil(f) - floor(s)).num_seconds() as f64
+/// Seconds billed for a run from `s` to `f`: to the millisecond, each
+/// edge truncated to whole milliseconds (flotilla-billing's
+/// `lifecycle_usage`).
+fn exact_seconds(s: DateTime<Utc>, f: DateTime<Utc>) -> Decimal {
+    let ms = flotilla_billing::meter::to_millisecond;
+    Decimal::new((ms(f) - ms(s)).num_milliseconds(), 3)
 }
 
 /// The scenario, for an outage of `outage` seconds; `extra` goes to both
@@ -211,8 +205,8 @@ fn outage_is_billed_exactly(outage: i64, extra: &[&str]) {
         stamp(&lines, "start ").unwrap(),
         stamp(&lines, "end ").unwrap(),
     );
-    let want = whole_seconds(s, f);
-    let mut got = (0.0, 0);
+    let want = exact_seconds(s, f);
+    let mut got = (Decimal::ZERO, 0);
     let mut polls = 0;
     wait_until(
         "the ledger bills the run to its exit",
@@ -236,7 +230,7 @@ fn outage_is_billed_exactly(outage: i64, extra: &[&str]) {
         secs(restarted) - secs(f),
     );
     // The recorded run is the workload's own within 1 s at either end, and
-    // the bill is that run in whole seconds: nothing of the outage after
+    // the bill is that run to the millisecond: nothing of the outage after
     // the exit. (The exit is read from a file's modification time, which
     // the kernel's coarse clock may put a few milliseconds early.)
     let coarse = 0.05;

@@ -1,7 +1,7 @@
 //! Billing reconciliation on a manual clock, driven through the agent
 //! protocol and the server's own passes: a normal period (instances that
 //! start, run, end and are metered by the metering pass, on times off the
-//! whole second) reconciles with no difference; injected discrepancies
+//! whole second) reconciles with no difference, even at a zero threshold; injected discrepancies
 //! (usage with no workload, a workload whose usage was never metered,
 //! usage sent twice) are each reported with their cause and numbers, by
 //! `GET /v1/billing/reconcile` and by the leader's pass in
@@ -127,22 +127,12 @@ async fn a_metered_period_reconciles_with_no_difference() {
         f.on.clock.now() - Duration::minutes(2),
         "metering's lag"
     );
-    assert_eq!(r.threshold_seconds, Decimal::from(2));
-    // The ledger bills each run's started seconds: a little more, never
-    // less, and within the rounding rule.
-    let over = r.billed_seconds - r.observed_seconds;
-    assert!(over >= Decimal::ZERO && over < Decimal::from(4), "{r:?}");
-    // With no threshold at all, the rounding shows as over-billing, and
-    // only that.
+    assert_eq!(r.threshold_seconds, Decimal::from(1));
+    // The ledger bills each run to the millisecond: exactly what it ran.
+    assert_eq!(r.billed_seconds, r.observed_seconds, "{r:?}");
+    // So even with no threshold at all there is no difference.
     let exact = f.reconcile(&format!("{SINCE}&threshold_s=0")).await;
-    assert!(!exact.differences.is_empty(), "{exact:?}");
-    assert!(
-        exact
-            .differences
-            .iter()
-            .all(|d| d.cause == Cause::OverBilled && d.difference_seconds < Decimal::from(2)),
-        "{exact:?}"
-    );
+    assert_eq!(exact.differences, vec![], "{exact:?}");
     // The leader's pass agrees, and exports it.
     assert_eq!(reconcile_pass(&f.on.st).await.expect("a pass"), 0);
     assert_eq!(f.on.st.ops().billing_reconcile_differences.get(), 0);
@@ -219,12 +209,12 @@ async fn injected_discrepancies_are_reported_with_their_causes() {
     );
     let twice = of(metered);
     assert_eq!(twice.cause, Cause::OverBilled);
-    // Metered 1 s to 62 s (a started second is billed), plus 60 s again.
+    // Metered to the millisecond (60.5 s), plus 60 s again.
     assert_eq!(
         (twice.billed_seconds, twice.observed_seconds),
-        (Decimal::from(121), Decimal::new(605, 1))
+        (Decimal::new(1205, 1), Decimal::new(605, 1))
     );
-    assert_eq!(twice.difference_seconds, Decimal::new(605, 1));
+    assert_eq!(twice.difference_seconds, Decimal::from(60));
     assert_eq!(r.differences.len(), 3, "{r:?}");
     assert_eq!(r.instances, 3);
 

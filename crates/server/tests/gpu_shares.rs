@@ -237,16 +237,15 @@ async fn a_half_share_is_invoiced_at_half_a_gpu_second_per_second() {
             .unwrap()
             .with_timezone(&chrono::Utc)
     };
-    // Billing is per second: the start floored, the stop ceiled.
-    let (start, end) = (at("started_at").timestamp(), at("finished_at"));
-    let end = end.timestamp() + i64::from(end.timestamp_subsec_millis() > 0);
-    let seconds = end - start;
-    assert!(seconds >= 2, "{done}");
+    // Billing is to the millisecond from the start to the stop.
+    let ms = flotilla_billing::meter::to_millisecond;
+    let millis = (ms(at("finished_at")) - ms(at("started_at"))).num_milliseconds();
+    assert!(millis >= 1500, "{done}");
     let period = at("started_at").format("%Y-%m").to_string();
     // The metering loop turns the run into usage (in one-minute slices, the
     // last when it ends); the preview prices it. Half a GPU-second for
     // every second it ran.
-    let want = Decimal::from(seconds) / Decimal::from(2);
+    let want = Decimal::new(millis, 3) / Decimal::from(2);
     let mut last = Value::Null;
     for _ in 0..400 {
         let inv = s

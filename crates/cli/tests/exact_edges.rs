@@ -1,0 +1,135 @@
+//! Issue 26, "exact edges": usage is metered to the millisecond from the
+//! engine's own start and end, so a real 1.2 s process on `flotilla up` is
+//! billed what the agent observed it run, not a started second more at
+//! each end.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use flotilla_billing::meter::{effective_events, to_millisecond, Meter, UsageEvent};
+use flotilla_testkit::process::{free_port, http, wait_until, Home, Proc};
+use rust_decimal::Decimal;
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
+
+fn up(home: &Home) -> Proc {
+    let child = home
+        .cmd()
+        .args(["up", "--bind", &format!("127.0.0.1:{}", home.port)])
+        // Not the default 7430: another `up` on the machine may hold it.
+        .args(["--gateway-bind", &format!("127.0.0.1:{}", free_port())])
+        .args(["--simulate-gpus", "1xH100", "--node-name", "box"])
+        .stdout(Stdio::null())
+        .stderr(home.log("up"))
+        .spawn()
+        .expect("start flotilla up");
+    wait_until("up answers", Duration::from_secs(60), || {
+        http("GET", &format!("{}/healthz", home.url()), None, None)
+            .map(|(s, _)| s == 200)
+            .unwrap_or(false)
+    });
+    Proc(child)
+}
+
+fn time(v: &Value) -> DateTime<Utc> {
+    v.as_str().unwrap().parse().unwrap()
+}
+
+/// The instance's event `at` for `state`.
+fn event_at(inst: &Value, state: &str) -> DateTime<Utc> {
+    inst["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["state"] == state)
+        .map(|e| time(&e["at"]))
+        .unwrap_or_else(|| panic!("no {state} event: {inst}"))
+}
+
+/// GPU-seconds the ledger bills `subject`, corrections applied.
+fn billed(home: &Home, key: &str, subject: &str) -> Decimal {
+    let enc = |t: DateTime<Utc>| t.to_rfc3339().replace(':', "%3A").replace('+', "%2B");
+    let now = Utc::now();
+    let path = format!(
+        "/v1/usage?limit=1000&from={}&to={}",
+        enc(now - chrono::Duration::hours(1)),
+        enc(now + chrono::Duration::hours(1))
+    );
+    let events: Vec<UsageEvent> = home.get(key, &path)["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| serde_json::from_value(i.clone()).unwrap())
+        .filter(|e: &UsageEvent| e.subject.id == subject)
+        .collect();
+    effective_events(&events)
+        .unwrap()
+        .iter()
+        .filter(|e| matches!(e.meter, Meter::GpuSeconds { .. }))
+        .map(|e| e.quantity_within(e.start, e.end).unwrap())
+        .sum()
+}
+
+#[test]
+fn a_1_2_s_process_is_billed_what_it_ran_to_the_millisecond() {
+    flotilla_agent::runtime::sandbox::test_support::ensure_bwrap();
+    let home = Home::new(BIN);
+    let _up = up(&home);
+    let key = home.operator_key();
+    wait_until("the local node's GPU", Duration::from_secs(60), || {
+        home.get(&key, "/v1/gpu-types")["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["name"] == "H100" && t["free"].as_u64() == Some(1))
+    });
+    let id = home.run_detached(
+        &key,
+        &[
+            "--gpus",
+            "1",
+            "--cpu",
+            "100",
+            "--memory",
+            "64",
+            "--",
+            "sh",
+            "-c",
+            "sleep 1.2",
+        ],
+    );
+    wait_until("it finishes", Duration::from_secs(60), || {
+        home.get(&key, &format!("/v1/instances/{id}"))["state"] == "succeeded"
+    });
+    let inst = home.get(&key, &format!("/v1/instances/{id}"));
+    // What the agent observed: its running and final events.
+    let (ran, ended) = (event_at(&inst, "running"), event_at(&inst, "succeeded"));
+    let observed = Decimal::new(
+        (to_millisecond(ended) - to_millisecond(ran)).num_milliseconds(),
+        3,
+    );
+    assert!(
+        observed >= Decimal::new(1200, 3),
+        "the process slept 1.2 s: {inst}"
+    );
+    // The rule: the start and the stop the instance records, each to the
+    // millisecond, nothing rounded up.
+    let (s, f) = (time(&inst["started_at"]), time(&inst["finished_at"]));
+    let want = Decimal::new(
+        (to_millisecond(f) - to_millisecond(s)).num_milliseconds(),
+        3,
+    );
+    let mut got = Decimal::ZERO;
+    wait_until("the ledger bills the run", Duration::from_secs(60), || {
+        got = billed(&home, &key, &id);
+        got >= want
+    });
+    eprintln!("observed {observed} s, recorded {want} s, billed {got} GPU-s");
+    assert_eq!(got, want, "billed exactly the recorded run");
+    assert!(
+        (got - observed).abs() <= Decimal::new(10, 3),
+        "billed {got} s, observed {observed} s: {inst}"
+    );
+}
