@@ -3,35 +3,15 @@
 //! billed what the agent observed it run, not a started second more at
 //! each end.
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use flotilla_billing::meter::{effective_events, to_millisecond, Meter, UsageEvent};
-use flotilla_testkit::process::{free_port, http, wait_until, Home, Proc};
+use flotilla_testkit::process::{wait_until, Home};
 use rust_decimal::Decimal;
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
-
-fn up(home: &Home) -> Proc {
-    let child = home
-        .cmd()
-        .args(["up", "--bind", &format!("127.0.0.1:{}", home.port)])
-        // Not the default 7430: another `up` on the machine may hold it.
-        .args(["--gateway-bind", &format!("127.0.0.1:{}", free_port())])
-        .args(["--simulate-gpus", "1xH100", "--node-name", "box"])
-        .stdout(Stdio::null())
-        .stderr(home.log("up"))
-        .spawn()
-        .expect("start flotilla up");
-    wait_until("up answers", Duration::from_secs(60), || {
-        http("GET", &format!("{}/healthz", home.url()), None, None)
-            .map(|(s, _)| s == 200)
-            .unwrap_or(false)
-    });
-    Proc(child)
-}
 
 fn time(v: &Value) -> DateTime<Utc> {
     v.as_str().unwrap().parse().unwrap()
@@ -76,7 +56,7 @@ fn billed(home: &Home, key: &str, subject: &str) -> Decimal {
 fn a_1_2_s_process_is_billed_what_it_ran_to_the_millisecond() {
     flotilla_agent::runtime::sandbox::test_support::ensure_bwrap();
     let home = Home::new(BIN);
-    let _up = up(&home);
+    let _up = home.up("1xH100", &[], "up");
     let key = home.operator_key();
     wait_until("the local node's GPU", Duration::from_secs(60), || {
         home.get(&key, "/v1/gpu-types")["items"]

@@ -12,36 +12,15 @@
 //! so that the server's first metering pass after the restart bills that
 //! whole minute ahead of the agent's report.
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use flotilla_billing::meter::{effective_events, Meter, UsageEvent};
-use flotilla_testkit::process::{free_port, http, wait_until, Home, Proc};
+use flotilla_testkit::process::{wait_until, Home};
 use rust_decimal::Decimal;
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
-
-fn up(home: &Home, log: &str, extra: &[&str]) -> Proc {
-    let child = home
-        .cmd()
-        .args(["up", "--bind", &format!("127.0.0.1:{}", home.port)])
-        // Not the default 7430: another `up` on the machine may hold it.
-        .args(["--gateway-bind", &format!("127.0.0.1:{}", free_port())])
-        .args(["--simulate-gpus", "2xH100", "--node-name", "box"])
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(home.log(log))
-        .spawn()
-        .expect("start flotilla up");
-    wait_until("up answers", Duration::from_secs(60), || {
-        http("GET", &format!("{}/healthz", home.url()), None, None)
-            .map(|(s, _)| s == 200)
-            .unwrap_or(false)
-    });
-    Proc(child)
-}
 
 fn time(v: &Value) -> DateTime<Utc> {
     v.as_str().unwrap().parse().unwrap()
@@ -125,7 +104,7 @@ fn exact_seconds(s: DateTime<Utc>, f: DateTime<Utc>) -> Decimal {
 fn outage_is_billed_exactly(outage: i64, extra: &[&str]) {
     flotilla_agent::runtime::sandbox::test_support::ensure_bwrap();
     let home = Home::new(BIN);
-    let first = up(&home, "up", extra);
+    let first = home.up("2xH100", extra, "up");
     let key = home.operator_key();
     wait_until("the local node's GPUs", Duration::from_secs(60), || {
         home.get(&key, "/v1/gpu-types")["items"]
@@ -184,7 +163,7 @@ fn outage_is_billed_exactly(outage: i64, extra: &[&str]) {
     sleep_until(killed + chrono::Duration::seconds(outage));
     assert!(alive(pid), "the work outlives the kill for the lease");
     let restarted = Utc::now();
-    let _second = up(&home, "up2", extra);
+    let _second = home.up("2xH100", extra, "up2");
 
     // The one that ended meanwhile: reported with its exit, billed to it.
     wait_until("the exit is reported", Duration::from_secs(60), || {

@@ -6,39 +6,14 @@
 //! instance, their run is metered from their first start to their stop,
 //! and a new instance asking for every GPU waits until they are stopped.
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use flotilla_testkit::process::{free_port, http, wait_until, Home, Proc};
+use flotilla_testkit::process::{wait_until, Home};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 const GPUS: usize = 6;
-
-fn up(home: &Home) -> Proc {
-    let child = home
-        .cmd()
-        .args(["up", "--bind", &format!("127.0.0.1:{}", home.port)])
-        // Not the default 7430: another `up` on the machine may hold it.
-        .args(["--gateway-bind", &format!("127.0.0.1:{}", free_port())])
-        .args([
-            "--simulate-gpus",
-            &format!("{GPUS}xH100"),
-            "--node-name",
-            "box",
-        ])
-        .stdout(Stdio::null())
-        .stderr(home.log("up"))
-        .spawn()
-        .expect("start flotilla up");
-    wait_until("up answers", Duration::from_secs(60), || {
-        http("GET", &format!("{}/healthz", home.url()), None, None)
-            .map(|(s, _)| s == 200)
-            .unwrap_or(false)
-    });
-    Proc(child)
-}
 
 fn instance(home: &Home, key: &str, id: &str) -> Value {
     home.get(key, &format!("/v1/instances/{id}"))
@@ -62,7 +37,7 @@ fn lines(home: &Home, key: &str, id: &str) -> Vec<String> {
 fn a_killed_up_takes_its_running_work_over_after_a_restart() {
     flotilla_agent::runtime::sandbox::test_support::ensure_bwrap();
     let home = Home::new(BIN);
-    let mut first = up(&home);
+    let mut first = home.up(&format!("{GPUS}xH100"), &[], "up");
     let key = home.operator_key();
     wait_until("the local node's GPUs", Duration::from_secs(60), || {
         home.get(&key, "/v1/gpu-types")["items"]
@@ -127,7 +102,7 @@ fn a_killed_up_takes_its_running_work_over_after_a_restart() {
     let killed_at = Utc::now();
     std::thread::sleep(Duration::from_secs(1));
 
-    let _second = up(&home);
+    let _second = home.up(&format!("{GPUS}xH100"), &[], "up");
     // A new instance wanting every GPU, asked for at once.
     let out = home.cli(
         Some(&key),

@@ -375,6 +375,31 @@ impl Home {
         server
     }
 
+    /// Starts `flotilla up` (server and agent in one process, the node
+    /// called `box` with `gpus` simulated, e.g. `2xH100`) on this home's
+    /// port, with `extra` arguments, logging to `log`, and waits until it
+    /// answers. Its gateway binds a free port, not the default 7430, which
+    /// another `up` on the machine may hold.
+    pub fn up(&self, gpus: &str, extra: &[&str], log: &str) -> Proc {
+        let child = self
+            .cmd()
+            .args(["up", "--bind", &format!("127.0.0.1:{}", self.port)])
+            .args(["--gateway-bind", &format!("127.0.0.1:{}", free_port())])
+            .args(["--simulate-gpus", gpus, "--node-name", "box"])
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(self.log(log))
+            .spawn()
+            .expect("start flotilla up");
+        let up = Proc(child);
+        wait_until("up answers", Duration::from_secs(60), || {
+            http("GET", &format!("{}/healthz", self.url()), None, None)
+                .map(|(s, _)| s == 200)
+                .unwrap_or(false)
+        });
+        up
+    }
+
     /// Starts `flotilla agent` with simulated GPUs and the server's token.
     pub fn agent(&self, name: &str, simulate: &str) -> Proc {
         self.agent_to(name, simulate, &self.url())
