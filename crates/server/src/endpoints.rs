@@ -286,6 +286,16 @@ impl Controller {
                 created_at: r.created_at,
             })
             .collect();
+        // A policy not due to decide again keeps the count, and the reason
+        // that set it still stands (the activator's, a schedule's): the
+        // endpoint keeps saying that one rather than "not-due", which
+        // explains nothing to whoever reads it.
+        let reason = match &ep.reason {
+            Some(kept) if reason == "not-due" && ep.desired_replicas == Some(desired) => {
+                kept.clone()
+            }
+            _ => reason,
+        };
         let plan = plan_rollout(ep.revision, desired, &views, now, ep.spec.drain_grace_ms);
 
         // Apply.
