@@ -238,30 +238,39 @@ impl Store {
         Ok(RegisteredNode { id, created })
     }
 
-    /// Records a heartbeat. Returns the node's owner, or `NotFound`.
-    pub async fn heartbeat(&self, id: &NodeId, now: DateTime<Utc>) -> Result<TenantId> {
-        let row = sqlx::query("SELECT owner_tenant_id, state FROM nodes WHERE id = $1")
+    /// Records a heartbeat and returns the node's state as it was, or
+    /// `NotFound`: one statement, because every agent sync makes it.
+    pub async fn heartbeat(&self, id: &NodeId, now: DateTime<Utc>) -> Result<NodeState> {
+        let row =
+            sqlx::query("UPDATE nodes SET last_heartbeat_at = $1 WHERE id = $2 RETURNING state")
+                .bind(ms(now))
+                .bind(id.as_str())
+                .fetch_optional(self.writer())
+                .await?
+                .ok_or(StoreError::NotFound("node"))?;
+        let s: String = row.try_get("state")?;
+        NodeState::parse(&s).ok_or_else(|| StoreError::Corrupt(format!("node state `{s}`")))
+    }
+
+    /// The tenant that owns node `id`, or `NotFound`: what an agent's
+    /// call needs to be authorised, without loading the node's GPUs,
+    /// images and weights.
+    pub async fn node_owner(&self, id: &NodeId) -> Result<TenantId> {
+        let row = sqlx::query("SELECT owner_tenant_id FROM nodes WHERE id = $1")
             .bind(id.as_str())
             .fetch_optional(self.pool())
             .await?
             .ok_or(StoreError::NotFound("node"))?;
-        sqlx::query("UPDATE nodes SET last_heartbeat_at = $1 WHERE id = $2")
-            .bind(ms(now))
-            .bind(id.as_str())
-            .execute(self.writer())
-            .await?;
         Ok(TenantId::from_trusted(row.try_get("owner_tenant_id")?))
     }
 
-    /// Node state, for the sync handler.
-    pub async fn node_state(&self, id: &NodeId) -> Result<NodeState> {
-        let row = sqlx::query("SELECT state FROM nodes WHERE id = $1")
-            .bind(id.as_str())
-            .fetch_optional(self.pool())
+    /// The GPUs of node `id`, by index (none for an unknown node).
+    pub async fn node_gpus(&self, id: &NodeId) -> Result<Vec<Gpu>> {
+        Ok(self
+            .gpus_of(std::slice::from_ref(id))
             .await?
-            .ok_or(StoreError::NotFound("node"))?;
-        let s: String = row.try_get("state")?;
-        NodeState::parse(&s).ok_or_else(|| StoreError::Corrupt(format!("node state `{s}`")))
+            .remove(id)
+            .unwrap_or_default())
     }
 
     /// Marks a node ready again (its agent synced).

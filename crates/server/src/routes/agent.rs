@@ -7,8 +7,8 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
 use flotilla_core::api::{
-    Assignment, LogBatch, ObservedInstance, ObservedPhase, RegisterNode, Registered, SyncRequest,
-    SyncResponse,
+    Assignment, LogBatch, NodeWeights, ObservedInstance, ObservedPhase, RegisterNode, Registered,
+    SyncRequest, SyncResponse, WeightTier,
 };
 use flotilla_core::id::{GpuId, InstanceId, NodeId, ProviderId};
 use flotilla_core::node::NodeState;
@@ -153,12 +153,10 @@ fn lease_ms(st: &AppState) -> Option<u64> {
     u64::try_from(st.config().node_lease().as_millis()).ok()
 }
 
+/// A node the caller owns (operators: any) and may sync as an agent, or
+/// 404.
 async fn own_node(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<NodeId> {
-    let id = path_id(raw, "node_id", NodeId::parse)?;
-    let node = st.store().node(&id).await?;
-    if !caller.sees(&node.owner_tenant_id) {
-        return Err(ApiError::not_found("node"));
-    }
+    let id = super::offers::own_node(st, caller, raw).await?;
     caller.require(&AGENT_ROLES, "sync nodes")?;
     Ok(id)
 }
@@ -181,7 +179,7 @@ async fn take_out_faulty_gpus(
     if faults.is_empty() {
         return Ok(false);
     }
-    let gpus = st.store().node(node).await?.gpus;
+    let gpus = st.store().node_gpus(node).await?;
     let mut any = false;
     for (sample, fault) in faults {
         // Only a GPU the node registered, matched by index and UUID.
@@ -221,7 +219,7 @@ async fn profile_instances(
     if !samples.iter().any(|s| s.gpu_util_pct.is_some()) {
         return Ok(());
     }
-    let gpus = st.store().node(node).await?.gpus;
+    let gpus = st.store().node_gpus(node).await?;
     let mut by_instance: std::collections::BTreeMap<&InstanceId, Vec<_>> = Default::default();
     for s in samples {
         let Some(util) = s.gpu_util_pct else { continue };
@@ -297,7 +295,7 @@ pub async fn sync(
     req.validate_images().map_err(ApiError::field)?;
     req.validate_weights().map_err(ApiError::field)?;
     let now = st.now();
-    st.store().heartbeat(&id, now).await?;
+    let was_unreachable = st.store().heartbeat(&id, now).await? == NodeState::Unreachable;
     if let Some(images) = &req.images {
         st.store().set_node_images(&id, images, now).await?;
     }
@@ -312,7 +310,6 @@ pub async fn sync(
         profile_instances(&st, &id, &req.gpus, now).await?;
         st.record_telemetry(&id, now, req.gpus.clone());
     }
-    let was_unreachable = st.store().node_state(&id).await? == NodeState::Unreachable;
     let mut changed = false;
     for obs in &req.observed {
         changed |= st.store().apply_observed(&id, obs, now).await? == Applied::Changed;
@@ -329,20 +326,6 @@ pub async fn sync(
         tracing::info!(node = %id, reattached = reported.len(), "node is back");
         changed = true;
     }
-    // Work asked to stop that this agent does not report, long enough
-    // after the stop for an agent holding it to have reported it (its
-    // lease, the margin, the longest stop grace): no agent holds it, and
-    // nothing else would ever end it.
-    let reported: Vec<InstanceId> = req.observed.iter().map(|o| o.instance_id.clone()).collect();
-    let asked_by = now - unreported_stop_wait(&st);
-    if !st
-        .store()
-        .end_unreported_stops(&id, &reported, asked_by, now)
-        .await?
-        .is_empty()
-    {
-        changed = true;
-    }
     if changed {
         st.notify_change();
     }
@@ -352,6 +335,29 @@ pub async fn sync(
     let mut changes = st.subscribe();
     changes.borrow_and_update();
     let mut assignments = st.store().assignments(&id).await?;
+    // Work asked to stop that this agent does not report, long enough
+    // after the stop for an agent holding it to have reported it (its
+    // lease, the margin, the longest stop grace): no agent holds it, and
+    // nothing else would ever end it. Looked for only when such a stop is
+    // among the assignments, so that the usual sync makes no query for it.
+    if assignments
+        .iter()
+        .any(|a| a.stop && !req.observed.iter().any(|o| o.instance_id == a.instance_id))
+    {
+        let reported: Vec<InstanceId> =
+            req.observed.iter().map(|o| o.instance_id.clone()).collect();
+        let asked_by = now - unreported_stop_wait(&st);
+        if !st
+            .store()
+            .end_unreported_stops(&id, &reported, asked_by, now)
+            .await?
+            .is_empty()
+        {
+            st.notify_change();
+            changes.borrow_and_update();
+            assignments = st.store().assignments(&id).await?;
+        }
+    }
     // A session waiting for this node answers at once (see crate::access).
     if !needs_action(&assignments, &req.observed)
         && st.access().for_node(&id).is_empty()
@@ -376,14 +382,26 @@ pub async fn sync(
     if answered - now >= chrono::Duration::milliseconds(ANSWER_RENEWS_AFTER_MS) {
         st.store().heartbeat(&id, answered).await?;
     }
+    // A deleted endpoint's replicas stop outright and its parks end:
+    // asked only of a node that runs work or reports parked replicas.
+    let unpark = if assignments.is_empty() && !reports_parked(req.weights.as_deref()) {
+        vec![]
+    } else {
+        st.store().replicas_to_unpark(&id).await?
+    };
     Ok(Json(SyncResponse {
         assignments,
         reregister: false,
         lease_ms: lease_ms(&st),
         sessions: st.access().for_node(&id),
-        // A deleted endpoint's replicas stop outright and its parks end.
-        unpark: st.store().replicas_to_unpark(&id).await?,
+        unpark,
     }))
+}
+
+/// Whether an agent's weights report may hold a parked replica (no
+/// report: it may).
+fn reports_parked(weights: Option<&[NodeWeights]>) -> bool {
+    weights.is_none_or(|w| w.iter().any(|w| w.tier == WeightTier::Parked))
 }
 
 /// Gives each assignment the agent is about to start (one it does not

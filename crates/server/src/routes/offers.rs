@@ -16,10 +16,10 @@ use crate::extract::parse_json;
 use crate::state::AppState;
 
 /// A node the caller owns (operators: any), or 404.
-async fn own_node(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<NodeId> {
+pub(super) async fn own_node(st: &AppState, caller: &Caller, raw: &str) -> ApiResult<NodeId> {
     let id = path_id(raw, "node_id", NodeId::parse)?;
-    let node = st.store().node(&id).await?;
-    if !caller.sees(&node.owner_tenant_id) {
+    let owner = st.store().node_owner(&id).await?;
+    if !caller.sees(&owner) {
         return Err(ApiError::not_found("node"));
     }
     Ok(id)
