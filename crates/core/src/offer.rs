@@ -133,6 +133,38 @@ impl NodeOffer {
         }
         None
     }
+
+    /// When the offer next opens, if it is closed at `now`: the first
+    /// window start after `now` (to the minute), within a week. `None`
+    /// when offered now or when no window ever opens. What the scheduler
+    /// plans its next pass for while work waits for this node.
+    pub fn opens_after(&self, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        if self.offered_at(now) {
+            return None;
+        }
+        let midnight = now.date_naive().and_hms_opt(0, 0, 0)?.and_utc();
+        let today = now.weekday().num_days_from_monday() as usize;
+        let mut first: Option<DateTime<Utc>> = None;
+        for w in &self.windows {
+            let Some(start) = minutes(&w.start) else {
+                continue;
+            };
+            // Today's start may still be ahead; a week on, the same day's
+            // start always is.
+            for ahead in 0..=7usize {
+                let day = (today + ahead) % 7;
+                let on =
+                    w.days.is_empty() || w.days.iter().any(|d| d.eq_ignore_ascii_case(DAYS[day]));
+                let at =
+                    midnight + Duration::days(ahead as i64) + Duration::minutes(i64::from(start));
+                if on && at > now {
+                    first = Some(first.map_or(at, |f| f.min(at)));
+                    break;
+                }
+            }
+        }
+        first
+    }
 }
 
 #[cfg(test)]
@@ -151,6 +183,27 @@ mod tests {
     fn at(d: u32, h: u32, m: u32) -> DateTime<Utc> {
         // 2026-11-30 is a Monday; day 1 is that Monday.
         Utc.with_ymd_and_hms(2026, 11, 30, h, m, 0).unwrap() + Duration::days(i64::from(d) - 1)
+    }
+
+    #[test]
+    fn a_closed_offer_names_when_it_next_opens() {
+        let o = NodeOffer {
+            windows: vec![w(&["mon"], "22:00", "06:00"), w(&["wed"], "12:00", "13:00")],
+        };
+        // Monday noon: tonight at ten.
+        assert_eq!(o.opens_after(at(1, 12, 0)), Some(at(1, 22, 0)));
+        // Open now: nothing to wait for.
+        assert_eq!(o.opens_after(at(1, 23, 0)), None);
+        // Tuesday at seven: Wednesday noon, before next Monday's window.
+        assert_eq!(o.opens_after(at(2, 7, 0)), Some(at(3, 12, 0)));
+        // Wednesday at 13:30: next Monday evening.
+        assert_eq!(o.opens_after(at(3, 13, 30)), Some(at(8, 22, 0)));
+        // Seconds before the start: that start.
+        assert_eq!(
+            o.opens_after(at(1, 21, 59) + Duration::seconds(30)),
+            Some(at(1, 22, 0))
+        );
+        assert_eq!(NodeOffer::default().opens_after(at(1, 3, 0)), None);
     }
 
     #[test]

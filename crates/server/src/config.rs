@@ -25,6 +25,11 @@ pub struct ServerConfig {
     pub anonymous_rate_limit_per_second: u32,
     /// Longest pause of the reconcile loop when nothing signals a change.
     pub reconcile_tick: Duration,
+    /// While work waits and nothing changes, the scheduling pass still
+    /// runs this often (`reconcile::PassTrigger`): fair share decays with
+    /// time alone. A change, or a time the last plan named, runs it at
+    /// once.
+    pub pass_at_least_every: Duration,
     /// The placement policy (`flotilla-sched`); Flotilla's own by default.
     pub placement_policy: flotilla_sched::Policy,
     /// How often spot prices are recorded, budgets checked and webhooks
@@ -62,6 +67,7 @@ impl Default for ServerConfig {
             rate_limit_per_second: 100,
             anonymous_rate_limit_per_second: 10,
             reconcile_tick: Duration::from_secs(1),
+            pass_at_least_every: Duration::from_secs(5),
             placement_policy: flotilla_sched::Policy::Flotilla,
             billing_every: Duration::from_secs(30),
             operator_fee_percent: rust_decimal::Decimal::from(15),

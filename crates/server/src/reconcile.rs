@@ -24,11 +24,14 @@ pub const PASS_AT_LEAST_EVERY: ChronoDuration = ChronoDuration::seconds(5);
 /// the last one (the state's change generation: a change signalled, or an
 /// API request that may have written; or work submitted through any
 /// replica, seen as a new newest waiting id), when a time the last plan
-/// named arrives (the blocked head's expected start), and, while work
-/// waits, at least every [`PASS_AT_LEAST_EVERY`]. Never by the round's
-/// tick alone: an idle leader with nothing waiting plans nothing.
-#[derive(Debug, Clone, Default)]
+/// named arrives (the blocked head's expected start, an offer window's
+/// opening), and, while work waits, at least every `at_least_every`
+/// ([`PASS_AT_LEAST_EVERY`] by default). Never by the round's tick alone:
+/// an idle leader with nothing waiting plans nothing.
+#[derive(Debug, Clone)]
 pub struct PassTrigger {
+    /// The longest work waits without a pass when nothing changes.
+    at_least_every: ChronoDuration,
     /// The generation the last pass started at; `None` before the first.
     generation: Option<u64>,
     /// The newest waiting instance and job when it started.
@@ -39,7 +42,25 @@ pub struct PassTrigger {
     last: PassOutcome,
 }
 
+impl Default for PassTrigger {
+    fn default() -> Self {
+        Self::new(PASS_AT_LEAST_EVERY)
+    }
+}
+
 impl PassTrigger {
+    /// A trigger that has seen no pass, passing at least every
+    /// `at_least_every` while work waits.
+    pub fn new(at_least_every: ChronoDuration) -> Self {
+        Self {
+            at_least_every,
+            generation: None,
+            newest: (None, None),
+            ran_at: None,
+            last: PassOutcome::default(),
+        }
+    }
+
     /// Whether a pass is due at `generation`, with `newest` the newest
     /// waiting ids, at `now`.
     pub fn due(
@@ -53,8 +74,8 @@ impl PassTrigger {
         };
         self.generation != Some(generation)
             || &self.newest != newest
-            || self.last.head_due.is_some_and(|t| t <= now)
-            || (self.last.waiting > 0 && now - ran_at >= PASS_AT_LEAST_EVERY)
+            || self.last.planned().is_some_and(|t| t <= now)
+            || (self.last.waiting > 0 && now - ran_at >= self.at_least_every)
     }
 
     /// A pass started at `generation` and `newest` ran at `now` and found
@@ -147,7 +168,9 @@ pub async fn run(st: AppState, tick: Duration) {
     let mut shutdown = st.shutdown_signal();
     let mut last_housekeeping = st.now();
     let mut last_metering = st.now() - ChronoDuration::seconds(METERING_EVERY_S);
-    let mut trigger = PassTrigger::default();
+    let mut trigger = PassTrigger::new(
+        ChronoDuration::from_std(st.config().pass_at_least_every).unwrap_or(PASS_AT_LEAST_EVERY),
+    );
     loop {
         if *shutdown.borrow() {
             return;
@@ -168,15 +191,8 @@ pub async fn run(st: AppState, tick: Duration) {
         if let Err(e) = crate::jobs::jobs_pass(&st).await {
             tracing::warn!(error = %e, "job pass failed; retrying");
         }
-        let generation = st.change_generation();
-        match st.store().newest_waiting().await {
-            Ok(newest) if trigger.due(generation, &newest, st.now()) => match run_pass(&st).await {
-                Ok(outcome) => trigger.ran(generation, newest, st.now(), outcome),
-                // Due again next round: the trigger is left as it was.
-                Err(e) => tracing::warn!(error = %e, "placement pass failed; retrying"),
-            },
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "cannot read the queue's newest work; retrying"),
+        if let Err(e) = scheduling_round(&st, &mut trigger).await {
+            tracing::warn!(error = %e, "placement pass failed; retrying");
         }
         if let Err(e) = crate::offers::offers_pass(&st).await {
             tracing::warn!(error = %e, "offer window pass failed; retrying");
@@ -220,6 +236,23 @@ pub async fn run(st: AppState, tick: Duration) {
             _ = tokio::time::sleep_until(round_started + gap) => {}
         }
     }
+}
+
+/// One round's scheduling step: a pass when `trigger` says one is due;
+/// what it found, or `None` when none was due. A failed pass leaves the
+/// trigger as it was, so it is due again next round.
+pub async fn scheduling_round(
+    st: &AppState,
+    trigger: &mut PassTrigger,
+) -> Result<Option<PassOutcome>, StoreError> {
+    let generation = st.change_generation();
+    let newest = st.store().newest_waiting().await?;
+    if !trigger.due(generation, &newest, st.now()) {
+        return Ok(None);
+    }
+    let outcome = run_pass(st).await?;
+    trigger.ran(generation, newest, st.now(), outcome);
+    Ok(Some(outcome))
 }
 
 /// The periodic billing step, called from the reconcile loop: when due
@@ -292,6 +325,7 @@ mod tests {
                 placed: 0,
                 waiting: 1,
                 head_due: Some(t + ChronoDuration::seconds(30)),
+                window_opens: None,
             },
         );
         assert!(!p.due(0, &none, t + ChronoDuration::seconds(4)));
@@ -305,9 +339,26 @@ mod tests {
                 placed: 0,
                 waiting: 3,
                 head_due: None,
+                window_opens: None,
             },
         );
         assert!(!p.due(0, &none, t + ChronoDuration::seconds(4)));
         assert!(p.due(0, &none, t + PASS_AT_LEAST_EVERY));
+        // An offer window opening in 30 s, with the periodic pass an hour
+        // apart: due at the opening, not before.
+        let mut p = PassTrigger::new(ChronoDuration::hours(1));
+        p.ran(
+            0,
+            none.clone(),
+            t,
+            PassOutcome {
+                placed: 0,
+                waiting: 1,
+                head_due: Some(t + ChronoDuration::seconds(90)),
+                window_opens: Some(t + ChronoDuration::seconds(30)),
+            },
+        );
+        assert!(!p.due(0, &none, t + ChronoDuration::seconds(29)));
+        assert!(p.due(0, &none, t + ChronoDuration::seconds(30)));
     }
 }

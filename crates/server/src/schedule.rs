@@ -116,6 +116,9 @@ pub struct Gathered {
     works: Vec<Work>,
     /// By snapshot node index: the node and its GPU ids by GPU index.
     nodes: Vec<(NodeId, Vec<GpuId>)>,
+    /// When the first node kept out only by its provider's offer windows
+    /// opens: a time waiting work may fit without anything changing.
+    pub window_opens: Option<DateTime<Utc>>,
 }
 
 /// Dense tenant indices: the planner reasons in integers.
@@ -173,6 +176,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
     let mut gpu_index: BTreeMap<GpuId, (usize, u16)> = BTreeMap::new();
     let mut nodes = Vec::with_capacity(snapshot.len());
     let mut snap_nodes = Vec::with_capacity(snapshot.len());
+    let mut window_opens: Option<DateTime<Utc>> = None;
     for (i, n) in snapshot.iter().enumerate() {
         node_index.insert(n.id.clone(), i);
         let mut ids = Vec::with_capacity(n.gpus.len());
@@ -191,6 +195,11 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
             });
         }
         nodes.push((n.id.clone(), ids));
+        if n.ready && !n.cordoned {
+            if let Some(at) = n.offer.opens_after(now) {
+                window_opens = Some(window_opens.map_or(at, |w| w.min(at)));
+            }
+        }
         let cpu = u32::try_from(n.cpu_milli_free).unwrap_or(u32::MAX);
         snap_nodes.push(NodeSnap {
             ready: n.ready,
@@ -383,6 +392,7 @@ pub async fn gather(st: &AppState) -> Result<Gathered, StoreError> {
         },
         works,
         nodes,
+        window_opens,
     })
 }
 
@@ -542,6 +552,20 @@ pub struct PassOutcome {
     /// reservation), if the plan knows: a time to plan again at even if
     /// nothing changes.
     pub head_due: Option<DateTime<Utc>>,
+    /// When a node closed by its offer windows opens while work waits:
+    /// another such time.
+    pub window_opens: Option<DateTime<Utc>>,
+}
+
+impl PassOutcome {
+    /// The first time the last plan named to plan again at, whatever
+    /// else happens (a reservation's start, an offer window's opening).
+    pub fn planned(&self) -> Option<DateTime<Utc>> {
+        match (self.head_due, self.window_opens) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
 }
 
 /// One scheduling pass: gather, plan, apply. Returns how many works it
@@ -579,10 +603,12 @@ pub async fn run_pass(st: &AppState) -> Result<PassOutcome, StoreError> {
         .as_ref()
         .and_then(|r| r.start_ms)
         .and_then(|ms| DateTime::<Utc>::from_timestamp_millis(i64::try_from(ms).ok()?));
+    let waiting = plan.waiting.len();
     Ok(PassOutcome {
         placed: done.placed,
-        waiting: plan.waiting.len(),
+        waiting,
         head_due,
+        window_opens: if waiting > 0 { g.window_opens } else { None },
     })
 }
 

@@ -104,3 +104,93 @@ async fn the_pass_runs_on_a_change_and_never_by_tick_alone() {
         "no pass while nothing waits or changes"
     );
 }
+
+/// A time the plan named, with nothing changing: work waits for a node
+/// whose provider offers it from 12:00; at 11:59:30 the pass finds it
+/// closed and names the opening, the trigger stays quiet through the 30 s
+/// (the periodic pass set an hour apart, so only the planned time can
+/// run it) and is due at 12:00:00 exactly; that pass places the work. Then
+/// the leader, with nothing waiting, runs no pass for a minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offer_window_due_in_30_s_is_acted_on_at_its_time_without_a_change() {
+    use chrono::{Duration as Chrono, TimeZone, Utc};
+    use flotilla_core::clock::Clock;
+    use flotilla_server::reconcile::{scheduling_round, PassTrigger};
+    use flotilla_testkit::server::OnClock;
+
+    // A Monday, 30 s before noon.
+    let start = Utc.with_ymd_and_hms(2026, 11, 30, 11, 59, 30).unwrap();
+    let on = OnClock::with_config(
+        start,
+        flotilla_server::ServerConfig {
+            pass_at_least_every: Duration::from_secs(3600),
+            ..Default::default()
+        },
+    )
+    .await;
+    let provider = on.tenant_key("owner", "provider").await;
+    let member = on.tenant_key("lab", "tenant_member").await;
+    let node = on.register_node(&provider, "n1", &[("H100", 1)]).await;
+    on.ok(
+        &provider,
+        "PUT",
+        &format!("/v1/nodes/{node}/offer"),
+        Some(json!({"windows": [{"start": "12:00", "end": "13:00"}]})),
+    )
+    .await;
+    let i = on
+        .ok(
+            &member,
+            "POST",
+            "/v1/instances",
+            Some(json!({"gpus": 1, "command": ["x"]})),
+        )
+        .await;
+    let id = i["id"].as_str().unwrap().to_string();
+
+    let mut trigger = PassTrigger::new(Chrono::hours(1));
+    let outcome = scheduling_round(&on.st, &mut trigger)
+        .await
+        .expect("a round")
+        .expect("the first round passes");
+    assert_eq!((outcome.placed, outcome.waiting), (0, 1), "{outcome:?}");
+    let noon = Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap();
+    assert_eq!(outcome.window_opens, Some(noon), "{outcome:?}");
+    // 29 rounds a second apart: no pass.
+    for _ in 0..29 {
+        on.clock.advance(Chrono::seconds(1));
+        let ran = scheduling_round(&on.st, &mut trigger)
+            .await
+            .expect("a round");
+        assert!(
+            ran.is_none(),
+            "a pass at {} with nothing changed",
+            on.clock.now()
+        );
+    }
+    on.clock.advance(Chrono::seconds(1));
+    assert_eq!(on.clock.now(), noon);
+    let ran = scheduling_round(&on.st, &mut trigger)
+        .await
+        .expect("a round")
+        .expect("the pass planned for noon");
+    assert_eq!(ran.placed, 1, "{ran:?}");
+    let i = on
+        .ok(&member, "GET", &format!("/v1/instances/{id}"), None)
+        .await;
+    assert_eq!(i["state"], "scheduled", "{i}");
+    assert_eq!(i["node_id"], node.as_str(), "{i}");
+    // The placing pass signalled its own change: one more pass sees it.
+    on.clock.advance(Chrono::seconds(1));
+    scheduling_round(&on.st, &mut trigger)
+        .await
+        .expect("a round");
+    // Idle: a minute of rounds, no pass.
+    for _ in 0..60 {
+        on.clock.advance(Chrono::seconds(1));
+        let ran = scheduling_round(&on.st, &mut trigger)
+            .await
+            .expect("a round");
+        assert!(ran.is_none(), "an idle leader passed at {}", on.clock.now());
+    }
+}
