@@ -803,13 +803,19 @@ fn valid_month(p: &str) -> ConsoleResult<&str> {
     }
 }
 
-async fn draft_invoice(s: Session, Path(period): Path<String>) -> ConsoleResult<Response> {
+async fn draft_invoice(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(period): Path<String>,
+) -> ConsoleResult<Response> {
     let period = valid_month(&period)?;
     let inv = s.api.invoice_preview(period).await?;
+    let check = reconciliation(&st, &s, &inv).await?;
     let body = html! {
         p { "Draft: rated now from the ledger with the prices in force; it may still change until the month is finalised." }
         p { a.button #download-csv href={ "/invoices/draft/" (period) "/csv" } download { "Download CSV" } }
         (invoice_lines(&inv))
+        (check)
     };
     Ok(page(
         &s,
@@ -840,9 +846,14 @@ async fn draft_invoice_csv(s: Session, Path(period): Path<String>) -> ConsoleRes
     Ok(csv_download(&format!("invoice-{period}-draft.csv"), csv))
 }
 
-async fn final_invoice(s: Session, Path(id): Path<String>) -> ConsoleResult<Response> {
+async fn final_invoice(
+    State(st): State<ConsoleState>,
+    s: Session,
+    Path(id): Path<String>,
+) -> ConsoleResult<Response> {
     let id = seg(&id)?;
     let inv = s.api.invoice(id).await?;
+    let check = reconciliation(&st, &s, &inv).await?;
     let finalised = match inv.status() {
         InvoiceStatus::Finalised { at: t } => at(&t),
         InvoiceStatus::Draft => "—".into(),
@@ -851,8 +862,59 @@ async fn final_invoice(s: Session, Path(id): Path<String>) -> ConsoleResult<Resp
         p.muted { "Finalised " (finalised) " · tenant " (inv.tenant()) }
         p { a.button #download-csv href={ "/invoices/" (id) "/csv" } download { "Download CSV" } }
         (invoice_lines(&inv))
+        (check)
     };
     Ok(page(&s, &format!("Invoice {id}"), "/billing", body))
+}
+
+/// The invoice's reconciliation, for operators: the ledger its lines are
+/// rated from against what the executors saw its tenant's instances run
+/// over its period (up to a little before now), at the API's default
+/// threshold. A mark when nothing differs; otherwise every difference with
+/// its cause. Tenants see nothing (the API answers only operators).
+async fn reconciliation(st: &ConsoleState, s: &Session, inv: &Invoice) -> ConsoleResult<Markup> {
+    if !s.is_operator() {
+        return Ok(html! {});
+    }
+    let period = inv.period();
+    // Metering writes one-minute slices: the API's own default end.
+    let until = period.end.min(st.now() - chrono::Duration::minutes(2));
+    if until <= period.start {
+        return Ok(html! {});
+    }
+    let stamp =
+        |t: chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let report = s
+        .api
+        .billing_reconcile(&flotilla_client::ReconcileQuery {
+            since: Some(stamp(period.start)),
+            until: Some(stamp(until)),
+            threshold_s: None,
+        })
+        .await?;
+    let ours: Vec<_> = report
+        .differences
+        .iter()
+        .filter(|d| d.tenant == *inv.tenant())
+        .collect();
+    let threshold = report.threshold_seconds.normalize();
+    Ok(html! {
+        section aria-labelledby="reconciled-h" {
+            h2 #reconciled-h { "Reconciliation" }
+            @if ours.is_empty() {
+                p.ok #reconciled { "✓ Reconciled: to " (at(&until)) ", the ledger bills what the executors saw this tenant's instances run (no difference over " (threshold) " s)." }
+            } @else {
+                p.bad #reconciled { "⚠ " (ours.len()) " difference(s) over " (threshold) " s between the ledger and what the executors saw, to " (at(&until)) ":" }
+                (table("Differences", &["Instance", "Cause", "Billed s", "Observed s", "Difference s"], ours.iter().map(|d| html! { tr {
+                    th scope="row" { (d.instance) }
+                    td { (word(&d.cause)) }
+                    td.num { (d.billed_seconds.normalize()) }
+                    td.num { (d.observed_seconds.normalize()) }
+                    td.num { (d.difference_seconds.normalize()) }
+                } }).collect(), ""))
+            }
+        }
+    })
 }
 
 async fn final_invoice_csv(s: Session, Path(id): Path<String>) -> ConsoleResult<Response> {

@@ -84,6 +84,37 @@ impl Fixture {
         self.on.clock.advance(Duration::milliseconds(ms));
     }
 
+    /// Moves on to January 2027, finalises the tenant's December and
+    /// returns its invoice's id.
+    async fn finalise_december(&self) -> String {
+        let now = self.on.clock.now();
+        let jan = Utc.with_ymd_and_hms(2027, 1, 5, 0, 0, 0).unwrap();
+        self.on.clock.advance(jan - now);
+        let r = self
+            .on
+            .ok(
+                &self.on.operator,
+                "POST",
+                "/v1/invoices/finalise",
+                Some(json!({"period": "2026-12", "tenant": self.tenant})),
+            )
+            .await;
+        r["finalised"][0]["id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("December finalised: {r}"))
+            .to_string()
+    }
+
+    /// The invoice's console page as `key` sees it.
+    async fn invoice_page(&self, key: &str, invoice: &str) -> String {
+        let (status, html) = self
+            .on
+            .console_page(key, &format!("/invoices/{invoice}"))
+            .await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        html
+    }
+
     async fn reconcile(&self, query: &str) -> ReconcileReport {
         let (status, body) = self
             .on
@@ -136,6 +167,17 @@ async fn a_metered_period_reconciles_with_no_difference() {
     // The leader's pass agrees, and exports it.
     assert_eq!(reconcile_pass(&f.on.st).await.expect("a pass"), 0);
     assert_eq!(f.on.st.ops().billing_reconcile_differences.get(), 0);
+
+    // The month's invoice carries the mark on the operator's console.
+    f.report(&ids[1], exited()).await;
+    metering_pass(&f.on.st).await.expect("a metering pass");
+    let invoice = f.finalise_december().await;
+    let page = f.invoice_page(&f.on.operator, &invoice).await;
+    assert!(page.contains("id=\"reconciled\""), "{page}");
+    assert!(page.contains("✓ Reconciled"), "{page}");
+    // A tenant's console shows no reconciliation (operators' alone).
+    let page = f.invoice_page(&f.member, &invoice).await;
+    assert!(!page.contains("Reconciliation"), "{page}");
 }
 
 /// A usage event posted by the operator: instance time of `subject` over
@@ -221,6 +263,16 @@ async fn injected_discrepancies_are_reported_with_their_causes() {
     // The leader's pass counts them into the exported gauge.
     assert_eq!(reconcile_pass(&f.on.st).await.expect("a pass"), 3);
     assert_eq!(f.on.st.ops().billing_reconcile_differences.get(), 3);
+
+    // The month's invoice, on the operator's console: no mark, the three
+    // differences with their causes.
+    let invoice = f.finalise_december().await;
+    let page = f.invoice_page(&f.on.operator, &invoice).await;
+    assert!(page.contains("3 difference(s)"), "{page}");
+    assert!(!page.contains("✓ Reconciled"), "{page}");
+    for id in ["inst_ghost", metered.as_str(), unmetered.as_str()] {
+        assert!(page.contains(id), "{id} on the page: {page}");
+    }
 
     // The route is in the OpenAPI document, with its answer's schema.
     let doc =

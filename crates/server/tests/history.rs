@@ -8,6 +8,9 @@
 //! `flotilla simulate --from-history` runs) gives the recorded GPU-hours
 //! back within 2 % under the recorded settings, and with another placement
 //! policy on half the machines the waits grow and the comparison says so.
+//! The day is metered as it runs, and reconciling it (`flotilla billing
+//! reconcile` over the day) finds no difference at all: every instance,
+//! job member and replica billed to the millisecond it ran.
 
 use std::collections::BTreeMap;
 
@@ -220,8 +223,25 @@ async fn a_recorded_day_replays_to_its_gpu_hours_and_half_the_nodes_make_waits()
             }
         }
         start_placed(&on, &provider, &works, &mut ends).await;
+        flotilla_server::metering::metering_pass(&on.st)
+            .await
+            .expect("a metering pass");
         on.clock.advance(step);
     }
+    // The day's bill against the day's runs, at threshold 0: the ledger
+    // bills, to the millisecond, what the agents reported running.
+    flotilla_server::metering::metering_pass(&on.st)
+        .await
+        .expect("a metering pass");
+    let check = flotilla_server::reconciliation::reconcile_window(&on.st, from, to, 0)
+        .await
+        .expect("a reconciliation");
+    assert!(check.differences.is_empty(), "{check:?}");
+    assert_eq!(check.billed_seconds, check.observed_seconds, "{check:?}");
+    assert!(
+        check.instances >= 37 && check.billed_seconds > rust_decimal::Decimal::from(40 * 3600),
+        "a day's work was compared: {check:?}"
+    );
 
     let (status, body) = on
         .call(
