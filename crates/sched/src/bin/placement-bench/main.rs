@@ -7,6 +7,11 @@
 //! fails), and record the GPU allocation at 100% and 130% arrived demand and
 //! the fragmentation at 90%.
 //!
+//! Each sequence also gets an offline packing bound (no placement of those
+//! pods can allocate more GPU) and a hindsight packing (a feasible one found
+//! knowing every pod), see [`bound`]; the policies are reported as a share of
+//! the bound too.
+//!
 //! This binary is the I/O edge (files, threads, wall clock); the placement
 //! code it drives is the pure `flotilla_sched` library. Run it through
 //! `scripts/bench placement`.
@@ -26,6 +31,8 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+mod bound;
+
 const DEFAULT_TRACE_DIR: &str = "../shared/data/alibaba-gpu-2023";
 const PUBLISHED_DEFAULT_130: [(&str, f64); 6] = [
     ("Random", 87.5),
@@ -38,6 +45,8 @@ const PUBLISHED_DEFAULT_130: [(&str, f64); 6] = [
 
 struct Args {
     seeds: u64,
+    /// Compute the packing bound and the hindsight packing per sequence.
+    bound: bool,
     jobs: usize,
     traces: Option<Vec<String>>,
     policies: Vec<Policy>,
@@ -51,6 +60,7 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         seeds: 10,
+        bound: true,
         jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
         traces: None,
         policies: Policy::ALL.to_vec(),
@@ -77,11 +87,12 @@ fn parse_args() -> Result<Args, String> {
             "--json" => a.json = Some(PathBuf::from(val()?)),
             "--table" => a.table = Some(PathBuf::from(val()?)),
             "--no-throughput" => a.throughput = false,
+            "--no-bound" => a.bound = false,
             "--pass-only" => a.pass_only = true,
             "--trace-dir" => a.trace_dir = PathBuf::from(val()?),
             "-h" | "--help" => {
                 return Err("usage: placement-bench [--seeds N] [--jobs N] [--traces default,gpushare40] \
-                            [--policies FGD,Flotilla] [--json PATH] [--table PATH] [--no-throughput] [--pass-only] [--trace-dir DIR]"
+                            [--policies FGD,Flotilla] [--json PATH] [--table PATH] [--no-throughput] [--no-bound] [--pass-only] [--trace-dir DIR]"
                     .into())
             }
             other => return Err(format!("unknown argument {other}")),
@@ -159,6 +170,7 @@ fn parse_pods(path: &Path, models: &ModelTable) -> Result<Vec<Request>, String> 
 
 #[derive(Clone, Debug)]
 struct RunResult {
+    seed: u64,
     alloc_100: f64,
     alloc_130: f64,
     frag_90: f64,
@@ -187,6 +199,40 @@ fn arrivals(pods: &[Request], capacity_milli: u64, seed: u64) -> Vec<Request> {
         out.push(p);
     }
     out
+}
+
+/// One unit of work for the thread pool.
+#[derive(Clone, Copy)]
+enum Job {
+    /// A policy on the arrival order.
+    Online { t: usize, p: Policy, s: u64 },
+    /// A policy on the same pods largest first (hindsight).
+    Decreasing { t: usize, p: Policy, s: u64 },
+    /// The packing bound of a sequence.
+    Bound { t: usize, s: u64 },
+}
+
+/// Scorers the hindsight packing tries on the largest-first order.
+const HINDSIGHT_POLICIES: [Policy; 3] = [Policy::BestFit, Policy::Fgd, Policy::Flotilla];
+const BOUND_ROW: &str = "packing bound";
+const HINDSIGHT_ROW: &str = "hindsight";
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The same pods, knowing them all: largest GPU demand first (then most
+/// CPU), the first-fit-decreasing order of bin packing. Stable, so equal
+/// pods keep their arrival order.
+fn largest_first(seq: &[Request]) -> Vec<Request> {
+    let mut v = seq.to_vec();
+    v.sort_by_key(|r| {
+        (
+            std::cmp::Reverse(r.gpu.total_milli()),
+            std::cmp::Reverse(r.cpu_milli),
+        )
+    });
+    v
 }
 
 fn replay(
@@ -226,6 +272,7 @@ fn replay(
     let secs = start.elapsed().as_secs_f64();
     let alloc_130 = 100.0 * cluster.gpu_allocated_milli() as f64 / cap;
     RunResult {
+        seed,
         alloc_100: alloc_100.unwrap_or(alloc_130),
         alloc_130,
         frag_90: frag_90.unwrap_or(f64::NAN),
@@ -241,6 +288,8 @@ struct Row {
     alloc_100: Option<f64>,
     alloc_130: Option<f64>,
     frag_90: Option<f64>,
+    /// Mean over seeds of alloc @130% as % of that seed's packing bound.
+    of_bound: Option<f64>,
     decisions_per_s: f64,
     /// Milliseconds of one planner pass (the pass row only).
     pass_ms: Option<f64>,
@@ -298,40 +347,76 @@ fn trace_benchmark(args: &Args) -> Result<Option<Vec<Row>>, String> {
         })
         .collect();
 
-    // Slowest policies first so the pool drains evenly.
+    // Bounds first (the longest jobs), then the slowest policies, so the
+    // pool drains evenly.
     let mut jobs = Vec::new();
+    if args.bound {
+        for t in 0..traces.len() {
+            for s in 0..args.seeds {
+                jobs.push(Job::Bound { t, s });
+            }
+        }
+    }
     for p in args.policies.iter().rev() {
         for t in 0..traces.len() {
             for s in 0..args.seeds {
-                jobs.push((t, *p, s));
+                jobs.push(Job::Online { t, p: *p, s });
+                if args.bound && HINDSIGHT_POLICIES.contains(p) {
+                    jobs.push(Job::Decreasing { t, p: *p, s });
+                }
             }
         }
     }
     let next = AtomicUsize::new(0);
     let results: Mutex<BTreeMap<(usize, String), Vec<RunResult>>> = Mutex::new(BTreeMap::new());
+    // Per (trace, seed): the packing bound, and the best hindsight packing.
+    let bounds: Mutex<BTreeMap<(usize, u64), f64>> = Mutex::new(BTreeMap::new());
+    let hindsight: Mutex<BTreeMap<(usize, u64), f64>> = Mutex::new(BTreeMap::new());
     let done = AtomicUsize::new(0);
+    let cap = base.gpu_capacity_milli() as f64;
     std::thread::scope(|scope| {
         for _ in 0..args.jobs {
             scope.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&(t, p, s)) = jobs.get(i) else { break };
-                let r = replay(&base, &workloads[t], &seqs[t][s as usize], p, s);
-                results
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .entry((t, p.name().to_owned()))
-                    .or_default()
-                    .push(r);
+                let Some(&job) = jobs.get(i) else { break };
+                match job {
+                    Job::Bound { t, s } => {
+                        let b =
+                            bound::Instance::new(&base, &seqs[t][s as usize]).packing_bound_milli();
+                        lock(&bounds).insert((t, s), 100.0 * b / cap);
+                    }
+                    Job::Online { t, p, s } => {
+                        let r = replay(&base, &workloads[t], &seqs[t][s as usize], p, s);
+                        let mut h = lock(&hindsight);
+                        let e = h.entry((t, s)).or_insert(0.0);
+                        *e = e.max(r.alloc_130);
+                        drop(h);
+                        lock(&results)
+                            .entry((t, p.name().to_owned()))
+                            .or_default()
+                            .push(r);
+                    }
+                    Job::Decreasing { t, p, s } => {
+                        let seq = largest_first(&seqs[t][s as usize]);
+                        let r = replay(&base, &workloads[t], &seq, p, s);
+                        let mut h = lock(&hindsight);
+                        let e = h.entry((t, s)).or_insert(0.0);
+                        *e = e.max(r.alloc_130);
+                    }
+                }
                 let d = done.fetch_add(1, Ordering::Relaxed) + 1;
                 if d.is_multiple_of(50) || d == jobs.len() {
-                    eprintln!("placement-bench: {d}/{} replays", jobs.len());
+                    eprintln!("placement-bench: {d}/{} jobs", jobs.len());
                 }
             });
         }
     });
     let results = results.into_inner().unwrap_or_else(|e| e.into_inner());
+    let bounds = bounds.into_inner().unwrap_or_else(|e| e.into_inner());
+    let hindsight = hindsight.into_inner().unwrap_or_else(|e| e.into_inner());
     let mut rows = Vec::new();
     for (t, trace) in traces.iter().enumerate() {
+        let bound_of = |s: u64| bounds.get(&(t, s)).copied();
         for p in &args.policies {
             let Some(rs) = results.get(&(t, p.name().to_owned())) else {
                 continue;
@@ -339,6 +424,10 @@ fn trace_benchmark(args: &Args) -> Result<Option<Vec<Row>>, String> {
             let a100: Vec<f64> = rs.iter().map(|r| r.alloc_100).collect();
             let a130: Vec<f64> = rs.iter().map(|r| r.alloc_130).collect();
             let f90: Vec<f64> = rs.iter().map(|r| r.frag_90).collect();
+            let share: Option<Vec<f64>> = rs
+                .iter()
+                .map(|r| bound_of(r.seed).map(|b| 100.0 * r.alloc_130 / b))
+                .collect();
             let decisions: usize = rs.iter().map(|r| r.decisions).sum();
             let secs: f64 = rs.iter().map(|r| r.secs).sum();
             rows.push(Row {
@@ -348,9 +437,33 @@ fn trace_benchmark(args: &Args) -> Result<Option<Vec<Row>>, String> {
                 alloc_100: Some(mean(&a100)),
                 alloc_130: Some(mean(&a130)),
                 frag_90: Some(mean(&f90)),
+                of_bound: share.map(|v| mean(&v)),
                 decisions_per_s: decisions as f64 / secs.max(1e-9),
                 pass_ms: None,
             });
+        }
+        if args.bound {
+            for (name, map) in [(BOUND_ROW, &bounds), (HINDSIGHT_ROW, &hindsight)] {
+                let per_seed: Vec<(u64, f64)> = (0..args.seeds)
+                    .filter_map(|s| map.get(&(t, s)).map(|&v| (s, v)))
+                    .collect();
+                let vals: Vec<f64> = per_seed.iter().map(|x| x.1).collect();
+                let share: Option<Vec<f64>> = per_seed
+                    .iter()
+                    .map(|&(s, v)| bound_of(s).map(|b| 100.0 * v / b))
+                    .collect();
+                rows.push(Row {
+                    trace: trace.name.clone(),
+                    policy: name.to_owned(),
+                    seeds: vals.len() as u64,
+                    alloc_100: None,
+                    alloc_130: Some(mean(&vals)),
+                    frag_90: None,
+                    of_bound: share.map(|v| mean(&v)),
+                    decisions_per_s: f64::NAN,
+                    pass_ms: None,
+                });
+            }
         }
     }
     Ok(Some(rows))
@@ -419,6 +532,7 @@ fn throughput(nodes: usize) -> Row {
         alloc_100: None,
         alloc_130: None,
         frag_90: None,
+        of_bound: None,
         decisions_per_s: reqs.len() as f64 / secs.max(1e-9),
         pass_ms: None,
     }
@@ -585,6 +699,7 @@ fn pass_row(nodes: usize, queued: usize) -> Row {
         alloc_100: None,
         alloc_130: None,
         frag_90: None,
+        of_bound: None,
         decisions_per_s: queued as f64 / (ms / 1000.0).max(1e-9),
         pass_ms: Some(ms),
     }
@@ -601,14 +716,15 @@ fn to_json(rows: &[Row]) -> String {
         let _ = writeln!(
             s,
             "  {{\"trace\": \"{}\", \"policy\": \"{}\", \"seeds\": {}, \"gpu_alloc_pct_at_100\": {}, \
-             \"gpu_alloc_pct_at_130\": {}, \"frag_pct_at_90\": {}, \"decisions_per_s\": {:.0}, \"pass_ms\": {}}}{}",
+             \"gpu_alloc_pct_at_130\": {}, \"frag_pct_at_90\": {}, \"pct_of_packing_bound\": {}, \"decisions_per_s\": {}, \"pass_ms\": {}}}{}",
             r.trace,
             r.policy,
             r.seeds,
             opt(r.alloc_100, 2),
             opt(r.alloc_130, 2),
             opt(r.frag_90, 2),
-            r.decisions_per_s,
+            opt(r.of_bound, 2),
+            opt(Some(r.decisions_per_s), 0),
             opt(r.pass_ms, 1),
             if i + 1 < rows.len() { "," } else { "" }
         );
@@ -623,10 +739,14 @@ fn to_table(rows: &[Row]) -> String {
             .map_or("–".into(), |x| format!("{x:.1}"))
     };
     let mut s = String::new();
-    let trace_rows: Vec<&Row> = rows.iter().filter(|r| r.alloc_130.is_some()).collect();
+    let is_bound = |r: &Row| r.policy == BOUND_ROW || r.policy == HINDSIGHT_ROW;
+    let trace_rows: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.alloc_130.is_some() && !is_bound(r))
+        .collect();
     if !trace_rows.is_empty() {
-        s.push_str("| trace | policy | seeds | GPU alloc % @100% | GPU alloc % @130% | published @130% | frag % @90% | decisions/s |\n");
-        s.push_str("|---|---|---:|---:|---:|---:|---:|---:|\n");
+        s.push_str("| trace | policy | seeds | GPU alloc % @100% | GPU alloc % @130% | published @130% | % of bound @130% | frag % @90% | decisions/s |\n");
+        s.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
         for r in &trace_rows {
             let published = if r.trace == "default" {
                 PUBLISHED_DEFAULT_130
@@ -638,31 +758,52 @@ fn to_table(rows: &[Row]) -> String {
             };
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {:.0} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} |",
                 r.trace,
                 r.policy,
                 r.seeds,
                 dash(r.alloc_100),
                 dash(r.alloc_130),
                 published,
+                dash(r.of_bound),
                 dash(r.frag_90),
                 r.decisions_per_s
             );
         }
-        // Flotilla vs FGD per trace.
-        s.push_str(
-            "\n| trace | FGD @130% | Flotilla @130% | Flotilla − FGD |\n|---|---:|---:|---:|\n",
-        );
+        // Per trace: the bound, hindsight, FGD and Flotilla, absolute and
+        // as a share of the bound.
+        let bounded = rows.iter().any(|r| r.policy == BOUND_ROW);
+        if bounded {
+            s.push_str(
+                "\n| trace | packing bound @130% | hindsight @130% | FGD @130% | Flotilla @130% | Flotilla − FGD | hindsight % of bound | FGD % of bound | Flotilla % of bound |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            );
+        } else {
+            s.push_str(
+                "\n| trace | FGD @130% | Flotilla @130% | Flotilla − FGD |\n|---|---:|---:|---:|\n",
+            );
+        }
         let mut traces: Vec<&str> = trace_rows.iter().map(|r| r.trace.as_str()).collect();
         traces.dedup();
         for t in traces {
-            let get = |p: &str| {
-                trace_rows
-                    .iter()
-                    .find(|r| r.trace == t && r.policy == p)
-                    .and_then(|r| r.alloc_130)
+            let get = |p: &str| rows.iter().find(|r| r.trace == t && r.policy == p);
+            let at = |p: &str| get(p).and_then(|r| r.alloc_130);
+            let share = |p: &str| get(p).and_then(|r| r.of_bound);
+            let (Some(f), Some(o)) = (at("FGD"), at("Flotilla")) else {
+                continue;
             };
-            if let (Some(f), Some(o)) = (get("FGD"), get("Flotilla")) {
+            if bounded {
+                let two = |v: Option<f64>| v.map_or("–".into(), |x| format!("{x:.2}"));
+                let _ = writeln!(
+                    s,
+                    "| {t} | {} | {} | {f:.2} | {o:.2} | {:+.2} | {} | {} | {} |",
+                    two(at(BOUND_ROW)),
+                    two(at(HINDSIGHT_ROW)),
+                    o - f,
+                    two(share(HINDSIGHT_ROW)),
+                    two(share("FGD")),
+                    two(share("Flotilla")),
+                );
+            } else {
                 let _ = writeln!(s, "| {t} | {f:.2} | {o:.2} | {:+.2} |", o - f);
             }
         }
