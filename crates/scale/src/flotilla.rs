@@ -318,6 +318,12 @@ impl Flotilla {
         &self.cfg
     }
 
+    /// Change [`FlotillaConfig::queue_tolerance_ms`]: the tiered policy
+    /// sets it before each decision from what it has measured.
+    pub fn set_queue_tolerance_ms(&mut self, ms: u64) {
+        self.cfg.queue_tolerance_ms = ms;
+    }
+
     /// Fold the observation into the estimators.
     fn observe(&mut self, now: u64, obs: &Observation) {
         let total = obs.requests_total;

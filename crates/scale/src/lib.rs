@@ -32,6 +32,7 @@ pub mod observe;
 pub mod policy;
 pub mod ray;
 pub mod tiers;
+pub mod tolerance;
 pub mod vertical;
 
 pub use builder::{Endpoint, PolicyKind};
@@ -41,10 +42,11 @@ pub use hpa::{
 };
 pub use keda::{Keda, KedaConfig};
 pub use kpa::{Kpa, KpaConfig};
-pub use observe::{Aggregation, Latency, Observation, Signal};
+pub use observe::{Aggregation, Latency, Observation, Signal, Timing};
 pub use policy::{Bounds, Decision, Policy, Reason};
 pub use ray::{RayServe, RayServeConfig};
 pub use tiers::{ReadinessTiers, Tier, TierEconomics, TierPlan, TierSpeed, TieredFlotilla};
+pub use tolerance::{DecayingQuantile, QueueTolerance};
 pub use vertical::{GpuClass, Move, Vertical, VerticalConfig, VerticalSignals};
 
 /// Errors of this crate: all are invalid configuration, caught when a

@@ -49,6 +49,21 @@ pub struct Observation {
     pub custom: Option<f64>,
 }
 
+/// One measured duration a policy may learn from, reported by the caller
+/// as it happens ([`crate::Policy::record`]): the live server from the
+/// gateway's and agents' reports, the simulator from its events. Policies
+/// that learn nothing from them ignore them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Timing {
+    /// A request's prefill took `ms` (its first token came `ms` after it
+    /// took a slot).
+    Prefill { ms: u64 },
+    /// A replica restored from host memory (parked) was ready `ms` after it
+    /// took its GPU.
+    Restore { ms: u64 },
+}
+
 /// Whether a signal is a total over the endpoint or already an average per
 /// replica. HPA divides totals by the replica count; averages it takes as
 /// they are.

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::observe::Observation;
+use crate::observe::{Observation, Timing};
 use crate::ScaleError;
 
 /// An autoscaling policy: a deterministic state machine over
@@ -37,6 +37,14 @@ pub trait Policy {
     fn parked(&self) -> u32 {
         0
     }
+
+    /// Learn from a duration measured at `now_ms` (same clock as
+    /// [`Policy::decide`]). The default ignores it: only policies whose
+    /// rule depends on measured prefill or restore times (the tiered
+    /// policy's queue tolerance) keep anything. Calling it is never needed
+    /// for a decision to be valid; without it such a policy keeps its
+    /// priors.
+    fn record(&mut self, _now_ms: u64, _timing: Timing) {}
 }
 
 /// The answer of one [`Policy::decide`] call.

@@ -30,8 +30,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::flotilla::{ColdStart, Flotilla, FlotillaConfig};
-use crate::observe::Observation;
+use crate::observe::{Observation, Timing};
 use crate::policy::{Bounds, Decision, Policy};
+use crate::tolerance::QueueTolerance;
 use crate::ScaleError;
 
 /// Where a replica is, from fastest to slowest to serve.
@@ -238,18 +239,13 @@ pub struct TieredFlotilla {
     standby: Flotilla,
     parked_capacity: u32,
     plan: TierPlan,
+    /// The warm side's queue tolerance, learned from measured prefill and
+    /// restore times ([`crate::tolerance`]).
+    tolerance: QueueTolerance,
 }
 
 /// Time constant of the warm side's rate level, ms (trend: four times).
 const WARM_LEVEL_MS: u64 = 5_000;
-
-/// Share of the SLO the warm side keeps for a request's prefill when it
-/// lets a queue wait for the ready replicas (200 ms of a 2 s SLO: 3,000
-/// prompt tokens at 15,000 tokens/s). The rest, less one restore and one
-/// decision, is the queue tolerance: a queue the ready replicas clear in
-/// that time adds no replica, and one they do not is met by a restore that
-/// still lands inside the SLO. docs/autoscaling.md has the sweep.
-const PREFILL_RESERVE: f64 = 0.1;
 
 impl TieredFlotilla {
     /// The tiered policy within `bounds`. `base` is the untiered
@@ -281,11 +277,14 @@ impl TieredFlotilla {
     ///   `base.tick_ms`): a burst waits for one tick plus one restore, not
     ///   for a tick longer than the restore itself;
     /// - a queue is demand only beyond what the ready replicas clear within
-    ///   the SLO less a prefill reserve, one restore and one tick
-    ///   ([`FlotillaConfig::queue_tolerance_ms`]): the untiered policy
-    ///   meets any queue at once because a replica it adds arrives a cold
-    ///   start later; here a short queue costs no miss, and a replica
-    ///   restored for it would idle once the queue is gone.
+    ///   the queue tolerance ([`FlotillaConfig::queue_tolerance_ms`]): the
+    ///   SLO less a high quantile of the restore times, one tick and a high
+    ///   quantile of the prefill times, both measured online
+    ///   ([`Policy::record`], [`crate::tolerance`]; before any measurement,
+    ///   the configured restore and a tenth of the SLO). The untiered
+    ///   policy meets any queue at once because a replica it adds arrives
+    ///   a cold start later; here a short queue costs no miss, and a
+    ///   replica restored for it would idle once the queue is gone.
     pub fn new(
         base: FlotillaConfig,
         econ: TierEconomics,
@@ -310,8 +309,8 @@ impl TieredFlotilla {
         if (restore + warm.tick_ms) as f64 <= 0.75 * base.slo_ms {
             warm.miss_cost = 0.0;
         }
-        let spare = (1.0 - PREFILL_RESERVE) * base.slo_ms - (restore + warm.tick_ms) as f64;
-        warm.queue_tolerance_ms = spare.max(0.0) as u64;
+        let tolerance = QueueTolerance::learned(base.slo_ms as u64, warm.tick_ms, restore);
+        warm.queue_tolerance_ms = tolerance.tolerance_ms();
         let mut standby = base;
         // Its cadence is the point: it sizes the parked level over a cold
         // start, and the warm side meets queues (see the field).
@@ -322,7 +321,21 @@ impl TieredFlotilla {
             standby: Flotilla::new(standby, bounds)?,
             parked_capacity: econ.parked_capacity,
             plan: TierPlan { warm: 0, parked: 0 },
+            tolerance,
         })
+    }
+
+    /// The same policy with its queue tolerance fixed at `ms` instead of
+    /// learned (the constant it replaced was 775 ms; for comparisons).
+    pub fn with_fixed_queue_tolerance(mut self, ms: u64) -> Self {
+        self.tolerance = QueueTolerance::fixed(ms);
+        self.warm.set_queue_tolerance_ms(ms);
+        self
+    }
+
+    /// The warm side's queue tolerance and what it has learned.
+    pub fn queue_tolerance(&self) -> &QueueTolerance {
+        &self.tolerance
     }
 
     /// The last decision's plan.
@@ -350,6 +363,8 @@ impl Policy for TieredFlotilla {
     }
 
     fn decide(&mut self, now_ms: u64, obs: &Observation) -> Decision {
+        self.warm
+            .set_queue_tolerance_ms(self.tolerance.tolerance_ms());
         let d = self.warm.decide(now_ms, obs);
         let ready_soon = self.standby.decide(now_ms, obs).replicas;
         self.plan = TierPlan {
@@ -363,6 +378,10 @@ impl Policy for TieredFlotilla {
 
     fn parked(&self) -> u32 {
         self.plan.parked
+    }
+
+    fn record(&mut self, now_ms: u64, timing: Timing) {
+        self.tolerance.record(now_ms, timing);
     }
 }
 
@@ -437,8 +456,40 @@ mod tests {
         assert_eq!(w.headroom_beta, 0.0);
         // 0.82 s restore + 0.2 s tick fit in 3/4 of the 2 s SLO: no miss.
         assert_eq!(w.miss_cost, 0.0);
-        // A queue may wait 0.9 × 2 s − 0.82 s − 0.205 s for ready replicas.
+        // Before any measurement a queue may wait 2 s − 0.82 s restore −
+        // 0.205 s tick − 0.2 s prefill (a tenth of the SLO) for the ready
+        // replicas.
         assert_eq!(w.queue_tolerance_ms, 775);
+    }
+
+    #[test]
+    fn the_queue_tolerance_follows_measured_prefills() {
+        let mut p =
+            TieredFlotilla::new(base(), econ(), 1_000, Bounds::new(0, 100).unwrap()).unwrap();
+        // Prompts of 500 ms and restores as configured: 2,000 − 820 − 205
+        // − 500.
+        for i in 0..1_000u64 {
+            p.record(i, Timing::Prefill { ms: 500 });
+            p.record(i, Timing::Restore { ms: 820 });
+        }
+        p.decide(1_000, &Observation::default());
+        assert_eq!(p.queue_tolerance().tolerance_ms(), 475);
+        assert_eq!(p.warm_config().queue_tolerance_ms, 475);
+        // A queue of 10 behind 4 busy ready replicas (16 requests a second
+        // each): within 475 ms they clear floor(0.475 × 64) = 30, so the
+        // queue asks for nothing; fixed at 0 ms, it asks for a replica.
+        let busy = Observation {
+            ready: 4,
+            in_flight: 128,
+            queued: 10,
+            requests_total: 0,
+            ..Observation::default()
+        };
+        assert_eq!(p.warm_config().excess_queue(10, 4), 0.0);
+        let mut strict = TieredFlotilla::new(base(), econ(), 1_000, Bounds::new(0, 100).unwrap())
+            .unwrap()
+            .with_fixed_queue_tolerance(0);
+        assert!(strict.decide(2_000, &busy).replicas > p.decide(2_000, &busy).replicas);
     }
 
     /// A burst needing 5 replicas for 10 s every 120 s.

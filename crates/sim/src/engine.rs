@@ -31,7 +31,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-use flotilla_scale::{Latency, Observation, Policy, ReadinessTiers, Tier};
+use flotilla_scale::{Latency, Observation, Policy, ReadinessTiers, Tier, Timing};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
@@ -290,6 +290,9 @@ struct Replica {
     mem_from_ms: Option<u64>,
     /// When the last request it started will be done.
     busy_until_ms: u64,
+    /// Its start is a restore from host memory (parked, or a load into
+    /// host memory it waited for): its start-up is a measured restore.
+    restoring: bool,
 }
 
 /// Dropped-request marker in the per-request latency arrays.
@@ -340,6 +343,10 @@ struct Sim<'a> {
     /// What the policy last asked to keep parked.
     want_parked: u32,
     tier_stats: TierStats,
+    /// Durations measured and not yet told to the policy, with the time
+    /// each becomes known (a prefill at its first token): the policy hears
+    /// of them at its next call, never before they happen.
+    timings: Vec<(u64, Timing)>,
 }
 
 /// Run `policy` over `trace`. `progress(done, total)` is called now and
@@ -403,6 +410,7 @@ pub fn simulate(
         draining: Vec::new(),
         want_parked: 0,
         tier_stats: TierStats::default(),
+        timings: Vec::new(),
     };
     // Start at the policy's minimum, ready: the endpoint existed before
     // the trace began.
@@ -517,6 +525,8 @@ impl Sim<'_> {
         self.ttft[i as usize] = ttft;
         self.e2e[i as usize] = sat32(wait + service);
         self.recent_ttft.push(ttft);
+        self.timings
+            .push((self.now + prefill, Timing::Prefill { ms: prefill }));
         let rep = &mut self.replicas[r as usize];
         rep.in_flight.push(i);
         rep.busy_until_ms = rep.busy_until_ms.max(self.now + service);
@@ -581,6 +591,10 @@ impl Sim<'_> {
             return; // cancelled, or re-placed with a later time
         }
         rep.state = State::Ready;
+        if rep.restoring {
+            let ms = self.now.saturating_sub(rep.since_ms);
+            self.timings.push((self.now, Timing::Restore { ms }));
+        }
         self.starting.retain(|&x| x != r);
         self.ready.push(r);
         self.fill(r);
@@ -598,6 +612,7 @@ impl Sim<'_> {
             in_flight: Vec::new(),
             mem_from_ms: None,
             busy_until_ms: 0,
+            restoring: false,
         });
         if warm {
             let rep = &mut self.replicas[r as usize];
@@ -619,16 +634,16 @@ impl Sim<'_> {
     /// tiers, nothing else is loaded with a GPU held), then the start-up
     /// on the GPU, from the fastest tier that holds it. Tiers off: no
     /// staging, a cold start from the model.
-    fn restore_ms(&mut self) -> (u64, u64) {
+    fn restore_ms(&mut self) -> (u64, u64, bool) {
         let Some(t) = &self.cfg.tiers else {
-            return (0, self.cfg.cold_start.sample(&mut self.rng));
+            return (0, self.cfg.cold_start.sample(&mut self.rng), false);
         };
         if let Some(p) = self.parked.pop_back() {
             // The most recently parked: any parked copy is as good, and
             // the oldest are the first to be released.
             self.unpark(p);
             self.tier_stats.parked_starts += 1;
-            return (0, t.tiers.restore_ms(Tier::Parked, t.model_gb));
+            return (0, t.tiers.restore_ms(Tier::Parked, t.model_gb), true);
         }
         // Weights on their way into host memory: restore once they are
         // there, if that is sooner than from disk.
@@ -647,19 +662,19 @@ impl Sim<'_> {
                 let r = self.filling.swap_remove(i);
                 self.unpark(r);
                 self.tier_stats.parked_starts += 1;
-                return (staging, parked_ms);
+                return (staging, parked_ms, true);
             }
         }
         if self.cached > 0 {
             self.cached -= 1;
             self.tier_stats.cached_starts += 1;
-            return (0, cached_ms);
+            return (0, cached_ms, false);
         }
         // Remote: the download lands in host memory first (a GPU held
         // through a minute of download is a minute of GPU paid for
         // nothing), then the replica restores from there.
         self.tier_stats.remote_starts += 1;
-        (self.cfg.cold_start.sample(&mut self.rng), parked_ms)
+        (self.cfg.cold_start.sample(&mut self.rng), parked_ms, false)
     }
 
     /// A parked replica leaves host memory: pay its parked time.
@@ -743,6 +758,7 @@ impl Sim<'_> {
                 in_flight: Vec::new(),
                 mem_from_ms: None,
                 busy_until_ms: 0,
+                restoring: false,
             });
             self.filling.push(r);
             self.push(self.now + load_ms, Event::Filled { replica: r });
@@ -762,7 +778,7 @@ impl Sim<'_> {
 
     /// Give an unplaced replica a GPU and schedule its readiness.
     fn place(&mut self, r: u32) {
-        let (staging, cold) = self.restore_ms();
+        let (staging, cold, restoring) = self.restore_ms();
         let from = if self.pool.is_none() {
             self.now
         } else {
@@ -776,6 +792,7 @@ impl Sim<'_> {
         };
         let rep = &mut self.replicas[r as usize];
         rep.state = State::Starting;
+        rep.restoring = restoring;
         rep.since_ms = from + staging;
         rep.mem_from_ms = (staging > 0).then_some(self.now);
         rep.ready_at_ms = from + staging + cold;
@@ -910,6 +927,7 @@ impl Sim<'_> {
         for r in unplaced {
             self.place(r);
         }
+        self.tell_timings(policy);
         let obs = self.observe();
         let want = policy.decide(self.now, &obs).replicas;
         if self.cfg.tiers.is_some() {
@@ -956,6 +974,24 @@ impl Sim<'_> {
             pool.reap(self.now);
         }
         self.record();
+    }
+
+    /// Tell the policy the durations measured by now, in time order.
+    fn tell_timings(&mut self, policy: &mut dyn Policy) {
+        let now = self.now;
+        let mut known: Vec<(u64, Timing)> = Vec::new();
+        self.timings.retain(|&(t, x)| {
+            if t <= now {
+                known.push((t, x));
+                false
+            } else {
+                true
+            }
+        });
+        known.sort_by_key(|&(t, _)| t);
+        for (t, x) in known {
+            policy.record(t, x);
+        }
     }
 
     /// Remove `k` replicas: starting ones first (latest ready time first),

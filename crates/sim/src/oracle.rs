@@ -52,6 +52,11 @@
 //!
 //! Bounds 2 and 3 are taken for `W` of 2 s, 5 s, 10 s, 30 s and 60 s,
 //! keeping the largest; bound 3 is at least bound 2 for the same `W`.
+//!
+//! [`tiered_lower_bound`] is the same reasoning for schedules that may also
+//! park replicas in host memory and restore them: a rise costs a restore
+//! of GPU time instead of a cold start, and a level let down keeps its
+//! weights parked (at the memory price) or fetches them again.
 
 use crate::service::ServiceModel;
 use crate::trace::Trace;
@@ -81,6 +86,144 @@ const WINDOWS_MS: [u64; 5] = [2_000, 5_000, 10_000, 30_000, 60_000];
 /// `cold_ms`: the shortest the model can draw for the strict bound, the
 /// fixed delay for the fixed-delay bound.
 pub fn lower_bound(trace: &Trace, service: &ServiceModel, slo_ms: u64, cold_ms: u64) -> Oracle {
+    let c = u64::from(service.max_concurrency.max(1));
+    let segments = envelope(trace, service, slo_ms);
+
+    // Bound 1: per level, stretches plus min(gap, H) before each.
+    let h = cold_ms;
+    let peak = segments.iter().map(|s| s.2).max().unwrap_or(0);
+    let envelope = level_cost(
+        &segments,
+        |gap| gap.min(h) as f64,
+        |lead| lead.min(h) as f64,
+    ) as u64;
+
+    // Bounds 2 and 3, per window width.
+    let (mut work, mut work_cold) = (0u64, 0u64);
+    for w in WINDOWS_MS {
+        let (bound2, bound3) = windowed(trace, service, slo_ms, h, &segments, c, w);
+        work = work.max(bound2);
+        work_cold = work_cold.max(bound3);
+    }
+    Oracle {
+        cold_start_ms: cold_ms,
+        gpu_ms: envelope.max(work).max(work_cold),
+        envelope_ms: envelope,
+        work_ms: work,
+        work_cold_ms: work_cold,
+        peak_replicas: u32::try_from(peak).unwrap_or(u32::MAX),
+    }
+}
+
+/// The tiered oracle's answer: a lower bound on GPU time plus parked host
+/// memory, in GPU-milliseconds (memory converted at its price relative to
+/// the GPU's).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TieredOracle {
+    /// The bound, GPU-milliseconds at the GPU price (memory included).
+    pub gpu_equivalent_ms: u64,
+    /// Bound 1 with restores and parked memory, same unit.
+    pub envelope_ms: u64,
+    /// Bound 3 with every rise costing one restore of GPU time, GPU-ms.
+    pub work_restore_ms: u64,
+}
+
+/// The tiered oracle: a lower bound on the cost, in GPU-milliseconds at
+/// the GPU price, of any schedule of replica states — active on a GPU,
+/// parked in host memory, off — that serves every request of `trace`
+/// within `slo_ms`, when a replica becomes ready only after `restore_ms`
+/// on its GPU (from host memory), weights reach host memory only after
+/// `cold_ms` there (from remote), and a replica-millisecond of host memory
+/// costs `memory_weight` of a GPU-millisecond (the parked price of the
+/// model's size over the GPU price). docs/autoscaling.md gives the
+/// argument; in short:
+///
+/// - every rise of a ready level is a replica that spent at least
+///   `restore_ms` starting on its GPU, so bound 3 holds with `H` =
+///   `restore_ms` (the GPU part: the windows and their work do not change
+///   with tiers);
+/// - bound 1 holds with a gap between two stretches of level `j` costing
+///   the cheaper of staying up (`gap` of GPU) and going down and up: one
+///   restore of GPU plus, for the gap, the weights held in host memory
+///   (`gap`) or fetched again (`cold_ms` of host memory while they
+///   download), at `memory_weight`. Matching each drop of a level to its
+///   next rise is the cheapest way tokens (parked copies) can flow between
+///   levels: any other matching of the same drops and rises has the same
+///   total gap length spread more evenly, and `min(·, cold_ms)` is
+///   concave.
+///
+/// The largest of the two is the answer.
+pub fn tiered_lower_bound(
+    trace: &Trace,
+    service: &ServiceModel,
+    slo_ms: u64,
+    restore_ms: u64,
+    cold_ms: u64,
+    memory_weight: f64,
+) -> TieredOracle {
+    let m = if memory_weight.is_finite() && memory_weight > 0.0 {
+        memory_weight.min(1.0)
+    } else {
+        0.0
+    };
+    let segments = envelope(trace, service, slo_ms);
+    let r = restore_ms as f64;
+    // A replica ready at time 0 is free; one that must be ready by `lead`
+    // either ran on its GPU since 0 or restored after 0 (its host memory
+    // before then may have been paid in the warm-up).
+    let envelope = level_cost(
+        &segments,
+        |gap| (gap as f64).min(r + m * gap.min(cold_ms) as f64),
+        |lead| (lead as f64).min(r),
+    )
+    .floor() as u64;
+    let gpu = lower_bound(trace, service, slo_ms, restore_ms);
+    TieredOracle {
+        gpu_equivalent_ms: envelope.max(gpu.work_cold_ms).max(gpu.work_ms),
+        envelope_ms: envelope,
+        work_restore_ms: gpu.work_cold_ms,
+    }
+}
+
+/// Bound 1's sum over levels of the envelope: every stretch of `n ≥ j` in
+/// full, `gap(g)` for each gap of `g` ms between two stretches of one
+/// level and `lead(t)` before a level's first stretch at `t`.
+fn level_cost(
+    segments: &[(u64, u64, u64)],
+    gap: impl Fn(u64) -> f64,
+    lead: impl Fn(u64) -> f64,
+) -> f64 {
+    let peak = segments.iter().map(|s| s.2).max().unwrap_or(0);
+    let mut below_since: Vec<Option<u64>> = vec![None; peak as usize + 1];
+    let mut up_since = vec![0u64; peak as usize + 1];
+    let (mut level, mut cost) = (0u64, 0.0f64);
+    for &(from, _, n) in segments {
+        if n > level {
+            for j in level + 1..=n {
+                cost += match below_since[j as usize] {
+                    Some(since) => gap(from - since),
+                    None => lead(from),
+                };
+                up_since[j as usize] = from;
+            }
+        } else {
+            for j in n + 1..=level {
+                cost += (from - up_since[j as usize]) as f64;
+                below_since[j as usize] = Some(from);
+            }
+        }
+        level = n;
+    }
+    let end = segments.last().map_or(0, |s| s.1);
+    for j in 1..=level {
+        cost += (end - up_since[j as usize]) as f64;
+    }
+    cost
+}
+
+/// The envelope `n(t)` as segments `(from, to, n)`: the fewest replicas
+/// ready at each time, from the mandatory intervals.
+fn envelope(trace: &Trace, service: &ServiceModel, slo_ms: u64) -> Vec<(u64, u64, u64)> {
     let c = u64::from(service.max_concurrency.max(1));
     // Mandatory intervals as +1/−1 steps.
     let mut steps: Vec<(u64, i32)> = Vec::new();
@@ -114,47 +257,7 @@ pub fn lower_bound(trace: &Trace, service: &ServiceModel, slo_ms: u64, cold_ms: 
         }
         m += i64::from(d);
     }
-
-    // Bound 1: per level, stretches plus min(gap, H) before each.
-    let h = cold_ms;
-    let peak = segments.iter().map(|s| s.2).max().unwrap_or(0);
-    let mut below_since = vec![0u64; peak as usize + 1];
-    let mut up_since = vec![0u64; peak as usize + 1];
-    let (mut level, mut envelope) = (0u64, 0u64);
-    for &(from, _, n) in &segments {
-        if n > level {
-            for j in level + 1..=n {
-                envelope += (from - below_since[j as usize]).min(h);
-                up_since[j as usize] = from;
-            }
-        } else {
-            for j in n + 1..=level {
-                envelope += from - up_since[j as usize];
-                below_since[j as usize] = from;
-            }
-        }
-        level = n;
-    }
-    let end = segments.last().map_or(0, |s| s.1);
-    for j in 1..=level {
-        envelope += end - up_since[j as usize];
-    }
-
-    // Bounds 2 and 3, per window width.
-    let (mut work, mut work_cold) = (0u64, 0u64);
-    for w in WINDOWS_MS {
-        let (bound2, bound3) = windowed(trace, service, slo_ms, h, &segments, c, w);
-        work = work.max(bound2);
-        work_cold = work_cold.max(bound3);
-    }
-    Oracle {
-        cold_start_ms: cold_ms,
-        gpu_ms: envelope.max(work).max(work_cold),
-        envelope_ms: envelope,
-        work_ms: work,
-        work_cold_ms: work_cold,
-        peak_replicas: u32::try_from(peak).unwrap_or(u32::MAX),
-    }
+    segments
 }
 
 /// Bounds 2 and 3 for windows of `w` ms, replica-milliseconds.
@@ -294,6 +397,36 @@ mod tests {
     fn requests_that_cannot_meet_the_slo_are_left_out() {
         let t = Trace::new("t", vec![req(0, 5_000, 100)]).unwrap();
         assert_eq!(lower_bound(&t, &svc(), 1_000, 1_000).gpu_ms, 0);
+    }
+
+    #[test]
+    fn tiered_gaps_cost_a_restore_plus_the_parked_memory() {
+        let reqs = vec![req(0, 100, 100), req(100_000, 100, 100)];
+        let t = Trace::new("t", reqs).unwrap();
+        // Restore 500 ms, remote 5 s, memory at 1 % of the GPU price.
+        let o = tiered_lower_bound(&t, &svc(), 1_000, 500, 5_000, 0.01);
+        // Lead-in: a restore (500 < 900); the ≈ 90.8 s gap: a restore
+        // plus the cheaper of parking through it and fetching again
+        // (5 s of memory): 500 + 50.
+        assert_eq!(o.envelope_ms, 500 + 9_200 + 550 + 9_200);
+        assert!(o.gpu_equivalent_ms >= o.envelope_ms);
+        // The untiered bound at the same delay pays the 5 s start.
+        assert!(lower_bound(&t, &svc(), 1_000, 5_000).gpu_ms > o.gpu_equivalent_ms);
+        // Free memory: bound 1 with the restore as the cold start.
+        let free = tiered_lower_bound(&t, &svc(), 1_000, 500, 5_000, 0.0);
+        assert_eq!(
+            free.envelope_ms,
+            lower_bound(&t, &svc(), 1_000, 500).envelope_ms
+        );
+        // Gaps shorter than a restore stay up: 400 ms, not 500 + 4.
+        let close = vec![req(0, 100, 100), req(9_600, 100, 100)];
+        let t = Trace::new("t", close).unwrap();
+        let o = tiered_lower_bound(&t, &svc(), 1_000, 500, 5_000, 0.01);
+        // Stretches [900, 10,100] and [10,500, 19,700].
+        assert_eq!(o.envelope_ms, 500 + 9_200 + 400 + 9_200);
+        // Nonsense weights count as free memory, never a panic.
+        let nan = tiered_lower_bound(&t, &svc(), 1_000, 500, 5_000, f64::NAN);
+        assert!(nan.envelope_ms <= o.envelope_ms);
     }
 
     #[test]

@@ -15,13 +15,19 @@ pub fn build(kind: PolicyKind, ep: &Endpoint) -> Result<Box<dyn Policy + Send>, 
 }
 
 /// Build Flotilla's tiered policy for `ep` and `econ` (see
-/// [`flotilla_scale::builder::build_tiered`]).
+/// [`flotilla_scale::builder::build_tiered`]), its queue tolerance fixed
+/// at `fixed_tolerance_ms` when that is `Some` (for comparisons; `None`:
+/// learned from measured prefill and restore times).
 pub fn build_tiered(
     ep: &Endpoint,
     econ: TierEconomics,
+    fixed_tolerance_ms: Option<u64>,
 ) -> Result<Box<dyn Policy + Send>, SimError> {
     match flotilla_scale::builder::build_tiered(ep, econ) {
-        Ok(p) => Ok(Box::new(p)),
+        Ok(p) => Ok(match fixed_tolerance_ms {
+            Some(ms) => Box::new(p.with_fixed_queue_tolerance(ms)),
+            None => Box::new(p),
+        }),
         Err(e) => Err(named("flotilla-tiered", e)),
     }
 }

@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use crate::cost::Pricing;
 use crate::engine::{simulate, SimConfig, SimResult};
-use crate::oracle::{lower_bound, Oracle};
+use crate::oracle::{lower_bound, tiered_lower_bound, Oracle, TieredOracle};
 use crate::policies::{build, build_tiered, Endpoint, PolicyKind};
 use crate::trace::Trace;
 use crate::SimError;
@@ -67,6 +67,11 @@ pub struct TierRow {
     pub oracle_cost: Decimal,
     /// `total_cost / oracle_cost`: the ratio in money.
     pub money_ratio_to_oracle: f64,
+    /// The tiered oracle (a bound for any schedule that may also park and
+    /// restore, at the same tier speeds and memory price), in money.
+    pub tiered_oracle_cost: Decimal,
+    /// `total_cost / tiered_oracle_cost`.
+    pub money_ratio_to_tiered_oracle: f64,
 }
 
 /// Every policy's result on one trace, with the oracle.
@@ -78,6 +83,10 @@ pub struct Comparison {
     pub oracle: Oracle,
     /// The strict oracle (cold start = the shortest the model draws).
     pub strict_oracle: Oracle,
+    /// With readiness tiers: the tiered oracle (restore from host memory,
+    /// remote start the shortest the model draws, parked memory at its
+    /// price).
+    pub tiered_oracle: Option<TieredOracle>,
     /// The prices costs were computed with.
     pub pricing: Pricing,
     pub results: Vec<SimResult>,
@@ -102,6 +111,20 @@ pub fn compare(
     max_replicas: u32,
     progress: &mut dyn FnMut(&str, u64, u64),
 ) -> Result<Comparison, SimError> {
+    compare_with(trace, policies, cfg, max_replicas, None, progress)
+}
+
+/// [`compare`], with the tiered policy's queue tolerance fixed at
+/// `fixed_tolerance_ms` instead of learned when it is `Some` (to measure
+/// what learning it changes).
+pub fn compare_with(
+    trace: &Trace,
+    policies: &[PolicyKind],
+    cfg: &SimConfig,
+    max_replicas: u32,
+    fixed_tolerance_ms: Option<u64>,
+    progress: &mut dyn FnMut(&str, u64, u64),
+) -> Result<Comparison, SimError> {
     let n = trace.len() as f64;
     let mean_service_ms = trace
         .requests()
@@ -122,6 +145,21 @@ pub fn compare(
         Some(v) => Pricing::from_version(v, &cfg.service.gpu)?,
         None => Pricing::list(&cfg.service.gpu)?,
     };
+    let tiered_oracle = cfg.tiers.as_ref().map(|t| {
+        let weight = (pricing.parked_per_gb_second
+            * Decimal::try_from(t.model_gb).unwrap_or(Decimal::ZERO))
+        .checked_div(pricing.on_demand_per_gpu_second)
+        .and_then(|w| w.to_f64())
+        .unwrap_or(0.0);
+        tiered_lower_bound(
+            trace,
+            &cfg.service,
+            cfg.slo_ms,
+            t.tiers.restore_ms(flotilla_scale::Tier::Parked, t.model_gb),
+            cfg.cold_start.min_ms(),
+            weight,
+        )
+    });
     let mut results = Vec::new();
     let mut rows = Vec::new();
     for &kind in policies {
@@ -135,7 +173,7 @@ pub fn compare(
                         .unwrap_or(0.0),
                     parked_capacity: t.parked_capacity(),
                 };
-                build_tiered(&ep, econ)?
+                build_tiered(&ep, econ, fixed_tolerance_ms)?
             }
             _ => build(kind, &ep)?,
         };
@@ -149,6 +187,15 @@ pub fn compare(
                 let memory_cost = pricing.parked(st.parked_replica_ms, t.model_gb);
                 let total_cost = cost + memory_cost;
                 let oracle_cost = pricing.on_demand(oracle.gpu_ms);
+                let tiered_oracle_cost =
+                    pricing.on_demand(tiered_oracle.map_or(0, |o| o.gpu_equivalent_ms));
+                let ratio = |to: Decimal| {
+                    if to.is_zero() {
+                        0.0
+                    } else {
+                        round((total_cost / to).to_f64().unwrap_or(0.0), 3)
+                    }
+                };
                 Some(TierRow {
                     cold_starts_parked: st.parked_starts,
                     cold_starts_cached: st.cached_starts,
@@ -157,11 +204,9 @@ pub fn compare(
                     memory_cost,
                     total_cost,
                     oracle_cost,
-                    money_ratio_to_oracle: if oracle_cost.is_zero() {
-                        0.0
-                    } else {
-                        round((total_cost / oracle_cost).to_f64().unwrap_or(0.0), 3)
-                    },
+                    money_ratio_to_oracle: ratio(oracle_cost),
+                    tiered_oracle_cost,
+                    money_ratio_to_tiered_oracle: ratio(tiered_oracle_cost),
                 })
             }
             _ => None,
@@ -198,6 +243,7 @@ pub fn compare(
         requests: trace.len() as u64,
         oracle,
         strict_oracle,
+        tiered_oracle,
         pricing,
         results,
         rows,
@@ -237,13 +283,13 @@ pub fn markdown_table(rows: &[Row]) -> String {
 /// cold starts by tier, parked memory and the cost ratio in money.
 pub fn tiered_markdown_table(rows: &[Row]) -> String {
     let mut s = String::from(
-        "| trace | policy | SLO attainment % | TTFT p50 ms | p95 ms | p99 ms | GPU-s | parked GB-s | starts parked / cached / remote | GPU cost | memory cost | total cost | oracle cost (fixed delay) | ratio in money |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| trace | policy | SLO attainment % | TTFT p50 ms | p95 ms | p99 ms | GPU-s | parked GB-s | starts parked / cached / remote | GPU cost | memory cost | total cost | oracle cost (fixed delay) | ratio in money | tiered oracle cost | ratio to tiered oracle |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         let Some(t) = &r.tiers else { continue };
         s.push_str(&format!(
-            "| {} | {} | {:.3} | {} | {} | {} | {:.1} | {:.0} | {} / {} / {} | {} | {} | {} | {} | {:.3} |\n",
+            "| {} | {} | {:.3} | {} | {} | {} | {:.1} | {:.0} | {} / {} / {} | {} | {} | {} | {} | {:.3} | {} | {:.3} |\n",
             r.trace,
             r.policy,
             r.slo_attainment_pct,
@@ -260,6 +306,8 @@ pub fn tiered_markdown_table(rows: &[Row]) -> String {
             t.total_cost,
             t.oracle_cost,
             t.money_ratio_to_oracle,
+            t.tiered_oracle_cost,
+            t.money_ratio_to_tiered_oracle,
         ));
     }
     s

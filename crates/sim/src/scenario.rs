@@ -255,6 +255,48 @@ pub fn scale_to_peak(
     Ok((Trace::new(trace.name.clone(), out)?, k))
 }
 
+/// `trace` with a share of its requests given prompts too long to prefill
+/// within `slo_ms`: each request, with probability `share` (seeded), gets
+/// a prompt whose prefill under `service` is uniform between the SLO and
+/// twice it; the others, arrivals and every output length are kept. Such
+/// requests miss their time to first token whatever the policy does, and
+/// hold a slot for seconds of prefill: the trace checks that a policy that
+/// learns from measured prefill times is not thrown by them (the tiered
+/// policy's queue tolerance) while the rest is served as before.
+pub fn long_prompts(
+    trace: &Trace,
+    name: &str,
+    share: f64,
+    slo_ms: u64,
+    service: &ServiceModel,
+    seed: u64,
+) -> Result<Trace, SimError> {
+    if !(share.is_finite() && (0.0..=1.0).contains(&share)) {
+        return Err(SimError::invalid("share", "must be within 0..=1"));
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6c6f_6e67);
+    let per_ms = service.prefill_tokens_per_s / 1000.0;
+    let reqs = trace
+        .requests()
+        .iter()
+        .map(|r| {
+            if rng.gen::<f64>() < share {
+                let ms = slo_ms as f64 * (1.0 + rng.gen::<f64>());
+                // One token more than the SLO's worth, so the prefill is
+                // strictly longer than the SLO even after rounding.
+                let tokens = ((ms * per_ms).ceil() as u32).max((slo_ms as f64 * per_ms) as u32 + 1);
+                Request {
+                    input_tokens: tokens,
+                    ..*r
+                }
+            } else {
+                *r
+            }
+        })
+        .collect();
+    Trace::new(name, reqs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,6 +371,34 @@ mod tests {
             "{at_zero} of {k} copies stacked at 0"
         );
         assert!(big.requests().iter().all(|r| r.arrival_ms < 3_000));
+    }
+
+    #[test]
+    fn long_prompts_miss_the_slo_in_their_share() {
+        let s = ServiceModel::for_gpu("H100").unwrap();
+        let t = constant("c", 20_000, 100.0, 1).unwrap();
+        let long = long_prompts(&t, "c-long", 0.1, 2_000, &s, 1).unwrap();
+        assert_eq!(long.len(), t.len());
+        let over = long
+            .requests()
+            .iter()
+            .filter(|r| s.prefill_ms(r) > 2_000)
+            .count();
+        let share = over as f64 / t.len() as f64;
+        assert!((0.09..0.11).contains(&share), "{share}");
+        assert!(long
+            .requests()
+            .iter()
+            .all(|r| s.prefill_ms(r) <= 4_001 && r.output_tokens > 0));
+        // The rest untouched, arrivals everywhere untouched.
+        let kept = long
+            .requests()
+            .iter()
+            .zip(t.requests())
+            .filter(|(a, b)| a == b)
+            .count();
+        assert_eq!(kept, t.len() - over);
+        assert!(long_prompts(&t, "x", 1.5, 2_000, &s, 1).is_err());
     }
 
     #[test]

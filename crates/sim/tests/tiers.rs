@@ -167,6 +167,57 @@ fn tiered_policy_cuts_cost_on_bursts_at_equal_attainment() {
         bt.total_cost,
         a.cost
     );
+    // The tiered oracle bounds the tiered run from below, and is below
+    // the fixed-delay oracle (it may park instead of starting cold).
+    assert!(bt.tiered_oracle_cost > rust_decimal::Decimal::ZERO);
+    assert!(
+        bt.total_cost >= bt.tiered_oracle_cost,
+        "{} < {}",
+        bt.total_cost,
+        bt.tiered_oracle_cost
+    );
+    assert!(bt.tiered_oracle_cost < bt.oracle_cost);
+}
+
+#[test]
+fn the_tiered_policy_learns_prefill_and_restore_times_from_the_run() {
+    // Every prompt 6,000 tokens: 400 ms of prefill on an H100.
+    let service = ServiceModel::for_gpu("H100").unwrap();
+    let reqs: Vec<Request> = (0..6_000u64)
+        .map(|i| Request {
+            // Bursts of 40 requests a second for 20 s, then 40 s quiet:
+            // replicas park in the lulls and restore for the bursts.
+            arrival_ms: (i / 800) * 60_000 + (i % 800) * 25,
+            input_tokens: 6_000,
+            output_tokens: 64,
+        })
+        .collect();
+    assert_eq!(service.prefill_ms(&reqs[0]), 400);
+    let t = Trace::new("t", reqs).unwrap();
+    let c = cfg(setting(512.0, 0.0));
+    let ep = flotilla_sim::policies::Endpoint {
+        max_concurrency: service.max_concurrency,
+        mean_service_ms: service.service_ms(&t.requests()[0]) as f64,
+        cold_start_ms: 60_000,
+        slo_ms: 2_000,
+        max_replicas: 100,
+    };
+    let econ = flotilla_scale::TierEconomics {
+        tiers: ReadinessTiers::default(),
+        model_gb: 16.0,
+        memory_price_per_gb_hour: 0.004237,
+        parked_capacity: 64,
+    };
+    let mut p = flotilla_scale::builder::build_tiered(&ep, econ).unwrap();
+    assert_eq!(p.queue_tolerance().tolerance_ms(), 775, "the priors");
+    let r = simulate(&t, &mut p, &c, &mut |_, _| {});
+    assert!(r.tiers.unwrap().parked_starts > 0);
+    // Learned: the 400 ms prompts and the 820 ms restores, measured in
+    // the run.
+    let q = p.queue_tolerance();
+    assert_eq!(q.prefill_ms(), 400);
+    assert_eq!(q.restore_ms(), 820);
+    assert_eq!(q.tolerance_ms(), 2_000 - 820 - 205 - 400);
 }
 
 #[test]
