@@ -567,14 +567,15 @@ impl Tracked {
     /// server accepted all its output, so that clients following the logs
     /// see every line before the instance turns final.
     fn observed(&self, instance_id: &InstanceId) -> ObservedInstance {
-        let (phase, at) = match &self.work {
+        let (phase, at, started_at) = match &self.work {
             Work::FailedToStart { reason, at } => (
                 ObservedPhase::FailedToStart {
                     reason: reason.clone(),
                 },
                 *at,
+                None,
             ),
-            Work::Starting { since } => (ObservedPhase::Starting, *since),
+            Work::Starting { since } => (ObservedPhase::Starting, *since, None),
             Work::Running(p) => match p.exit() {
                 Some(exit) if p.logs().pending() == 0 || self.flush_given_up => (
                     ObservedPhase::Exited {
@@ -582,8 +583,13 @@ impl Tracked {
                         stopped: self.server_stop && exit.stop_requested,
                     },
                     exit.at,
+                    Some(p.started_at()),
                 ),
-                _ => (ObservedPhase::Running { pid: p.pid() }, p.started_at()),
+                _ => (
+                    ObservedPhase::Running { pid: p.pid() },
+                    p.started_at(),
+                    None,
+                ),
             },
         };
         let container = self.workload().and_then(|w| {
@@ -595,6 +601,7 @@ impl Tracked {
             instance_id: instance_id.clone(),
             phase,
             at,
+            started_at,
             message: None,
             container,
             weights_tier: self.weights.as_ref().map(|(_, t)| *t),
@@ -622,6 +629,7 @@ fn not_started(id: &InstanceId, at: chrono::DateTime<Utc>) -> ObservedInstance {
             stopped: true,
         },
         at,
+        started_at: None,
         message: Some("stopped before it started".into()),
         container: None,
         weights_tier: None,
