@@ -19,6 +19,13 @@
 //! Process ids may be reused: a group listed in the file is signalled only
 //! until the next renewal rewrites the list, which bounds the window to one
 //! lease.
+//!
+//! Once it has signalled, the fence also writes when it saw each group's
+//! leader end (gone, or a zombie its paused agent cannot reap) to
+//! `<file>.ended` ([`ended_at`]): an agent that was paused when its work
+//! was stopped sees the exit only when it runs again, and reports the
+//! fence's time instead, so the work is billed to its kill and not to the
+//! agent's return (to the fence's tick, a tenth of a second).
 
 use std::io::Write as _;
 use std::path::Path;
@@ -114,6 +121,51 @@ impl PrivateMode for std::fs::OpenOptions {
     }
 }
 
+/// The file where the fence records when the groups it stopped ended.
+pub fn ended_path(path: &Path) -> std::path::PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".ended");
+    p.into()
+}
+
+/// When (ms since the epoch) the fence of the file at `path` saw `group`
+/// end after it signalled it, if it did (the latest record: a group id
+/// may be reused after a renewal).
+pub fn ended_at(path: &Path, group: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(ended_path(path)).ok()?;
+    text.lines()
+        .filter_map(|l| {
+            let (g, ms) = l.split_once(' ')?;
+            Some((g.parse::<u32>().ok()?, ms.trim().parse::<u64>().ok()?))
+        })
+        .filter(|(g, _)| *g == group)
+        .map(|(_, ms)| ms)
+        .next_back()
+}
+
+fn record_ended(path: &Path, group: u32, ms: u64) -> std::io::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .mode_private()
+        .open(ended_path(path))?;
+    f.write_all(format!("{group} {ms}\n").as_bytes())
+}
+
+/// Whether the process `pid` (a group's leader) has ended: gone, or a
+/// zombie (its parent, the agent, is paused and has not reaped it).
+fn ended(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the command, which is in parentheses and may
+        // hold anything: read after the last `)`.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state == "Z" || state == "X"),
+    }
+}
+
 fn alive(pid: u32) -> bool {
     i32::try_from(pid).is_ok_and(|p| nix::sys::signal::kill(Pid::from_raw(p), None).is_ok())
 }
@@ -137,6 +189,7 @@ pub fn watch(path: &Path, agent_pid: u32) {
     let mut termed = false;
     let mut killed = false;
     let mut seen = false;
+    let mut recorded = std::collections::HashSet::new();
     loop {
         std::thread::sleep(tick);
         let lease = match std::fs::read_to_string(path) {
@@ -161,6 +214,7 @@ pub fn watch(path: &Path, agent_pid: u32) {
             // Renewed.
             termed = false;
             killed = false;
+            recorded.clear();
             continue;
         }
         if !termed {
@@ -170,6 +224,14 @@ pub fn watch(path: &Path, agent_pid: u32) {
         if now >= lease.until_ms && !killed {
             signal_groups(&lease.groups, Signal::SIGKILL);
             killed = true;
+        }
+        for &g in &lease.groups {
+            if !recorded.contains(&g) && ended(g) {
+                if let Err(e) = record_ended(path, g, now_ms()) {
+                    tracing::warn!(group = g, error = %e, "fence cannot record a group's end");
+                }
+                recorded.insert(g);
+            }
         }
         if killed && !alive(agent_pid) {
             return;
@@ -226,6 +288,20 @@ mod tests {
             std::thread::spawn(move || watch(&path, me))
         };
         let started = std::time::Instant::now();
+        // Not reaped at once, as under a paused agent: a zombie the fence
+        // counts as ended, at the time it saw it end.
+        let group = child.id();
+        let mut waited = Duration::ZERO;
+        while ended_at(&path, group).is_none() && waited < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(20));
+            waited += Duration::from_millis(20);
+        }
+        let at = ended_at(&path, group).expect("the fence recorded the group's end");
+        assert!(
+            at >= now + 300 && at <= now_ms(),
+            "ended after the lease's stop time ({}), recorded {at}",
+            now + 300
+        );
         let status = child.wait().unwrap();
         assert!(!status.success());
         assert!(
@@ -234,5 +310,6 @@ mod tests {
         );
         std::fs::remove_file(&path).unwrap();
         watcher.join().unwrap();
+        assert_eq!(ended_at(&path, group + 1), None);
     }
 }

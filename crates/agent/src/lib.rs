@@ -393,6 +393,7 @@ pub async fn run(
     // (no node lease, as under `flotilla up`) waits while this process
     // lives: end it rather than wait for it.
     let _ = std::fs::remove_file(agent.fence_file());
+    let _ = std::fs::remove_file(fence::ended_path(&agent.fence_file()));
     if let Some(mut f) = fence {
         let _ = f.kill();
         let _ = f.wait();
@@ -567,14 +568,15 @@ impl Tracked {
     /// server accepted all its output, so that clients following the logs
     /// see every line before the instance turns final.
     fn observed(&self, instance_id: &InstanceId) -> ObservedInstance {
-        let (phase, at) = match &self.work {
+        let (phase, at, started_at) = match &self.work {
             Work::FailedToStart { reason, at } => (
                 ObservedPhase::FailedToStart {
                     reason: reason.clone(),
                 },
                 *at,
+                None,
             ),
-            Work::Starting { since } => (ObservedPhase::Starting, *since),
+            Work::Starting { since } => (ObservedPhase::Starting, *since, None),
             Work::Running(p) => match p.exit() {
                 Some(exit) if p.logs().pending() == 0 || self.flush_given_up => (
                     ObservedPhase::Exited {
@@ -582,8 +584,13 @@ impl Tracked {
                         stopped: self.server_stop && exit.stop_requested,
                     },
                     exit.at,
+                    Some(p.started_at()),
                 ),
-                _ => (ObservedPhase::Running { pid: p.pid() }, p.started_at()),
+                _ => (
+                    ObservedPhase::Running { pid: p.pid() },
+                    p.started_at(),
+                    None,
+                ),
             },
         };
         let container = self.workload().and_then(|w| {
@@ -595,6 +602,7 @@ impl Tracked {
             instance_id: instance_id.clone(),
             phase,
             at,
+            started_at,
             message: None,
             container,
             weights_tier: self.weights.as_ref().map(|(_, t)| *t),
@@ -622,6 +630,7 @@ fn not_started(id: &InstanceId, at: chrono::DateTime<Utc>) -> ObservedInstance {
             stopped: true,
         },
         at,
+        started_at: None,
         message: Some("stopped before it started".into()),
         container: None,
         weights_tier: None,
@@ -815,6 +824,7 @@ impl Agent {
         use std::os::unix::process::CommandExt;
         let program = self.config.fence_program.as_ref()?;
         let _ = std::fs::remove_file(self.fence_file());
+        let _ = std::fs::remove_file(fence::ended_path(&self.fence_file()));
         match std::process::Command::new(program)
             .arg("agent-fence")
             .arg("--file")
@@ -1080,11 +1090,27 @@ impl Agent {
                 if matches!(t.work, Work::Starting { .. }) {
                     observed.message = self.runtime.progress(id);
                 }
+                if let Some(killed) = self.fenced_end(t) {
+                    observed.at = observed.at.min(killed);
+                }
                 observed
             })
             .collect();
         report.extend(self.not_started.iter().map(|(id, at)| not_started(id, *at)));
         report
+    }
+
+    /// When the fence process saw `t`'s exited work end, if it stopped it
+    /// (the lease ran out while this agent was paused): this process saw
+    /// the exit only once it ran again, and the work is billed to its
+    /// kill, not to that. A record from before the work started is another
+    /// group's of the same id.
+    fn fenced_end(&self, t: &Tracked) -> Option<chrono::DateTime<Utc>> {
+        let w = t.workload()?;
+        w.exit()?;
+        let ms = fence::ended_at(&self.fence_file(), w.process_group()?)?;
+        let at = chrono::DateTime::from_timestamp_millis(i64::try_from(ms).ok()?)?;
+        (at >= w.started_at()).then_some(at)
     }
 
     /// Applies the server's desired work; `unpark`: replicas of deleted

@@ -325,18 +325,25 @@ impl NodeLoop {
             }
             report.push(match &o.phase {
                 ObservedPhase::Exited { stopped, .. }
-                    if (t.started.is_some() || !stopped) && (!t.running_reported || !drained) =>
+                    if (t.started.is_some() || o.started_at.is_some() || !stopped)
+                        && (!t.running_reported || !drained) =>
                 {
                     // Its end waits for its output and for the server to
                     // have seen it run (so the server meters from the
                     // engine's start); meanwhile it runs. Work that began
                     // and ended between two rounds was never seen running:
-                    // its end time stands in for its start. Work stopped
-                    // before it ever ran ends at once (nothing to meter).
+                    // it runs from the start the engine sent with its exit
+                    // (a 0.5 s Slurm job was billed nothing when its end
+                    // stood in for its start), and only an engine that
+                    // sent none has its end stand in. Work stopped before
+                    // it ever ran ends at once (nothing to meter).
                     reported_running.push(o.instance_id.clone());
+                    let started = t.started.or(o.started_at).unwrap_or(o.at);
+                    t.started = Some(started);
                     ObservedInstance {
                         phase: ObservedPhase::Running { pid: 0 },
-                        at: t.started.unwrap_or(o.at),
+                        at: started,
+                        started_at: None,
                         ..o
                     }
                 }
@@ -358,6 +365,7 @@ impl NodeLoop {
                             stopped: true,
                         },
                         at: chrono::Utc::now(),
+                        started_at: None,
                         message: Some("stopped before it started".into()),
                         container: None,
                         weights_tier: None,

@@ -6,8 +6,9 @@
 //! the server, the bridge (`flotilla executor slurm`) and the CLI.
 //!
 //! One test, in order, because the cluster is one shared machine: the
-//! inventory, an instance, a 2-node job, a cancel, a preemption, and the
-//! usage of each against Slurm's own start and end times.
+//! inventory, an instance, a 0.5 s instance, a 2-node job, a cancel, a
+//! preemption, and the usage of each against Slurm's own start and end
+//! times, exactly as docs/billing.md's rule for Slurm says.
 //!
 //! Skipped, saying why, when the cluster is not up (on a developer machine
 //! run `scripts/slurm-cluster start` first); `.ci/run` starts it and sets
@@ -20,7 +21,9 @@ use serde_json::Value;
 
 mod support;
 
-use support::slurm::{instance, log_lines, metered_secs, text, CancelOnDrop, Cluster};
+use support::slurm::{
+    billed_ms_by_the_rule, instance, log_lines, metered_ms, text, unix_ms, CancelOnDrop, Cluster,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 
@@ -139,6 +142,48 @@ fn slurm_cluster_runs_meters_cancels_and_preempts_flotilla_work() {
         "Slurm ran it on the node Flotilla placed it on"
     );
 
+    // A 0.5 s instance: over before a bridge round (about 2 s) sees it
+    // run, so its exit is the first report of its run. It is billed from
+    // Slurm's own start and end, which Slurm records in whole seconds; a
+    // job that ran under a second (0 s in Slurm's record, the usual case:
+    // slurmctld allocates just after a second begins) is billed one second,
+    // never nothing.
+    let short = env.run_detached(&key, &["--gpus", "1", "--", "sleep", "0.5"]);
+    wait_state(&env, &key, &short, "succeeded", Duration::from_secs(90));
+    let sj = cluster
+        .job_of(&short)
+        .expect("the short instance's slurm job");
+    assert_eq!(sj.job_state, "COMPLETED", "{sj:?}");
+    let want = billed_ms_by_the_rule(&sj);
+    let inst = instance(&env, &key, &short);
+    assert_eq!(
+        (unix_ms(&inst["started_at"]), unix_ms(&inst["finished_at"])),
+        (
+            Some(sj.start_time * 1000),
+            Some(sj.start_time * 1000 + want)
+        ),
+        "run recorded from Slurm's start for the rule's length: {sj:?} {inst}"
+    );
+    let mut billed = 0;
+    wait_until(
+        &format!(
+            "the 0.5 s job billed {want} ms (slurm recorded {} s)",
+            sj.end_time - sj.start_time
+        ),
+        Duration::from_secs(60),
+        || {
+            billed = metered_ms(&env, &key, &short);
+            billed == want
+        },
+    );
+    assert!(billed >= 1000, "a job that ran is never billed zero");
+    eprintln!(
+        "{short}: slurm {}..{} ({} s), billed {billed} ms",
+        sj.start_time,
+        sj.end_time,
+        sj.end_time - sj.start_time
+    );
+
     // A 2-node job of 4 GPUs: one member per node with both of its GPUs,
     // each a Slurm job on its node.
     let out = env.cli(
@@ -254,20 +299,27 @@ fn slurm_cluster_runs_meters_cancels_and_preempts_flotilla_work() {
         "Slurm cancelled the victim: {sj:?}"
     );
 
-    // Usage: each is metered for the time Slurm ran it.
+    // Usage: each is metered exactly as Slurm recorded its run (whole
+    // seconds, at least one).
     let check = |id: &str| {
         let sj = cluster.job_of(id).expect("slurm job");
-        let slurm_secs = (sj.end_time - sj.start_time) as f64;
-        let mut metered = 0.0;
+        let want = billed_ms_by_the_rule(&sj);
+        let mut metered = 0;
         wait_until(
-            &format!("{id} metered as Slurm ran it ({slurm_secs}s)"),
+            &format!(
+                "{id} metered {want} ms as Slurm ran it ({}..{})",
+                sj.start_time, sj.end_time
+            ),
             Duration::from_secs(90),
             || {
-                metered = metered_secs(&env, &key, id);
-                (metered - slurm_secs).abs() <= 2.0
+                metered = metered_ms(&env, &key, id);
+                metered == want
             },
         );
-        eprintln!("{id}: slurm {slurm_secs}s, metered {metered:.3}s");
+        eprintln!(
+            "{id}: slurm {} s, metered {metered} ms",
+            sj.end_time - sj.start_time
+        );
     };
     check(&one);
     for m in &members {

@@ -706,6 +706,13 @@ pub struct ObservedInstance {
     pub phase: ObservedPhase,
     /// When the agent saw this phase begin.
     pub at: DateTime<Utc>,
+    /// When the work began running, sent with an exit: work that started
+    /// and ended between two reports was never reported running, and
+    /// without its start the server would meter it from its exit (zero).
+    /// An executor sends its engine's start (Slurm's `start_time`), the
+    /// agent its process's spawn. Absent: the server takes the exit time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<DateTime<Utc>>,
     /// What is happening while it starts (an image pull's progress).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,

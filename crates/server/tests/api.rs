@@ -972,6 +972,7 @@ async fn concurrent_requests_never_share_a_gpu() {
                         stopped: false,
                     },
                     at: chrono::Utc::now(),
+                    started_at: None,
                     message: None,
                     container: None,
                     weights_tier: None,

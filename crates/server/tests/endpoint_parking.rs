@@ -63,6 +63,7 @@ impl Live {
             instance_id: serde_json::from_value(json!(instance)).unwrap(),
             phase,
             at: self.on.clock.now(),
+            started_at: None,
             message: None,
             container: None,
             weights_tier: None,

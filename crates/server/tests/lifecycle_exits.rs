@@ -86,6 +86,7 @@ impl Case {
                 instance_id: serde_json::from_value(json!(id)).unwrap(),
                 phase: phase.clone(),
                 at: self.on.clock.now(),
+                started_at: None,
                 message: None,
                 container: None,
                 weights_tier: None,

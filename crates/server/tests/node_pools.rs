@@ -192,6 +192,7 @@ async fn exits(live: &OnClock, key: &str, node: &str, instance: &str) {
             instance_id: serde_json::from_value(json!(instance)).unwrap(),
             phase,
             at: live.clock.now(),
+            started_at: None,
             message: None,
             container: None,
             weights_tier: None,

@@ -820,16 +820,25 @@ impl Store {
         // instance's last change is the server's guess (its lease's end):
         // the exit its agent reports when back may lie before it, back to
         // its start (a fence that stopped it, work that ended meanwhile).
+        // An engine that counts whole seconds (Slurm) reports the second an
+        // event fell in, which may begin before the server's last change
+        // (by under a second): the floor is that change's whole second, so
+        // such an engine's record is billed as it stands.
         let since = match (state, row.try_get::<Option<i64>, _>("started_at")?) {
             (Lost, Some(started)) => at(started),
             _ => at(row.try_get("updated_at")?),
         };
+        let floor =
+            since - chrono::Duration::nanoseconds(i64::from(since.timestamp_subsec_nanos()));
         let slack = chrono::Duration::seconds(2);
-        let seen = if obs.at >= since - slack && obs.at <= now + slack {
-            obs.at.clamp(since, now.max(since))
-        } else {
-            now
+        let trusted = |t: DateTime<Utc>| {
+            (t >= since - slack && t <= now + slack).then(|| t.clamp(floor, now.max(floor)))
         };
+        let seen = trusted(obs.at).unwrap_or(now);
+        // When an exit's work began running, as the node saw it: work that
+        // started and ended between two reports is metered from there, not
+        // from its exit (which billed it nothing).
+        let ran_from = obs.started_at.and_then(trusted).map(|t| t.min(seen));
         let mut tx = self.begin().await?;
         // The tier a replica's weights loaded from joins its cold-start
         // breakdown (the container runtime's, or one of its own).
@@ -861,7 +870,9 @@ impl Store {
         let disk_full = obs.limit_exceeded == Some(LimitExceeded::Disk);
         let changed = match (&obs.phase, state) {
             (_, s) if s.is_terminal() => false,
-            (ObservedPhase::Starting, Scheduled) => mark_starting(&mut tx, id, now).await?,
+            (ObservedPhase::Starting, Scheduled) => {
+                mark_starting(&mut tx, id, seen.max(since)).await?
+            }
             (ObservedPhase::Starting, Starting) => {
                 // Progress (an image pull) shows in the state's reason.
                 if let Some(message) = &obs.message {
@@ -939,14 +950,19 @@ impl Store {
                 // An exit means the process ran, even when it ended before
                 // any report said so (a short command, a slow sync): it
                 // passes through `running`, which is what starts its
-                // metering. Missing that made a short job's members
-                // unbilled, depending on whether a sync fell in their
-                // lifetime.
-                let done = if matches!(from, Scheduled | Starting) && to != Stopped {
+                // metering, at the start the node reports with the exit
+                // (else at the exit: nothing to bill). Missing that made a
+                // short job's members unbilled, depending on whether a sync
+                // fell in their lifetime. A stop of work never started has
+                // no start and no run; a stopped one with a start ran.
+                let ran =
+                    matches!(from, Scheduled | Starting) && (to != Stopped || ran_from.is_some());
+                let done = if ran {
+                    let ran_from = ran_from.unwrap_or(seen);
                     if from == Scheduled {
-                        mark_starting(&mut tx, id, seen).await?;
+                        mark_starting(&mut tx, id, ran_from.max(since)).await?;
                     }
-                    transition(&mut tx, id, Starting, Running, "running", None, seen).await?;
+                    transition(&mut tx, id, Starting, Running, "running", None, ran_from).await?;
                     transition(&mut tx, id, Running, to, &reason, Some(*code), seen).await?
                 } else {
                     transition(&mut tx, id, from, to, &reason, Some(*code), seen).await?

@@ -42,6 +42,7 @@ flotilla_testdb::backend_suite!(
     containers_report_ports_cold_starts_and_oom_kills,
     an_exit_seen_before_running_still_counts_as_run,
     observed_times_bound_metering,
+    an_exit_with_its_start_is_metered_from_it,
     gpu_faults_cordons_drains_and_node_events,
     fleet_counts_for_metrics,
     limits_reach_the_agent_and_name_why_work_ended,
@@ -170,6 +171,7 @@ fn seen(id: &InstanceId, phase: ObservedPhase, at: DateTime<Utc>) -> ObservedIns
         instance_id: id.clone(),
         phase,
         at,
+        started_at: None,
         message: None,
         container: None,
         weights_tier: None,
@@ -1234,6 +1236,90 @@ async fn observed_times_bound_metering(s: &Store) {
         s.instance(&d).await.unwrap().started_at,
         Some(t0() + secs(5))
     );
+}
+
+/// An exit that is the first report of a run (a 0.5 s Slurm job over
+/// between two bridge rounds) carries the run's start: the run is metered
+/// from it, not from the exit (which billed nothing). A whole-second
+/// engine start just before the server's record of the start of starting,
+/// in the same second, stands; a start from a clock far off is ignored. A
+/// stop with a start ran; one without never did.
+async fn an_exit_with_its_start_is_metered_from_it(s: &Store) {
+    let t = tenant(s, "short").await;
+    let n = node(s, &t, "n1", &[("H100", 4)]).await;
+    let ms = Duration::milliseconds;
+    let t = &t;
+    let new = |k: u64| async move {
+        let id = InstanceId::generate(11, rnd() ^ u128::from(k));
+        s.create_instance(&id, t, &spec(1, &["H100"]), t0())
+            .await
+            .unwrap();
+        place(s, &id, t0()).await.unwrap();
+        id
+    };
+    let exit =
+        |id: &InstanceId, stopped: bool, start: Option<DateTime<Utc>>, at| ObservedInstance {
+            started_at: start,
+            ..seen(id, ObservedPhase::Exited { code: 0, stopped }, at)
+        };
+    // Starting recorded at t0 + 300 ms; Slurm's start is t0 (its whole
+    // second), its end t0 + 1 s, reported at t0 + 1.8 s.
+    let a = new(1).await;
+    s.apply_observed(
+        &n,
+        &seen(&a, ObservedPhase::Starting, t0() + ms(300)),
+        t0() + ms(300),
+    )
+    .await
+    .unwrap();
+    let done = exit(&a, false, Some(t0()), t0() + ms(1000));
+    assert_eq!(
+        s.apply_observed(&n, &done, t0() + ms(1800)).await.unwrap(),
+        Applied::Changed
+    );
+    let i = s.instance(&a).await.unwrap();
+    assert_eq!(i.state, InstanceState::Succeeded);
+    assert_eq!(
+        (i.started_at, i.finished_at),
+        (Some(t0()), Some(t0() + ms(1000))),
+        "metered from the reported start: 1 s, not 0"
+    );
+    let states: Vec<_> = i.events.iter().map(|e| e.state).collect();
+    assert_eq!(states, RAN_TO_SUCCESS);
+    // Straight from scheduled (no report before the exit) likewise.
+    let b = new(2).await;
+    let done = exit(&b, false, Some(t0() + ms(250)), t0() + ms(750));
+    s.apply_observed(&n, &done, t0() + ms(900)).await.unwrap();
+    let i = s.instance(&b).await.unwrap();
+    assert_eq!(
+        (i.started_at, i.finished_at),
+        (Some(t0() + ms(250)), Some(t0() + ms(750)))
+    );
+    // A start from a clock an hour off: not trusted, the exit stands.
+    let c = new(3).await;
+    let done = exit(&c, false, Some(t0() - Duration::hours(1)), t0() + ms(500));
+    s.apply_observed(&n, &done, t0() + ms(600)).await.unwrap();
+    let i = s.instance(&c).await.unwrap();
+    assert_eq!(
+        (i.started_at, i.finished_at),
+        (Some(t0() + ms(500)), Some(t0() + ms(500)))
+    );
+    // Cancelled after it ran: stopped, and metered from its start.
+    let d = new(4).await;
+    let done = exit(&d, true, Some(t0() + ms(100)), t0() + ms(1100));
+    s.apply_observed(&n, &done, t0() + ms(1200)).await.unwrap();
+    let i = s.instance(&d).await.unwrap();
+    assert_eq!(i.state, InstanceState::Stopped);
+    assert_eq!(
+        (i.started_at, i.finished_at),
+        (Some(t0() + ms(100)), Some(t0() + ms(1100)))
+    );
+    // Cancelled before it ran: stopped, never started, nothing to meter.
+    let e = new(5).await;
+    let done = exit(&e, true, None, t0() + ms(400));
+    s.apply_observed(&n, &done, t0() + ms(500)).await.unwrap();
+    let i = s.instance(&e).await.unwrap();
+    assert_eq!((i.state, i.started_at), (InstanceState::Stopped, None));
 }
 
 async fn gpu_faults_cordons_drains_and_node_events(s: &Store) {

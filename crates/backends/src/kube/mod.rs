@@ -140,6 +140,7 @@ impl Gone {
                     stopped: true,
                 },
                 at: now,
+                started_at: None,
                 message: Some(message.into()),
                 container: None,
                 weights_tier: None,
@@ -809,6 +810,7 @@ impl KubeExecutor {
                         instance_id: id.clone(),
                         phase: ObservedPhase::Starting,
                         at: s.since,
+                        started_at: None,
                         message: Some(format!(
                             "waiting for the other members of job {} ({} of {} assigned)",
                             key.0,
@@ -831,6 +833,7 @@ impl KubeExecutor {
                         reason: f.reason.clone(),
                     },
                     at: f.at,
+                    started_at: None,
                     message: None,
                     container: None,
                     weights_tier: None,

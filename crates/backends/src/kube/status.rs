@@ -178,8 +178,12 @@ pub fn observe(pod: &Pod, stopped: bool, seen: DateTime<Utc>) -> Option<Observed
     let pod_reason = status.and_then(|s| s.reason.clone());
     let pod_message = status.and_then(|s| s.message.clone());
 
+    // The container's own start, sent with its exit: a pod that ran and
+    // ended between two watch events is metered from it, not from its end.
+    let mut ran_from = None;
     let (phase, at, message) = if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
         let at = t.finished_at.as_ref().map(time).unwrap_or(seen);
+        ran_from = t.started_at.as_ref().map(time);
         (
             ObservedPhase::Exited {
                 code: t.exit_code,
@@ -232,6 +236,7 @@ pub fn observe(pod: &Pod, stopped: bool, seen: DateTime<Utc>) -> Option<Observed
         instance_id,
         phase,
         at,
+        started_at: ran_from,
         message,
         container,
         weights_tier: None,

@@ -18,7 +18,10 @@
 //!   longer assigns it to.
 //! - **Observe**: the jobs whose comment is `flotilla:<node>`, their states
 //!   mapped by [`state::observed`], with Slurm's submit, start and end
-//!   times, so that usage is metered from what Slurm ran.
+//!   times, so that usage is metered from what Slurm ran: Slurm's record in
+//!   whole seconds, `end_time - start_time`, at least one second for a job
+//!   that ran ([`state::MIN_BILLED`]). An exit carries the job's start, so
+//!   a job that ran and ended between two rounds is metered from it.
 //!
 //! Slurm chooses which GPUs of the node a job gets; Flotilla's choice is
 //! passed as `FLOTILLA_GPU_INDICES` and counts agree as long as Flotilla
@@ -375,11 +378,16 @@ impl SlurmExecutor {
         let mut out: Vec<ObservedInstance> = Self::ours_on(&jobs, node)
             .into_iter()
             .map(|(id, job)| {
-                let (phase, at) = state::observed(job, now);
+                let state::Observation {
+                    phase,
+                    at,
+                    started_at,
+                } = state::observed(job, now);
                 ObservedInstance {
                     instance_id: id,
                     phase,
                     at,
+                    started_at,
                     message: (job.job_state == "PENDING")
                         .then(|| format!("slurm job {} pending: {}", job.job_id, job.state_reason)),
                     container: None,
@@ -397,6 +405,7 @@ impl SlurmExecutor {
                         reason: reason.clone(),
                     },
                     at: *at,
+                    started_at: None,
                     message: None,
                     container: None,
                     weights_tier: None,
@@ -411,6 +420,7 @@ impl SlurmExecutor {
                     instance_id: id.clone(),
                     phase: ObservedPhase::Starting,
                     at: now,
+                    started_at: None,
                     message: Some(format!("submitted as slurm job {job_id}")),
                     container: None,
                     weights_tier: None,

@@ -121,28 +121,81 @@ pub fn time(secs: i64) -> Option<DateTime<Utc>> {
     Utc.timestamp_opt(secs, 0).single()
 }
 
+/// The least a job Slurm ran is billed: one second, Slurm's unit.
+///
+/// Slurm 22.05 records a job's start and end in whole seconds (slurmctld's
+/// `time(NULL)`; slurmdbd's accounting keeps the same two numbers, and its
+/// `elapsed` is their difference), so the truth Flotilla bills a Slurm job
+/// by is that record: `end_time - start_time`. A job that started and
+/// ended within one second is recorded as 0 s, yet it ran; and slurmctld's
+/// scheduler allocates on its timer just after a second begins, so most
+/// jobs under a second (all of those measured on the test cluster) would
+/// be recorded as 0 s and run free. Such a job is billed one second.
+pub const MIN_BILLED: chrono::Duration = chrono::Duration::seconds(1);
+
+/// What the bridge reports of a job: its phase, when that phase began, and
+/// once it is over, when it began running.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observation {
+    /// The instance's phase.
+    pub phase: ObservedPhase,
+    /// When that phase began, in Slurm's times.
+    pub at: DateTime<Utc>,
+    /// Slurm's `start_time` of a job that is over and ran: the server
+    /// meters from it even when no report ever said the job was running
+    /// (a job that ran and ended between two bridge rounds).
+    pub started_at: Option<DateTime<Utc>>,
+}
+
 /// The observed phase of `job` and when it began, in Slurm's times:
 /// submission while it waits, start while it runs, end once over (so the
-/// server meters what Slurm ran). `now` stands in for a time Slurm has not
-/// set.
-pub fn observed(job: &Job, now: DateTime<Utc>) -> (ObservedPhase, DateTime<Utc>) {
+/// server meters what Slurm ran: `end_time - start_time`, at least
+/// [`MIN_BILLED`] for a job that ran). `now` stands in for a time Slurm has
+/// not set. A job over whose billed end is still ahead of `now` (a job
+/// under a second, just ended) is reported running until then: the server
+/// takes no end later than its own clock, so reporting it sooner would cut
+/// the bill below the rule.
+pub fn observed(job: &Job, now: DateTime<Utc>) -> Observation {
     let submit = time(job.submit_time).unwrap_or(now);
-    let start = time(job.start_time).unwrap_or(submit);
+    let ran = time(job.start_time);
+    let start = ran.unwrap_or(submit);
     // While a job runs, `end_time` is the end its time limit allows:
     // read only once the job is over.
     let end = time(job.end_time).unwrap_or(now).max(start);
     let pid = u32::try_from(job.job_id).unwrap_or(u32::MAX);
+    let at = |phase, at| Observation {
+        phase,
+        at,
+        started_at: None,
+    };
     match phase(job) {
-        JobPhase::Waiting => (ObservedPhase::Starting, submit),
-        JobPhase::Running => (ObservedPhase::Running { pid }, start),
-        JobPhase::Over { code, cancelled } => (
-            ObservedPhase::Exited {
-                code,
-                stopped: cancelled,
-            },
-            end,
-        ),
-        JobPhase::NeverStarted { reason } => (ObservedPhase::FailedToStart { reason }, end),
+        JobPhase::Waiting => at(ObservedPhase::Starting, submit),
+        JobPhase::Running => at(ObservedPhase::Running { pid }, start),
+        JobPhase::Over { code, cancelled } => {
+            let Some(started) = ran else {
+                // Cancelled before it ran: nothing to meter.
+                return at(
+                    ObservedPhase::Exited {
+                        code,
+                        stopped: cancelled,
+                    },
+                    end,
+                );
+            };
+            let billed_end = end.max(started + MIN_BILLED);
+            if billed_end > now {
+                return at(ObservedPhase::Running { pid }, started);
+            }
+            Observation {
+                phase: ObservedPhase::Exited {
+                    code,
+                    stopped: cancelled,
+                },
+                at: billed_end,
+                started_at: Some(started),
+            }
+        }
+        JobPhase::NeverStarted { reason } => at(ObservedPhase::FailedToStart { reason }, end),
     }
 }
 
@@ -394,32 +447,87 @@ mod tests {
     #[test]
     fn observed_uses_slurm_times() {
         let now = Utc.timestamp_opt(5_000, 0).unwrap();
-        let (p, at) = observed(&job("PENDING", 0, 0, 0), now);
-        assert_eq!((p, at.timestamp()), (ObservedPhase::Starting, 1_000));
-        // A running job's end_time is its time limit: ignored.
-        let (p, at) = observed(&job("RUNNING", 0, 1_001, 99_999), now);
+        let o = observed(&job("PENDING", 0, 0, 0), now);
         assert_eq!(
-            (p, at.timestamp()),
-            (ObservedPhase::Running { pid: 42 }, 1_001)
+            (o.phase, o.at.timestamp()),
+            (ObservedPhase::Starting, 1_000)
         );
-        let (p, at) = observed(&job("COMPLETED", 0, 1_001, 1_061), now);
+        // A running job's end_time is its time limit: ignored.
+        let o = observed(&job("RUNNING", 0, 1_001, 99_999), now);
         assert_eq!(
-            (p, at.timestamp()),
+            (o.phase, o.at.timestamp(), o.started_at),
+            (ObservedPhase::Running { pid: 42 }, 1_001, None)
+        );
+        // Over: its end, with its start, so a job no report saw running is
+        // metered from Slurm's start.
+        let o = observed(&job("COMPLETED", 0, 1_001, 1_061), now);
+        assert_eq!(
+            (
+                o.phase,
+                o.at.timestamp(),
+                o.started_at.map(|t| t.timestamp())
+            ),
             (
                 ObservedPhase::Exited {
                     code: 0,
                     stopped: false
                 },
-                1_061
+                1_061,
+                Some(1_001)
             )
         );
-        let (p, _) = observed(&job("CANCELLED", 15, 1_001, 1_061), now);
+        let o = observed(&job("CANCELLED", 15, 1_001, 1_061), now);
         assert_eq!(
-            p,
+            o.phase,
             ObservedPhase::Exited {
                 code: 143,
                 stopped: true
             }
+        );
+        // Cancelled while pending: no start, nothing to meter.
+        let o = observed(&job("CANCELLED", 0, 0, 1_061), now);
+        assert_eq!((o.at.timestamp(), o.started_at), (1_061, None));
+    }
+
+    /// A job Slurm records as 0 s (start == end: it ran under a second) is
+    /// billed one second, and its exit is reported only once that second
+    /// has passed.
+    #[test]
+    fn a_sub_second_job_is_billed_one_second() {
+        let j = job("COMPLETED", 0, 4_000, 4_000);
+        let done = |now: i64| observed(&j, Utc.timestamp_opt(now, 0).unwrap());
+        let o = done(4_000);
+        assert_eq!(
+            (o.phase, o.at.timestamp(), o.started_at),
+            (ObservedPhase::Running { pid: 42 }, 4_000, None)
+        );
+        for now in [4_001, 4_100] {
+            let o = done(now);
+            assert_eq!(
+                (
+                    o.phase,
+                    o.at.timestamp(),
+                    o.started_at.map(|t| t.timestamp())
+                ),
+                (
+                    ObservedPhase::Exited {
+                        code: 0,
+                        stopped: false
+                    },
+                    4_001,
+                    Some(4_000)
+                )
+            );
+        }
+        // One second or more recorded: exactly Slurm's record.
+        let o = observed(
+            &job("COMPLETED", 0, 4_000, 4_001),
+            Utc.timestamp_opt(4_001, 0).unwrap(),
+        );
+        assert_eq!(
+            (o.at - o.started_at.unwrap()).num_milliseconds(),
+            1_000,
+            "{o:?}"
         );
     }
 
@@ -432,7 +540,11 @@ mod tests {
         let now = Utc::now();
         let mut seen = std::collections::BTreeSet::new();
         for j in &r.jobs {
-            let (p, at) = observed(j, now);
+            let Observation {
+                phase: p,
+                at,
+                started_at,
+            } = observed(j, now);
             seen.insert(j.job_state.clone());
             match j.job_state.as_str() {
                 "COMPLETED" => {
@@ -443,7 +555,8 @@ mod tests {
                             stopped: false
                         }
                     );
-                    assert_eq!(at.timestamp(), j.end_time);
+                    assert_eq!(at.timestamp(), j.end_time.max(j.start_time + 1));
+                    assert_eq!(started_at.map(|t| t.timestamp()), Some(j.start_time));
                 }
                 "FAILED" => {
                     assert!(

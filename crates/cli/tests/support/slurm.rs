@@ -132,9 +132,23 @@ pub fn text(o: &std::process::Output) -> String {
     )
 }
 
-/// Seconds of `instance_seconds` usage metered for `id`.
-pub fn metered_secs(env: &Home, key: &str, id: &str) -> f64 {
-    let mut total = 0.0;
+/// What Flotilla bills a Slurm job, in milliseconds: Slurm's record in
+/// whole seconds, `end_time - start_time`, at least one second for a job
+/// that ran (docs/billing.md, sources of truth per executor).
+pub fn billed_ms_by_the_rule(job: &Job) -> i64 {
+    (job.end_time - job.start_time).max(1) * 1000
+}
+
+/// A time of the API (RFC 3339) in Unix milliseconds; `None` when absent.
+pub fn unix_ms(v: &Value) -> Option<i64> {
+    chrono::DateTime::parse_from_rfc3339(v.as_str()?)
+        .ok()
+        .map(|d| d.timestamp_millis())
+}
+
+/// Milliseconds of `instance_seconds` usage metered for `id`.
+pub fn metered_ms(env: &Home, key: &str, id: &str) -> i64 {
+    let mut total = 0;
     let mut cursor: Option<String> = None;
     loop {
         let mut path =
@@ -147,16 +161,17 @@ pub fn metered_secs(env: &Home, key: &str, id: &str) -> f64 {
             if e["subject"]["id"] != id || !e["meter"].to_string().contains("instance_seconds") {
                 continue;
             }
-            let t = |f: &str| {
-                chrono::DateTime::parse_from_rfc3339(e[f].as_str().unwrap_or_default())
-                    .map(|d| d.timestamp_millis())
-                    .unwrap_or(0)
-            };
-            total += (t("end") - t("start")) as f64 / 1000.0;
+            let t = |f: &str| unix_ms(&e[f]).unwrap_or(0);
+            total += t("end") - t("start");
         }
         match page["next_cursor"].as_str() {
             Some(c) => cursor = Some(c.to_string()),
             None => return total,
         }
     }
+}
+
+/// Seconds of `instance_seconds` usage metered for `id`.
+pub fn metered_secs(env: &Home, key: &str, id: &str) -> f64 {
+    metered_ms(env, key, id) as f64 / 1000.0
 }
