@@ -24,7 +24,14 @@ macro_rules! prefixed_id {
             /// Callers pass time and randomness so this stays pure.
             pub fn generate(now_ms: u64, random: u128) -> Self {
                 let ulid = ulid::Ulid::from_parts(now_ms, random);
-                Self(format!("{}{}", $prefix, ulid.to_string().to_lowercase()))
+                // One allocation: the gateway makes an id per request.
+                let mut body = [0u8; ulid::ULID_LEN];
+                let body = ulid.array_to_str(&mut body);
+                body.make_ascii_lowercase();
+                let mut id = String::with_capacity($prefix.len() + ulid::ULID_LEN);
+                id.push_str($prefix);
+                id.push_str(body);
+                Self(id)
             }
 
             /// Parses and validates an id; `field` names the value in errors.
@@ -236,6 +243,19 @@ mod tests {
         assert!(a.as_str().starts_with("inst_"));
         assert!(a < b, "later ids sort after earlier ones");
         assert_eq!(InstanceId::parse(a.as_str(), "id").unwrap(), a);
+    }
+
+    #[test]
+    fn generated_ids_are_the_prefix_and_the_lowercase_ulid() {
+        for (ms, r) in [
+            (0, 0),
+            (1_700_000_000_000, u128::MAX >> 48),
+            (42, 0xdead_beef),
+        ] {
+            let ulid = ulid::Ulid::from_parts(ms, r);
+            let expected = format!("req_{}", ulid.to_string().to_lowercase());
+            assert_eq!(RequestId::generate(ms, r).as_str(), expected);
+        }
     }
 
     #[test]

@@ -2,10 +2,21 @@
 //! nginx, scale-from-zero latency, and prefix affinity against least
 //! outstanding. Writes `gateway.json` and `gateway.table.md` into
 //! `$FLOTILLA_BENCH_OUT` (default `bench/results`); the script wraps the
-//! table with the run's details. Needs `wrk` and `nginx` on `PATH` and the
+//! table with the run's details. Needs `wrk` and `nginx` on `PATH`, the
 //! emulator binary (`$FLOTILLA_EMULATOR_BIN`, default
-//! `$CARGO_TARGET_DIR/release/flotilla-emulator`); the script provides all
-//! three.
+//! `$CARGO_TARGET_DIR/release/flotilla-emulator`) and the gateway as a
+//! process (`$FLOTILLA_GATEWAY_BIN`, default
+//! `$CARGO_TARGET_DIR/release/examples/bench-gateway`); the script provides
+//! all four. `$FLOTILLA_BENCH_GATEWAY_BASELINE` names a second gateway
+//! binary (say, of an earlier commit) measured in the same rounds.
+//!
+//! Latency is measured where it can resolve a millisecond: at a paced load
+//! that leaves the CPUs room (a closed loop at any concurrency keeps them
+//! saturated, and p99 is then the run queue's), in many short rounds where
+//! each proxy runs right next to its upstream alone, and beside a control —
+//! nginx in front of an nginx that answers from memory — whose added p99 is
+//! the machine's jitter plus nginx's own cost, so that the gateway's added
+//! p99 minus the control's is what the gateway adds over nginx.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -123,12 +134,7 @@ fn free_port() -> Result<u16> {
 
 /// Starts the emulator binary with zero token delays; returns it and its URL.
 async fn emulator_process() -> Result<(Child, String)> {
-    let bin = std::env::var("FLOTILLA_EMULATOR_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
-                .join("release/flotilla-emulator")
-        });
+    let bin = binary("FLOTILLA_EMULATOR_BIN", "flotilla-emulator");
     let mut child = Command::new(&bin)
         .args(["--model", MODEL, "--port", "0"])
         .stdout(std::process::Stdio::piped())
@@ -146,6 +152,7 @@ async fn emulator_process() -> Result<(Child, String)> {
     Ok((child, format!("http://{addr}")))
 }
 
+/// An nginx of this run, in a prefix directory of its own.
 struct Nginx {
     child: Child,
     url: String,
@@ -172,19 +179,21 @@ impl Nginx {
     }
 }
 
-async fn nginx(upstream: &str, workers: usize) -> Result<Nginx> {
+/// Starts nginx with `workers` worker processes, `http_extra` in its `http`
+/// block and `location` as the body of its one `location /`. Connections
+/// from clients are kept for any number of requests (nginx's default closes
+/// one after 1,000; the gateway never does).
+async fn nginx_with(workers: usize, http_extra: &str, location: &str) -> Result<Nginx> {
     let dir = tempfile::tempdir()?;
     let port = free_port()?;
-    let upstream = upstream.trim_start_matches("http://");
     let p = dir.path().display();
     let conf = format!(
         "worker_processes {workers};\ndaemon off;\npid {p}/nginx.pid;\nerror_log {p}/error.log warn;\n\
          events {{ worker_connections 4096; }}\n\
-         http {{\n  access_log off;\n  client_body_temp_path {p}/body;\n  proxy_temp_path {p}/proxy;\n\
+         http {{\n  access_log off;\n  keepalive_requests 1000000;\n  client_body_temp_path {p}/body;\n  proxy_temp_path {p}/proxy;\n\
          fastcgi_temp_path {p}/fastcgi;\n  uwsgi_temp_path {p}/uwsgi;\n  scgi_temp_path {p}/scgi;\n\
-         upstream emulator {{ server {upstream}; keepalive 256; }}\n\
-         server {{\n    listen 127.0.0.1:{port};\n    location / {{\n      proxy_pass http://emulator;\n\
-         proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }}\n  }}\n}}\n"
+         {http_extra}\n\
+         server {{\n    listen 127.0.0.1:{port};\n    location / {{\n      {location}\n    }}\n  }}\n}}\n"
     );
     let conf_path = dir.path().join("nginx.conf");
     std::fs::write(&conf_path, conf)?;
@@ -208,6 +217,39 @@ async fn nginx(upstream: &str, workers: usize) -> Result<Nginx> {
     })
 }
 
+/// nginx as a reverse proxy of `upstream`: keep-alive connections to it
+/// (as the gateway pools them), unbuffered (as the gateway streams).
+async fn nginx_proxy(upstream: &str, workers: usize) -> Result<Nginx> {
+    let upstream = upstream.trim_start_matches("http://");
+    nginx_with(
+        workers,
+        &format!(
+            "upstream backend {{ server {upstream}; keepalive 256; keepalive_requests 1000000; }}"
+        ),
+        "proxy_pass http://backend;\n      proxy_http_version 1.1;\n      \
+         proxy_set_header Connection \"\";\n      proxy_buffering off;",
+    )
+    .await
+}
+
+/// nginx answering every request with `body` as `content_type`: the
+/// control's upstream, a server whose own time is next to nothing.
+async fn nginx_static(body: &str, content_type: &str, workers: usize) -> Result<Nginx> {
+    // The body goes into the configuration as a quoted string, where these
+    // would end it or be read as variables.
+    if body.contains(['\'', '\\', '$']) || content_type.contains([';', '\'', '"']) {
+        bail!(
+            "the upstream's answer cannot be written into nginx.conf as is: {content_type} {body}"
+        );
+    }
+    nginx_with(
+        workers,
+        "",
+        &format!("default_type \"{content_type}\";\n      return 200 '{body}';"),
+    )
+    .await
+}
+
 async fn wait_for_port(port: u16) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -220,6 +262,63 @@ async fn wait_for_port(port: u16) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(())
+}
+
+/// The gateway as a process (`examples/bench-gateway.rs`): one endpoint,
+/// one replica, `upstream`. It serves until its stdin closes.
+struct GatewayProcess {
+    child: Child,
+    stdin: Option<tokio::process::ChildStdin>,
+    url: String,
+}
+
+impl GatewayProcess {
+    async fn start(bin: &Path, upstream: &str, workers: usize) -> Result<Self> {
+        let mut child = Command::new(bin)
+            .args(["--upstream", upstream, "--model", MODEL, "--key", KEY])
+            .args(["--workers", &workers.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().context("gateway stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).await?;
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .with_context(|| format!("{} said {line:?}", bin.display()))?
+            .to_string();
+        Ok(Self {
+            child,
+            stdin,
+            url: format!("http://{addr}"),
+        })
+    }
+
+    /// Closes its stdin: it drains, delivers its usage and exits.
+    async fn stop(mut self) -> Result<()> {
+        drop(self.stdin.take());
+        if tokio::time::timeout(Duration::from_secs(60), self.child.wait())
+            .await
+            .is_err()
+        {
+            self.child.kill().await?;
+            bail!("the gateway did not stop within 60 s of its stdin closing");
+        }
+        Ok(())
+    }
+}
+
+/// `$var`, or `$CARGO_TARGET_DIR/release/{default}`.
+fn binary(var: &str, default: &str) -> PathBuf {
+    std::env::var(var).map(PathBuf::from).unwrap_or_else(|_| {
+        PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
+            .join("release")
+            .join(default)
+    })
 }
 
 struct WrkResult {
@@ -309,38 +408,69 @@ impl Rounds {
             .collect()
     }
 
+    /// Per round, path `a`'s p99 minus path `b`'s.
+    fn added_p99(&self, a: usize, b: usize) -> Vec<f64> {
+        self.paired(a, b, |x, y| x.p99_ms - y.p99_ms)
+    }
+
     fn errors(&self) -> u64 {
         self.runs.iter().flatten().map(|r| r.errors).sum()
     }
 }
 
-/// `{median, min, max, rounds}` of per-round values.
+/// A distribution-free 95 % interval for the median of `sorted` (n ≥ 6):
+/// the k-th smallest and k-th largest values, k the largest rank with
+/// P(Binomial(n, 1/2) < k) ≤ 2.5 %. Its width says what difference the
+/// rounds can resolve. `None` for fewer than 6 values.
+fn median_ci95(sorted: &[f64]) -> Option<(f64, f64)> {
+    let n = sorted.len();
+    let tail = |k: usize| -> f64 {
+        // P(X <= k - 1), X ~ Binomial(n, 1/2).
+        let mut p = 0.0;
+        let mut c = 1.0f64;
+        for i in 0..k {
+            if i > 0 {
+                c = c * (n - i + 1) as f64 / i as f64;
+            }
+            p += c;
+        }
+        p / 2f64.powi(n as i32)
+    };
+    let k = (1..=n / 2).take_while(|&k| tail(k) <= 0.025).last()?;
+    Some((sorted[k - 1], sorted[n - k]))
+}
+
+/// `{median, min, max, median_ci95, rounds}` of per-round values.
 fn spread(v: &[f64], digits: i32) -> Value {
     let mut sorted = v.to_vec();
-    let median = percentile(&mut sorted, 0.5);
+    sorted.sort_by(f64::total_cmp);
+    let median = percentile(&mut sorted.clone(), 0.5);
+    let ci = median_ci95(&sorted)
+        .map(|(lo, hi)| json!([round(lo, digits), round(hi, digits)]))
+        .unwrap_or(Value::Null);
     json!({
         "median": round(median, digits),
         "min": round(sorted.first().copied().unwrap_or(f64::NAN), digits),
         "max": round(sorted.last().copied().unwrap_or(f64::NAN), digits),
+        "median_ci95": ci,
         "rounds": v.iter().map(|x| round(*x, digits)).collect::<Vec<_>>(),
     })
 }
 
-/// Runs wrk on every target, `rounds` times over, starting each round at
-/// the next path (so no path always runs first, right after a pause, or
-/// last), back to back so that a burst of other work on the machine hits
-/// neighbouring runs of different paths alike.
+/// Runs wrk on every target, `rounds` times over, in the order `order`
+/// gives for each round, back to back so that a burst of other work on the
+/// machine hits neighbouring runs of different paths alike.
 async fn rounds_of(
     targets: &[(&str, String)],
     script: &Path,
     connections: u32,
     secs: u32,
     rounds: usize,
+    order: impl Fn(usize) -> Vec<usize>,
 ) -> Result<Rounds> {
     let mut runs: Vec<Vec<WrkResult>> = targets.iter().map(|_| Vec::new()).collect();
     for round in 0..rounds {
-        for k in 0..targets.len() {
-            let i = (round + k) % targets.len();
+        for i in order(round) {
             let (name, url) = &targets[i];
             let r = wrk(url, script, connections, secs).await?;
             eprintln!(
@@ -353,14 +483,43 @@ async fn rounds_of(
     Ok(Rounds { runs })
 }
 
+/// Each round starts at the next path, so no path always runs first, right
+/// after a pause, or last.
+fn rotation(n: usize) -> impl Fn(usize) -> Vec<usize> {
+    move |round| (0..n).map(|k| (round + k) % n).collect()
+}
+
+/// Paths in blocks whose neighbours are compared: odd rounds run the
+/// blocks in the other order, and rounds 2-3 of every four run each block
+/// backwards, so that over four rounds every path runs as often before its
+/// partner as after it, always right next to it.
+fn paired_order(blocks: Vec<Vec<usize>>) -> impl Fn(usize) -> Vec<usize> {
+    move |round| {
+        let mut b = blocks.clone();
+        if round % 2 == 1 {
+            b.reverse();
+        }
+        if (round / 2) % 2 == 1 {
+            for block in &mut b {
+                block.reverse();
+            }
+        }
+        b.concat()
+    }
+}
+
 /// Worker threads of the gateway's runtime and nginx's worker processes:
 /// `$FLOTILLA_BENCH_WORKERS`, default the machine's CPUs.
 fn workers() -> usize {
-    std::env::var("FLOTILLA_BENCH_WORKERS")
+    env_count("FLOTILLA_BENCH_WORKERS")
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
+}
+
+fn env_count(var: &str) -> Option<usize> {
+    std::env::var(var)
         .ok()
         .and_then(|v| v.parse().ok())
         .filter(|n| *n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
 }
 
 fn loadavg() -> String {
@@ -369,87 +528,182 @@ fn loadavg() -> String {
         .unwrap_or_default()
 }
 
-/// wrk against the emulator directly, through nginx and through the
-/// gateway, in this run, at a top load and at about half of it.
+/// The request every wrk run sends.
+fn request_body() -> String {
+    format!(
+        "{{\"model\":\"{MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}],\"max_tokens\":1}}"
+    )
+}
+
+/// The emulator's answer to [`request_body`]: its content type and body,
+/// what the control's upstream nginx answers every request with.
+async fn sample_answer(upstream: &str) -> Result<(String, String)> {
+    let resp = reqwest::Client::new()
+        .post(format!("{upstream}/v1/chat/completions"))
+        .bearer_auth(KEY)
+        .header("content-type", "application/json")
+        .body(request_body())
+        .send()
+        .await?;
+    if resp.status() != 200 {
+        bail!("the emulator answered {}", resp.status());
+    }
+    let ct = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .context("the emulator's answer has no content type")?
+        .to_string();
+    Ok((ct, resp.text().await?))
+}
+
+/// Indices of the paced rounds' paths.
+const STATIC: usize = 0;
+const CONTROL: usize = 1;
+const DIRECT: usize = 2;
+const GATEWAY: usize = 3;
+const NGINX: usize = 4;
+const BASELINE: usize = 5;
+
+/// Throughput at a top load (the emulator directly, through nginx, through
+/// the gateway) and latency at a paced load, where every proxy path is
+/// paired with its upstream alone and the gateway's added p99 is set
+/// against nginx's added p99 in front of a static nginx (the control).
 async fn proxy_overhead(quick: bool) -> Result<Value> {
     let (mut emu, upstream) = emulator_process().await?;
-    let t = tenant();
-    let control = control_with(endpoint(
-        &t,
-        Balance::LeastOutstanding,
-        vec![replica(upstream.clone())],
-    ));
     let n_workers = workers();
-    // The gateway gets a runtime of its own with as many workers as nginx
-    // has worker processes.
-    let gw_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(n_workers)
-        .thread_name("gateway")
-        .enable_all()
-        .build()?;
-    let gw = {
-        let control = control.clone();
-        gw_rt
-            .spawn(async move { gateway(&control).await })
-            .await??
+    let gw = GatewayProcess::start(
+        &binary("FLOTILLA_GATEWAY_BIN", "examples/bench-gateway"),
+        &upstream,
+        n_workers,
+    )
+    .await?;
+    // A gateway built from another commit, measured beside this one.
+    let baseline = match std::env::var("FLOTILLA_BENCH_GATEWAY_BASELINE") {
+        Ok(bin) => Some(GatewayProcess::start(Path::new(&bin), &upstream, n_workers).await?),
+        Err(_) => None,
     };
-    let ngx = nginx(&upstream, n_workers).await?;
+    let (content_type, answer) = sample_answer(&upstream).await?;
+    let ngx = nginx_proxy(&upstream, n_workers).await?;
+    let ngx_static = nginx_static(&answer, &content_type, n_workers).await?;
+    let ngx_control = nginx_proxy(&ngx_static.url, n_workers).await?;
     let dir = tempfile::tempdir()?;
     let script = dir.path().join("post.lua");
+    let request = format!(
+        "wrk.method = \"POST\"\nwrk.body = '{}'\n\
+         wrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.headers[\"Authorization\"] = \"Bearer {KEY}\"\n",
+        request_body()
+    );
+    std::fs::write(&script, &request)?;
+    // Paced: each connection waits this long after an answer before its
+    // next request; wrk times a request from its sending, so the wait is
+    // not in the latency.
+    let think_ms = env_count("FLOTILLA_BENCH_THINK_MS").unwrap_or(2);
+    let paced = dir.path().join("paced.lua");
     std::fs::write(
-        &script,
-        format!(
-            "wrk.method = \"POST\"\nwrk.body = '{{\"model\":\"{MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}],\"max_tokens\":1}}'\n\
-             wrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.headers[\"Authorization\"] = \"Bearer {KEY}\"\n"
-        ),
+        &paced,
+        format!("{request}function delay()\n  return {think_ms}\nend\n"),
     )?;
     let secs = if quick { 2 } else { 4 };
-    let rounds = if quick { 1 } else { 7 };
+    let top_rounds = if quick { 1 } else { 7 };
+    let paced_rounds = env_count("FLOTILLA_BENCH_ROUNDS").unwrap_or(if quick { 4 } else { 16 });
+    let paced_c = env_count("FLOTILLA_BENCH_PACED_CONNECTIONS").unwrap_or(16) as u32;
     let top_c = 64;
-    let targets = [
+    let top_targets = [
         ("direct", upstream.clone()),
         ("nginx", ngx.url.clone()),
-        ("gateway", gw.url()),
+        ("gateway", gw.url.clone()),
     ];
+    let mut paced_targets = vec![
+        ("static nginx", ngx_static.url.clone()),
+        ("nginx -> static nginx", ngx_control.url.clone()),
+        ("direct", upstream.clone()),
+        ("gateway", gw.url.clone()),
+        ("nginx", ngx.url.clone()),
+    ];
+    let mut emulator_block = vec![GATEWAY, DIRECT, NGINX];
+    if let Some(b) = &baseline {
+        paced_targets.push(("baseline gateway", b.url.clone()));
+        emulator_block.insert(0, BASELINE);
+    }
     let load_before = loadavg();
     // Warm-up: every path's connection pools and caches, at the top load.
-    for (_, url) in &targets {
+    for (_, url) in &paced_targets {
         wrk(url, &script, top_c, 2).await?;
     }
-    let top = rounds_of(&targets, &script, top_c, secs, rounds).await?;
-    // Half load: the connection count at which the gateway's closed-loop
-    // rate is nearest half its top rate (wrk has no fixed-rate mode).
-    let half_target = top.median(2, |r| r.rps) / 2.0;
-    let mut half_c = 1;
-    let mut best = f64::INFINITY;
-    for c in [1, 2, 4, 8, 16, 32] {
-        let r = wrk(&gw.url(), &script, c, 2).await?;
-        let d = (r.rps - half_target).abs();
-        if d < best {
-            best = d;
-            half_c = c;
-        }
-    }
-    let half = rounds_of(&targets, &script, half_c, secs, rounds).await?;
+    let top = rounds_of(
+        &top_targets,
+        &script,
+        top_c,
+        secs,
+        top_rounds,
+        rotation(top_targets.len()),
+    )
+    .await?;
+    let lat = rounds_of(
+        &paced_targets,
+        &paced,
+        paced_c,
+        secs,
+        paced_rounds,
+        paired_order(vec![emulator_block, vec![STATIC, CONTROL]]),
+    )
+    .await?;
     let load_after = loadavg();
     ngx.stop().await?;
+    ngx_control.stop().await?;
+    ngx_static.stop().await?;
+    gw.stop().await?;
+    if let Some(b) = baseline {
+        b.stop().await?;
+    }
     let _ = emu.kill().await;
-    gw_rt.spawn(gw.shutdown()).await?;
-    gw_rt.shutdown_background();
     let ratio = top.paired(2, 1, |g, n| g.rps / n.rps);
     let direct_ratio = top.paired(2, 0, |g, d| g.rps / d.rps);
     let nginx_direct_ratio = top.paired(1, 0, |n, d| n.rps / d.rps);
-    let added = half.paired(2, 0, |g, d| g.p99_ms - d.p99_ms);
-    let nginx_added = half.paired(1, 0, |n, d| n.p99_ms - d.p99_ms);
     let ratio_median = percentile(&mut ratio.clone(), 0.5);
-    let added_median = percentile(&mut added.clone(), 0.5);
+    let gateway_added = lat.added_p99(GATEWAY, DIRECT);
+    let control_added = lat.added_p99(CONTROL, STATIC);
+    let net: Vec<f64> = gateway_added
+        .iter()
+        .zip(&control_added)
+        .map(|(g, c)| g - c)
+        .collect();
+    let net_median = percentile(&mut net.clone(), 0.5);
+    let path = |i: usize| {
+        json!({
+            "name": paced_targets[i].0,
+            "rps": round(lat.median(i, |r| r.rps), 0),
+            "p50_ms": round(lat.median(i, |r| r.p50_ms), 3),
+            "p99_ms": round(lat.median(i, |r| r.p99_ms), 3),
+            "p99_rounds": lat.runs[i].iter().map(|r| round(r.p99_ms, 3)).collect::<Vec<_>>(),
+        })
+    };
+    let baseline_json = if paced_targets.len() > BASELINE {
+        let added = lat.added_p99(BASELINE, DIRECT);
+        let net_baseline: Vec<f64> = added
+            .iter()
+            .zip(&control_added)
+            .map(|(b, c)| b - c)
+            .collect();
+        json!({
+            "path": path(BASELINE),
+            "added_p99_ms": spread(&added, 3),
+            "added_p99_minus_control_ms": spread(&net_baseline, 3),
+            "added_p50_ms": spread(&lat.paired(BASELINE, DIRECT, |b, d| b.p50_ms - d.p50_ms), 3),
+            "p99_gateway_minus_baseline_ms": spread(&lat.added_p99(GATEWAY, BASELINE), 3),
+            "p50_gateway_minus_baseline_ms": spread(&lat.paired(GATEWAY, BASELINE, |g, b| g.p50_ms - b.p50_ms), 3),
+        })
+    } else {
+        Value::Null
+    };
     Ok(json!({
         "workers": n_workers,
         "loadavg_before": load_before,
         "loadavg_after": load_after,
-        "top_connections": top_c,
         "seconds": secs,
-        "rounds": rounds,
+        "top_connections": top_c,
+        "top_rounds": top_rounds,
         "direct_rps": round(top.median(0, |r| r.rps), 0),
         "nginx_rps": round(top.median(1, |r| r.rps), 0),
         "gateway_rps": round(top.median(2, |r| r.rps), 0),
@@ -460,23 +714,21 @@ async fn proxy_overhead(quick: bool) -> Result<Value> {
         "direct_rps_rounds": top.runs[0].iter().map(|r| r.rps.round()).collect::<Vec<_>>(),
         "nginx_rps_rounds": top.runs[1].iter().map(|r| r.rps.round()).collect::<Vec<_>>(),
         "gateway_rps_rounds": top.runs[2].iter().map(|r| r.rps.round()).collect::<Vec<_>>(),
-        "errors": top.errors() + half.errors(),
-        "half_load_connections": half_c,
-        "half_load_gateway_rps": round(half.median(2, |r| r.rps), 0),
-        "half_load_nginx_rps": round(half.median(1, |r| r.rps), 0),
-        "half_load_direct_rps": round(half.median(0, |r| r.rps), 0),
-        "direct_p50_ms": round(half.median(0, |r| r.p50_ms), 3),
-        "direct_p99_ms": round(half.median(0, |r| r.p99_ms), 3),
-        "nginx_p50_ms": round(half.median(1, |r| r.p50_ms), 3),
-        "nginx_p99_ms": round(half.median(1, |r| r.p99_ms), 3),
-        "gateway_p50_ms": round(half.median(2, |r| r.p50_ms), 3),
-        "gateway_p99_ms": round(half.median(2, |r| r.p99_ms), 3),
-        "added_p99_ms": round(added_median, 3),
-        "added_p99_spread": spread(&added, 3),
-        "nginx_added_p99_ms": spread(&nginx_added, 3),
-        "added_p50_ms": spread(&half.paired(2, 0, |g, d| g.p50_ms - d.p50_ms), 3),
         "ratio_target_met": ratio_median >= 0.9,
-        "added_p99_target_met": added_median <= 1.0,
+        "paced_connections": paced_c,
+        "paced_think_ms": think_ms,
+        "paced_rounds": paced_rounds,
+        "paths": (0..paced_targets.len()).map(path).collect::<Vec<_>>(),
+        "gateway_added_p99_ms": spread(&gateway_added, 3),
+        "control_added_p99_ms": spread(&control_added, 3),
+        "nginx_added_p99_ms": spread(&lat.added_p99(NGINX, DIRECT), 3),
+        "added_p99_minus_control_ms": spread(&net, 3),
+        "gateway_added_p50_ms": spread(&lat.paired(GATEWAY, DIRECT, |g, d| g.p50_ms - d.p50_ms), 3),
+        "control_added_p50_ms": spread(&lat.paired(CONTROL, STATIC, |c, s| c.p50_ms - s.p50_ms), 3),
+        "nginx_added_p50_ms": spread(&lat.paired(NGINX, DIRECT, |n, d| n.p50_ms - d.p50_ms), 3),
+        "baseline": baseline_json,
+        "errors": top.errors() + lat.errors(),
+        "added_p99_target_met": net_median <= 1.0,
     }))
 }
 
@@ -693,82 +945,99 @@ fn yes(v: &Value) -> &'static str {
     }
 }
 
-fn table(r: &Value) -> String {
-    let p = &r["proxy"];
-    let c = &r["scale_from_zero"];
-    let a = &r["affinity"];
+fn spread_text(v: &Value) -> String {
+    let ci = match v["median_ci95"].as_array().map(Vec::as_slice) {
+        Some([lo, hi]) => format!(" (95 % interval of the median {lo} to {hi})"),
+        _ => String::new(),
+    };
+    format!(
+        "median **{}**{ci}, min {}, max {}, per round {}",
+        v["median"], v["min"], v["max"], v["rounds"]
+    )
+}
+
+fn proxy_table(p: &Value) -> String {
     let mut s = String::new();
     s.push_str("## Proxy overhead: wrk through the gateway and through nginx\n\n");
     s.push_str(&format!(
-        "| path | rps at {} connections | p50 at {} connections (ms) | p99 at {} connections (ms) |\n|---|---|---|---|\n",
-        p["top_connections"], p["half_load_connections"], p["half_load_connections"]
+        "Throughput, {} connections, closed loop, medians over {} rounds of {} s per path:\n\n\
+         | path | rps |\n|---|---|\n| emulator directly | {} |\n| nginx -> emulator | {} |\n| gateway -> emulator | {} |\n\n",
+        p["top_connections"],
+        p["top_rounds"],
+        p["seconds"],
+        p["direct_rps"],
+        p["nginx_rps"],
+        p["gateway_rps"]
     ));
-    for (name, key) in [
-        ("emulator directly", "direct"),
-        ("nginx", "nginx"),
-        ("gateway", "gateway"),
-    ] {
+    s.push_str(&format!(
+        "- rps per round: direct {}, nginx {}, gateway {}\n\
+         - ratio gateway/nginx, paired per round: {} (target >= 0.9: {})\n\
+         - gateway/direct: {}; nginx/direct: {}\n\n",
+        p["direct_rps_rounds"],
+        p["nginx_rps_rounds"],
+        p["gateway_rps_rounds"],
+        spread_text(&p["ratio_spread"]),
+        yes(&p["ratio_target_met"]),
+        spread_text(&p["gateway_direct_ratio"]),
+        spread_text(&p["nginx_direct_ratio"]),
+    ));
+    s.push_str(&format!(
+        "Latency, {} connections each waiting {} ms between an answer and its next request, medians over {} rounds of {} s per path:\n\n\
+         | path | rps | p50 (ms) | p99 (ms) |\n|---|---|---|---|\n",
+        p["paced_connections"], p["paced_think_ms"], p["paced_rounds"], p["seconds"]
+    ));
+    for path in p["paths"].as_array().into_iter().flatten() {
         s.push_str(&format!(
-            "| {name} | {} | {} | {} |\n",
-            p[format!("{key}_rps")],
-            p[format!("{key}_p50_ms")],
-            p[format!("{key}_p99_ms")]
+            "| {} | {} | {} | {} |\n",
+            path["name"].as_str().unwrap_or("?"),
+            path["rps"],
+            path["p50_ms"],
+            path["p99_ms"]
         ));
     }
-    let sp = |v: &Value| {
-        format!(
-            "median **{}**, min {}, max {}, per round {}",
-            v["median"], v["min"], v["max"], v["rounds"]
-        )
-    };
     s.push_str(&format!(
-        "\nMedians over {} rounds of {} s per path; the gateway's runtime has {} worker threads and nginx {} worker processes; load average before {}, after {}.\n\n",
-        p["rounds"],
-        p["seconds"],
+        "\nAdded p99, each proxy's p99 minus its upstream's alone, paired per round (ms):\n\n\
+         - **gateway's added p99 minus the control's**: {} (target <= 1 ms: {})\n\
+         - gateway -> emulator minus emulator: {}\n\
+         - control, nginx -> static nginx minus static nginx: {}\n\
+         - nginx -> emulator minus emulator: {}\n\
+         - added p50: gateway {}; control {}; nginx -> emulator {}\n",
+        spread_text(&p["added_p99_minus_control_ms"]),
+        yes(&p["added_p99_target_met"]),
+        spread_text(&p["gateway_added_p99_ms"]),
+        spread_text(&p["control_added_p99_ms"]),
+        spread_text(&p["nginx_added_p99_ms"]),
+        spread_text(&p["gateway_added_p50_ms"]),
+        spread_text(&p["control_added_p50_ms"]),
+        spread_text(&p["nginx_added_p50_ms"]),
+    ));
+    let b = &p["baseline"];
+    if !b.is_null() {
+        s.push_str(&format!(
+            "- baseline gateway (`FLOTILLA_BENCH_GATEWAY_BASELINE`), added p99 minus the control's: {}; \
+             this gateway's p99 minus the baseline's: {}; p50: {}\n",
+            spread_text(&b["added_p99_minus_control_ms"]),
+            spread_text(&b["p99_gateway_minus_baseline_ms"]),
+            spread_text(&b["p50_gateway_minus_baseline_ms"]),
+        ));
+    }
+    s.push_str(&format!(
+        "- non-2xx responses and socket errors over all runs: {}\n\n\
+         The gateway's runtime has {} worker threads and each nginx {} worker processes; load average before {}, after {}.\n\n",
+        p["errors"],
         p["workers"],
         p["workers"],
         p["loadavg_before"].as_str().unwrap_or("?"),
         p["loadavg_after"].as_str().unwrap_or("?")
     ));
-    s.push_str(&format!(
-        "- rps per round at {} connections: direct {}, nginx {}, gateway {}\n\
-         - ratio gateway/nginx, paired per round: {} (target >= 0.9: {})\n\
-         - gateway/direct: {}; nginx/direct: {}\n\
-         - added p99 at half load (gateway minus direct, {} connections, gateway at {} rps), paired per round: {} ms (target <= 1 ms: {})\n\
-         - nginx's added p99 the same way: {} ms\n\
-         - gateway's added p50: {} ms\n\
-         - non-2xx responses and socket errors over all runs: {}\n\n",
-        p["top_connections"],
-        p["direct_rps_rounds"],
-        p["nginx_rps_rounds"],
-        p["gateway_rps_rounds"],
-        sp(&p["ratio_spread"]),
-        yes(&p["ratio_target_met"]),
-        sp(&p["gateway_direct_ratio"]),
-        sp(&p["nginx_direct_ratio"]),
-        p["half_load_connections"],
-        p["half_load_gateway_rps"],
-        sp(&p["added_p99_spread"]),
-        yes(&p["added_p99_target_met"]),
-        sp(&p["nginx_added_p99_ms"]),
-        sp(&p["added_p50_ms"]),
-        p["errors"]
-    ));
-    if p["added_p99_target_met"] == json!(false) {
-        s.push_str(&format!(
-            "The added p99 target is missed by {} ms. At this load every path's p99 is mostly the\n\
-             machine's scheduling delay (processes outnumber the CPUs): the gateway's per-round\n\
-             differences run from {} to {} ms, nginx's measured alike from {} to {} ms (median {}),\n\
-             while the gateway's added p50, which scheduling hardly moves, is {} ms.\n\n",
-            round(p["added_p99_ms"].as_f64().unwrap_or(f64::NAN) - 1.0, 3),
-            p["added_p99_spread"]["min"],
-            p["added_p99_spread"]["max"],
-            p["nginx_added_p99_ms"]["min"],
-            p["nginx_added_p99_ms"]["max"],
-            p["nginx_added_p99_ms"]["median"],
-            p["added_p50_ms"]["median"]
-        ));
-    }
+    s
+}
+
+fn table(r: &Value) -> String {
+    let p = &r["proxy"];
+    let c = &r["scale_from_zero"];
+    let a = &r["affinity"];
+    let mut s = proxy_table(p);
     s.push_str("## Scale from zero\n\n");
     s.push_str(&format!(
         "First request to first byte minus the {} ms weight load, {} trials: p50 **{} ms**, p99 **{} ms**, max {} ms (target p99 <= 1 s: {})\n\n",

@@ -116,8 +116,14 @@ struct WithUsage {
 pub(crate) enum Scan {
     /// Server-sent events: the last `data:` line carrying `usage` counts.
     Sse { line: Vec<u8> },
-    /// A JSON document with a top-level `usage`.
-    Json { buf: Vec<u8>, overflow: bool },
+    /// A JSON document with a top-level `usage`. A body that comes in one
+    /// frame (the usual answer) is kept as that frame, shared with the
+    /// response rather than copied; `buf` gathers a body of several.
+    Json {
+        first: Option<Bytes>,
+        buf: Vec<u8>,
+        overflow: bool,
+    },
     /// Neither: usage 0.
     Skip,
 }
@@ -127,6 +133,7 @@ impl Scan {
         match ct {
             Some(ct) if ct.starts_with("text/event-stream") => Self::Sse { line: Vec::new() },
             Some(ct) if ct.starts_with("application/json") => Self::Json {
+                first: None,
                 buf: Vec::new(),
                 overflow: false,
             },
@@ -202,12 +209,27 @@ impl Tracker {
         }
         match &mut self.scan {
             Scan::Skip => {}
-            Scan::Json { buf, overflow } => {
-                if buf.len() + data.len() > MAX_JSON_SCAN {
-                    *overflow = true;
-                    buf.clear();
-                } else if !*overflow {
+            Scan::Json {
+                first,
+                buf,
+                overflow,
+            } => {
+                if *overflow {
+                    return;
+                }
+                if first.is_none() && buf.is_empty() {
+                    *first = Some(data.clone());
+                } else {
+                    if let Some(f) = first.take() {
+                        buf.extend_from_slice(&f);
+                    }
                     buf.extend_from_slice(data);
+                }
+                let held = first.as_ref().map_or(0, Bytes::len) + buf.len();
+                if held > MAX_JSON_SCAN {
+                    *overflow = true;
+                    *first = None;
+                    *buf = Vec::new();
                 }
             }
             Scan::Sse { line } => {
@@ -236,12 +258,13 @@ impl Drop for Tracker {
     fn drop(&mut self) {
         let now = Instant::now();
         if let Scan::Json {
+            first,
             buf,
             overflow: false,
         } = &self.scan
         {
             if self.complete {
-                self.tokens = read_usage(buf);
+                self.tokens = read_usage(first.as_deref().unwrap_or(buf.as_slice()));
             }
         }
         let instance_id = self.lease.as_ref().map(|l| l.replica.instance_id.clone());
@@ -265,8 +288,11 @@ impl Drop for Tracker {
         series.response(&self.inner.metrics, self.status);
         let (input_tokens, output_tokens) = self.tokens.unwrap_or((0, 0));
         let elapsed = chrono::Duration::from_std(now - self.arrived).unwrap_or_default();
+        // Moved out, not copied: the tracker ends here.
+        let request_id =
+            std::mem::replace(&mut self.request_id, RequestId::from_trusted(String::new()));
         self.inner.meter.push(RequestUsage {
-            request_id: self.request_id.clone(),
+            request_id,
             endpoint_id: self.endpoint.id.clone(),
             instance_id,
             started_at: self.started_at,

@@ -160,12 +160,25 @@ impl GatewayConfig {
     }
 }
 
-/// Endpoints as the current route table names them.
+/// Endpoints as the current route table names them. Keyed by tenant, then
+/// by name or model, so that a request looks its endpoint up with the
+/// borrowed strings it carries (a `(TenantId, String)` key would cost two
+/// allocations per request).
 #[derive(Default)]
 struct RouteIndex {
-    by_name: HashMap<(TenantId, String), Arc<Endpoint>>,
-    by_model: HashMap<(TenantId, String), Arc<Endpoint>>,
+    by_name: HashMap<TenantId, HashMap<String, Arc<Endpoint>>>,
+    by_model: HashMap<TenantId, HashMap<String, Arc<Endpoint>>>,
     by_tenant: HashMap<TenantId, Vec<Arc<Endpoint>>>,
+}
+
+impl RouteIndex {
+    fn named(&self, tenant: &TenantId, name: &str) -> Option<&Arc<Endpoint>> {
+        self.by_name.get(tenant)?.get(name)
+    }
+
+    fn serving(&self, tenant: &TenantId, model: &str) -> Option<&Arc<Endpoint>> {
+        self.by_model.get(tenant)?.get(model)
+    }
 }
 
 type Limiter = DefaultKeyedRateLimiter<String>;
@@ -281,14 +294,14 @@ impl Inner {
                     self.epoch,
                 )),
             };
-            index.by_name.insert(
-                (route.tenant_id.clone(), route.name.clone()),
-                endpoint.clone(),
-            );
+            index
+                .by_name
+                .entry(route.tenant_id.clone())
+                .or_default()
+                .insert(route.name.clone(), endpoint.clone());
+            let models = index.by_model.entry(route.tenant_id.clone()).or_default();
             for m in &route.models {
-                index
-                    .by_model
-                    .insert((route.tenant_id.clone(), m.clone()), endpoint.clone());
+                models.insert(m.clone(), endpoint.clone());
             }
             index
                 .by_tenant
@@ -379,6 +392,17 @@ impl Inner {
         let _ = tx.send(Some(answer));
     }
 
+    /// `key`'s grant when the cache holds one younger than its time to
+    /// live.
+    fn fresh_grant(&self, key: &str) -> Option<Arc<KeyGrant>> {
+        match lock(&self.auth).get(key) {
+            Some((at, Some(grant))) if at.elapsed() < self.config.auth_cache_ttl => {
+                Some(grant.clone())
+            }
+            _ => None,
+        }
+    }
+
     /// Whether the gateway has seen `key` valid (even if that answer is
     /// older than the cache's time to live): such a key is never held
     /// back by the per-address limit on requests without a valid key.
@@ -438,6 +462,11 @@ impl Inner {
                 return Err(missing);
             }
         };
+        // The common case with one lookup: a key seen valid within the
+        // cache's time to live (below, a miss looks twice).
+        if let Some(grant) = self.fresh_grant(key) {
+            return Ok(grant);
+        }
         if !self.known_valid(key) {
             self.check_held(peer)?;
         }

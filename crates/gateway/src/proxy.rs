@@ -193,8 +193,7 @@ fn resolve(
     };
     let by_name = |name: &str| {
         index
-            .by_name
-            .get(&(grant.tenant_id.clone(), name.to_string()))
+            .named(&grant.tenant_id, name)
             .filter(|e| allowed(grant, e))
             .cloned()
     };
@@ -248,8 +247,7 @@ fn resolve(
             message: "required: the model to call".into(),
         })?;
         let endpoint = index
-            .by_model
-            .get(&(grant.tenant_id.clone(), model.to_string()))
+            .serving(&grant.tenant_id, &model)
             .filter(|e| allowed(grant, e))
             .cloned()
             .ok_or_else(|| Refusal::ModelNotFound(model.to_string()))?;
@@ -284,13 +282,12 @@ async fn route(
 ) -> Result<Response<GatewayBody>, Refusal> {
     let arrived = Instant::now();
     let started_at = Utc::now();
-    let key = bearer(req.headers()).map(str::to_string);
-    let grant = inner
-        .authorize_from(peer, key.as_deref().map_err(Clone::clone))
-        .await?;
+    let (parts, body) = req.into_parts();
+    // Borrowed from the request's headers, not copied.
+    let key = bearer(&parts.headers);
+    let grant = inner.authorize_from(peer, key.clone()).await?;
     let key = key?;
     let grant = &*grant;
-    let (parts, body) = req.into_parts();
     let limit = inner.config.max_body_bytes;
     let body = match Limited::new(body, limit).collect().await {
         Ok(b) => b.to_bytes(),
@@ -333,7 +330,7 @@ async fn route(
         return refused(tracker, Refusal::OverHardCap);
     }
     let route = endpoint.route();
-    if let Err(r) = inner.check_rate(&endpoint, route.rate_limit_rps, &key) {
+    if let Err(r) = inner.check_rate(&endpoint, route.rate_limit_rps, key) {
         return refused(tracker, r);
     }
     let affinity = match route.balance {
@@ -348,6 +345,8 @@ async fn route(
         }
     };
     let deadline = arrived + std::time::Duration::from_millis(route.queue_timeout_ms);
+    // Made once: it goes upstream and back to the caller.
+    let request_id_header = HeaderValue::from_str(tracker.request_id.as_str()).ok();
     let mut exclude = Vec::new();
     let mut attempt = 0;
     loop {
@@ -361,19 +360,24 @@ async fn route(
                 return refused(tracker, Refusal::QueueTimeout(route.name.clone()))
             }
         };
-        let upstream =
-            match upstream_request(&lease.replica, &path, &parts, &body, &tracker.request_id) {
-                Ok(r) => r,
-                Err(message) => return refused(tracker, Refusal::Upstream(message)),
-            };
+        let upstream = match upstream_request(
+            &lease.replica,
+            &path,
+            &parts,
+            &body,
+            request_id_header.as_ref(),
+        ) {
+            Ok(r) => r,
+            Err(message) => return refused(tracker, Refusal::Upstream(message)),
+        };
         let replica = lease.replica.clone();
         tracker.sent(lease);
         match inner.client.request(upstream).await {
             Ok(resp) => {
                 let (mut head, incoming) = resp.into_parts();
                 strip_hop_headers(&mut head.headers);
-                if let Ok(v) = HeaderValue::from_str(tracker.request_id.as_str()) {
-                    head.headers.insert(REQUEST_ID, v);
+                if let Some(v) = &request_id_header {
+                    head.headers.insert(REQUEST_ID, v.clone());
                 }
                 tracker.status = head.status.as_u16();
                 tracker.scan = Scan::for_content_type(
@@ -441,7 +445,7 @@ fn upstream_request(
     path: &PathAndQuery,
     parts: &Parts,
     body: &Bytes,
-    request_id: &RequestId,
+    request_id: Option<&HeaderValue>,
 ) -> Result<Request<Full<Bytes>>, String> {
     let uri = match &replica.origin {
         Some((scheme, authority)) => {
@@ -462,8 +466,8 @@ fn upstream_request(
     *req.uri_mut() = uri;
     let mut headers = parts.headers.clone();
     strip_hop_headers(&mut headers);
-    if let Ok(v) = HeaderValue::from_str(request_id.as_str()) {
-        headers.insert(REQUEST_ID, v);
+    if let Some(v) = request_id {
+        headers.insert(REQUEST_ID, v.clone());
     }
     *req.headers_mut() = headers;
     Ok(req)

@@ -37,13 +37,8 @@ fn push(w: &mut VecDeque<(Instant, f64)>, at: Instant, v: f64) {
     w.push_back((at, v));
 }
 
-fn percentile(w: &VecDeque<(Instant, f64)>, since: Instant, q: f64) -> Option<f64> {
-    let mut v: Vec<f64> = w
-        .iter()
-        .filter(|(t, _)| *t >= since)
-        .map(|(_, v)| *v)
-        .collect();
-    flotilla_core::gateway::nearest_rank(&mut v, q)
+fn samples(w: &VecDeque<(Instant, f64)>) -> Vec<f64> {
+    w.iter().map(|(_, v)| *v).collect()
 }
 
 /// One endpoint's counters.
@@ -69,22 +64,28 @@ impl EndpointStats {
     /// `queued`: the requests waiting in the endpoint's queue now.
     pub fn signals(&self, endpoint_id: &EndpointId, queued: u32, now: Instant) -> EndpointSignals {
         let since = now.checked_sub(WINDOW).unwrap_or(now);
-        let mut guard = self.windows.lock().unwrap_or_else(|p| p.into_inner());
-        let w = &mut *guard;
-        for q in [&mut w.ttft_ms, &mut w.latency_ms] {
-            while q.front().is_some_and(|(t, _)| *t < since) {
-                q.pop_front();
+        // Only the copy happens under the lock that every finishing request
+        // takes; the sorts (thousands of samples) happen after it.
+        let (mut ttft, mut latency) = {
+            let mut guard = self.windows.lock().unwrap_or_else(|p| p.into_inner());
+            let w = &mut *guard;
+            for q in [&mut w.ttft_ms, &mut w.latency_ms] {
+                while q.front().is_some_and(|(t, _)| *t < since) {
+                    q.pop_front();
+                }
             }
-        }
+            (samples(&w.ttft_ms), samples(&w.latency_ms))
+        };
+        let percentile = flotilla_core::gateway::nearest_rank;
         EndpointSignals {
             endpoint_id: endpoint_id.clone(),
             at: Utc::now(),
             in_flight: self.in_flight.load(Ordering::Relaxed),
             queued,
             requests_total: self.requests_total.load(Ordering::Relaxed),
-            ttft_p50_ms: percentile(&w.ttft_ms, since, 0.5),
-            ttft_p95_ms: percentile(&w.ttft_ms, since, 0.95),
-            latency_p95_ms: percentile(&w.latency_ms, since, 0.95),
+            ttft_p50_ms: percentile(&mut ttft, 0.5),
+            ttft_p95_ms: percentile(&mut ttft, 0.95),
+            latency_p95_ms: percentile(&mut latency, 0.95),
         }
     }
 }
