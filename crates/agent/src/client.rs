@@ -68,6 +68,12 @@ impl Client {
             .map(Self)
     }
 
+    /// The same servers and connection pool with another key: the nodes of
+    /// a simulated fleet ([`crate::fleet`]) each send their own.
+    pub fn with_token(&self, token: &str) -> Self {
+        Self(self.0.with_token(token))
+    }
+
     /// The server that answered last, without `/v1`.
     pub fn base_url(&self) -> &str {
         self.0.current_server()

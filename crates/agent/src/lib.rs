@@ -26,6 +26,7 @@ pub mod container;
 pub mod container_error;
 pub mod discovery;
 pub mod fence;
+pub mod fleet;
 pub mod image_cache;
 pub mod metrics;
 pub mod runtime;
@@ -249,13 +250,40 @@ pub async fn run(
     config: AgentConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
+    run_with(config, Provided::default(), shutdown).await
+}
+
+/// What an agent may be handed instead of making its own: the agents of a
+/// simulated fleet ([`fleet`]) share one connection pool and one runtime,
+/// and report every sync's timing to one place. Everything else (node
+/// identity, registration, key, lease, loops) stays the agent's own.
+#[derive(Clone, Default)]
+pub struct Provided {
+    /// The client to call the server with (its key is the agent's own);
+    /// `None`: one made from the configuration.
+    pub client: Option<Client>,
+    /// Where workloads run; `None`: the one the configuration names.
+    pub runtime: Option<Arc<dyn Runtime>>,
+    /// Told of every answered sync.
+    pub sync_times: Option<Arc<fleet::SyncTimes>>,
+}
+
+/// [`run`], with what the caller provides.
+pub async fn run_with(
+    config: AgentConfig,
+    provided: Provided,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     let simulate = config.simulate_gpus.clone();
     let name = config.name.clone();
-    let gpus = tokio::task::spawn_blocking(move || {
-        discover(simulate.as_deref(), &name, &Catalog::default())
-    })
-    .await
-    .context("gpu discovery task failed")??;
+    let gpus = match simulate {
+        // Parsing a spec: no need for a blocking thread (a fleet starts
+        // thousands of agents).
+        Some(spec) => discovery::simulated_gpus(&spec, &name, &Catalog::default())?,
+        None => tokio::task::spawn_blocking(move || discover(None, &name, &Catalog::default()))
+            .await
+            .context("gpu discovery task failed")??,
+    };
     tracing::info!(
         node = %config.name,
         gpus = gpus.len(),
@@ -302,13 +330,19 @@ pub async fn run(
         unenforced_limits: Vec::new(),
         network: None,
     };
-    let runtime = runtime_for(&config).await?;
+    let runtime = match provided.runtime {
+        Some(runtime) => runtime,
+        None => runtime_for(&config).await?,
+    };
     registration.unenforced_limits = runtime.unenforced_limits();
     registration.network = runtime.network();
     // However `run` ends (a refused registration, a shutdown, the task
     // dropped), what the runtime set up and no longer needs goes.
     let _close = CloseOnDrop(runtime.clone());
-    let client = Client::with_trust(&config.server_url, &config.token, config.trust.clone())?;
+    let client = match provided.client {
+        Some(client) => client,
+        None => Client::with_trust(&config.server_url, &config.token, config.trust.clone())?,
+    };
     let shared = Arc::new(Shared::default());
     let metrics = Arc::new(metrics::AgentMetrics::default());
     let metrics_server = match config.metrics_bind {
@@ -328,6 +362,7 @@ pub async fn run(
         parked_bytes,
     );
     let mut agent = Agent {
+        sync_times: provided.sync_times,
         weights: node_weights,
         metrics,
         config,
@@ -369,6 +404,9 @@ pub async fn run(
                 .shared
                 .node_lease()
                 .stated(registered.lease_ms, registered.heartbeat_interval_ms);
+            if let Some(times) = &agent.sync_times {
+                times.registered();
+            }
             agent.node = Some(registered);
         }
         () = &mut shutdown => {
@@ -783,6 +821,8 @@ impl Shared {
 }
 
 struct Agent {
+    /// Told of every answered sync (a simulated fleet's statistics).
+    sync_times: Option<Arc<fleet::SyncTimes>>,
     /// What `/metrics` shows of the sync loop.
     metrics: Arc<metrics::AgentMetrics>,
     config: AgentConfig,
@@ -1019,6 +1059,9 @@ impl Agent {
                 }
                 Ok(resp) => {
                     backoff.succeeded();
+                    if let Some(times) = &self.sync_times {
+                        times.answered(sent.elapsed(), Duration::from_millis(wait_ms));
+                    }
                     self.metrics.synced(
                         node.node_id.as_str(),
                         Utc::now(),
@@ -1045,6 +1088,9 @@ impl Agent {
                 }
                 Err(error) => {
                     self.metrics.sync_failed();
+                    if let Some(times) = &self.sync_times {
+                        times.failed();
+                    }
                     for t in self.shared.lock().values_mut() {
                         t.flush_waiting_since = None;
                     }
@@ -1318,13 +1364,16 @@ impl Agent {
             if self.sessions.insert(session.id.clone(), now).is_some() {
                 continue;
             }
-            let place = self
-                .shared
-                .lock()
-                .get(&session.instance_id)
-                .and_then(|t| t.workload().filter(|_| t.running()).cloned())
-                .ok_or_else(|| "the instance does not run on this node".to_string())
-                .map(|w| access_place(&w, self.runtime.engine()));
+            let place = if self.runtime.simulated() {
+                Err("a simulated workload has no process to enter".to_string())
+            } else {
+                self.shared
+                    .lock()
+                    .get(&session.instance_id)
+                    .and_then(|t| t.workload().filter(|_| t.running()).cloned())
+                    .ok_or_else(|| "the instance does not run on this node".to_string())
+                    .map(|w| access_place(&w, self.runtime.engine()))
+            };
             tokio::spawn(access::serve(
                 self.client.clone(),
                 node.clone(),

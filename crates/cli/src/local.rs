@@ -31,6 +31,9 @@ pub const DEFAULT_SIMULATED_GPUS: &str = "4xH100,2xL40S";
 pub const DEFAULT_BIND: &str = "127.0.0.1:7420";
 /// How long the agent may take to stop its work on shutdown.
 const AGENT_STOP_TIMEOUT: Duration = Duration::from_secs(60);
+/// Time a simulated fleet is given to stop its nodes: each stops its work
+/// and reports it, thousands at once through one connection pool.
+const FLEET_STOP_TIMEOUT: Duration = Duration::from_secs(120);
 /// Pause between the agent's final report and the server's shutdown.
 const FOLLOWER_GRACE: Duration = Duration::from_millis(1200);
 /// How long the server may take to drain on shutdown.
@@ -349,6 +352,28 @@ pub struct AgentArgs {
     /// How this node runs workloads.
     #[command(flatten)]
     pub workloads: WorkloadArgs,
+    /// Run N simulated nodes in this process instead of one node: a load
+    /// generator for the control plane, real on the wire. Each node is a
+    /// whole agent (its own name `NAME-00000`..., registration, key, lease
+    /// and sync loop) with `--simulate-gpus` GPUs; their workloads are
+    /// simulated in-process (`sleep S` runs S seconds, anything else until
+    /// stopped), reported and metered as real ones.
+    #[arg(
+        long,
+        value_name = "N",
+        requires = "simulate_gpus",
+        conflicts_with = "join_token"
+    )]
+    pub simulate_fleet: Option<usize>,
+    /// With `--simulate-fleet`: a file of agent keys, one per line, one for
+    /// each node in order, instead of one `--token` for all of them.
+    #[arg(long, value_name = "FILE", requires = "simulate_fleet")]
+    pub fleet_tokens: Option<PathBuf>,
+    /// With `--simulate-fleet`: write the fleet's statistics (nodes
+    /// registered, syncs, their timings, running workloads) to this JSON
+    /// file every 2 s.
+    #[arg(long, value_name = "FILE", requires = "simulate_fleet")]
+    pub fleet_stats: Option<PathBuf>,
 }
 
 fn check_simulated(spec: &str) -> Result<()> {
@@ -800,6 +825,9 @@ pub async fn agent(
 ) -> Result<ExitCode> {
     init_logging();
     let trust = config::trust(tls.fingerprint, tls.ca_cert)?;
+    if args.simulate_fleet.is_some() {
+        return fleet(server_url, trust, args).await;
+    }
     check_node(args.simulate_gpus.as_deref(), &args.workloads)?;
     let server_url = config::server_urls(server_url);
     let work_dir = match args.work_dir {
@@ -847,6 +875,76 @@ pub async fn agent(
     let _ = stop.send(());
     tokio::select! {
         r = join_within("agent", &mut task, AGENT_STOP_TIMEOUT) => r?,
+        _ = signals.recv() => {
+            eprintln!("forced exit");
+            return Ok(ExitCode::from(130));
+        }
+    }
+    eprintln!("stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla agent --simulate-fleet N`: N simulated nodes in this process
+/// ([`flotilla_agent::fleet`]). The node runtime's checks do not apply (no
+/// workload runs on this host), so they are not made.
+async fn fleet(
+    server_url: Option<String>,
+    trust: flotilla_client::Trust,
+    args: AgentArgs,
+) -> Result<ExitCode> {
+    let nodes = args.simulate_fleet.unwrap_or(0);
+    if let Some(spec) = args.simulate_gpus.as_deref() {
+        check_simulated(spec)?;
+    }
+    if args.workloads.runtime != flotilla_agent::runtime::RuntimeKind::Process {
+        bail!("--simulate-fleet: the nodes' workloads are simulated; drop --runtime");
+    }
+    let server_url = config::server_urls(server_url);
+    let work_dir = match args.work_dir {
+        Some(w) => w,
+        None => data_dir(None)?.join("fleet"),
+    };
+    let tokens: Vec<String> = match (&args.fleet_tokens, &args.token) {
+        (Some(file), _) => std::fs::read_to_string(file)
+            .with_context(|| format!("--fleet-tokens: reading {}", file.display()))?
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(str::to_string)
+            .collect(),
+        (None, Some(token)) if !token.trim().is_empty() => vec![token.trim().to_string()],
+        _ => {
+            bail!("--simulate-fleet: pass --token (the server's agent key) or --fleet-tokens FILE")
+        }
+    };
+    let name = args.name.unwrap_or_else(|| "sim".to_string());
+    let mut base = flotilla_agent::AgentConfig::new(server_url.clone(), "", name, work_dir);
+    base.region = args.region;
+    base.pool = args.pool;
+    base.simulate_gpus = args.simulate_gpus;
+    base.simulated_telemetry = args.simulated_telemetry;
+    base.simulated_host = args.host.reported();
+    base.trust = trust;
+    let config = flotilla_agent::fleet::FleetConfig {
+        base,
+        nodes,
+        tokens,
+        stats_file: args.fleet_stats,
+    };
+    config.validate()?;
+    let mut signals = Signals::new()?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let mut task = tokio::spawn(flotilla_agent::fleet::run(config, async move {
+        let _ = stopped.await;
+    }));
+    eprintln!("simulated fleet of {nodes} nodes reporting to {server_url}; press Ctrl-C to stop");
+    tokio::select! {
+        _ = signals.recv() => {}
+        r = &mut task => return Err(task_ended("fleet", r)),
+    }
+    let _ = stop.send(());
+    tokio::select! {
+        r = join_within("fleet", &mut task, FLEET_STOP_TIMEOUT) => r?,
         _ = signals.recv() => {
             eprintln!("forced exit");
             return Ok(ExitCode::from(130));

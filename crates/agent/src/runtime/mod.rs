@@ -7,7 +7,8 @@
 //! finds the workloads of this node that still run ([`Runtime::adopt`]) so
 //! that none outlives its bookkeeping. Which runtime a node uses is its
 //! configuration ([`RuntimeKind`]): [`process`] runs sandboxed processes,
-//! [`crate::container`] runs containers through the Docker Engine API.
+//! [`crate::container`] runs containers through the Docker Engine API, and
+//! [`simulated`] runs timers in the agent process (a simulated fleet).
 //!
 //! A runtime must never talk to the server, never run a command through a
 //! shell, never signal anything it did not start (or adopt), and never
@@ -20,6 +21,7 @@ pub mod network;
 pub mod process;
 pub mod relay;
 pub mod sandbox;
+pub mod simulated;
 pub mod state;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -233,6 +235,12 @@ pub trait Runtime: Send + Sync {
     /// (see [`network`]); `None`: the runtime does not say.
     fn network(&self) -> Option<flotilla_core::api::NodeNetwork> {
         None
+    }
+
+    /// Its workloads run nowhere ([`simulated`]): there is no process to
+    /// enter, so the agent refuses sessions into them.
+    fn simulated(&self) -> bool {
+        false
     }
 }
 
