@@ -165,6 +165,7 @@ pub const ROUND_DUTY: u32 = 4;
 /// seconds, housekeeping hourly.
 pub async fn run(st: AppState, tick: Duration) {
     let mut changes = st.subscribe();
+    let mut control = st.subscribe_control();
     let mut shutdown = st.shutdown_signal();
     let mut last_housekeeping = st.now();
     let mut last_metering = st.now() - ChronoDuration::seconds(METERING_EVERY_S);
@@ -178,6 +179,7 @@ pub async fn run(st: AppState, tick: Duration) {
         // Marked seen before the passes read the store, so a change made
         // while they run wakes the next round instead of waiting a tick.
         changes.borrow_and_update();
+        control.borrow_and_update();
         let round_started = tokio::time::Instant::now();
         if !st.leads() {
             // The lease ran out by this process's clock before the election
@@ -228,6 +230,7 @@ pub async fn run(st: AppState, tick: Duration) {
         let gap = MIN_ROUND_GAP.max(round_started.elapsed() * ROUND_DUTY);
         tokio::select! {
             _ = changes.changed() => {}
+            _ = control.changed() => {}
             _ = shutdown.changed() => {}
             _ = tokio::time::sleep(tick) => {}
         }

@@ -34,9 +34,22 @@ struct Inner {
     config: ServerConfig,
     clock: Arc<dyn Clock>,
     limiter: DefaultKeyedRateLimiter<String>,
+    /// Machine protocol (agents, the gateway, usage batches), by key: a
+    /// budget of its own, so a fleet's agents sharing one key neither
+    /// starve nor are starved by that key's people.
+    protocol: DefaultKeyedRateLimiter<String>,
     /// Requests without a valid key, by source address.
     anonymous: DefaultKeyedRateLimiter<Option<IpAddr>>,
+    /// Bumped when any node's assignments may have changed: every held
+    /// agent sync wakes to look.
     changes: watch::Sender<u64>,
+    /// Bumped on a change that no node's assignments follow from until a
+    /// control loop acts on it (work submitted, a node's report of its
+    /// instances, its registration, its logs, a GPU fault or a cordon):
+    /// the control loops and log followers look again, held syncs do not
+    /// (at a fleet of thousands, waking every sync on every such change is
+    /// a storm of reads that finds nothing new).
+    control: watch::Sender<u64>,
     shutdown: watch::Receiver<bool>,
     started_at: DateTime<Utc>,
     billing: crate::billing_step::Runtime,
@@ -119,6 +132,14 @@ pub struct AppState {
     store: Store,
 }
 
+/// A per-second rate and its burst (twice the rate), at least one each.
+fn quota_of(per_second: u32) -> (NonZeroU32, NonZeroU32) {
+    (
+        NonZeroU32::new(per_second.max(1)).unwrap_or(NonZeroU32::MIN),
+        NonZeroU32::new(per_second.saturating_mul(2).max(1)).unwrap_or(NonZeroU32::MIN),
+    )
+}
+
 impl AppState {
     /// Builds the state. `shutdown` turns true when the server stops.
     pub fn new(
@@ -139,18 +160,23 @@ impl AppState {
                 .max(1),
         )
         .unwrap_or(NonZeroU32::MIN);
+        let (proto_per_s, proto_burst) = quota_of(config.protocol_rate_limit_per_second);
         let started_at = clock.now();
         Self {
             store,
             inner: Arc::new(Inner {
                 catalog: Catalog::default(),
                 limiter: RateLimiter::keyed(Quota::per_second(per_s).allow_burst(burst)),
+                protocol: RateLimiter::keyed(
+                    Quota::per_second(proto_per_s).allow_burst(proto_burst),
+                ),
                 anonymous: RateLimiter::keyed(
                     Quota::per_second(anon_per_s).allow_burst(anon_burst),
                 ),
                 config,
                 clock,
                 changes: watch::channel(0).0,
+                control: watch::channel(0).0,
                 shutdown,
                 started_at,
                 billing: crate::billing_step::Runtime::default(),
@@ -349,6 +375,24 @@ impl AppState {
         self.inner.started_at
     }
 
+    /// 429 when `key` has used up its requests: its machine-protocol
+    /// budget for such a `path` (`routes::kinds::is_protocol`), its own
+    /// otherwise.
+    pub fn check_rate_for(&self, key: &str, path: &str) -> Result<(), ApiError> {
+        let limiter = if crate::routes::kinds::is_protocol(path) {
+            &self.inner.protocol
+        } else {
+            &self.inner.limiter
+        };
+        match limiter.check_key(&key.to_string()) {
+            Ok(()) => Ok(()),
+            Err(not_until) => {
+                let wait = not_until.wait_time_from(DefaultClock::default().now());
+                Err(ApiError::rate_limited(wait.as_secs_f64().ceil() as u64))
+            }
+        }
+    }
+
     /// 429 when `key` has used up its requests.
     pub fn check_rate(&self, key: &str) -> Result<(), ApiError> {
         match self.inner.limiter.check_key(&key.to_string()) {
@@ -380,13 +424,27 @@ impl AppState {
     pub fn prune_rate_limits(&self) {
         self.inner.limiter.retain_recent();
         self.inner.limiter.shrink_to_fit();
+        self.inner.protocol.retain_recent();
+        self.inner.protocol.shrink_to_fit();
         self.inner.anonymous.retain_recent();
         self.inner.anonymous.shrink_to_fit();
     }
 
-    /// Signals that instances, assignments or logs changed.
+    /// Signals that instances or assignments changed: wakes the control
+    /// loops, log followers and every held agent sync.
     pub fn notify_change(&self) {
         self.inner.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Signals a change that no node's assignments follow from until a
+    /// control loop acts on it (work submitted; a node's report of its
+    /// instances' phases, its registration, its logs, a GPU fault; a
+    /// cordon): wakes the control loops and log followers (see
+    /// [`Self::subscribe_control`]), not the nodes' held syncs. What the
+    /// loops then decide for a node (a placement, a stop) they signal with
+    /// [`Self::notify_change`].
+    pub fn notify_control(&self) {
+        self.inner.control.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// Wakes the endpoint autoscaler now (see `crate::endpoints`).
@@ -404,7 +462,9 @@ impl AppState {
     /// a kept plan made at another generation is stale.
     pub fn change_generation(&self) -> u64 {
         let writes = self.inner.writes.load(std::sync::atomic::Ordering::Acquire);
-        (*self.inner.changes.borrow()).wrapping_add(writes)
+        (*self.inner.changes.borrow())
+            .wrapping_add(*self.inner.control.borrow())
+            .wrapping_add(writes)
     }
 
     /// Counts an API request that may have written.
@@ -419,9 +479,16 @@ impl AppState {
         &self.inner.last_plan
     }
 
-    /// A receiver of change signals.
+    /// A receiver of [`Self::notify_change`]'s signal: any node's
+    /// assignments may have changed.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.inner.changes.subscribe()
+    }
+
+    /// A receiver of [`Self::notify_control`]'s signal; the control
+    /// loops and log followers wait on it beside [`Self::subscribe`].
+    pub fn subscribe_control(&self) -> watch::Receiver<u64> {
+        self.inner.control.subscribe()
     }
 
     /// A receiver that turns true when the server shuts down.

@@ -119,7 +119,8 @@ pub async fn register(
         }
     }
     tracing::info!(node = %node.id, name = %req.name, gpus = count, created = node.created, "node registered");
-    st.notify_change();
+    // New capacity for the pass; no other node's assignments change.
+    st.notify_control();
     Ok(Json(Registered {
         node_id: node.id,
         heartbeat_interval_ms: heartbeat_interval(&st).as_millis() as u64,
@@ -305,7 +306,7 @@ pub async fn sync(
     if !req.gpus.is_empty() {
         if take_out_faulty_gpus(&st, &id, &req.gpus, now).await? {
             // Placement must see the GPU gone before it places again.
-            st.notify_change();
+            st.notify_control();
         }
         profile_instances(&st, &id, &req.gpus, now).await?;
         st.record_telemetry(&id, now, req.gpus.clone());
@@ -326,8 +327,11 @@ pub async fn sync(
         tracing::info!(node = %id, reattached = reported.len(), "node is back");
         changed = true;
     }
+    // What this node reported is for the control loops (a pass, a job's
+    // other members): what they decide for other nodes they signal
+    // themselves. Other nodes' held syncs are not woken by it.
     if changed {
-        st.notify_change();
+        st.notify_control();
     }
     let wait = Duration::from_millis(req.wait_ms)
         .min(MAX_WAIT)
@@ -353,8 +357,7 @@ pub async fn sync(
             .await?
             .is_empty()
         {
-            st.notify_change();
-            changes.borrow_and_update();
+            st.notify_control();
             assignments = st.store().assignments(&id).await?;
         }
     }
@@ -488,6 +491,7 @@ pub async fn push_logs(
         .into());
     }
     st.store().append_logs(&id, &batch.lines).await?;
-    st.notify_change();
+    // For log followers; no assignment changed.
+    st.notify_control();
     Ok(StatusCode::NO_CONTENT)
 }

@@ -64,7 +64,8 @@ pub async fn create_instance(
         .create_instance(&id, &caller.tenant_id, &spec, st.now())
         .await?;
     tracing::info!(instance = %inst.id, tenant = %inst.tenant_id, gpus = inst.gpus, "instance created");
-    st.notify_change();
+    // For the pass; no node runs it yet.
+    st.notify_control();
     Ok((StatusCode::CREATED, Json(inst)))
 }
 
@@ -232,7 +233,11 @@ struct Follow {
     id: InstanceId,
     next: u64,
     done: bool,
-    changes: Option<tokio::sync::watch::Receiver<u64>>,
+    /// Assignment changes (a stop) and node reports (log lines, exits).
+    changes: Option<(
+        tokio::sync::watch::Receiver<u64>,
+        tokio::sync::watch::Receiver<u64>,
+    )>,
 }
 
 impl Follow {
@@ -240,15 +245,15 @@ impl Follow {
         if self.done {
             return None;
         }
-        let changes = self
+        let (mut changes, mut reports) = self
             .changes
-            .get_or_insert_with(|| self.st.subscribe())
+            .get_or_insert_with(|| (self.st.subscribe(), self.st.subscribe_control()))
             .clone();
-        let mut changes = changes;
         let mut shutdown = self.st.shutdown_signal();
         loop {
             // Mark seen before reading, so a change after the read wakes us.
             changes.borrow_and_update();
+            reports.borrow_and_update();
             let final_state = match self.st.store().instance(&self.id).await {
                 Ok(i) => i.state.is_terminal(),
                 Err(e) => return Some((Err(std::io::Error::other(e.to_string())), self)),
@@ -275,6 +280,7 @@ impl Follow {
             }
             tokio::select! {
                 _ = changes.changed() => {}
+                _ = reports.changed() => {}
                 _ = shutdown.changed() => {}
                 _ = tokio::time::sleep(Duration::from_secs(2)) => {}
             }

@@ -58,7 +58,8 @@ pub async fn create_job(
         .create_job(&id, &caller.tenant_id, &spec, st.now())
         .await?;
     tracing::info!(job = %job.id, tenant = %job.tenant_id, gpus = spec.gpus, nodes = spec.nodes, "job submitted");
-    st.notify_change();
+    // For the pass; no node runs it yet.
+    st.notify_control();
     Ok((StatusCode::CREATED, Json(job)))
 }
 

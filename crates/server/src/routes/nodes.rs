@@ -106,7 +106,8 @@ async fn set_cordoned(
             .add_node_event(&node.id, kind, &message, st.now())
             .await?;
         tracing::info!(node = %node.id, cordoned, "node cordon changed");
-        st.notify_change();
+        // For the pass; a cordon stops nothing.
+        st.notify_control();
     }
     Ok(Json(node))
 }
@@ -156,7 +157,7 @@ pub async fn reset_gpu(
         return Err(ApiError::not_found("gpu"));
     }
     if st.store().set_gpu_fault(&id, &gpu, None, st.now()).await? {
-        st.notify_change();
+        st.notify_control();
     }
     Ok(Json(st.store().node(&id).await?))
 }
