@@ -65,6 +65,12 @@ pub struct ServerArgs {
     /// Requests per second allowed per API key (bursts of twice that).
     #[arg(long, default_value_t = 100, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub rate_limit: u32,
+    /// Machine-protocol requests per second allowed per API key (agent
+    /// syncs and logs, gateway reports, usage batches; bursts of twice
+    /// that): a budget apart from --rate-limit, as one key often serves a
+    /// whole fleet of agents.
+    #[arg(long, default_value_t = 2_000, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub protocol_rate_limit: u32,
     /// Requests per second allowed per source address without a valid
     /// API key (bursts of twice that); more answer 429.
     #[arg(long, default_value_t = 10, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
@@ -130,6 +136,7 @@ impl ServerArgs {
         flotilla_server::ServerConfig {
             heartbeat_timeout: std::time::Duration::from_secs(self.heartbeat_timeout),
             rate_limit_per_second: self.rate_limit,
+            protocol_rate_limit_per_second: self.protocol_rate_limit,
             anonymous_rate_limit_per_second: self.anonymous_rate_limit,
             placement_policy: self.placement_policy,
             webhook_allow_private: self.webhook_allow_private,

@@ -163,7 +163,9 @@ pub async fn authenticate(
 /// `POST /v1/keys` minted) and before the audit layer records who called.
 ///
 /// Rate limits: a valid key gets its own budget
-/// ([`crate::ServerConfig::rate_limit_per_second`]); a request without a
+/// ([`crate::ServerConfig::rate_limit_per_second`]), and another for
+/// machine protocol ([`crate::ServerConfig::protocol_rate_limit_per_second`]:
+/// a fleet's agents often share one key); a request without a
 /// valid key (none, unknown, revoked) on a route that needs one is limited
 /// by its source address
 /// ([`crate::ServerConfig::anonymous_rate_limit_per_second`]), so guessing
@@ -177,7 +179,7 @@ pub async fn layer(State(st): State<AppState>, req: Request, next: Next) -> Resp
     };
     match &found {
         Ok(caller) => {
-            if let Err(e) = st.check_rate(caller.key_id.as_str()) {
+            if let Err(e) = st.check_rate_for(caller.key_id.as_str(), parts.uri.path()) {
                 return e.into_response();
             }
         }

@@ -18,6 +18,12 @@ pub struct ServerConfig {
     pub heartbeat_timeout: Duration,
     /// Sustained requests per second per API key (bursts of twice that).
     pub rate_limit_per_second: u32,
+    /// Sustained machine-protocol requests per second per API key (agent
+    /// syncs and logs, gateway reports, usage batches; bursts of twice
+    /// that): apart from the key's own budget, and large, because one key
+    /// often serves a whole fleet of agents (an idle agent syncs about
+    /// every heartbeat interval; 2,000/s is some 5,000 nodes).
+    pub protocol_rate_limit_per_second: u32,
     /// Sustained requests per second per source address that carry no
     /// valid key (none, unknown or revoked) to a route that needs one
     /// (bursts of twice that). Low: such a request can only be a mistake or
@@ -65,6 +71,7 @@ impl Default for ServerConfig {
         Self {
             heartbeat_timeout: Duration::from_secs(15),
             rate_limit_per_second: 100,
+            protocol_rate_limit_per_second: 2_000,
             anonymous_rate_limit_per_second: 10,
             reconcile_tick: Duration::from_secs(1),
             pass_at_least_every: Duration::from_secs(5),

@@ -22,6 +22,7 @@ pub fn fast() -> ServerConfig {
         heartbeat_timeout: Duration::from_secs(30),
         rate_limit_per_second: 10_000,
         anonymous_rate_limit_per_second: 10_000,
+        protocol_rate_limit_per_second: 10_000,
         reconcile_tick: Duration::from_millis(50),
         ..ServerConfig::default()
     }
