@@ -109,21 +109,32 @@ fn book() -> PriceBook {
     PriceBook::new(v).expect("price book")
 }
 
-const RAW_DDL: &str = "CREATE TABLE usage_raw (tenant_id TEXT NOT NULL, source TEXT NOT NULL, \
-     event_id TEXT NOT NULL, subject_kind TEXT NOT NULL, subject_id TEXT NOT NULL, \
-     meter TEXT NOT NULL, meter_detail TEXT NOT NULL, model TEXT NOT NULL, \
-     share_units BIGINT NOT NULL, billing_class TEXT NOT NULL, start_ms BIGINT NOT NULL, \
-     end_ms BIGINT NOT NULL, amount TEXT NOT NULL, amount_int BIGINT, node_id TEXT, \
-     corrects_source TEXT, corrects_id TEXT, received_at BIGINT NOT NULL, \
-     PRIMARY KEY (tenant_id, source, event_id))";
+/// The table of a plain INSERT: the columns, types and primary key of
+/// `usage_events` and its (tenant_id, end_ms) index (not its four partial
+/// indexes, which hold none of these rows).
+fn raw_ddl(name: &str) -> [String; 3] {
+    [
+        format!("DROP TABLE IF EXISTS usage_raw_{name}"),
+        format!(
+            "CREATE TABLE usage_raw_{name} (tenant_id TEXT NOT NULL, source TEXT NOT NULL, \
+             event_id TEXT NOT NULL, subject_kind TEXT NOT NULL, subject_id TEXT NOT NULL, \
+             meter TEXT NOT NULL, meter_detail TEXT NOT NULL, model TEXT NOT NULL, \
+             share_units BIGINT NOT NULL, billing_class TEXT NOT NULL, start_ms BIGINT NOT NULL, \
+             end_ms BIGINT NOT NULL, amount TEXT NOT NULL, amount_int BIGINT, node_id TEXT, \
+             corrects_source TEXT, corrects_id TEXT, received_at BIGINT NOT NULL, \
+             PRIMARY KEY (tenant_id, source, event_id))"
+        ),
+        format!("CREATE INDEX usage_raw_{name}_tenant_end ON usage_raw_{name} (tenant_id, end_ms)"),
+    ]
+}
 
-/// `INSERT INTO usage_raw … VALUES` with `chunk` rows of `?` (positional)
-/// or `$N` parameters.
-fn raw_sql(chunk: usize, positional: bool) -> String {
-    let mut sql = String::from(
-        "INSERT INTO usage_raw (tenant_id, source, event_id, subject_kind, subject_id, meter, \
-         meter_detail, model, share_units, billing_class, start_ms, end_ms, amount, amount_int, \
-         node_id, corrects_source, corrects_id, received_at) VALUES ",
+/// `INSERT INTO usage_raw_<name> … VALUES` with `chunk` rows of `?`
+/// (positional) or `$N` parameters.
+fn raw_sql(name: &str, chunk: usize, positional: bool) -> String {
+    let mut sql = format!(
+        "INSERT INTO usage_raw_{name} (tenant_id, source, event_id, subject_kind, subject_id, \
+         meter, meter_detail, model, share_units, billing_class, start_ms, end_ms, amount, \
+         amount_int, node_id, corrects_source, corrects_id, received_at) VALUES "
     );
     for r in 0..chunk {
         if r > 0 {
@@ -190,96 +201,137 @@ macro_rules! bind_raw {
     }};
 }
 
-/// The plain batched INSERT on SQLite's native sqlx driver (the one
-/// `append_usage` uses on SQLite): the same columns and keys, `?`
-/// parameters, `chunk` rows per statement, no conflict handling, no checks.
-async fn raw_insert_sqlite_native(store_url: &str, chunk: usize, events: &[UsageEvent]) -> f64 {
-    use sqlx::sqlite::SqliteSynchronous;
-    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-    use sqlx::Executor;
-    use std::str::FromStr;
-    let opts = SqliteConnectOptions::from_str(store_url)
-        .expect("url")
-        .journal_mode(SqliteJournalMode::Wal)
-        .synchronous(SqliteSynchronous::Normal)
-        // The same page cache and mmap as the store's native pool.
-        .pragma("cache_size", "-65536")
-        .pragma("mmap_size", "268435456");
-    let pool = SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect_with(opts)
-        .await
-        .expect("connect");
-    pool.execute("DROP TABLE IF EXISTS usage_raw")
-        .await
-        .expect("drop");
-    pool.execute(RAW_DDL).await.expect("create usage_raw");
-    pool.execute("CREATE INDEX usage_raw_tenant_end ON usage_raw (tenant_id, end_ms)")
-        .await
-        .expect("index");
-    let rows = raw_rows(events);
-    let sql = raw_sql(chunk, true);
-    let t0 = Instant::now();
-    for (batch_events, batch_rows) in events.chunks(BATCH).zip(rows.chunks(BATCH)) {
-        let mut tx = pool.begin().await.expect("begin");
-        for (ce, cr) in batch_events.chunks(chunk).zip(batch_rows.chunks(chunk)) {
-            assert_eq!(ce.len(), chunk, "the raw path takes whole chunks");
-            bind_raw!(&sql, ce, cr)
-                .execute(&mut *tx)
-                .await
-                .expect("raw insert");
-        }
-        tx.commit().await.expect("commit");
-    }
-    let s = t0.elapsed().as_secs_f64();
-    pool.close().await;
-    events.len() as f64 / s
+/// A plain batched INSERT into its own table `usage_raw_<name>` (the
+/// shape and keys of `usage_events`), one transaction per batch, `chunk`
+/// rows per statement, no conflict handling, no checks: on SQLite's native
+/// sqlx driver (the one `append_usage` uses on SQLite, `?` parameters) or
+/// through sqlx's `Any` driver (`$N` parameters, what `append_usage` uses
+/// on PostgreSQL).
+enum Raw {
+    Native(sqlx::SqlitePool, String, usize),
+    Any(sqlx::AnyPool, String, usize),
 }
 
-/// The plain batched INSERT through sqlx's `Any` driver (`$N` parameters,
-/// `chunk` rows per statement): the same columns and keys, no conflict
-/// handling, no checks.
-async fn raw_insert(store_url: &str, chunk: usize, events: &[UsageEvent]) -> f64 {
-    use sqlx::any::AnyPoolOptions;
-    use sqlx::Executor;
-    let pool = AnyPoolOptions::new()
-        .max_connections(1)
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                if conn.backend_name() == "SQLite" {
-                    conn.execute("PRAGMA journal_mode = WAL").await?;
-                    conn.execute("PRAGMA synchronous = NORMAL").await?;
-                }
-                Ok(())
-            })
-        })
-        .connect(store_url)
-        .await
-        .expect("connect");
-    pool.execute("DROP TABLE IF EXISTS usage_raw")
-        .await
-        .expect("drop");
-    pool.execute(RAW_DDL).await.expect("create usage_raw");
-    pool.execute("CREATE INDEX usage_raw_tenant_end ON usage_raw (tenant_id, end_ms)")
-        .await
-        .expect("index");
-    let rows = raw_rows(events);
-    let sql = raw_sql(chunk, false);
-    let t0 = Instant::now();
-    for (batch_events, batch_rows) in events.chunks(BATCH).zip(rows.chunks(BATCH)) {
-        let mut tx = pool.begin().await.expect("begin");
-        for (ce, cr) in batch_events.chunks(chunk).zip(batch_rows.chunks(chunk)) {
-            assert_eq!(ce.len(), chunk, "the raw path takes whole chunks");
-            bind_raw!(&sql, ce, cr)
-                .execute(&mut *tx)
-                .await
-                .expect("raw insert");
+impl Raw {
+    async fn native(store_url: &str, name: &str, chunk: usize) -> Raw {
+        use sqlx::sqlite::SqliteSynchronous;
+        use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+        use std::str::FromStr;
+        let opts = SqliteConnectOptions::from_str(store_url)
+            .expect("url")
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(std::time::Duration::from_secs(10))
+            // The same page cache and mmap as the store's native pool.
+            .pragma("cache_size", "-65536")
+            .pragma("mmap_size", "268435456");
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(opts)
+            .await
+            .expect("connect");
+        for sql in raw_ddl(name) {
+            sqlx::query(&sql).execute(&pool).await.expect("raw table");
         }
-        tx.commit().await.expect("commit");
+        Raw::Native(pool, raw_sql(name, chunk, true), chunk)
     }
-    let s = t0.elapsed().as_secs_f64();
-    pool.close().await;
-    events.len() as f64 / s
+
+    async fn any(store_url: &str, name: &str, chunk: usize) -> Raw {
+        use sqlx::any::AnyPoolOptions;
+        use sqlx::Executor;
+        let pool = AnyPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    if conn.backend_name() == "SQLite" {
+                        conn.execute("PRAGMA journal_mode = WAL").await?;
+                        conn.execute("PRAGMA synchronous = NORMAL").await?;
+                        conn.execute("PRAGMA busy_timeout = 10000").await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect(store_url)
+            .await
+            .expect("connect");
+        for sql in raw_ddl(name) {
+            sqlx::query(&sql).execute(&pool).await.expect("raw table");
+        }
+        Raw::Any(pool, raw_sql(name, chunk, false), chunk)
+    }
+
+    /// Inserts one batch (whole chunks), in one transaction.
+    async fn batch(&self, events: &[UsageEvent], rows: &[[String; 4]]) -> std::time::Duration {
+        let t0 = Instant::now();
+        match self {
+            Raw::Native(pool, sql, chunk) => {
+                let mut tx = pool.begin().await.expect("begin");
+                for (ce, cr) in events.chunks(*chunk).zip(rows.chunks(*chunk)) {
+                    assert_eq!(ce.len(), *chunk, "the raw path takes whole chunks");
+                    bind_raw!(sql, ce, cr)
+                        .execute(&mut *tx)
+                        .await
+                        .expect("raw insert");
+                }
+                tx.commit().await.expect("commit");
+            }
+            Raw::Any(pool, sql, chunk) => {
+                let mut tx = pool.begin().await.expect("begin");
+                for (ce, cr) in events.chunks(*chunk).zip(rows.chunks(*chunk)) {
+                    assert_eq!(ce.len(), *chunk, "the raw path takes whole chunks");
+                    bind_raw!(sql, ce, cr)
+                        .execute(&mut *tx)
+                        .await
+                        .expect("raw insert");
+                }
+                tx.commit().await.expect("commit");
+            }
+        }
+        t0.elapsed()
+    }
+
+    async fn close(self) {
+        match self {
+            Raw::Native(pool, ..) => pool.close().await,
+            Raw::Any(pool, ..) => pool.close().await,
+        }
+    }
+}
+
+/// Ingestion of `events` (a multiple of `BATCH`) through `append_usage`
+/// and through each plain INSERT of `raws`, batch by batch in turn (the
+/// order rotating from batch to batch), so that the machine's load, shared
+/// with other work, weighs on all of them alike. Events per second of
+/// `append_usage`, then of each of `raws`.
+async fn ingest_side_by_side(
+    store: &Store,
+    raws: &[Raw],
+    events: &[UsageEvent],
+    grace: Duration,
+    now: DateTime<Utc>,
+) -> (f64, Vec<f64>) {
+    // Precomputed outside the timing, as a hand-written bulk loader would.
+    let rows = raw_rows(events);
+    let mut ledger = std::time::Duration::ZERO;
+    let mut raw = vec![std::time::Duration::ZERO; raws.len()];
+    for (k, (b, r)) in events.chunks(BATCH).zip(rows.chunks(BATCH)).enumerate() {
+        for turn in 0..=raws.len() {
+            let which = (turn + k) % (raws.len() + 1);
+            if which == raws.len() {
+                let t0 = Instant::now();
+                let out = store.append_usage(b, grace, now).await.expect("append");
+                ledger += t0.elapsed();
+                assert_eq!(out.accepted as usize, b.len(), "{:?}", out.rejected.first());
+            } else {
+                raw[which] += raws[which].batch(b, r).await;
+            }
+        }
+    }
+    let n = events.len() as f64;
+    (
+        n / ledger.as_secs_f64(),
+        raw.iter().map(|d| n / d.as_secs_f64()).collect(),
+    )
 }
 
 struct Row {
@@ -313,22 +365,22 @@ async fn run(store_name: &'static str, url: &str, ingest: usize, invoice: usize)
     let events: Vec<UsageEvent> = (0..ingest)
         .map(|i| event(&t, "agent:bench", i, None))
         .collect();
-    let t0 = Instant::now();
-    for b in events.chunks(BATCH) {
-        let out = store.append_usage(b, grace, now).await.expect("append");
-        assert_eq!(out.accepted as usize, b.len(), "{:?}", out.rejected.first());
-    }
-    let events_per_s = ingest as f64 / t0.elapsed().as_secs_f64();
     let chunk = flotilla_store::usage::insert_chunk(store.backend());
-    let (raw_insert_events_per_s, raw_any_events_per_s) = match store.backend() {
-        Backend::Sqlite => (
-            raw_insert_sqlite_native(url, chunk, &events).await,
+    let raws = match store.backend() {
+        Backend::Sqlite => vec![
+            Raw::native(url, "native", chunk).await,
             // The previous baseline: the `Any` driver at its best chunk
             // (small, `$N` parameters).
-            Some(raw_insert(url, 10, &events).await),
-        ),
-        Backend::Postgres => (raw_insert(url, chunk, &events).await, None),
+            Raw::any(url, "any", 10).await,
+        ],
+        Backend::Postgres => vec![Raw::any(url, "any", chunk).await],
     };
+    let (events_per_s, raw_rates) = ingest_side_by_side(&store, &raws, &events, grace, now).await;
+    for raw in raws {
+        raw.close().await;
+    }
+    let raw_insert_events_per_s = raw_rates[0];
+    let raw_any_events_per_s = raw_rates.get(1).copied();
     drop(events);
 
     // The invoice tenant, loaded through the same ledger path, on a

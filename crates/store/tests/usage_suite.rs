@@ -45,6 +45,7 @@ flotilla_testdb::backend_suite!(
     listing_walks_every_event_once,
     node_rollup_pays_providers_like_every_event,
     usage_marks_move_only_with_new_events,
+    overlapping_batches_at_once_record_every_event_once,
 );
 
 async fn tenant(s: &Store) -> TenantId {
@@ -718,4 +719,72 @@ async fn usage_marks_move_only_with_new_events(s: &Store) {
     assert_eq!((r.accepted, r.duplicates), (1, 1));
     let m2 = s.usage_marks().await.unwrap();
     assert_eq!((mark(&m2, &a), mark(&m2, &b)), (Some(2), Some(1)));
+}
+
+/// Two batches sharing keys, appended at the same time (two transactions
+/// at once on PostgreSQL; SQLite's writer takes them in turn): whichever
+/// commits first records the shared keys, the other finds them stored
+/// (its plain INSERT fails on the key and it is redone with `ON CONFLICT`)
+/// and counts them as duplicates, or refuses the one it changed; every
+/// event is recorded once and the rollup sums exactly what is stored.
+async fn overlapping_batches_at_once_record_every_event_once(s: &Store) {
+    let t = tenant(s).await;
+    let now = day() + Duration::hours(23);
+    let ev = |i: i64| {
+        gpu(
+            &t,
+            &format!("o{i:05}"),
+            &format!("inst_{}", i % 11),
+            i,
+            i + 1,
+            1,
+        )
+    };
+    let a: Vec<UsageEvent> = (0..3_000).map(ev).collect();
+    let mut b: Vec<UsageEvent> = (1_500..4_500).map(ev).collect();
+    // Shared with `a`, with another amount: refused by whichever is second.
+    b[500].amount = Decimal::from(2);
+    let (ra, rb) = tokio::join!(
+        s.append_usage(&a, long(), now),
+        s.append_usage(&b, long(), now)
+    );
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert_eq!(ra.accepted + rb.accepted, 4_500, "{ra:?} {rb:?}");
+    assert_eq!(ra.duplicates + rb.duplicates, 1_499);
+    let rejected: Vec<_> = ra.rejected.iter().chain(&rb.rejected).collect();
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    assert_eq!(rejected[0].code, "key_conflict");
+    assert_eq!(rejected[0].key, format!("{t}/agent:n1/o02000"));
+    // The first to commit recorded all of its batch.
+    assert!(
+        ra.accepted == 3_000 || rb.accepted == 3_000,
+        "{ra:?} {rb:?}"
+    );
+    let (n, unit_ms) = s.usage_totals().await.unwrap();
+    assert_eq!(n, 4_500);
+    let stored = s
+        .usage_for(&t, Period::new(day(), day() + Duration::days(1)).unwrap())
+        .await
+        .unwrap();
+    let doubled = stored
+        .iter()
+        .filter(|e| e.amount == Decimal::from(2))
+        .count();
+    // `o02000` holds the amount of the batch that committed first.
+    assert_eq!(doubled, usize::from(rb.accepted == 3_000));
+    assert_eq!(unit_ms, (4_500 + doubled as i128) * 1_000 * 7_000);
+    let period = Period::new(day(), day() + Duration::days(1)).unwrap();
+    let rollup = s.usage_rollup(&t, period, false).await.unwrap();
+    assert_eq!(rollup.stored_events, 4_500);
+    // GPU-milliseconds (the rollup joins equal neighbours into one event).
+    let gpu_ms = |evs: &[UsageEvent]| -> Decimal {
+        evs.iter()
+            .map(|e| e.amount * Decimal::from((e.end - e.start).num_milliseconds()))
+            .sum()
+    };
+    assert_eq!(gpu_ms(&rollup.events), gpu_ms(&stored));
+    assert_eq!(
+        gpu_ms(&stored),
+        Decimal::from((4_500 + doubled as i64) * 1_000)
+    );
 }
