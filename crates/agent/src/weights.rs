@@ -379,5 +379,16 @@ mod tests {
         assert_eq!(left, vec![replica(3), replica(4), replica(5)]);
         n.acknowledge(&n.ended());
         assert!(n.ended().is_empty());
+        // The agent stops: every park ends then.
+        assert!(n.park(&replica(6), &w, ms(110, 0)));
+        assert_eq!(n.release_all(ms(115, 42)), vec![replica(6)]);
+        let ended: Vec<_> = n
+            .ended()
+            .into_iter()
+            .map(|e| (e.replica, e.ended_at))
+            .collect();
+        assert_eq!(ended, vec![(replica(6), ms(115, 42))]);
+        assert!(n.report().iter().all(|e| e.tier != WeightTier::Parked));
+        assert_eq!(n.parked_bytes(), 0);
     }
 }
