@@ -1042,6 +1042,7 @@ impl Agent {
                 gpus: self.telemetry.sample(),
                 images: self.runtime.cached_images(),
                 weights: Some(self.weights.report()),
+                parks_ended: self.weights.ended(),
             };
             let sent = Instant::now();
             let result = tokio::select! {
@@ -1071,6 +1072,8 @@ impl Agent {
                     self.shared
                         .node_lease()
                         .renewed(Instant::now(), resp.lease_ms);
+                    // The server billed the ends this sync carried.
+                    self.weights.acknowledge(&req.parks_ended);
                     self.apply(resp.assignments, &resp.unpark);
                     self.open_sessions(resp.sessions);
                     self.tell_fence();
@@ -1235,7 +1238,7 @@ impl Agent {
                 tracing::info!(instance_id = %r, "parked replica released");
             }
             for r in unpark {
-                if self.weights.release(r) {
+                if self.weights.release(r, now) {
                     tracing::info!(instance_id = %r, "parked replica of a deleted endpoint released");
                 }
             }
@@ -1453,12 +1456,19 @@ impl Agent {
         let Some(node) = self.node.clone() else {
             return;
         };
+        // Parks live in this process's bookkeeping: they end with it, and
+        // the server bills each to now, not to the next agent's first sync.
+        let released = self.weights.release_all(Utc::now());
+        if !released.is_empty() {
+            tracing::info!(count = released.len(), "parked replicas released");
+        }
         let req = SyncRequest {
             observed: self.observed(),
             wait_ms: 0,
             gpus: Vec::new(),
             images: None,
-            weights: None,
+            weights: Some(self.weights.report()),
+            parks_ended: self.weights.ended(),
         };
         match tokio::time::timeout(SHUTDOWN_STEP_TIMEOUT, self.client.sync(&node.node_id, &req))
             .await

@@ -380,6 +380,7 @@ impl NodeLoop {
             gpus: Vec::new(),
             images: None,
             weights: None,
+            parks_ended: vec![],
         };
         let timeout =
             Duration::from_millis(self.config.sync_wait_ms) + flotilla_client::LONG_POLL_SLACK;

@@ -9,7 +9,8 @@
 //! reports it, GPU released); the next request at zero replicas gets its
 //! answer within the parked restore time plus one second, and each
 //! replica's cold-start breakdown names the tier that served it. The park
-//! is billed as parked GB-seconds once it ended.
+//! is billed as parked GB-seconds once it ended, over the time the agent
+//! saw it parked: from the old replica's exit to the new one's start.
 
 use std::time::{Duration, Instant};
 
@@ -58,6 +59,32 @@ fn newest_tier(home: &Home, key: &str) -> Option<String> {
     inst["cold_start"]["weights_tier"]
         .as_str()
         .map(str::to_string)
+}
+
+/// The newest replica of the endpoint.
+fn newest_replica(home: &Home, key: &str) -> Option<String> {
+    let ep = home.cli_json(Some(key), &["endpoints", "show", "chat"]);
+    ep["replicas"]
+        .as_array()?
+        .iter()
+        .filter_map(|r| r["instance_id"].as_str())
+        .max()
+        .map(str::to_string)
+}
+
+fn instant(v: &Value) -> chrono::DateTime<chrono::Utc> {
+    v.as_str()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not a time: {v}"))
+}
+
+/// When `instance` first entered `state`, by its events.
+fn entered(instance: &Value, state: &str) -> chrono::DateTime<chrono::Utc> {
+    let e = instance["events"]
+        .as_array()
+        .and_then(|es| es.iter().find(|e| e["state"] == state))
+        .unwrap_or_else(|| panic!("never {state}: {instance}"));
+    instant(&e["at"])
 }
 
 fn parked_on_node(home: &Home, op: &str) -> bool {
@@ -215,4 +242,30 @@ fn a_parked_replica_serves_within_its_restore_time_and_a_remote_one_waits_the_lo
     let usage = parked_usage(&home, &key);
     assert_eq!(usage.len(), 1, "{usage:?}");
     assert_eq!(usage[0]["amount"], "1", "{usage:?}");
+
+    // Its time is the agent's own account, each end to the millisecond:
+    // it began when the agent parked the old replica, after seeing it
+    // exit, and ended when the agent started the new one from it (placed
+    // before, reported starting after), not at the next sync's time.
+    let (start, end) = (instant(&usage[0]["start"]), instant(&usage[0]["end"]));
+    let parked = usage[0]["key"]["id"]
+        .as_str()
+        .and_then(|k| k.split('/').next())
+        .unwrap_or_else(|| panic!("a park's key names its replica: {usage:?}"));
+    let old = home.get(&key, &format!("/v1/instances/{parked}"));
+    let restoring = newest_replica(&home, &key).expect("the restored replica");
+    let new = home.get(&key, &format!("/v1/instances/{restoring}"));
+    let exited = instant(&old["finished_at"]);
+    let (placed, starting) = (entered(&new, "scheduled"), entered(&new, "starting"));
+    eprintln!(
+        "park: {start} to {end}; old replica ended {exited}; new one placed {placed}, starting {starting}"
+    );
+    assert!(
+        exited <= start,
+        "parked at {start}, before the exit at {exited}"
+    );
+    assert!(
+        placed <= end && end <= starting,
+        "park ended at {end}, outside the restoring start ({placed} to {starting})"
+    );
 }

@@ -466,6 +466,44 @@ pub struct NodeWeights {
     pub endpoint_id: Option<crate::id::EndpointId>,
 }
 
+/// A park that ended on the node, as its agent saw it: the replica's
+/// weights left host memory at `ended_at` on the agent's clock (restored
+/// onto a GPU, its `keep_parked_s` ran out, dropped for a newer park, or
+/// released because its endpoint was deleted). The server bills the park
+/// from `since` to `ended_at` rather than to the sync that no longer lists
+/// it, so the bill is exact to the millisecond instead of to a sync
+/// interval. The agent resends it until a sync is answered; the ledger's
+/// key (the replica and `since`) bills it once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct EndedPark {
+    /// The replica instance that was parked.
+    pub replica: InstanceId,
+    /// The endpoint billed for the host memory.
+    pub endpoint_id: crate::id::EndpointId,
+    /// The weights' cache key (`ep_…-rN`).
+    pub key: String,
+    /// Bytes of host memory the park held.
+    pub size_bytes: u64,
+    /// When it was parked (as its weights entry reported).
+    pub since: DateTime<Utc>,
+    /// When the park ended, on the agent's clock.
+    pub ended_at: DateTime<Utc>,
+}
+
+impl EndedPark {
+    /// The park as the weights entry it was while it lasted.
+    pub fn as_weights(&self) -> NodeWeights {
+        NodeWeights {
+            key: self.key.clone(),
+            tier: WeightTier::Parked,
+            size_bytes: self.size_bytes,
+            since: self.since,
+            replica: Some(self.replica.clone()),
+            endpoint_id: Some(self.endpoint_id.clone()),
+        }
+    }
+}
+
 /// A container port published on the instance's node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PublishedPort {
@@ -762,6 +800,12 @@ pub struct SyncRequest {
     /// replaces what the server knew. Absent: nothing to report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights: Option<Vec<NodeWeights>>,
+    /// Parks that ended since the agent's last answered sync, with when
+    /// each ended on its clock: their bill ends there. Absent from older
+    /// agents (a park's bill then ends at the sync that no longer lists
+    /// it), and left out when empty, which older servers accept.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parks_ended: Vec<EndedPark>,
 }
 
 /// One reading of one GPU's counters, as the driver reports them. A field
@@ -835,8 +879,35 @@ impl SyncRequest {
     /// Most weight entries one sync may report.
     pub const MAX_WEIGHTS: usize = 1000;
 
-    /// Checks the weights part; the field names the entry at fault.
+    /// Most ended parks one sync may report (the agent keeps no more).
+    pub const MAX_PARKS_ENDED: usize = 1000;
+
+    /// Checks the weights part (held weights and ended parks); the field
+    /// names the entry at fault. An ended park's times are not checked
+    /// against each other or the server's clock: they are the agent's,
+    /// and the server clamps them when billing (refusing them would have
+    /// the agent resend the same sync forever).
     pub fn validate_weights(&self) -> Result<(), crate::FieldError> {
+        if self.parks_ended.len() > Self::MAX_PARKS_ENDED {
+            return Err(crate::FieldError::new(
+                "parks_ended",
+                format!("at most {} entries", Self::MAX_PARKS_ENDED),
+            ));
+        }
+        for (i, p) in self.parks_ended.iter().enumerate() {
+            if p.key.is_empty() || p.key.len() > 200 {
+                return Err(crate::FieldError::new(
+                    format!("parks_ended[{i}].key"),
+                    "1 to 200 characters",
+                ));
+            }
+            if i64::try_from(p.size_bytes).is_err() {
+                return Err(crate::FieldError::new(
+                    format!("parks_ended[{i}].size_bytes"),
+                    "too large",
+                ));
+            }
+        }
         let Some(weights) = &self.weights else {
             return Ok(());
         };

@@ -3,7 +3,9 @@
 //! scale-down of a live endpoint parks its replica, billed its host
 //! memory for as long as it stays parked; a deleted endpoint parks
 //! nothing: its replicas stop outright, a replica it had parked is
-//! released, and no parked GB-second is billed past the deletion.
+//! released, and no parked GB-second is billed past the deletion. A park
+//! the agent reports ended is billed to the instant it ended on the
+//! agent's clock, to the millisecond, once however often it is resent.
 
 use chrono::{DateTime, Duration, TimeZone, Utc};
 use flotilla_core::api::{ObservedInstance, ObservedPhase};
@@ -58,6 +60,26 @@ impl Live {
             .await
     }
 
+    /// One sync that also reports `ended` parks (`parks_ended`).
+    async fn sync_ended(
+        &self,
+        observed: Vec<ObservedInstance>,
+        weights: Value,
+        ended: Value,
+    ) -> Value {
+        self.on
+            .ok(
+                &self.provider,
+                "POST",
+                &format!("/v1/agent/nodes/{}/sync", self.node),
+                Some(
+                    json!({"observed": observed, "wait_ms": 0, "weights": weights,
+                            "parks_ended": ended}),
+                ),
+            )
+            .await
+    }
+
     fn observed(&self, instance: &str, phase: ObservedPhase) -> ObservedInstance {
         ObservedInstance {
             instance_id: serde_json::from_value(json!(instance)).unwrap(),
@@ -75,6 +97,13 @@ impl Live {
     fn park(ep: &str, replica: &str, since: DateTime<Utc>) -> Value {
         json!({"key": format!("{ep}-r1"), "tier": "parked", "size_bytes": WEIGHTS_BYTES,
                "since": since, "replica": replica, "endpoint_id": ep})
+    }
+
+    /// The end of the park of `replica` of `ep` parked at `since`, as the
+    /// agent reports it: ended at `ended_at` on its clock.
+    fn ended(ep: &str, replica: &str, since: DateTime<Utc>, ended_at: DateTime<Utc>) -> Value {
+        json!({"key": format!("{ep}-r1"), "size_bytes": WEIGHTS_BYTES, "since": since,
+               "replica": replica, "endpoint_id": ep, "ended_at": ended_at})
     }
 
     /// Runs the endpoint controller and the scheduler.
@@ -288,4 +317,156 @@ async fn a_scale_down_parks_and_bills_but_a_deleted_endpoint_parks_nothing() {
         control
     );
     println!("parked GB-s: scale-down {control}; deleted endpoint before deletion {before}, after {after}");
+}
+
+#[tokio::test]
+async fn a_park_is_billed_to_the_instant_its_agent_saw_it_end() {
+    let t0 = Utc.with_ymd_and_hms(2026, 6, 1, 12, 0, 0).unwrap();
+    let mut live = Live::new(t0).await;
+    let exited = |live: &Live, r: &str| {
+        live.observed(
+            r,
+            ObservedPhase::Exited {
+                code: 0,
+                stopped: true,
+            },
+        )
+    };
+
+    // (1) A scale-down parks a replica at 250 ms past a second on the
+    // agent's clock; the agent reports it on two syncs 30 s apart, then
+    // restores it onto a GPU 41.789 s after it parked, between the second
+    // sync and the third (at 60 s): billed 16 GB for exactly 41.789 s.
+    let (a, a_replicas) = live.endpoint_of_two("chat").await;
+    let a_parked = live.scale_to_one(&a, &a_replicas).await;
+    let parked_at = live.on.clock.now() + Duration::milliseconds(250);
+    let park = json!([Live::park(&a, &a_parked, parked_at)]);
+    live.sync(vec![exited(&live, &a_parked)], park.clone())
+        .await;
+    live.on.clock.advance(Duration::seconds(30));
+    live.sync(vec![], park.clone()).await;
+    live.on.clock.advance(Duration::seconds(30));
+    let restored_at = parked_at + Duration::milliseconds(41_789);
+    assert!(restored_at < live.on.clock.now());
+    let ended = json!([Live::ended(&a, &a_parked, parked_at, restored_at)]);
+    live.sync_ended(vec![], json!([]), ended.clone()).await;
+    let billed = live.parked_usage(&a).await;
+    assert_eq!(billed.len(), 1, "{billed:?}");
+    assert_eq!(instant(&billed[0]["start"]), parked_at, "{billed:?}");
+    assert_eq!(instant(&billed[0]["end"]), restored_at, "{billed:?}");
+    let gb: f64 = billed[0]["amount"].as_str().unwrap().parse().unwrap();
+    assert_eq!(gb, 16.0, "{billed:?}");
+    let exact = gb_seconds_from(&billed[0], t0);
+    assert_eq!(exact, 16.0 * 41.789, "{billed:?}");
+
+    // The agent was not sure the sync arrived and resends the end, twice,
+    // later: nothing is added and the bill stands.
+    for _ in 0..2 {
+        live.on.clock.advance(Duration::seconds(7));
+        live.sync_ended(vec![], json!([]), ended.clone()).await;
+    }
+    assert_eq!(live.parked_usage(&a).await, billed);
+
+    // (2) A park that began and ended between two syncs (never in a
+    // report): billed from its start to its end all the same.
+    let short_since = live.on.clock.now() + Duration::milliseconds(1_500);
+    let short_end = short_since + Duration::milliseconds(2_345);
+    live.on.clock.advance(Duration::seconds(5));
+    let other = a_replicas.iter().find(|r| **r != a_parked).unwrap();
+    live.sync_ended(
+        vec![],
+        json!([]),
+        json!([Live::ended(&a, other, short_since, short_end)]),
+    )
+    .await;
+    let billed = live.parked_usage(&a).await;
+    assert_eq!(billed.len(), 2, "{billed:?}");
+    let short = billed
+        .iter()
+        .find(|e| instant(&e["start"]) == short_since)
+        .unwrap_or_else(|| panic!("the short park is billed: {billed:?}"));
+    assert_eq!(instant(&short["end"]), short_end, "{short}");
+
+    // (3) An endpoint deleted while a replica was parked: the agent
+    // releases the park 2.5 s after the deletion, when a sync tells it;
+    // the bill ends at the deletion, not at the agent's end.
+    let (b, b_replicas) = live.endpoint_of_two("embed").await;
+    let b_parked = live.scale_to_one(&b, &b_replicas).await;
+    let b_since = live.on.clock.now();
+    let b_park = json!([Live::park(&b, &b_parked, b_since)]);
+    live.sync(vec![exited(&live, &b_parked)], b_park.clone())
+        .await;
+    live.on.clock.advance(Duration::seconds(20));
+    let deleted_at = live.on.clock.now();
+    live.on
+        .ok(&live.key, "DELETE", &format!("/v1/endpoints/{b}"), None)
+        .await;
+    live.passes().await;
+    let answer = live.sync(vec![], b_park.clone()).await;
+    assert!(unparks(&answer).contains(&b_parked), "{answer}");
+    live.on.clock.advance(Duration::seconds(10));
+    let released_at = deleted_at + Duration::milliseconds(2_500);
+    let b_running = b_replicas.iter().find(|r| **r != b_parked).unwrap();
+    live.sync_ended(
+        vec![exited(&live, b_running)],
+        json!([]),
+        json!([Live::ended(&b, &b_parked, b_since, released_at)]),
+    )
+    .await;
+    let billed = live.parked_usage(&b).await;
+    assert_eq!(billed.len(), 1, "{billed:?}");
+    assert_eq!(instant(&billed[0]["end"]), deleted_at, "{billed:?}");
+
+    // (4) An agent whose clock runs ahead of the server's reports an end
+    // after the sync: never billed past the sync that reports it.
+    let (c, c_replicas) = live.endpoint_of_two("rank").await;
+    let c_parked = live.scale_to_one(&c, &c_replicas).await;
+    let c_since = live.on.clock.now();
+    live.sync(
+        vec![exited(&live, &c_parked)],
+        json!([Live::park(&c, &c_parked, c_since)]),
+    )
+    .await;
+    live.on.clock.advance(Duration::seconds(10));
+    let synced_at = live.on.clock.now();
+    live.sync_ended(
+        vec![],
+        json!([]),
+        json!([Live::ended(
+            &c,
+            &c_parked,
+            c_since,
+            synced_at + Duration::seconds(90)
+        )]),
+    )
+    .await;
+    let billed = live.parked_usage(&c).await;
+    assert_eq!(billed.len(), 1, "{billed:?}");
+    assert_eq!(instant(&billed[0]["end"]), synced_at, "{billed:?}");
+    println!("parked GB-s to the agent's end: {exact} (16 GB x 41.789 s)");
+}
+
+#[tokio::test]
+async fn a_bad_ended_park_is_refused_naming_its_field() {
+    let t0 = Utc.with_ymd_and_hms(2026, 6, 1, 12, 0, 0).unwrap();
+    let live = Live::new(t0).await;
+    let ep = "ep_01hzzzzzzzzzzzzzzzzzzzzzzz";
+    let replica = "inst_01hzzzzzzzzzzzzzzzzzzzzz01";
+    let mut bad = Live::ended(ep, replica, t0, t0 + Duration::seconds(1));
+    bad["key"] = json!("");
+    let good = Live::ended(ep, replica, t0, t0 + Duration::seconds(1));
+    let (status, body) = live
+        .on
+        .call(
+            &live.provider,
+            "POST",
+            &format!("/v1/agent/nodes/{}/sync", live.node),
+            Some(json!({"observed": [], "weights": [], "parks_ended": [good, bad]})),
+        )
+        .await;
+    assert_eq!(status.as_u16(), 422, "{body}");
+    assert_eq!(
+        body["error"]["details"]["field"], "parks_ended[1].key",
+        "{body}"
+    );
 }

@@ -217,6 +217,7 @@ impl TestServer {
             gpus: Vec::new(),
             images: None,
             weights: None,
+            parks_ended: vec![],
         };
         let node = NodeId::parse(node, "node").expect("a node id");
         let answer = self.client(key).sync_node(&node, &req).await;

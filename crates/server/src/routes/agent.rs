@@ -300,9 +300,7 @@ pub async fn sync(
     if let Some(images) = &req.images {
         st.store().set_node_images(&id, images, now).await?;
     }
-    if let Some(weights) = &req.weights {
-        crate::parking::record_report(&st, &id, weights, now).await?;
-    }
+    crate::parking::record_report(&st, &id, req.weights.as_deref(), &req.parks_ended, now).await?;
     if !req.gpus.is_empty() {
         if take_out_faulty_gpus(&st, &id, &req.gpus, now).await? {
             // Placement must see the GPU gone before it places again.
