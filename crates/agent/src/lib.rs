@@ -567,6 +567,8 @@ struct Tracked {
     flush_given_up: bool,
     /// Stopped by the agent because the node's lease ran out.
     fenced: bool,
+    /// Its exit was in a sync request (every later one carries it too).
+    exit_reported: bool,
     /// An endpoint replica's weights, and the tier they loaded from.
     weights: Option<(ReplicaWeights, WeightTier)>,
     /// Parked (or found not to park) after its stop.
@@ -585,6 +587,7 @@ impl Tracked {
             flush_waiting_since: None,
             flush_given_up: false,
             fenced: false,
+            exit_reported: false,
             weights: None,
             park_decided: false,
             no_park: false,
@@ -1132,10 +1135,11 @@ impl Agent {
         let mut report: Vec<ObservedInstance> = self
             .shared
             .lock()
-            .iter()
+            .iter_mut()
             .filter(|(_, t)| !(t.orphaned || (t.fenced && t.running())))
             .map(|(id, t)| {
                 let mut observed = t.observed(id);
+                t.exit_reported |= matches!(observed.phase, ObservedPhase::Exited { .. });
                 if matches!(t.work, Work::Starting { .. }) {
                     observed.message = self.runtime.progress(id);
                 }
@@ -1259,11 +1263,20 @@ impl Agent {
     }
 
     /// Whether to keep tracking an instance the server lists (or not):
-    /// one it no longer lists is stopped, and forgotten once it ended.
+    /// one it no longer lists is stopped, and forgotten once it ended (work
+    /// the lease's fence stopped: once its exit was reported).
     fn keep(id: &InstanceId, t: &mut Tracked, listed: &HashSet<InstanceId>) -> bool {
         {
             {
                 if listed.contains(id) && !t.orphaned {
+                    return true;
+                }
+                // Work the lease's fence stopped, which the server ended
+                // meanwhile (lost, then not reported by the first sync
+                // back, while its end was not yet reaped): kept, already
+                // stopping, until its exit has been reported, so that the
+                // server learns when it ended and bills it to then.
+                if t.fenced && !t.orphaned && !t.exit_reported {
                     return true;
                 }
                 if matches!(t.work, Work::Starting { .. }) {

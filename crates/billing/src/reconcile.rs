@@ -125,8 +125,11 @@ pub struct ObservedRun {
 /// The run of `inst` as its executor reported it, from its events: from
 /// the first `running` to the final state. A `lost` spell the instance
 /// came back from counts as running (its agent returned with the work
-/// still running); one it never came back from ends the run when it was
-/// lost, as does a `lost` that still lasts. Without events (an instance
+/// still running); one that ended the instance ends the run at the exit
+/// its agent reported when back (an exit code says it did, also one
+/// reported after the server had ended it, which moves its finish back to
+/// the exit), else when it was lost, as does a `lost` that still lasts.
+/// The same rule as metering's. Without events (an instance
 /// recorded before they were kept), its own started and finished times.
 /// `None`: it never ran.
 pub fn observed_run(inst: &Instance) -> Option<ObservedRun> {
@@ -141,7 +144,11 @@ pub fn observed_run(inst: &Instance) -> Option<ObservedRun> {
             }
             InstanceState::Lost => lost_at = Some(e.at),
             s if s.is_terminal() => {
-                end = Some(lost_at.unwrap_or(e.at));
+                end = Some(match (lost_at, inst.exit_code, inst.finished_at) {
+                    (Some(_), Some(_), Some(exit)) => exit,
+                    (Some(lost), _, _) => lost,
+                    _ => e.at,
+                });
                 break;
             }
             _ => {}
@@ -624,6 +631,17 @@ mod tests {
             Some((t(5), Some(t(20))))
         );
         assert_eq!(span(&[(Running, 5), (Lost, 20)]), Some((t(5), Some(t(20)))));
+        // Lost, then its agent reported the exit (killed by its fence at
+        // t(17)): when back, or after the server ended it at t(500).
+        for ended in [17, 500] {
+            let mut fenced = instance(&[(Running, 5), (Lost, 20), (Failed, ended)]);
+            fenced.exit_code = Some(143);
+            fenced.finished_at = Some(t(17));
+            assert_eq!(
+                observed_run(&fenced).map(|r| (r.start, r.end)),
+                Some((t(5), Some(t(17))))
+            );
+        }
         assert_eq!(span(&[(Running, 5)]), Some((t(5), None)));
         // Never ran.
         assert_eq!(span(&[(Pending, 0), (Stopped, 3)]), None);

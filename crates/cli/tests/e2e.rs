@@ -61,6 +61,37 @@ fn free_h100(env: &Env, key: &str) -> u64 {
         .unwrap()
 }
 
+/// Milliseconds of `instance_seconds` usage billed for instance `id`,
+/// without the events a correction voids.
+fn billed_instance_ms(env: &Env, key: &str, id: &str) -> i64 {
+    let items = env.get(
+        key,
+        "/v1/usage?limit=1000&from=2000-01-01T00:00:00Z&to=2100-01-01T00:00:00Z",
+    )["items"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let voided: std::collections::BTreeSet<String> = items
+        .iter()
+        .filter(|e| e["corrects"].is_object())
+        .map(|e| format!("{}/{}", e["corrects"]["source"], e["corrects"]["id"]))
+        .collect();
+    let ms = |v: &Value| {
+        chrono::DateTime::parse_from_rfc3339(v.as_str().unwrap_or_default())
+            .map(|t| t.timestamp_millis())
+            .unwrap_or(0)
+    };
+    items
+        .iter()
+        .filter(|e| {
+            e["subject"]["id"] == id
+                && e["meter"]["meter"] == "instance_seconds"
+                && !voided.contains(&format!("{}/{}", e["key"]["source"], e["key"]["id"]))
+        })
+        .map(|e| ms(&e["end"]) - ms(&e["start"]))
+        .sum()
+}
+
 fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
         && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -565,8 +596,17 @@ fn silent_node_is_unreachable_then_stops_its_work() {
         .unwrap();
 
     // Freeze the agent: no syncs; its child would keep running but for the
-    // fence.
+    // fence. When the fence stopped it, as this test sees it: after it was
+    // last seen alive, by when it was first seen gone.
     send_signal(&agent.0, nix::sys::signal::Signal::SIGSTOP);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut alive_at = chrono::Utc::now();
+    while pid_alive(pid) {
+        assert!(Instant::now() < deadline, "the fence never stopped {pid}");
+        alive_at = chrono::Utc::now();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let gone_at = chrono::Utc::now();
     wait_until("lost", Duration::from_secs(30), || {
         env.get(&key, &path)["state"] == "lost"
     });
@@ -591,10 +631,19 @@ fn silent_node_is_unreachable_then_stops_its_work() {
     wait_until("the agent stops the work", Duration::from_secs(30), || {
         !pid_alive(pid)
     });
-    wait_until("failed", Duration::from_secs(30), || {
-        env.get(&key, &path)["state"] == "failed"
-    });
-    let inst = env.get(&key, &path);
+    // Failed, with the exit its agent reported: on the agent's first sync
+    // back (the server fails the copy the sync does not report), or the
+    // next (it had not reaped the killed work yet), which ends the failed
+    // copy at the exit.
+    let mut inst = Value::Null;
+    wait_until(
+        "failed with the exit its agent reported",
+        Duration::from_secs(30),
+        || {
+            inst = env.get(&key, &path);
+            inst["state"] == "failed" && !inst["exit_code"].is_null()
+        },
+    );
     let events: Vec<&str> = inst["events"]
         .as_array()
         .unwrap()
@@ -612,6 +661,26 @@ fn silent_node_is_unreachable_then_stops_its_work() {
             "failed"
         ],
         "never taken back as running: {inst}"
+    );
+    // Billed to the kill, as the fence saw it (it looks every 100 ms) and
+    // the agent reported it on its return, not to that return (seconds
+    // later): the run is the reported start to the fence's time, and the
+    // bill is exactly that run (to the millisecond).
+    let time = |v: &Value| {
+        chrono::DateTime::parse_from_rfc3339(v.as_str().unwrap_or_default())
+            .map(|t| t.with_timezone(&chrono::Utc))
+            .unwrap_or_else(|e| panic!("a time, not {v}: {e}"))
+    };
+    let (started, ended) = (time(&inst["started_at"]), time(&inst["finished_at"]));
+    assert!(
+        ended >= alive_at && ended <= gone_at + chrono::Duration::milliseconds(250),
+        "ended {ended}: the fence stopped it between {alive_at} and {gone_at}"
+    );
+    let want = (ended - started).num_milliseconds();
+    wait_until(
+        &format!("the lost run billed {want} ms"),
+        Duration::from_secs(60),
+        || billed_instance_ms(&env, &key, &id) == want,
     );
     wait_until("the node is back", Duration::from_secs(30), || {
         env.get(&op, "/v1/nodes")["items"][0]["state"] == "ready"

@@ -12,14 +12,22 @@
 //! still running the time in between is billed (the work ran), if it
 //! returns reporting the exit the bill stops at that exit, and if it never
 //! returns (the server ends the instance: no exit code) the bill stops when
-//! it was lost.
+//! it was lost. An agent that returns and reports the exit only after the
+//! server ended the instance (its fence killed the work while the agent was
+//! frozen, and the agent saw the end after its first sync back) moves the
+//! end back to that exit (`flotilla_store`'s late exit): the bill then
+//! stops at the exit too.
 //!
 //! While an instance seems to run its complete minutes are metered before
 //! anyone knows whether it still runs (a server back from an outage meters
-//! the outage's minutes before the agent reports): when the exit it later
-//! reports lies before what was metered, the minutes past it are corrected
-//! by new events that void them and restate them up to the exit (nothing,
-//! for a minute wholly after it). The ledger is never edited.
+//! the outage's minutes before the agent reports), and a lost one is billed
+//! to its loss before a late exit says it ended earlier: when the end
+//! finally known lies before what was metered, every event in the ledger
+//! that bills past it is corrected by a new event that voids it and
+//! restates it up to the end (nothing, for a minute wholly after it). The
+//! corrections are made from what the ledger holds, so a correction can
+//! itself be corrected (a loss restated, then an earlier exit). The ledger
+//! is never edited.
 
 use chrono::{DateTime, Duration, Utc};
 use flotilla_billing::meter::{
@@ -79,7 +87,8 @@ pub fn window(inst: &Instance, until: Option<DateTime<Utc>>) -> Window {
         (InstanceState::Lost, _) => Window::Wait,
         (s, Some(finished)) if s.is_terminal() => {
             // Ended while lost: at the exit its agent reported when it came
-            // back (an exit code says it did), else when it was lost.
+            // back, also after the server had ended it (an exit code says it
+            // did; see `flotilla_store`'s late exit), else when it was lost.
             let end = match ended_while_lost {
                 Some(lost) if inst.exit_code.is_none() => lost,
                 _ => finished,
@@ -98,10 +107,14 @@ pub fn window(inst: &Instance, until: Option<DateTime<Utc>>) -> Window {
 }
 
 /// The events of `window` for `inst` at `now`, and how far metering then got.
+/// `billed`: for a final window that metering overran, the instance's
+/// events in the ledger that end after the window's end (see
+/// [`billed_past`]); they are what the corrections void. Ignored otherwise.
 pub fn usage(
     inst: &Instance,
     window: &Window,
     now: DateTime<Utc>,
+    billed: &[UsageEvent],
 ) -> Result<(Vec<UsageEvent>, Option<DateTime<Utc>>), flotilla_billing::BillingError> {
     let (from, end, done, overrun) = match window {
         Window::Wait => return Ok((Vec::new(), None)),
@@ -133,13 +146,8 @@ pub fn usage(
         node: inst.node_id.clone(),
     };
     let mut events = lifecycle_usage(&lifecycle, now, SLICE_SECS)?;
-    if let (Some(end), Some(metered), Some(started)) = (end, overrun, inst.started_at) {
-        let ran = Lifecycle {
-            start: started,
-            end: None,
-            ..lifecycle
-        };
-        events.extend(corrections(&ran, end, metered)?);
+    if let (Some(end), Some(_)) = (end, overrun) {
+        events.extend(corrections(billed, end)?);
     }
     let reached = match done {
         Some(finished) => Some(finished),
@@ -153,23 +161,24 @@ pub fn usage(
     Ok((events, reached))
 }
 
-/// Corrections of the slices of `ran` (a lifecycle from its start, no end
-/// yet) that were metered up to `metered` while it seemed to run, for an
-/// end at `end`: each slice reaching past the end (to the millisecond, as
-/// `lifecycle_usage` bills) is voided and restated up to it, as nothing
-/// when it began after it. Keyed after the slice they correct, so a pass
-/// cut anywhere and rerun writes them once.
+/// Corrections of what the ledger bills past `end` (`billed`: the
+/// instance's stored events, at least every one ending after `end`): each
+/// event that counts (not voided) and bills time past the end, to the
+/// millisecond as `lifecycle_usage` bills, is voided and restated up to
+/// it, as nothing when it began after it. A correction's key is the key
+/// it voids plus `/exit`, and its payload follows from that event and the
+/// end alone, so a pass cut anywhere and rerun writes each once, and an
+/// event already restated is restated again from its restatement.
 fn corrections(
-    ran: &Lifecycle,
+    billed: &[UsageEvent],
     end: DateTime<Utc>,
-    metered: DateTime<Utc>,
 ) -> Result<Vec<UsageEvent>, flotilla_billing::BillingError> {
     let stop = flotilla_billing::meter::to_millisecond(end);
-    // Exactly what the passes wrote while it ran: complete slices only.
-    let billed = lifecycle_usage(ran, metered, SLICE_SECS)?;
-    Ok(billed
+    Ok(flotilla_billing::meter::effective_events(billed)?
         .into_iter()
-        .filter(|e| e.end > stop)
+        // An empty event (a minute already restated as nothing) bills
+        // nothing to correct.
+        .filter(|e| e.end > stop && e.start < e.end)
         .map(|e| {
             let mut c = e.clone();
             c.key.id = format!("{}/exit", e.key.id);
@@ -178,6 +187,31 @@ fn corrections(
             c
         })
         .collect())
+}
+
+/// The events of `inst` in the ledger that `window` may have to correct:
+/// for a final window metering overran, those billing past its end.
+async fn billed_past(
+    st: &AppState,
+    inst: &Instance,
+    window: &Window,
+) -> Result<Vec<UsageEvent>, StoreError> {
+    let Window::Final {
+        end,
+        overrun: Some(_),
+        ..
+    } = window
+    else {
+        return Ok(Vec::new());
+    };
+    st.store()
+        .usage_keyed_after(
+            &inst.tenant_id,
+            SOURCE,
+            &format!("{}/", inst.id),
+            flotilla_billing::meter::to_millisecond(*end),
+        )
+        .await
 }
 
 /// What one unit of the instance's GPU meter is: a fraction bills its
@@ -224,7 +258,8 @@ pub async fn metering_pass(st: &AppState) -> Result<usize, StoreError> {
     let mut appended = 0;
     for (inst, until) in st.store().instances_to_meter(500).await? {
         let w = window(&inst, until);
-        let (events, reached) = match usage(&inst, &w, now) {
+        let billed = billed_past(st, &inst, &w).await?;
+        let (events, reached) = match usage(&inst, &w, now, &billed) {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(instance = %inst.id, error = %e, "cannot meter instance");
@@ -336,7 +371,7 @@ mod tests {
         use InstanceState::*;
         let running = inst(Running, &[(Pending, 0), (Running, 10)], None);
         let w = window(&running, None);
-        let (first, reached) = usage(&running, &w, t(130)).unwrap();
+        let (first, reached) = usage(&running, &w, t(130), &[]).unwrap();
         // Complete slices only: up to the minute boundary before t(130).
         let boundary = reached.unwrap();
         assert_eq!(boundary.timestamp() % 60, 0);
@@ -346,7 +381,7 @@ mod tests {
             &[(Pending, 0), (Running, 10), (Succeeded, 200)],
             Some(200),
         );
-        let (rest, reached) = usage(&done, &window(&done, Some(boundary)), t(300)).unwrap();
+        let (rest, reached) = usage(&done, &window(&done, Some(boundary)), t(300), &first).unwrap();
         assert_eq!(reached, Some(t(200)));
         assert_eq!(
             gpu_seconds(&first) + gpu_seconds(&rest),
@@ -373,7 +408,7 @@ mod tests {
                 Some(130),
             )
         };
-        let (events, _) = usage(&half, &window(&half, None), t(200)).unwrap();
+        let (events, _) = usage(&half, &window(&half, None), t(200), &[]).unwrap();
         let gpu_units: i128 = events
             .iter()
             .map(|e| e.gpu_unit_ms_within(t(0), t(1000)).unwrap())
@@ -411,7 +446,7 @@ mod tests {
                 overrun: None,
             }
         );
-        let (events, reached) = usage(&failed, &w, t(600)).unwrap();
+        let (events, reached) = usage(&failed, &w, t(600), &[]).unwrap();
         assert_eq!(gpu_seconds(&events), 2 * 90);
         assert_eq!(reached, Some(t(500)));
         let never_ran = Instance {
@@ -437,11 +472,11 @@ mod tests {
         let mut until = None;
         let mut all = Vec::new();
         for &p in passes {
-            let (events, reached) = usage(running, &window(running, until), t(p)).unwrap();
+            let (events, reached) = usage(running, &window(running, until), t(p), &all).unwrap();
             all.extend(events);
             until = reached.or(until);
         }
-        let (events, reached) = usage(done, &window(done, until), t(last)).unwrap();
+        let (events, reached) = usage(done, &window(done, until), t(last), &all).unwrap();
         assert_eq!(reached, done.finished_at);
         all.extend(events);
         all
@@ -488,10 +523,71 @@ mod tests {
             .iter()
             .any(|e| e.corrects.is_some() && e.start == e.end && e.start == t(60)));
         // Rerun after a crash: the same keys and payloads.
-        let again = usage(&early, &window(&early, Some(t(120))), t(150))
+        let again = usage(&early, &window(&early, Some(t(120))), t(150), &all)
             .unwrap()
             .0;
         assert!(again.iter().all(|e| all.contains(e)), "exactly once");
+    }
+
+    /// Runs one pass per `(instance as it then stood, time)`, as the
+    /// server would; returns every event written and how far it got.
+    fn passes(stages: &[(&Instance, i64)]) -> (Vec<UsageEvent>, Option<DateTime<Utc>>) {
+        let mut until = None;
+        let mut all = Vec::new();
+        for (i, at) in stages {
+            let (events, reached) = usage(i, &window(i, until), t(*at), &all).unwrap();
+            all.extend(events);
+            until = reached.or(until);
+        }
+        (all, until)
+    }
+
+    #[test]
+    fn a_late_exit_after_the_server_ended_a_lost_copy_corrects_its_bill() {
+        use InstanceState::*;
+        // Running from t(10); its lease ran out at t(100) (lost then, the
+        // fence killed it at t(93.2)); the agent came back at t(130)
+        // without reporting it, so the server failed it (no exit code):
+        // billed to t(100). Then the agent reported the kill.
+        let running = inst(Running, &[(Running, 10)], None);
+        let lost = inst(Lost, &[(Running, 10), (Lost, 100)], None);
+        let events = [(Running, 10), (Lost, 100), (Failed, 130)];
+        let given_up = inst(Failed, &events, Some(130));
+        let killed = t(93) + Duration::milliseconds(200);
+        let reported = Instance {
+            exit_code: Some(143),
+            finished_at: Some(killed),
+            ..given_up.clone()
+        };
+        let to_kill = rust_decimal::Decimal::new(2 * 83_200, 3);
+        // Metered to t(60) while it ran: billed to the loss, then the kill.
+        let stages = [(&running, 70), (&lost, 110), (&given_up, 135)];
+        let (before, until) = passes(&stages);
+        assert_eq!(billed(&before), rust_decimal::Decimal::from(2 * 90));
+        assert_eq!(until, Some(t(130)));
+        let (all, until) = passes(&[&stages[..], &[(&reported, 140)]].concat());
+        assert_eq!(until, Some(killed), "metering done at the new end");
+        assert_eq!(billed(&all), to_kill);
+        // The ledger only grew: the bill to the loss is all still there.
+        assert!(before.iter().all(|e| all.contains(e)));
+        // Rerun (a pass cut after the append): nothing new.
+        let (again, _) = usage(&reported, &window(&reported, Some(t(130))), t(150), &all).unwrap();
+        assert!(again.iter().all(|e| all.contains(e)), "exactly once");
+
+        // Metered to t(120) while it seemed to run (the margin after its
+        // lease): the loss already corrected [60, 120) back to t(100); the
+        // kill corrects that correction.
+        let stages = [(&running, 125), (&lost, 128), (&given_up, 135)];
+        let (before, _) = passes(&stages);
+        assert_eq!(billed(&before), rust_decimal::Decimal::from(2 * 90));
+        let (all, _) = passes(&[&stages[..], &[(&reported, 140)]].concat());
+        assert_eq!(billed(&all), to_kill);
+        assert!(all.iter().any(|e| e.key.id.ends_with("/exit/exit")));
+
+        // The late exit reaches the server before the metering pass that
+        // would have billed the loss: billed to the kill all the same.
+        let (all, _) = passes(&[(&running, 70), (&lost, 110), (&reported, 140)]);
+        assert_eq!(billed(&all), to_kill);
     }
 
     #[test]

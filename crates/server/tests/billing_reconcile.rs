@@ -80,6 +80,13 @@ impl Fixture {
             .await;
     }
 
+    /// The agent's sync reporting `observed` (a JSON list) as it stands.
+    async fn sync(&self, observed: Value) -> Value {
+        let path = format!("/v1/agent/nodes/{}/sync", self.node);
+        let body = json!({"observed": observed, "wait_ms": 0});
+        self.on.ok(&self.provider, "POST", &path, Some(body)).await
+    }
+
     fn advance_ms(&self, ms: i64) {
         self.on.clock.advance(Duration::milliseconds(ms));
     }
@@ -299,4 +306,178 @@ async fn injected_discrepancies_are_reported_with_their_causes() {
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert_eq!(body["error"]["details"]["field"], "since", "{body}");
+}
+
+/// Milliseconds of `instance_seconds` the ledger bills `instance`, as
+/// rating counts them (corrections void what they correct), read through
+/// `GET /v1/usage`.
+async fn billed_ms(f: &Fixture, instance: &str) -> i64 {
+    let page =
+        f.on.ok(
+            &f.member,
+            "GET",
+            "/v1/usage?limit=1000&from=2026-12-01T00:00:00Z&to=2027-01-01T00:00:00Z",
+            None,
+        )
+        .await;
+    assert!(page["next_cursor"].is_null(), "one page: {page}");
+    let events: Vec<flotilla_billing::meter::UsageEvent> =
+        serde_json::from_value(page["items"].clone()).expect("usage events");
+    flotilla_billing::meter::effective_events(&events)
+        .expect("a consistent ledger")
+        .iter()
+        .filter(|e| {
+            e.subject.id == instance && e.meter == flotilla_billing::meter::Meter::InstanceSeconds
+        })
+        .map(|e| (e.end - e.start).num_milliseconds())
+        .sum()
+}
+
+/// Issue 26: a fenced copy is billed to the kill time its agent reports.
+/// The node goes silent, its lease runs out (the fence kills the work a
+/// little before), the liveness pass declares the copy lost and metering
+/// bills it to its lease's end. The agent comes back: its first sync does
+/// not report the killed work (it has not reaped it yet), so the server
+/// fails it; its next sync reports the exit at the kill. The instance
+/// then ends at the kill without being reopened, its GPU stays free, the
+/// ledger is corrected by new events to exactly the kill (to the
+/// millisecond), and reconciliation at a zero threshold finds nothing. A
+/// resent report adds nothing. Run twice: silent before the minute of the
+/// kill ends (the loss bills that minute's start to the lease's end, the
+/// kill restates it), and silent across a minute's end (metering, while
+/// the copy seems to run, bills the minute past the kill and the lease's
+/// end; the loss restates it to the lease's end, the kill restates that).
+#[tokio::test]
+async fn a_fenced_copy_reported_after_the_server_ended_it_is_billed_to_its_kill() {
+    assert!(!fenced_copy(10).await, "the loss restated nothing");
+    assert!(
+        fenced_copy(13).await,
+        "the kill restated the loss's restatement"
+    );
+}
+
+/// One run of the case above, running `steps` syncs of 7.7 s before the
+/// node goes silent. Returns whether the ledger holds a correction of a
+/// correction.
+async fn fenced_copy(steps: usize) -> bool {
+    let f = fixture().await;
+    let id = f.placed(1).await.remove(0);
+    f.advance_ms(1_300);
+    f.report(&id, ObservedPhase::Running { pid: 1 }).await;
+    let started = f.on.clock.now();
+    // Runs for a while, syncing and metered, on times off the second.
+    for _ in 0..steps {
+        f.advance_ms(7_700);
+        f.report(&id, ObservedPhase::Running { pid: 1 }).await;
+        metering_pass(&f.on.st).await.expect("a metering pass");
+    }
+    let last_sync = f.on.clock.now();
+    let lease = Duration::from_std(f.on.st.config().node_lease()).unwrap();
+    // The fence's kill, before the lease's end (its kill lead), seen by
+    // the fence to the millisecond.
+    let killed = last_sync + lease - Duration::milliseconds(1_237);
+    // Silent: the leader's passes go on (metering while it seems to run,
+    // into the minute past the kill) until the copy is lost.
+    let op = f.on.operator.clone();
+    let path = format!("/v1/instances/{id}");
+    let mut steps = 0;
+    while f.on.ok(&op, "GET", &path, None).await["state"] != "lost" {
+        steps += 1;
+        assert!(steps < 100, "never lost");
+        f.advance_ms(900);
+        metering_pass(&f.on.st).await.expect("a metering pass");
+        flotilla_server::reconcile::liveness_pass(&f.on.st)
+            .await
+            .expect("a liveness pass");
+    }
+    f.advance_ms(4_100);
+    // Back, not reporting the killed work yet: it fails, billed to the
+    // lease's end.
+    f.sync(json!([])).await;
+    let inst = f.on.ok(&op, "GET", &path, None).await;
+    assert_eq!(inst["state"], "failed", "{inst}");
+    assert!(inst["exit_code"].is_null(), "{inst}");
+    metering_pass(&f.on.st).await.expect("a metering pass");
+    assert_eq!(
+        billed_ms(&f, &id).await,
+        (last_sync + lease - started).num_milliseconds(),
+        "billed to the lease's end"
+    );
+
+    // Its next sync reports the exit at the kill.
+    f.advance_ms(2_300);
+    let exit = json!([flotilla_core::api::ObservedInstance {
+        instance_id: serde_json::from_value(json!(id)).unwrap(),
+        phase: ObservedPhase::Exited {
+            code: 143,
+            stopped: false,
+        },
+        at: killed,
+        started_at: None,
+        message: None,
+        container: None,
+        weights_tier: None,
+        limit_exceeded: None,
+    }]);
+    f.sync(exit.clone()).await;
+    let inst = f.on.ok(&op, "GET", &path, None).await;
+    assert_eq!(inst["state"], "failed", "not reopened: {inst}");
+    assert_eq!(inst["exit_code"], 143, "{inst}");
+    let finished: chrono::DateTime<Utc> =
+        serde_json::from_value(inst["finished_at"].clone()).expect("a finish");
+    assert_eq!(finished, killed, "{inst}");
+    let events: Vec<&str> = inst["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        events.iter().rev().take(2).collect::<Vec<_>>(),
+        [&"failed", &"lost"],
+        "{inst}"
+    );
+    let gpus =
+        f.on.st
+            .store()
+            .node_gpus(&serde_json::from_value(json!(f.node)).unwrap())
+            .await
+            .expect("the node's GPUs");
+    assert!(
+        gpus.iter().all(|g| g.instance_id.is_none()),
+        "GPUs free: {gpus:?}"
+    );
+
+    assert!(metering_pass(&f.on.st).await.expect("a metering pass") > 0);
+    let want = (killed - started).num_milliseconds();
+    assert_eq!(billed_ms(&f, &id).await, want, "billed to the kill");
+    // A resent report, and more passes, add nothing.
+    f.sync(exit).await;
+    assert_eq!(metering_pass(&f.on.st).await.expect("a metering pass"), 0);
+    assert_eq!(billed_ms(&f, &id).await, want);
+
+    let until = (f.on.clock.now() + Duration::seconds(1)).to_rfc3339();
+    let r = f
+        .reconcile(&format!(
+            "{SINCE}&until={}&threshold_s=0",
+            until.replace('+', "%2B")
+        ))
+        .await;
+    assert_eq!(r.differences, vec![], "{r:?}");
+    assert_eq!(r.instances, 1, "{r:?}");
+    assert_eq!(r.billed_seconds, r.observed_seconds, "{r:?}");
+    assert_eq!(r.billed_seconds, Decimal::new(want, 3), "{r:?}");
+    let page =
+        f.on.ok(
+            &f.member,
+            "GET",
+            "/v1/usage?limit=1000&from=2026-12-01T00:00:00Z&to=2027-01-01T00:00:00Z",
+            None,
+        )
+        .await;
+    page["items"].as_array().unwrap().iter().any(|e| {
+        e["corrects"]["id"]
+            .as_str()
+            .is_some_and(|c| c.ends_with("/exit"))
+    })
 }

@@ -156,6 +156,64 @@ fn membership(row: &AnyRow) -> Result<Option<JobMembership>> {
     }))
 }
 
+/// A late exit of an instance that ended while lost: `state` is final,
+/// reached from `lost` without an exit code (its node came back without
+/// reporting it, or a stop ended it while its node was gone), and its
+/// agent now reports that the work exited with `code` at `exit`. Typically
+/// the node lease's fence killed the work while the agent was frozen, and
+/// the agent saw it end only after its first sync back, which did not
+/// report it, so the server had already failed it. What the work ran to
+/// is then known: the exit is recorded as the instance's end (metering
+/// corrects the ledger to it), without reopening the instance; its GPUs
+/// were freed when it was lost and stay free. Only an exit before the
+/// loss counts: the loss is where the bill stopped, and the GPUs were
+/// free for others from then, so a late report may shorten a bill, never
+/// lengthen it. Once recorded, the exit code is set and a resent report
+/// changes nothing.
+async fn late_exit(
+    tx: &mut Transaction<'static, Any>,
+    id: &InstanceId,
+    state: InstanceState,
+    code: i32,
+    exit: DateTime<Utc>,
+    now: DateTime<Utc>,
+) -> Result<bool> {
+    let last_two = sqlx::query(
+        "SELECT state, at FROM instance_events WHERE instance_id = $1 ORDER BY seq DESC LIMIT 2",
+    )
+    .bind(id.as_str())
+    .fetch_all(&mut **tx)
+    .await?;
+    let [last, before] = last_two.as_slice() else {
+        return Ok(false);
+    };
+    let lost_at = at(before.try_get("at")?);
+    if state_of(&last.try_get::<String, _>("state")?)? != state
+        || state_of(&before.try_get::<String, _>("state")?)? != InstanceState::Lost
+        || exit > lost_at
+    {
+        return Ok(false);
+    }
+    let note = format!(
+        "; its agent then reported the exit (code {code}) at {}",
+        exit.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+    );
+    let n = sqlx::query(
+        "UPDATE instances SET exit_code = $1, finished_at = $2, state_reason = state_reason || $3, \
+         updated_at = $4 WHERE id = $5 AND state = $6 AND exit_code IS NULL AND started_at IS NOT NULL",
+    )
+    .bind(i64::from(code))
+    .bind(ms(exit))
+    .bind(note)
+    .bind(ms(now))
+    .bind(id.as_str())
+    .bind(state.as_str())
+    .execute(&mut **tx)
+    .await?
+    .rows_affected();
+    Ok(n == 1)
+}
+
 /// Moves `id` from `from` to `to` inside `tx`. Returns false (and changes
 /// nothing) when the instance is no longer in `from`. Entering a final or
 /// lost state releases the instance's GPUs.
@@ -791,7 +849,7 @@ impl Store {
         use InstanceState::*;
         let row = sqlx::query(
             "SELECT state, node_id, stop_requested, gpu_ids, preempted_by, job_id, share_milli, mig_profile, \
-             mig_compute, mig_memory, mig_memory_mib, updated_at, started_at FROM instances WHERE id = $1",
+             mig_compute, mig_memory, mig_memory_mib, updated_at, started_at, exit_code FROM instances WHERE id = $1",
         )
         .bind(obs.instance_id.as_str())
         .fetch_optional(self.pool())
@@ -805,6 +863,7 @@ impl Store {
         }
         let state = state_of(&row.try_get::<String, _>("state")?)?;
         let stop_requested = row.try_get::<i64, _>("stop_requested")? != 0;
+        let no_exit_code = row.try_get::<Option<i64>, _>("exit_code")?.is_none();
         let preempted_by: Option<String> = row.try_get("preempted_by")?;
         // A job member is not requeued alone: its job requeues the gang.
         let in_job = row.try_get::<Option<String>, _>("job_id")?.is_some();
@@ -824,8 +883,10 @@ impl Store {
         // event fell in, which may begin before the server's last change
         // (by under a second): the floor is that change's whole second, so
         // such an engine's record is billed as it stands.
+        // A final instance that ended while lost was last changed by the
+        // server's guess too: a late exit is trusted back to its start.
         let since = match (state, row.try_get::<Option<i64>, _>("started_at")?) {
-            (Lost, Some(started)) => at(started),
+            (s, Some(started)) if s == Lost || s.is_terminal() => at(started),
             _ => at(row.try_get("updated_at")?),
         };
         let floor =
@@ -869,6 +930,13 @@ impl Store {
             || obs.limit_exceeded == Some(LimitExceeded::Memory);
         let disk_full = obs.limit_exceeded == Some(LimitExceeded::Disk);
         let changed = match (&obs.phase, state) {
+            // Final without an exit code, reported exited: see `late_exit`.
+            (ObservedPhase::Exited { code, .. }, s) if s.is_terminal() && no_exit_code => {
+                match trusted(obs.at) {
+                    Some(exit) => late_exit(&mut tx, id, s, *code, exit.max(since), now).await?,
+                    None => false,
+                }
+            }
             (_, s) if s.is_terminal() => false,
             (ObservedPhase::Starting, Scheduled) => {
                 mark_starting(&mut tx, id, seen.max(since)).await?

@@ -1261,6 +1261,39 @@ impl Store {
         Ok(out)
     }
 
+    /// `tenant`'s events from `source` whose key starts with `prefix` (one
+    /// instance's lifecycle usage: `inst_…/`) and that end after `after`,
+    /// sorted by key: what metering billed past an end it learned of late,
+    /// which it corrects from what the ledger holds rather than from what
+    /// it would have written (that depends on when its passes ran).
+    pub async fn usage_keyed_after(
+        &self,
+        tenant: &TenantId,
+        source: &str,
+        prefix: &str,
+        after: DateTime<Utc>,
+    ) -> Result<Vec<UsageEvent>> {
+        // `LIKE` narrows (its `_` matches any character, and SQLite's is
+        // case-insensitive); the exact prefix is checked below.
+        let rows = sqlx::query(&format!(
+            "SELECT {EVENT_COLUMNS} FROM usage_events WHERE tenant_id = $1 AND end_ms > $2 \
+             AND source = $3 AND event_id LIKE $4"
+        ))
+        .bind(tenant.as_str())
+        .bind(ms(after))
+        .bind(source)
+        .bind(format!("{prefix}%"))
+        .fetch_all(self.pool())
+        .await?;
+        let mut out = rows
+            .iter()
+            .map(decode)
+            .filter(|e| e.as_ref().map_or(true, |e| e.key.id.starts_with(prefix)))
+            .collect::<Result<Vec<_>>>()?;
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
     /// A page of `tenant`'s events touching `[from, to)`, in order of
     /// `(end, source, id)`; `after` is the last `(end, source, id)` of the
     /// previous page. Returns the page and whether more follow.

@@ -37,6 +37,8 @@ flotilla_testdb::backend_suite!(
     unlimited_creates_race_freely_and_a_new_limit_holds,
     instance_lists_filter_and_page_by_tenant_and_state,
     lost_instances_reattach_or_fail,
+    a_late_exit_ends_a_lost_copy_at_its_kill,
+    usage_keyed_after_reads_one_instances_events,
     logs_are_deduplicated_by_seq,
     idempotency_keys_replay_and_detect_mismatch,
     containers_report_ports_cold_starts_and_oom_kills,
@@ -960,6 +962,148 @@ async fn lost_instances_reattach_or_fail(s: &Store) {
         .filter_map(|g| g.instance_id)
         .collect();
     assert_eq!(held, vec![keep.clone()]);
+}
+
+/// A lost copy the server failed when its agent came back without it
+/// (the agent had not yet reaped the work its fence killed) takes the exit
+/// the agent reports next as its end: final still, its GPU left to whoever
+/// holds it now, once only, and never later than the loss.
+async fn a_late_exit_ends_a_lost_copy_at_its_kill(s: &Store) {
+    let t = tenant(s, "late").await;
+    let n = node(s, &t, "frozen", &[("L40S", 2)]).await;
+    let at = |ms: i64| t0() + Duration::milliseconds(ms);
+    let (fenced, late, done) = (
+        InstanceId::generate(1, rnd()),
+        InstanceId::generate(2, rnd()),
+        InstanceId::generate(3, rnd()),
+    );
+    for id in [&fenced, &late] {
+        s.create_instance(id, &t, &spec(1, &["L40S"]), t0())
+            .await
+            .unwrap();
+        place(s, id, t0()).await.unwrap();
+        s.apply_observed(
+            &n,
+            &seen(id, ObservedPhase::Running { pid: 7 }, at(1_000)),
+            at(1_000),
+        )
+        .await
+        .unwrap();
+    }
+    // Lost at the lease's end, 60 s; failed when the node returned.
+    assert!(s.mark_node_unreachable(&n, at(65_000)).await.unwrap());
+    assert_eq!(s.mark_node_lost(&n, at(60_000)).await.unwrap().len(), 2);
+    s.mark_node_ready(&n, at(70_000)).await.unwrap();
+    assert_eq!(
+        s.fail_unreported_lost(&n, &[], at(70_000)).await.unwrap(),
+        2
+    );
+    // Its GPU went to new work meanwhile.
+    s.create_instance(&done, &t, &spec(2, &["L40S"]), at(70_000))
+        .await
+        .unwrap();
+    place(s, &done, at(70_000)).await.unwrap();
+
+    let exited = ObservedPhase::Exited {
+        code: 143,
+        stopped: false,
+    };
+    let killed = at(58_765);
+    let report = seen(&fenced, exited.clone(), killed);
+    assert_eq!(
+        s.apply_observed(&n, &report, at(72_000)).await.unwrap(),
+        Applied::Changed
+    );
+    let i = s.instance(&fenced).await.unwrap();
+    assert_eq!(i.state, InstanceState::Failed, "not reopened");
+    assert_eq!((i.exit_code, i.finished_at), (Some(143), Some(killed)));
+    assert!(
+        i.state_reason.contains("exit (code 143)"),
+        "{}",
+        i.state_reason
+    );
+    let states: Vec<_> = i.events.iter().map(|e| e.state).collect();
+    assert_eq!(
+        &states[states.len() - 2..],
+        [InstanceState::Lost, InstanceState::Failed],
+        "no new transition"
+    );
+    let held: Vec<_> = s
+        .node(&n)
+        .await
+        .unwrap()
+        .gpus
+        .into_iter()
+        .filter_map(|g| g.instance_id)
+        .collect();
+    assert_eq!(
+        held,
+        vec![done.clone(), done.clone()],
+        "the new work keeps both GPUs"
+    );
+    // Resent, or sent again with another time: nothing changes.
+    for again in [report.clone(), seen(&fenced, exited.clone(), at(30_000))] {
+        assert_eq!(
+            s.apply_observed(&n, &again, at(74_000)).await.unwrap(),
+            Applied::Unchanged
+        );
+    }
+    assert_eq!(s.instance(&fenced).await.unwrap().finished_at, Some(killed));
+    // An exit after the loss bills nothing more: the bill stopped there.
+    let after = seen(&late, exited, at(61_000));
+    assert_eq!(
+        s.apply_observed(&n, &after, at(74_000)).await.unwrap(),
+        Applied::Unchanged
+    );
+    let l = s.instance(&late).await.unwrap();
+    assert_eq!((l.exit_code, l.finished_at), (None, Some(at(70_000))));
+}
+
+/// The events metering corrects from: one tenant's, one source's, under
+/// one key prefix exactly (not another instance's whose id matches it as
+/// a `LIKE` pattern), ending after the time given.
+async fn usage_keyed_after_reads_one_instances_events(s: &Store) {
+    use flotilla_billing::meter::{EventKey, Meter, Subject, SubjectKind, UsageEvent};
+    let (a, b) = (tenant(s, "keyed-a").await, tenant(s, "keyed-b").await);
+    let at = |secs: i64| t0() + Duration::seconds(secs);
+    let event = |t: &TenantId, source: &str, id: &str, end: i64| UsageEvent {
+        key: EventKey {
+            tenant: t.clone(),
+            source: source.into(),
+            id: id.into(),
+        },
+        subject: Subject {
+            kind: SubjectKind::Instance,
+            id: "inst_a".into(),
+        },
+        meter: Meter::InstanceSeconds,
+        billing_class: BillingClass::OnDemand,
+        start: at(0),
+        end: at(end),
+        amount: rust_decimal::Decimal::ONE,
+        node: None,
+        corrects: None,
+    };
+    let events = [
+        event(&a, "lifecycle", "inst_a/instance/60", 120),
+        event(&a, "lifecycle", "inst_a/instance/60/exit", 100),
+        event(&a, "lifecycle", "inst_a/instance/0", 60),
+        event(&a, "lifecycle", "instXa/instance/60", 120),
+        event(&a, "lifecycle", "INST_A/instance/60", 120),
+        event(&a, "agent", "inst_a/instance/60", 120),
+        event(&b, "lifecycle", "inst_a/instance/60", 120),
+    ];
+    s.append_usage(&events, Duration::days(3), at(200))
+        .await
+        .unwrap();
+    let got: Vec<String> = s
+        .usage_keyed_after(&a, "lifecycle", "inst_a/", at(60))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.key.id)
+        .collect();
+    assert_eq!(got, ["inst_a/instance/60", "inst_a/instance/60/exit"]);
 }
 
 async fn logs_are_deduplicated_by_seq(s: &Store) {
