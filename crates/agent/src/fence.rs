@@ -154,7 +154,7 @@ fn record_ended(path: &Path, group: u32, ms: u64) -> std::io::Result<()> {
 
 /// Whether the process `pid` (a group's leader) has ended: gone, or a
 /// zombie (its parent, the agent, is paused and has not reaped it).
-fn ended(pid: u32) -> bool {
+pub(crate) fn ended(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => true,
         // The state follows the command, which is in parentheses and may

@@ -25,6 +25,7 @@ async fn held_sync(client: flotilla_client::Client, node: NodeId) -> (Duration, 
         gpus: Vec::new(),
         images: None,
         weights: None,
+        parks_ended: Vec::new(),
     };
     let start = Instant::now();
     let answer = client

@@ -1149,15 +1149,10 @@ mod tests {
         false
     }
 
-    /// Gone means no such process, or a zombie nobody reaped yet.
+    /// Gone means no such process, or a zombie nobody reaped yet: the
+    /// fence's own reading.
     fn process_gone(pid: u32) -> bool {
-        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            Err(_) => true,
-            Ok(stat) => stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.split_whitespace().next())
-                .is_some_and(|state| state == "Z" || state == "X"),
-        }
+        crate::fence::ended(pid)
     }
 
     async fn eventually_gone(pid: u32) -> bool {
