@@ -219,6 +219,14 @@ async fn probe(
         .await
         .unwrap();
     assert_eq!(exit.code, 0, "{:?}", lines(&c));
+    // The exit can be seen before the log follower has delivered the last
+    // lines (seen once on a loaded machine: only nc's complaint had come):
+    // wait for the verdict, generously, before removing the container.
+    let verdict = |seen: &[String]| seen.iter().any(|l| l == "REACHED" || l == "BLOCKED");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !verdict(&lines(&c)) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     c.remove().await.unwrap();
     // The verdict is one line; nc's complaint on stderr may come before or
     // after it.
