@@ -825,7 +825,10 @@ fn a_node_cut_off_past_its_lease_stops_its_work_before_it_runs_elsewhere() {
     // took but never answered; half an interval) before, and a second of
     // slack. Usage: the job restarted it elsewhere, so the server ended
     // the lost copy before its agent came back: it is billed from its
-    // start to the end of its lease as the server counts it.
+    // start to the end of its lease as the server counts it, or to the
+    // fence's kill when the agent, back, reports a kill before that end
+    // (docs/billing.md, "A fenced copy is billed to its kill"; the two lie
+    // milliseconds apart here, either way round).
     let old = get_any(&urls, &key, &format!("/v1/instances/{old_id}"));
     let lost_at = old["events"]
         .as_array()
@@ -841,16 +844,30 @@ fn a_node_cut_off_past_its_lease_stops_its_work_before_it_runs_elsewhere() {
         (lost_at - slack..lost_at + slack).contains(&last_ran),
         "stopped at its lease's end: ran until {last_ran}, lease ended {lost_at}"
     );
-    let want_old = expected_gpu_ms(&old, lost_at);
+    // The bill's end: the reported kill once recorded, else the loss.
+    let bill_end = |old: &Value| match (old["exit_code"].is_null(), ts(&old["finished_at"])) {
+        (false, Some(kill)) => {
+            assert!(
+                kill <= lost_at,
+                "a late exit never lengthens the bill: {old}"
+            );
+            kill
+        }
+        _ => lost_at,
+    };
     let mut billed = BTreeMap::new();
-    // Usage lands slice by slice as the metering pass reaches it: wait for
-    // all of it (an excess would stop the wait too, and fail below).
+    let mut want_old = 0;
+    // Usage lands slice by slice as the metering pass reaches it, and a
+    // kill reported late corrects it: wait until it is the bill of the
+    // instance as it stands.
     wait_until(
         "the old copy's usage in full",
         Duration::from_secs(60),
         || {
+            let old = get_any(&urls, &key, &format!("/v1/instances/{old_id}"));
+            want_old = expected_gpu_ms(&old, bill_end(&old));
             billed = billed_gpu_ms(&urls, &key);
-            billed.get(&old_id).is_some_and(|&s| s >= want_old)
+            billed.get(&old_id) == Some(&want_old)
         },
     );
     assert_eq!(
