@@ -9,24 +9,12 @@ use chrono::{DateTime, Utc};
 use flotilla_billing::meter::{effective_events, to_millisecond, Meter, UsageEvent};
 use flotilla_testkit::process::{wait_until, Home};
 use rust_decimal::Decimal;
-use serde_json::Value;
+
+mod support;
+
+use support::times::{event_at, time};
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
-
-fn time(v: &Value) -> DateTime<Utc> {
-    v.as_str().unwrap().parse().unwrap()
-}
-
-/// The instance's event `at` for `state`.
-fn event_at(inst: &Value, state: &str) -> DateTime<Utc> {
-    inst["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["state"] == state)
-        .map(|e| time(&e["at"]))
-        .unwrap_or_else(|| panic!("no {state} event: {inst}"))
-}
 
 /// GPU-seconds the ledger bills `subject`, corrections applied.
 fn billed(home: &Home, key: &str, subject: &str) -> Decimal {

@@ -21,26 +21,12 @@ use flotilla_testkit::process::{http, wait_until, Home, Proc};
 use rust_decimal::Decimal;
 use serde_json::{json, Value};
 
+mod support;
+
+use support::times::{event_at, time};
+
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 const FLEET: usize = 50;
-
-fn time(v: &Value) -> DateTime<Utc> {
-    v.as_str()
-        .unwrap_or_else(|| panic!("not a time: {v}"))
-        .parse()
-        .unwrap()
-}
-
-/// The instance's event `at` for `state`.
-fn event_at(inst: &Value, state: &str) -> DateTime<Utc> {
-    inst["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["state"] == state)
-        .map(|e| time(&e["at"]))
-        .unwrap_or_else(|| panic!("no {state} event: {inst}"))
-}
 
 /// Every node, all pages, by name.
 fn nodes(home: &Home, op: &str) -> BTreeMap<String, Value> {

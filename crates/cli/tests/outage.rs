@@ -18,13 +18,12 @@ use chrono::{DateTime, Utc};
 use flotilla_billing::meter::{effective_events, Meter, UsageEvent};
 use flotilla_testkit::process::{wait_until, Home};
 use rust_decimal::Decimal;
-use serde_json::Value;
+
+mod support;
+
+use support::times::time;
 
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
-
-fn time(v: &Value) -> DateTime<Utc> {
-    v.as_str().unwrap().parse().unwrap()
-}
 
 fn secs(t: DateTime<Utc>) -> f64 {
     t.timestamp_millis() as f64 / 1000.0

@@ -12,15 +12,15 @@ use chrono::{DateTime, Utc};
 use flotilla_testkit::process::{wait_until, Home};
 use serde_json::Value;
 
+mod support;
+
+use support::times::time;
+
 const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
 const GPUS: usize = 6;
 
 fn instance(home: &Home, key: &str, id: &str) -> Value {
     home.get(key, &format!("/v1/instances/{id}"))
-}
-
-fn time(v: &Value) -> DateTime<Utc> {
-    v.as_str().unwrap().parse().unwrap()
 }
 
 fn lines(home: &Home, key: &str, id: &str) -> Vec<String> {
