@@ -744,10 +744,14 @@ pub async fn up(args: UpArgs) -> Result<ExitCode> {
     let failure = tokio::select! {
         _ = signals.recv() => None,
         r = &mut server.task => {
+            let e = task_ended("server", r);
+            // Said now, not after the agent stopped: with no server to
+            // report to, its stop can take the whole timeout.
+            tracing::error!(error = %format!("{e:#}"), "the server stopped; stopping the agent");
             // The agent cannot report anywhere now; stop it anyway.
             let _ = agent_stop.send(());
             let _ = join_within("agent", &mut agent, AGENT_STOP_TIMEOUT).await;
-            return Err(task_ended("server", r));
+            return Err(e);
         }
         r = &mut agent => Some(task_ended("agent", r)),
     };

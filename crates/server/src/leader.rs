@@ -68,7 +68,18 @@ pub async fn claim_single(store: &Store, me: &str, ttl: Duration) -> anyhow::Res
     let mut told = false;
     loop {
         let now = chrono::Utc::now();
-        let lease = store.acquire_lease(LEADER, me, ttl_of(ttl), now).await?;
+        let lease = match store.acquire_lease(LEADER, me, ttl_of(ttl), now).await {
+            Ok(lease) => lease,
+            // A file lock held a moment too long (a loaded machine, another
+            // process on the file): a server that gave up here would leave
+            // `up` without its API. Tried again until the deadline.
+            Err(e) if e.is_transient() && Instant::now() < deadline => {
+                tracing::warn!(error = %e, "the leader lease could not be read yet; trying again");
+                tokio::time::sleep(MIN_TRY_EVERY).await;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         if lease.held_by(me, now) {
             return Ok(());
         }

@@ -108,6 +108,11 @@ impl From<sqlx::Error> for StoreError {
             if matches!(db.code().as_deref(), Some("55P03" | "57014")) {
                 return StoreError::Busy(e);
             }
+            // SQLITE_BUSY, SQLITE_LOCKED and their extended codes: the
+            // file's lock stayed taken past the busy timeout.
+            if sqlite_busy(db.code().as_deref()) {
+                return StoreError::Busy(e);
+            }
         }
         if matches!(
             e,
@@ -119,6 +124,22 @@ impl From<sqlx::Error> for StoreError {
             return StoreError::NotFound("row");
         }
         StoreError::Database(e)
+    }
+}
+
+/// Whether `code`, a SQLite result code as sqlx reports it (the extended
+/// code, in decimal), is `SQLITE_BUSY` (5) or `SQLITE_LOCKED` (6) or one
+/// of their extended forms (the primary code is the low byte).
+fn sqlite_busy(code: Option<&str>) -> bool {
+    code.and_then(|c| c.parse::<i32>().ok())
+        .is_some_and(|c| matches!(c & 0xff, 5 | 6))
+}
+
+impl StoreError {
+    /// Whether trying again shortly may succeed: the database could not
+    /// be reached, or a lock stayed taken past its timeout.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_) | StoreError::Busy(_))
     }
 }
 
@@ -457,4 +478,23 @@ pub(crate) fn json<T: serde::de::DeserializeOwned>(s: &str, what: &str) -> Resul
 
 pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> String {
     serde_json::to_string(v).unwrap_or_else(|_| "null".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sqlite_busy;
+
+    #[test]
+    fn sqlite_busy_and_locked_codes_are_busy_and_others_are_not() {
+        // SQLITE_BUSY, SQLITE_LOCKED, SQLITE_BUSY_SNAPSHOT (517),
+        // SQLITE_LOCKED_SHAREDCACHE (262).
+        for code in ["5", "6", "517", "262"] {
+            assert!(sqlite_busy(Some(code)), "{code}");
+        }
+        // SQLITE_CONSTRAINT_UNIQUE (2067), SQLITE_ERROR, PostgreSQL's
+        // lock_not_available, none.
+        for code in [Some("2067"), Some("1"), Some("55P03"), None] {
+            assert!(!sqlite_busy(code), "{code:?}");
+        }
+    }
 }

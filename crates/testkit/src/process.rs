@@ -616,9 +616,25 @@ impl Home {
         names.sort();
         for name in names {
             if let Ok(s) = std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))) {
-                let tail: Vec<&str> = s.lines().rev().take(40).collect();
+                let lines: Vec<&str> = s.lines().collect();
+                let tail_from = lines.len().saturating_sub(40);
+                // Errors and panics before the tail: a cause logged once
+                // early is otherwise buried under the retries it led to.
+                let earlier: Vec<&str> = lines[..tail_from]
+                    .iter()
+                    .filter(|l| l.contains("ERROR") || l.contains("panicked"))
+                    .take(20)
+                    .copied()
+                    .collect();
+                if !earlier.is_empty() {
+                    eprintln!("--- {name} log (errors before the last lines) ---");
+                    for l in earlier {
+                        eprintln!("{l}");
+                    }
+                }
+                let tail: Vec<&str> = lines[tail_from..].to_vec();
                 eprintln!("--- {name} log (last lines) ---");
-                for l in tail.into_iter().rev() {
+                for l in tail {
                     eprintln!("{l}");
                 }
             }
