@@ -434,10 +434,12 @@ impl Gathered {
 }
 
 /// What one pass did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Applied {
     /// Works placed (an instance, or a whole job).
     pub placed: usize,
+    /// The nodes those placements went to: whose held syncs to wake.
+    pub nodes: std::collections::BTreeSet<NodeId>,
     /// Victims told to stop.
     pub preempted: usize,
     /// Writes that lost a race and wait for the next pass.
@@ -476,6 +478,7 @@ pub async fn apply(st: &AppState, g: &Gathered, plan: &Plan) -> Result<Applied, 
             Ok(members) => {
                 log_placed(q, &at, &members, p.backfilled);
                 done.placed += 1;
+                done.nodes.extend(at.iter().map(|a| a.node.clone()));
             }
             Err(StoreError::Conflict(_) | StoreError::NotFound(_)) => {
                 tracing::debug!(work = %q.id(), "placement lost a race; retrying next pass");
@@ -595,8 +598,14 @@ pub async fn run_pass(st: &AppState) -> Result<PassOutcome, StoreError> {
     st.ops()
         .placement_pass
         .observe(started.elapsed().as_secs_f64());
-    if done.placed > 0 || done.preempted > 0 {
+    // Only the placed nodes' held syncs wake for a placement (at a fleet
+    // of thousands, every sync woken for every placement anywhere was a
+    // storm of reads that found nothing); a preemption's victims' nodes
+    // are not at hand here, so it wakes every sync.
+    if done.preempted > 0 {
         st.notify_change();
+    } else if done.placed > 0 {
+        st.notify_nodes(&done.nodes);
     }
     let head_due = plan
         .reservation

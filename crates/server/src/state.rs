@@ -50,6 +50,12 @@ struct Inner {
     /// (at a fleet of thousands, waking every sync on every such change is
     /// a storm of reads that finds nothing new).
     control: watch::Sender<u64>,
+    /// One signal per node whose sync is or was held here, bumped when
+    /// that node's assignments changed ([`AppState::notify_nodes`]): a
+    /// placement wakes the syncs of the nodes it placed on, not the
+    /// fleet's. Never shrinks below the nodes that synced here (one small
+    /// entry each).
+    node_wakes: Mutex<HashMap<NodeId, watch::Sender<u64>>>,
     shutdown: watch::Receiver<bool>,
     started_at: DateTime<Utc>,
     billing: crate::billing_step::Runtime,
@@ -177,6 +183,7 @@ impl AppState {
                 clock,
                 changes: watch::channel(0).0,
                 control: watch::channel(0).0,
+                node_wakes: Mutex::default(),
                 shutdown,
                 started_at,
                 billing: crate::billing_step::Runtime::default(),
@@ -445,6 +452,48 @@ impl AppState {
     /// [`Self::notify_change`].
     pub fn notify_control(&self) {
         self.inner.control.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Signals that the assignments of `nodes` changed (a placement on
+    /// them, a stop of their work): wakes those nodes' held syncs here,
+    /// and the control loops and log followers as
+    /// [`Self::notify_control`] does, but not other nodes' syncs. Use
+    /// [`Self::notify_change`] when the nodes are not known.
+    pub fn notify_nodes<'a>(&self, nodes: impl IntoIterator<Item = &'a NodeId>) {
+        {
+            let wakes = self.node_wakes();
+            for node in nodes {
+                if let Some(wake) = wakes.get(node) {
+                    wake.send_modify(|n| *n = n.wrapping_add(1));
+                }
+            }
+        }
+        self.notify_control();
+    }
+
+    /// A receiver of [`Self::notify_nodes`]'s signal for `node`, marked
+    /// seen: a held sync subscribes before it reads the assignments, so a
+    /// change written after that read still wakes it.
+    pub fn subscribe_node(&self, node: &NodeId) -> watch::Receiver<u64> {
+        let mut wakes = self.node_wakes();
+        let mut rx = match wakes.get(node) {
+            Some(wake) => wake.subscribe(),
+            None => {
+                let (tx, rx) = watch::channel(0);
+                wakes.insert(node.clone(), tx);
+                rx
+            }
+        };
+        rx.borrow_and_update();
+        rx
+    }
+
+    fn node_wakes(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, watch::Sender<u64>>> {
+        // Each update is one insert or one bump: a poisoned lock is usable.
+        self.inner
+            .node_wakes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Wakes the endpoint autoscaler now (see `crate::endpoints`).

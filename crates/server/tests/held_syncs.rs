@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use flotilla_core::api::{LogLine, LogStream, ObservedPhase, SyncRequest};
+use flotilla_core::api::{LogLine, LogStream, ObservedInstance, ObservedPhase, SyncRequest};
 use flotilla_core::id::{InstanceId, NodeId};
 use flotilla_testkit::server::fast;
 use reqwest::Method;
@@ -19,8 +19,32 @@ const HOLD: Duration = Duration::from_secs(4);
 /// One held sync of `node` reporting nothing; how long it took and the
 /// instances it was told to run.
 async fn held_sync(client: flotilla_client::Client, node: NodeId) -> (Duration, Vec<String>) {
+    held_sync_running(client, node, Vec::new()).await
+}
+
+/// One held sync of `node` reporting `running` as running; how long it
+/// took and the instances it was told to run (those told to stop with a
+/// `stop:` prefix).
+async fn held_sync_running(
+    client: flotilla_client::Client,
+    node: NodeId,
+    running: Vec<String>,
+) -> (Duration, Vec<String>) {
+    let observed = running
+        .iter()
+        .map(|id| ObservedInstance {
+            instance_id: InstanceId::parse(id, "instance").unwrap(),
+            phase: ObservedPhase::Running { pid: 7 },
+            at: chrono::Utc::now(),
+            started_at: None,
+            message: None,
+            container: None,
+            weights_tier: None,
+            limit_exceeded: None,
+        })
+        .collect();
     let req = SyncRequest {
-        observed: Vec::new(),
+        observed,
         wait_ms: HOLD.as_millis() as u64,
         gpus: Vec::new(),
         images: None,
@@ -35,7 +59,13 @@ async fn held_sync(client: flotilla_client::Client, node: NodeId) -> (Duration, 
     let ids = answer
         .assignments
         .iter()
-        .map(|a| a.instance_id.to_string())
+        .map(|a| {
+            if a.stop {
+                format!("stop:{}", a.instance_id)
+            } else {
+                a.instance_id.to_string()
+            }
+        })
         .collect();
     (start.elapsed(), ids)
 }
@@ -138,4 +168,87 @@ async fn a_held_sync_wakes_for_its_own_node_not_for_others_reports() {
         took < HOLD,
         "the idle node's held sync answered its own placement after {took:?}"
     );
+
+    s.sync(
+        &provider,
+        &idle,
+        vec![(placed.clone(), ObservedPhase::Running { pid: 8 })],
+    )
+    .await;
+    let busy_id = NodeId::parse(&busy, "node").unwrap();
+
+    // A stop wakes the held sync of the node that runs the work, and
+    // only that one: the other node's held sync sleeps its whole hold.
+    let other = tokio::spawn(held_sync_running(
+        s.client(&provider),
+        idle_id.clone(),
+        vec![placed.clone()],
+    ));
+    let holder = tokio::spawn(held_sync_running(
+        s.client(&provider),
+        busy_id.clone(),
+        vec![busy_inst.clone()],
+    ));
+    // Both held before the stop (a sync answered before it would not
+    // show whether the stop woke it).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.ok(
+        &member,
+        Method::POST,
+        &format!("/v1/instances/{busy_inst}/stop"),
+        None,
+    )
+    .await;
+    let (took, told) = holder.await.expect("the held sync");
+    assert!(
+        told.contains(&format!("stop:{busy_inst}")),
+        "told {told:?} after {took:?}"
+    );
+    assert!(took < HOLD, "the stop reached its node after {took:?}");
+    let (took, told) = other.await.expect("the other held sync");
+    assert!(
+        took >= HOLD,
+        "the other node's held sync answered after {took:?}, woken by a stop of work it does not run"
+    );
+    assert_eq!(told, vec![placed.clone()]);
+
+    // The stopped work exits; new work can go only to the node it left.
+    // Its placement wakes that node's held sync, not the full node's.
+    s.sync(
+        &provider,
+        &busy,
+        vec![(
+            busy_inst.clone(),
+            ObservedPhase::Exited {
+                code: 143,
+                stopped: true,
+            },
+        )],
+    )
+    .await;
+    let other = tokio::spawn(held_sync_running(
+        s.client(&provider),
+        idle_id.clone(),
+        vec![placed.clone()],
+    ));
+    let holder = tokio::spawn(held_sync(s.client(&provider), busy_id.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let i = s
+        .ok(
+            &member,
+            Method::POST,
+            "/v1/instances",
+            Some(json!({"gpus": 1, "command": ["z"]})),
+        )
+        .await;
+    let third = i["id"].as_str().unwrap().to_string();
+    let (took, told) = holder.await.expect("the held sync");
+    assert!(told.contains(&third), "told {told:?} after {took:?}");
+    assert!(took < HOLD, "the placement reached its node after {took:?}");
+    let (took, told) = other.await.expect("the other held sync");
+    assert!(
+        took >= HOLD,
+        "the full node's held sync answered after {took:?}, woken by a placement on another node"
+    );
+    assert_eq!(told, vec![placed]);
 }

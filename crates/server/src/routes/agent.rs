@@ -336,6 +336,7 @@ pub async fn sync(
         .min(heartbeat_interval(&st));
     let mut changes = st.subscribe();
     changes.borrow_and_update();
+    let mut mine = st.subscribe_node(&id);
     let mut assignments = st.store().assignments(&id).await?;
     // Work asked to stop that this agent does not report, long enough
     // after the stop for an agent holding it to have reported it (its
@@ -367,6 +368,7 @@ pub async fn sync(
         let mut shutdown = st.shutdown_signal();
         tokio::select! {
             _ = changes.changed() => {}
+            _ = mine.changed() => {}
             _ = shutdown.changed() => {}
             _ = tokio::time::sleep(wait) => {}
         }

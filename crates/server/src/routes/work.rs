@@ -10,7 +10,7 @@ use std::future::Future;
 use axum::http::Uri;
 use axum::Json;
 use flotilla_core::api::{Instance, Job, Page};
-use flotilla_core::id::{InstanceId, JobId, TenantId, WorkId};
+use flotilla_core::id::{InstanceId, JobId, NodeId, TenantId, WorkId};
 use flotilla_core::instance::InstanceState;
 use flotilla_core::job::JobState;
 use flotilla_core::tenant::Role;
@@ -63,6 +63,9 @@ pub(crate) trait Kind: Sized + Send + 'static {
         state: Option<Self::State>,
         page: &'a PageReq,
     ) -> impl Future<Output = StoreResult<PageOf<Self>>> + Send + 'a;
+    /// The nodes whose assignments ending it changes, when known
+    /// (`None`: wake every held sync).
+    fn nodes(&self) -> Option<Vec<NodeId>>;
     /// Asks the work to end: a waiting one ends at once, a running one is
     /// stopped with a grace period. A conflict when it already ended.
     fn end<'a>(
@@ -123,7 +126,11 @@ pub(crate) async fn end<K: Kind>(st: &AppState, caller: &Caller, raw: &str) -> A
     caller.require(&WORK_ROLES, &format!("{} {}s", K::END, K::NOUN))?;
     let work = K::end(st.store(), work.id(), st.now()).await?;
     tracing::info!(work = %work.id(), state = K::state_name(work.state()), action = K::END, "end requested");
-    st.notify_change();
+    // Only the syncs of the nodes that hold it need to hear of the stop.
+    match work.nodes() {
+        Some(nodes) => st.notify_nodes(&nodes),
+        None => st.notify_change(),
+    }
     Ok(Json(work))
 }
 
@@ -201,6 +208,9 @@ impl Kind for Instance {
     ) -> impl Future<Output = StoreResult<PageOf<Self>>> + Send + 'a {
         store.list_instances(scope, state, page)
     }
+    fn nodes(&self) -> Option<Vec<NodeId>> {
+        Some(self.node_id.iter().cloned().collect())
+    }
     fn end<'a>(
         store: &'a Store,
         id: &'a InstanceId,
@@ -233,6 +243,10 @@ impl Kind for Job {
     }
     fn state(&self) -> JobState {
         self.state
+    }
+    fn nodes(&self) -> Option<Vec<NodeId>> {
+        // Its members' nodes are not on the job itself.
+        None
     }
     fn queued(q: &WorkId) -> Option<&JobId> {
         match q {
