@@ -186,6 +186,108 @@ impl TargetWorkload {
     }
 }
 
+/// [`node_frag_parts`] with each shape's usable GPUs also limited by the
+/// node's CPU: a shape that asks for `c` CPU per copy can run at most
+/// `cpu_free / c` copies, so of the GPUs it could use only the largest
+/// `copies × gpus` count as usable and the rest are fragment.
+///
+/// FGD asks only whether *one* copy fits. On the openb trace's 8-GPU nodes
+/// (96 CPUs, and whole-GPU pods asking 11 CPUs on average) that misses the
+/// commonest stranding there is: a node with four idle GPUs and CPU for one
+/// more whole-GPU pod looks unfragmented to FGD, so FGD happily spends the
+/// CPU-rich nodes' GPUs on pods that need little CPU and leaves idle GPUs
+/// behind on nodes whose CPU is gone. Counting the copies sends low-CPU
+/// pods (the 0.81-GPU ones ask 3 CPUs) to CPU-poor nodes and keeps CPU-rich
+/// GPUs for the pods that need the CPU. `gpu_free` may be in any order.
+pub fn node_frag_parts_cpu_capped(
+    wl: &TargetWorkload,
+    model: Option<ModelId>,
+    cpu_free: u32,
+    gpu_free: &[u16],
+) -> f64 {
+    let total: u32 = gpu_free.iter().map(|&f| u32::from(f)).sum();
+    if total == 0 {
+        return 0.0;
+    }
+    let mut sorted = gpu_free.to_vec();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let mut frag = 0.0;
+    for s in &wl.shapes {
+        let unusable = if s.gpus == 0 || !s.models.allows(model) || cpu_free < s.cpu_milli {
+            total
+        } else {
+            let fit = sorted.iter().take_while(|&&f| f >= s.per_gpu_milli).count();
+            if fit < usize::from(s.gpus) {
+                total
+            } else {
+                let copies = cpu_free.checked_div(s.cpu_milli).unwrap_or(u32::MAX);
+                let by_cpu = (copies as usize).saturating_mul(usize::from(s.gpus));
+                let usable: u32 = sorted[..fit.min(by_cpu)]
+                    .iter()
+                    .map(|&f| u32::from(f))
+                    .sum();
+                total - usable
+            }
+        };
+        frag += s.weight * f64::from(unusable);
+    }
+    frag
+}
+
+/// Expected milli-GPU a GPU's free share will still leave unused once
+/// requests of the target mix have filled it, by free share (index
+/// 0..=1000).
+///
+/// The fill is modelled as requests arriving at random in proportion to
+/// the mix, each landing on the GPU if it fits, until none fits:
+/// `waste(f) = f` when no single-GPU shape fits in `f`, otherwise the
+/// popularity-weighted mean of `waste(f - m)` over the shapes of `m ≤ f`.
+/// FGD's measure only asks whether the *largest* fitting request fits
+/// once; this one sees that, under a mix of 0.47- and 0.32-GPU requests,
+/// 0.53 free ends as a 0.06 sliver while 0.79 free can end at 0.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShareWaste {
+    by_free: Vec<f64>,
+}
+
+impl ShareWaste {
+    /// The table for `wl`'s single-GPU shapes (whole or share), weighted by
+    /// popularity. With no such shape every free share is waste.
+    pub fn new(wl: &TargetWorkload) -> Self {
+        let shapes: Vec<(usize, f64)> = wl
+            .shapes
+            .iter()
+            .filter(|s| s.gpus == 1 && s.per_gpu_milli > 0 && s.weight > 0.0)
+            .map(|s| (usize::from(s.per_gpu_milli), s.weight))
+            .collect();
+        let mut by_free = vec![0.0; usize::from(MILLI) + 1];
+        for f in 0..by_free.len() {
+            let (mut weight, mut sum) = (0.0, 0.0);
+            for &(m, w) in &shapes {
+                if m <= f {
+                    weight += w;
+                    sum += w * by_free[f - m];
+                }
+            }
+            by_free[f] = if weight > 0.0 { sum / weight } else { f as f64 };
+        }
+        ShareWaste { by_free }
+    }
+
+    /// Expected waste of one GPU with `free` milli free.
+    pub fn of(&self, free: u16) -> f64 {
+        self.by_free
+            .get(usize::from(free))
+            .copied()
+            .unwrap_or(f64::from(free))
+    }
+
+    /// Expected waste summed over a node's GPUs.
+    pub fn of_gpus(&self, gpu_free: &[u16]) -> f64 {
+        gpu_free.iter().map(|&f| self.of(f)).sum()
+    }
+}
+
 fn model_key(m: ModelSet) -> (u8, u64) {
     match m {
         ModelSet::Any => (0, 0),
@@ -304,6 +406,48 @@ mod tests {
         let wl = TargetWorkload::from_requests(&[half, cpu], 1.0);
         assert!((wl.node_frag(&state(&[1000, 300])) - 800.0).abs() < 1e-9);
         assert!((wl.gpu_only().node_frag(&state(&[1000, 300])) - 300.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn cpu_capped_frag_counts_copies_the_cpu_allows() {
+        // One shape: a whole GPU with 8 CPUs.
+        let one = Request::new(GpuDemand::Whole { count: 1 }, 8000, 0);
+        let wl = TargetWorkload::from_requests(&[one], 1.0);
+        let gpus = [1000, 1000, 1000, 1000];
+        // CPU for one copy: FGD sees no fragment, the capped measure sees
+        // the three GPUs no copy can reach.
+        assert_eq!(node_frag_parts(&wl, Some(0), 10_000, &gpus), 0.0);
+        assert!((node_frag_parts_cpu_capped(&wl, Some(0), 10_000, &gpus) - 3000.0).abs() < 1e-9);
+        // CPU for all four: the same as FGD; none at all: everything.
+        assert_eq!(node_frag_parts_cpu_capped(&wl, Some(0), 32_000, &gpus), 0.0);
+        assert!((node_frag_parts_cpu_capped(&wl, Some(0), 7_999, &gpus) - 4000.0).abs() < 1e-9);
+        // The largest GPUs are the usable ones, in any input order.
+        let mixed = [300, 1000, 0, 1000];
+        assert!((node_frag_parts_cpu_capped(&wl, Some(0), 8_000, &mixed) - 1300.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn share_waste_by_hand() {
+        // 0.4-GPU requests only: 0.3 free stays, 0.7 free ends at 0.3,
+        // 0.8 free takes two and ends at 0.
+        let p4 = Request::new(GpuDemand::Share { milli: 400 }, 0, 0);
+        let w = ShareWaste::new(&TargetWorkload::from_requests(&[p4], 1.0));
+        assert!((w.of(300) - 300.0).abs() < 1e-9);
+        assert!((w.of(700) - 300.0).abs() < 1e-9);
+        assert!(w.of(800).abs() < 1e-9);
+        // Half 0.5, half 0.3. From 0.6: a 0.5 ends at 0.1, a 0.3 leaves
+        // 0.3 for another (0): 50. From 0.8: a 0.5 leaves 0.3 (then 0); a
+        // 0.3 leaves 0.5, which a 0.5 fills (0) or a 0.3 leaves at 0.2:
+        // 0.5 * 0 + 0.5 * (0.5 * 0 + 0.5 * 200) = 50.
+        let p5 = Request::new(GpuDemand::Share { milli: 500 }, 0, 0);
+        let p3 = Request::new(GpuDemand::Share { milli: 300 }, 0, 0);
+        let w = ShareWaste::new(&TargetWorkload::from_requests(&[p5, p3], 1.0));
+        assert!((w.of(600) - 50.0).abs() < 1e-9);
+        assert!((w.of(800) - 50.0).abs() < 1e-9);
+        assert!((w.of_gpus(&[600, 800, 200]) - 300.0).abs() < 1e-9);
+        // No single-GPU shape: everything free is waste.
+        let w = ShareWaste::new(&TargetWorkload::default());
+        assert!((w.of(1000) - 1000.0).abs() < 1e-9);
     }
 
     #[test]
