@@ -46,6 +46,7 @@ flotilla_testdb::backend_suite!(
     node_rollup_pays_providers_like_every_event,
     usage_marks_move_only_with_new_events,
     overlapping_batches_at_once_record_every_event_once,
+    a_steady_fleet_is_read_as_stretches_split_where_corrected,
 );
 
 async fn tenant(s: &Store) -> TenantId {
@@ -786,5 +787,55 @@ async fn overlapping_batches_at_once_record_every_event_once(s: &Store) {
     assert_eq!(
         gpu_ms(&stored),
         Decimal::from((4_500 + doubled as i64) * 1_000)
+    );
+}
+
+/// A steady fleet metered in one-minute slices comes back from the rollup
+/// as one event per steady stretch, and a correction voiding one slice
+/// splits its stretch exactly there: three subjects at 1 GPU for two
+/// hours, one slice of minute 60 voided, read as 3 GPUs over
+/// `[0, 60 min)`, 2 over `[60, 61 min)` and 3 over `[61, 120 min)`.
+async fn a_steady_fleet_is_read_as_stretches_split_where_corrected(s: &Store) {
+    let t = tenant(s).await;
+    let now = day() + Duration::hours(23);
+    let mut evs = Vec::new();
+    for sub in 0..3 {
+        for m in 0..120 {
+            evs.push(gpu(
+                &t,
+                &format!("g{sub}-{m}"),
+                &format!("inst_{sub}"),
+                m * 60,
+                m * 60 + 60,
+                1,
+            ));
+        }
+    }
+    let mut void = gpu(&t, "void-g0-60", "inst_0", 3600, 3600, 1);
+    void.corrects = Some(evs[60].key.clone());
+    evs.push(void);
+    let r = s.append_usage(&evs, long(), now).await.unwrap();
+    assert_eq!(r.rejected, vec![]);
+    let period = Period::new(day(), day() + Duration::days(1)).unwrap();
+    let rollup = s.usage_rollup(&t, period, false).await.unwrap();
+    assert_eq!(rollup.stored_events as usize, evs.len());
+    let spans: Vec<(i64, i64, Decimal)> = rollup
+        .events
+        .iter()
+        .map(|e| {
+            (
+                (e.start - day()).num_seconds(),
+                (e.end - day()).num_seconds(),
+                e.amount,
+            )
+        })
+        .collect();
+    assert_eq!(
+        spans,
+        vec![
+            (0, 3600, Decimal::from(3)),
+            (3600, 3660, Decimal::from(2)),
+            (3660, 7200, Decimal::from(3)),
+        ]
     );
 }
