@@ -16,6 +16,7 @@ use flotilla_core::id::{GpuId, InstanceId, JobId, NodeId, TenantId, WorkId};
 use flotilla_core::instance::{BillingClass, InstanceSpec, InstanceState};
 use flotilla_core::node::RuntimeKind;
 use flotilla_core::placement::{GpuShare, Placement, MILLI_PER_GPU};
+use flotilla_core::quota::Quota;
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
 
@@ -587,18 +588,68 @@ pub(crate) async fn insert_pending(
         .fetch_one(&mut **tx)
         .await?;
     let quota = crate::tenants::quota(&q)?;
+    insert_admitted(tx, id, tenant, &quota, spec, requeued_from, reason, now).await?;
+    Ok(())
+}
+
+/// A new instance of `tenant`, whose row `tx` has locked and whose quota
+/// it read, admitted and recorded in `pending`, as a read of it after the
+/// commit would show it (its row as inserted, its one event), without
+/// that read.
+async fn admit_pending(
+    tx: &mut Transaction<'static, Any>,
+    id: &InstanceId,
+    tenant: &TenantId,
+    quota: &Quota,
+    spec: &InstanceSpec,
+    now: DateTime<Utc>,
+) -> Result<Instance> {
+    let reason = "waiting for placement";
+    let row = insert_admitted(tx, id, tenant, quota, spec, None, reason, now).await?;
+    let mut inst = instance(&row)?;
+    inst.events = vec![InstanceEvent {
+        state: InstanceState::Pending,
+        reason: reason.to_string(),
+        // As stored: whole milliseconds.
+        at: at(ms(now)),
+    }];
+    Ok(with_queued(inst))
+}
+
+/// [`insert_pending`] under `quota`, the tenant's as `tx` read it with
+/// the tenant's row locked; the inserted row, every column.
+#[allow(clippy::too_many_arguments)] // reason: insert_pending's, plus the quota read with the lock
+async fn insert_admitted(
+    tx: &mut Transaction<'static, Any>,
+    id: &InstanceId,
+    tenant: &TenantId,
+    quota: &Quota,
+    spec: &InstanceSpec,
+    requeued_from: Option<&InstanceId>,
+    reason: &str,
+    now: DateTime<Utc>,
+) -> Result<AnyRow> {
     crate::tenants::admit_in(
         tx,
         tenant,
-        &quota,
+        quota,
         &spec.gpu_types,
         u64::from(spec.gpus) * u64::from(spec.share.milli()),
     )
     .await?;
-    sqlx::query(
+    let (milli, profile) = match &spec.share {
+        GpuShare::Whole => (None, None),
+        GpuShare::Fraction { milli } => (Some(i64::from(*milli)), None),
+        GpuShare::Mig(p) => (None, Some(p)),
+    };
+    // One statement for the whole row (the columns added since the table
+    // was made included) that hands it back as stored.
+    let row = sqlx::query(
         "INSERT INTO instances (id, tenant_id, name, state, state_reason, gpus, gpu_types, cpu_milli, memory_mb, \
-         command, env, workdir, billing_class, created_at, updated_at, priority, tier, preemptible, requeued_from) \
-         VALUES ($1, $2, $3, 'pending', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $13, $14, $15, $16, $17)",
+         command, env, workdir, billing_class, created_at, updated_at, priority, tier, preemptible, requeued_from, \
+         disk_mb, image, share_milli, mig_profile, mig_compute, mig_memory, mig_memory_mib) \
+         VALUES ($1, $2, $3, 'pending', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $13, $14, $15, $16, $17, \
+         $18, $19, $20, $21, $22, $23, $24) RETURNING *",
     )
     .bind(id.as_str())
     .bind(tenant.as_str())
@@ -617,43 +668,17 @@ pub(crate) async fn insert_pending(
     .bind(i64::from(spec.tier))
     .bind(i64::from(spec.preemptible))
     .bind(requeued_from.map(|r| r.as_str().to_string()))
-    .execute(&mut **tx)
+    .bind(spec.disk_mb.map(|mb| i64::try_from(mb).unwrap_or(i64::MAX)))
+    .bind(spec.image.as_ref().map(to_json))
+    .bind(milli)
+    .bind(profile.map(|p| p.name.clone()))
+    .bind(profile.map(|p| i64::from(p.compute_slices)))
+    .bind(profile.map(|p| i64::from(p.memory_slices)))
+    .bind(profile.map(|p| p.memory_mib as i64))
+    .fetch_one(&mut **tx)
     .await?;
-    let (milli, profile) = match &spec.share {
-        GpuShare::Whole => (None, None),
-        GpuShare::Fraction { milli } => (Some(i64::from(*milli)), None),
-        GpuShare::Mig(p) => (None, Some(p)),
-    };
-    if let Some(mb) = spec.disk_mb {
-        sqlx::query("UPDATE instances SET disk_mb = $1 WHERE id = $2")
-            .bind(i64::try_from(mb).unwrap_or(i64::MAX))
-            .bind(id.as_str())
-            .execute(&mut **tx)
-            .await?;
-    }
-    if let Some(image) = &spec.image {
-        sqlx::query("UPDATE instances SET image = $1 WHERE id = $2")
-            .bind(to_json(image))
-            .bind(id.as_str())
-            .execute(&mut **tx)
-            .await?;
-    }
-    if milli.is_some() || profile.is_some() {
-        sqlx::query(
-            "UPDATE instances SET share_milli = $1, mig_profile = $2, mig_compute = $3, mig_memory = $4, \
-             mig_memory_mib = $5 WHERE id = $6",
-        )
-        .bind(milli)
-        .bind(profile.map(|p| p.name.clone()))
-        .bind(profile.map(|p| i64::from(p.compute_slices)))
-        .bind(profile.map(|p| i64::from(p.memory_slices)))
-        .bind(profile.map(|p| p.memory_mib as i64))
-        .bind(id.as_str())
-        .execute(&mut **tx)
-        .await?;
-    }
     add_event(tx, id, InstanceState::Pending, reason, now).await?;
-    Ok(())
+    Ok(row)
 }
 
 /// The spec an instance was created with, to requeue it unchanged.
@@ -703,6 +728,10 @@ impl Store {
     /// see it. When the share-locked row turns out to limit something, the
     /// create starts over on the serialised path (never upgrading the share
     /// lock, which two creates could deadlock on).
+    ///
+    /// The quota is read once, with the lock, and the instance returned is
+    /// the row as the insert stored it with its one event: the statements
+    /// a create costs are the lock, the insert and the event.
     pub async fn create_instance(
         &self,
         id: &InstanceId,
@@ -717,28 +746,25 @@ impl Store {
                 .fetch_optional(&mut *tx)
                 .await?
                 .ok_or(StoreError::NotFound("tenant"))?;
-            if crate::tenants::quota(&row)?.limits_nothing() {
-                let reason = "waiting for placement";
-                insert_pending(&mut tx, id, tenant, spec, None, reason, now).await?;
+            let quota = crate::tenants::quota(&row)?;
+            if quota.limits_nothing() {
+                let created = admit_pending(&mut tx, id, tenant, &quota, spec, now).await?;
                 crate::txn::commit(tx).await?;
-                return self.instance(id).await;
+                return Ok(created);
             }
             tx.rollback().await?;
         }
         let mut tx = self.begin().await?;
-        let locked = sqlx::query("UPDATE tenants SET updated_at = $1 WHERE id = $2")
+        let row = sqlx::query("UPDATE tenants SET updated_at = $1 WHERE id = $2 RETURNING *")
             .bind(ms(now))
             .bind(tenant.as_str())
-            .execute(&mut *tx)
+            .fetch_optional(&mut *tx)
             .await?
-            .rows_affected();
-        if locked == 0 {
-            return Err(StoreError::NotFound("tenant"));
-        }
-        let reason = "waiting for placement";
-        insert_pending(&mut tx, id, tenant, spec, None, reason, now).await?;
+            .ok_or(StoreError::NotFound("tenant"))?;
+        let quota = crate::tenants::quota(&row)?;
+        let created = admit_pending(&mut tx, id, tenant, &quota, spec, now).await?;
         crate::txn::commit(tx).await?;
-        self.instance(id).await
+        Ok(created)
     }
 
     /// One instance with its events.
@@ -793,10 +819,13 @@ impl Store {
         let mut page = PageOf::from_overfetch(items, page, |i| i.id.to_string());
         let ids: Vec<InstanceId> = page.items.iter().map(|i| i.id.clone()).collect();
         let mut events = self.events(&ids).await?;
-        for i in &mut page.items {
-            i.events = events.remove(&i.id).unwrap_or_default();
-            *i = with_queued(i.clone());
-        }
+        page.items = std::mem::take(&mut page.items)
+            .into_iter()
+            .map(|mut i| {
+                i.events = events.remove(&i.id).unwrap_or_default();
+                with_queued(i)
+            })
+            .collect();
         Ok(page)
     }
 
