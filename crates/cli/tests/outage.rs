@@ -246,9 +246,15 @@ fn outage_is_billed_exactly(outage: i64, extra: &[&str]) {
     assert!(ticks.windows(2).all(|w| w[1] > w[0]), "one run: {ticks:?}");
 }
 
+/// Within the default 15 s lease. The lease counts from the last sync the
+/// server answered, up to half a heartbeat interval (2.5 s) before the
+/// stop, and runs on through the restart (binary start, database, sandbox
+/// probe: seconds on a loaded machine). A 12 s outage left too little of
+/// it: CI once saw the restarted agent adopt the work with 5 ms of lease
+/// left and its watchdog stop it, as it must past the lease.
 #[test]
-fn a_12_s_outage_keeps_running_work_and_bills_ended_work_to_its_exit() {
-    outage_is_billed_exactly(12, &[]);
+fn a_9_s_outage_keeps_running_work_and_bills_ended_work_to_its_exit() {
+    outage_is_billed_exactly(9, &[]);
 }
 
 /// Past the default 15 s lease the fence would stop the work (as it must);
