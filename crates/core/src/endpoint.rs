@@ -479,6 +479,10 @@ fn validate_weights(
     Ok((Some(gb), keep))
 }
 
+/// The endpoint a replica serves, in every replica's environment (set by
+/// the server, whatever the endpoint's spec says).
+pub const ENV_ENDPOINT_ID: &str = "FLOTILLA_ENDPOINT_ID";
+
 /// Environment a replica of an endpoint that declares its weights gets,
 /// read back by the node's agent (which keeps its caches by it) and by
 /// the model server (which loads that much from the tier it is told).
@@ -517,7 +521,7 @@ impl ReplicaWeights {
     /// declares no weights (or the variables are not Flotilla's).
     pub fn from_env(env: &BTreeMap<String, String>) -> Option<Self> {
         let key = env.get(ENV_WEIGHTS_KEY)?.clone();
-        let endpoint_id = EndpointId::parse(env.get("FLOTILLA_ENDPOINT_ID")?, "env").ok()?;
+        let endpoint_id = EndpointId::parse(env.get(ENV_ENDPOINT_ID)?, "env").ok()?;
         let model_gb: f64 = env.get(ENV_MODEL_GB)?.parse().ok()?;
         let keep_parked_s = env
             .get(ENV_KEEP_PARKED_S)
@@ -848,8 +852,7 @@ impl EndpointSpec {
         );
         let port = self.served_port().unwrap_or(port);
         c.env.insert("PORT".into(), port.to_string());
-        c.env
-            .insert("FLOTILLA_ENDPOINT_ID".into(), endpoint.to_string());
+        c.env.insert(ENV_ENDPOINT_ID.into(), endpoint.to_string());
         c.env
             .insert("FLOTILLA_ENDPOINT_REVISION".into(), revision.to_string());
         if let Some(gb) = self.model_gb {

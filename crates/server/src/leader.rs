@@ -122,6 +122,7 @@ impl Term {
             token,
             tasks: vec![
                 tokio::spawn(crate::reconcile::run(fenced.clone(), tick)),
+                tokio::spawn(crate::metering::run(fenced.clone(), tick)),
                 tokio::spawn(crate::nodepools::run(fenced.clone(), tick)),
                 tokio::spawn(crate::reconciliation::run(fenced.clone())),
                 tokio::spawn(crate::endpoints::run(fenced, tick)),

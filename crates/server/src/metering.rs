@@ -233,43 +233,89 @@ pub fn share_of(inst: &Instance) -> GpuShare {
     })
 }
 
+/// Instances read per page of a metering pass.
+const PAGE: u32 = 500;
+
+/// Events per append: one transaction each.
+const APPEND_AT_MOST: usize = 10_000;
+
+/// How often the metering task looks for due work. Slices are a minute
+/// long, so a few seconds only delays the last slice of ended work.
+pub const METERING_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Meters every instance that needs it, a page at a time: the page's
+/// events go to the ledger in one append and how far each got in one
+/// update. Returns the events appended.
+///
 /// A serverless endpoint's replica bills its GPU time to the endpoint, at
 /// the serverless GPU-second price: the subject becomes the endpoint. The
 /// keys stay the instance's, so two replicas never share one.
-async fn as_endpoint_usage(
-    st: &AppState,
-    inst: &Instance,
-    mut events: Vec<UsageEvent>,
-) -> Result<Vec<UsageEvent>, StoreError> {
-    if let Some(r) = st.store().replica_of(&inst.id).await? {
-        for e in &mut events {
-            e.subject = Subject {
-                kind: SubjectKind::Endpoint,
-                id: r.endpoint_id.to_string(),
-            };
-        }
-    }
-    Ok(events)
-}
-
-/// Meters every instance that needs it. Returns the events appended.
 pub async fn metering_pass(st: &AppState) -> Result<usize, StoreError> {
     let now = st.now();
     let mut appended = 0;
-    for (inst, until) in st.store().instances_to_meter(500).await? {
-        let w = window(&inst, until);
-        let billed = billed_past(st, &inst, &w).await?;
-        let (events, reached) = match usage(&inst, &w, now, &billed) {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!(instance = %inst.id, error = %e, "cannot meter instance");
-                continue;
-            }
+    let mut after: Option<flotilla_core::id::InstanceId> = None;
+    loop {
+        let page = st
+            .store()
+            .instances_to_meter(now, SLICE_SECS, after.as_ref(), PAGE)
+            .await?;
+        let Some((last, _)) = page.last() else {
+            break;
         };
-        if !events.is_empty() {
-            let events = as_endpoint_usage(st, &inst, events).await?;
+        after = Some(last.id.clone());
+        let full = page.len() == PAGE as usize;
+        appended += meter_page(st, &page, now).await?;
+        if !full {
+            break;
+        }
+    }
+    Ok(appended)
+}
+
+/// Meters one page of due instances.
+async fn meter_page(
+    st: &AppState,
+    page: &[(Instance, Option<DateTime<Utc>>)],
+    now: DateTime<Utc>,
+) -> Result<usize, StoreError> {
+    let mut metered = Vec::with_capacity(page.len());
+    let mut reached_all = Vec::with_capacity(page.len());
+    for (inst, until) in page {
+        let w = window(inst, *until);
+        let billed = billed_past(st, inst, &w).await?;
+        match usage(inst, &w, now, &billed) {
+            Ok((events, reached)) => {
+                if let Some(r) = reached {
+                    reached_all.push((inst.id.clone(), r));
+                }
+                if !events.is_empty() {
+                    metered.push((inst.id.clone(), events));
+                }
+            }
+            Err(e) => tracing::warn!(instance = %inst.id, error = %e, "cannot meter instance"),
+        }
+    }
+    let mut appended = 0;
+    if !metered.is_empty() {
+        let ids: Vec<_> = metered.iter().map(|(id, _)| id.clone()).collect();
+        let endpoints = st.store().replica_endpoints(&ids).await?;
+        let mut events = Vec::new();
+        for (id, mut list) in metered {
+            if let Some(endpoint) = endpoints.get(&id) {
+                for e in &mut list {
+                    e.subject = Subject {
+                        kind: SubjectKind::Endpoint,
+                        id: endpoint.to_string(),
+                    };
+                }
+            }
+            events.extend(list);
+        }
+        // A page of work back from a long outage holds a slice per minute
+        // each: appended in bounded transactions.
+        for chunk in events.chunks(APPEND_AT_MOST) {
             let started = tokio::time::Instant::now();
-            let out = st.store().append_usage(&events, grace(), now).await?;
+            let out = st.store().append_usage(chunk, grace(), now).await?;
             st.ops()
                 .usage_ingest
                 .observe(started.elapsed().as_secs_f64());
@@ -280,15 +326,44 @@ pub async fn metering_pass(st: &AppState) -> Result<usize, StoreError> {
                 out.rejected.len() as u64,
             );
             appended += out.accepted as usize;
-            if !out.rejected.is_empty() {
-                tracing::warn!(instance = %inst.id, rejected = out.rejected.len(), "usage events refused by the ledger");
+            for r in &out.rejected {
+                tracing::warn!(key = %r.key, code = r.code, "usage event refused by the ledger");
             }
         }
-        if let Some(r) = reached {
-            st.store().set_metered_until(&inst.id, r).await?;
+    }
+    // After the events: a pass cut between the two meters the page again,
+    // and the ledger drops the exact duplicates.
+    st.store().set_metered_until_many(&reached_all).await?;
+    Ok(appended)
+}
+
+/// Runs metering passes while this replica leads, beside the scheduling
+/// round rather than in it: at a minute's boundary a fleet's every running
+/// instance has a slice to write, and a round that waited for that held
+/// placement back by seconds (and, through the round's duty cycle, by
+/// four times as long again). Runs when the state's clock has moved on
+/// [`METERING_EVERY`] since the last pass (a manual clock that stands
+/// still meters once).
+pub async fn run(st: AppState, tick: std::time::Duration) {
+    let mut shutdown = st.shutdown_signal();
+    let every = Duration::from_std(METERING_EVERY).unwrap_or(Duration::seconds(2));
+    let mut last: Option<DateTime<Utc>> = None;
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        let now = st.now();
+        if st.leads() && last.is_none_or(|l| now - l >= every) {
+            last = Some(now);
+            if let Err(e) = metering_pass(&st).await {
+                tracing::warn!(error = %e, "metering pass failed; retrying");
+            }
+        }
+        tokio::select! {
+            _ = shutdown.changed() => {}
+            _ = tokio::time::sleep(tick.min(METERING_EVERY)) => {}
         }
     }
-    Ok(appended)
 }
 
 /// How late an event may arrive (the API's window too).

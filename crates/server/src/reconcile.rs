@@ -135,9 +135,6 @@ pub async fn liveness_pass(st: &AppState) -> Result<usize, StoreError> {
     Ok(lost)
 }
 
-/// Seconds between metering passes.
-const METERING_EVERY_S: i64 = 2;
-
 /// Shortest time from the start of one round of passes to the start of the
 /// next when changes keep coming. Each create signals a change; at a
 /// thousand creates a second the loop would otherwise run its passes back
@@ -161,14 +158,14 @@ pub const MIN_ROUND_GAP: Duration = Duration::from_millis(50);
 pub const ROUND_DUTY: u32 = 4;
 
 /// Runs the passes until shutdown: placement on every change (and at least
-/// each `tick`), liveness each `tick`, lifecycle metering every few
-/// seconds, housekeeping hourly.
+/// each `tick`), liveness each `tick`, housekeeping hourly. Metering runs
+/// beside it ([`crate::metering::run`]), so a minute's slices for a whole
+/// fleet never hold a placement back.
 pub async fn run(st: AppState, tick: Duration) {
     let mut changes = st.subscribe();
     let mut control = st.subscribe_control();
     let mut shutdown = st.shutdown_signal();
     let mut last_housekeeping = st.now();
-    let mut last_metering = st.now() - ChronoDuration::seconds(METERING_EVERY_S);
     let mut trigger = PassTrigger::new(
         ChronoDuration::from_std(st.config().pass_at_least_every).unwrap_or(PASS_AT_LEAST_EVERY),
     );
@@ -201,14 +198,6 @@ pub async fn run(st: AppState, tick: Duration) {
         }
         if let Err(e) = liveness_pass(&st).await {
             tracing::warn!(error = %e, "liveness pass failed; retrying");
-        }
-        // Metering only needs minute slices: at most every few seconds, not
-        // on every change signal.
-        if st.now() - last_metering >= ChronoDuration::seconds(METERING_EVERY_S) {
-            last_metering = st.now();
-            if let Err(e) = crate::metering::metering_pass(&st).await {
-                tracing::warn!(error = %e, "metering pass failed; retrying");
-            }
         }
         billing_pass(&st);
         let now = st.now();

@@ -433,6 +433,32 @@ impl Store {
         row.as_ref().map(replica_row).transpose()
     }
 
+    /// The endpoint each of `instances` serves, for those that are
+    /// replicas: one read for a metering page.
+    pub async fn replica_endpoints(
+        &self,
+        instances: &[InstanceId],
+    ) -> Result<BTreeMap<InstanceId, EndpointId>> {
+        let mut out = BTreeMap::new();
+        for chunk in instances.chunks(500) {
+            let sql = format!(
+                "SELECT instance_id, endpoint_id FROM endpoint_replicas WHERE instance_id IN ({})",
+                crate::params(chunk.len())
+            );
+            let mut q = sqlx::query(&sql);
+            for id in chunk {
+                q = q.bind(id.as_str());
+            }
+            for r in q.fetch_all(self.pool()).await? {
+                out.insert(
+                    InstanceId::from_trusted(r.try_get("instance_id")?),
+                    EndpointId::from_trusted(r.try_get("endpoint_id")?),
+                );
+            }
+        }
+        Ok(out)
+    }
+
     /// Ports of replicas not yet ended, so a new one gets another.
     pub async fn replica_ports_in_use(&self) -> Result<BTreeSet<u16>> {
         let rows = sqlx::query(&format!(

@@ -4,7 +4,7 @@
 //! the expected current state plus an event row, in one transaction, so a
 //! change is recorded exactly once even when two loops race.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
 use flotilla_core::api::{
@@ -713,6 +713,49 @@ pub enum Applied {
     Foreign,
 }
 
+/// Whether `obs` reports nothing new of an instance recorded in `state`:
+/// still running as recorded, or still starting with no progress message.
+/// The usual report on a fleet, every sync for every instance.
+fn no_news(obs: &ObservedInstance, state: InstanceState) -> bool {
+    match (&obs.phase, state) {
+        (ObservedPhase::Running { .. }, InstanceState::Running) => true,
+        (ObservedPhase::Starting, InstanceState::Starting) => obs.message.is_none(),
+        _ => false,
+    }
+}
+
+/// What the container runtime reports of an instance (published ports,
+/// cold start), to record whatever the transition, when it differs from
+/// what is stored: `(ports, cold start)` as stored JSON, ports `None` when
+/// no container was reported. The tier a replica's weights loaded from
+/// joins its cold-start breakdown (the container runtime's, or one of its
+/// own).
+fn runtime_update(
+    obs: &ObservedInstance,
+    stored_ports: Option<String>,
+    stored_cold: Option<String>,
+) -> Option<(Option<String>, Option<String>)> {
+    let with_tier = |c: Option<&ColdStart>| {
+        obs.weights_tier.map(|t| ColdStart {
+            weights_tier: Some(t),
+            ..c.cloned().unwrap_or_default()
+        })
+    };
+    match &obs.container {
+        Some(c) => {
+            let cold = with_tier(c.cold_start.as_ref()).or_else(|| c.cold_start.clone());
+            Some((Some(to_json(&c.ports)), cold.as_ref().map(to_json)))
+        }
+        None => with_tier(None).map(|cold| (None, Some(to_json(&cold)))),
+    }
+    .filter(|(ports, cold)| {
+        ports
+            .as_ref()
+            .is_some_and(|p| Some(p) != stored_ports.as_ref())
+            || *cold != stored_cold
+    })
+}
+
 impl Store {
     /// Admits and records a new instance in `pending`. The tenant row is
     /// updated first, which serialises concurrent creates of one tenant
@@ -868,6 +911,65 @@ impl Store {
         self.instance(id).await
     }
 
+    /// Applies what an agent observed of each of its instances on `node`;
+    /// whether any transition was recorded.
+    ///
+    /// One read answers the usual sync of a fleet, where every instance is
+    /// still as recorded ([`no_news`] and no runtime change): only the
+    /// rest go through [`Store::apply_observed`], each in its own
+    /// transaction. A read per instance per sync held the database's
+    /// connections at 1,000 nodes (docs/scale.md).
+    pub async fn apply_observed_all(
+        &self,
+        node: &NodeId,
+        observed: &[ObservedInstance],
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let mut settled = BTreeSet::new();
+        for chunk in observed.chunks(500) {
+            let sql = format!(
+                "SELECT id, state, node_id, published_ports, cold_start FROM instances WHERE id IN ({})",
+                crate::params(chunk.len())
+            );
+            let mut q = sqlx::query(&sql);
+            for obs in chunk {
+                q = q.bind(obs.instance_id.as_str());
+            }
+            let rows: BTreeMap<String, AnyRow> = q
+                .fetch_all(self.pool())
+                .await?
+                .into_iter()
+                .map(|r| Ok((r.try_get::<String, _>("id")?, r)))
+                .collect::<Result<_>>()?;
+            for obs in chunk {
+                let Some(row) = rows.get(obs.instance_id.as_str()) else {
+                    continue;
+                };
+                let on: Option<String> = row.try_get("node_id")?;
+                let state = state_of(&row.try_get::<String, _>("state")?)?;
+                if on.as_deref() == Some(node.as_str())
+                    && no_news(obs, state)
+                    && runtime_update(
+                        obs,
+                        row.try_get("published_ports")?,
+                        row.try_get("cold_start")?,
+                    )
+                    .is_none()
+                {
+                    settled.insert(&obs.instance_id);
+                }
+            }
+        }
+        let mut changed = false;
+        for obs in observed
+            .iter()
+            .filter(|o| !settled.contains(&o.instance_id))
+        {
+            changed |= self.apply_observed(node, obs, now).await? == Applied::Changed;
+        }
+        Ok(changed)
+    }
+
     /// Applies what an agent observed of one instance on `node`.
     pub async fn apply_observed(
         &self,
@@ -878,7 +980,8 @@ impl Store {
         use InstanceState::*;
         let row = sqlx::query(
             "SELECT state, node_id, stop_requested, gpu_ids, preempted_by, job_id, share_milli, mig_profile, \
-             mig_compute, mig_memory, mig_memory_mib, updated_at, started_at, exit_code FROM instances WHERE id = $1",
+             mig_compute, mig_memory, mig_memory_mib, updated_at, started_at, exit_code, published_ports, cold_start \
+             FROM instances WHERE id = $1",
         )
         .bind(obs.instance_id.as_str())
         .fetch_optional(self.pool())
@@ -929,31 +1032,34 @@ impl Store {
         // started and ended between two reports is metered from there, not
         // from its exit (which billed it nothing).
         let ran_from = obs.started_at.and_then(trusted).map(|t| t.min(seen));
+        let runtime = runtime_update(
+            obs,
+            row.try_get("published_ports")?,
+            row.try_get("cold_start")?,
+        );
+        if runtime.is_none() && no_news(obs, state) {
+            return Ok(Applied::Unchanged);
+        }
         let mut tx = self.begin().await?;
-        // The tier a replica's weights loaded from joins its cold-start
-        // breakdown (the container runtime's, or one of its own).
-        let with_tier = |c: Option<&ColdStart>| {
-            obs.weights_tier.map(|t| ColdStart {
-                weights_tier: Some(t),
-                ..c.cloned().unwrap_or_default()
-            })
-        };
-        if let Some(c) = &obs.container {
-            // What the container runtime reports (ports, cold start) is
-            // recorded whatever the transition.
-            let cold = with_tier(c.cold_start.as_ref()).or_else(|| c.cold_start.clone());
-            sqlx::query("UPDATE instances SET published_ports = $1, cold_start = $2 WHERE id = $3")
-                .bind(to_json(&c.ports))
-                .bind(cold.as_ref().map(to_json))
+        match runtime {
+            Some((Some(ports), cold)) => {
+                sqlx::query(
+                    "UPDATE instances SET published_ports = $1, cold_start = $2 WHERE id = $3",
+                )
+                .bind(ports)
+                .bind(cold)
                 .bind(id.as_str())
                 .execute(&mut *tx)
                 .await?;
-        } else if let Some(cold) = with_tier(None) {
-            sqlx::query("UPDATE instances SET cold_start = $1 WHERE id = $2")
-                .bind(to_json(&cold))
-                .bind(id.as_str())
-                .execute(&mut *tx)
-                .await?;
+            }
+            Some((None, cold)) => {
+                sqlx::query("UPDATE instances SET cold_start = $1 WHERE id = $2")
+                    .bind(cold)
+                    .bind(id.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            None => {}
         }
         let oom = obs.container.as_ref().is_some_and(|c| c.oom_killed)
             || obs.limit_exceeded == Some(LimitExceeded::Memory);
@@ -1311,39 +1417,86 @@ impl Store {
         Ok(failed.len() as u64)
     }
 
-    /// Instances that ran and whose usage is not fully metered: running (or
-    /// lost) ones, and final ones metered short of their finish or past it
-    /// (minutes metered before an earlier exit was reported, which the
-    /// final pass corrects). Oldest first, with their events and how far
-    /// metering got.
+    /// Instances whose usage is due at `now`, `limit` at most, in id order
+    /// after `after` (a pass pages through them all): final ones metered
+    /// short of their finish or past it (minutes metered before an earlier
+    /// exit was reported, which the final pass corrects), and running (or
+    /// starting) ones with a whole slice of `slice_secs` complete since
+    /// metering last reached. With their events and how far metering got.
+    ///
+    /// A running instance already metered to the current slice is not
+    /// read: on a fleet nearly all of them are, between slice boundaries,
+    /// and reading them on every pass took the pass seconds to write
+    /// nothing (and, with a plain limit and no due filter, the oldest 500
+    /// running held the page while newer finished work went unmetered).
     pub async fn instances_to_meter(
         &self,
+        now: DateTime<Utc>,
+        slice_secs: u32,
+        after: Option<&InstanceId>,
         limit: u32,
     ) -> Result<Vec<(Instance, Option<DateTime<Utc>>)>> {
+        let slice = i64::from(slice_secs.max(1));
+        let boundary = now.timestamp().div_euclid(slice) * slice * 1000;
         let rows = sqlx::query(
-            "SELECT id, metered_until FROM instances WHERE started_at IS NOT NULL \
-             AND (finished_at IS NULL OR metered_until IS NULL OR metered_until <> finished_at) \
-             ORDER BY id LIMIT $1",
+            "SELECT * FROM instances WHERE id > $1 AND started_at IS NOT NULL AND (\
+             (finished_at IS NOT NULL AND (metered_until IS NULL OR metered_until <> finished_at)) \
+             OR (finished_at IS NULL AND state IN ('running', 'starting') AND started_at < $2 \
+             AND (metered_until IS NULL OR metered_until < $2))) \
+             ORDER BY id LIMIT $3",
         )
+        .bind(after.map_or("", InstanceId::as_str))
+        .bind(boundary)
         .bind(i64::from(limit))
         .fetch_all(self.pool())
         .await?;
-        let mut out = Vec::with_capacity(rows.len());
+        let mut found = Vec::with_capacity(rows.len());
         for r in &rows {
-            let id = InstanceId::from_trusted(r.try_get("id")?);
             let until: Option<i64> = r.try_get("metered_until")?;
-            out.push((self.instance(&id).await?, until.map(at)));
+            found.push((instance(r)?, until.map(at)));
         }
-        Ok(out)
+        let ids: Vec<InstanceId> = found.iter().map(|(i, _)| i.id.clone()).collect();
+        let mut events = BTreeMap::new();
+        // One read of the transitions per page of at most 1,000 works.
+        for chunk in ids.chunks(1000) {
+            events.append(&mut self.events(chunk).await?);
+        }
+        Ok(found
+            .into_iter()
+            .map(|(mut inst, until)| {
+                inst.events = events.remove(&inst.id).unwrap_or_default();
+                (with_queued(inst), until)
+            })
+            .collect())
     }
 
-    /// Records how far an instance's usage has been metered.
-    pub async fn set_metered_until(&self, id: &InstanceId, until: DateTime<Utc>) -> Result<()> {
-        sqlx::query("UPDATE instances SET metered_until = $1 WHERE id = $2")
-            .bind(ms(until))
-            .bind(id.as_str())
-            .execute(self.writer())
-            .await?;
+    /// Records how far each instance's usage has been metered, in one
+    /// statement.
+    pub async fn set_metered_until_many(
+        &self,
+        reached: &[(InstanceId, DateTime<Utc>)],
+    ) -> Result<()> {
+        for chunk in reached.chunks(500) {
+            let mut cases = String::new();
+            let mut ids = Vec::with_capacity(chunk.len());
+            for n in 0..chunk.len() {
+                cases.push_str(&format!(
+                    " WHEN ${} THEN CAST(${} AS BIGINT)",
+                    2 * n + 1,
+                    2 * n + 2
+                ));
+                ids.push(format!("${}", 2 * n + 1));
+            }
+            let sql = format!(
+                "UPDATE instances SET metered_until = CASE id{cases} END WHERE id IN ({})",
+                ids.join(", ")
+            );
+            let mut q = sqlx::query(&sql);
+            for (id, until) in chunk {
+                q = q.bind(id.as_str()).bind(ms(*until));
+            }
+            q.execute(self.writer()).await?;
+        }
         Ok(())
     }
 

@@ -462,6 +462,14 @@ pub(crate) fn touched(rows: u64, what: &'static str) -> Result<()> {
     Ok(())
 }
 
+/// `$1, $2, …, $n`: the parameters of an `IN` list of `n` values.
+pub(crate) fn params(n: usize) -> String {
+    (1..=n)
+        .map(|i| format!("${i}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// UTC milliseconds as stored.
 pub(crate) fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()

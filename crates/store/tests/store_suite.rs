@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Duration, Utc};
 use flotilla_core::api::{
-    DiscoveredGpu, LimitExceeded, LogLine, LogStream, ObservedInstance, ObservedPhase, RegisterNode,
+    DiscoveredGpu, LimitExceeded, LogLine, LogStream, ObservedContainer, ObservedInstance,
+    ObservedPhase, PublishedPort, RegisterNode,
 };
 use flotilla_core::catalog::{Catalog, Vendor};
 use flotilla_core::id::{GpuId, InstanceId, KeyId, NodeId, TenantId};
@@ -44,6 +45,8 @@ flotilla_testdb::backend_suite!(
     containers_report_ports_cold_starts_and_oom_kills,
     an_exit_seen_before_running_still_counts_as_run,
     observed_times_bound_metering,
+    metering_reads_only_due_work_page_by_page,
+    a_sync_applies_what_changed_and_skips_what_did_not,
     an_exit_with_its_start_is_metered_from_it,
     gpu_faults_cordons_drains_and_node_events,
     fleet_counts_for_metrics,
@@ -1299,7 +1302,7 @@ async fn an_exit_seen_before_running_still_counts_as_run(s: &Store) {
     assert_eq!((i.started_at, i.finished_at), (Some(later), Some(later)));
     let states: Vec<_> = i.events.iter().map(|e| e.state).collect();
     assert_eq!(states, RAN_TO_SUCCESS);
-    let to_meter = s.instances_to_meter(100).await.unwrap();
+    let to_meter = s.instances_to_meter(later, 60, None, 100).await.unwrap();
     assert!(
         to_meter.iter().any(|(i, _)| i.id == id),
         "a command that ran is metered"
@@ -1380,6 +1383,182 @@ async fn observed_times_bound_metering(s: &Store) {
         s.instance(&d).await.unwrap().started_at,
         Some(t0() + secs(5))
     );
+}
+
+/// Metering reads only work with something to meter: a running instance
+/// once a whole slice has passed since metering last reached, and ended
+/// work not yet metered to its end; pages in id order cover all of it.
+/// (It read every started instance by id, 500 at most: with 500 running
+/// ahead of it, ended work was never metered.)
+async fn metering_reads_only_due_work_page_by_page(s: &Store) {
+    let t = tenant(s, "meter").await;
+    let n = node(s, &t, "n1", &[("H100", 4)]).await;
+    let secs = Duration::seconds;
+    let mut ids = Vec::new();
+    for k in 0..3u64 {
+        let id = InstanceId::generate(13, rnd() ^ u128::from(k));
+        s.create_instance(&id, &t, &spec(1, &["H100"]), t0())
+            .await
+            .unwrap();
+        place(s, &id, t0()).await.unwrap();
+        let running = ObservedPhase::Running { pid: 1 };
+        s.apply_observed(&n, &seen(&id, running, t0() + secs(1)), t0() + secs(1))
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    ids.sort();
+    let due = |now: DateTime<Utc>, limit: u32| async move {
+        let mut all = Vec::new();
+        let mut after: Option<InstanceId> = None;
+        loop {
+            let page = s
+                .instances_to_meter(now, 60, after.as_ref(), limit)
+                .await
+                .unwrap();
+            assert!(page.len() <= limit as usize);
+            let Some((last, _)) = page.last() else { break };
+            after = Some(last.id.clone());
+            let full = page.len() == limit as usize;
+            for (i, _) in &page {
+                assert!(!i.events.is_empty(), "read with its events");
+            }
+            all.extend(page.into_iter().map(|(i, u)| (i.id, u)));
+            if !full {
+                break;
+            }
+        }
+        all
+    };
+    // Within the first slice nothing is complete: nothing is read.
+    assert!(due(t0() + secs(59), 1).await.is_empty());
+    // Past its end, all three, one page at a time, in id order.
+    let all: Vec<_> = due(t0() + secs(61), 1).await;
+    assert_eq!(
+        all.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>(),
+        ids
+    );
+    assert!(all.iter().all(|(_, until)| until.is_none()));
+    // Two metered to the boundary drop out until the next one.
+    let boundary = t0() + secs(60);
+    s.set_metered_until_many(&[(ids[0].clone(), boundary), (ids[1].clone(), boundary)])
+        .await
+        .unwrap();
+    let all = due(t0() + secs(100), 2).await;
+    assert_eq!(all, vec![(ids[2].clone(), None)]);
+    assert_eq!(due(t0() + secs(120), 2).await.len(), 3);
+    // The first ends: due until metered to its finish, whatever the time.
+    let exited = ObservedPhase::Exited {
+        code: 0,
+        stopped: false,
+    };
+    s.apply_observed(&n, &seen(&ids[0], exited, t0() + secs(70)), t0() + secs(70))
+        .await
+        .unwrap();
+    let all = due(t0() + secs(71), 2).await;
+    assert_eq!(
+        all,
+        vec![(ids[0].clone(), Some(boundary)), (ids[2].clone(), None)]
+    );
+    s.set_metered_until_many(&[(ids[0].clone(), t0() + secs(70))])
+        .await
+        .unwrap();
+    assert_eq!(due(t0() + secs(71), 2).await, vec![(ids[2].clone(), None)]);
+}
+
+/// A node's whole report in one call: what is still as recorded writes
+/// nothing, a new phase or new ports are recorded, another node's and an
+/// unknown instance are left alone; the answer says whether a transition
+/// was recorded.
+async fn a_sync_applies_what_changed_and_skips_what_did_not(s: &Store) {
+    let t = tenant(s, "sync").await;
+    let n = node(s, &t, "n1", &[("H100", 4)]).await;
+    let secs = Duration::seconds;
+    let mut ids = Vec::new();
+    for k in 0..3u64 {
+        let id = InstanceId::generate(14, rnd() ^ u128::from(k));
+        s.create_instance(&id, &t, &spec(1, &["H100"]), t0())
+            .await
+            .unwrap();
+        place(s, &id, t0()).await.unwrap();
+        ids.push(id);
+    }
+    let running = |id: &InstanceId, at| seen(id, ObservedPhase::Running { pid: 9 }, at);
+    // The first two run; the third is still starting.
+    let first: Vec<_> = vec![
+        running(&ids[0], t0() + secs(1)),
+        running(&ids[1], t0() + secs(1)),
+    ];
+    assert!(s
+        .apply_observed_all(&n, &first, t0() + secs(1))
+        .await
+        .unwrap());
+    let events = |id: InstanceId| async move { s.instance(&id).await.unwrap().events.len() };
+    let before = [events(ids[0].clone()).await, events(ids[1].clone()).await];
+    // Nothing new: no transition, no event, whatever the time.
+    let later = t0() + secs(30);
+    let same = vec![
+        running(&ids[0], t0() + secs(1)),
+        running(&ids[1], t0() + secs(1)),
+    ];
+    assert!(!s.apply_observed_all(&n, &same, later).await.unwrap());
+    assert_eq!(
+        [events(ids[0].clone()).await, events(ids[1].clone()).await],
+        before
+    );
+    // New ports of a running one are recorded (not a transition); the
+    // third starts running; another node's and an unknown instance are
+    // not this node's to change.
+    let mut ported = running(&ids[0], t0() + secs(1));
+    ported.container = Some(ObservedContainer {
+        container_id: "c0".into(),
+        ports: vec![PublishedPort {
+            container_port: 8000,
+            host_port: 31000,
+            url: "http://n1:31000".into(),
+        }],
+        cold_start: None,
+        oom_killed: false,
+    });
+    let other = node(s, &t, "n2", &[("L4", 1)]).await;
+    let unknown = InstanceId::generate(15, rnd());
+    let report = vec![
+        ported,
+        running(&ids[1], t0() + secs(1)),
+        running(&ids[2], later),
+        running(&unknown, later),
+    ];
+    assert!(s.apply_observed_all(&n, &report, later).await.unwrap());
+    let i0 = s.instance(&ids[0]).await.unwrap();
+    assert_eq!(i0.published_ports.len(), 1);
+    assert_eq!(i0.published_ports[0].host_port, 31000);
+    assert_eq!(i0.events.len(), before[0]);
+    assert_eq!(
+        s.instance(&ids[2]).await.unwrap().state,
+        InstanceState::Running
+    );
+    assert!(matches!(
+        s.instance(&unknown).await,
+        Err(StoreError::NotFound(_))
+    ));
+    // Reported by the wrong node: nothing happens to it.
+    let exited = ObservedPhase::Exited {
+        code: 0,
+        stopped: false,
+    };
+    let elsewhere = vec![seen(&ids[1], exited, later)];
+    assert!(!s
+        .apply_observed_all(&other, &elsewhere, later)
+        .await
+        .unwrap());
+    assert_eq!(
+        s.instance(&ids[1]).await.unwrap().state,
+        InstanceState::Running
+    );
+    // The same report again: the ports are as stored, nothing to write.
+    let again = vec![report[0].clone()];
+    assert!(!s.apply_observed_all(&n, &again, later).await.unwrap());
+    assert!(!s.apply_observed_all(&n, &[], later).await.unwrap());
 }
 
 /// An exit that is the first report of a run (a 0.5 s Slurm job over

@@ -15,7 +15,6 @@ use flotilla_core::node::NodeState;
 use flotilla_core::registry::registry_of;
 use flotilla_core::tenant::{validate_name, Role};
 use flotilla_core::FieldError;
-use flotilla_store::instances::Applied;
 use flotilla_store::StoreError;
 
 use super::path_id;
@@ -309,10 +308,10 @@ pub async fn sync(
         profile_instances(&st, &id, &req.gpus, now).await?;
         st.record_telemetry(&id, now, req.gpus.clone());
     }
-    let mut changed = false;
-    for obs in &req.observed {
-        changed |= st.store().apply_observed(&id, obs, now).await? == Applied::Changed;
-    }
+    let mut changed = st
+        .store()
+        .apply_observed_all(&id, &req.observed, now)
+        .await?;
     if was_unreachable {
         let reported: Vec<InstanceId> = req
             .observed
@@ -386,8 +385,12 @@ pub async fn sync(
         st.store().heartbeat(&id, answered).await?;
     }
     // A deleted endpoint's replicas stop outright and its parks end:
-    // asked only of a node that runs work or reports parked replicas.
-    let unpark = if assignments.is_empty() && !reports_parked(req.weights.as_deref()) {
+    // asked only of a node that runs a replica or reports parked ones (not
+    // on every sync of a node running plain work).
+    let runs_replicas = assignments
+        .iter()
+        .any(|a| a.env.contains_key(flotilla_core::endpoint::ENV_ENDPOINT_ID));
+    let unpark = if !runs_replicas && !reports_parked(req.weights.as_deref()) {
         vec![]
     } else {
         st.store().replicas_to_unpark(&id).await?
