@@ -398,12 +398,16 @@ def metering_lag(c, churn_key, churn):
     deadline = time.time() + 90
     since = (now() - timedelta(minutes=10)).isoformat().replace("+00:00", "Z")
     until = (now() + timedelta(hours=1)).isoformat().replace("+00:00", "Z")
+    first = True
     while ended.keys() - lag.keys() and time.time() < deadline:
         seen = now()
         for e in pages(c.live_urls(), churn_key, f"/v1/usage?limit=1000&from={since}&to={until}"):
             iid = e["subject"]["id"]
             if iid in ended and iid not in lag and ts(e["end"]) >= ended[iid]:
-                lag[iid] = max(0.0, (seen - ended[iid]).total_seconds())
+                # Metered before the first look: 0 (a lower bound), not
+                # the time since its end.
+                lag[iid] = 0.0 if first else max(0.0, (seen - ended[iid]).total_seconds())
+        first = False
         time.sleep(1)
     return list(lag.values())
 
