@@ -249,6 +249,33 @@ def pass_histogram(c):
     return out
 
 
+def leader_passes(c):
+    """The leader's passes so far: {pass: (seconds, count)}, from
+    flotilla_leader_pass_duration_seconds (absent before that series)."""
+    i = c.leader()
+    if i is None:
+        return {}
+    text = call(c.urls[i], c.operator, "GET", "/metrics")
+    out = {}
+    for line in text.splitlines():
+        for part, k in (("_sum{", 0), ("_count{", 1)):
+            if line.startswith("flotilla_leader_pass_duration_seconds" + part):
+                name = line.split('pass="')[1].split('"')[0]
+                got = out.setdefault(name, [0.0, 0])
+                got[k] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def passes_over(before, after):
+    """Per pass over the window: count and mean milliseconds."""
+    out = {}
+    for name, (total, n) in after.items():
+        t0, n0 = before.get(name, (0.0, 0))
+        if n > n0:
+            out[name] = {"count": int(n - n0), "mean_ms": round((total - t0) * 1000 / (n - n0), 1)}
+    return out
+
+
 def histogram_pct(before, after, q):
     les = sorted(after)
     delta = [(le, after[le] - before.get(le, 0)) for le in les]
@@ -326,6 +353,7 @@ def measure(c, key, churn_key, long_ids):
     pids = {i: p.pid for i, p in c.servers.items()}
     before = {i: proc_sample(pid) for i, pid in pids.items()}
     pass_before, rows_before = pass_histogram(c), rows_inserted()
+    leader_before = leader_passes(c)
     t0 = time.time()
     threads = [threading.Thread(target=prober), threading.Thread(target=churner)]
     for t in threads:
@@ -342,6 +370,7 @@ def measure(c, key, churn_key, long_ids):
     took = time.time() - t0
     after = {i: proc_sample(pid) for i, pid in pids.items()}
     pass_after, rows_after = pass_histogram(c), rows_inserted()
+    leader_after = leader_passes(c)
     stats = c.stats()
     cpu = {i: (after[i][0] - before[i][0]) / CLK / took * 100 for i in pids}
     p50, _ = histogram_pct(pass_before, pass_after, 0.5)
@@ -371,6 +400,7 @@ def measure(c, key, churn_key, long_ids):
         "syncs_per_s": None,
         "sync_failures": stats.get("syncs_failed"),
         "pass_p50_ms": p50, "pass_p99_ms": p99, "passes": passes,
+        "leader_passes": passes_over(leader_before, leader_after),
         "create_to_running_p50_s": pct(c2r, 0.5), "create_to_running_p99_s": pct(c2r, 0.99),
         "created_in_window": len(churn), "never_ran": len(churn) - len(c2r),
         "api_p50_ms": (pct(ok, 0.5) or 0) * 1000, "api_p99_ms": (pct(ok, 0.99) or 0) * 1000,

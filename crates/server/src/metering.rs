@@ -355,9 +355,11 @@ pub async fn run(st: AppState, tick: std::time::Duration) {
         let now = st.now();
         if st.leads() && last.is_none_or(|l| now - l >= every) {
             last = Some(now);
+            let started = std::time::Instant::now();
             if let Err(e) = metering_pass(&st).await {
                 tracing::warn!(error = %e, "metering pass failed; retrying");
             }
+            st.ops().leader_pass("metering", started.elapsed());
         }
         tokio::select! {
             _ = shutdown.changed() => {}

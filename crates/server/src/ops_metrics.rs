@@ -63,6 +63,11 @@ pub struct OpsMetrics {
     /// Instances whose bill and run differed beyond the threshold at the
     /// leader's last billing reconciliation ([`crate::reconciliation`]).
     pub billing_reconcile_differences: Gauge,
+    /// The leader's passes by `pass` (jobs, placement, offers, liveness,
+    /// metering), each run whether or not it found work, and `round` for a
+    /// whole round of the reconcile loop: where the leader's time goes
+    /// (the round's length sets the wait before the next one).
+    pub leader_passes: Family<Labels, Histogram, fn() -> Histogram>,
 }
 
 impl Default for OpsMetrics {
@@ -77,6 +82,7 @@ impl Default for OpsMetrics {
             usage_ingest: pass_histogram(),
             gpu_faults: Family::default(),
             billing_reconcile_differences: Gauge::default(),
+            leader_passes: Family::new_with_constructor(pass_histogram),
         }
     }
 }
@@ -118,6 +124,13 @@ impl OpsMetrics {
                 ])
                 .inc_by(n);
         }
+    }
+
+    /// Records that the leader's `pass` took `took`.
+    pub fn leader_pass(&self, pass: &'static str, took: std::time::Duration) {
+        self.leader_passes
+            .get_or_create(&vec![("pass", pass.to_string())])
+            .observe(took.as_secs_f64());
     }
 
     /// Adds every series to `registry` (shared, not copied).
@@ -168,6 +181,12 @@ impl OpsMetrics {
              reconciliation of the last hour (set by the leader; see flotilla_leader)",
             self.billing_reconcile_differences.clone(),
         );
+        registry.register(
+            "flotilla_leader_pass_duration_seconds",
+            "The leader's passes by pass (jobs, placement, offers, liveness, metering; round: a whole \
+             reconcile round), whether or not they found work",
+            self.leader_passes.clone(),
+        );
     }
 }
 
@@ -183,6 +202,7 @@ mod tests {
         m.scaling_decision("endpoint", 3, 3);
         m.usage_outcome("gateway", 5, 1, 0);
         m.billing_reconcile_differences.set(2);
+        m.leader_pass("liveness", std::time::Duration::from_millis(3));
         m.gateway_requests
             .get_or_create(&vec![("endpoint", "ep_x".to_string())])
             .observe(0.3);
@@ -197,6 +217,7 @@ mod tests {
             "flotilla_usage_events_total{source=\"gateway\",outcome=\"accepted\"} 5",
             "flotilla_usage_events_total{source=\"gateway\",outcome=\"rejected\"} 0",
             "flotilla_billing_reconcile_differences 2",
+            "flotilla_leader_pass_duration_seconds_bucket{le=\"0.005\",pass=\"liveness\"} 1",
             "flotilla_gateway_request_duration_seconds_bucket{le=\"0.5\",endpoint=\"ep_x\"} 1",
         ] {
             assert!(out.contains(line), "missing `{line}` in:\n{out}");

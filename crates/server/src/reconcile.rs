@@ -187,18 +187,26 @@ pub async fn run(st: AppState, tick: Duration) {
             }
             continue;
         }
+        let timed = |pass: &'static str, from: tokio::time::Instant| {
+            st.ops().leader_pass(pass, from.elapsed());
+            tokio::time::Instant::now()
+        };
         if let Err(e) = crate::jobs::jobs_pass(&st).await {
             tracing::warn!(error = %e, "job pass failed; retrying");
         }
+        let at = timed("jobs", round_started);
         if let Err(e) = scheduling_round(&st, &mut trigger).await {
             tracing::warn!(error = %e, "placement pass failed; retrying");
         }
+        let at = timed("placement", at);
         if let Err(e) = crate::offers::offers_pass(&st).await {
             tracing::warn!(error = %e, "offer window pass failed; retrying");
         }
+        let at = timed("offers", at);
         if let Err(e) = liveness_pass(&st).await {
             tracing::warn!(error = %e, "liveness pass failed; retrying");
         }
+        timed("liveness", at);
         billing_pass(&st);
         let now = st.now();
         if now - last_housekeeping > ChronoDuration::hours(1) {
@@ -216,6 +224,7 @@ pub async fn run(st: AppState, tick: Duration) {
         }
         // Measured before the wait for the next change: a quiet spell is
         // not work, and must not delay the round after it.
+        st.ops().leader_pass("round", round_started.elapsed());
         let gap = MIN_ROUND_GAP.max(round_started.elapsed() * ROUND_DUTY);
         tokio::select! {
             _ = changes.changed() => {}
