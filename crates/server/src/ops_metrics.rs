@@ -64,9 +64,10 @@ pub struct OpsMetrics {
     /// leader's last billing reconciliation ([`crate::reconciliation`]).
     pub billing_reconcile_differences: Gauge,
     /// The leader's passes by `pass` (jobs, placement, offers, liveness,
-    /// metering), each run whether or not it found work, and `round` for a
-    /// whole round of the reconcile loop: where the leader's time goes
-    /// (the round's length sets the wait before the next one).
+    /// metering), each run whether or not it found work, `round` for a
+    /// whole round of the reconcile loop and `wait` for the wait after it
+    /// (for a change, and at least `ROUND_DUTY` times the round): where the
+    /// leader's time goes.
     pub leader_passes: Family<Labels, Histogram, fn() -> Histogram>,
 }
 
@@ -184,7 +185,7 @@ impl OpsMetrics {
         registry.register(
             "flotilla_leader_pass_duration_seconds",
             "The leader's passes by pass (jobs, placement, offers, liveness, metering; round: a whole \
-             reconcile round), whether or not they found work",
+             reconcile round; wait: the wait after it), whether or not they found work",
             self.leader_passes.clone(),
         );
     }

@@ -226,6 +226,7 @@ pub async fn run(st: AppState, tick: Duration) {
         // not work, and must not delay the round after it.
         st.ops().leader_pass("round", round_started.elapsed());
         let gap = MIN_ROUND_GAP.max(round_started.elapsed() * ROUND_DUTY);
+        let waiting = tokio::time::Instant::now();
         tokio::select! {
             _ = changes.changed() => {}
             _ = control.changed() => {}
@@ -236,6 +237,7 @@ pub async fn run(st: AppState, tick: Duration) {
             _ = shutdown.changed() => {}
             _ = tokio::time::sleep_until(round_started + gap) => {}
         }
+        st.ops().leader_pass("wait", waiting.elapsed());
     }
 }
 
