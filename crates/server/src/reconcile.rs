@@ -149,13 +149,28 @@ pub const MIN_ROUND_GAP: Duration = Duration::from_millis(50);
 /// While changes keep coming, a round's passes take at most one part in
 /// this many of the loop's time: the next round starts no sooner than this
 /// many times its duration after this one started (and at least
-/// [`MIN_ROUND_GAP`] after). A pass reads and
+/// [`MIN_ROUND_GAP`], at most [`MAX_ROUND_GAP`] after). A pass reads and
 /// plans the whole queue, so with 10,000 queued instances and a stream of
 /// creates, rounds back to back would take a core from the API they share
 /// the machine with; new work then waits a little longer for its first
 /// pass, in proportion to what a pass costs, and a change after a quiet
 /// spell is still acted on at once.
 pub const ROUND_DUTY: u32 = 4;
+
+/// The longest gap from the start of one round to the start of the next,
+/// however long the round: a round that placed a burst (thousands of
+/// creates at once took 10-15 s at 1,000 nodes) must not hold the next
+/// one back four times as long. Without this cap the leader then waited
+/// 40-60 s with new work queued (docs/scale.md). The same bound as a
+/// quiet replica's pass ([`PASS_AT_LEAST_EVERY`]).
+pub const MAX_ROUND_GAP: Duration = Duration::from_secs(5);
+
+/// The gap from the start of a round that took `round` to the start of
+/// the next while changes keep coming: [`ROUND_DUTY`] times the round,
+/// within [`MIN_ROUND_GAP`] and [`MAX_ROUND_GAP`].
+pub fn round_gap(round: Duration) -> Duration {
+    (round * ROUND_DUTY).clamp(MIN_ROUND_GAP, MAX_ROUND_GAP)
+}
 
 /// Runs the passes until shutdown: placement on every change (and at least
 /// each `tick`), liveness each `tick`, housekeeping hourly. Metering runs
@@ -225,19 +240,33 @@ pub async fn run(st: AppState, tick: Duration) {
         // Measured before the wait for the next change: a quiet spell is
         // not work, and must not delay the round after it.
         st.ops().leader_pass("round", round_started.elapsed());
-        let gap = MIN_ROUND_GAP.max(round_started.elapsed() * ROUND_DUTY);
+        let gap = round_gap(round_started.elapsed());
         let waiting = tokio::time::Instant::now();
-        tokio::select! {
-            _ = changes.changed() => {}
-            _ = control.changed() => {}
-            _ = shutdown.changed() => {}
-            _ = tokio::time::sleep(tick) => {}
-        }
+        let woken_by = tokio::select! {
+            _ = changes.changed() => "change",
+            _ = control.changed() => "control",
+            _ = shutdown.changed() => "shutdown",
+            _ = tokio::time::sleep(tick) => "tick",
+        };
+        let woken = waiting.elapsed();
         tokio::select! {
             _ = shutdown.changed() => {}
             _ = tokio::time::sleep_until(round_started + gap) => {}
         }
-        st.ops().leader_pass("wait", waiting.elapsed());
+        let waited = waiting.elapsed();
+        st.ops().leader_pass("wait", waited);
+        // By the code above the wait ends within a tick of a change, and at
+        // least `gap` after the round began: a much longer one means this
+        // task was not woken or not run in time.
+        if waited > gap + tick * 2 {
+            tracing::warn!(
+                waited_ms = waited.as_millis() as u64,
+                woken_ms = woken.as_millis() as u64,
+                woken_by,
+                gap_ms = gap.as_millis() as u64,
+                "the reconcile loop's wait overran"
+            );
+        }
     }
 }
 
@@ -305,6 +334,18 @@ impl Drop for Running {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_round_holds_the_next_back_at_most_the_cap() {
+        assert_eq!(round_gap(Duration::ZERO), MIN_ROUND_GAP);
+        assert_eq!(
+            round_gap(Duration::from_millis(300)),
+            Duration::from_millis(1200)
+        );
+        // A burst's 15 s round: the next starts 5 s after it began (at
+        // once after it ended), not a minute later.
+        assert_eq!(round_gap(Duration::from_secs(15)), MAX_ROUND_GAP);
+    }
     use chrono::TimeZone;
 
     #[test]
