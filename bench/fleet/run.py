@@ -235,14 +235,18 @@ def proc_sample(pid):
     return ticks, rss
 
 
-def pass_histogram(c):
-    """The leader's placement-pass histogram: {le: count}."""
+def leader_metrics(c):
+    """The leader's /metrics lines (none while no replica leads)."""
     i = c.leader()
     if i is None:
-        return {}
-    text = call(c.urls[i], c.operator, "GET", "/metrics")
+        return []
+    return call(c.urls[i], c.operator, "GET", "/metrics").splitlines()
+
+
+def pass_histogram(c):
+    """The leader's placement-pass histogram: {le: count}."""
     out = {}
-    for line in text.splitlines():
+    for line in leader_metrics(c):
         if line.startswith("flotilla_placement_pass_duration_seconds_bucket"):
             le = line.split('le="')[1].split('"')[0]
             out[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
@@ -252,12 +256,8 @@ def pass_histogram(c):
 def leader_passes(c):
     """The leader's passes so far: {pass: (seconds, count)}, from
     flotilla_leader_pass_duration_seconds (absent before that series)."""
-    i = c.leader()
-    if i is None:
-        return {}
-    text = call(c.urls[i], c.operator, "GET", "/metrics")
     out = {}
-    for line in text.splitlines():
+    for line in leader_metrics(c):
         for part, k in (("_sum{", 0), ("_count{", 1)):
             if line.startswith("flotilla_leader_pass_duration_seconds" + part):
                 name = line.split('pass="')[1].split('"')[0]
