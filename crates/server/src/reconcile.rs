@@ -239,8 +239,9 @@ pub async fn run(st: AppState, tick: Duration) {
         }
         // Measured before the wait for the next change: a quiet spell is
         // not work, and must not delay the round after it.
-        st.ops().leader_pass("round", round_started.elapsed());
-        let gap = round_gap(round_started.elapsed());
+        let round = round_started.elapsed();
+        st.ops().leader_pass("round", round);
+        let gap = round_gap(round);
         let waiting = tokio::time::Instant::now();
         let woken_by = tokio::select! {
             _ = changes.changed() => "change",

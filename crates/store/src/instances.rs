@@ -860,16 +860,25 @@ impl Store {
             .await?;
         let items = rows.iter().map(instance).collect::<Result<Vec<_>>>()?;
         let mut page = PageOf::from_overfetch(items, page, |i| i.id.to_string());
-        let ids: Vec<InstanceId> = page.items.iter().map(|i| i.id.clone()).collect();
-        let mut events = self.events(&ids).await?;
-        page.items = std::mem::take(&mut page.items)
+        page.items = self.with_events(std::mem::take(&mut page.items)).await?;
+        Ok(page)
+    }
+
+    /// `items` with their transitions (one read per 1,000) and their time
+    /// queued: what a list or a metering page returns.
+    async fn with_events(&self, items: Vec<Instance>) -> Result<Vec<Instance>> {
+        let ids: Vec<InstanceId> = items.iter().map(|i| i.id.clone()).collect();
+        let mut events = BTreeMap::new();
+        for chunk in ids.chunks(1000) {
+            events.append(&mut self.events(chunk).await?);
+        }
+        Ok(items
             .into_iter()
             .map(|mut i| {
                 i.events = events.remove(&i.id).unwrap_or_default();
                 with_queued(i)
             })
-            .collect();
-        Ok(page)
+            .collect())
     }
 
     /// Asks for an instance to stop. Not yet placed: stopped at once. On a
@@ -1451,22 +1460,17 @@ impl Store {
         .fetch_all(self.pool())
         .await?;
         let mut found = Vec::with_capacity(rows.len());
+        let mut untils = Vec::with_capacity(rows.len());
         for r in &rows {
             let until: Option<i64> = r.try_get("metered_until")?;
-            found.push((instance(r)?, until.map(at)));
+            found.push(instance(r)?);
+            untils.push(until.map(at));
         }
-        let ids: Vec<InstanceId> = found.iter().map(|(i, _)| i.id.clone()).collect();
-        let mut events = BTreeMap::new();
-        // One read of the transitions per page of at most 1,000 works.
-        for chunk in ids.chunks(1000) {
-            events.append(&mut self.events(chunk).await?);
-        }
-        Ok(found
+        Ok(self
+            .with_events(found)
+            .await?
             .into_iter()
-            .map(|(mut inst, until)| {
-                inst.events = events.remove(&inst.id).unwrap_or_default();
-                (with_queued(inst), until)
-            })
+            .zip(untils)
             .collect())
     }
 
