@@ -27,6 +27,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -263,6 +264,11 @@ def leader_passes(c):
                 name = line.split('pass="')[1].split('"')[0]
                 got = out.setdefault(name, [0.0, 0])
                 got[k] = float(line.rsplit(" ", 1)[1])
+        # The planner's share of the placement passes that had work.
+        for part, k in (("_sum ", 0), ("_count ", 1)):
+            if line.startswith("flotilla_placement_plan_duration_seconds" + part):
+                got = out.setdefault("plan", [0.0, 0])
+                got[k] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -286,6 +292,108 @@ def histogram_pct(before, after, q):
         if n >= q * total:
             return le * 1000, int(total)
     return None, int(total)
+
+
+def server_sync_parts(c):
+    """Every live server's flotilla_agent_sync_duration_seconds, merged:
+    {part: ({le: count}, sum_s, count)}."""
+    out = {}
+    for i in c.servers:
+        try:
+            lines = call(c.urls[i], c.operator, "GET", "/metrics").splitlines()
+        except Exception:
+            continue
+        for line in lines:
+            if not line.startswith("flotilla_agent_sync_duration_seconds"):
+                continue
+            part = line.split('part="')[1].split('"')[0]
+            buckets, total, n = out.setdefault(part, ({}, 0.0, 0))
+            v = float(line.rsplit(" ", 1)[1])
+            if "_bucket{" in line:
+                le = line.split('le="')[1].split('"')[0]
+                le = float("inf") if le == "+Inf" else float(le)
+                buckets[le] = buckets.get(le, 0) + v
+            elif "_sum{" in line:
+                out[part] = (buckets, total + v, n)
+            elif "_count{" in line:
+                out[part] = (buckets, total, n + int(v))
+    return out
+
+
+def sync_parts_over(before, after):
+    """Per part over the window: count, mean ms, and p50/p99 bucket bounds."""
+    out = {}
+    for part, (buckets, total, n) in after.items():
+        b0, t0, n0 = before.get(part, ({}, 0.0, 0))
+        if n <= n0:
+            continue
+        p50, _ = histogram_pct(b0, buckets, 0.5)
+        p99, _ = histogram_pct(b0, buckets, 0.99)
+        out[part] = {"count": n - n0, "mean_ms": round((total - t0) * 1000 / (n - n0), 1),
+                     "p50_ms": p50, "p99_ms": p99}
+    return out
+
+
+def machine_ticks():
+    """The machine's CPU ticks: (busy, all), from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]
+    return sum(v) - idle, sum(v)
+
+
+def postgres_ticks():
+    """CPU ticks of every PostgreSQL process alive now: {pid: ticks} (a
+    backend that exits inside the window takes its ticks with it; one that
+    starts inside it counts whole)."""
+    total = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        comm = raw[raw.index("(") + 1:raw.rindex(")")]
+        if comm.startswith("postgres"):
+            fields = raw.rsplit(")", 1)[1].split()
+            total[d] = int(fields[11]) + int(fields[12])
+    return total
+
+
+def own_ticks():
+    t = os.times()
+    return round((t.user + t.system) * CLK)
+
+
+def perf_profile(pid, seconds):
+    """Starts `perf record` on `pid` for `seconds` (flat, 199 Hz); returns a
+    function that waits for it and gives the top symbols as [(percent,
+    symbol)], or None where perf is missing or not allowed."""
+    if not os.environ.get("FLOTILLA_BENCH_FLEET_PERF") or not shutil.which("perf"):
+        return lambda: None
+    data = os.path.join(tempfile.gettempdir(), f"flotilla-fleet-perf-{pid}.data")
+    p = subprocess.Popen(["perf", "record", "-F", "199", "-p", str(pid), "-o", data, "--",
+                          "sleep", str(seconds)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def done():
+        if p.wait() != 0:
+            return None
+        out = subprocess.run(["perf", "report", "-i", data, "--no-children", "--sort", "symbol",
+                              "--stdio", "--percent-limit", "1.5"],
+                             capture_output=True, text=True).stdout
+        top = []
+        for line in out.splitlines():
+            line = line.strip()
+            if not line or line.startswith("#") or "%" not in line.split()[0]:
+                continue
+            pct_s, rest = line.split(None, 1)
+            sym = rest.split("] ", 1)[-1].strip()
+            top.append((float(pct_s.rstrip("%")), " ".join(sym.split())[:90]))
+        os.remove(data)
+        return top[:15]
+    return done
 
 
 def rows_inserted():
@@ -354,6 +462,10 @@ def measure(c, key, churn_key, long_ids):
     before = {i: proc_sample(pid) for i, pid in pids.items()}
     pass_before, rows_before = pass_histogram(c), rows_inserted()
     leader_before = leader_passes(c)
+    parts_before = server_sync_parts(c)
+    others_before = (proc_sample(c.fleet.pid)[0], postgres_ticks(), own_ticks(), machine_ticks())
+    lead = c.leader()
+    profile = perf_profile(c.servers[lead].pid, max(10, WINDOW // 2)) if lead is not None else (lambda: None)
     t0 = time.time()
     threads = [threading.Thread(target=prober), threading.Thread(target=churner)]
     for t in threads:
@@ -369,10 +481,23 @@ def measure(c, key, churn_key, long_ids):
         t.join()
     took = time.time() - t0
     after = {i: proc_sample(pid) for i, pid in pids.items()}
+    others_after = (proc_sample(c.fleet.pid)[0], postgres_ticks(), own_ticks(), machine_ticks())
     pass_after, rows_after = pass_histogram(c), rows_inserted()
     leader_after = leader_passes(c)
+    parts_after = server_sync_parts(c)
     stats = c.stats()
     cpu = {i: (after[i][0] - before[i][0]) / CLK / took * 100 for i in pids}
+    pg_before, pg_after = others_before[1], others_after[1]
+    pg_ticks = sum(t - pg_before.get(pid, 0) for pid, t in pg_after.items())
+    others_before = (others_before[0], 0) + others_before[2:]
+    others_after = (others_after[0], pg_ticks) + others_after[2:]
+    share = lambda k: round((others_after[k] - others_before[k]) / CLK / took * 100)
+    (busy0, all0), (busy1, all1) = others_before[3], others_after[3]
+    machine = {"servers_pct": round(sum(cpu.values())), "fleet_pct": share(0),
+               "postgres_pct": share(1), "driver_pct": share(2),
+               "busy_pct_of_all_cores": round((busy1 - busy0) * 100 / max(1, all1 - all0)),
+               "cores": os.cpu_count()}
+    leader_profile = profile()
     p50, _ = histogram_pct(pass_before, pass_after, 0.5)
     p99, passes = histogram_pct(pass_before, pass_after, 0.99)
     # Create to running, and metering lag, of the churn instances: from
@@ -401,6 +526,9 @@ def measure(c, key, churn_key, long_ids):
         "sync_failures": stats.get("syncs_failed"),
         "pass_p50_ms": p50, "pass_p99_ms": p99, "passes": passes,
         "leader_passes": passes_over(leader_before, leader_after),
+        "server_sync_parts": sync_parts_over(parts_before, parts_after),
+        "cpu": machine,
+        "leader_profile": leader_profile,
         "create_to_running_p50_s": pct(c2r, 0.5), "create_to_running_p99_s": pct(c2r, 0.99),
         "created_in_window": len(churn), "never_ran": len(churn) - len(c2r),
         "api_p50_ms": (pct(ok, 0.5) or 0) * 1000, "api_p99_ms": (pct(ok, 0.99) or 0) * 1000,

@@ -101,3 +101,104 @@ fn a_1_2_s_process_is_billed_what_it_ran_to_the_millisecond() {
         "billed {got} s, observed {observed} s: {inst}"
     );
 }
+
+/// Issue 26, "reconcile over activity recorded on `up`": real processes
+/// on `flotilla up` with sub-second edges, ending every way work ends
+/// (succeeded, failed, stopped by its tenant while running), some of them
+/// at once on two GPUs; once metered, `flotilla billing reconcile` at a
+/// threshold of 0 s over their window finds every one and no difference:
+/// the ledger bills what the agent observed, to the millisecond. (The
+/// same over a whole simulated day: `server/tests/history.rs`.)
+#[test]
+fn real_work_on_up_reconciles_at_a_zero_threshold() {
+    flotilla_agent::runtime::sandbox::test_support::ensure_bwrap();
+    let home = Home::new(BIN);
+    let _up = home.up("2xH100", &[], "up");
+    let key = home.operator_key();
+    wait_until("the local node's GPUs", Duration::from_secs(60), || {
+        home.get(&key, "/v1/gpu-types")["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["name"] == "H100" && t["free"].as_u64() == Some(2))
+    });
+    let since = Utc::now() - chrono::Duration::seconds(5);
+    let run = |script: &str| {
+        home.run_detached(
+            &key,
+            &[
+                "--gpus", "1", "--cpu", "100", "--memory", "64", "--", "sh", "-c", script,
+            ],
+        )
+    };
+    // Ends by itself: three short runs, one failure.
+    let mut ids: Vec<(String, &str)> = vec![
+        (run("sleep 0.3"), "succeeded"),
+        (run("sleep 0.7"), "succeeded"),
+        (run("sleep 1.2"), "succeeded"),
+        (run("sleep 0.4; exit 3"), "failed"),
+    ];
+    // Stopped by its tenant once it runs.
+    let long = run("sleep 120");
+    wait_until("the long one runs", Duration::from_secs(120), || {
+        home.get(&key, &format!("/v1/instances/{long}"))["state"] == "running"
+    });
+    let stop = home.cli(Some(&key), &["stop", &long]);
+    assert!(stop.status.success(), "{stop:?}");
+    ids.push((long, "stopped"));
+    for (id, want) in &ids {
+        wait_until(
+            &format!("{id} ends {want}"),
+            Duration::from_secs(120),
+            || home.get(&key, &format!("/v1/instances/{id}"))["state"] == *want,
+        );
+    }
+    // Metering runs every few seconds: wait until the ledger bills every
+    // one, then the report must hold no difference at all.
+    let until = Utc::now() + chrono::Duration::seconds(1);
+    let window = |t: DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let report = || -> flotilla_billing::api::ReconcileReport {
+        let out = home.cli(
+            Some(&key),
+            &[
+                "--json",
+                "billing",
+                "reconcile",
+                "--since",
+                &window(since),
+                "--until",
+                &window(until),
+                "--threshold-s",
+                "0",
+            ],
+        );
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("a report ({e}): {out:?}"))
+    };
+    let mut last = None;
+    wait_until("every run billed", Duration::from_secs(120), || {
+        let r = report();
+        let done = r.differences.is_empty() && r.instances >= ids.len() as u64;
+        last = Some(r);
+        done
+    });
+    let r = last.unwrap();
+    eprintln!(
+        "reconciled {} instances: billed {} s, observed {} s",
+        r.instances, r.billed_seconds, r.observed_seconds
+    );
+    assert_eq!(r.billed_seconds, r.observed_seconds);
+    // Each run observed as the agent reported it: started to finished, to
+    // the millisecond, and it is in the ledger.
+    let mut total = Decimal::ZERO;
+    for (id, _) in &ids {
+        let inst = home.get(&key, &format!("/v1/instances/{id}"));
+        let (s, f) = (time(&inst["started_at"]), time(&inst["finished_at"]));
+        let ran = Decimal::new(
+            (to_millisecond(f) - to_millisecond(s)).num_milliseconds(),
+            3,
+        );
+        assert_eq!(billed(&home, &key, id), ran, "{inst}");
+        total += ran;
+    }
+    assert_eq!(r.observed_seconds, total, "{r:?}");
+}

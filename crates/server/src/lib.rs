@@ -31,6 +31,7 @@ pub mod config;
 pub mod endpoints;
 pub mod error;
 pub mod extract;
+pub mod heartbeats;
 pub mod idempotency;
 pub mod jobs;
 pub mod last_plan;

@@ -64,11 +64,21 @@ pub struct OpsMetrics {
     /// leader's last billing reconciliation ([`crate::reconciliation`]).
     pub billing_reconcile_differences: Gauge,
     /// The leader's passes by `pass` (jobs, placement, offers, liveness,
-    /// metering), each run whether or not it found work, `round` for a
+    /// metering), each run whether or not it found work, the placement
+    /// pass's reading of the fleet (`placement_gather`) and writing of its
+    /// plan (`placement_apply`, when it had work), `round` for a
     /// whole round of the reconcile loop and `wait` for the wait after it
     /// (for a change, and at least `ROUND_DUTY` times the round): where the
     /// leader's time goes.
     pub leader_passes: Family<Labels, Histogram, fn() -> Histogram>,
+    /// The server's own work in an agent's sync by `part`: `report`
+    /// (from the handler's start to the long poll's hold: the heartbeat,
+    /// what the node reported, its assignments) and `answer` (after the
+    /// hold: the assignments again, the lease's renewal, unparks). The
+    /// hold itself is not in either, so the two added up are what a sync
+    /// costs the server; the agent's round trip less the hold less these
+    /// is transport and waiting for a CPU.
+    pub agent_sync: Family<Labels, Histogram, fn() -> Histogram>,
 }
 
 impl Default for OpsMetrics {
@@ -84,6 +94,7 @@ impl Default for OpsMetrics {
             gpu_faults: Family::default(),
             billing_reconcile_differences: Gauge::default(),
             leader_passes: Family::new_with_constructor(pass_histogram),
+            agent_sync: Family::new_with_constructor(pass_histogram),
         }
     }
 }
@@ -131,6 +142,13 @@ impl OpsMetrics {
     pub fn leader_pass(&self, pass: &'static str, took: std::time::Duration) {
         self.leader_passes
             .get_or_create(&vec![("pass", pass.to_string())])
+            .observe(took.as_secs_f64());
+    }
+
+    /// Records that the `part` of an agent's sync took `took`.
+    pub fn agent_sync_part(&self, part: &'static str, took: std::time::Duration) {
+        self.agent_sync
+            .get_or_create(&vec![("part", part.to_string())])
             .observe(took.as_secs_f64());
     }
 
@@ -184,9 +202,16 @@ impl OpsMetrics {
         );
         registry.register(
             "flotilla_leader_pass_duration_seconds",
-            "The leader's passes by pass (jobs, placement, offers, liveness, metering; round: a whole \
-             reconcile round; wait: the wait after it), whether or not they found work",
+            "The leader's passes by pass (jobs, placement, offers, liveness, metering; placement_gather \
+             and placement_apply: a placement pass's reads and writes; round: a whole reconcile round; \
+             wait: the wait after it), whether or not they found work",
             self.leader_passes.clone(),
+        );
+        registry.register(
+            "flotilla_agent_sync_duration_seconds",
+            "The server's work in an agent's sync by part (report: before the long poll's hold; \
+             answer: after it), the hold itself excluded",
+            self.agent_sync.clone(),
         );
     }
 }

@@ -140,8 +140,14 @@ pub async fn record_report(
     ended: &[EndedPark],
     now: DateTime<Utc>,
 ) -> Result<(), StoreError> {
+    // What the node held, read once: for the parks that ended and for
+    // whether the report changed anything.
+    let stored = match report {
+        Some(_) => st.store().node_weights(node).await?,
+        None => Vec::new(),
+    };
     let stored_ended = match report {
-        Some(r) => st.store().parks_ended(node, r).await?,
+        Some(r) => flotilla_store::weights::parks_ended_of(&stored, r),
         None => Vec::new(),
     };
     let mut events = Vec::new();
@@ -175,7 +181,9 @@ pub async fn record_report(
         }
     }
     if let Some(report) = report {
-        st.store().set_node_weights(node, report, now).await?;
+        st.store()
+            .set_node_weights_over(node, &stored, report, now)
+            .await?;
     }
     Ok(())
 }

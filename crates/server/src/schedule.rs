@@ -584,6 +584,7 @@ pub async fn run_pass(st: &AppState) -> Result<PassOutcome, StoreError> {
     st.ops().placement_passes.inc();
     let generation = st.change_generation();
     let g = gather(st).await?;
+    st.ops().leader_pass("placement_gather", started.elapsed());
     if g.input.queue.is_empty() {
         keep(st, &g, &Plan::default(), generation);
         return Ok(PassOutcome::default());
@@ -594,7 +595,9 @@ pub async fn run_pass(st: &AppState) -> Result<PassOutcome, StoreError> {
         .placement_plan
         .observe(planning.elapsed().as_secs_f64());
     keep(st, &g, &plan, generation);
+    let applying = tokio::time::Instant::now();
     let done = apply(st, &g, &plan).await?;
+    st.ops().leader_pass("placement_apply", applying.elapsed());
     st.ops()
         .placement_pass
         .observe(started.elapsed().as_secs_f64());

@@ -85,6 +85,8 @@ struct Inner {
     profiles: Mutex<HashMap<flotilla_core::id::InstanceId, Profile>>,
     /// Sessions into instances waiting for their agent to dial back.
     access: crate::access::Sessions,
+    /// Agents' heartbeats, committed in groups.
+    heartbeats: crate::heartbeats::Heartbeats,
 }
 
 /// An instance's recent GPU readings.
@@ -197,6 +199,7 @@ impl AppState {
                 writes: std::sync::atomic::AtomicU64::new(0),
                 profiles: Mutex::default(),
                 access: crate::access::Sessions::default(),
+                heartbeats: crate::heartbeats::Heartbeats::default(),
             }),
         }
     }
@@ -215,6 +218,17 @@ impl AppState {
     /// port-forward).
     pub fn access(&self) -> &crate::access::Sessions {
         &self.inner.access
+    }
+
+    /// Records that `node`'s agent was heard at `now`, committed with the
+    /// other syncs' heartbeats waiting at the same time
+    /// ([`crate::heartbeats`]); the node's state before it.
+    pub async fn heartbeat(
+        &self,
+        node: &flotilla_core::id::NodeId,
+        now: DateTime<Utc>,
+    ) -> Result<flotilla_core::node::NodeState, flotilla_store::StoreError> {
+        self.inner.heartbeats.beat(&self.store, node, now).await
     }
 
     /// This replica's operational series.

@@ -252,6 +252,53 @@ impl Store {
         NodeState::parse(&s).ok_or_else(|| StoreError::Corrupt(format!("node state `{s}`")))
     }
 
+    /// [`Store::heartbeat`] for many nodes in one statement (one commit):
+    /// each node's last heartbeat set to its time, and its state before,
+    /// for every node that exists (an unknown id is simply absent). The
+    /// server's syncs group their heartbeats through it, so a fleet's
+    /// hundreds of syncs a second cost a few commits, not hundreds.
+    pub async fn heartbeat_many(
+        &self,
+        beats: &[(NodeId, DateTime<Utc>)],
+    ) -> Result<std::collections::HashMap<NodeId, NodeState>> {
+        let mut out = std::collections::HashMap::with_capacity(beats.len());
+        // A node named twice keeps its latest time (one CASE arm each).
+        let mut latest: BTreeMap<&NodeId, DateTime<Utc>> = BTreeMap::new();
+        for (id, at) in beats {
+            let t = latest.entry(id).or_insert(*at);
+            *t = (*t).max(*at);
+        }
+        let latest: Vec<_> = latest.into_iter().collect();
+        for chunk in latest.chunks(500) {
+            let mut cases = String::new();
+            let mut ids = Vec::with_capacity(chunk.len());
+            for n in 0..chunk.len() {
+                cases.push_str(&format!(
+                    " WHEN ${} THEN CAST(${} AS BIGINT)",
+                    2 * n + 1,
+                    2 * n + 2
+                ));
+                ids.push(format!("${}", 2 * n + 1));
+            }
+            let sql = format!(
+                "UPDATE nodes SET last_heartbeat_at = CASE id{cases} END WHERE id IN ({}) \
+                 RETURNING id, state",
+                ids.join(", ")
+            );
+            let mut q = sqlx::query(&sql);
+            for (id, at) in chunk {
+                q = q.bind(id.as_str()).bind(ms(*at));
+            }
+            for row in q.fetch_all(self.writer()).await? {
+                let s: String = row.try_get("state")?;
+                let state = NodeState::parse(&s)
+                    .ok_or_else(|| StoreError::Corrupt(format!("node state `{s}`")))?;
+                out.insert(NodeId::from_trusted(row.try_get("id")?), state);
+            }
+        }
+        Ok(out)
+    }
+
     /// The tenant that owns node `id`, or `NotFound`: what an agent's
     /// call needs to be authorised, without loading the node's GPUs,
     /// images and weights.

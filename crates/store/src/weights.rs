@@ -76,17 +76,7 @@ impl Store {
         node: &NodeId,
         report: &[NodeWeights],
     ) -> Result<Vec<NodeWeights>> {
-        Ok(self
-            .node_weights(node)
-            .await?
-            .into_iter()
-            .filter(|h| {
-                h.tier == WeightTier::Parked
-                    && !report
-                        .iter()
-                        .any(|w| w.tier == h.tier && w.key == h.key && w.replica == h.replica)
-            })
-            .collect())
+        Ok(parks_ended_of(&self.node_weights(node).await?, report))
     }
 
     /// The replicas of deleted endpoints on `node` that must not stay
@@ -121,13 +111,28 @@ impl Store {
         weights: &[NodeWeights],
         now: DateTime<Utc>,
     ) -> Result<bool> {
+        let stored = self.node_weights(node).await?;
+        self.set_node_weights_over(node, &stored, weights, now)
+            .await
+    }
+
+    /// [`Store::set_node_weights`] given what the store held (`stored`, as
+    /// [`Store::node_weights`] read it just before): a sync reads it once
+    /// for both this and [`parks_ended_of`].
+    pub async fn set_node_weights_over(
+        &self,
+        node: &NodeId,
+        stored: &[NodeWeights],
+        weights: &[NodeWeights],
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
         let mut wanted = weights.to_vec();
         // Stored to the millisecond: compare at that precision.
         for w in &mut wanted {
             w.since = at(ms(w.since));
         }
         let wanted = sorted(wanted);
-        if self.node_weights(node).await? == wanted {
+        if stored == wanted.as_slice() {
             return Ok(false);
         }
         let mut tx = self.begin().await?;
@@ -154,6 +159,21 @@ impl Store {
         crate::txn::commit(tx).await?;
         Ok(true)
     }
+}
+
+/// The parked entries of `stored` (what a node held, as last reported)
+/// that `report` no longer has: see [`Store::parks_ended`].
+pub fn parks_ended_of(stored: &[NodeWeights], report: &[NodeWeights]) -> Vec<NodeWeights> {
+    stored
+        .iter()
+        .filter(|h| {
+            h.tier == WeightTier::Parked
+                && !report
+                    .iter()
+                    .any(|w| w.tier == h.tier && w.key == h.key && w.replica == h.replica)
+        })
+        .cloned()
+        .collect()
 }
 
 /// [`Store::weights_by_node`] on `conn`: a scheduling pass reads it inside its

@@ -52,6 +52,7 @@ flotilla_testdb::backend_suite!(
     fleet_counts_for_metrics,
     limits_reach_the_agent_and_name_why_work_ended,
     reconciliation_reads_time_meters_and_runs_in_a_window,
+    heartbeats_in_one_statement_keep_the_latest_and_skip_unknown_nodes,
 );
 
 async fn tenant(s: &Store, name: &str) -> TenantId {
@@ -1947,4 +1948,57 @@ async fn reconciliation_reads_time_meters_and_runs_in_a_window(s: &Store) {
     assert_eq!(ran(0, 100).await, both);
     assert_eq!(ran(60, 100).await, vec![ids[1].clone()]);
     assert_eq!(ran(0, 10).await, Vec::<InstanceId>::new());
+}
+
+/// The server's grouped heartbeats (`heartbeat_many`): one statement sets
+/// every named node's last heartbeat, a node named twice keeps its latest
+/// time, an unknown node is left out of the answer (the sync then says
+/// `NotFound`), and each node's state before is returned as one
+/// `heartbeat` would.
+async fn heartbeats_in_one_statement_keep_the_latest_and_skip_unknown_nodes(s: &Store) {
+    let owner = tenant(s, "beats").await;
+    let a = node(s, &owner, "beat-a", &[("H100", 1)]).await;
+    let b = node(s, &owner, "beat-b", &[("H100", 1)]).await;
+    let ghost = NodeId::generate(1, rnd());
+    // b goes unreachable: its state before the heartbeat says so.
+    assert!(s
+        .mark_node_unreachable(&b, t0() + Duration::seconds(60))
+        .await
+        .unwrap());
+    let t1 = t0() + Duration::seconds(70);
+    let t2 = t0() + Duration::seconds(75);
+    let states = s
+        .heartbeat_many(&[
+            (a.clone(), t2),
+            (b.clone(), t1),
+            (ghost.clone(), t1),
+            (a.clone(), t1),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(states.len(), 2, "{states:?}");
+    assert_eq!(states[&a], flotilla_core::node::NodeState::Ready);
+    assert_eq!(states[&b], flotilla_core::node::NodeState::Unreachable);
+    assert!(!states.contains_key(&ghost));
+    assert_eq!(
+        s.node(&a).await.unwrap().last_heartbeat_at,
+        t2,
+        "the latest of a's two"
+    );
+    assert_eq!(s.node(&b).await.unwrap().last_heartbeat_at, t1);
+    // More than one statement's worth (500 per statement) still lands.
+    let many: Vec<_> = (0..1_200)
+        .map(|i| {
+            (
+                if i % 2 == 0 { a.clone() } else { b.clone() },
+                t2 + Duration::milliseconds(i),
+            )
+        })
+        .collect();
+    let states = s.heartbeat_many(&many).await.unwrap();
+    assert_eq!(states.len(), 2);
+    assert_eq!(
+        s.node(&b).await.unwrap().last_heartbeat_at,
+        t2 + Duration::milliseconds(1_199)
+    );
 }

@@ -209,24 +209,28 @@ async fn take_out_faulty_gpus(
 }
 
 /// Adds each reading of a GPU held whole by an instance to that
-/// instance's profile (utilisation and memory), for its advice.
-async fn profile_instances(
+/// instance's profile (utilisation and memory), for its advice. Who holds
+/// which GPU comes from the node's assignments, which the sync reads
+/// anyway (a GPU held whole is one its assignment lists with no slices).
+fn profile_instances(
     st: &AppState,
-    node: &NodeId,
+    assignments: &[Assignment],
     samples: &[flotilla_core::api::GpuSample],
     now: chrono::DateTime<chrono::Utc>,
-) -> ApiResult<()> {
-    if !samples.iter().any(|s| s.gpu_util_pct.is_some()) {
-        return Ok(());
-    }
-    let gpus = st.store().node_gpus(node).await?;
+) {
     let mut by_instance: std::collections::BTreeMap<&InstanceId, Vec<_>> = Default::default();
     for s in samples {
         let Some(util) = s.gpu_util_pct else { continue };
-        let Some(inst) = gpus
+        let Some(inst) = assignments
             .iter()
-            .find(|g| g.index == s.index && g.uuid == s.uuid)
-            .and_then(|g| g.instance_id.as_ref())
+            .filter(|a| a.gpu_slices.is_empty())
+            .find(|a| {
+                a.gpu_indices
+                    .iter()
+                    .zip(&a.gpu_uuids)
+                    .any(|(i, u)| *i == s.index && *u == s.uuid)
+            })
+            .map(|a| &a.instance_id)
         else {
             continue;
         };
@@ -241,7 +245,6 @@ async fn profile_instances(
     for (inst, readings) in by_instance {
         st.record_profile(inst, now, readings);
     }
-    Ok(())
 }
 
 /// Whether the agent has something to do now: new work, a stop, or an
@@ -268,6 +271,7 @@ pub async fn sync(
     Path(raw): Path<String>,
     ApiJson(req): ApiJson<SyncRequest>,
 ) -> ApiResult<Json<SyncResponse>> {
+    let started = std::time::Instant::now();
     let id = match own_node(&st, &caller, &raw).await {
         Err(e)
             if e.status == StatusCode::NOT_FOUND
@@ -295,7 +299,7 @@ pub async fn sync(
     req.validate_images().map_err(ApiError::field)?;
     req.validate_weights().map_err(ApiError::field)?;
     let now = st.now();
-    let was_unreachable = st.store().heartbeat(&id, now).await? == NodeState::Unreachable;
+    let was_unreachable = st.heartbeat(&id, now).await? == NodeState::Unreachable;
     if let Some(images) = &req.images {
         st.store().set_node_images(&id, images, now).await?;
     }
@@ -305,7 +309,6 @@ pub async fn sync(
             // Placement must see the GPU gone before it places again.
             st.notify_control();
         }
-        profile_instances(&st, &id, &req.gpus, now).await?;
         st.record_telemetry(&id, now, req.gpus.clone());
     }
     let mut changed = st
@@ -337,6 +340,7 @@ pub async fn sync(
     changes.borrow_and_update();
     let mut mine = st.subscribe_node(&id);
     let mut assignments = st.store().assignments(&id).await?;
+    profile_instances(&st, &assignments, &req.gpus, now);
     // Work asked to stop that this agent does not report, long enough
     // after the stop for an agent holding it to have reported it (its
     // lease, the margin, the longest stop grace): no agent holds it, and
@@ -359,6 +363,8 @@ pub async fn sync(
             assignments = st.store().assignments(&id).await?;
         }
     }
+    st.ops().agent_sync_part("report", started.elapsed());
+    let mut answering = std::time::Instant::now();
     // A session waiting for this node answers at once (see crate::access).
     if !needs_action(&assignments, &req.observed)
         && st.access().for_node(&id).is_empty()
@@ -371,6 +377,7 @@ pub async fn sync(
             _ = shutdown.changed() => {}
             _ = tokio::time::sleep(wait) => {}
         }
+        answering = std::time::Instant::now();
         assignments = st.store().assignments(&id).await?;
     }
     attach_registry_auth(&st, &mut assignments, &req.observed).await?;
@@ -382,7 +389,7 @@ pub async fn sync(
     // `NodeLease`).
     let answered = st.now();
     if answered - now >= chrono::Duration::milliseconds(ANSWER_RENEWS_AFTER_MS) {
-        st.store().heartbeat(&id, answered).await?;
+        st.heartbeat(&id, answered).await?;
     }
     // A deleted endpoint's replicas stop outright and its parks end:
     // asked only of a node that runs a replica or reports parked ones (not
@@ -395,6 +402,7 @@ pub async fn sync(
     } else {
         st.store().replicas_to_unpark(&id).await?
     };
+    st.ops().agent_sync_part("answer", answering.elapsed());
     Ok(Json(SyncResponse {
         assignments,
         reregister: false,
