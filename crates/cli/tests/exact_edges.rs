@@ -46,13 +46,7 @@ fn a_1_2_s_process_is_billed_what_it_ran_to_the_millisecond() {
     let home = Home::new(BIN);
     let _up = home.up("1xH100", &[], "up");
     let key = home.operator_key();
-    wait_until("the local node's GPU", Duration::from_secs(60), || {
-        home.get(&key, "/v1/gpu-types")["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|t| t["name"] == "H100" && t["free"].as_u64() == Some(1))
-    });
+    home.wait_free_gpus(&key, "H100", 1);
     let id = home.run_detached(
         &key,
         &[
@@ -115,13 +109,7 @@ fn real_work_on_up_reconciles_at_a_zero_threshold() {
     let home = Home::new(BIN);
     let _up = home.up("2xH100", &[], "up");
     let key = home.operator_key();
-    wait_until("the local node's GPUs", Duration::from_secs(60), || {
-        home.get(&key, "/v1/gpu-types")["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|t| t["name"] == "H100" && t["free"].as_u64() == Some(2))
-    });
+    home.wait_free_gpus(&key, "H100", 2);
     let since = Utc::now() - chrono::Duration::seconds(5);
     let run = |script: &str| {
         home.run_detached(

@@ -105,13 +105,7 @@ fn outage_is_billed_exactly(outage: i64, extra: &[&str]) {
     let home = Home::new(BIN);
     let first = home.up("2xH100", extra, "up");
     let key = home.operator_key();
-    wait_until("the local node's GPUs", Duration::from_secs(60), || {
-        home.get(&key, "/v1/gpu-types")["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|t| t["name"] == "H100" && t["free"].as_u64() == Some(2))
-    });
+    home.wait_free_gpus(&key, "H100", 2);
     // The exit 5 s before a minute's end, the kill a third of the outage
     // before it, and time to get both running before the kill.
     let lead = outage / 3;

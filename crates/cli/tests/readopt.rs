@@ -39,13 +39,7 @@ fn a_killed_up_takes_its_running_work_over_after_a_restart() {
     let home = Home::new(BIN);
     let mut first = home.up(&format!("{GPUS}xH100"), &[], "up");
     let key = home.operator_key();
-    wait_until("the local node's GPUs", Duration::from_secs(60), || {
-        home.get(&key, "/v1/gpu-types")["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|t| t["name"] == "H100" && t["free"].as_u64() == Some(GPUS as u64))
-    });
+    home.wait_free_gpus(&key, "H100", GPUS as u64);
     let ids: Vec<String> = (0..GPUS)
         .map(|_| {
             let out = home.cli(

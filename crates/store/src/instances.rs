@@ -1481,20 +1481,7 @@ impl Store {
         reached: &[(InstanceId, DateTime<Utc>)],
     ) -> Result<()> {
         for chunk in reached.chunks(500) {
-            let mut cases = String::new();
-            let mut ids = Vec::with_capacity(chunk.len());
-            for n in 0..chunk.len() {
-                cases.push_str(&format!(
-                    " WHEN ${} THEN CAST(${} AS BIGINT)",
-                    2 * n + 1,
-                    2 * n + 2
-                ));
-                ids.push(format!("${}", 2 * n + 1));
-            }
-            let sql = format!(
-                "UPDATE instances SET metered_until = CASE id{cases} END WHERE id IN ({})",
-                ids.join(", ")
-            );
+            let sql = crate::keyed_bigint_update("instances", "metered_until", chunk.len());
             let mut q = sqlx::query(&sql);
             for (id, until) in chunk {
                 q = q.bind(id.as_str()).bind(ms(*until));

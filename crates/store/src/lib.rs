@@ -452,6 +452,27 @@ async fn native_sqlite(url: &str) -> Result<SqlitePool> {
         .await?)
 }
 
+/// `UPDATE table SET column = CASE id WHEN $1 THEN $2 … END WHERE id IN
+/// ($1, $3, …)` for `n` rows, each bound as its id then its new value (a
+/// BIGINT): many rows' different values in one statement, on both
+/// databases. Callers keep `n` to a few hundred (bind limits).
+pub(crate) fn keyed_bigint_update(table: &str, column: &str, n: usize) -> String {
+    let mut cases = String::new();
+    let mut ids = Vec::with_capacity(n);
+    for k in 0..n {
+        cases.push_str(&format!(
+            " WHEN ${} THEN CAST(${} AS BIGINT)",
+            2 * k + 1,
+            2 * k + 2
+        ));
+        ids.push(format!("${}", 2 * k + 1));
+    }
+    format!(
+        "UPDATE {table} SET {column} = CASE id{cases} END WHERE id IN ({})",
+        ids.join(", ")
+    )
+}
+
 /// `Ok` when a write by key touched `rows` > 0 rows, else
 /// [`StoreError::NotFound`] naming `what`: an UPDATE or DELETE whose key
 /// matches nothing means the caller named something that does not exist.

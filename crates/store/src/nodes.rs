@@ -270,20 +270,9 @@ impl Store {
         }
         let latest: Vec<_> = latest.into_iter().collect();
         for chunk in latest.chunks(500) {
-            let mut cases = String::new();
-            let mut ids = Vec::with_capacity(chunk.len());
-            for n in 0..chunk.len() {
-                cases.push_str(&format!(
-                    " WHEN ${} THEN CAST(${} AS BIGINT)",
-                    2 * n + 1,
-                    2 * n + 2
-                ));
-                ids.push(format!("${}", 2 * n + 1));
-            }
             let sql = format!(
-                "UPDATE nodes SET last_heartbeat_at = CASE id{cases} END WHERE id IN ({}) \
-                 RETURNING id, state",
-                ids.join(", ")
+                "{} RETURNING id, state",
+                crate::keyed_bigint_update("nodes", "last_heartbeat_at", chunk.len())
             );
             let mut q = sqlx::query(&sql);
             for (id, at) in chunk {

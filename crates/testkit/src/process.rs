@@ -531,6 +531,19 @@ impl Home {
         (id, k["secret"].as_str().expect("key secret").to_string())
     }
 
+    /// Waits (up to a minute) until `free` GPUs of `model` are free: the
+    /// local node of `up` registered and nothing holds them.
+    pub fn wait_free_gpus(&self, key: &str, model: &str, free: u64) {
+        wait_until("the local node's GPUs", Duration::from_secs(60), || {
+            self.get(key, "/v1/gpu-types")["items"]
+                .as_array()
+                .is_some_and(|ts| {
+                    ts.iter()
+                        .any(|t| t["name"] == model && t["free"].as_u64() == Some(free))
+                })
+        });
+    }
+
     /// GET `path` with `key`; panics unless 200.
     pub fn get(&self, key: &str, path: &str) -> Value {
         let (status, body) = http("GET", &format!("{}{path}", self.url()), Some(key), None)
