@@ -587,7 +587,14 @@ def usage_check(c, keys, insts):
     for i in insts:
         if i["state"] not in ("succeeded", "stopped", "failed") or not i.get("started_at") or not i.get("finished_at"):
             continue
-        want = round((trunc(ts(i["finished_at"])) - trunc(ts(i["started_at"]))) / timedelta(milliseconds=1)) * i["gpus"]
+        # The documented end (crates/server/src/metering.rs): the exit, or,
+        # for work the server ended while lost with no exit reported, the
+        # loss (not billed past it).
+        end = ts(i["finished_at"])
+        states = i.get("events") or []
+        if i.get("exit_code") is None and len(states) >= 2 and states[-2]["state"] == "lost":
+            end = max(ts(states[-2]["at"]), ts(i["started_at"]))
+        want = round((trunc(end) - trunc(ts(i["started_at"]))) / timedelta(milliseconds=1)) * i["gpus"]
         got = billed.get(i["id"], 0)
         checked += 1
         missed += got < want

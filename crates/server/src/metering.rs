@@ -280,8 +280,14 @@ async fn meter_page(
 ) -> Result<usize, StoreError> {
     let mut metered = Vec::with_capacity(page.len());
     let mut reached_all = Vec::with_capacity(page.len());
+    // Final windows by instance: where a refused slice says the ledger
+    // holds more than the record of how far metering got (see below).
+    let mut finals = std::collections::HashMap::new();
     for (inst, until) in page {
         let w = window(inst, *until);
+        if let Window::Final { end, .. } = w {
+            finals.insert(inst.id.clone(), (inst, end));
+        }
         let billed = billed_past(st, inst, &w).await?;
         match usage(inst, &w, now, &billed) {
             Ok((events, reached)) => {
@@ -300,6 +306,8 @@ async fn meter_page(
         let ids: Vec<_> = metered.iter().map(|(id, _)| id.clone()).collect();
         let endpoints = st.store().replica_endpoints(&ids).await?;
         let mut events = Vec::new();
+        // Whose each event is, by position in `events`.
+        let mut owners = Vec::new();
         for (id, mut list) in metered {
             if let Some(endpoint) = endpoints.get(&id) {
                 for e in &mut list {
@@ -309,11 +317,13 @@ async fn meter_page(
                     };
                 }
             }
+            owners.extend(std::iter::repeat_n(id, list.len()));
             events.extend(list);
         }
+        let mut restate = std::collections::BTreeSet::new();
         // A page of work back from a long outage holds a slice per minute
         // each: appended in bounded transactions.
-        for chunk in events.chunks(APPEND_AT_MOST) {
+        for (n, chunk) in events.chunks(APPEND_AT_MOST).enumerate() {
             let started = tokio::time::Instant::now();
             let out = st.store().append_usage(chunk, grace(), now).await?;
             st.ops()
@@ -325,6 +335,43 @@ async fn meter_page(
                 out.duplicates,
                 out.rejected.len() as u64,
             );
+            appended += out.accepted as usize;
+            for r in &out.rejected {
+                let owner = &owners[n * APPEND_AT_MOST + r.index];
+                if r.code == "key_conflict" && finals.contains_key(owner) {
+                    restate.insert(owner.clone());
+                } else {
+                    tracing::warn!(key = %r.key, code = r.code, "usage event refused by the ledger");
+                }
+            }
+        }
+        // A final slice refused for its key: the ledger already bills that
+        // slice differently, whole, written by a pass that was cut (its
+        // leader killed, its last write failed) before it recorded how far
+        // it got, so this window's `until` lies before what is billed and
+        // saw no overrun. The ledger is the truth: what it bills past the
+        // end is corrected as an overrun is.
+        for id in restate {
+            let (inst, end) = finals[&id];
+            let billed = st
+                .store()
+                .usage_keyed_after(
+                    &inst.tenant_id,
+                    SOURCE,
+                    &format!("{}/", inst.id),
+                    flotilla_billing::meter::to_millisecond(end),
+                )
+                .await?;
+            let fixes = match corrections(&billed, end) {
+                Ok(fixes) => fixes,
+                Err(e) => {
+                    tracing::warn!(instance = %inst.id, error = %e, "cannot restate a cut pass's slices");
+                    continue;
+                }
+            };
+            tracing::info!(instance = %inst.id, corrections = fixes.len(),
+                "restating slices a cut metering pass billed past the end");
+            let out = st.store().append_usage(&fixes, grace(), now).await?;
             appended += out.accepted as usize;
             for r in &out.rejected {
                 tracing::warn!(key = %r.key, code = r.code, "usage event refused by the ledger");

@@ -446,12 +446,22 @@ pub struct Applied {
     pub conflicts: usize,
 }
 
+/// How many placements share a commit. One commit per placement kept a
+/// 2,000-node fleet's fill writing for 217 s (a WAL flush each, on a busy
+/// database); one for a whole pass held the lease row's share lock
+/// (taken by the fence check) long enough to time out a lease renewal.
+/// A few dozen keeps a batch to milliseconds (docs/scale.md).
+pub const PLACEMENTS_PER_COMMIT: usize = 32;
+
 /// Writes `plan`: placements, preemptions, reasons. A write that lost a
 /// race (`Conflict`, `NotFound`) is left for the next pass.
 pub async fn apply(st: &AppState, g: &Gathered, plan: &Plan) -> Result<Applied, StoreError> {
     let store = st.store();
     let now = st.now();
     let mut done = Applied::default();
+    // The placements that can be written: each work with its members'
+    // placements, in the plan's order.
+    let mut writable = Vec::with_capacity(plan.placements.len());
     for p in &plan.placements {
         let Some(Work::Queued(q)) = g.works.get(p.key as usize) else {
             continue;
@@ -468,28 +478,41 @@ pub async fn apply(st: &AppState, g: &Gathered, plan: &Plan) -> Result<Applied, 
         else {
             continue;
         };
-        // A job's members are new instances: their ids, as every id, come
-        // from the server's clock and randomness.
-        let new_member = || {
-            let (t, r) = st.ids();
-            InstanceId::generate(t, r)
-        };
-        match store.schedule_work(q, &at, new_member, now).await {
-            Ok(members) => {
-                log_placed(q, &at, &members, p.backfilled);
-                done.placed += 1;
-                done.nodes.extend(at.iter().map(|a| a.node.clone()));
+        writable.push((&**q, at, p.backfilled));
+    }
+    // A job's members are new instances: their ids, as every id, come
+    // from the server's clock and randomness.
+    let new_member = || {
+        let (t, r) = st.ids();
+        InstanceId::generate(t, r)
+    };
+    for batch in writable.chunks(PLACEMENTS_PER_COMMIT) {
+        let works: Vec<(&PendingWork, &[Placement])> =
+            batch.iter().map(|(q, at, _)| (*q, at.as_slice())).collect();
+        let written = store.schedule_works(&works, new_member, now).await?;
+        let mut woken = std::collections::BTreeSet::new();
+        for ((q, at, backfilled), one) in batch.iter().zip(written) {
+            match one {
+                Ok(members) => {
+                    log_placed(q, at, &members, *backfilled);
+                    done.placed += 1;
+                    woken.extend(at.iter().map(|a| a.node.clone()));
+                }
+                Err(StoreError::Conflict(_) | StoreError::NotFound(_)) => {
+                    tracing::debug!(work = %q.id(), "placement lost a race; retrying next pass");
+                    done.conflicts += 1;
+                }
+                Err(StoreError::Quota(e)) => {
+                    let reason = format!("over quota: {e}");
+                    store.set_work_reason(&q.id(), &reason, now).await?;
+                }
+                Err(e) => return Err(e),
             }
-            Err(StoreError::Conflict(_) | StoreError::NotFound(_)) => {
-                tracing::debug!(work = %q.id(), "placement lost a race; retrying next pass");
-                done.conflicts += 1;
-            }
-            Err(StoreError::Quota(e)) => {
-                let reason = format!("over quota: {e}");
-                store.set_work_reason(&q.id(), &reason, now).await?;
-            }
-            Err(e) => return Err(e),
         }
+        // The placed nodes' held syncs learn of their work now, not at
+        // the pass's end: the first agents start while the rest is written.
+        st.notify_nodes(&woken);
+        done.nodes.extend(woken);
     }
     for pre in &plan.preemptions {
         let Some(Work::Running(_, members)) = g.works.get(pre.victim as usize) else {
@@ -601,14 +624,13 @@ pub async fn run_pass(st: &AppState) -> Result<PassOutcome, StoreError> {
     st.ops()
         .placement_pass
         .observe(started.elapsed().as_secs_f64());
-    // Only the placed nodes' held syncs wake for a placement (at a fleet
-    // of thousands, every sync woken for every placement anywhere was a
-    // storm of reads that found nothing); a preemption's victims' nodes
-    // are not at hand here, so it wakes every sync.
+    // Only the placed nodes' held syncs wake for a placement, batch by
+    // batch as `apply` writes them (at a fleet of thousands, every sync
+    // woken for every placement anywhere was a storm of reads that found
+    // nothing); a preemption's victims' nodes are not at hand here, so it
+    // wakes every sync.
     if done.preempted > 0 {
         st.notify_change();
-    } else if done.placed > 0 {
-        st.notify_nodes(&done.nodes);
     }
     let head_due = plan
         .reservation

@@ -481,3 +481,67 @@ async fn fenced_copy(steps: usize) -> bool {
             .is_some_and(|c| c.ends_with("/exit"))
     })
 }
+
+/// A metering pass cut between its events and the record of how far it
+/// got (its leader killed there, or that last write failing under load),
+/// then an exit the agent reports late, inside the minute the cut pass
+/// billed whole. The next pass's final slice reuses that minute's key
+/// with a shorter end, so the ledger refuses it; the minute must then be
+/// restated to the exit by a correction, not left billed whole. Found by
+/// the fleet bench: a leader paused at a minute's end while fenced work
+/// was reported late left thousands of instances billed past their exits.
+#[tokio::test]
+async fn a_pass_cut_before_recording_its_reach_still_bills_a_late_exit_to_the_exit() {
+    let f = fixture().await;
+    let id = f.placed(1).await.remove(0);
+    f.advance_ms(1_300);
+    f.report(&id, ObservedPhase::Running { pid: 1 }).await;
+    let started = f.on.clock.now();
+    // Metered through its first minute (09:01:00), then, at 09:02:05,
+    // through its second: the pass whose record is lost.
+    f.advance_ms(60_000);
+    metering_pass(&f.on.st).await.expect("a metering pass");
+    let first_minute = Utc.with_ymd_and_hms(2026, 12, 3, 9, 1, 0).unwrap();
+    f.advance_ms(63_700);
+    assert!(metering_pass(&f.on.st).await.expect("a metering pass") > 0);
+    let instance: flotilla_core::id::InstanceId = serde_json::from_value(json!(id)).unwrap();
+    f.on.st
+        .store()
+        .set_metered_until_many(&[(instance, first_minute)])
+        .await
+        .expect("the cut pass's record undone");
+    // The work had ended at 09:01:50.123, inside the minute billed whole;
+    // its agent says so only now.
+    let exited_at = first_minute + Duration::milliseconds(50_123);
+    f.sync(json!([flotilla_core::api::ObservedInstance {
+        instance_id: serde_json::from_value(json!(id)).unwrap(),
+        phase: exited(),
+        at: exited_at,
+        started_at: None,
+        message: None,
+        container: None,
+        weights_tier: None,
+        limit_exceeded: None,
+    }]))
+    .await;
+    let op = f.on.operator.clone();
+    let inst =
+        f.on.ok(&op, "GET", &format!("/v1/instances/{id}"), None)
+            .await;
+    assert_eq!(inst["state"], "succeeded", "{inst}");
+    metering_pass(&f.on.st).await.expect("a metering pass");
+    let want = (exited_at - started).num_milliseconds();
+    assert_eq!(billed_ms(&f, &id).await, want, "billed to the exit");
+    // Settled: more passes add nothing, and reconcile finds nothing.
+    assert_eq!(metering_pass(&f.on.st).await.expect("a metering pass"), 0);
+    assert_eq!(billed_ms(&f, &id).await, want);
+    let until = (f.on.clock.now() + Duration::seconds(1)).to_rfc3339();
+    let r = f
+        .reconcile(&format!(
+            "{SINCE}&until={}&threshold_s=0",
+            until.replace('+', "%2B")
+        ))
+        .await;
+    assert_eq!(r.differences, vec![], "{r:?}");
+    assert_eq!(r.billed_seconds, Decimal::new(want, 3), "{r:?}");
+}

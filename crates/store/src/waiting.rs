@@ -109,31 +109,67 @@ impl Store {
         &self,
         work: &PendingWork,
         placements: &[Placement],
-        mut new_member: impl FnMut() -> InstanceId,
+        new_member: impl FnMut() -> InstanceId,
         now: DateTime<Utc>,
     ) -> Result<Vec<InstanceId>> {
+        self.schedule_works(&[(work, placements)], new_member, now)
+            .await?
+            .pop()
+            .unwrap_or_else(|| Err(StoreError::Corrupt("a batch of one wrote none".into())))
+    }
+
+    /// [`Store::schedule_work`] for several works in one transaction, each
+    /// in a savepoint of its own: one commit for the lot (at a fleet's
+    /// fill, a commit per placement made the leader's pass write for
+    /// minutes; docs/scale.md), and a work that lost a race (`Conflict`,
+    /// `NotFound`) or is over quota (`Quota`) leaves nothing behind while
+    /// the others stand. Those come back per work, in order; any other
+    /// error ends the batch, which then writes nothing.
+    pub async fn schedule_works(
+        &self,
+        batch: &[(&PendingWork, &[Placement])],
+        mut new_member: impl FnMut() -> InstanceId,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Result<Vec<InstanceId>>>> {
         let mut tx = self.begin().await?;
-        let members = match work {
-            PendingWork::Instance(p) => {
-                let [plan] = placements else {
-                    return Err(StoreError::Conflict(format!(
+        let mut out = Vec::with_capacity(batch.len());
+        for (work, placements) in batch {
+            // Not `placing`: a reserved word in PostgreSQL.
+            sqlx::query("SAVEPOINT place_one").execute(&mut *tx).await?;
+            let one = match work {
+                PendingWork::Instance(p) => match placements {
+                    [plan] => crate::instances::schedule_in(&mut tx, &p.id, plan, now)
+                        .await
+                        .map(|()| vec![p.id.clone()]),
+                    _ => Err(StoreError::Conflict(format!(
                         "instance {} has 1 member, the plan {}",
                         p.id,
                         placements.len()
-                    )));
-                };
-                crate::instances::schedule_in(&mut tx, &p.id, plan, now).await?;
-                vec![p.id.clone()]
+                    ))),
+                },
+                PendingWork::Job(j) => {
+                    let ids: Vec<InstanceId> = placements.iter().map(|_| new_member()).collect();
+                    crate::jobs::schedule_gang_in(&mut tx, &j.id, j.attempt, placements, &ids, now)
+                        .await
+                        .map(|()| ids)
+                }
+            };
+            match one {
+                Ok(_) => {}
+                Err(StoreError::Conflict(_) | StoreError::NotFound(_) | StoreError::Quota(_)) => {
+                    sqlx::query("ROLLBACK TO SAVEPOINT place_one")
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                Err(e) => return Err(e),
             }
-            PendingWork::Job(j) => {
-                let ids: Vec<InstanceId> = placements.iter().map(|_| new_member()).collect();
-                crate::jobs::schedule_gang_in(&mut tx, &j.id, j.attempt, placements, &ids, now)
-                    .await?;
-                ids
-            }
-        };
+            sqlx::query("RELEASE SAVEPOINT place_one")
+                .execute(&mut *tx)
+                .await?;
+            out.push(one);
+        }
         crate::txn::commit(tx).await?;
-        Ok(members)
+        Ok(out)
     }
 
     /// Updates why waiting work is not placed yet; nothing when it has

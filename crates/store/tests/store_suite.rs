@@ -53,6 +53,8 @@ flotilla_testdb::backend_suite!(
     limits_reach_the_agent_and_name_why_work_ended,
     reconciliation_reads_time_meters_and_runs_in_a_window,
     heartbeats_in_one_statement_keep_the_latest_and_skip_unknown_nodes,
+    a_batch_of_placements_keeps_the_rest_when_one_loses_a_race,
+    one_sync_writes_together_and_a_taken_gpu_costs_only_its_own_report,
 );
 
 async fn tenant(s: &Store, name: &str) -> TenantId {
@@ -2000,5 +2002,168 @@ async fn heartbeats_in_one_statement_keep_the_latest_and_skip_unknown_nodes(s: &
     assert_eq!(
         s.node(&b).await.unwrap().last_heartbeat_at,
         t2 + Duration::milliseconds(1_199)
+    );
+}
+
+/// A pass writes its placements a batch per commit: one that loses a race
+/// inside the batch (its GPU went to an earlier one of the same batch)
+/// leaves nothing behind and stays waiting, while the others stand.
+async fn a_batch_of_placements_keeps_the_rest_when_one_loses_a_race(s: &Store) {
+    let t = tenant(s, "batch").await;
+    node(s, &t, "n1", &[("H100", 2)]).await;
+    let mut ids = Vec::new();
+    for k in 0..3u64 {
+        let id = InstanceId::generate(16, rnd() ^ u128::from(k));
+        s.create_instance(&id, &t, &spec(1, &["H100"]), t0())
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    let snap = s.placement_snapshot().await.unwrap();
+    let gpus: Vec<GpuId> = snap[0].gpus.iter().map(|g| g.id.clone()).collect();
+    let on = |gpu: &GpuId| Placement {
+        node: snap[0].id.clone(),
+        model: "H100".into(),
+        gpus: vec![gpu.clone()],
+        share: GpuShare::Whole,
+    };
+    // The second asks for the GPU the first takes.
+    let plans = [on(&gpus[0]), on(&gpus[0]), on(&gpus[1])];
+    let mut works = Vec::new();
+    for id in &ids {
+        works.push(support::waiting(s, id.clone()).await);
+    }
+    let batch: Vec<_> = works
+        .iter()
+        .zip(&plans)
+        .map(|(w, p)| (w, std::slice::from_ref(p)))
+        .collect();
+    let out = s
+        .schedule_works(&batch, support::new_member, t0())
+        .await
+        .unwrap();
+    assert_eq!(out.len(), 3);
+    assert_eq!(out[0].as_ref().unwrap(), &vec![ids[0].clone()]);
+    assert!(
+        matches!(out[1], Err(StoreError::Conflict(_))),
+        "{:?}",
+        out[1]
+    );
+    assert_eq!(out[2].as_ref().unwrap(), &vec![ids[2].clone()]);
+    let mut states = Vec::new();
+    for id in &ids {
+        states.push(s.instance(id).await.unwrap().state);
+    }
+    assert_eq!(
+        states,
+        [
+            InstanceState::Scheduled,
+            InstanceState::Pending,
+            InstanceState::Scheduled
+        ]
+    );
+    let loser = s.instance(&ids[1]).await.unwrap();
+    assert_eq!(loser.events.len(), 1, "the loser's write left nothing");
+    assert!(loser.gpu_ids.is_empty());
+    let n = s.node(&snap[0].id).await.unwrap();
+    let holders: Vec<_> = n.gpus.iter().map(|g| g.instance_id.clone()).collect();
+    assert_eq!(holders, [Some(ids[0].clone()), Some(ids[2].clone())]);
+    // The loser is placed by a later batch, once the winner's GPU is free.
+    let done = ObservedPhase::Exited {
+        code: 0,
+        stopped: false,
+    };
+    for phase in [ObservedPhase::Running { pid: 9 }, done] {
+        s.apply_observed(&snap[0].id, &observed(&ids[0], phase), t0())
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        s.instance(&ids[0]).await.unwrap().state,
+        InstanceState::Succeeded
+    );
+    let again = support::waiting(s, ids[1].clone()).await;
+    let retry = s
+        .schedule_works(
+            &[(&again, std::slice::from_ref(&plans[1]))],
+            support::new_member,
+            t0(),
+        )
+        .await
+        .unwrap();
+    assert!(retry[0].is_ok(), "{:?}", retry[0]);
+}
+
+/// A node's whole report is written in one transaction. A lost instance
+/// whose GPU another took while its node was away cannot come back, and
+/// nothing of its report stands; the other reports of the same sync do.
+async fn one_sync_writes_together_and_a_taken_gpu_costs_only_its_own_report(s: &Store) {
+    let t = tenant(s, "together").await;
+    let n = node(s, &t, "flaky", &[("L40S", 2)]).await;
+    let a = InstanceId::generate(17, rnd());
+    let b = InstanceId::generate(18, rnd());
+    for id in [&a, &b] {
+        s.create_instance(id, &t, &spec(1, &["L40S"]), t0())
+            .await
+            .unwrap();
+        place(s, id, t0()).await.unwrap();
+        s.apply_observed(&n, &observed(id, ObservedPhase::Running { pid: 7 }), t0())
+            .await
+            .unwrap();
+    }
+    let later = t0() + Duration::seconds(60);
+    assert!(s.mark_node_unreachable(&n, later).await.unwrap());
+    assert_eq!(s.mark_node_lost(&n, later).await.unwrap().len(), 2);
+    s.mark_node_ready(&n, later).await.unwrap();
+    // New work takes one of the two GPUs while both are lost.
+    let newer = InstanceId::generate(19, rnd());
+    s.create_instance(&newer, &t, &spec(1, &["L40S"]), later)
+        .await
+        .unwrap();
+    place(s, &newer, later).await.unwrap();
+    let took = s.instance(&newer).await.unwrap().gpu_ids;
+    let (taken, kept) = if s.instance(&a).await.unwrap().gpu_ids == took {
+        (a.clone(), b.clone())
+    } else {
+        (b.clone(), a.clone())
+    };
+    let events_before = s.instance(&taken).await.unwrap().events.len();
+    // The agent returns; its one sync reports both, the taken one first
+    // and with new ports (a write that must not stand either).
+    let back = later + Duration::seconds(5);
+    let mut first = seen(&taken, ObservedPhase::Running { pid: 7 }, t0());
+    first.container = Some(ObservedContainer {
+        container_id: "c1".into(),
+        ports: vec![PublishedPort {
+            container_port: 8000,
+            host_port: 31001,
+            url: "http://flaky:31001".into(),
+        }],
+        cold_start: None,
+        oom_killed: false,
+    });
+    let report = vec![first, seen(&kept, ObservedPhase::Running { pid: 8 }, t0())];
+    assert!(s.apply_observed_all(&n, &report, back).await.unwrap());
+    let k = s.instance(&kept).await.unwrap();
+    assert_eq!(k.state, InstanceState::Running);
+    let l = s.instance(&taken).await.unwrap();
+    assert_eq!(l.state, InstanceState::Lost);
+    assert_eq!(l.events.len(), events_before);
+    assert!(l.published_ports.is_empty(), "{:?}", l.published_ports);
+    let holders: BTreeMap<GpuId, Option<InstanceId>> = s
+        .node(&n)
+        .await
+        .unwrap()
+        .gpus
+        .into_iter()
+        .map(|g| (g.id, g.instance_id))
+        .collect();
+    assert_eq!(holders.get(&took[0]), Some(&Some(newer.clone())));
+    assert_eq!(
+        holders
+            .values()
+            .filter(|h| h.as_ref() == Some(&kept))
+            .count(),
+        1
     );
 }
