@@ -122,6 +122,17 @@ impl Fixture {
         html
     }
 
+    /// Reconciliation from the fixture's start to just past now, at a
+    /// zero threshold: every millisecond of difference reported.
+    async fn reconcile_to_now_exactly(&self) -> ReconcileReport {
+        let until = (self.on.clock.now() + Duration::seconds(1)).to_rfc3339();
+        self.reconcile(&format!(
+            "{SINCE}&until={}&threshold_s=0",
+            until.replace('+', "%2B")
+        ))
+        .await
+    }
+
     async fn reconcile(&self, query: &str) -> ReconcileReport {
         let (status, body) = self
             .on
@@ -456,13 +467,7 @@ async fn fenced_copy(steps: usize) -> bool {
     assert_eq!(metering_pass(&f.on.st).await.expect("a metering pass"), 0);
     assert_eq!(billed_ms(&f, &id).await, want);
 
-    let until = (f.on.clock.now() + Duration::seconds(1)).to_rfc3339();
-    let r = f
-        .reconcile(&format!(
-            "{SINCE}&until={}&threshold_s=0",
-            until.replace('+', "%2B")
-        ))
-        .await;
+    let r = f.reconcile_to_now_exactly().await;
     assert_eq!(r.differences, vec![], "{r:?}");
     assert_eq!(r.instances, 1, "{r:?}");
     assert_eq!(r.billed_seconds, r.observed_seconds, "{r:?}");
@@ -535,13 +540,7 @@ async fn a_pass_cut_before_recording_its_reach_still_bills_a_late_exit_to_the_ex
     // Settled: more passes add nothing, and reconcile finds nothing.
     assert_eq!(metering_pass(&f.on.st).await.expect("a metering pass"), 0);
     assert_eq!(billed_ms(&f, &id).await, want);
-    let until = (f.on.clock.now() + Duration::seconds(1)).to_rfc3339();
-    let r = f
-        .reconcile(&format!(
-            "{SINCE}&until={}&threshold_s=0",
-            until.replace('+', "%2B")
-        ))
-        .await;
+    let r = f.reconcile_to_now_exactly().await;
     assert_eq!(r.differences, vec![], "{r:?}");
     assert_eq!(r.billed_seconds, Decimal::new(want, 3), "{r:?}");
 }

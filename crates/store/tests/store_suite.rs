@@ -905,20 +905,26 @@ async fn instance_lists_filter_and_page_by_tenant_and_state(s: &Store) {
     }
 }
 
+/// One-L40S instances `ids` of `t`, placed (on `n`, the only node with
+/// room) and reported running there, at `t0()`.
+async fn running_on(s: &Store, t: &TenantId, n: &NodeId, ids: &[&InstanceId]) {
+    for id in ids {
+        s.create_instance(id, t, &spec(1, &["L40S"]), t0())
+            .await
+            .unwrap();
+        place(s, id, t0()).await.unwrap();
+        s.apply_observed(n, &observed(id, ObservedPhase::Running { pid: 7 }), t0())
+            .await
+            .unwrap();
+    }
+}
+
 async fn lost_instances_reattach_or_fail(s: &Store) {
     let t = tenant(s, "lost").await;
     let n = node(s, &t, "flaky", &[("L40S", 2)]).await;
     let keep = InstanceId::generate(1, rnd());
     let gone = InstanceId::generate(2, rnd());
-    for id in [&keep, &gone] {
-        s.create_instance(id, &t, &spec(1, &["L40S"]), t0())
-            .await
-            .unwrap();
-        place(s, id, t0()).await.unwrap();
-        s.apply_observed(&n, &observed(id, ObservedPhase::Running { pid: 7 }), t0())
-            .await
-            .unwrap();
-    }
+    running_on(s, &t, &n, &[&keep, &gone]).await;
     let later = t0() + Duration::seconds(60);
     assert_eq!(s.stale_nodes(later).await.unwrap(), vec![n.clone()]);
     assert!(s.mark_node_unreachable(&n, later).await.unwrap());
@@ -2102,15 +2108,7 @@ async fn one_sync_writes_together_and_a_taken_gpu_costs_only_its_own_report(s: &
     let n = node(s, &t, "flaky", &[("L40S", 2)]).await;
     let a = InstanceId::generate(17, rnd());
     let b = InstanceId::generate(18, rnd());
-    for id in [&a, &b] {
-        s.create_instance(id, &t, &spec(1, &["L40S"]), t0())
-            .await
-            .unwrap();
-        place(s, id, t0()).await.unwrap();
-        s.apply_observed(&n, &observed(id, ObservedPhase::Running { pid: 7 }), t0())
-            .await
-            .unwrap();
-    }
+    running_on(s, &t, &n, &[&a, &b]).await;
     let later = t0() + Duration::seconds(60);
     assert!(s.mark_node_unreachable(&n, later).await.unwrap());
     assert_eq!(s.mark_node_lost(&n, later).await.unwrap().len(), 2);
