@@ -38,6 +38,15 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use flotilla_core::tenant::Role;
 
+/// mimalloc instead of glibc's malloc. The server's hot paths allocate per
+/// row and per value (sqlx's rows, serde's JSON), on every runtime worker
+/// and every SQLite connection's thread at once; glibc's arenas spent a
+/// quarter of the server's CPU in `malloc`, `free` and their locks under a
+/// list load (perf; docs/operations.md, bench/results/api.md). Only the
+/// binary sets it: libraries and tests keep the system allocator.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use crate::commands::{Ctx, Limit, PsArgs, RunArgs};
 use crate::local::{AgentArgs, ServerArgs, UpArgs};
 
