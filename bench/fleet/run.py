@@ -524,6 +524,7 @@ def measure(c, key, churn_key, long_ids):
         "sync_early_p99_ms": stats.get("early", {}).get("p99_ms"),
         "syncs_per_s": None,
         "sync_failures": stats.get("syncs_failed"),
+        "syncs_busy": stats.get("syncs_busy"),
         "pass_p50_ms": p50, "pass_p99_ms": p99, "passes": passes,
         "leader_passes": passes_over(leader_before, leader_after),
         "server_sync_parts": sync_parts_over(parts_before, parts_after),

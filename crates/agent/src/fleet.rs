@@ -231,6 +231,7 @@ pub struct SyncTimes {
     registered: AtomicU64,
     answered: AtomicU64,
     failed: AtomicU64,
+    busy: AtomicU64,
     samples: Mutex<VecDeque<Sample>>,
 }
 
@@ -251,6 +252,7 @@ impl SyncTimes {
             registered: AtomicU64::new(0),
             answered: AtomicU64::new(0),
             failed: AtomicU64::new(0),
+            busy: AtomicU64::new(0),
             samples: Mutex::new(VecDeque::new()),
         }
     }
@@ -283,6 +285,11 @@ impl SyncTimes {
         self.failed.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A sync was answered busy: the lease renewed, the report not taken.
+    pub fn busy(&self) {
+        self.busy.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// What the file says, as of `now`; drops samples older than the window.
     pub fn report(&self, now: Instant, running: u64) -> FleetStats {
         let mut held = Vec::new();
@@ -309,6 +316,7 @@ impl SyncTimes {
             registered: self.registered.load(Ordering::Relaxed),
             syncs_answered: self.answered.load(Ordering::Relaxed),
             syncs_failed: self.failed.load(Ordering::Relaxed),
+            syncs_busy: self.busy.load(Ordering::Relaxed),
             running_workloads: running,
             window_s: STATS_WINDOW.as_secs(),
             overhead: Percentiles::of(held),
@@ -330,6 +338,9 @@ pub struct FleetStats {
     pub syncs_answered: u64,
     /// Syncs failed so far.
     pub syncs_failed: u64,
+    /// Syncs answered busy so far (not in `syncs_answered`): the server
+    /// renewed the lease and took nothing else.
+    pub syncs_busy: u64,
     /// Simulated workloads running now.
     pub running_workloads: u64,
     /// The percentiles cover this many seconds before `at`.

@@ -1046,6 +1046,7 @@ impl Agent {
                 images: self.runtime.cached_images(),
                 weights: Some(self.weights.report()),
                 parks_ended: self.weights.ended(),
+                busy_ok: node.busy_answers,
             };
             let sent = Instant::now();
             let result = tokio::select! {
@@ -1060,6 +1061,26 @@ impl Agent {
                     backoff.succeeded();
                     tracing::info!(node_id = %node.node_id, "server asks to register again");
                     self.node = None;
+                }
+                Ok(resp) if resp.busy_retry_ms.is_some() => {
+                    // The server renewed the lease and took nothing else:
+                    // keep running what runs, apply nothing (the answer's
+                    // assignments are not the node's), acknowledge no
+                    // park's end, and send the whole report again later.
+                    backoff.succeeded();
+                    if let Some(times) = &self.sync_times {
+                        times.busy();
+                    }
+                    self.shared
+                        .node_lease()
+                        .renewed(Instant::now(), resp.lease_ms);
+                    self.tell_fence();
+                    let retry = Duration::from_millis(resp.busy_retry_ms.unwrap_or_default());
+                    tracing::debug!(
+                        retry_ms = retry.as_millis() as u64,
+                        "server busy, lease renewed"
+                    );
+                    tokio::time::sleep(spread(retry.max(MIN_SYNC_SPACING))).await;
                 }
                 Ok(resp) => {
                     backoff.succeeded();
@@ -1482,6 +1503,8 @@ impl Agent {
             images: None,
             weights: Some(self.weights.report()),
             parks_ended: self.weights.ended(),
+            // The last report must be taken: it waits its turn.
+            busy_ok: false,
         };
         match tokio::time::timeout(SHUTDOWN_STEP_TIMEOUT, self.client.sync(&node.node_id, &req))
             .await
@@ -1596,6 +1619,12 @@ async fn consume_permit(notify: &Notify) {
         () = notify.notified() => {}
         () = std::future::ready(()) => {}
     }
+}
+
+/// `d` spread uniformly over half to one and a half times itself, so that
+/// agents told to come back together (a busy server's answers) do not.
+fn spread(d: Duration) -> Duration {
+    d.mul_f64(rand::random::<f64>() + 0.5)
 }
 
 /// Retry delays (250 ms doubling to 5 s) and log throttling for one kind of

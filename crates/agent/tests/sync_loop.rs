@@ -36,6 +36,14 @@ struct MockState {
     last_sent: Option<Vec<Assignment>>,
     /// The node lease stated to the agent (`None`: an older server).
     lease_ms: Option<u64>,
+    /// Whether registration answers say the server gives busy answers.
+    busy_answers: bool,
+    /// Answer every sync busy (lease renewed, report not taken).
+    busy: bool,
+    /// Syncs answered busy, and whether each asked for it (`busy_ok`).
+    busy_syncs: Vec<bool>,
+    /// Whether each taken sync carried `busy_ok`.
+    busy_ok: Vec<bool>,
 }
 
 #[derive(Clone, Default)]
@@ -175,16 +183,35 @@ impl Mock {
                 node_id,
                 heartbeat_interval_ms: 5_000,
                 lease_ms: self.with(|s| s.lease_ms),
+                busy_answers: self.with(|s| s.busy_answers),
             };
             return (200, serde_json::to_string(&reg).unwrap());
         }
         if let Some(rest) = path.strip_prefix("/v1/agent/nodes/") {
             let req: SyncRequest = serde_json::from_slice(body).unwrap();
+            let busy = self.with(|s| {
+                if s.busy {
+                    s.busy_syncs.push(req.busy_ok);
+                }
+                s.busy
+            });
+            if busy {
+                let resp = SyncResponse {
+                    assignments: vec![],
+                    reregister: false,
+                    lease_ms: self.with(|s| s.lease_ms),
+                    sessions: vec![],
+                    unpark: vec![],
+                    busy_retry_ms: Some(200),
+                };
+                return (200, serde_json::to_string(&resp).unwrap());
+            }
             let known = self.with(|s| {
                 let node = rest.trim_end_matches("/sync");
                 let known = s.node_id.as_ref().is_some_and(|n| n.as_str() == node)
                     && !std::mem::take(&mut s.forget_node_once);
                 if known {
+                    s.busy_ok.push(req.busy_ok);
                     for o in &req.observed {
                         if matches!(
                             o.phase,
@@ -221,6 +248,7 @@ impl Mock {
                 lease_ms: self.with(|s| s.lease_ms),
                 sessions: vec![],
                 unpark: vec![],
+                busy_retry_ms: None,
             };
             return (200, serde_json::to_string(&resp).unwrap());
         }
@@ -549,6 +577,115 @@ async fn the_agent_stops_its_work_when_its_lease_runs_out() {
         mock.latest(&a_id).map(|o| o.phase),
         Some(ObservedPhase::Exited { .. })
     ));
+    let _ = stop_tx.send(());
+    agent.await.unwrap().unwrap();
+    server.abort();
+}
+
+/// A busy answer renews the node's lease and asks for nothing: the agent
+/// keeps its work running (it neither stops it for the lease nor takes the
+/// answer's empty assignments as the node's), and its report lands once
+/// the server takes it. It asks for busy answers only of a server that
+/// said it gives them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_answer_keeps_the_lease_and_the_work() {
+    let mock = Mock::default();
+    let lease = Duration::from_millis(2_000);
+    mock.with(|s| {
+        s.lease_ms = Some(lease.as_millis() as u64);
+        s.busy_answers = true;
+    });
+    let addr: SocketAddr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let server = mock.serve(addr).await;
+    let dir = tempfile::tempdir().unwrap();
+    let a = assignment(43, "sleep 600");
+    let a_id = a.instance_id.clone();
+    mock.set_assignments(|v| v.push(a.clone()));
+    let mut config =
+        flotilla_agent::AgentConfig::new(format!("http://{addr}"), "secret", "n", dir.path());
+    config.simulate_gpus = Some("2xH100".into());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(flotilla_agent::run(config, async {
+        let _ = stop_rx.await;
+    }));
+    mock.wait_for("a runs", Duration::from_secs(10), |s| {
+        s.syncs
+            .last()
+            .and_then(|o| o.iter().find(|o| o.instance_id == a_id))
+            .is_some_and(|o| pid_of(o).is_some())
+    })
+    .await;
+    let pid = pid_of(&mock.latest(&a_id).unwrap()).unwrap();
+    assert!(
+        mock.with(|s| s.busy_ok.iter().all(|b| *b)),
+        "a server that gives busy answers is asked for them"
+    );
+
+    // Busy for three leases: every answer renews the lease and carries no
+    // assignment.
+    mock.with(|s| s.busy = true);
+    let busy_from = tokio::time::Instant::now();
+    while busy_from.elapsed() < lease * 3 {
+        assert!(
+            !gone(pid),
+            "the work stopped {:?} into busy answers",
+            busy_from.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let busy = mock.with(|s| {
+        s.busy = false;
+        s.busy_syncs.clone()
+    });
+    // Each comes back after about 200 ms (spread over 100 to 300 ms):
+    // many in three leases, never a storm.
+    assert!(
+        busy.len() >= 6 && busy.len() <= 100,
+        "{} syncs in {:?} of busy answers",
+        busy.len(),
+        lease * 3
+    );
+    assert!(busy.iter().all(|b| *b));
+
+    // Taken again: the same process reported running.
+    let taken = mock.with(|s| s.syncs.len());
+    mock.wait_for(
+        "a sync taken after the busy ones",
+        Duration::from_secs(10),
+        |s| s.syncs.len() > taken,
+    )
+    .await;
+    assert_eq!(pid_of(&mock.latest(&a_id).unwrap()), Some(pid));
+    assert!(!gone(pid));
+    let _ = stop_tx.send(());
+    agent.await.unwrap().unwrap();
+    server.abort();
+}
+
+/// An agent does not send `busy_ok` to a server that did not say it gives
+/// busy answers (an older server refuses unknown fields).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_answers_are_asked_only_of_a_server_that_gives_them() {
+    let mock = Mock::default();
+    let addr: SocketAddr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let server = mock.serve(addr).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config =
+        flotilla_agent::AgentConfig::new(format!("http://{addr}"), "secret", "n", dir.path());
+    config.simulate_gpus = Some("1xH100".into());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(flotilla_agent::run(config, async {
+        let _ = stop_rx.await;
+    }));
+    mock.wait_for("two syncs", Duration::from_secs(20), |s| s.syncs.len() >= 2)
+        .await;
+    assert!(mock.with(|s| s.busy_ok.iter().all(|b| !*b)));
     let _ = stop_tx.send(());
     agent.await.unwrap().unwrap();
     server.abort();

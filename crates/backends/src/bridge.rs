@@ -381,6 +381,7 @@ impl NodeLoop {
             images: None,
             weights: None,
             parks_ended: vec![],
+            busy_ok: false,
         };
         let timeout =
             Duration::from_millis(self.config.sync_wait_ms) + flotilla_client::LONG_POLL_SLACK;

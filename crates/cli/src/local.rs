@@ -75,6 +75,11 @@ pub struct ServerArgs {
     /// API key (bursts of twice that); more answer 429.
     #[arg(long, default_value_t = 10, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub anonymous_rate_limit: u32,
+    /// Agent sync reports one server works on at once; past that, an
+    /// agent's sync renews its node's lease and is asked to come back
+    /// (a busy answer) rather than queue for the database.
+    #[arg(long, default_value_t = 8, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub sync_reports_in_flight: u32,
     /// Placement policy: flotilla (default), fgd, bestfit, dotprod,
     /// gpupacking, gpuclustering or random.
     #[arg(long, default_value = "flotilla", value_name = "POLICY", value_parser = parse_policy)]
@@ -138,6 +143,7 @@ impl ServerArgs {
             rate_limit_per_second: self.rate_limit,
             protocol_rate_limit_per_second: self.protocol_rate_limit,
             anonymous_rate_limit_per_second: self.anonymous_rate_limit,
+            sync_reports_in_flight: self.sync_reports_in_flight as usize,
             placement_policy: self.placement_policy,
             webhook_allow_private: self.webhook_allow_private,
             allow_egress: self.allow_egress.clone(),

@@ -707,6 +707,13 @@ pub struct Registered {
     /// Absent from servers without node leases.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
+    /// The server may answer a sync that asks for it (`busy_ok`) with a
+    /// busy answer ([`SyncResponse::busy_retry_ms`]) when it is at its
+    /// limit of reports in flight. Absent from older servers, which would
+    /// refuse the field: an agent sends `busy_ok` only to a server that
+    /// said this.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub busy_answers: bool,
 }
 
 /// What the agent observed of one instance.
@@ -806,6 +813,12 @@ pub struct SyncRequest {
     /// it), and left out when empty, which older servers accept.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub parks_ended: Vec<EndedPark>,
+    /// The agent takes a busy answer ([`SyncResponse::busy_retry_ms`]):
+    /// under load the server may renew the lease without taking the
+    /// report. Sent only to servers whose registration answer said
+    /// `busy_answers`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub busy_ok: bool,
 }
 
 /// One reading of one GPU's counters, as the driver reports them. A field
@@ -1112,6 +1125,17 @@ pub struct SyncResponse {
     /// parked already. Absent from older servers (nothing to release).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unpark: Vec<InstanceId>,
+    /// A busy answer (only to a sync with `busy_ok`): the server is at its
+    /// limit of reports in flight, recorded the heartbeat (`lease_ms` is
+    /// renewed from this answer, as for any other) and took nothing else
+    /// of the report. The agent keeps running what it runs, takes nothing
+    /// from `assignments` (empty here), and sends its whole report again
+    /// after about this many milliseconds. Shedding a report this way,
+    /// instead of letting it wait and time out, keeps a node's lease alive
+    /// while the control plane is overloaded, so no agent stops its work
+    /// for a lease that ran out only because the server was slow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub busy_retry_ms: Option<u64>,
 }
 
 /// Log lines pushed by an agent.

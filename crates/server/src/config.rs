@@ -29,6 +29,14 @@ pub struct ServerConfig {
     /// (bursts of twice that). Low: such a request can only be a mistake or
     /// a guess at a key.
     pub anonymous_rate_limit_per_second: u32,
+    /// Agent sync reports this replica works on at once (the part of a
+    /// sync that reads and writes the node's instances). A sync from an
+    /// agent that takes busy answers, arriving while this many are in
+    /// flight, gets its lease renewed and is asked to come back
+    /// (`SyncResponse::busy_retry_ms`) instead of queueing for a database
+    /// connection until its agent gives up. Half the database pool by
+    /// default, so the API and the leader keep the other half.
+    pub sync_reports_in_flight: usize,
     /// Longest pause of the reconcile loop when nothing signals a change.
     pub reconcile_tick: Duration,
     /// While work waits and nothing changes, the scheduling pass still
@@ -73,6 +81,7 @@ impl Default for ServerConfig {
             rate_limit_per_second: 100,
             protocol_rate_limit_per_second: 2_000,
             anonymous_rate_limit_per_second: 10,
+            sync_reports_in_flight: 8,
             reconcile_tick: Duration::from_secs(1),
             pass_at_least_every: Duration::from_secs(5),
             placement_policy: flotilla_sched::Policy::Flotilla,

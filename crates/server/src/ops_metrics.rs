@@ -79,6 +79,11 @@ pub struct OpsMetrics {
     /// costs the server; the agent's round trip less the hold less these
     /// is transport and waiting for a CPU.
     pub agent_sync: Family<Labels, Histogram, fn() -> Histogram>,
+    /// Syncs answered busy: the replica was at its limit of reports in
+    /// flight (`ServerConfig::sync_reports_in_flight`), renewed the node's
+    /// lease and took nothing else. A steady rate means the control plane
+    /// is short of database time for its fleet.
+    pub agent_syncs_busy: Counter<u64, AtomicU64>,
 }
 
 impl Default for OpsMetrics {
@@ -95,6 +100,7 @@ impl Default for OpsMetrics {
             billing_reconcile_differences: Gauge::default(),
             leader_passes: Family::new_with_constructor(pass_histogram),
             agent_sync: Family::new_with_constructor(pass_histogram),
+            agent_syncs_busy: Counter::default(),
         }
     }
 }
@@ -212,6 +218,12 @@ impl OpsMetrics {
             "The server's work in an agent's sync by part (report: before the long poll's hold; \
              answer: after it), the hold itself excluded",
             self.agent_sync.clone(),
+        );
+        registry.register(
+            "flotilla_agent_syncs_busy",
+            "Agent syncs answered busy: the lease renewed, the report not taken (the replica was at \
+             its limit of reports in flight)",
+            self.agent_syncs_busy.clone(),
         );
     }
 }

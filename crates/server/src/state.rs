@@ -87,6 +87,9 @@ struct Inner {
     access: crate::access::Sessions,
     /// Agents' heartbeats, committed in groups.
     heartbeats: crate::heartbeats::Heartbeats,
+    /// Sync reports in flight on this replica, at most
+    /// `ServerConfig::sync_reports_in_flight` (see `routes::agent::sync`).
+    sync_reports: tokio::sync::Semaphore,
 }
 
 /// An instance's recent GPU readings.
@@ -170,6 +173,7 @@ impl AppState {
         .unwrap_or(NonZeroU32::MIN);
         let (proto_per_s, proto_burst) = quota_of(config.protocol_rate_limit_per_second);
         let started_at = clock.now();
+        let sync_reports = tokio::sync::Semaphore::new(config.sync_reports_in_flight.max(1));
         Self {
             store,
             inner: Arc::new(Inner {
@@ -200,6 +204,7 @@ impl AppState {
                 profiles: Mutex::default(),
                 access: crate::access::Sessions::default(),
                 heartbeats: crate::heartbeats::Heartbeats::default(),
+                sync_reports,
             }),
         }
     }
@@ -229,6 +234,12 @@ impl AppState {
         now: DateTime<Utc>,
     ) -> Result<flotilla_core::node::NodeState, flotilla_store::StoreError> {
         self.inner.heartbeats.beat(&self.store, node, now).await
+    }
+
+    /// The slots for agent sync reports in flight on this replica: a
+    /// report holds one while it reads and writes the node's instances.
+    pub fn sync_report_slots(&self) -> &tokio::sync::Semaphore {
+        &self.inner.sync_reports
     }
 
     /// This replica's operational series.

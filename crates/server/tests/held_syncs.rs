@@ -50,6 +50,7 @@ async fn held_sync_running(
         images: None,
         weights: None,
         parks_ended: Vec::new(),
+        busy_ok: false,
     };
     let start = Instant::now();
     let answer = client

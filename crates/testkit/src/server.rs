@@ -218,6 +218,7 @@ impl TestServer {
             images: None,
             weights: None,
             parks_ended: vec![],
+            busy_ok: false,
         };
         let node = NodeId::parse(node, "node").expect("a node id");
         let answer = self.client(key).sync_node(&node, &req).await;

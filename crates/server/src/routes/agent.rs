@@ -124,11 +124,23 @@ pub async fn register(
         node_id: node.id,
         heartbeat_interval_ms: heartbeat_interval(&st).as_millis() as u64,
         lease_ms: lease_ms(&st),
+        busy_answers: true,
     }))
 }
 
 fn heartbeat_interval(st: &AppState) -> Duration {
     st.config().heartbeat_interval()
+}
+
+/// When an agent answered busy is to sync again: half the heartbeat
+/// interval (2.5 s by default), as long as an idle agent's long poll. Its
+/// lease was just renewed, so the wait costs only how late its report
+/// lands. Shorter spends the time a busy answer saves on more of them:
+/// with a fifth of the interval, 2,000 nodes made some 1,500 busy syncs a
+/// second, each an authenticated request with two reads and a heartbeat,
+/// and full reports fell to 87 a second (docs/scale.md).
+fn busy_retry(st: &AppState) -> Duration {
+    heartbeat_interval(st) / 2
 }
 
 /// How long after a stop was asked a syncing agent that does not report
@@ -288,6 +300,7 @@ pub async fn sync(
                         lease_ms: lease_ms(&st),
                         sessions: vec![],
                         unpark: vec![],
+                        busy_retry_ms: None,
                     }));
                 }
             }
@@ -300,6 +313,35 @@ pub async fn sync(
     req.validate_weights().map_err(ApiError::field)?;
     let now = st.now();
     let was_unreachable = st.heartbeat(&id, now).await? == NodeState::Unreachable;
+    // Admission. The heartbeat above is committed, so the lease is
+    // renewed; what follows reads and writes the node's instances, and a
+    // replica short of database time would queue it until the agent gives
+    // up (the lease then runs out and the agent stops its work, with the
+    // report half written and rolled back). An agent that takes busy
+    // answers is told at once to keep what it runs and come back; others
+    // (older agents, the Slurm bridge) and a node coming back from lost
+    // wait their turn.
+    let slot = if req.busy_ok && !was_unreachable {
+        match st.sync_report_slots().try_acquire() {
+            Ok(slot) => Some(slot),
+            Err(_) => {
+                st.ops().agent_syncs_busy.inc();
+                st.ops().agent_sync_part("busy", started.elapsed());
+                return Ok(Json(SyncResponse {
+                    assignments: vec![],
+                    reregister: false,
+                    lease_ms: lease_ms(&st),
+                    sessions: vec![],
+                    unpark: vec![],
+                    busy_retry_ms: Some(busy_retry(&st).as_millis() as u64),
+                }));
+            }
+        }
+    } else {
+        // Never closed: an error here cannot happen, and would only mean
+        // going on without a slot.
+        st.sync_report_slots().acquire().await.ok()
+    };
     if let Some(images) = &req.images {
         st.store().set_node_images(&id, images, now).await?;
     }
@@ -363,6 +405,7 @@ pub async fn sync(
             assignments = st.store().assignments(&id).await?;
         }
     }
+    drop(slot);
     st.ops().agent_sync_part("report", started.elapsed());
     let mut answering = std::time::Instant::now();
     // A session waiting for this node answers at once (see crate::access).
@@ -409,6 +452,7 @@ pub async fn sync(
         lease_ms: lease_ms(&st),
         sessions: st.access().for_node(&id),
         unpark,
+        busy_retry_ms: None,
     }))
 }
 
