@@ -44,6 +44,7 @@ use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use flotilla_core::api::{
     Assignment, ObservedInstance, ObservedPhase, RegisterNode, Registered, SyncRequest,
+    SyncResponse,
 };
 use flotilla_core::api::{LimitExceeded, WeightTier};
 use flotilla_core::catalog::{Catalog, Vendor};
@@ -1062,7 +1063,11 @@ impl Agent {
                     tracing::info!(node_id = %node.node_id, "server asks to register again");
                     self.node = None;
                 }
-                Ok(resp) if resp.busy_retry_ms.is_some() => {
+                Ok(SyncResponse {
+                    busy_retry_ms: Some(retry_ms),
+                    lease_ms,
+                    ..
+                }) => {
                     // The server renewed the lease and took nothing else:
                     // keep running what runs, apply nothing (the answer's
                     // assignments are not the node's), acknowledge no
@@ -1071,11 +1076,9 @@ impl Agent {
                     if let Some(times) = &self.sync_times {
                         times.busy();
                     }
-                    self.shared
-                        .node_lease()
-                        .renewed(Instant::now(), resp.lease_ms);
+                    self.shared.node_lease().renewed(Instant::now(), lease_ms);
                     self.tell_fence();
-                    let retry = Duration::from_millis(resp.busy_retry_ms.unwrap_or_default());
+                    let retry = Duration::from_millis(retry_ms);
                     tracing::debug!(
                         retry_ms = retry.as_millis() as u64,
                         "server busy, lease renewed"

@@ -304,13 +304,49 @@ fn gone(pid: u32) -> bool {
     }
 }
 
+/// A free loopback address for a mock server to listen on.
+fn free_addr() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+/// An agent (node `n`, key `secret`, simulated GPUs) syncing with the mock
+/// at one address until [`RunningAgent::stop`]; its state directory lives
+/// as long as it does.
+struct RunningAgent {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl RunningAgent {
+    fn start(addr: SocketAddr, gpus: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config =
+            flotilla_agent::AgentConfig::new(format!("http://{addr}"), "secret", "n", dir.path());
+        config.simulate_gpus = Some(gpus.into());
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(flotilla_agent::run(config, async {
+            let _ = stop_rx.await;
+        }));
+        Self {
+            stop,
+            task,
+            _dir: dir,
+        }
+    }
+
+    /// Shuts the agent down and waits for it to return without error.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.unwrap().unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_reconciles_against_the_server() {
     let mock = Mock::default();
-    let addr: SocketAddr = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    let addr = free_addr();
     let mut server = mock.serve(addr).await;
     let dir = tempfile::tempdir().unwrap();
 
@@ -482,10 +518,7 @@ async fn agent_reconciles_against_the_server() {
 #[tokio::test]
 async fn bad_key_fails_the_first_registration() {
     let mock = Mock::default();
-    let addr: SocketAddr = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    let addr = free_addr();
     let server = mock.serve(addr).await;
     let dir = tempfile::tempdir().unwrap();
     let mut config =
@@ -510,22 +543,12 @@ async fn the_agent_stops_its_work_when_its_lease_runs_out() {
     let mock = Mock::default();
     let lease = Duration::from_millis(2_000);
     mock.with(|s| s.lease_ms = Some(lease.as_millis() as u64));
-    let addr: SocketAddr = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    let addr = free_addr();
     let server = mock.serve(addr).await;
-    let dir = tempfile::tempdir().unwrap();
     let a = assignment(41, "sleep 600");
     let a_id = a.instance_id.clone();
     mock.set_assignments(|v| v.push(a.clone()));
-    let mut config =
-        flotilla_agent::AgentConfig::new(format!("http://{addr}"), "secret", "n", dir.path());
-    config.simulate_gpus = Some("2xH100".into());
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let agent = tokio::spawn(flotilla_agent::run(config, async {
-        let _ = stop_rx.await;
-    }));
+    let agent = RunningAgent::start(addr, "2xH100");
     mock.wait_for("a runs", Duration::from_secs(10), |s| {
         s.syncs
             .last()
@@ -577,8 +600,7 @@ async fn the_agent_stops_its_work_when_its_lease_runs_out() {
         mock.latest(&a_id).map(|o| o.phase),
         Some(ObservedPhase::Exited { .. })
     ));
-    let _ = stop_tx.send(());
-    agent.await.unwrap().unwrap();
+    agent.stop().await;
     server.abort();
 }
 
@@ -595,22 +617,12 @@ async fn a_busy_answer_keeps_the_lease_and_the_work() {
         s.lease_ms = Some(lease.as_millis() as u64);
         s.busy_answers = true;
     });
-    let addr: SocketAddr = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    let addr = free_addr();
     let server = mock.serve(addr).await;
-    let dir = tempfile::tempdir().unwrap();
     let a = assignment(43, "sleep 600");
     let a_id = a.instance_id.clone();
     mock.set_assignments(|v| v.push(a.clone()));
-    let mut config =
-        flotilla_agent::AgentConfig::new(format!("http://{addr}"), "secret", "n", dir.path());
-    config.simulate_gpus = Some("2xH100".into());
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let agent = tokio::spawn(flotilla_agent::run(config, async {
-        let _ = stop_rx.await;
-    }));
+    let agent = RunningAgent::start(addr, "2xH100");
     mock.wait_for("a runs", Duration::from_secs(10), |s| {
         s.syncs
             .last()
@@ -660,8 +672,7 @@ async fn a_busy_answer_keeps_the_lease_and_the_work() {
     .await;
     assert_eq!(pid_of(&mock.latest(&a_id).unwrap()), Some(pid));
     assert!(!gone(pid));
-    let _ = stop_tx.send(());
-    agent.await.unwrap().unwrap();
+    agent.stop().await;
     server.abort();
 }
 
@@ -670,24 +681,13 @@ async fn a_busy_answer_keeps_the_lease_and_the_work() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_answers_are_asked_only_of_a_server_that_gives_them() {
     let mock = Mock::default();
-    let addr: SocketAddr = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    let addr = free_addr();
     let server = mock.serve(addr).await;
-    let dir = tempfile::tempdir().unwrap();
-    let mut config =
-        flotilla_agent::AgentConfig::new(format!("http://{addr}"), "secret", "n", dir.path());
-    config.simulate_gpus = Some("1xH100".into());
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let agent = tokio::spawn(flotilla_agent::run(config, async {
-        let _ = stop_rx.await;
-    }));
+    let agent = RunningAgent::start(addr, "1xH100");
     mock.wait_for("two syncs", Duration::from_secs(20), |s| s.syncs.len() >= 2)
         .await;
     assert!(mock.with(|s| s.busy_ok.iter().all(|b| !*b)));
-    let _ = stop_tx.send(());
-    agent.await.unwrap().unwrap();
+    agent.stop().await;
     server.abort();
 }
 
@@ -696,11 +696,7 @@ async fn agent_fails_over_to_the_next_server_url() {
     // Two replicas of one control plane: two listeners on one shared state,
     // as two servers on one database would be.
     let mock = Mock::default();
-    let free = || {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
-    let (a, b): (SocketAddr, SocketAddr) = (free(), free());
+    let (a, b) = (free_addr(), free_addr());
     let first = mock.serve(a).await;
     let second = mock.serve(b).await;
     let dir = tempfile::tempdir().unwrap();
